@@ -1,0 +1,156 @@
+"""A GPT: a decoder-only transformer that predicts the next token.
+
+Architecture (the defaults are GPT-2's; each switch is a field of ModelConfig):
+  - token embedding + learned absolute position embedding (or rotary, or none: `pos`)
+  - n_layer pre-norm blocks: x + attn(norm(x)), then x + mlp(norm(x))
+  - masked multi-head self-attention (model/attention.py), naive or fused (`attention`)
+  - MLP 4x wide with GELU (or ReLU²: `mlp`); LayerNorm (or RMSNorm: `norm`)
+  - final norm, LM head tied to the token embedding (`tie_embeddings`)
+  - GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 n_layer)
+    (or zero: `zero_init_proj`), so the residual stream's variance does not grow with depth
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.attention import CausalSelfAttention, rope_tables
+from model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * gain: a LayerNorm that does not subtract the mean and has no bias."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return RMSNorm(cfg.n_embd) if cfg.norm == "rmsnorm" else nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: C -> 4C -> nonlinearity -> C."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.relu2 = cfg.mlp == "relu2"
+
+    def forward(self, x):
+        h = self.up(x)
+        h = F.relu(h).square() if self.relu2 else F.gelu(h)
+        return self.dropout(self.proj(h))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: tokens talk (attention), then think (MLP)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = make_norm(cfg)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope=None, cache=None):
+        x = x + self.attn(self.norm1(x), rope, cache)
+        x = x + self.mlp(self.norm2(x))
+        return x
+
+
+class InferenceCache:
+    """Per-layer attention caches plus the position the next token goes to."""
+
+    def __init__(self, model: "GPT", batch: int, device, dtype):
+        max_len = model.cfg.block_size
+        self.layers = [b.attn.new_cache(batch, max_len, device, dtype) for b in model.blocks]
+        self.pos = 0
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (it is taken from the prepared dataset)")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        if cfg.pos == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):   # the projections that write into the residual stream
+                if cfg.zero_init_proj:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; by default without the position embedding (the token embedding is
+        counted because, tied, it is also the output layer's weight)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.pos_emb is not None:
+            n -= self.pos_emb.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None, cache: InferenceCache | None = None, all_logits=False):
+        """idx (B, T) token ids -> (logits, loss).
+
+        With targets (B, T): logits for every position and the mean cross-entropy (targets of -1 are
+        ignored). Without: logits (B, 1, V) of the last position only, which is all that sampling
+        needs, unless all_logits. With a cache, idx continues the cached positions.
+        """
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.cfg.block_size}")
+        x = self.tok_emb(idx)                                             # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))
+        x = self.dropout(x)
+        rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T]) if self.cfg.pos == "rope" else None
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, cache.layers[i] if cache is not None else None)
+        x = self.norm_f(x)
+        if cache is not None:
+            cache.pos += T
+
+        if targets is None:
+            return self.lm_head(x if all_logits else x[:, [-1], :]), None
+        logits = self.lm_head(x)                                          # (B, T, V)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Weight decay on matrices (linear weights, embeddings) only; never on biases or norm gains."""
+        params = list(self.parameters())    # a tied weight appears once
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        return [{"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]

@@ -1,0 +1,56 @@
+"""Autoregressive sampling: predict the next token, append it, repeat.
+
+With the cache (the default), the prompt goes through the model once (prefill) and every later
+step feeds only the newest token, reusing the keys and values of the earlier ones. When the
+context reaches block_size, the window slides: the cache is rebuilt from the last half block of
+tokens (positions restart at 0, as learned position embeddings need), so the cost stays amortized
+O(1) forwards of one token per step.
+"""
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from model.gpt import GPT, InferenceCache
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B, 1). temperature 0 is greedy (argmax)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.size(-1):
+        kth_best = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    if top_p < 1.0:
+        # nucleus: keep the most likely tokens until their total probability reaches top_p
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = F.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop_sorted = cum - F.softmax(sorted_logits, dim=-1) >= top_p   # mass before this token already enough
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+@torch.no_grad()
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+             use_cache: bool = True, cache_dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
+    """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T)."""
+    block_size = model.cfg.block_size
+    tokens, cache = idx, None
+    dtype = cache_dtype or next(model.parameters()).dtype
+    for _ in range(max_new_tokens):
+        if not use_cache:
+            logits, _ = model(tokens[:, -block_size:])                   # recompute the whole window
+        elif cache is None or cache.pos == block_size:
+            keep = block_size if cache is None else max(1, block_size // 2)
+            cache = InferenceCache(model, tokens.size(0), tokens.device, dtype)
+            logits, _ = model(tokens[:, -keep:], cache=cache)            # prefill
+        else:
+            logits, _ = model(tokens[:, -1:], cache=cache)               # one new token
+        next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
+        tokens = torch.cat([tokens, next_id], dim=1)
+        yield next_id

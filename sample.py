@@ -1,0 +1,111 @@
+"""Sample text from a trained GPT, streaming it to stdout as it is produced.
+
+    python sample.py out/tinyshakespeare --prompt "ROMEO:" --num-samples 3 --max-new-tokens 300
+    python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0 # greedy
+
+A run dir means its best.pt (else its latest checkpoint). All samples are generated as one batch;
+the first is streamed token by token, the others are printed when they are done.
+"""
+import argparse
+import codecs
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+from training.errors import run_cli
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Sample from a trained GPT checkpoint.")
+    p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
+    p.add_argument("--prompt", default="", help="text to continue, or @FILE to read it from a file "
+                   "(empty: start from a newline / end-of-text token)")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=500)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with this much probability")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole context for every token (slow; for comparison)")
+    args = p.parse_args(argv)
+    checks = [(args.num_samples >= 1, "--num-samples must be >= 1"),
+              (args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
+              (args.temperature >= 0, "--temperature must be >= 0"),
+              (args.top_k >= 0, "--top-k must be >= 0"),
+              (0 < args.top_p <= 1, "--top-p must be in (0, 1]")]
+    for ok, message in checks:
+        if not ok:
+            p.error(message)
+    return args
+
+
+def read_prompt(prompt: str) -> str:
+    from training.config import ConfigError
+    if prompt.startswith("@"):
+        path = Path(prompt[1:])
+        try:
+            return path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"prompt file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read the prompt file {path}: {e}") from None
+    return prompt
+
+
+def main(argv) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from data.tokenizers import TokenizerError, load_tokenizer
+    from model.gpt import GPT
+    from model.sampling import generate
+    from training.checkpoint import CheckpointError, load_checkpoint, resolve_path
+    from training.config import from_dict
+    from training.trainer import pick_device, pick_dtype
+
+    path = resolve_path(Path(args.checkpoint))
+    ckpt = load_checkpoint(path)
+    cfg = from_dict(ckpt["config"])
+    tokenizer = load_tokenizer(ckpt["tokenizer"])
+    model = GPT(cfg.model)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not match its config: {str(e).splitlines()[0]}") from None
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, "auto")
+    model.to(device).eval()
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+
+    text = read_prompt(args.prompt)
+    try:
+        ids = tokenizer.encode(text) if text else [tokenizer.start_token]
+    except TokenizerError as e:
+        raise TokenizerError(f"the prompt has {e}") from None
+    print(f"# {path} (step {ckpt['step']}, val loss {ckpt.get('best_val_loss', float('nan')):.4f})", file=sys.stderr)
+
+    torch.manual_seed(args.seed)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+    stream = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = sys.stdout
+    out.write(("" if args.num_samples == 1 else "--- sample 1 ---\n") + text)
+    out.flush()
+    columns = []
+    with autocast:
+        for col in generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                            generator, use_cache=not args.no_cache, cache_dtype=dtype):
+            columns.append(col)
+            out.write(stream.decode(tokenizer.decode_bytes([col[0, 0].item()])))
+            out.flush()
+    out.write(stream.decode(b"", final=True) + "\n")
+    new = torch.cat(columns, dim=1).tolist() if columns else [[] for _ in range(args.num_samples)]
+    for i in range(1, args.num_samples):
+        out.write(f"--- sample {i + 1} ---\n{text}{tokenizer.decode_bytes(new[i]).decode('utf-8', errors='replace')}\n")
+    out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, sys.argv[1:]))

@@ -1,0 +1,107 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "data"
+os.environ.setdefault("WANDB_MODE", "disabled")
+if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# A short text with enough variety to be a real (if tiny) language: ~2,300 characters.
+TEXT = """First Citizen:
+Before we proceed any further, hear me speak.
+
+All:
+Speak, speak.
+
+First Citizen:
+You are all resolved rather to die than to famish?
+
+All:
+Resolved. resolved.
+
+First Citizen:
+First, you know Caius Marcius is chief enemy to the people.
+
+All:
+We know't, we know't.
+
+First Citizen:
+Let us kill him, and we'll have corn at our own price.
+Is't a verdict?
+
+All:
+No more talking on't; let it be done: away, away!
+
+Second Citizen:
+One word, good citizens.
+
+First Citizen:
+We are accounted poor citizens, the patricians good.
+What authority surfeits on would relieve us: if they
+would yield us but the superfluity, while it were
+wholesome, we might guess they relieved us humanely;
+but they think we are too dear: the leanness that
+afflicts us, the object of our misery, is as an
+inventory to particularise their abundance; our
+sufferance is a gain to them Let us revenge this with
+our pikes, ere we become rakes: for the gods know I
+speak this in hunger for bread, not in thirst for revenge.
+
+Second Citizen:
+Would you proceed especially against Caius Marcius?
+
+All:
+Against him first: he's a very dog to the commonalty.
+
+Second Citizen:
+Consider you what services he has done for his country?
+
+First Citizen:
+Very well; and could be content to give him good
+report fort, but that he pays himself with being proud.
+
+Second Citizen:
+Nay, but speak not maliciously.
+
+First Citizen:
+I say unto you, what he hath done famously, he did
+it to that end: though soft-conscienced men can be
+content to say it was for his country he did it to
+please his mother and to be partly proud; which he
+is, even till the altitude of his virtue.
+"""
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "tiny.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def tiny_overrides(tmp_path, text_file, **extra) -> list[str]:
+    """Command-line overrides for a tiny, fast run on text_file."""
+    values = {"data.path": text_file, "data.prepared_dir": tmp_path / "prepared", "out_dir": tmp_path / "out",
+              "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 32,
+              "train.batch_size": 8, "train.max_steps": 20, "train.warmup_steps": 5, "train.eval_interval": 10,
+              "train.eval_iters": 2, "train.log_interval": 1}
+    values.update(extra)
+    return [f"--{k}={v}" for k, v in values.items()]
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path, text_file):
+    from training.config import build_config
+
+    def make(**extra):
+        return build_config(None, tiny_overrides(tmp_path, text_file, **extra))
+    return make

@@ -1,0 +1,72 @@
+"""Defaults < TOML file < command line; values coerced; mistakes named."""
+import pytest
+
+from training.config import ConfigError, build_config, describe, from_dict, load_toml
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path):
+    path = write(tmp_path, '[model]\nn_layer = 3\nn_embd = 64\n[train]\nlr = 0.01\n')
+    cfg = build_config(str(path), ["--model.n_layer=5", "--train.batch_size", "7", "--data", "x.txt"])
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.train.lr, cfg.train.batch_size) == (5, 64, 0.01, 7)
+    assert cfg.data.path == "x.txt" and cfg.data.url == "", "a named file is never downloaded over"
+    assert cfg.out_dir == "out/c", "out dir from the config file's name"
+    assert build_config(None, ["--data", "notes/my_notes.txt"]).out_dir == "out/my_notes"
+
+
+def test_values_are_coerced_to_field_types():
+    cfg = build_config(None, ["--train.lr=3e-4", "--train.compile=true", "--model.bias=0", "--model.dropout=0"])
+    assert cfg.train.lr == 3e-4 and cfg.train.compile is True and cfg.model.bias is False
+    assert isinstance(cfg.model.dropout, float)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.n_layr=3"], "unknown config key 'model.n_layr' (did you mean 'model.n_layer'?)"),
+    (["--modle.n_layer=3"], "unknown config section 'modle'"),
+    (["--train.lr=fast"], "train.lr: expected float, got 'fast'"),
+    (["--model.n_layer=2.5"], "model.n_layer: expected int"),
+    (["--model.n_head=5"], "model.n_embd=128 is not divisible by model.n_head=5"),
+    (["--model.n_layer=0"], "model.n_layer must be > 0"),
+    (["--train.batch_size=-1"], "train.batch_size must be > 0"),
+    (["--model.attention=magic"], "model.attention='magic' is not one of"),
+    (["--train.lr"], "--train.lr needs a value"),
+    (["oops"], "unexpected argument 'oops'"),
+])
+def test_bad_overrides_name_the_problem(args, message):
+    with pytest.raises(ConfigError) as e:
+        build_config(None, args)
+    assert message in str(e.value)
+
+
+def test_toml_errors_name_the_file_and_key(tmp_path):
+    with pytest.raises(ConfigError, match="TOML syntax error"):
+        build_config(str(write(tmp_path, "[model\nn_layer = 3")), [])
+    with pytest.raises(ConfigError, match=r"c.toml: unknown config key 'train.learning_rate'"):
+        build_config(str(write(tmp_path, "[train]\nlearning_rate = 3")), [])
+    with pytest.raises(ConfigError, match="model.n_layer: expected int, got 'four'"):
+        build_config(str(write(tmp_path, '[model]\nn_layer = "four"')), [])
+    with pytest.raises(ConfigError, match="config file not found"):
+        build_config(str(tmp_path / "missing.toml"), [])
+
+
+def test_described_config_is_valid_toml_that_round_trips(tmp_path):
+    cfg = build_config(None, ["--model.n_layer=3", "--out_dir=o", "--log.wandb_run_name=a \"b\""])
+    path = write(tmp_path, describe(cfg))
+    assert build_config(str(path), []).to_dict() == cfg.to_dict()
+    assert from_dict(cfg.to_dict()) == cfg
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for path in root.glob("*.toml"):
+        cfg = build_config(str(path), [])
+        assert cfg.out_dir and load_toml(path)
+    cpu = build_config(str(root / "shakespeare_char_cpu.toml"), [])
+    assert (cpu.model.n_layer, cpu.model.n_head, cpu.model.n_embd, cpu.model.block_size) == (4, 4, 128, 64)
+    assert (cpu.train.batch_size, cpu.train.max_steps, cpu.model.dropout) == (12, 2000, 0.0)

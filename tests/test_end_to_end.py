@@ -1,0 +1,52 @@
+"""train.py then sample.py, run as a user would: subprocesses, exit codes, what they print."""
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT, tiny_overrides
+
+
+def run(*args, cwd=ROOT):
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_train_then_sample(tmp_path, text_file):
+    out = tmp_path / "out"
+    r = run("train.py", *tiny_overrides(tmp_path, text_file, **{"train.max_steps": 30, "train.log_interval": 10}))
+    assert r.returncode == 0, r.stderr
+    assert "step     30 | loss" in r.stdout and "parameters" in r.stdout and "[model]" in r.stdout
+    assert (out / "best.pt").exists() and (out / "metrics.jsonl").exists() and (out / "config.toml").exists()
+
+    r = run("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    samples = r.stdout.split("--- sample ")[1:]
+    assert len(samples) == 2
+    for s in samples:
+        body = s.split("\n", 1)[1].rstrip("\n")
+        assert body.startswith("First") and len(body) == len("First") + 40
+    again = run("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40", "--seed", "3")
+    assert again.stdout == r.stdout, "a seed fixes the samples"
+
+    r = run("sample.py", str(out), "--prompt", "", "--max-new-tokens", "10", "--temperature", "0")
+    assert r.returncode == 0 and len(r.stdout) == 11   # 10 characters and the final newline
+
+
+def test_resume_from_the_command_line(tmp_path, text_file):
+    args = tiny_overrides(tmp_path, text_file)
+    assert run("train.py", *args).returncode == 0
+    r = run("train.py", *tiny_overrides(tmp_path, text_file, **{"train.max_steps": 30}), "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "resuming" in r.stdout and "step     21 |" in r.stdout and "step     20 |" not in r.stdout
+
+
+def test_user_errors_are_one_line_and_exit_non_zero(tmp_path, text_file):
+    cases = [
+        (["train.py", "--model.n_layr=2"], "did you mean 'model.n_layer'"),
+        (["train.py", "--data", str(tmp_path / "missing.txt")], "data file not found"),
+        (["sample.py", str(tmp_path / "nothing")], "checkpoint not found"),
+    ]
+    for args, message in cases:
+        r = run(*args)
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr

@@ -1,0 +1,33 @@
+"""Train a GPT.
+
+    python train.py                                      # the default: char-level tinyshakespeare on CPU
+    python train.py --data notes.txt                     # your own text file (out dir: out/notes)
+    python train.py configs/shakespeare_char_cpu.toml --model.n_layer=6 --train.lr=1e-3
+    python train.py configs/shakespeare_char_cpu.toml --resume
+
+Options: a config file (TOML), --section.key=value overrides (see training/config.py or
+--help), --data FILE, --out_dir DIR, --resume (continue the latest checkpoint in the out dir),
+--overwrite (start over in an out dir that holds an earlier run's checkpoints).
+"""
+import sys
+
+from training.errors import run_cli
+
+
+def main(argv: list[str]) -> int:
+    from training.config import all_keys, build_config
+    from training.trainer import train
+
+    if "-h" in argv or "--help" in argv:
+        print(__doc__ + "\nConfig keys:\n  " + "\n  ".join(all_keys()))
+        return 0
+    flags = {a for a in argv if a in ("--resume", "--overwrite")}
+    rest = [a for a in argv if a not in flags]
+    config_file = rest.pop(0) if rest and not rest[0].startswith("--") else None
+    cfg = build_config(config_file, rest)
+    summary = train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
+    return 130 if summary["interrupted"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, sys.argv[1:]))

@@ -1,0 +1,243 @@
+"""The run's configuration: typed dataclasses, overridden by a TOML file, overridden by the command line.
+
+    python train.py [CONFIG.toml] [--section.key=value ...] [--data FILE] [--out_dir DIR]
+
+Values are coerced to each field's type; an unknown key or a bad value is a ConfigError that names
+it (and the closest valid key). TOML is read with the standard library: a config is data, never code.
+"""
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from model.config import ModelConfig
+
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the offending key or value."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/tinyshakespeare.txt"   # the text file to train on
+    url: str = TINYSHAKESPEARE_URL           # where to download `path` from when it is missing ("" = never)
+    tokenizer: str = "char"                  # char | a tiktoken encoding name (gpt2, cl100k_base, ...)
+    val_fraction: float = 0.1                # the last 10% of the text is the validation split
+    prepared_dir: str = "data/prepared"      # where prepared token files are cached
+    encoding_errors: str = "strict"          # strict | replace: what to do with non-UTF-8 bytes
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 12          # sequences per micro-step
+    grad_accum: int = 1           # micro-steps per optimizer step
+    max_steps: int = 2000
+    lr: float = 1e-3
+    min_lr: float = 1e-4          # the floor that cosine decay ends at
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0        # max global gradient norm (0 = off)
+    eval_interval: int = 250      # evaluate (and checkpoint) every this many steps
+    eval_iters: int = 100         # batches per split in each evaluation (the same batches every time)
+    log_interval: int = 50
+    seed: int = 1337
+    device: str = "auto"          # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
+    dtype: str = "auto"           # auto (bf16 on CUDA, fp16 where bf16 is missing, fp32 elsewhere) | float32 | bfloat16 | float16
+    compile: bool = False         # torch.compile the model
+
+
+@dataclass
+class LogConfig:
+    wandb: bool = False           # also log to Weights & Biases (honours WANDB_MODE=offline/disabled)
+    wandb_project: str = "gpt"
+    wandb_run_name: str = ""      # "" = the out dir's name
+
+
+@dataclass
+class Config:
+    out_dir: str = ""             # "" = out/<config file's or data file's name>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        try:
+            self.model.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        t = self.train
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters", "log_interval"):
+            if getattr(t, name) <= 0:
+                raise ConfigError(f"train.{name} must be > 0, got {getattr(t, name)}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "warmup_steps"):
+            if getattr(t, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
+        if t.min_lr > t.lr:
+            raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
+        if t.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"train.dtype={t.dtype!r} is not one of auto, float32, bfloat16, float16")
+        if not 0.0 < self.data.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
+        if self.data.encoding_errors not in ("strict", "replace"):
+            raise ConfigError(f"data.encoding_errors={self.data.encoding_errors!r} is not one of strict, replace")
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)}
+
+
+def _closest(key: str, options) -> str:
+    match = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def all_keys() -> list[str]:
+    keys = ["out_dir"]
+    for name, cls in SECTIONS.items():
+        keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def coerce(key: str, value, typ):
+    """value (from TOML or a command-line string) as typ, or a ConfigError naming key."""
+    bad = ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
+    if isinstance(value, str) and typ is not str:
+        text = value.strip().lower()
+        if typ is bool:
+            if text in ("true", "1", "yes", "on"):
+                return True
+            if text in ("false", "0", "no", "off"):
+                return False
+            raise bad
+        try:
+            return typ(text) if typ is float else int(text)
+        except ValueError:
+            raise bad from None
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if typ is str and isinstance(value, str):
+        return value
+    raise bad
+
+
+def set_key(cfg: Config, key: str, value) -> None:
+    """Set a dotted key ('train.lr' or 'out_dir') on cfg, coercing value to the field's type."""
+    section, _, name = key.rpartition(".")
+    if not section:
+        if key != "out_dir":
+            raise ConfigError(f"unknown config key {key!r}{_closest(key, all_keys())}")
+        cfg.out_dir = coerce(key, value, str)
+        return
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r} in {key!r}{_closest(key, all_keys())}")
+    obj = getattr(cfg, section)
+    fields = {f.name: f.type for f in dataclasses.fields(obj)}
+    if name not in fields:
+        raise ConfigError(f"unknown config key {key!r}{_closest(key, all_keys())}")
+    setattr(obj, name, coerce(key, value, fields[name]))
+
+
+def apply_dict(cfg: Config, values: dict, where: str = "") -> None:
+    """Apply a nested dict such as a parsed TOML file: {'model': {'n_layer': 4}, 'out_dir': ...}."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            if key not in SECTIONS:
+                raise ConfigError(f"{where}unknown config section [{key}]{_closest(key, SECTIONS)}")
+            for sub, v in value.items():
+                try:
+                    set_key(cfg, f"{key}.{sub}", v)
+                except ConfigError as e:
+                    raise ConfigError(f"{where}{e}") from None
+        else:
+            try:
+                set_key(cfg, key, value)
+            except ConfigError as e:
+                raise ConfigError(f"{where}{e}") from None
+
+
+def load_toml(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: TOML syntax error: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+
+
+def from_dict(values: dict) -> Config:
+    """A Config from Config.to_dict()'s output (as stored in checkpoints)."""
+    cfg = Config()
+    apply_dict(cfg, values)
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """['--train.lr=1e-3', '--data', 'f.txt'] -> [('train.lr', '1e-3'), ('data.path', 'f.txt')]."""
+    shorthands = {"data": "data.path"}
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"{arg} needs a value: {arg}=VALUE")
+            value, i = args[i + 1], i + 1
+        pairs.append((shorthands.get(key, key), value))
+        i += 1
+    return pairs
+
+
+def build_config(config_file: str | None, overrides: list[str]) -> Config:
+    """Defaults, then the TOML file, then the command line; validated, with out_dir resolved."""
+    cfg = Config()
+    if config_file:
+        apply_dict(cfg, load_toml(Path(config_file)), where=f"{config_file}: ")
+    pairs = parse_overrides(overrides)
+    for key, value in pairs:
+        set_key(cfg, key, value)
+    keys = {key for key, _ in pairs}
+    if "data.path" in keys and "data.url" not in keys:
+        cfg.data.url = ""   # a file named on the command line is never replaced by a download
+    if not cfg.out_dir:
+        cfg.out_dir = str(Path("out") / Path(config_file or cfg.data.path).stem)
+    cfg.validate()
+    return cfg
+
+
+def describe(cfg: Config) -> str:
+    """The resolved config as TOML text (printed at start, saved as config.toml in the out dir)."""
+    def fmt(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return repr(v)
+    d = cfg.to_dict()
+    lines = [f"out_dir = {fmt(d.pop('out_dir'))}"]
+    for section, values in d.items():
+        lines += ["", f"[{section}]"] + [f"{k} = {fmt(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
