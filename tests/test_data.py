@@ -103,3 +103,18 @@ def test_a_split_shorter_than_a_block_is_a_clear_error(tmp_path, text_file):
     out = prepare(text_file, "char", 0.1, tmp_path / "prep")
     with pytest.raises(DataError, match="val split has .* fewer than block_size"):
         BatchLoader(out, block_size=1000, batch_size=2)
+
+
+def test_missing_data_is_downloaded_through_a_temporary_file(tmp_path, text_file):
+    from data.prepare import download
+    target = tmp_path / "sub" / "input.txt"
+    download(text_file.resolve().as_uri(), target)
+    assert target.read_text() == TEXT and not list(target.parent.glob("*.part"))
+
+
+def test_a_failed_download_says_how_to_pass_a_local_file(tmp_path):
+    from data.prepare import download
+    target = tmp_path / "input.txt"
+    with pytest.raises(DataError, match="could not be downloaded .* pass a local copy with --data PATH"):
+        download((tmp_path / "nowhere.txt").as_uri(), target)
+    assert not target.exists() and not (tmp_path / "input.txt.part").exists()
