@@ -2,6 +2,7 @@
 response to a non-finite loss or gradient."""
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -54,6 +55,15 @@ def make_out_dir(out_dir: Path, overwrite: bool) -> None:
             (out_dir / name).unlink(missing_ok=True)
 
 
+def say_now(text: str) -> None:
+    """Write to stderr from a signal handler: print() could land inside a print() that the signal
+    interrupted, and Python's buffered streams refuse such a reentrant call with an exception."""
+    try:
+        os.write(sys.stderr.fileno(), text.encode())
+    except (OSError, ValueError):   # no file descriptor (e.g. captured by pytest)
+        pass
+
+
 class StopSignal:
     """SIGINT/SIGTERM: the first asks the loop to stop after the current step (and save);
     a second one exits at once (checkpoints are written atomically, so nothing is corrupted:
@@ -69,11 +79,12 @@ class StopSignal:
         return self
 
     def handle(self, signum, frame):
+        name = signal.Signals(signum).name
         if self.requested is not None:
-            print(f"\n{signal.Signals(signum).name} again: exiting now", flush=True)
+            say_now(f"\n{name} again: exiting now\n")
             os._exit(128 + signum)
-        self.requested = signal.Signals(signum).name
-        print(f"\n{self.requested}: finishing this step and saving a checkpoint (again to exit at once)", flush=True)
+        self.requested = name
+        say_now(f"\n{name}: finishing this step and saving a checkpoint (again to exit at once)\n")
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
