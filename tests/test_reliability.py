@@ -13,7 +13,7 @@ import torch
 
 import sample as sample_cli
 import train as train_cli
-from data.prepare import prepare
+from data.prepare import DataError, prepare
 from model.gpt import GPT
 from tests.conftest import ROOT, TEXT, tiny_overrides
 from training.checkpoint import (FORMAT, CheckpointError, clean_key, clean_state_dict, list_checkpoints,
@@ -93,6 +93,18 @@ def test_the_last_k_checkpoints_and_the_true_best_are_kept(tiny_cfg, monkeypatch
     assert load_checkpoint(f"{cfg.out_dir}/ckpt_0000020.pt")["best_val_loss"] == 2.0
 
 
+def test_best_is_a_copy_where_hard_links_fail(tiny_cfg, monkeypatch):
+    def no_links(*a):
+        raise OSError(errno.EPERM, "hard links not supported")
+
+    monkeypatch.setattr(os, "link", no_links)
+    cfg = tiny_cfg(**{"train.max_steps": 4, "train.eval_interval": 2, "train.keep_checkpoints": 1})
+    train(cfg, quiet=True)
+    best, last = load_checkpoint(f"{cfg.out_dir}/best.pt"), load_checkpoint(f"{cfg.out_dir}/ckpt_0000004.pt")
+    assert best["step"] == 4 and all(torch.equal(best["model"][k], last["model"][k]) for k in last["model"])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")   # torch.distributed's own imports
 def test_wrapper_prefixes_never_reach_saved_keys(tmp_path):
     assert clean_key("_orig_mod.module.blocks.0.attn.query.weight") == "blocks.0.attn.query.weight"
     assert clean_key("module._orig_mod.tok_emb.weight") == "tok_emb.weight"
@@ -276,6 +288,24 @@ def test_bad_input_through_the_real_entry_points(tmp_path, trained):
 def test_replacing_bad_bytes_is_an_option(tmp_path, tiny_cfg):
     (tmp_path / "tiny.txt").write_bytes(TEXT.encode() + b"\xff\xfe")
     assert train(tiny_cfg(**{"data.encoding_errors": "replace", "train.max_steps": 2}), quiet=True)["step"] == 2
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), KeyboardInterrupt()])
+def test_a_preparation_cut_short_leaves_nothing_behind(failure, tmp_path, text_file, monkeypatch):
+    """The prepared-data cache holds complete preparations or none: never token files without
+    their meta.json, which a later run could mistake for data."""
+    real_dumps = json.dumps
+
+    def fail_after_the_token_files(*a, **k):
+        raise failure
+
+    monkeypatch.setattr(json, "dumps", fail_after_the_token_files)
+    with pytest.raises(type(failure) if isinstance(failure, KeyboardInterrupt) else DataError,
+                       match=None if isinstance(failure, KeyboardInterrupt) else "No space left on device"):
+        prepare(text_file, "char", 0.1, tmp_path / "prepared")
+    assert list((tmp_path / "prepared").iterdir()) == []
+    monkeypatch.setattr(json, "dumps", real_dumps)
+    assert (prepare(text_file, "char", 0.1, tmp_path / "prepared") / "meta.json").exists()
 
 
 # ---------------------------------------------------------------- failures in the middle of a run

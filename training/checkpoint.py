@@ -12,6 +12,7 @@ unpickling is restricted to tensors and plain containers, so a malicious file ca
 import os
 import pickle
 import re
+import shutil
 import warnings
 import zipfile
 from pathlib import Path
@@ -109,8 +110,8 @@ def link_best(path: Path) -> None:
     try:
         os.link(path, tmp)
     except OSError:
-        data = path.read_bytes()
-        _atomic_write(best, lambda f: f.write(data))
+        with open(path, "rb") as src:
+            _atomic_write(best, lambda f: shutil.copyfileobj(src, f))
         return
     os.replace(tmp, best)
 
