@@ -17,6 +17,7 @@ from training.errors import run_cli
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Sample from a trained GPT checkpoint.")
+    p.error = lambda message: sys.exit(print(f"error: {message} (see --help)", file=sys.stderr) or 2)   # one line
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("--prompt", default="", help="text to continue, or @FILE to read it from a file "
                    "(empty: start from a newline / end-of-text token)")
@@ -60,19 +61,19 @@ def main(argv) -> int:
     from data.tokenizers import TokenizerError, load_tokenizer
     from model.gpt import GPT
     from model.sampling import generate
-    from training.checkpoint import CheckpointError, load_checkpoint, resolve_path
-    from training.config import from_dict
+    from training.checkpoint import CheckpointError, clean_state_dict, load_checkpoint, resolve_path
+    from training.config import ConfigError, from_dict
     from training.trainer import pick_device, pick_dtype
 
     path = resolve_path(Path(args.checkpoint))
     ckpt = load_checkpoint(path)
-    cfg = from_dict(ckpt["config"])
-    tokenizer = load_tokenizer(ckpt["tokenizer"])
-    model = GPT(cfg.model)
     try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: weights do not match its config: {str(e).splitlines()[0]}") from None
+        cfg = from_dict(ckpt["config"])
+        tokenizer = load_tokenizer(ckpt["tokenizer"])
+        model = GPT(cfg.model)
+        model.load_state_dict(clean_state_dict(ckpt["model"]))
+    except (ConfigError, TokenizerError, ValueError, RuntimeError) as e:   # a config or weights that do not fit
+        raise CheckpointError(f"{path} does not hold a usable model: {str(e).strip().splitlines()[0][:160]}") from None
     device = pick_device(args.device)
     dtype = pick_dtype(device, "auto")
     model.to(device).eval()

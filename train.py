@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     config_file = rest.pop(0) if rest and not rest[0].startswith("--") else None
     cfg = build_config(config_file, rest)
     summary = train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
-    return 130 if summary["interrupted"] else 0
+    return summary["exit_code"]   # 0, or 128 + the signal that stopped it (130 for Ctrl-C, 143 for SIGTERM)
 
 
 if __name__ == "__main__":

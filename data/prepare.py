@@ -4,11 +4,12 @@ A prepared dataset is a directory:
     train.bin, val.bin   raw token ids (uint16, or uint32 when the vocabulary needs it)
     meta.json            tokenizer, dtype, token counts, split, sha256 of the source text
 It is cached by (source sha256, tokenizer, split): preparing the same file again reuses it.
-meta.json is written last, so a directory without one is an unfinished preparation and is redone.
+It is written in a temporary directory renamed into place when complete, so it is never half there.
 """
 import hashlib
 import json
 import os
+import shutil
 import urllib.request
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def prepare(source: Path, tokenizer: str, val_fraction: float, root: Path,
     """Prepare source (or reuse an earlier preparation of the same bytes); return the dataset dir."""
     source = Path(source)
     if not source.is_file():
-        raise DataError(f"data file not found: {source}")
+        raise DataError(f"data path is not a file: {source}" if source.exists() else f"data file not found: {source}")
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
     sha = file_sha256(source)
@@ -87,21 +88,47 @@ def prepare(source: Path, tokenizer: str, val_fraction: float, root: Path,
     except TokenizerError as e:
         raise DataError(str(e)) from None
     dtype = token_dtype(tok.vocab_size)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, ids in parts.items():
-        np.array(ids, dtype=dtype).tofile(out / f"{name}.bin")
     meta = {
         "format": FORMAT, "source": str(source.resolve()), "sha256": sha,
         "tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
         "split": {"val_fraction": val_fraction, "train_chars": split, "val_chars": len(text) - split},
         "tokens": {name: len(ids) for name, ids in parts.items()},
     }
-    tmp = out / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / "meta.json")
+
+    def write(folder: Path) -> None:
+        for name, ids in parts.items():
+            np.array(ids, dtype=dtype).tofile(folder / f"{name}.bin")
+        (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    publish(out, write)
     print(f"prepared {source} with tokenizer {tokenizer}: {meta['tokens']['train']:,} train and "
           f"{meta['tokens']['val']:,} val tokens (vocab {tok.vocab_size:,}) -> {out}")
     return out
+
+
+def publish(out: Path, write) -> None:
+    """write(folder) into a temporary folder next to out, then rename it to out: a prepared dataset
+    is complete or absent, whatever kills the process (a crash leaves at most a .partial-* folder)."""
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        if out.exists() and not (out / "meta.json").exists():
+            shutil.rmtree(out)           # an unfinished preparation from an older version: redo it
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "meta.json").exists():
+                raise
+            shutil.rmtree(tmp)           # another process finished the same preparation first
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"cannot write the prepared data to {out.parent}: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def load_meta(dataset_dir: Path) -> dict:

@@ -49,6 +49,8 @@ class TrainConfig:
     device: str = "auto"          # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "auto"           # auto (bf16 on CUDA, fp16 where bf16 is missing, fp32 elsewhere) | float32 | bfloat16 | float16
     compile: bool = False         # torch.compile the model
+    keep_checkpoints: int = 2     # ckpt_<step>.pt files kept (the newest); best.pt is kept besides
+    on_nonfinite: str = "stop"    # stop | skip: what a NaN/inf loss or gradient does
 
 
 @dataclass
@@ -75,7 +77,8 @@ class Config:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         t = self.train
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters", "log_interval"):
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters", "log_interval",
+                     "keep_checkpoints"):
             if getattr(t, name) <= 0:
                 raise ConfigError(f"train.{name} must be > 0, got {getattr(t, name)}")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "warmup_steps"):
@@ -85,6 +88,8 @@ class Config:
             raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
         if t.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"train.dtype={t.dtype!r} is not one of auto, float32, bfloat16, float16")
+        if t.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of stop, skip")
         if not 0.0 < self.data.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
         if self.data.encoding_errors not in ("strict", "replace"):

@@ -1,5 +1,15 @@
-"""How the command-line tools end on a user's mistake: one line on stderr and exit code 2."""
+"""How the command-line tools end on a user's mistake: one line on stderr and a non-zero exit.
+
+    2    a usable message: a bad config, data file, checkpoint, prompt, out dir, or a run that
+         cannot go on (non-finite loss, out of memory, full disk)
+    3    out of memory outside the training loop (e.g. sampling)
+    130  interrupted (Ctrl-C) outside the training loop, which handles its own signals
+"""
 import sys
+
+
+class RunError(RuntimeError):
+    """A run that cannot start or go on (out dir, resume, numerical fault, memory); the message says why."""
 
 
 def run_cli(main, argv: list[str]) -> int:
@@ -10,7 +20,6 @@ def run_cli(main, argv: list[str]) -> int:
     from data.tokenizers import TokenizerError
     from training.checkpoint import CheckpointError
     from training.config import ConfigError
-    from training.trainer import RunError
 
     try:
         return main(argv)
@@ -26,3 +35,7 @@ def run_cli(main, argv: list[str]) -> int:
         return 130
     except BrokenPipeError:   # e.g. `python sample.py ... | head`
         return 0
+    except OSError as e:      # the machine's fault, not the code's: a full disk, a vanished file system
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2

@@ -2,9 +2,7 @@
 evaluation on fixed batches, checkpoints, metrics.jsonl (and wandb if enabled), exact resume."""
 import json
 import math
-import os
 import random
-import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -16,15 +14,13 @@ from data.loader import BatchLoader
 from data.prepare import DataError, download, load_meta, prepare
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT
-from training.checkpoint import (CheckpointError, clean_state_dict, latest_checkpoint, list_checkpoints,
-                                 load_checkpoint, save_checkpoint)
+from training.checkpoint import (CheckpointError, atomic_write_text, check_resumable, clean_state_dict,
+                                 load_checkpoint, repair_best, save_checkpoint)
 from training.config import Config, ConfigError, describe
+from training.errors import RunError
+from training.guards import NonFiniteGuard, StopSignal, check_out_dir, make_out_dir
 
 EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the training seed
-
-
-class RunError(RuntimeError):
-    """A run that cannot start or go on (out dir, resume, numerical fault); the message says why."""
 
 
 def pick_device(name: str) -> torch.device:
@@ -85,63 +81,15 @@ def prepare_data(cfg: Config) -> Path:
                    cfg.data.encoding_errors)
 
 
-def check_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> Path | None:
-    """Make sure out_dir is usable; return the checkpoint to resume from (if resuming)."""
-    latest = latest_checkpoint(out_dir)
-    if resume:
-        if latest is None:
-            raise RunError(f"--resume: no checkpoint (ckpt_*.pt) in {out_dir} to resume from")
-        return latest
-    if (latest is not None or (out_dir / "best.pt").exists()) and not overwrite:
-        raise RunError(f"{out_dir} already holds checkpoints of a run: continue it with --resume, "
-                       f"start over with --overwrite, or choose another --out_dir")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".write_test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise RunError(f"cannot write to the out dir {out_dir}: {e.strerror or e}") from None
-    if overwrite:
-        for _, p in list_checkpoints(out_dir):
-            p.unlink()
-        for name in ("best.pt", "metrics.jsonl"):
-            (out_dir / name).unlink(missing_ok=True)
-    return None
-
-
-class StopSignal:
-    """SIGINT/SIGTERM: the first asks the loop to stop after the current step (and save);
-    a second one exits at once (checkpoints are written atomically, so nothing is corrupted)."""
-
-    def __init__(self):
-        self.requested = None
-
-    def __enter__(self):
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def handle(self, signum, frame):
-        if self.requested is not None:
-            print(f"\n{signal.Signals(signum).name} again: exiting now", flush=True)
-            os._exit(128 + signum)
-        self.requested = signal.Signals(signum).name
-        print(f"\n{self.requested}: finishing this step and saving a checkpoint (again to exit at once)", flush=True)
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
 class Metrics:
     """metrics.jsonl (always) and wandb (when enabled): one record per log or eval line."""
 
     def __init__(self, cfg: Config, out_dir: Path, resume_step: int | None):
         self.path = out_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():   # forget what came after the checkpoint
-            kept = [l for l in self.path.read_text().splitlines() if l and json.loads(l)["step"] <= resume_step]
-            self.path.write_text("".join(l + "\n" for l in kept))
-        self.file = open(self.path, "a")
+            atomic_write_text(self.path, "".join(l + "\n" for l in self.path.read_text().splitlines()
+                                                 if self.step_of(l) <= resume_step))
+        self.file = open(self.path, "a" if resume_step is not None else "w")
         self.wandb = None
         if cfg.log.wandb:
             try:
@@ -150,6 +98,14 @@ class Metrics:
                 raise ConfigError("log.wandb = true but wandb is not installed (pip install wandb)") from None
             self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or out_dir.name,
                                     config=cfg.to_dict(), dir=str(out_dir), resume="allow")
+
+    @staticmethod
+    def step_of(line: str) -> float:
+        """A record's step; inf for a line a kill cut short (so it is dropped)."""
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return float("inf")
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -181,15 +137,32 @@ def evaluate(model, loader: BatchLoader, iters: int, autocast) -> dict:
     return out
 
 
+def check_same_run(ckpt: dict, cfg: Config, meta: dict, path: Path) -> None:
+    """Resuming needs the model and tokenizer the checkpoint was trained with."""
+    saved, now = ckpt["config"]["model"], cfg.to_dict()["model"]
+    if saved != now:
+        diff = [f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in now.items() if saved.get(k) != v]
+        raise CheckpointError(f"{path} was trained with another model config ({'; '.join(diff)})")
+    if ckpt["tokenizer"] != meta["tokenizer"]:
+        raise CheckpointError(f"{path} was trained with another tokenizer or vocabulary than {cfg.data.path} gives "
+                              f"(resume with the same data file and data.tokenizer)")
+
+
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
           stop_at: int | None = None) -> dict:
     """Run (or continue) the training that cfg describes; return a summary of how it ended.
     stop_at: end this process's part of the run after that step (with an evaluation and a checkpoint),
-    as an interruption would; the schedule still runs to train.max_steps on resume."""
+    as an interruption would; the schedule still runs to train.max_steps on resume.
+    Everything a user can get wrong (out dir, checkpoint, data, sizes) is checked before the first
+    write to the out dir, so a bad input leaves it as it was."""
     say = (lambda *a, **k: None) if quiet else print
     t, out_dir = cfg.train, Path(cfg.out_dir)
     resume_from = check_out_dir(out_dir, resume, overwrite)
     ckpt = load_checkpoint(resume_from) if resume_from else None
+    if ckpt is not None:
+        check_resumable(ckpt, resume_from)
+    device = pick_device(t.device)
+    dtype = pick_dtype(device, t.dtype)
 
     dataset = prepare_data(cfg)
     meta = load_meta(dataset)
@@ -197,14 +170,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         cfg.model.vocab_size = meta["vocab_size"]
     elif cfg.model.vocab_size < meta["vocab_size"]:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {meta['vocab_size']}")
-    if ckpt is not None and ckpt["config"]["model"] != cfg.to_dict()["model"]:
-        saved = ckpt["config"]["model"]
-        diff = [f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now"
-                for k, v in cfg.to_dict()["model"].items() if saved.get(k) != v]
-        raise CheckpointError(f"{resume_from} was trained with another model config ({'; '.join(diff)})")
+    if ckpt is not None:
+        check_same_run(ckpt, cfg, meta, resume_from)
+    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device)  # checks split sizes
 
-    device = pick_device(t.device)
-    dtype = pick_dtype(device, t.dtype)
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     np.random.seed(t.seed)
@@ -217,23 +186,30 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     model = GPT(cfg.model).to(device)
     optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                   **({"fused": True} if device.type == "cuda" else {"foreach": True}))
-    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device)
+    guard = NonFiniteGuard(t.on_nonfinite, device, check_grad=not scaler.is_enabled())
     step, best_val, elapsed = 0, float("inf"), 0.0
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scaler.load_state_dict(ckpt["scaler"]) if ckpt.get("scaler") else None
-        loader.load_state_dict(ckpt["loader"])
-        set_rng_state(ckpt["rng"])
+        try:
+            model.load_state_dict(clean_state_dict(ckpt["model"]))
+            optimizer.load_state_dict(ckpt["optimizer"])
+            scaler.load_state_dict(ckpt["scaler"]) if ckpt.get("scaler") else None
+            loader.load_state_dict(ckpt["loader"])
+            set_rng_state(ckpt["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise CheckpointError(f"{resume_from} does not fit this run: {str(e).strip().splitlines()[0][:160]}") from None
         step, best_val, elapsed = ckpt["step"], ckpt["best_val_loss"], ckpt["elapsed"]
+        guard.skipped = ckpt.get("skipped_steps", 0)
     step_fn = torch.compile(model) if t.compile else model
 
+    make_out_dir(out_dir, overwrite)   # the first write: every check above has passed
+    if ckpt is not None:
+        repair_best(resume_from, ckpt)
     tokens_per_step = t.batch_size * t.grad_accum * cfg.model.block_size
     say(describe(cfg), end="")
     say(f"# {model.num_params() / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
         f"{', compiled' if t.compile else ''} | {tokens_per_step:,} tokens/step | data {dataset}")
     say(f"# resuming {resume_from} at step {step}" if ckpt else f"# out dir {out_dir}")
-    (out_dir / "config.toml").write_text(describe(cfg))
+    atomic_write_text(out_dir / "config.toml", describe(cfg))
     metrics = Metrics(cfg, out_dir, step if ckpt else None)
 
     def checkpoint(is_best: bool) -> None:
@@ -241,64 +217,76 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                  "model": clean_state_dict(model.state_dict()), "optimizer": optimizer.state_dict(),
                  "scaler": scaler.state_dict() if scaler.is_enabled() else None, "step": step,
                  "best_val_loss": best_val, "rng": rng_state(), "loader": loader.state_dict(),
-                 "elapsed": elapsed + time.perf_counter() - t_start}
-        save_checkpoint(state, out_dir, step, keep=2, is_best=is_best)
+                 "skipped_steps": guard.skipped, "elapsed": elapsed + time.perf_counter() - t_start}
+        save_checkpoint(state, out_dir, step, keep=t.keep_checkpoints, is_best=is_best)
 
     losses, last_eval = {}, None
     t_start = t_interval = time.perf_counter()
     interval_steps = 0
     with StopSignal() as stop:
-        while step < min(t.max_steps, stop_at or t.max_steps):
-            lr = lr_at(step, t)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = torch.zeros((), device=device)
-            for _ in range(t.grad_accum):
-                x, y = loader.batch("train")
-                with autocast:
-                    _, loss = step_fn(x, y)
-                loss_sum += loss.detach()
-                scaler.scale(loss / t.grad_accum).backward()
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
-            if not torch.isfinite(loss_sum) or not torch.isfinite(grad_norm):
-                raise RunError(f"non-finite {'loss' if not torch.isfinite(loss_sum) else 'gradient'} at step {step + 1}; "
-                               f"stopped, the last good checkpoint is kept (try a lower --train.lr)")
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            interval_steps += 1
+        try:
+            while step < min(t.max_steps, stop_at or t.max_steps):
+                lr = lr_at(step, t)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                loss_sum = torch.zeros((), device=device)
+                for _ in range(t.grad_accum):
+                    x, y = loader.batch("train")
+                    with autocast:
+                        _, loss = step_fn(x, y)
+                    loss_sum += loss.detach()
+                    scaler.scale(loss / t.grad_accum).backward()
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+                if guard.ok(step + 1, loss_sum, grad_norm):
+                    scaler.step(optimizer)
+                else:
+                    say(f"step {step + 1:6d} | non-finite {guard.last}: update skipped ({guard.skipped} so far)")
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                interval_steps += 1
 
-            if step % t.log_interval == 0 or step == t.max_steps:
-                now = time.perf_counter()
-                ms = (now - t_interval) * 1000 / interval_steps
-                record = {"step": step, "kind": "train", "loss": loss_sum.item() / t.grad_accum, "lr": lr,
-                          "grad_norm": grad_norm.item(), "ms_per_step": ms, "tokens_per_s": tokens_per_step * 1000 / ms}
-                say(f"step {step:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
-                    f"{record['tokens_per_s']:,.0f} tok/s")
-                metrics.log(record)
-                losses[step] = record["loss"]
-            if step % t.eval_interval == 0 or step in (t.max_steps, stop_at) or stop.requested:
-                ev = evaluate(model, loader, t.eval_iters, autocast)
-                is_best = ev["val"] < best_val
-                best_val = min(best_val, ev["val"])
-                say(f"eval {step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}{' (best)' if is_best else ''}")
-                metrics.log({"step": step, "kind": "eval", "train_loss": ev["train"], "val_loss": ev["val"],
-                             "elapsed_s": elapsed + time.perf_counter() - t_start})
-                checkpoint(is_best)
-                last_eval = ev
-                t_interval = time.perf_counter()   # do not bill evaluation and saving to the step time
-                interval_steps = 0
-            elif step % t.log_interval == 0:
-                t_interval, interval_steps = time.perf_counter(), 0
-            if stop.requested:
-                say(f"stopped by {stop.requested} at step {step}; continue with the same command and --resume")
-                break
+                if step % t.log_interval == 0 or step == t.max_steps:
+                    guard.check()
+                    now = time.perf_counter()
+                    ms = (now - t_interval) * 1000 / interval_steps
+                    record = {"step": step, "kind": "train", "loss": loss_sum.item() / t.grad_accum, "lr": lr,
+                              "grad_norm": grad_norm.item(), "ms_per_step": ms, "tokens_per_s": tokens_per_step * 1000 / ms,
+                              "skipped_steps": guard.skipped}
+                    say(f"step {step:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
+                        f"{record['tokens_per_s']:,.0f} tok/s")
+                    metrics.log(record)
+                    losses[step] = record["loss"]
+                if step % t.eval_interval == 0 or step in (t.max_steps, stop_at) or stop.requested:
+                    guard.check()   # never checkpoint weights that a non-finite step touched
+                    ev = evaluate(model, loader, t.eval_iters, autocast)
+                    is_best = ev["val"] < best_val
+                    best_val = min(best_val, ev["val"])
+                    say(f"eval {step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}{' (best)' if is_best else ''}")
+                    metrics.log({"step": step, "kind": "eval", "train_loss": ev["train"], "val_loss": ev["val"],
+                                 "elapsed_s": elapsed + time.perf_counter() - t_start})
+                    checkpoint(is_best)
+                    last_eval = ev
+                    t_interval = time.perf_counter()   # do not bill evaluation and saving to the step time
+                    interval_steps = 0
+                elif step % t.log_interval == 0:
+                    t_interval, interval_steps = time.perf_counter(), 0
+                if stop.requested:
+                    say(f"stopped by {stop.requested} at step {step}, checkpoint saved in {out_dir}; "
+                        f"to continue, run the same command with --resume")
+                    break
+        except torch.OutOfMemoryError:
+            raise RunError(f"out of memory on {device} at step {step + 1}: try a smaller --train.batch_size (with a "
+                           f"larger --train.grad_accum to keep the tokens per step, and --resume to continue from "
+                           f"the last checkpoint in {out_dir}) or a smaller --model.block_size") from None
+        finally:
+            metrics.close()
 
-    metrics.close()
     total = elapsed + time.perf_counter() - t_start
     if step >= t.max_steps:
-        say(f"# done: step {step}, best val loss {best_val:.4f}, {total:.1f} s")
+        skipped = f", {guard.skipped} non-finite steps skipped" if guard.skipped else ""
+        say(f"# done: step {step}, best val loss {best_val:.4f}, {total:.1f} s{skipped}")
     return {"step": step, "val_loss": last_eval["val"] if last_eval else None, "best_val_loss": best_val,
-            "elapsed_s": total, "losses": losses, "interrupted": stop.requested is not None}
+            "elapsed_s": total, "losses": losses, "skipped_steps": guard.skipped,
+            "interrupted": stop.requested is not None, "exit_code": stop.exit_code}
