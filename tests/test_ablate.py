@@ -103,3 +103,16 @@ def test_sweep_errors_are_one_line_from_the_command(tmp_path, text_file):
     r = subprocess.run([sys.executable, "ablate.py", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "[overrides]: unknown config key 'learning_rate'" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_shipped_sweeps_load(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cpu = load_sweep("configs/ablations/attention_cpu.toml")
+    assert len(cpu.runs) <= 18 and cpu.seeds == [1337, 1338]
+    m = cpu.runs[0].cfg.model
+    assert (m.n_layer, m.n_embd, m.block_size) == (4, 128, 64) and cpu.runs[0].cfg.data.path == "data/tinyshakespeare.txt"
+    attentions = {r.cfg.model.attention for r in cpu.runs}
+    assert attentions == {"naive", "sdpa", "gqa", "sliding_window", "linear", "mla"}
+    assert any(not r.cfg.model.attn_scale for r in cpu.runs) and any(r.cfg.model.qk_norm for r in cpu.runs)
+    gpu = load_sweep("configs/ablations/attention.toml")
+    assert {r.cfg.model.pos for r in gpu.runs} == {"learned", "rope", "alibi", "none"}

@@ -2,8 +2,9 @@
 
 A sweep file (TOML):
 
+    name = "attention_cpu"                        # optional: default the file's name (wandb group)
     base = "configs/shakespeare_char_cpu.toml"   # optional: a config file, relative to the working dir
-    out_dir = "out/ablations/attention_cpu"       # optional: default out/ablations/<sweep file's name>
+    out_dir = "out/ablations/attention_cpu"       # optional: default out/ablations/<name>
     seeds = [1337, 1338]
 
     [overrides]                                   # optional: on top of base, for every run
