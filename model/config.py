@@ -1,6 +1,9 @@
 """The model's one config dataclass: every architectural choice is a field here."""
 from dataclasses import dataclass
 
+# model/attention/__init__.py maps each name to its module (and checks that the two lists agree)
+ATTENTIONS = ("naive", "sdpa", "gqa", "sliding_window", "linear", "mla")
+
 
 @dataclass
 class ModelConfig:
@@ -11,8 +14,11 @@ class ModelConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True            # biases in Linear layers and LayerNorms
-    attention: str = "sdpa"      # naive | sdpa
-    pos: str = "learned"         # learned | rope | none
+    attention: str = "sdpa"      # naive | sdpa | gqa | sliding_window | linear | mla (model/attention/)
+    n_kv_head: int = 0           # gqa: key/value heads, a divisor of n_head (1 = multi-query)
+    window: int = 0              # sliding_window: tokens each token sees, itself included
+    kv_latent_dim: int = 0       # mla: size of the cached key/value latent per token
+    pos: str = "learned"         # learned | rope | alibi | none (model/positions.py)
     qk_norm: bool = False        # normalize q and k per head before the scores
     attn_scale: bool = True      # scale scores by 1/sqrt(head_dim)
     norm: str = "layernorm"      # layernorm | rmsnorm
@@ -36,10 +42,33 @@ class ModelConfig:
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        choices = {"attention": ("naive", "sdpa"), "pos": ("learned", "rope", "none"),
+        choices = {"attention": ATTENTIONS, "pos": ("learned", "rope", "alibi", "none"),
                    "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "relu2")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if self.pos == "rope" and self.head_dim % 2:
             raise ValueError(f"model.pos='rope' needs an even head dim, but model.n_embd/model.n_head = {self.head_dim}")
+        self.validate_variant()
+
+    def validate_variant(self) -> None:
+        """Each variant's own setting must be given for it, and only for it."""
+        own = {"n_kv_head": "gqa", "window": "sliding_window", "kv_latent_dim": "mla"}
+        hints = {"n_kv_head": "1 = multi-query, model.n_head = plain multi-head",
+                 "window": f"at most model.block_size={self.block_size}", "kv_latent_dim": "e.g. model.n_embd / 4"}
+        for name, variant in own.items():
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"model.{name} must be >= 0, got {value}")
+            if self.attention == variant and value == 0:
+                raise ValueError(f"model.attention='{variant}' needs model.{name} > 0 ({hints[name]})")
+            if self.attention != variant and value != 0:
+                raise ValueError(f"model.{name}={value} only applies to model.attention='{variant}', "
+                                 f"not model.attention='{self.attention}'")
+        if self.attention == "gqa" and self.n_head % self.n_kv_head:
+            raise ValueError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}")
+        if self.attention == "sliding_window" and self.window > self.block_size:
+            raise ValueError(f"model.window={self.window} is larger than model.block_size={self.block_size}")
+        if self.attention == "linear" and self.pos == "alibi":
+            raise ValueError("model.pos='alibi' biases attention scores, which model.attention='linear' never forms "
+                             "(use rope, learned or none)")

@@ -1,9 +1,9 @@
 """A GPT: a decoder-only transformer that predicts the next token.
 
 Architecture (the defaults are GPT-2's; each switch is a field of ModelConfig):
-  - token embedding + learned absolute position embedding (or rotary, or none: `pos`)
+  - token embedding + learned absolute position embedding (or rotary, ALiBi, none: `pos`)
   - n_layer pre-norm blocks: x + attn(norm(x)), then x + mlp(norm(x))
-  - masked multi-head self-attention (model/attention.py), naive or fused (`attention`)
+  - masked multi-head self-attention, naive or fused, or a variant (`attention`, model/attention/)
   - MLP 4x wide with GELU (or ReLU²: `mlp`); LayerNorm (or RMSNorm: `norm`)
   - final norm, LM head tied to the token embedding (`tie_embeddings`)
   - GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 n_layer)
@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import CausalSelfAttention, rope_tables
+from model.attention import build_attention
 from model.config import ModelConfig
+from model.positions import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -56,7 +57,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm1 = make_norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = build_attention(cfg)
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
@@ -118,6 +119,11 @@ class GPT(nn.Module):
         if non_embedding and self.pos_emb is not None:
             n -= self.pos_emb.weight.numel()
         return n
+
+    def kv_cache_bytes(self, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of the inference cache (all layers) for one sequence of seq_len tokens."""
+        numbers = sum(block.attn.cache_size(seq_len) for block in self.blocks)
+        return numbers * torch.empty((), dtype=dtype).element_size()
 
     def forward(self, idx, targets=None, cache: InferenceCache | None = None, all_logits=False):
         """idx (B, T) token ids -> (logits, loss).

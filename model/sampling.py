@@ -1,7 +1,8 @@
 """Autoregressive sampling: predict the next token, append it, repeat.
 
 With the cache (the default), the prompt goes through the model once (prefill) and every later
-step feeds only the newest token, reusing the keys and values of the earlier ones. When the
+step feeds only the newest token, reusing what the attention cached for the earlier ones (their keys
+and values; only the last window of them, a latent, or a recurrent state for some variants). When the
 context reaches block_size, the window slides: the cache is rebuilt from the last half block of
 tokens (positions restart at 0, as learned position embeddings need), so the cost stays amortized
 O(1) forwards of one token per step.

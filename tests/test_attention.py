@@ -45,7 +45,7 @@ def test_sdpa_does_not_claim_to_return_weights():
         attn(torch.randn(1, 4, 32), return_weights=True)
 
 
-@pytest.mark.parametrize("pos", ["learned", "rope", "none"])
+@pytest.mark.parametrize("pos", ["learned", "rope", "alibi", "none"])
 def test_naive_and_sdpa_agree_in_outputs_and_gradients(pos):
     naive, sdpa = make_model("naive", pos=pos), make_model("sdpa", pos=pos)
     sdpa.load_state_dict(naive.state_dict())

@@ -58,6 +58,7 @@ class LogConfig:
     wandb: bool = False           # also log to Weights & Biases (honours WANDB_MODE=offline/disabled)
     wandb_project: str = "gpt"
     wandb_run_name: str = ""      # "" = the out dir's name
+    wandb_group: str = ""         # runs with the same group overlay in the wandb UI (ablate.py sets the sweep's name)
 
 
 @dataclass

@@ -97,7 +97,8 @@ class Metrics:
             except ImportError:
                 raise ConfigError("log.wandb = true but wandb is not installed (pip install wandb)") from None
             self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or out_dir.name,
-                                    config=cfg.to_dict(), dir=str(out_dir), resume="allow")
+                                    group=cfg.log.wandb_group or None, config=cfg.to_dict(), dir=str(out_dir),
+                                    resume="allow")
 
     @staticmethod
     def step_of(line: str) -> float:

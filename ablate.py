@@ -1,0 +1,47 @@
+"""Ablate: train a few variants of one config, each with several seeds, under the same budget, and
+compare them (results.md, results.csv, loss_curves.png in the sweep's out dir).
+
+    python ablate.py configs/ablations/attention_cpu.toml
+    python ablate.py configs/ablations/attention.toml --train.device=cuda:1   # applies to every run
+    python ablate.py SWEEP.toml --report                                      # only rewrite the results
+
+The sweep file format is described in training/sweep.py. Running the same command again skips the
+finished runs and resumes an unfinished one from its last checkpoint; Ctrl-C stops after the current
+step of the current run (with a checkpoint).
+"""
+import shlex
+import sys
+from pathlib import Path
+
+from training.errors import run_cli
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--run-one"] and len(argv) == 2:      # internal: one run, in its own process
+        from training.sweep import run_one
+        return run_one(Path(argv[1]))
+    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("--"):
+        print(__doc__)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    from training.report import write_report
+    from training.sweep import load_sweep, run_sweep
+    from training.trainer import RunError
+
+    report_only = "--report" in argv
+    sweep = load_sweep(argv[0], [a for a in argv[1:] if a != "--report"])
+    print(f"# sweep {sweep.name}: {len(sweep.variants)} variants x {len(sweep.seeds)} seeds = "
+          f"{len(sweep.runs)} runs -> {sweep.out_dir}")
+    outcome = {"failed": [], "interrupted": False} if report_only else run_sweep(sweep)
+    write_report(sweep, "python ablate.py " + shlex.join(argv))
+    print((sweep.out_dir / "results.md").read_text())
+    if outcome["interrupted"]:
+        return 130
+    if outcome["failed"]:
+        run, why = outcome["failed"][0]
+        raise RunError(f"{len(outcome['failed'])} of {len(sweep.runs)} runs failed (first: {run.label}: {why}); "
+                       f"see their train.log; the command runs them again")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, sys.argv[1:]))

@@ -1,0 +1,48 @@
+"""Causal self-attention and its variants, chosen by `model.attention`.
+
+    naive, sdpa      plain multi-head attention, explicit or fused        mha.py
+    gqa              fewer key/value heads (model.n_kv_head; 1 = MQA)      gqa.py
+    sliding_window   each token sees the last model.window tokens         sliding_window.py
+    linear           kernelized, O(T) memory, an RNN-like state           linear.py
+    mla              keys and values from a cached low-rank latent        mla.py
+
+Every variant is an nn.Module with one interface, which the GPT and the sampler rely on:
+
+    forward(x, rope=None, cache=None) -> y      x, y (B, T, C); rope = (cos, sin) of the T new
+                                                positions when model.pos = 'rope'; with a cache, x
+                                                continues the positions it holds and is added to it
+    new_cache(batch, max_len, device, dtype)    an empty cache for incremental decoding
+    cache_size(seq_len) -> int                  numbers the cache holds for one sequence of seq_len
+                                                tokens (the KV-cache column of an ablation)
+
+The shared math (mask, naive and fused attention, the KV cache) is in core.py; positions in
+model/positions.py.
+"""
+from model.attention.core import KVCache, causal_mask, naive_attention, sdpa_attention
+from model.attention.gqa import GroupedQueryAttention
+from model.attention.linear import LinearAttention
+from model.attention.mha import CausalSelfAttention
+from model.attention.mla import MultiHeadLatentAttention
+from model.attention.sliding_window import SlidingWindowAttention
+from model.config import ATTENTIONS, ModelConfig
+from model.positions import apply_rotary_emb, rope_tables
+
+REGISTRY = {
+    "naive": CausalSelfAttention,
+    "sdpa": CausalSelfAttention,
+    "gqa": GroupedQueryAttention,
+    "sliding_window": SlidingWindowAttention,
+    "linear": LinearAttention,
+    "mla": MultiHeadLatentAttention,
+}
+assert tuple(REGISTRY) == ATTENTIONS, "model/config.py's ATTENTIONS must list the registry's names"
+
+
+def build_attention(cfg: ModelConfig):
+    """The attention module that cfg.attention names."""
+    return REGISTRY[cfg.attention](cfg)
+
+
+__all__ = ["REGISTRY", "build_attention", "CausalSelfAttention", "GroupedQueryAttention",
+           "SlidingWindowAttention", "LinearAttention", "MultiHeadLatentAttention", "KVCache",
+           "causal_mask", "naive_attention", "sdpa_attention", "apply_rotary_emb", "rope_tables"]

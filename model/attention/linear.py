@@ -1,0 +1,114 @@
+"""Causal linear attention (`linear`): the softmax kernel exp(q·k) replaced by a dot product of
+positive features φ(q)·φ(k), with φ(x) = elu(x) + 1 (Katharopoulos et al., 2020, "Transformers are
+RNNs").
+
+Because φ(q_i)·φ(k_j) factorizes, the sum over the past can be computed once and reused:
+
+    out_i = Σ_{j≤i} (φ(q_i)·φ(k_j)) v_j / Σ_{j≤i} φ(q_i)·φ(k_j)
+          = φ(q_i) S_i / φ(q_i) z_i,    S_i = Σ_{j≤i} φ(k_j) v_jᵀ  (hs, hs),   z_i = Σ_{j≤i} φ(k_j)  (hs,)
+
+Two forms of the same numbers:
+  recurrent  S += φ(k_t) v_tᵀ, one token at a time: sampling keeps only (S, z), a constant-size state.
+  chunked    (training) the sequence in chunks of L tokens: the quadratic form inside a chunk, the
+             state carried between chunks. O(T·L) memory instead of softmax attention's O(T²).
+
+Cost: O(T·hs²) per head instead of O(T²·hs); the cache is n_head·(hs² + hs) numbers per layer,
+whatever the sequence length. No softmax means no sharp, sparse attention: it usually trains to a
+worse loss than softmax attention at the same size.
+
+With rope, the features are rotated in the numerator only (RoFormer, section 3.3): the denominator
+stays a sum of positive numbers. ALiBi needs scores to bias and is refused by the config. attn_scale
+multiplies q by 1/√hs before φ; qk_norm normalizes q and k before φ.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.positions import apply_rotary_emb
+
+CHUNK = 64
+
+
+def causal_linear_attention(q, k, v, state=None, chunk: int = CHUNK):
+    """Σ_{j≤i} (q_i·k_j) v_j for every i, chunk by chunk. q, k (B, nh, T, dk), v (B, nh, T, dv),
+    state (B, nh, dk, dv): Σ k_j v_jᵀ over earlier tokens (None = none) -> out (B, nh, T, dv), new state."""
+    B, nh, T, dk = q.shape
+    n = math.ceil(T / chunk)
+    pad = n * chunk - T                        # zero keys and values at the end add nothing
+    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, nh, n, chunk, t.size(-1)) for t in (q, k, v))
+    within = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k.transpose(-2, -1)).masked_fill(~within, 0.0)     # (B, nh, n, L, L) inside each chunk
+    kv = k.transpose(-2, -1) @ v                                     # (B, nh, n, dk, dv) each chunk's sum
+    before = kv.cumsum(dim=2) - kv                                   # the state at the start of each chunk
+    if state is not None:
+        before = before + state[:, :, None]
+    out = scores @ v + q @ before                                    # (B, nh, n, L, dv)
+    return out.view(B, nh, n * chunk, -1)[:, :, :T], before[:, :, -1] + kv[:, :, -1]
+
+
+def recurrent_linear_attention(q, k, v, state=None):
+    """The same sums one token at a time, as an RNN: S += k_t v_tᵀ; out_t = q_t S."""
+    B, nh, T, dk = q.shape
+    S = state if state is not None else q.new_zeros(B, nh, dk, v.size(-1))
+    outs = []
+    for t in range(T):
+        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]           # (B, nh, dk, dv)
+        outs.append((q[:, :, t, None, :] @ S).squeeze(2))            # (B, nh, dv)
+    return torch.stack(outs, dim=2), S
+
+
+class LinearState:
+    """One layer's recurrent state: S (B, nh, hs, hs) for the numerator, z (B, nh, hs, 1) for the
+    denominator. Its size does not depend on max_len."""
+
+    def __init__(self, batch: int, n_head: int, head_dim: int, device, dtype):
+        self.S = torch.zeros(batch, n_head, head_dim, head_dim, device=device, dtype=dtype)
+        self.z = torch.zeros(batch, n_head, head_dim, 1, device=device, dtype=dtype)
+
+
+class LinearAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.qk_norm = cfg.qk_norm
+        self.scale = 1.0 / math.sqrt(self.head_dim) if cfg.attn_scale else 1.0
+        self.query = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.key = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.value = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.chunk = CHUNK
+
+    def split_heads(self, t: torch.Tensor) -> torch.Tensor:
+        B, T, _ = t.shape
+        return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)   # (B, nh, T, hs)
+
+    def new_cache(self, batch: int, max_len: int, device, dtype) -> LinearState:
+        return LinearState(batch, self.n_head, self.head_dim, device, dtype)
+
+    def cache_size(self, seq_len: int) -> int:
+        return self.n_head * (self.head_dim * self.head_dim + self.head_dim)
+
+    def forward(self, x, rope=None, cache: LinearState | None = None):
+        B, T, C = x.shape
+        q, k, v = self.split_heads(self.query(x)), self.split_heads(self.key(x)), self.split_heads(self.value(x))
+        if self.qk_norm:
+            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
+        q, k = F.elu(q * self.scale) + 1, F.elu(k) + 1                   # φ: positive features
+        q_num, k_num = (apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)) if rope is not None else (q, k)
+        ones = v.new_ones(B, self.n_head, T, 1)                          # Σ φ(q)·φ(k) · 1 = the denominator
+
+        if cache is not None and T == 1:
+            attend = recurrent_linear_attention
+        else:
+            attend = lambda q, k, v, state: causal_linear_attention(q, k, v, state, self.chunk)   # noqa: E731
+        num, S = attend(q_num, k_num, v, cache.S if cache is not None else None)   # (B, nh, T, hs)
+        den, z = attend(q, k, ones, cache.z if cache is not None else None)         # (B, nh, T, 1)
+        if cache is not None:
+            cache.S, cache.z = S, z
+        out = num / den.clamp_min(1e-6)
+        out = out.transpose(1, 2).contiguous().view(B, T, C)              # concatenate the heads
+        return self.resid_dropout(self.proj(out))

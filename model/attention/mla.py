@@ -1,0 +1,101 @@
+"""Multi-head latent attention (`mla`): keys and values are rebuilt from one small latent vector per
+token, and only the latent is cached (DeepSeek-AI, 2024, "DeepSeek-V2").
+
+    c      = norm(x W_down)          (T, d_c)     d_c = model.kv_latent_dim, much smaller than 2C
+    K, V   = c W_key_up, c W_value_up (T, C) each, split into n_head heads as usual
+    Q      = x W_q                   (T, C)
+
+then ordinary causal softmax attention. Unlike GQA, every head keeps its own keys and values; they
+are just constrained to a rank-d_c subspace shared by all heads.
+
+RoPE cannot rotate the latent (the rotation depends on the position, the up-projection would not
+commute with it), so with `model.pos = 'rope'` MLA uses the paper's decoupled RoPE: an extra key of
+hs channels per token, rotated and shared by all heads, cached beside the latent; each head's query
+gets a matching rotated part, and the scores are q·k + q_rope·k_rope, scaled by 1/√(2 hs).
+
+Cost: the KV cache is d_c (+ hs with rope) numbers per token per layer instead of 2C. The cached
+latents are up-projected again at every decoding step (O(T·d_c·C) work); DeepSeek avoids that by
+folding W_key_up into the queries and W_value_up into the output projection, which we skip for
+clarity. Training costs about as much as plain attention, with fewer parameters when d_c < C.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.attention.core import sdpa_attention
+from model.config import ModelConfig
+from model.positions import alibi_slopes, apply_rotary_emb
+
+
+class LatentCache:
+    """One layer's latents (B, max_len, d_c) and, with rope, rotated shared keys (B, 1, max_len, hs)."""
+
+    def __init__(self, batch: int, max_len: int, latent_dim: int, rope_dim: int, device, dtype):
+        self.c = torch.zeros(batch, max_len, latent_dim, device=device, dtype=dtype)
+        self.k_rope = torch.zeros(batch, 1, max_len, rope_dim, device=device, dtype=dtype) if rope_dim else None
+        self.len = 0
+
+    def append(self, c, k_rope):
+        end = self.len + c.size(1)
+        self.c[:, self.len:end] = c
+        if k_rope is not None:
+            self.k_rope[:, :, self.len:end] = k_rope
+        self.len = end
+        return self.c[:, :end], (self.k_rope[:, :, :end] if k_rope is not None else None)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        C, self.n_head, self.head_dim = cfg.n_embd, cfg.n_head, cfg.head_dim
+        self.latent_dim, self.rope = cfg.kv_latent_dim, cfg.pos == "rope"
+        self.qk_norm = cfg.qk_norm
+        score_dim = 2 * self.head_dim if self.rope else self.head_dim
+        self.scale = 1.0 / math.sqrt(score_dim) if cfg.attn_scale else 1.0
+        self.dropout_p = cfg.dropout
+        self.query = nn.Linear(C, C, bias=cfg.bias)
+        self.kv_down = nn.Linear(C, self.latent_dim, bias=cfg.bias)      # x -> the latent (cached)
+        self.kv_norm = nn.RMSNorm(self.latent_dim)
+        self.key_up = nn.Linear(self.latent_dim, C, bias=cfg.bias)       # latent -> every head's keys
+        self.value_up = nn.Linear(self.latent_dim, C, bias=cfg.bias)     # latent -> every head's values
+        if self.rope:
+            self.query_rope = nn.Linear(C, C, bias=cfg.bias)             # per head, rotated
+            self.key_rope = nn.Linear(C, self.head_dim, bias=cfg.bias)   # shared by the heads, rotated, cached
+        self.proj = nn.Linear(C, C, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        slopes = alibi_slopes(cfg.n_head) if cfg.pos == "alibi" else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
+
+    def split_heads(self, t: torch.Tensor, n_head: int) -> torch.Tensor:
+        B, T, _ = t.shape
+        return t.view(B, T, n_head, self.head_dim).transpose(1, 2)        # (B, nh, T, hs)
+
+    def new_cache(self, batch: int, max_len: int, device, dtype) -> LatentCache:
+        return LatentCache(batch, max_len, self.latent_dim, self.head_dim if self.rope else 0, device, dtype)
+
+    def cache_size(self, seq_len: int) -> int:
+        return (self.latent_dim + (self.head_dim if self.rope else 0)) * seq_len
+
+    def forward(self, x, rope=None, cache: LatentCache | None = None):
+        B, T, C = x.shape
+        norm = (lambda t: F.rms_norm(t, (self.head_dim,))) if self.qk_norm else (lambda t: t)
+        q = norm(self.split_heads(self.query(x), self.n_head))           # (B, nh, T, hs)
+        c = self.kv_norm(self.kv_down(x))                                # (B, T, d_c)
+        k_rope = None
+        if self.rope:
+            q_rope = apply_rotary_emb(norm(self.split_heads(self.query_rope(x), self.n_head)), *rope)
+            k_rope = apply_rotary_emb(norm(self.split_heads(self.key_rope(x), 1)), *rope)   # (B, 1, T, hs)
+        if cache is not None:
+            c, k_rope = cache.append(c, k_rope)                          # (B, T_past + T, d_c)
+        k = norm(self.split_heads(self.key_up(c), self.n_head))          # (B, nh, T_all, hs)
+        v = self.split_heads(self.value_up(c), self.n_head)
+        if self.rope:
+            q = torch.cat([q, q_rope], dim=-1)                           # (B, nh, T, 2 hs)
+            k = torch.cat([k, k_rope.expand(-1, self.n_head, -1, -1)], dim=-1)
+
+        p = self.dropout_p if self.training else 0.0
+        out = sdpa_attention(q, k, v, self.scale, p, slopes=self.alibi_slopes)   # (B, nh, T, hs)
+        out = out.transpose(1, 2).contiguous().view(B, T, C)              # concatenate the heads
+        return self.resid_dropout(self.proj(out))

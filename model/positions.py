@@ -1,0 +1,53 @@
+"""How the model knows where a token is (`model.pos`).
+
+Attention by itself is blind to order: permute the keys and values together and every output stays
+the same. Four ways to give it order:
+
+  learned  a trained vector per absolute position added to the token embedding (GPT-2). Costs
+           block_size x C parameters and cannot go past block_size.
+  rope     rotary embedding (Su et al., 2021, "RoFormer"): rotate pairs of channels of q and k by an
+           angle proportional to the position, so q·k depends only on the distance i - j.
+  alibi    attention with linear biases (Press et al., 2022, "Train Short, Test Long"): no embedding
+           at all; each head adds -slope * (i - j) to its scores, a penalty growing with distance.
+  none     nothing: a causal decoder can still infer positions from the mask (Haviv et al., 2022).
+
+`learned` lives in model/gpt.py (an nn.Embedding); the functions here implement rope and alibi.
+"""
+import math
+
+import torch
+
+
+def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (max_len, head_dim/2): angle[t, i] = t / base^(2i / head_dim)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels (first half, second half) of x (B, nh, T, hs) by position-dependent
+    angles (cos, sin: (T, hs/2)), so q·k depends only on the distance between the two positions."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """(n_head,) the geometric sequence of ALiBi slopes: 2^(-8/n), 2^(-16/n), ..., 2^(-8) for n a
+    power of two. Otherwise the paper's recipe: the slopes of the power of two just below n, then
+    every other slope of the next power of two. Steep heads look locally, shallow ones far."""
+    def powers(n):
+        return [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+    below = 2 ** math.floor(math.log2(n_head))
+    slopes = powers(below) + powers(2 * below)[0::2][:n_head - below]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: torch.Tensor, t_query: int, t_key: int) -> torch.Tensor:
+    """(nh, t_query, t_key) additive score bias -slope * (i - j). The queries are the last t_query of
+    the t_key positions (as in causal_mask); entries above the diagonal are masked out anyway."""
+    q_pos = torch.arange(t_key - t_query, t_key, device=slopes.device)
+    k_pos = torch.arange(t_key, device=slopes.device)
+    distance = (q_pos[:, None] - k_pos[None, :]).float()                 # (Tq, Tk), >= 0 where visible
+    return -slopes[:, None, None] * distance

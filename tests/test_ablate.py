@@ -1,0 +1,118 @@
+"""ablate.py: a tiny sweep runs, reports one row per variant, skips finished runs and resumes partial ones."""
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from training.config import ConfigError
+from training.sweep import load_sweep
+
+VARIANTS = """
+[[variants]]
+name = "sdpa"
+
+[[variants]]
+name = "mqa"
+model.attention = "gqa"
+model.n_kv_head = 1
+"""
+
+
+def write_sweep(tmp_path, text_file, variants=VARIANTS, extra=""):
+    path = tmp_path / "tiny_sweep.toml"
+    path.write_text(f"""
+out_dir = {json.dumps(str(tmp_path / "sweep"))}
+seeds = [1, 2]
+
+[overrides]
+data.path = {json.dumps(str(text_file))}
+data.prepared_dir = {json.dumps(str(tmp_path / "prepared"))}
+model.n_layer = 1
+model.n_head = 2
+model.n_embd = 16
+model.block_size = 16
+train.batch_size = 4
+train.max_steps = 10
+train.warmup_steps = 2
+train.eval_interval = 5
+train.eval_iters = 2
+train.log_interval = 5
+{extra}
+{variants}""")
+    return path
+
+
+def test_a_sweep_runs_reports_skips_finished_runs_and_resumes_partial_ones(tmp_path, text_file, capsys):
+    from ablate import main
+    from training.trainer import train
+    path = write_sweep(tmp_path, text_file)
+    sweep = load_sweep(str(path))
+    assert [(r.variant, r.seed) for r in sweep.runs] == [("sdpa", 1), ("sdpa", 2), ("mqa", 1), ("mqa", 2)]
+    partial = sweep.runs[3]
+    train(partial.cfg, quiet=True, stop_at=5)              # as if the sweep had been interrupted there
+
+    assert main([str(path)]) == 0
+    out = tmp_path / "sweep"
+    assert "resuming" in (partial.dir / "train.log").read_text()
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["variant"] for r in rows] == ["sdpa", "mqa"]
+    assert all(r["seeds_done"] == "2" and float(r["final_val"]) > 0 for r in rows)
+    sdpa, mqa = rows
+    assert int(mqa["params"]) < int(sdpa["params"])
+    assert float(mqa["kv_bytes_per_token"]) * 2 == float(sdpa["kv_bytes_per_token"]) == 1 * 2 * 16 * 4
+    assert sdpa["beyond_noise"] == "baseline" and mqa["beyond_noise"] in ("yes", "no")
+    assert float(mqa["delta"]) == pytest.approx(float(mqa["final_val"]) - float(sdpa["final_val"]), abs=1e-5)
+    assert float(sdpa["peak_mem_bytes"]) > 10e6 and float(sdpa["tokens_per_s"]) > 0
+    with open(out / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    md = (out / "results.md").read_text()
+    assert "| sdpa | (baseline) |" in md and "| mqa | model.attention=gqa model.n_kv_head=1 |" in md
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    logs = {r.dir: (r.dir / "train.log").stat().st_mtime_ns for r in sweep.runs}
+    capsys.readouterr()
+    assert main([str(path)]) == 0
+    assert capsys.readouterr().out.count("done before, skipped") == 4
+    assert logs == {r.dir: (r.dir / "train.log").stat().st_mtime_ns for r in sweep.runs}, "nothing re-ran"
+
+    with pytest.raises(ConfigError, match="holds a run with another config .*train.lr"):
+        main([str(path), "--train.lr=0.5"])
+
+
+@pytest.mark.parametrize("variants, message", [
+    (VARIANTS + '\n[[variants]]\nname = "long"\ntrain.max_steps = 20\n',
+     "variant 'long' changes train.max_steps .* same data and token budget"),
+    (VARIANTS + '\n[[variants]]\nname = "sdpa"\n', "two variants are named 'sdpa'"),
+    ('[[variants]]\nname = "bad"\nmodel.attention = "gqa"\nmodel.n_kv_head = 3\n',
+     "variant 'bad': model.n_head=2 is not a multiple of model.n_kv_head=3"),
+    ('[[variants]]\nname = "typo"\nmodel.n_layr = 3\n', "variant 'typo': unknown config key 'model.n_layr'"),
+    ("", "needs at least one \\[\\[variants\\]\\] table"),
+])
+def test_bad_sweeps_are_refused_before_anything_runs(tmp_path, text_file, variants, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(str(write_sweep(tmp_path, text_file, variants)))
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_sweep_errors_are_one_line_from_the_command(tmp_path, text_file):
+    path = write_sweep(tmp_path, text_file, extra="learning_rate = 3")
+    r = subprocess.run([sys.executable, "ablate.py", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "[overrides]: unknown config key 'learning_rate'" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_shipped_sweeps_load(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cpu = load_sweep("configs/ablations/attention_cpu.toml")
+    assert len(cpu.runs) <= 18 and cpu.seeds == [1337, 1338]
+    m = cpu.runs[0].cfg.model
+    assert (m.n_layer, m.n_embd, m.block_size) == (4, 128, 64) and cpu.runs[0].cfg.data.path == "data/tinyshakespeare.txt"
+    attentions = {r.cfg.model.attention for r in cpu.runs}
+    assert attentions == {"naive", "sdpa", "gqa", "sliding_window", "linear", "mla"}
+    assert any(not r.cfg.model.attn_scale for r in cpu.runs) and any(r.cfg.model.qk_norm for r in cpu.runs)
+    gpu = load_sweep("configs/ablations/attention.toml")
+    assert {r.cfg.model.pos for r in gpu.runs} == {"learned", "rope", "alibi", "none"}

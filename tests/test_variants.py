@@ -1,0 +1,186 @@
+"""Attention variants x position encodings: causal, equal to plain attention where they should be,
+the same logits with or without the cache, and the configs that cannot work are refused."""
+import pytest
+import torch
+
+from model.attention import naive_attention, sdpa_attention
+from model.attention.linear import causal_linear_attention, recurrent_linear_attention
+from model.config import ModelConfig
+from model.gpt import GPT, InferenceCache
+from model.positions import alibi_slopes
+from model.sampling import generate
+from training.config import ConfigError, build_config
+
+OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
+       "linear": {}, "mla": {"kv_latent_dim": 12}}
+POSITIONS = ["learned", "rope", "alibi", "none"]
+COMBOS = [(a, p) for a in OWN for p in POSITIONS if (a, p) != ("linear", "alibi")]
+
+
+def make_model(attention="sdpa", pos="learned", **kw):
+    torch.manual_seed(0)
+    settings = {"vocab_size": 40, "block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32,
+                "attention": attention, "pos": pos, **OWN[attention], **kw}
+    model = GPT(ModelConfig(**settings)).eval()
+    for block in model.blocks:
+        if attention == "linear":
+            block.attn.chunk = 4      # several chunks in a block of 16: the state carried between them is tested
+    return model
+
+
+def tokens(b=2, t=16, seed=1):
+    return torch.randint(0, 40, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attention, pos", COMBOS)
+def test_changing_a_token_never_changes_earlier_outputs(attention, pos):
+    model = make_model(attention, pos, qk_norm=(pos == "none"))
+    idx = tokens()
+    base, _ = model(idx, all_logits=True)
+    for j in (0, 7, 15):
+        changed = idx.clone()
+        changed[:, j] = (changed[:, j] + 1) % 40
+        out, _ = model(changed, all_logits=True)
+        if attention == "linear":   # batched chunk matmuls round differently (1e-8); a leak is ~1e-3
+            torch.testing.assert_close(out[:, :j], base[:, :j], atol=1e-6, rtol=0, msg=f"position < {j} saw token {j}")
+        else:
+            assert torch.equal(out[:, :j], base[:, :j]), f"position < {j} saw token {j}"
+        assert not torch.allclose(out[:, j], base[:, j]), "the changed token itself must matter"
+
+
+def test_sliding_window_sees_only_its_window_per_layer():
+    model = make_model("sliding_window", window=3)            # 2 layers: position i sees i-4 .. i
+    idx = tokens()
+    changed = idx.clone()
+    changed[:, 2] = (changed[:, 2] + 1) % 40
+    a, _ = model(idx, all_logits=True)
+    b, _ = model(changed, all_logits=True)
+    assert not torch.allclose(a[:, 6], b[:, 6]), "token 2 is 4 positions back: reached in two layers"
+    assert torch.equal(a[:, 7:], b[:, 7:]), "token 2 is out of reach from position 7 on"
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("t_query", [8, 3, 1])
+def test_naive_and_sdpa_math_agree_with_windows_alibi_and_cached_keys(window, alibi, t_query):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, t_query, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    slopes = alibi_slopes(4) if alibi else None
+    expected, weights = naive_attention(q, k, v, 0.3, window=window, slopes=slopes)
+    torch.testing.assert_close(sdpa_attention(q, k, v, 0.3, window=window, slopes=slopes), expected, atol=1e-6, rtol=0)
+    visible = (weights > 0).sum(-1)
+    assert visible.max() <= (window or 8) and visible[..., -1].min() == min(8, window or 8)
+
+
+def test_alibi_slopes_are_the_papers():
+    assert alibi_slopes(8).tolist() == [2.0 ** -i for i in range(1, 9)]
+    assert alibi_slopes(6).tolist() == [2.0 ** -i for i in (2, 4, 6, 8)] + [2.0 ** -1, 2.0 ** -3]
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope", "alibi"])
+def test_gqa_with_as_many_kv_heads_as_heads_is_multi_head(pos):
+    plain = make_model("sdpa", pos)
+    gqa = make_model("gqa", pos, n_kv_head=4)
+    gqa.load_state_dict(plain.state_dict())
+    idx = tokens()
+    torch.testing.assert_close(gqa(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-6, rtol=0)
+
+
+def test_gqa_is_multi_head_with_each_kv_head_shared_by_its_group():
+    gqa = make_model("gqa", n_kv_head=2)                       # heads 0, 1 share kv head 0; 2, 3 kv head 1
+    plain = make_model("sdpa")
+    state = gqa.state_dict()
+    for name, p in list(state.items()):
+        if ".attn.key." in name or ".attn.value." in name:    # (2 hs, ...) -> (4 hs, ...), each head twice
+            state[name] = p.view(2, 8, *p.shape[1:]).repeat_interleave(2, dim=0).reshape(32, *p.shape[1:])
+    plain.load_state_dict(state)
+    idx = tokens()
+    torch.testing.assert_close(gqa(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope", "alibi"])
+def test_a_window_as_long_as_the_block_is_full_causal_attention(pos):
+    plain = make_model("sdpa", pos)
+    local = make_model("sliding_window", pos, window=16)
+    local.load_state_dict(plain.state_dict())
+    idx = tokens()
+    torch.testing.assert_close(local(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 64])
+def test_linear_attention_chunked_form_equals_its_recurrent_form(chunk):
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.rand(2, 3, 10, 4, generator=g), torch.rand(2, 3, 10, 4, generator=g)
+    v, state = torch.randn(2, 3, 10, 5, generator=g), torch.randn(2, 3, 4, 5, generator=g)
+    for start in (None, state):
+        out_c, state_c = causal_linear_attention(q, k, v, start, chunk=chunk)
+        out_r, state_r = recurrent_linear_attention(q, k, v, start)
+        torch.testing.assert_close(out_c, out_r, atol=1e-5, rtol=0)
+        torch.testing.assert_close(state_c, state_r, atol=1e-5, rtol=0)
+    explicit = torch.stack([sum((q[:, :, i] * k[:, :, j]).sum(-1, keepdim=True) * v[:, :, j] for j in range(i + 1))
+                            for i in range(10)], dim=2)
+    torch.testing.assert_close(recurrent_linear_attention(q, k, v)[0], explicit, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention, pos", COMBOS)
+def test_incremental_decoding_matches_recomputing_the_prefix(attention, pos):
+    model = make_model(attention, pos, qk_norm=(pos == "none"))
+    idx = tokens(b=3)
+    full, _ = model(idx, all_logits=True)
+    cache = InferenceCache(model, 3, "cpu", torch.float32)
+    parts = [model(idx[:, :7], cache=cache, all_logits=True)[0],      # prefill longer than the window
+             model(idx[:, 7:9], cache=cache, all_logits=True)[0]]     # a chunk after the cache
+    parts += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(9, 16)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", list(OWN))
+def test_cache_size_is_what_the_cache_holds(attention):
+    model = make_model(attention, "rope")
+    cache = InferenceCache(model, 1, "cpu", torch.float32)
+    model(tokens(b=1), cache=cache)
+    for block, layer_cache in zip(model.blocks, cache.layers):
+        held = sum(t.numel() for t in vars(layer_cache).values() if isinstance(t, torch.Tensor))
+        assert held == block.attn.cache_size(16)
+    per_layer = {"naive": 2 * 32 * 16, "sdpa": 2 * 32 * 16, "gqa": 2 * 16 * 16, "sliding_window": 2 * 32 * 5,
+                 "linear": 4 * (8 * 8 + 8), "mla": (12 + 8) * 16}[attention]
+    assert model.kv_cache_bytes(16) == 2 * per_layer * 4
+    assert model.kv_cache_bytes(16, torch.bfloat16) == 2 * per_layer * 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.attention": "gqa", "model.n_kv_head": 3}, "model.n_head=4 is not a multiple of model.n_kv_head=3"),
+    ({"model.attention": "gqa"}, "model.attention='gqa' needs model.n_kv_head > 0"),
+    ({"model.n_kv_head": 2}, "model.n_kv_head=2 only applies to model.attention='gqa', not model.attention='sdpa'"),
+    ({"model.attention": "sliding_window", "model.window": 65}, "model.window=65 is larger than model.block_size=64"),
+    ({"model.attention": "sliding_window"}, "model.attention='sliding_window' needs model.window > 0"),
+    ({"model.attention": "mla"}, "model.attention='mla' needs model.kv_latent_dim > 0"),
+    ({"model.attention": "mla", "model.kv_latent_dim": 8, "model.window": 8},
+     "model.window=8 only applies to model.attention='sliding_window', not model.attention='mla'"),
+    ({"model.attention": "linear", "model.pos": "alibi"}, "model.pos='alibi' .* model.attention='linear'"),
+    ({"model.attention": "flash"}, "model.attention='flash' is not one of naive, sdpa, gqa"),
+    ({"model.pos": "sinusoidal"}, "model.pos='sinusoidal' is not one of learned, rope, alibi, none"),
+    ({"model.attention": "gqa", "model.n_kv_head": -1}, "model.n_kv_head must be >= 0"),
+])
+def test_impossible_combinations_are_config_errors_naming_both_settings(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(None, [f"--{k}={v}" for k, v in overrides.items()])
+
+
+@pytest.mark.parametrize("attention, pos", [("naive", "alibi"), ("gqa", "rope"), ("sliding_window", "alibi"),
+                                            ("linear", "rope"), ("mla", "rope"), ("mla", "learned")])
+def test_every_variant_trains_and_samples(tiny_cfg, attention, pos):
+    from training.checkpoint import load_checkpoint
+    from training.trainer import train
+    own = {f"model.{k}": v for k, v in OWN[attention].items()}
+    cfg = tiny_cfg(**{"model.attention": attention, "model.pos": pos, "model.block_size": 16, **own,
+                      "train.max_steps": 12, "train.eval_interval": 12, "train.lr": 1e-2, "train.log_interval": 1})
+    summary = train(cfg, quiet=True)
+    assert summary["losses"][12] < summary["losses"][1] - 0.5, summary["losses"]
+    ckpt = load_checkpoint(f"{cfg.out_dir}/best.pt")
+    model = GPT(cfg.model).eval()
+    model.load_state_dict(ckpt["model"])
+    prompt = tokens(b=2, t=3) % cfg.model.vocab_size
+    cached = torch.cat(list(generate(model, prompt, 40, temperature=0)), dim=1)   # slides past the block
+    fresh = torch.cat(list(generate(model, prompt, 13, temperature=0, use_cache=False)), dim=1)
+    assert cached.shape == (2, 40) and torch.equal(cached[:, :13], fresh)

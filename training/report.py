@@ -1,0 +1,212 @@
+"""A sweep's results: results.csv and results.md (one row per variant), runs.csv (one row per run) and
+loss_curves.png (val loss against step and against wall-clock time, mean over seeds with their spread).
+
+Whether a variant differs from the baseline beyond the seed noise: the seed-to-seed standard deviation
+of the final val loss, pooled over all variants (one number, estimated from every seed of every
+variant, steadier than each variant's own two or three seeds), gives the standard error of a
+difference of two means, σ·√(1/n_variant + 1/n_baseline). A difference larger than twice that is
+called beyond the noise (about 95% confidence for one comparison).
+"""
+import csv
+import datetime
+import json
+import math
+import platform
+import statistics
+from pathlib import Path
+
+from training.sweep import Sweep, flat
+
+NOISE_Z = 2.0
+
+
+def read_run(run) -> dict:
+    """One run's numbers from its metrics.jsonl, result.json and run.json (missing ones are None)."""
+    records = []
+    if (run.dir / "metrics.jsonl").exists():
+        records = [json.loads(l) for l in (run.dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    speeds = [r["tokens_per_s"] for r in records if r.get("kind") == "train" and "tokens_per_s" in r]
+    result = json.loads((run.dir / "result.json").read_text()) if (run.dir / "result.json").exists() else {}
+    attempts = json.loads((run.dir / "run.json").read_text())["attempts"] if (run.dir / "run.json").exists() else []
+    rss = [a["peak_rss_bytes"] for a in attempts if a.get("peak_rss_bytes")]
+    return {
+        "variant": run.variant, "seed": run.seed, "done": bool(result.get("done")),
+        "steps": [r["step"] for r in evals], "val": [r["val_loss"] for r in evals],
+        "elapsed": [r.get("elapsed_s", math.nan) for r in evals],
+        "final_val": evals[-1]["val_loss"] if evals else math.nan,
+        "best_val": min((r["val_loss"] for r in evals), default=math.nan),
+        "tokens_per_s": statistics.median(speeds) if speeds else math.nan,
+        "wall_s": evals[-1].get("elapsed_s", math.nan) if evals else math.nan,
+        "params": result.get("params"), "kv_bytes_per_token": result.get("kv_cache_bytes_per_token"),
+        "kv_dtype": result.get("kv_cache_dtype"),
+        "peak_mem_bytes": result.get("peak_gpu_bytes") or (max(rss) if rss else None),
+        "peak_mem_kind": "GPU allocated" if result.get("peak_gpu_bytes") else "process RSS",
+    }
+
+
+def mean_std(values) -> tuple[float, float]:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
+
+
+def summarize(sweep: Sweep, runs: list[dict]) -> list[dict]:
+    rows = []
+    for name, overrides in sweep.variants:
+        done = [r for r in runs if r["variant"] == name and r["done"]]
+        row = {"variant": name, "changes": " ".join(f"{k}={v}" for k, v in flat(overrides).items()) or "(baseline)",
+               "seeds_done": len(done), "seeds": len(sweep.seeds),
+               "params": done[0]["params"] if done else None}
+        for key in ("final_val", "best_val", "tokens_per_s", "wall_s", "peak_mem_bytes", "kv_bytes_per_token"):
+            row[key], row[key + "_std"] = mean_std([r[key] for r in done])
+        row["peak_mem_kind"] = done[0]["peak_mem_kind"] if done else ""
+        row["_final"] = [r["final_val"] for r in done]
+        rows.append(row)
+    variances = [statistics.variance(r["_final"]) for r in rows if len(r["_final"]) > 1]
+    sigma = math.sqrt(statistics.fmean(variances)) if variances else math.nan
+    base = rows[0]
+    for row in rows:
+        row["delta"] = row["final_val"] - base["final_val"]
+        n, n0 = len(row["_final"]), len(base["_final"])
+        row["noise_se"] = sigma * math.sqrt(1 / n + 1 / n0) if n and n0 else math.nan
+        if row is base:
+            row["beyond_noise"] = "baseline"
+        elif math.isnan(row["noise_se"]) or math.isnan(row["delta"]):
+            row["beyond_noise"] = "n/a"
+        else:
+            row["beyond_noise"] = "yes" if abs(row["delta"]) > NOISE_Z * row["noise_se"] else "no"
+        row["seed_sigma"] = sigma
+    return rows
+
+
+CSV_COLUMNS = ["variant", "changes", "seeds_done", "seeds", "params", "final_val", "final_val_std", "best_val",
+               "best_val_std", "delta", "noise_se", "beyond_noise", "tokens_per_s", "wall_s", "peak_mem_bytes",
+               "peak_mem_kind", "kv_bytes_per_token"]
+
+
+def rounded(row: dict) -> dict:
+    return {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()}
+
+
+def write_csv(rows: list[dict], runs: list[dict], out: Path) -> None:
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rounded(r) for r in rows)
+    with open(out / "runs.csv", "w", newline="") as f:
+        cols = ["variant", "seed", "done", "final_val", "best_val", "tokens_per_s", "wall_s", "params",
+                "peak_mem_bytes", "kv_bytes_per_token"]
+        w = csv.DictWriter(f, cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rounded(r) for r in runs)
+
+
+def fmt(x, digits=4, std=None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    text = f"{x:.{digits}f}"
+    return text + (f" ± {std:.{digits}f}" if std is not None and not math.isnan(std) else "")
+
+
+def machine() -> str:
+    import torch
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{platform.system()} {platform.machine()}, {__import__('os').cpu_count()} CPU cores, {device}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:
+    base_cfg = sweep.runs[0].cfg
+    t = base_cfg.train
+    tokens = t.max_steps * t.batch_size * t.grad_accum * base_cfg.model.block_size
+    sigma = rows[0]["seed_sigma"]
+    lines = [
+        f"# Ablation: {sweep.name}", "",
+        f"`{command}`: {len(sweep.variants)} variants x {len(sweep.seeds)} seeds ({', '.join(map(str, sweep.seeds))}), "
+        f"{t.max_steps} steps of {t.batch_size * t.grad_accum} x {base_cfg.model.block_size} tokens "
+        f"({tokens:,} tokens per run), val loss on the same {t.eval_iters} batches every {t.eval_interval} steps. "
+        f"Machine: {machine()}. Written {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}.", "",
+        f"| variant | changes | params | final val loss | best val loss | Δ final vs {rows[0]['variant']} | beyond noise? "
+        f"| tokens/s | wall s | peak mem MB | KV cache B/token |",
+        "| --- | --- | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        status = "" if r["seeds_done"] == r["seeds"] else f" ({r['seeds_done']}/{r['seeds']} seeds done)"
+        mem = r["peak_mem_bytes"] / 2**20 if r["peak_mem_bytes"] == r["peak_mem_bytes"] else math.nan
+        lines.append(
+            f"| {r['variant']}{status} | {r['changes']} | {r['params']:,} | {fmt(r['final_val'], 4, r['final_val_std'])} "
+            f"| {fmt(r['best_val'], 4, r['best_val_std'])} | {'' if r['beyond_noise'] == 'baseline' else fmt(r['delta'], 4)} "
+            f"| {'' if r['beyond_noise'] == 'baseline' else r['beyond_noise']} | {fmt(r['tokens_per_s'], 0)} "
+            f"| {fmt(r['wall_s'], 0)} | {fmt(mem, 0)} | {fmt(r['kv_bytes_per_token'], 0)} |"
+            if r["params"] is not None else f"| {r['variant']} | {r['changes']} | no finished run | | | | | | | | |")
+    lines += [
+        "", "![val loss curves](loss_curves.png)", "",
+        "How to read it:", "",
+        "- **final / best val loss**: the val loss after the last step / the lowest one seen, mean ± standard "
+        "deviation over the seeds. For a given seed every variant saw the same batches in the same order.",
+        f"- **Δ** is the variant's mean final val loss minus the baseline's (negative = better). **beyond noise?** "
+        f"says whether |Δ| exceeds {NOISE_Z:g} standard errors of a difference of means, with the seed-to-seed "
+        f"standard deviation pooled over all variants (σ = {fmt(sigma, 4)}): SE = σ·√(1/n + 1/n_baseline). "
+        f"That is about 95% confidence for one comparison; among {len(rows) - 1} comparisons about "
+        f"{0.05 * (len(rows) - 1):.1f} may say yes by chance, and a 'no' means not resolved, not equal.",
+        "- **tokens/s**: median training throughput over the logged intervals (timings on a shared machine "
+        "are noisy). **wall s**: training time of a run, evaluations and checkpoints included.",
+        f"- **peak mem**: {rows[0]['peak_mem_kind'] or 'peak memory'} of each run's process (largest over "
+        "its attempts if it was resumed), mean over seeds; on CPU it includes the ~0.3 GB of Python and torch.",
+        "- **KV cache**: bytes a sampler keeps per token of context (all layers, the run's dtype), for a full "
+        f"block of {base_cfg.model.block_size} tokens. sliding_window's cache stops growing at its window and "
+        "linear attention's is a constant-size state: theirs is that size divided by the block.",
+        "", "Per-run numbers: runs.csv; every run's log, metrics and checkpoints: <variant>/seed<seed>/.",
+    ]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def plot(sweep: Sweep, runs: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    colors = plt.get_cmap("tab10" if len(sweep.variants) <= 10 else "tab20").colors
+    finals, highs = [], []
+    for i, (name, _) in enumerate(sweep.variants):
+        done = [r for r in runs if r["variant"] == name and r["done"] and r["steps"]]
+        if not done:
+            continue
+        n = min(len(r["steps"]) for r in done)
+        steps = np.array(done[0]["steps"][:n])
+        val = np.array([r["val"][:n] for r in done])                          # (seeds, evals)
+        secs = np.array([r["elapsed"][:n] for r in done]).mean(axis=0)
+        mean = val.mean(axis=0)
+        style = {"color": "black", "lw": 2.2} if i == 0 else {"color": colors[i % len(colors)], "lw": 1.4}
+        for ax, x in ((by_step, steps), (by_time, secs)):
+            ax.plot(x, mean, label=name, **style)
+            ax.fill_between(x, val.min(axis=0), val.max(axis=0), color=style["color"], alpha=0.15, lw=0)
+        finals.append(mean[-1])
+        highs.append(val.max())
+    if finals:   # the end of training is where variants differ: do not let the first evals flatten it
+        by_step.set_ylim(min(finals) - 0.05, min(max(highs), max(finals) + 0.6) + 0.02)
+    by_step.set(xlabel="step", ylabel="val loss", title="val loss by step")
+    by_time.set(xlabel="wall-clock seconds (training + evals)", title="val loss by wall-clock time")
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+    if finals:
+        by_time.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"{sweep.name}: mean over {len(sweep.seeds)} seeds, shaded min to max")
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=110)
+    plt.close(fig)
+
+
+def write_report(sweep: Sweep, command: str) -> list[dict]:
+    """Write results.csv, runs.csv, results.md and loss_curves.png into the sweep's out dir."""
+    runs = [read_run(r) for r in sweep.runs]
+    rows = summarize(sweep, runs)
+    sweep.out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, runs, sweep.out_dir)
+    write_md(sweep, rows, sweep.out_dir, command)
+    plot(sweep, runs, sweep.out_dir)
+    return rows

@@ -1,0 +1,280 @@
+"""Ablation sweeps: one base config, a few named variants of it, each trained with every seed.
+
+A sweep file (TOML):
+
+    name = "attention_cpu"                        # optional: default the file's name (wandb group)
+    base = "configs/shakespeare_char_cpu.toml"   # optional: a config file, relative to the working dir
+    out_dir = "out/ablations/attention_cpu"       # optional: default out/ablations/<name>
+    seeds = [1337, 1338]
+
+    [overrides]                                   # optional: on top of base, for every run
+    train.max_steps = 600
+
+    [[variants]]                                  # the first variant is the baseline
+    name = "sdpa"
+
+    [[variants]]
+    name = "gqa2"
+    model.attention = "gqa"
+    model.n_kv_head = 2
+
+Every run is a normal training run (a subprocess, so each has its own peak memory) in
+<out_dir>/<variant>/seed<seed>/. For a given seed all variants see the same batches in the same order
+(the seed fixes the data order) and the same number of tokens: a variant may not change the data,
+the seed, the step count, the batch shape or the evaluation. A finished run is skipped when the
+sweep runs again; an unfinished one resumes from its last checkpoint.
+"""
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from training.config import Config, ConfigError, apply_dict, describe, load_toml, parse_overrides, set_key
+
+SWEEP_KEYS = {"base", "out_dir", "seeds", "overrides", "variants", "name"}
+# keys a variant must not change: the data, its order and the token budget, and how runs are scored
+SHARED_KEYS = ["data.path", "data.tokenizer", "data.val_fraction", "train.seed", "train.max_steps",
+               "train.batch_size", "train.grad_accum", "model.block_size", "train.eval_interval", "train.eval_iters"]
+# keys that may differ between a run's start and its resumption (they do not change what is computed)
+RESUMABLE_KEYS = {"train.device", "train.compile", "log.wandb", "log.wandb_project"}
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+@dataclasses.dataclass
+class Run:
+    variant: str
+    seed: int
+    dir: Path
+    cfg: Config
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant} seed {self.seed}"
+
+
+@dataclasses.dataclass
+class Sweep:
+    path: Path
+    name: str
+    out_dir: Path
+    seeds: list[int]
+    variants: list[tuple[str, dict]]    # (name, overrides as a nested dict), the baseline first
+    runs: list[Run]
+
+
+def get(cfg: Config, key: str):
+    section, _, name = key.rpartition(".")
+    return getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
+
+
+def flat(values: dict, prefix: str = "") -> dict:
+    """{'model': {'n_head': 4}} -> {'model.n_head': 4}"""
+    out = {}
+    for k, v in values.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
+    """Parse and check a sweep file; build (and validate) every run's config before anything runs.
+    overrides: command-line --section.key=value, applied to every run after the file's [overrides]."""
+    path = Path(path)
+    spec = load_toml(path)
+    where = f"{path}: "
+    unknown = set(spec) - SWEEP_KEYS
+    if unknown:
+        raise ConfigError(f"{where}unknown sweep key(s) {', '.join(sorted(unknown))} "
+                          f"(a sweep has {', '.join(sorted(SWEEP_KEYS))})")
+    seeds = spec.get("seeds", [1337])
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)) \
+            or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{where}seeds must be a non-empty list of distinct integers, got {seeds!r}")
+    variants = spec.get("variants")
+    if not isinstance(variants, list) or not variants or not all(isinstance(v, dict) for v in variants):
+        raise ConfigError(f"{where}needs at least one [[variants]] table (the first is the baseline)")
+    named = []
+    for i, v in enumerate(variants):
+        name = v.get("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise ConfigError(f"{where}variant {i + 1} needs a name of letters, digits and _.+- (got {name!r})")
+        if name in [n for n, _ in named]:
+            raise ConfigError(f"{where}two variants are named {name!r}")
+        named.append((name, {k: x for k, x in v.items() if k != "name"}))
+
+    cli = parse_overrides(list(overrides))
+    sweep_name = spec.get("name", path.stem)
+    out_dir = Path(next((v for k, v in cli if k == "out_dir"), None) or spec.get("out_dir") or
+                   Path("out") / "ablations" / sweep_name)
+    runs = []
+    for name, values in named:
+        for seed in seeds:
+            cfg = Config()
+            if "base" in spec:
+                apply_dict(cfg, load_toml(Path(spec["base"])), where=f"{spec['base']}: ")
+            apply_dict(cfg, spec.get("overrides", {}), where=f"{where}[overrides]: ")
+            for key, value in cli:
+                if key != "out_dir":
+                    set_key(cfg, key, value)
+            apply_dict(cfg, values, where=f"{where}variant {name!r}: ")
+            run_dir = out_dir / name / f"seed{seed}"
+            cfg.train.seed, cfg.out_dir = seed, str(run_dir)
+            cfg.log.wandb_group = cfg.log.wandb_group or sweep_name
+            cfg.log.wandb_run_name = f"{name}-seed{seed}"
+            try:
+                cfg.validate()
+            except ConfigError as e:
+                raise ConfigError(f"{where}variant {name!r}: {e}") from None
+            runs.append(Run(name, seed, run_dir, cfg))
+    baseline = {r.seed: r for r in runs if r.variant == named[0][0]}
+    for run in runs:
+        for key in SHARED_KEYS:
+            if get(run.cfg, key) != get(baseline[run.seed].cfg, key):
+                raise ConfigError(f"{where}variant {run.variant!r} changes {key} ({get(run.cfg, key)!r}, the "
+                                  f"baseline has {get(baseline[run.seed].cfg, key)!r}): every variant must see the "
+                                  f"same data and token budget; set it in [overrides] instead")
+    return Sweep(path, sweep_name, out_dir, seeds, named, runs)
+
+
+def is_done(run: Run) -> bool:
+    path = run.dir / "result.json"
+    return path.exists() and json.loads(path.read_text()).get("done", False)
+
+
+def check_not_stale(run: Run) -> None:
+    """A run dir started with another config must not be mixed into the results (nor resumed)."""
+    saved_path = run.dir / "sweep_run.toml"
+    if not saved_path.exists():
+        return
+    saved = flat(load_toml(saved_path))
+    now = flat(run.cfg.to_dict())
+    diff = [f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in now.items()
+            if saved.get(k) != v and k not in RESUMABLE_KEYS]
+    if diff:
+        raise ConfigError(f"{run.dir} holds a run with another config ({'; '.join(diff[:3])}); "
+                          f"delete it, or give the sweep another out_dir")
+
+
+def child_command(run: Run) -> list[str]:
+    entry = Path(__file__).resolve().parents[1] / "ablate.py"
+    return [sys.executable, str(entry), "--run-one", str(run.dir)]
+
+
+def peak_rss_bytes(rusage) -> int:
+    return rusage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)   # bytes on macOS, KiB on Linux
+
+
+def execute(run: Run) -> tuple[int, int | None, bool]:
+    """Run one training subprocess (its output appended to train.log); return its exit code, its peak
+    resident memory in bytes (None where os.wait4 is missing) and whether a stop was requested.
+    The child runs in its own session: a Ctrl-C (or SIGTERM, SIGHUP) reaches this process, which passes
+    it on, so the child saves a checkpoint and stops; a second one makes it exit at once."""
+    run.dir.mkdir(parents=True, exist_ok=True)
+    (run.dir / "sweep_run.toml").write_text(describe(run.cfg))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    stops = []
+    with open(run.dir / "train.log", "a") as log:
+        proc = subprocess.Popen(child_command(run), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+        def forward(signum, frame):
+            stops.append(signum)
+            proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+        caught = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+        previous = {s: signal.signal(s, forward) for s in caught}
+        try:
+            if hasattr(os, "wait4"):
+                while True:
+                    try:
+                        _, status, rusage = os.wait4(proc.pid, 0)
+                        break
+                    except InterruptedError:
+                        continue
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                rss = peak_rss_bytes(rusage)
+            else:
+                proc.wait()
+                rss = None
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    return proc.returncode, rss, bool(stops)
+
+
+def record_attempt(run: Run, code: int, rss: int | None, seconds: float) -> None:
+    """run.json: every process that worked on the run, so resumed runs report their largest peak."""
+    path = run.dir / "run.json"
+    info = json.loads(path.read_text()) if path.exists() else {"attempts": []}
+    info["attempts"].append({"exit_code": code, "peak_rss_bytes": rss, "seconds": round(seconds, 2)})
+    path.write_text(json.dumps(info, indent=1))
+
+
+def last_line(path: Path) -> str:
+    lines = [l for l in path.read_text(errors="replace").splitlines() if l.strip()] if path.exists() else []
+    return lines[-1] if lines else "(no output)"
+
+
+def run_sweep(sweep: Sweep, say=print) -> dict:
+    """Run every unfinished run in order; return {'done': [...], 'failed': [...], 'interrupted': bool}."""
+    from training.trainer import prepare_data
+    for run in sweep.runs:
+        check_not_stale(run)
+    prepare_data(sweep.runs[0].cfg)     # a data problem is reported once, before any run starts
+    failed, total = [], len(sweep.runs)
+    for i, run in enumerate(sweep.runs, 1):
+        if is_done(run):
+            say(f"[{i}/{total}] {run.label}: done before, skipped")
+            continue
+        resuming = any(run.dir.glob("ckpt_*.pt"))
+        say(f"[{i}/{total}] {run.label}: {'resuming' if resuming else 'training'} -> {run.dir}/train.log", flush=True)
+        start = time.perf_counter()
+        code, rss, stopped = execute(run)
+        record_attempt(run, code, rss, time.perf_counter() - start)
+        if stopped or code == 130:
+            say(f"interrupted during {run.label}; run the same command again to continue "
+                f"(finished runs are skipped, this one resumes from its last checkpoint)")
+            return {"failed": failed, "interrupted": True}
+        if code != 0 or not is_done(run):
+            failed.append((run, last_line(run.dir / "train.log")))
+            say(f"    failed (exit code {code}): {failed[-1][1]}")
+        else:
+            result = json.loads((run.dir / "result.json").read_text())
+            say(f"    val loss {result['val_loss']:.4f} (best {result['best_val_loss']:.4f}) "
+                f"in {time.perf_counter() - start:.0f} s")
+    return {"failed": failed, "interrupted": False}
+
+
+def run_one(run_dir: Path) -> int:
+    """The child: train (or resume) the run in run_dir, then write result.json."""
+    import torch
+
+    from model.gpt import GPT
+    from training.checkpoint import latest_checkpoint
+    from training.config import build_config
+    from training.trainer import pick_device, pick_dtype, train
+
+    cfg = build_config(str(run_dir / "sweep_run.toml"), [])
+    resume = latest_checkpoint(run_dir) is not None
+    summary = train(cfg, resume=resume, overwrite=not resume)
+    device = pick_device(cfg.train.device)
+    with torch.device("meta"):
+        model = GPT(cfg.model)      # shapes only: for the parameter count and the cache size
+    block = cfg.model.block_size
+    evals = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
+    result = {
+        "done": summary["step"] >= cfg.train.max_steps and not summary["interrupted"],
+        "step": summary["step"], "val_loss": evals[-1]["val_loss"] if evals else None,
+        "best_val_loss": summary["best_val_loss"],
+        "params": model.num_params(),
+        "kv_cache_bytes_per_token": model.kv_cache_bytes(block, pick_dtype(device, cfg.train.dtype)) / block,
+        "kv_cache_dtype": str(pick_dtype(device, cfg.train.dtype)).removeprefix("torch."),
+        "device": str(device),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
+    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
+    return 130 if summary["interrupted"] else 0
