@@ -49,6 +49,7 @@ class TrainConfig:
     device: str = "auto"          # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "auto"           # auto (bf16 on CUDA, fp16 where bf16 is missing, fp32 elsewhere) | float32 | bfloat16 | float16
     compile: bool = False         # torch.compile the model
+    fsdp: bool = False            # under torchrun: shard parameters, gradients and optimizer state (FSDP) instead of DDP
 
 
 @dataclass

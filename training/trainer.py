@@ -18,6 +18,7 @@ from data.tokenizers import load_tokenizer
 from model.gpt import GPT
 from training.checkpoint import (CheckpointError, clean_state_dict, latest_checkpoint, list_checkpoints,
                                  load_checkpoint, save_checkpoint)
+from training import distributed
 from training.config import Config, ConfigError, describe
 
 EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the training seed
@@ -133,6 +134,16 @@ class StopSignal:
             signal.signal(s, handler)
 
 
+class NoMetrics:
+    """What ranks other than 0 log to: nothing."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Metrics:
     """metrics.jsonl (always) and wandb (when enabled): one record per log or eval line."""
 
@@ -164,8 +175,9 @@ class Metrics:
 
 
 @torch.no_grad()
-def evaluate(model, loader: BatchLoader, iters: int, autocast) -> dict:
-    """Mean loss over the same `iters` batches of each split every time (a fixed generator)."""
+def evaluate(model, loader: BatchLoader, iters: int, autocast, ctx: distributed.Dist | None = None) -> dict:
+    """Mean loss over the same `iters` batches of each split every time (a fixed generator); with
+    several ranks each evaluates its slice of every batch and the means are averaged."""
     model.eval()
     out = {}
     for split in ("train", "val"):
@@ -176,7 +188,7 @@ def evaluate(model, loader: BatchLoader, iters: int, autocast) -> dict:
             with autocast:
                 _, loss = model(x, y)
             total += loss.float()
-        out[split] = (total / iters).item()
+        out[split] = (ctx.all_reduce_mean(total / iters) if ctx else total / iters).item()
     model.train()
     return out
 
@@ -186,12 +198,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     """Run (or continue) the training that cfg describes; return a summary of how it ended.
     stop_at: end this process's part of the run after that step (with an evaluation and a checkpoint),
     as an interruption would; the schedule still runs to train.max_steps on resume."""
-    say = (lambda *a, **k: None) if quiet else print
     t, out_dir = cfg.train, Path(cfg.out_dir)
-    resume_from = check_out_dir(out_dir, resume, overwrite)
+    ctx = distributed.setup(pick_device(t.device))   # one process, or this process's rank under torchrun
+    say = print if ctx.is_main and not quiet else (lambda *a, **k: None)
+    resume_from = ctx.on_main(lambda: check_out_dir(out_dir, resume, overwrite))
     ckpt = load_checkpoint(resume_from) if resume_from else None
 
-    dataset = prepare_data(cfg)
+    dataset = ctx.local_main_first(lambda: prepare_data(cfg))
     meta = load_meta(dataset)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = meta["vocab_size"]
@@ -203,8 +216,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 for k, v in cfg.to_dict()["model"].items() if saved.get(k) != v]
         raise CheckpointError(f"{resume_from} was trained with another model config ({'; '.join(diff)})")
 
-    device = pick_device(t.device)
+    device = ctx.device
     dtype = pick_dtype(device, t.dtype)
+    if t.fsdp and ctx.world > 1 and dtype == torch.float16:
+        raise ConfigError("train.fsdp with float16 needs a sharded gradient scaler: use --train.dtype=bfloat16")
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     np.random.seed(t.seed)
@@ -214,51 +229,65 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     autocast = (torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext())
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
 
-    model = GPT(cfg.model).to(device)
+    model = GPT(cfg.model).to(device)   # the same initial weights on every rank
+    if ctx.rank:
+        torch.manual_seed(t.seed + ctx.rank)   # but each its own dropout masks
+    train_model = distributed.wrap(model, ctx, t.fsdp)   # model, DDP(model), or model sharded in place
     optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                   **({"fused": True} if device.type == "cuda" else {"foreach": True}))
-    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device)
+    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,
+                         grad_accum=t.grad_accum, rank=ctx.rank, world=ctx.world)
     step, best_val, elapsed = 0, float("inf"), 0.0
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        distributed.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
         scaler.load_state_dict(ckpt["scaler"]) if ckpt.get("scaler") else None
         loader.load_state_dict(ckpt["loader"])
-        set_rng_state(ckpt["rng"])
+        rngs = ckpt.get("rng_ranks") or [ckpt["rng"]]   # one per rank of the run that saved it
+        set_rng_state(rngs[ctx.rank] if len(rngs) == ctx.world else rngs[0])
+        if len(rngs) != ctx.world and ctx.rank:   # another world size: new dropout streams per rank
+            torch.manual_seed(t.seed + 1000 * ckpt["step"] + ctx.rank)
         step, best_val, elapsed = ckpt["step"], ckpt["best_val_loss"], ckpt["elapsed"]
-    step_fn = torch.compile(model) if t.compile else model
+    step_fn = torch.compile(train_model) if t.compile else train_model
 
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.block_size
+    tokens_per_step = t.batch_size * t.grad_accum * ctx.world * cfg.model.block_size
     say(describe(cfg), end="")
     say(f"# {model.num_params() / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
-        f"{', compiled' if t.compile else ''} | {tokens_per_step:,} tokens/step | data {dataset}")
+        f"{', compiled' if t.compile else ''}"
+        f"{f' x {ctx.world} processes' + (' (FSDP)' if distributed.is_sharded(model) else ' (DDP)') if ctx.world > 1 else ''}"
+        f" | {tokens_per_step:,} tokens/step | data {dataset}")
     say(f"# resuming {resume_from} at step {step}" if ckpt else f"# out dir {out_dir}")
-    (out_dir / "config.toml").write_text(describe(cfg))
-    metrics = Metrics(cfg, out_dir, step if ckpt else None)
+    if ctx.is_main:   # only rank 0 writes
+        (out_dir / "config.toml").write_text(describe(cfg))
+    metrics = Metrics(cfg, out_dir, step if ckpt else None) if ctx.is_main else NoMetrics()
 
     def checkpoint(is_best: bool) -> None:
+        model_state, optimizer_state = distributed.full_state(model, optimizer)   # gathers FSDP shards
+        rngs = ctx.gather(rng_state())
+        if not ctx.is_main:
+            return
         state = {"config": cfg.to_dict(), "tokenizer": meta["tokenizer"], "dataset": meta,
-                 "model": clean_state_dict(model.state_dict()), "optimizer": optimizer.state_dict(),
+                 "model": clean_state_dict(model_state), "optimizer": optimizer_state,
                  "scaler": scaler.state_dict() if scaler.is_enabled() else None, "step": step,
-                 "best_val_loss": best_val, "rng": rng_state(), "loader": loader.state_dict(),
+                 "best_val_loss": best_val, "rng": rngs[0], "rng_ranks": rngs, "loader": loader.state_dict(),
                  "elapsed": elapsed + time.perf_counter() - t_start}
         save_checkpoint(state, out_dir, step, keep=2, is_best=is_best)
 
     losses, last_eval = {}, None
     t_start = t_interval = time.perf_counter()
-    interval_steps = 0
+    interval_steps, stopping = 0, False
     with StopSignal() as stop:
         while step < min(t.max_steps, stop_at or t.max_steps):
             lr = lr_at(step, t)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=device)
-            for _ in range(t.grad_accum):
-                x, y = loader.batch("train")
-                with autocast:
-                    _, loss = step_fn(x, y)
-                loss_sum += loss.detach()
-                scaler.scale(loss / t.grad_accum).backward()
+            for micro, (x, y) in enumerate(loader.step_batches("train")):
+                with distributed.sync_gradients(train_model, sync=micro == t.grad_accum - 1):
+                    with autocast:
+                        _, loss = step_fn(x, y)
+                    loss_sum += loss.detach()
+                    scaler.scale(loss / t.grad_accum).backward()   # DDP/FSDP average over the ranks
+            ctx.all_reduce_mean(loss_sum)   # the loss of the whole global batch, on every rank
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
             if not torch.isfinite(loss_sum) or not torch.isfinite(grad_norm):
@@ -269,6 +298,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             optimizer.zero_grad(set_to_none=True)
             step += 1
             interval_steps += 1
+            stopping = ctx.any(stop.requested is not None)   # all ranks stop at the same step
 
             if step % t.log_interval == 0 or step == t.max_steps:
                 now = time.perf_counter()
@@ -279,8 +309,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                     f"{record['tokens_per_s']:,.0f} tok/s")
                 metrics.log(record)
                 losses[step] = record["loss"]
-            if step % t.eval_interval == 0 or step in (t.max_steps, stop_at) or stop.requested:
-                ev = evaluate(model, loader, t.eval_iters, autocast)
+            if step % t.eval_interval == 0 or step in (t.max_steps, stop_at) or stopping:
+                ev = evaluate(model, loader, t.eval_iters, autocast, ctx)
                 is_best = ev["val"] < best_val
                 best_val = min(best_val, ev["val"])
                 say(f"eval {step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}{' (best)' if is_best else ''}")
@@ -292,8 +322,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 interval_steps = 0
             elif step % t.log_interval == 0:
                 t_interval, interval_steps = time.perf_counter(), 0
-            if stop.requested:
-                say(f"stopped by {stop.requested} at step {step}; continue with the same command and --resume")
+            if stopping:
+                say(f"stopped by {stop.requested or 'a signal to another rank'} at step {step}; "
+                    f"continue with the same command and --resume")
                 break
 
     metrics.close()
@@ -301,4 +332,4 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if step >= t.max_steps:
         say(f"# done: step {step}, best val loss {best_val:.4f}, {total:.1f} s")
     return {"step": step, "val_loss": last_eval["val"] if last_eval else None, "best_val_loss": best_val,
-            "elapsed_s": total, "losses": losses, "interrupted": stop.requested is not None}
+            "elapsed_s": total, "losses": losses, "interrupted": stopping}
