@@ -134,7 +134,7 @@ def wrap(model: torch.nn.Module, ctx: Dist, fsdp: bool) -> torch.nn.Module:
         return fully_shard(model, mesh=mesh)
     from torch.nn.parallel import DistributedDataParallel as DDP
     return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-               broadcast_buffers=False, gradient_as_bucket_view=True)
+               gradient_as_bucket_view=True)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -1,5 +1,6 @@
 """The training loop: AdamW, warmup + cosine LR, gradient accumulation and clipping, periodic
 evaluation on fixed batches, checkpoints, metrics.jsonl (and wandb if enabled), exact resume."""
+import glob
 import json
 import math
 import os
@@ -78,7 +79,7 @@ def set_rng_state(s: dict) -> None:
 
 def prepare_data(cfg: Config) -> Path:
     source = Path(cfg.data.path)
-    if not source.exists():
+    if not source.exists() and not glob.has_magic(cfg.data.path):   # a glob names files that exist
         if not cfg.data.url:
             raise DataError(f"data file not found: {source}")
         download(cfg.data.url, source)
@@ -251,10 +252,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
 
     tokens_per_step = t.batch_size * t.grad_accum * ctx.world * cfg.model.block_size
     say(describe(cfg), end="")
+    procs = f" x {ctx.world} processes ({'FSDP' if distributed.is_sharded(model) else 'DDP'})" if ctx.world > 1 else ""
     say(f"# {model.num_params() / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
-        f"{', compiled' if t.compile else ''}"
-        f"{f' x {ctx.world} processes' + (' (FSDP)' if distributed.is_sharded(model) else ' (DDP)') if ctx.world > 1 else ''}"
-        f" | {tokens_per_step:,} tokens/step | data {dataset}")
+        f"{', compiled' if t.compile else ''}{procs} | {tokens_per_step:,} tokens/step | data {dataset}")
     say(f"# resuming {resume_from} at step {step}" if ckpt else f"# out dir {out_dir}")
     if ctx.is_main:   # only rank 0 writes
         (out_dir / "config.toml").write_text(describe(cfg))
