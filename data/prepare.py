@@ -29,7 +29,7 @@ import sys
 import time
 import urllib.request
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -78,14 +78,6 @@ def find_sources(source) -> list[Path]:
             raise DataError(f"no files match {source}")
         return files
     raise DataError(f"data file not found: {source}")
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def sources_sha256(files: list[Path], progress=None) -> str:
@@ -239,8 +231,9 @@ class TokenWriter:
         self._drain(self.limit)
 
     def token(self, split: str, token: int) -> None:
-        self._drain(0)
-        self._write(split, np.array([token], dtype=self.dtype))
+        done = Future()   # queued behind the pieces before it, without waiting for them
+        done.set_result((np.array([token], dtype=self.dtype), 0))
+        self.pending.append((split, done))
 
     def _write(self, split, ids) -> None:
         ids.tofile(self.files[split])
