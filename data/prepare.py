@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import deque
@@ -329,9 +330,7 @@ def prepare(source: Path, tokenizer: str, val_fraction: float, root: Path,
     tok.encode_array("")   # build any lookup table before the threads share the tokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))   # unique, even across machines
     ok = False
     try:
         progress = Progress("encoding", total, show)
