@@ -27,10 +27,12 @@ def main(argv: list[str]) -> int:
     rest = [a for a in argv if a not in flags]
     config_file = rest.pop(0) if rest and not rest[0].startswith("--") else None
     cfg = build_config(config_file, rest)
+    finished = False
     try:
         summary = train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
+        finished = True
     finally:
-        teardown()   # leave the process group, if torchrun started this as one rank of many
+        teardown(wait_for_others=finished)   # leave the process group, if torchrun started this as one rank
     return 130 if summary["interrupted"] else 0
 
 

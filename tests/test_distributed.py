@@ -39,7 +39,7 @@ def torchrun(*argv):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *argv]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"},
                        capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, f"torchrun exited {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr}"
     return r
 
 
