@@ -4,6 +4,7 @@
     python train.py --data notes.txt                     # your own text file (out dir: out/notes)
     python train.py configs/shakespeare_char_cpu.toml --model.n_layer=6 --train.lr=1e-3
     python train.py configs/shakespeare_char_cpu.toml --resume
+    torchrun --standalone --nproc_per_node=4 train.py CONFIG     # 4 GPUs (or CPU processes), see README
 
 Options: a config file (TOML), --section.key=value overrides (see training/config.py or
 --help), --data FILE, --out_dir DIR, --resume (continue the latest checkpoint in the out dir),
@@ -16,6 +17,7 @@ from training.errors import run_cli
 
 def main(argv: list[str]) -> int:
     from training.config import all_keys, build_config
+    from training.distributed import teardown
     from training.trainer import train
 
     if "-h" in argv or "--help" in argv:
@@ -25,7 +27,12 @@ def main(argv: list[str]) -> int:
     rest = [a for a in argv if a not in flags]
     config_file = rest.pop(0) if rest and not rest[0].startswith("--") else None
     cfg = build_config(config_file, rest)
-    summary = train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
+    finished = False
+    try:
+        summary = train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
+        finished = True
+    finally:
+        teardown(wait_for_others=finished)   # leave the process group, if torchrun started this as one rank
     return summary["exit_code"]   # 0, or 128 + the signal that stopped it (130 for Ctrl-C, 143 for SIGTERM)
 
 

@@ -3,7 +3,17 @@
 A batch is B windows of block_size + 1 consecutive tokens at random offsets: x is the first
 block_size of each, y the same shifted by one, so y[b, t] is the token that follows x[b, :t+1].
 Memory and time per batch are O(B * block_size) whatever the dataset's size: only the windows
-are read from disk.
+are read from disk. On CUDA a batch is copied through pinned memory, asynchronously.
+
+Many processes (torch.distributed): every rank holds the same generator and, each optimizer step,
+draws the offsets of the whole global batch, world x grad_accum x B windows (a few KB of integers),
+then reads only its own B windows per micro-step. So the ranks read different windows, and which
+windows a step trains on depends only on the global batch size: 1 process with batch 2B, 1 process
+with batch B and 2 accumulation steps, and 2 processes with batch B each see exactly the same data
+(the tests check that they end with the same weights). Seeding each rank differently instead would
+also give different windows per rank, but a run could then not be compared or resumed across world
+sizes. The generator state is the same on every rank, so rank 0's copy in a checkpoint resumes any
+world size.
 """
 from pathlib import Path
 
@@ -14,9 +24,11 @@ from data.prepare import DataError, load_meta
 
 
 class BatchLoader:
-    def __init__(self, dataset_dir: Path, block_size: int, batch_size: int, seed: int = 0, device="cpu"):
+    def __init__(self, dataset_dir: Path, block_size: int, batch_size: int, seed: int = 0, device="cpu",
+                 grad_accum: int = 1, rank: int = 0, world: int = 1):
         meta = load_meta(dataset_dir)
         self.block_size, self.batch_size, self.device = block_size, batch_size, torch.device(device)
+        self.grad_accum, self.rank, self.world = grad_accum, rank, world
         self.splits = {}
         for split in ("train", "val"):
             n = meta["tokens"][split]
@@ -27,17 +39,30 @@ class BatchLoader:
         self.offsets = np.arange(block_size + 1)
         self.generator = torch.Generator().manual_seed(seed)   # the training data order
 
-    def batch(self, split: str, generator: torch.Generator | None = None):
-        """(x, y), each (B, T) int64 on the device; offsets drawn from generator (default: the loader's)."""
+    def _offsets(self, split: str, n: int, generator: torch.Generator) -> np.ndarray:
+        return torch.randint(len(self.splits[split]) - self.block_size, (n,), generator=generator).numpy()
+
+    def _read(self, split: str, starts: np.ndarray):
+        """(x, y), each (B, T) int64 on the device: the windows at starts, y shifted by one."""
         data = self.splits[split]
-        starts = torch.randint(len(data) - self.block_size, (self.batch_size,),
-                               generator=generator or self.generator).numpy()
         windows = torch.from_numpy(data[starts[:, None] + self.offsets].astype(np.int64))   # (B, T+1)
         if self.device.type == "cuda":
             windows = windows.pin_memory().to(self.device, non_blocking=True)
         else:
             windows = windows.to(self.device)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def batch(self, split: str, generator: torch.Generator | None = None):
+        """This rank's B windows of world x B drawn from generator (default: the loader's)."""
+        starts = self._offsets(split, self.world * self.batch_size, generator or self.generator)
+        return self._read(split, starts.reshape(self.world, self.batch_size)[self.rank])
+
+    def step_batches(self, split: str = "train"):
+        """This rank's grad_accum micro-batches of one optimizer step, read one at a time."""
+        starts = self._offsets(split, self.grad_accum * self.world * self.batch_size, self.generator)
+        mine = starts.reshape(self.grad_accum, self.world, self.batch_size)[:, self.rank]   # (accum, B)
+        for micro in mine:
+            yield self._read(split, micro)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

@@ -3,7 +3,11 @@ is saved with the dataset and in every checkpoint, so a model always comes with 
 
   char  one token per character; the vocabulary is the sorted set of characters of the text.
   BPE   any tiktoken encoding by name ("gpt2", "cl100k_base", ...).
+
+encode_array(text) is encode() as a numpy array, without a Python int per token: what preparing
+large files uses (it releases the GIL for BPE, so threads encode in parallel).
 """
+import numpy as np
 
 
 class TokenizerError(ValueError):
@@ -39,6 +43,20 @@ class CharTokenizer:
             raise TokenizerError(f"{len(unknown)} character(s) not in the {self.vocab_size}-character "
                                  f"vocabulary: {shown}") from None
 
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode(text) as int32 ids: one table lookup per code point (the table is built on first use)."""
+        if not hasattr(self, "_table"):
+            self._table = np.full(0x110000, -1, dtype=np.int32)
+            self._table[[ord(c) for c in self.chars]] = np.arange(len(self.chars), dtype=np.int32)
+        if text.isascii():   # 1 byte per character: no need for the 4-byte form
+            points = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+        else:
+            points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        ids = self._table[points]
+        if len(ids) and ids.min() < 0:
+            self.encode(text)   # raises the error that names the unknown characters
+        return ids
+
     def decode(self, ids) -> str:
         return "".join(self.chars[i] for i in ids)
 
@@ -72,6 +90,11 @@ class TiktokenTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)   # "<|endoftext|>" in a text is just text
+
+    def encode_array(self, text: str) -> np.ndarray:
+        if hasattr(self.enc, "encode_to_numpy"):   # tiktoken >= 0.8: no Python list in between
+            return self.enc.encode_to_numpy(text, disallowed_special=())
+        return np.array(self.enc.encode_ordinary(text), dtype=np.uint32)
 
     def decode(self, ids) -> str:
         return self.enc.decode(list(ids))

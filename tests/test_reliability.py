@@ -157,6 +157,11 @@ def write(path, content):
     return path
 
 
+def mkdir(path):
+    path.mkdir()
+    return path
+
+
 def damaged(trained, tmp, kind):
     """A checkpoint file with one kind of damage."""
     path = tmp / f"{kind}.pt"
@@ -192,7 +197,9 @@ def in_out_dir(env, ckpt_path):
 # (id, tool, argv from the environment (may write files first), message expected in the one-line error)
 CASES = [
     ("missing data", train_cli, lambda e: e["base"](**{"data.path": e["tmp"] / "missing.txt"}), "data file not found"),
-    ("data is a dir", train_cli, lambda e: e["base"](**{"data.path": e["tmp"]}), "data path is not a file"),
+    ("data dir without files", train_cli,   # a directory is one dataset of all its files; here there are none
+     lambda e: e["base"](**{"data.path": mkdir(e["tmp"] / "nodata")}), "no files in the data directory"),
+    ("data dir with a binary file", train_cli, lambda e: e["base"](**{"data.path": e["tmp"]}), "is not UTF-8"),
     ("empty data", train_cli, lambda e: e["base"](**{"data.path": write(e["tmp"] / "empty.txt", "")}),
      "data file is empty"),
     ("train split too short", train_cli, lambda e: e["base"](**{"data.path": e["short"]}),

@@ -7,6 +7,7 @@ it (and the closest valid key). TOML is read with the standard library: a config
 """
 import dataclasses
 import difflib
+import glob
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ class TrainConfig:
     compile: bool = False         # torch.compile the model
     keep_checkpoints: int = 2     # ckpt_<step>.pt files kept (the newest); best.pt is kept besides
     on_nonfinite: str = "stop"    # stop | skip: what a NaN/inf loss or gradient does
+    fsdp: bool = False            # under torchrun: shard parameters, gradients and optimizer state (FSDP) instead of DDP
 
 
 @dataclass
@@ -228,8 +230,9 @@ def build_config(config_file: str | None, overrides: list[str]) -> Config:
     keys = {key for key, _ in pairs}
     if "data.path" in keys and "data.url" not in keys:
         cfg.data.url = ""   # a file named on the command line is never replaced by a download
-    if not cfg.out_dir:
-        cfg.out_dir = str(Path("out") / Path(config_file or cfg.data.path).stem)
+    if not cfg.out_dir:   # named after the config file, else the data file (or the folder of a glob)
+        named = Path(config_file or cfg.data.path)
+        cfg.out_dir = str(Path("out") / (named.parent.name if glob.has_magic(str(named)) else named.stem))
     cfg.validate()
     return cfg
 

@@ -1,5 +1,6 @@
 """The training loop: AdamW, warmup + cosine LR, gradient accumulation and clipping, periodic
 evaluation on fixed batches, checkpoints, metrics.jsonl (and wandb if enabled), exact resume."""
+import glob
 import json
 import math
 import random
@@ -16,6 +17,7 @@ from data.tokenizers import load_tokenizer
 from model.gpt import GPT
 from training.checkpoint import (CheckpointError, atomic_write_text, check_resumable, clean_state_dict,
                                  load_checkpoint, repair_best, save_checkpoint)
+from training import distributed
 from training.config import Config, ConfigError, describe
 from training.errors import RunError
 from training.guards import NonFiniteGuard, StopSignal, check_out_dir, make_out_dir
@@ -73,12 +75,22 @@ def set_rng_state(s: dict) -> None:
 
 def prepare_data(cfg: Config) -> Path:
     source = Path(cfg.data.path)
-    if not source.exists():
+    if not source.exists() and not glob.has_magic(cfg.data.path):   # a glob names files that exist
         if not cfg.data.url:
             raise DataError(f"data file not found: {source}")
         download(cfg.data.url, source)
     return prepare(source, cfg.data.tokenizer, cfg.data.val_fraction, Path(cfg.data.prepared_dir),
                    cfg.data.encoding_errors)
+
+
+class NoMetrics:
+    """What ranks other than 0 log to: nothing."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Metrics:
@@ -121,8 +133,9 @@ class Metrics:
 
 
 @torch.no_grad()
-def evaluate(model, loader: BatchLoader, iters: int, autocast) -> dict:
-    """Mean loss over the same `iters` batches of each split every time (a fixed generator)."""
+def evaluate(model, loader: BatchLoader, iters: int, autocast, ctx: distributed.Dist | None = None) -> dict:
+    """Mean loss over the same `iters` batches of each split every time (a fixed generator); with
+    several ranks each evaluates its slice of every batch and the means are averaged."""
     model.eval()
     out = {}
     for split in ("train", "val"):
@@ -133,7 +146,7 @@ def evaluate(model, loader: BatchLoader, iters: int, autocast) -> dict:
             with autocast:
                 _, loss = model(x, y)
             total += loss.float()
-        out[split] = (total / iters).item()
+        out[split] = (ctx.all_reduce_mean(total / iters) if ctx else total / iters).item()
     model.train()
     return out
 
@@ -156,16 +169,19 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     as an interruption would; the schedule still runs to train.max_steps on resume.
     Everything a user can get wrong (out dir, checkpoint, data, sizes) is checked before the first
     write to the out dir, so a bad input leaves it as it was."""
-    say = (lambda *a, **k: None) if quiet else print
     t, out_dir = cfg.train, Path(cfg.out_dir)
-    resume_from = check_out_dir(out_dir, resume, overwrite)
+    ctx = distributed.setup(pick_device(t.device))   # one process, or this process's rank under torchrun
+    say = print if ctx.is_main and not quiet else (lambda *a, **k: None)
+    resume_from = ctx.on_main(lambda: check_out_dir(out_dir, resume, overwrite))
     ckpt = load_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
         check_resumable(ckpt, resume_from)
-    device = pick_device(t.device)
+    device = ctx.device
     dtype = pick_dtype(device, t.dtype)
+    if t.fsdp and ctx.world > 1 and dtype == torch.float16:
+        raise ConfigError("train.fsdp with float16 needs a sharded gradient scaler: use --train.dtype=bfloat16")
 
-    dataset = prepare_data(cfg)
+    dataset = ctx.local_main_first(lambda: prepare_data(cfg))
     meta = load_meta(dataset)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = meta["vocab_size"]
@@ -173,7 +189,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {meta['vocab_size']}")
     if ckpt is not None:
         check_same_run(ckpt, cfg, meta, resume_from)
-    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device)  # checks split sizes
+    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,   # checks split sizes
+                         grad_accum=t.grad_accum, rank=ctx.rank, world=ctx.world)
 
     torch.manual_seed(t.seed)
     random.seed(t.seed)
@@ -184,46 +201,61 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     autocast = (torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext())
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
 
-    model = GPT(cfg.model).to(device)
+    model = GPT(cfg.model).to(device)   # the same initial weights on every rank
+    if ctx.rank:
+        torch.manual_seed(t.seed + ctx.rank)   # but each its own dropout masks
+    train_model = distributed.wrap(model, ctx, t.fsdp)   # model, DDP(model), or model sharded in place
     optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                   **({"fused": True} if device.type == "cuda" else {"foreach": True}))
     guard = NonFiniteGuard(t.on_nonfinite, device, check_grad=not scaler.is_enabled())
     step, best_val, elapsed = 0, float("inf"), 0.0
     if ckpt is not None:
         try:
-            model.load_state_dict(clean_state_dict(ckpt["model"]))
-            optimizer.load_state_dict(ckpt["optimizer"])
+            distributed.load_full_state(model, optimizer, clean_state_dict(ckpt["model"]), ckpt["optimizer"])
             scaler.load_state_dict(ckpt["scaler"]) if ckpt.get("scaler") else None
             loader.load_state_dict(ckpt["loader"])
-            set_rng_state(ckpt["rng"])
+            rngs = ckpt.get("rng_ranks") or [ckpt["rng"]]   # one per rank of the run that saved it
+            set_rng_state(rngs[ctx.rank] if len(rngs) == ctx.world else rngs[0])
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
             raise CheckpointError(f"{resume_from} does not fit this run: {str(e).strip().splitlines()[0][:160]}") from None
+        if len(rngs) != ctx.world and ctx.rank:   # another world size: new dropout streams per rank
+            torch.manual_seed(t.seed + 1000 * ckpt["step"] + ctx.rank)
         step, best_val, elapsed = ckpt["step"], ckpt["best_val_loss"], ckpt["elapsed"]
         guard.skipped = ckpt.get("skipped_steps", 0)
-    step_fn = torch.compile(model) if t.compile else model
+    step_fn = torch.compile(train_model) if t.compile else train_model
 
-    make_out_dir(out_dir, overwrite)   # the first write: every check above has passed
-    if ckpt is not None:
-        repair_best(resume_from, ckpt)
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.block_size
+    def first_write() -> None:   # every check above has passed; only rank 0 writes
+        make_out_dir(out_dir, overwrite)
+        if ckpt is not None:
+            repair_best(resume_from, ckpt)
+    ctx.on_main(first_write)
+    tokens_per_step = t.batch_size * t.grad_accum * ctx.world * cfg.model.block_size
     say(describe(cfg), end="")
+    procs = f" x {ctx.world} processes ({'FSDP' if distributed.is_sharded(model) else 'DDP'})" if ctx.world > 1 else ""
     say(f"# {model.num_params() / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
-        f"{', compiled' if t.compile else ''} | {tokens_per_step:,} tokens/step | data {dataset}")
+        f"{', compiled' if t.compile else ''}{procs} | {tokens_per_step:,} tokens/step | data {dataset}")
+    if t.fsdp and ctx.world == 1:
+        say("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
     say(f"# resuming {resume_from} at step {step}" if ckpt else f"# out dir {out_dir}")
-    atomic_write_text(out_dir / "config.toml", describe(cfg))
-    metrics = Metrics(cfg, out_dir, step if ckpt else None)
+    if ctx.is_main:   # only rank 0 writes
+        atomic_write_text(out_dir / "config.toml", describe(cfg))
+    metrics = Metrics(cfg, out_dir, step if ckpt else None) if ctx.is_main else NoMetrics()
 
     def checkpoint(is_best: bool) -> None:
+        model_state, optimizer_state = distributed.full_state(model, optimizer)   # gathers FSDP shards
+        rngs = ctx.gather(rng_state())
+        if not ctx.is_main:
+            return
         state = {"config": cfg.to_dict(), "tokenizer": meta["tokenizer"], "dataset": meta,
-                 "model": clean_state_dict(model.state_dict()), "optimizer": optimizer.state_dict(),
+                 "model": clean_state_dict(model_state), "optimizer": optimizer_state,
                  "scaler": scaler.state_dict() if scaler.is_enabled() else None, "step": step,
-                 "best_val_loss": best_val, "rng": rng_state(), "loader": loader.state_dict(),
+                 "best_val_loss": best_val, "rng": rngs[0], "rng_ranks": rngs, "loader": loader.state_dict(),
                  "skipped_steps": guard.skipped, "elapsed": elapsed + time.perf_counter() - t_start}
         save_checkpoint(state, out_dir, step, keep=t.keep_checkpoints, is_best=is_best)
 
     losses, last_eval = {}, None
     t_start = t_interval = time.perf_counter()
-    interval_steps = 0
+    interval_steps, stopping = 0, False
     with StopSignal() as stop:
         try:
             while step < min(t.max_steps, stop_at or t.max_steps):
@@ -231,15 +263,16 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss_sum = torch.zeros((), device=device)
-                for _ in range(t.grad_accum):
-                    x, y = loader.batch("train")
-                    with autocast:
-                        _, loss = step_fn(x, y)
-                    loss_sum += loss.detach()
-                    scaler.scale(loss / t.grad_accum).backward()
+                for micro, (x, y) in enumerate(loader.step_batches("train")):
+                    with distributed.sync_gradients(train_model, sync=micro == t.grad_accum - 1):
+                        with autocast:
+                            _, loss = step_fn(x, y)
+                        loss_sum += loss.detach()
+                        scaler.scale(loss / t.grad_accum).backward()   # DDP/FSDP average over the ranks
+                ctx.all_reduce_mean(loss_sum)   # the loss of the whole global batch, on every rank
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
-                if guard.ok(step + 1, loss_sum, grad_norm):
+                if guard.ok(step + 1, loss_sum, grad_norm):   # every rank sees the same loss and norm: same decision
                     scaler.step(optimizer)
                 else:
                     say(f"step {step + 1:6d} | non-finite {guard.last}: update skipped ({guard.skipped} so far)")
@@ -247,6 +280,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 interval_steps += 1
+                stopping = ctx.any(stop.requested is not None)   # all ranks stop at the same step
 
                 if step % t.log_interval == 0 or step == t.max_steps:
                     guard.check()
@@ -259,9 +293,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                         f"{record['tokens_per_s']:,.0f} tok/s")
                     metrics.log(record)
                     losses[step] = record["loss"]
-                if step % t.eval_interval == 0 or step in (t.max_steps, stop_at) or stop.requested:
+                if step % t.eval_interval == 0 or step in (t.max_steps, stop_at) or stopping:
                     guard.check()   # never checkpoint weights that a non-finite step touched
-                    ev = evaluate(model, loader, t.eval_iters, autocast)
+                    ev = evaluate(model, loader, t.eval_iters, autocast, ctx)
                     is_best = ev["val"] < best_val
                     best_val = min(best_val, ev["val"])
                     say(f"eval {step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}{' (best)' if is_best else ''}")
@@ -273,9 +307,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                     interval_steps = 0
                 elif step % t.log_interval == 0:
                     t_interval, interval_steps = time.perf_counter(), 0
-                if stop.requested:
-                    say(f"stopped by {stop.requested} at step {step}, checkpoint saved in {out_dir}; "
-                        f"to continue, run the same command with --resume")
+                if stopping:
+                    say(f"stopped by {stop.requested or 'a signal to another rank'} at step {step}, checkpoint saved "
+                        f"in {out_dir}; to continue, run the same command with --resume")
                     break
         except torch.OutOfMemoryError:
             raise RunError(f"out of memory on {device} at step {step + 1}: try a smaller --train.batch_size (with a "
@@ -290,4 +324,4 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         say(f"# done: step {step}, best val loss {best_val:.4f}, {total:.1f} s{skipped}")
     return {"step": step, "val_loss": last_eval["val"] if last_eval else None, "best_val_loss": best_val,
             "elapsed_s": total, "losses": losses, "skipped_steps": guard.skipped,
-            "interrupted": stop.requested is not None, "exit_code": stop.exit_code}
+            "interrupted": stopping, "exit_code": stop.exit_code or (130 if stopping else 0)}

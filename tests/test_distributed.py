@@ -1,0 +1,135 @@
+"""Distributed training on CPU (gloo): 2 processes launched by torchrun, as a user would, give the
+run that 1 process gives with the same global batch; only rank 0 writes; checkpoints cross world
+sizes and FSDP.
+
+One tiny run shape, six ways, all ending at step 6 with the same weights:
+  base   1 process, batch 8                      (in this process)
+  accum  1 process, batch 4 x 2 accumulation     (in this process)
+  ddp    2 processes (DDP), batch 4 each
+  fsdp   2 processes (FSDP), batch 2 x 2 accumulation each, resumed from base's step-2 checkpoint
+  r_ddp  1 process, batch 4 x 2, resumed from ddp's step-4 checkpoint
+  r_fsdp 1 process, batch 8, resumed from fsdp's step-4 checkpoint
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model.gpt import GPT
+from training.checkpoint import load_checkpoint
+from training.config import build_config, from_dict
+from training.trainer import train
+from tests.conftest import ROOT, TEXT, tiny_overrides
+
+STEPS = 6
+
+
+def args(tmp, text_file, out, **extra):
+    values = {"train.max_steps": STEPS, "train.warmup_steps": 2, "train.eval_interval": 2, "train.eval_iters": 2,
+              "train.batch_size": 8, "train.device": "cpu", "out_dir": tmp / out}
+    values.update(extra)
+    return tiny_overrides(tmp, text_file, **values)
+
+
+def torchrun(*argv):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *argv]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"},
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, f"torchrun exited {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr}"
+    return r
+
+
+def copy_checkpoint(src_dir, step, dst_dir):
+    dst_dir.mkdir(parents=True)
+    shutil.copy(src_dir / f"ckpt_{step:07d}.pt", dst_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    text_file = tmp / "tiny.txt"
+    text_file.write_text(TEXT)
+    def run(out, resume=False, stop_at=None, **extra):
+        train(build_config(None, args(tmp, text_file, out, **extra)), resume=resume, stop_at=stop_at, quiet=True)
+
+    run("base", stop_at=2)
+    copy_checkpoint(tmp / "base", 2, tmp / "fsdp")
+    run("base", resume=True)
+    run("accum", **{"train.batch_size": 4, "train.grad_accum": 2})
+    ddp = torchrun(*args(tmp, text_file, "ddp", **{"train.batch_size": 4}))
+    fsdp = torchrun(*args(tmp, text_file, "fsdp", **{"train.batch_size": 2, "train.grad_accum": 2,
+                                                     "train.fsdp": "true"}), "--resume")
+    copy_checkpoint(tmp / "ddp", 4, tmp / "r_ddp")
+    run("r_ddp", resume=True, **{"train.batch_size": 4, "train.grad_accum": 2})
+    copy_checkpoint(tmp / "fsdp", 4, tmp / "r_fsdp")
+    run("r_fsdp", resume=True)
+    return tmp, {"ddp": ddp, "fsdp": fsdp}
+
+
+def final(tmp, name):
+    return load_checkpoint(tmp / name / f"ckpt_{STEPS:07d}.pt")
+
+
+@pytest.mark.parametrize("name", ["accum", "ddp", "fsdp", "r_ddp", "r_fsdp"])
+def test_same_global_batch_same_weights(runs, name):
+    tmp, _ = runs
+    want, got = final(tmp, "base"), final(tmp, name)
+    assert got["step"] == STEPS and got["model"].keys() == want["model"].keys()
+    for key, value in want["model"].items():
+        torch.testing.assert_close(got["model"][key], value, atol=1e-5, rtol=0, msg=f"{name}: {key}")
+    for i, state in want["optimizer"]["state"].items():   # FSDP's optimizer state is saved as 1 process's
+        torch.testing.assert_close(got["optimizer"]["state"][i]["exp_avg_sq"], state["exp_avg_sq"], atol=1e-7, rtol=1e-3)
+
+
+def test_evaluation_is_averaged_over_the_ranks(runs):
+    tmp, _ = runs
+    def val_losses(name):
+        return [r["val_loss"] for r in map(json.loads, open(tmp / name / "metrics.jsonl")) if r["kind"] == "eval"]
+    assert val_losses("ddp") == pytest.approx(val_losses("base"), abs=1e-5)   # not rank 0's half alone
+
+
+def test_only_rank_0_writes(runs):
+    tmp, out = runs
+    records = [json.loads(l) for l in open(tmp / "ddp" / "metrics.jsonl")]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, STEPS + 1))
+    assert out["ddp"].stdout.count("step      1 |") == 1 and out["ddp"].stdout.count("# done") == 1
+    assert "x 2 processes (DDP)" in out["ddp"].stdout and "x 2 processes (FSDP)" in out["fsdp"].stdout
+    assert sorted(os.listdir(tmp / "ddp")) == ["best.pt", "ckpt_0000004.pt", "ckpt_0000006.pt",
+                                                "config.toml", "metrics.jsonl"]
+
+
+def test_fsdp_checkpoint_loads_in_one_plain_process(runs):
+    tmp, _ = runs
+    ckpt = final(tmp, "fsdp")
+    model = GPT(from_dict(ckpt["config"]).model)
+    model.load_state_dict(ckpt["model"])   # strict: full tensors under their plain names
+    assert len(ckpt["rng_ranks"]) == 2
+
+
+def test_gradients_are_synced_only_on_the_last_micro_step(tmp_path):
+    """DDP's all-reduce runs once per optimizer step, not once per micro-step (a 1-process gloo group
+    is enough to count the reducer's calls)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from training.distributed import sync_gradients
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = DDP(torch.nn.Linear(4, 4))
+        calls = []
+        def count(state, bucket):
+            calls.append(1)
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+        model.register_comm_hook(None, count)
+        for micro in range(3):
+            with sync_gradients(model, sync=micro == 2):
+                model(torch.randn(2, 4)).sum().backward()
+            assert len(calls) == (1 if micro == 2 else 0)
+    finally:
+        dist.destroy_process_group()

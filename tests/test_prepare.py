@@ -1,0 +1,146 @@
+"""Streaming preparation: the same tokens as encoding the whole text, bounded memory, directories and
+globs, errors that name the byte, and nothing left behind that looks finished."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import data.prepare as prep
+from data.loader import BatchLoader
+from data.prepare import DataError, prepare
+from data.prepare_bench import measure
+from data.tokenizers import CharTokenizer, load_tokenizer
+from tests.conftest import ROOT, TEXT
+from tests.test_data import gpt2_or_skip
+
+TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
+          + "héllo wörld ✓ 😀 <|endoftext|> it's 've\n" * 3)
+
+
+def read_split(out, split):
+    meta = json.loads((out / "meta.json").read_text())
+    return np.fromfile(out / f"{split}.bin", dtype=meta["dtype"]).tolist(), meta
+
+
+@pytest.fixture
+def small_reads(monkeypatch):
+    """Tiny reads and pieces, so a short text crosses many boundaries (mid-character ones too)."""
+    monkeypatch.setattr(prep, "READ_BYTES", 7)
+    monkeypatch.setattr(prep, "PIECE_CHARS", 97)
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "gpt2"])
+def test_streaming_gives_the_tokens_of_the_whole_text(tmp_path, small_reads, tokenizer):
+    text = TEXT[:1200] + TRICKY + TEXT[1200:]
+    path = tmp_path / "t.txt"
+    path.write_text(text, encoding="utf-8")
+    tok = CharTokenizer.from_text(text) if tokenizer == "char" else gpt2_or_skip()
+    out = prepare(path, tokenizer, 0.2, tmp_path / "prep")
+    split = int(len(text) * 0.8)
+    train, meta = read_split(out, "train")
+    assert train == tok.encode(text[:split]) and read_split(out, "val")[0] == tok.encode(text[split:])
+    assert meta["split"] == {"val_fraction": 0.2, "train_chars": split, "val_chars": len(text) - split}
+
+
+def test_a_bad_byte_deep_in_the_file_is_named_by_its_offset(tmp_path, small_reads):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(TEXT[:1000].encode() + b"\xff" + TEXT[1000:].encode())
+    with pytest.raises(DataError, match=r"byte 0xff at offset 1000; set --data.encoding_errors=replace"):
+        prepare(path, "char", 0.1, tmp_path / "prep")
+    assert not (tmp_path / "prep").exists() or not os.listdir(tmp_path / "prep")
+    out = prepare(path, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
+    tok = load_tokenizer(read_split(out, "train")[1]["tokenizer"])
+    assert tok.decode(read_split(out, "train")[0])[1000] == "\ufffd"
+
+
+def test_a_directory_or_a_glob_is_one_dataset(tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "a.txt").write_text("First document.\n")
+    (docs / "b.txt").write_text("   \n")                    # blank: skipped
+    (docs / "sub" / "c.txt").write_text("Third, in a subfolder.")
+    (docs / ".hidden").write_text("never read")
+    out = prepare(docs, "char", 0.1, tmp_path / "prep")
+    (train, meta), (val, _) = read_split(out, "train"), read_split(out, "val")
+    tok = load_tokenizer(meta["tokenizer"])
+    assert tok.decode(train + val) == "First document.\n\nThird, in a subfolder." and meta["files"] == 3
+
+    gpt2_or_skip()
+    out = prepare(docs, "gpt2", 0.1, tmp_path / "prep")
+    (train, meta), (val, _) = read_split(out, "train"), read_split(out, "val")
+    tok = load_tokenizer(meta["tokenizer"])
+    assert tok.decode(train + val) == "First document.\n<|endoftext|>Third, in a subfolder."
+    assert (train + val).count(tok.start_token) == 1   # the real end-of-text token, once
+
+    out = prepare(tmp_path / "docs" / "*.txt", "char", 0.1, tmp_path / "prep")
+    (train, meta), (val, _) = read_split(out, "train"), read_split(out, "val")
+    assert load_tokenizer(meta["tokenizer"]).decode(train + val) == "First document.\n"
+
+
+def test_missing_and_empty_inputs_are_clear_errors(tmp_path):
+    cases = {tmp_path / "nope.txt": "data file not found", tmp_path / "*.nope": "no files match"}
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text(" \n\n")
+    (tmp_path / "emptydir").mkdir()
+    cases.update({tmp_path / "empty.txt": "data file is empty", tmp_path / "blank.txt": "data file is empty",
+                  tmp_path / "emptydir": "no files in the data directory"})
+    for path, message in cases.items():
+        with pytest.raises(DataError, match=message):
+            prepare(path, "char", 0.1, tmp_path / "prep")
+
+
+def test_an_interrupted_preparation_leaves_nothing_that_looks_finished(tmp_path, text_file, monkeypatch, small_reads):
+    calls = []
+    real = CharTokenizer.encode_array
+    def failing(self, text):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(self, text)
+    monkeypatch.setattr(CharTokenizer, "encode_array", failing)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(text_file, "char", 0.1, tmp_path / "prep")
+    assert os.listdir(tmp_path / "prep") == [], "no dataset dir and no temporary dir"
+    monkeypatch.setattr(CharTokenizer, "encode_array", real)
+    out = prepare(text_file, "char", 0.1, tmp_path / "prep")
+    assert CharTokenizer.from_text(TEXT).decode(read_split(out, "train")[0]) == TEXT[:int(len(TEXT) * 0.9)]
+
+
+def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, capsys):
+    monkeypatch.setattr(prep, "PROGRESS_MIN_BYTES", 0)
+    prepare(text_file, "char", 0.1, tmp_path / "prep")
+    err = capsys.readouterr().err
+    assert all(f"{phase}" in err for phase in ("hashing", "scanning", "encoding")) and "MB/s" in err
+
+
+def test_memory_does_not_grow_with_the_file(tmp_path):
+    """Reading a file whole costs ~10 bytes per character here (the text, then a list of ids); streaming
+    costs the same few MB for 3 MB or 30 MB. Peak memory of a child process (see data/prepare_bench.py)."""
+    line = (TEXT.replace("\n", " ") + "\n").encode()
+    peaks = []
+    for name, size in (("small", 3_000_000), ("big", 30_000_000)):
+        (tmp_path / f"{name}.txt").write_bytes(line * (size // len(line)))
+        peaks.append(measure("-m", "data.prepare", [str(tmp_path / f"{name}.txt"), "--root", str(tmp_path / "p")])[1])
+    assert len(list((tmp_path / "p").glob("*/meta.json"))) == 2
+    assert peaks[1] - peaks[0] < 40, f"peak memory grew from {peaks[0]:.0f} to {peaks[1]:.0f} MB for 27 MB more text"
+
+
+def test_batches_are_read_from_disk_not_memory(tmp_path):
+    """A 2 GB (sparse) token file: a batch costs the batch, not the file."""
+    out = tmp_path / "huge"
+    out.mkdir()
+    n = 1 << 30
+    for split in ("train", "val"):
+        with open(out / f"{split}.bin", "wb") as f:
+            f.truncate(2 * n)
+    (out / "meta.json").write_text(json.dumps({"dtype": "uint16", "tokens": {"train": n, "val": n}}))
+    def rss_mb():
+        return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+    before = rss_mb()
+    loader = BatchLoader(out, block_size=256, batch_size=16, grad_accum=2, world=2, rank=1)
+    for _ in range(2):
+        for x, y in loader.step_batches():
+            assert x.shape == (16, 256)
+        loader.batch("val")
+    assert rss_mb() - before < 100
