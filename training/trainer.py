@@ -1,7 +1,6 @@
 """The training loop: AdamW, warmup + cosine LR, gradient accumulation and clipping, periodic
 evaluation on fixed batches, checkpoints, metrics.jsonl (and wandb if enabled), exact resume."""
 import json
-import math
 import os
 import random
 import signal
@@ -19,6 +18,8 @@ from model.gpt import GPT
 from training.checkpoint import (CheckpointError, clean_state_dict, latest_checkpoint, list_checkpoints,
                                  load_checkpoint, save_checkpoint)
 from training.config import Config, ConfigError, describe
+from training.optim import build_optimizer, lr_at, set_lr  # noqa: F401 (lr_at: the schedule, importable from here too)
+from training.throughput import compile_model, use_onednn_linears
 
 EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the training seed
 
@@ -49,14 +50,6 @@ def pick_dtype(device: torch.device, name: str) -> torch.dtype:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
     return getattr(torch, name)
-
-
-def lr_at(step: int, t) -> float:
-    """Linear warmup to t.lr over warmup_steps, then cosine decay to t.min_lr at max_steps."""
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
-    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 
 def rng_state() -> dict:
@@ -182,10 +175,11 @@ def evaluate(model, loader: BatchLoader, iters: int, autocast) -> dict:
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
-          stop_at: int | None = None) -> dict:
+          stop_at: int | None = None, on_step=None) -> dict:
     """Run (or continue) the training that cfg describes; return a summary of how it ended.
     stop_at: end this process's part of the run after that step (with an evaluation and a checkpoint),
-    as an interruption would; the schedule still runs to train.max_steps on resume."""
+    as an interruption would; the schedule still runs to train.max_steps on resume.
+    on_step: called as on_step(step, model) after every optimizer step (bench.py's race evaluates there)."""
     say = (lambda *a, **k: None) if quiet else print
     t, out_dir = cfg.train, Path(cfg.out_dir)
     resume_from = check_out_dir(out_dir, resume, overwrite)
@@ -215,8 +209,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
 
     model = GPT(cfg.model).to(device)
-    optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                  **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    if t.onednn:
+        use_onednn_linears(model, device, dtype)
+    optimizer = build_optimizer(model, t, device)
     loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device)
     step, best_val, elapsed = 0, float("inf"), 0.0
     if ckpt is not None:
@@ -226,7 +221,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         loader.load_state_dict(ckpt["loader"])
         set_rng_state(ckpt["rng"])
         step, best_val, elapsed = ckpt["step"], ckpt["best_val_loss"], ckpt["elapsed"]
-    step_fn = torch.compile(model) if t.compile else model
+    step_fn = compile_model(model, (t.batch_size, cfg.model.block_size), cfg.model.vocab_size, autocast) if t.compile else model
 
     tokens_per_step = t.batch_size * t.grad_accum * cfg.model.block_size
     say(describe(cfg), end="")
@@ -249,9 +244,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     interval_steps = 0
     with StopSignal() as stop:
         while step < min(t.max_steps, stop_at or t.max_steps):
-            lr = lr_at(step, t)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = set_lr(optimizer, step, t)
             loss_sum = torch.zeros((), device=device)
             for _ in range(t.grad_accum):
                 x, y = loader.batch("train")
@@ -269,6 +262,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             optimizer.zero_grad(set_to_none=True)
             step += 1
             interval_steps += 1
+            if on_step is not None:
+                on_step(step, model)
 
             if step % t.log_interval == 0 or step == t.max_steps:
                 now = time.perf_counter()
