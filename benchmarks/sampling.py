@@ -1,6 +1,7 @@
 """Sampling speed: incremental decoding with the KV cache against recomputing the whole context for
 every new token, at the 6-layer, 384-dim, block-256 shape (random weights: speed does not depend on
 what the weights know)."""
+import os
 import time
 
 import torch
@@ -47,21 +48,29 @@ def ms_per_token_at(model, pos: int, use_cache: bool, reps: int = 5) -> float:
 
 
 def bench_sample(new_tokens: int = 500, device: str = "cpu", say=print) -> dict:
+    """tokens/s with and without the cache, for each CPU thread count up to the current one (decoding
+    one token is bound by reading the weights from memory, recomputing by FLOPs: threads help only
+    the latter), then ms per token by position at the current thread count."""
     model = make_model(device)
     c = model.cfg
-    say(f"# sampling {new_tokens} new tokens, {c.n_layer} layers x {c.n_embd}, block {c.block_size}, "
-        f"batch 1, {device}, {torch.get_num_threads()} threads")
-    tokens_per_s(model, 20, True)                   # warm up
-    cached, full = tokens_per_s(model, new_tokens, True), tokens_per_s(model, new_tokens, False)
-    say(f"with the KV cache:     {cached:8.1f} tokens/s")
-    say(f"recomputing the context: {full:6.1f} tokens/s")
-    say(f"speedup: {cached / full:.1f}x")
-    say(f"{'position':>8s} {'ms/token cached':>16s} {'ms/token recomputed':>20s}")
+    threads = torch.get_num_threads()
+    say(f"# sampling {new_tokens} new tokens, {c.n_layer} layers x {c.n_embd}, block {c.block_size}, batch 1, "
+        f"{device}, fp32, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+    say(f"{'threads':>7s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'speedup':>8s}")
+    rates = {}
+    for n in (range(1, threads + 1) if device == "cpu" else [threads]):
+        torch.set_num_threads(n)
+        tokens_per_s(model, 20, True)                            # warm up
+        cached, full = tokens_per_s(model, new_tokens, True), tokens_per_s(model, new_tokens, False)
+        rates[n] = (cached, full)
+        say(f"{n:7d} {cached:13.1f} {full:17.1f} {cached / full:7.1f}x")
+    torch.set_num_threads(threads)
+    say(f"{'position':>8s} {'ms/token cached':>16s} {'ms/token recomputed':>20s}   ({threads} threads)")
     per_pos = {}
     for pos in (10, 100, 250):
         per_pos[pos] = (ms_per_token_at(model, pos, True), ms_per_token_at(model, pos, False))
         say(f"{pos:8d} {per_pos[pos][0]:16.2f} {per_pos[pos][1]:20.2f}")
-    return {"cached": cached, "full": full, "per_position": per_pos}
+    return {"rates": rates, "per_position": per_pos}
 
 
 def bench_samples_scaling(device: str = "cpu", new_tokens: int = 100, say=print) -> None:

@@ -146,15 +146,16 @@ def bench_scaling(device: str = "cpu", say=print) -> None:
         model, step = make_step(cfg, device, torch.float32, levers=True)
         step()
         dense, attn = flops_per_token(model)
-        return min(time_step(step, device, 2) for _ in range(2)) * 1e3, attn / (dense + attn)
+        sec = min(time_step(step, device, 2) for _ in range(2))
+        return sec * 1e3, attn / (dense + attn), (dense + attn) * block * batch / sec / 1e9
 
     say("step time vs block size (4 layers x 128, 8,192 tokens/step: the quadratic part grows with T)")
-    say(f"{'block':>6s} {'batch':>6s} {'ms/step':>9s} {'attention FLOPs':>16s}")
+    say(f"{'block':>6s} {'batch':>6s} {'ms/step':>9s} {'attention FLOPs':>16s} {'GFLOP/s':>8s}")
     for block in (64, 128, 256, 512, 1024):
-        ms, share = ms_per_step(block_size=block, batch_size=8192 // block)
-        say(f"{block:6d} {8192 // block:6d} {ms:9.1f} {share:16.0%}")
+        ms, share, rate = ms_per_step(block_size=block, batch_size=8192 // block)
+        say(f"{block:6d} {8192 // block:6d} {ms:9.1f} {share:16.0%} {rate:8.1f}")
     say("step time vs width (4 layers, block 256, batch 16: the weights grow as width^2)")
-    say(f"{'n_embd':>6s} {'ms/step':>9s}")
+    say(f"{'n_embd':>6s} {'ms/step':>9s} {'GFLOP/s':>8s}")
     for width in (64, 128, 256, 384, 512):
-        ms, _ = ms_per_step(block_size=256, batch_size=16, n_embd=width, n_head=max(1, width // 64))
-        say(f"{width:6d} {ms:9.1f}")
+        ms, _, rate = ms_per_step(block_size=256, batch_size=16, n_embd=width, n_head=max(1, width // 64))
+        say(f"{width:6d} {ms:9.1f} {rate:8.1f}")
