@@ -22,7 +22,7 @@ CLASSIC, FAST = "configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_c
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description="Speed benchmarks (see the module docstring).")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("race", help="classic vs fast recipe: wall time to the classic's final val loss")
     r.add_argument("--classic", default=CLASSIC)

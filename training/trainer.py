@@ -1,4 +1,4 @@
-"""The training loop: AdamW, warmup + cosine LR, gradient accumulation and clipping, periodic
+"""The training loop: the optimizer and LR schedule of training/optim.py, gradient accumulation and clipping,
 evaluation on fixed batches, checkpoints, metrics.jsonl (and wandb if enabled), exact resume."""
 import json
 import os
