@@ -35,7 +35,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
-@torch.no_grad()
+@torch.inference_mode()   # like no_grad, and skips autograd's version counting too
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
              use_cache: bool = True, cache_dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:

@@ -36,9 +36,14 @@ class TrainConfig:
     batch_size: int = 12          # sequences per micro-step
     grad_accum: int = 1           # micro-steps per optimizer step
     max_steps: int = 2000
-    lr: float = 1e-3
-    min_lr: float = 1e-4          # the floor that cosine decay ends at
+    optimizer: str = "adamw"      # adamw | muon (Muon for the hidden matrices, AdamW for the rest)
+    lr: float = 1e-3              # AdamW's peak learning rate
+    muon_lr: float = 0.02         # Muon's peak learning rate (optimizer = "muon")
+    muon_momentum: float = 0.95
+    schedule: str = "cosine"      # cosine (warmup, cosine decay) | wsd (warmup, constant, linear warm-down)
+    min_lr: float = 1e-4          # the floor that the decay ends at (Muon's: muon_lr * min_lr / lr)
     warmup_steps: int = 100
+    warmdown_frac: float = 0.2    # wsd: the last fraction of max_steps that decays linearly to min_lr
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99
@@ -53,6 +58,7 @@ class TrainConfig:
     keep_checkpoints: int = 2     # ckpt_<step>.pt files kept (the newest); best.pt is kept besides
     on_nonfinite: str = "stop"    # stop | skip: what a NaN/inf loss or gradient does
     fsdp: bool = False            # under torchrun: shard parameters, gradients and optimizer state (FSDP) instead of DDP
+    onednn: bool = True           # CPU, fp32: Linear matmuls in oneDNN (AVX-512) rather than MKL (AVX2 on AMD)
 
 
 @dataclass
@@ -89,6 +95,17 @@ class Config:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
         if t.min_lr > t.lr:
             raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
+        if t.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"train.optimizer={t.optimizer!r} is not one of adamw, muon")
+        if t.optimizer == "muon" and t.fsdp:
+            raise ConfigError("train.optimizer=muon needs whole matrices, train.fsdp shards them: use one of the two")
+        if t.schedule not in ("cosine", "wsd"):
+            raise ConfigError(f"train.schedule={t.schedule!r} is not one of cosine, wsd")
+        if not 0.0 < t.warmdown_frac <= 1.0:
+            raise ConfigError(f"train.warmdown_frac must be in (0, 1], got {t.warmdown_frac}")
+        if t.muon_lr < 0 or not 0.0 <= t.muon_momentum < 1.0:
+            raise ConfigError(f"train.muon_lr must be >= 0 and train.muon_momentum in [0, 1), "
+                              f"got {t.muon_lr} and {t.muon_momentum}")
         if t.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"train.dtype={t.dtype!r} is not one of auto, float32, bfloat16, float16")
         if t.on_nonfinite not in ("stop", "skip"):

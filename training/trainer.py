@@ -1,8 +1,7 @@
-"""The training loop: AdamW, warmup + cosine LR, gradient accumulation and clipping, periodic
+"""The training loop: the optimizer and LR schedule of training/optim.py, gradient accumulation and clipping,
 evaluation on fixed batches, checkpoints, metrics.jsonl (and wandb if enabled), exact resume."""
 import glob
 import json
-import math
 import random
 import time
 from contextlib import nullcontext
@@ -21,6 +20,8 @@ from training import distributed
 from training.config import Config, ConfigError, describe
 from training.errors import RunError
 from training.guards import NonFiniteGuard, StopSignal, check_out_dir, make_out_dir
+from training.optim import build_optimizer, lr_at, set_lr  # noqa: F401 (lr_at: the schedule, importable from here too)
+from training.throughput import compile_model, use_onednn_linears
 
 EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the training seed
 
@@ -47,14 +48,6 @@ def pick_dtype(device: torch.device, name: str) -> torch.dtype:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
     return getattr(torch, name)
-
-
-def lr_at(step: int, t) -> float:
-    """Linear warmup to t.lr over warmup_steps, then cosine decay to t.min_lr at max_steps."""
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
-    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 
 def rng_state() -> dict:
@@ -163,12 +156,13 @@ def check_same_run(ckpt: dict, cfg: Config, meta: dict, path: Path) -> None:
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
-          stop_at: int | None = None) -> dict:
+          stop_at: int | None = None, on_step=None) -> dict:
     """Run (or continue) the training that cfg describes; return a summary of how it ended.
     stop_at: end this process's part of the run after that step (with an evaluation and a checkpoint),
     as an interruption would; the schedule still runs to train.max_steps on resume.
     Everything a user can get wrong (out dir, checkpoint, data, sizes) is checked before the first
-    write to the out dir, so a bad input leaves it as it was."""
+    write to the out dir, so a bad input leaves it as it was.
+    on_step: called as on_step(step, model) after every optimizer step (bench.py's race evaluates there)."""
     t, out_dir = cfg.train, Path(cfg.out_dir)
     ctx = distributed.setup(pick_device(t.device))   # one process, or this process's rank under torchrun
     say = print if ctx.is_main and not quiet else (lambda *a, **k: None)
@@ -204,9 +198,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     model = GPT(cfg.model).to(device)   # the same initial weights on every rank
     if ctx.rank:
         torch.manual_seed(t.seed + ctx.rank)   # but each its own dropout masks
+    if t.onednn:
+        use_onednn_linears(model, device, dtype)   # before wrapping: same parameters, faster CPU matmuls
     train_model = distributed.wrap(model, ctx, t.fsdp)   # model, DDP(model), or model sharded in place
-    optimizer = torch.optim.AdamW(model.param_groups(t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                  **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    optimizer = build_optimizer(model, t, device)
     guard = NonFiniteGuard(t.on_nonfinite, device, check_grad=not scaler.is_enabled())
     step, best_val, elapsed = 0, float("inf"), 0.0
     if ckpt is not None:
@@ -222,7 +217,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             torch.manual_seed(t.seed + 1000 * ckpt["step"] + ctx.rank)
         step, best_val, elapsed = ckpt["step"], ckpt["best_val_loss"], ckpt["elapsed"]
         guard.skipped = ckpt.get("skipped_steps", 0)
-    step_fn = torch.compile(train_model) if t.compile else train_model
+    step_fn = (compile_model(train_model, (t.batch_size, cfg.model.block_size), cfg.model.vocab_size, autocast)
+               if t.compile else train_model)
 
     def first_write() -> None:   # every check above has passed; only rank 0 writes
         make_out_dir(out_dir, overwrite)
@@ -259,9 +255,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     with StopSignal() as stop:
         try:
             while step < min(t.max_steps, stop_at or t.max_steps):
-                lr = lr_at(step, t)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+                lr = set_lr(optimizer, step, t)
                 loss_sum = torch.zeros((), device=device)
                 for micro, (x, y) in enumerate(loader.step_batches("train")):
                     with distributed.sync_gradients(train_model, sync=micro == t.grad_accum - 1):
@@ -280,6 +274,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 interval_steps += 1
+                if on_step is not None:
+                    on_step(step, model)
                 stopping = ctx.any(stop.requested is not None)   # all ranks stop at the same step
 
                 if step % t.log_interval == 0 or step == t.max_steps:

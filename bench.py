@@ -1,0 +1,68 @@
+"""Benchmarks: each prints its figures, measured in one run on this machine (ratios travel, absolute
+times drift on a shared machine).
+
+    python bench.py race [--data FILE]             classic config vs the fast recipe: time to the classic's val loss
+    python bench.py train CONFIG [--key=value ...] matmul peak, step time, tokens/s, MFU; with vs without the levers
+    python bench.py sample                         tokens/s with and without the KV cache, ms/token by position
+    python bench.py scaling                        step time vs block size and width; sampling time vs samples
+    python bench.py prepare                        (slot: data preparation speed, python -m data.prepare_bench)
+"""
+import argparse
+import os
+import sys
+
+# OpenMP threads that spin while they wait steal the cores that other jobs on a shared machine (and
+# their own sibling threads) need: with 2 threads on 2 busy cores a step measured 25x slower than
+# with passive waits. Set before torch loads its OpenMP runtime; an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from training.errors import run_cli  # noqa: E402
+
+CLASSIC, FAST = "configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("race", help="classic vs fast recipe: wall time to the classic's final val loss")
+    r.add_argument("--classic", default=CLASSIC)
+    r.add_argument("--fast", default=FAST)
+    r.add_argument("--evals", type=int, default=20, help="evaluations per run (the fast run's resolution)")
+    t = sub.add_parser("train", help="matmul peak, training step throughput and MFU of a config")
+    t.add_argument("config")
+    t.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    t.add_argument("--rounds", type=int, default=3, help="alternating rounds with and without the levers")
+    s = sub.add_parser("sample", help="sampling with and without the KV cache")
+    s.add_argument("--new-tokens", type=int, default=500)
+    s.add_argument("--device", default="cpu")
+    sub.add_parser("scaling", help="how step and sampling time grow with block size, width and samples")
+    sub.add_parser("prepare", help="data preparation benchmark (python -m data.prepare_bench)")
+    args, overrides = p.parse_known_args(argv)
+
+    if args.command == "race":
+        from benchmarks.race import race
+        race(args.classic, args.fast, overrides, evals=args.evals)
+    elif args.command == "train":
+        from benchmarks.step import bench_train
+        bench_train(args.config, overrides, steps=args.steps, rounds=args.rounds)
+    elif args.command == "sample":
+        from benchmarks.sampling import bench_sample
+        bench_sample(args.new_tokens, args.device)
+    elif args.command == "scaling":
+        from benchmarks.sampling import bench_samples_scaling
+        from benchmarks.step import bench_scaling
+        bench_scaling()
+        bench_samples_scaling()
+    elif args.command == "prepare":
+        import runpy
+        sys.argv = ["data/prepare_bench.py", *overrides]
+        try:
+            runpy.run_module("data.prepare_bench", run_name="__main__")
+        except ImportError:
+            print("error: data/prepare_bench.py is not in this checkout", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, sys.argv[1:]))

@@ -1,0 +1,84 @@
+"""Sampling speed: incremental decoding with the KV cache against recomputing the whole context for
+every new token, at the 6-layer, 384-dim, block-256 shape (random weights: speed does not depend on
+what the weights know)."""
+import os
+import time
+
+import torch
+
+from model.config import ModelConfig
+from model.gpt import GPT, InferenceCache
+from model.sampling import generate
+
+SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
+
+
+def make_model(device) -> GPT:
+    torch.manual_seed(0)
+    return GPT(ModelConfig(**SHAPE)).to(device).eval()
+
+
+def tokens_per_s(model, new_tokens: int, use_cache: bool, samples: int = 1) -> float:
+    prompt = torch.zeros(samples, 1, dtype=torch.long, device=next(model.parameters()).device)
+    gen = torch.Generator(device=prompt.device).manual_seed(0)
+    t0 = time.perf_counter()
+    for col in generate(model, prompt, new_tokens, temperature=1.0, generator=gen, use_cache=use_cache):
+        pass
+    col.cpu()                                        # wait for the device
+    return samples * new_tokens / (time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def ms_per_token_at(model, pos: int, use_cache: bool, reps: int = 5) -> float:
+    """The cost of producing the token at position `pos` (pos tokens already in context)."""
+    device = next(model.parameters()).device
+    idx = torch.randint(0, model.cfg.vocab_size, (1, pos + 1), generator=torch.Generator().manual_seed(pos)).to(device)
+    best = float("inf")
+    for _ in range(reps):
+        if use_cache:
+            cache = InferenceCache(model, 1, device, torch.float32)
+            model(idx[:, :pos], cache=cache)
+            t0 = time.perf_counter()
+            model(idx[:, pos:], cache=cache)[0].cpu()
+        else:
+            t0 = time.perf_counter()
+            model(idx)[0].cpu()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def bench_sample(new_tokens: int = 500, device: str = "cpu", say=print) -> dict:
+    """tokens/s with and without the cache, for each CPU thread count up to the current one (decoding
+    one token is bound by reading the weights from memory, recomputing by FLOPs: threads help only
+    the latter), then ms per token by position at the current thread count."""
+    model = make_model(device)
+    c = model.cfg
+    threads = torch.get_num_threads()
+    say(f"# sampling {new_tokens} new tokens, {c.n_layer} layers x {c.n_embd}, block {c.block_size}, batch 1, "
+        f"{device}, fp32, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+    say(f"{'threads':>7s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'speedup':>8s}")
+    rates = {}
+    for n in (range(1, threads + 1) if device == "cpu" else [threads]):
+        torch.set_num_threads(n)
+        tokens_per_s(model, 20, True)                            # warm up
+        cached, full = tokens_per_s(model, new_tokens, True), tokens_per_s(model, new_tokens, False)
+        rates[n] = (cached, full)
+        say(f"{n:7d} {cached:13.1f} {full:17.1f} {cached / full:7.1f}x")
+    torch.set_num_threads(threads)
+    say(f"{'position':>8s} {'ms/token cached':>16s} {'ms/token recomputed':>20s}   ({threads} threads)")
+    per_pos = {}
+    for pos in (10, 100, 250):
+        per_pos[pos] = (ms_per_token_at(model, pos, True), ms_per_token_at(model, pos, False))
+        say(f"{pos:8d} {per_pos[pos][0]:16.2f} {per_pos[pos][1]:20.2f}")
+    return {"rates": rates, "per_position": per_pos}
+
+
+def bench_samples_scaling(device: str = "cpu", new_tokens: int = 100, say=print) -> None:
+    """Total tokens/s as more samples share each forward (one batch)."""
+    model = make_model(device)
+    say(f"sampling time vs number of samples ({new_tokens} new tokens each, KV cache, one batch)")
+    say(f"{'samples':>7s} {'seconds':>8s} {'tokens/s':>9s}")
+    tokens_per_s(model, 10, True)
+    for samples in (1, 4, 16, 64):
+        rate = tokens_per_s(model, new_tokens, True, samples)
+        say(f"{samples:7d} {samples * new_tokens / rate:8.2f} {rate:9.0f}")

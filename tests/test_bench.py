@@ -1,0 +1,58 @@
+"""The benchmarks measure what they say: the race's val set is the whole val split, the race finds
+the first evaluation at the classic's loss, the FLOP count is the model's."""
+import numpy as np
+import torch
+
+from benchmarks.race import first_reaching, race, val_windows
+from benchmarks.step import flops_per_token
+from data.prepare import load_meta
+from model.config import ModelConfig
+from model.gpt import GPT
+from tests.conftest import tiny_overrides
+from training.config import build_config
+from training.trainer import prepare_data
+
+
+def test_race_windows_are_the_whole_val_split_in_order(tiny_cfg):
+    cfg = tiny_cfg(**{"model.block_size": 8})
+    dataset = prepare_data(cfg)
+    meta = load_meta(dataset)
+    val = np.fromfile(dataset / "val.bin", dtype=meta["dtype"])
+    w = val_windows(dataset, 8)
+    assert w.shape == ((len(val) - 1) // 8, 9)
+    assert torch.equal(w[:, :-1].flatten(), torch.from_numpy(val[:w.size(0) * 8].astype(np.int64)))
+    assert torch.equal(w[:-1, -1], w[1:, 0]), "each window's last target is the next window's first input"
+
+
+def test_first_reaching_takes_the_first_evaluation_at_or_below_the_target():
+    curve = [{"step": s, "val": v} for s, v in [(10, 2.5), (20, 1.9), (30, 1.8), (40, 1.7)]]
+    assert first_reaching(curve, 1.8)["step"] == 30
+    assert first_reaching(curve, 1.0) is None
+
+
+def test_race_runs_both_configs_and_reports_the_ratio(tmp_path, text_file):
+    slow = tmp_path / "slow.toml"
+    slow.write_text("[train]\nlr = 1e-4\nmin_lr = 1e-5\n")
+    fast = tmp_path / "fast.toml"
+    fast.write_text("[train]\nlr = 1e-2\nmin_lr = 1e-3\n")
+    lines = []
+    result = race(str(slow), str(fast), tiny_overrides(tmp_path, text_file, **{"train.max_steps": 30}),
+                  evals=10, say=lines.append)
+    assert [p["step"] for p in result["curves"]["classic"]] == list(range(3, 31, 3))
+    assert result["curves"]["fast"][-1]["val"] < result["target"], "a 100x higher lr learns faster"
+    assert 0 < result["ratio"] < 1.5 and any(l.startswith("ratio") for l in lines)
+
+
+def test_flops_per_token_counts_every_matmul_weight_and_causal_attention():
+    model = GPT(ModelConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    dense, attn = flops_per_token(model)
+    per_layer = 4 * 32 * 32 + 2 * 32 * 128          # q, k, v, proj; MLP up and down
+    assert dense == 6 * (2 * per_layer + 50 * 32)    # + the LM head (tied: it is a matmul all the same)
+    assert attn == 6 * 2 * 16 * 32
+
+
+def test_the_fast_recipe_is_judged_on_the_classic_context_length():
+    classic = build_config("configs/shakespeare_char_cpu.toml", [])
+    fast = build_config("configs/shakespeare_char_cpu_fast.toml", [])
+    assert fast.model.block_size == classic.model.block_size, "a longer context would lower val loss by itself"
+    assert fast.data.tokenizer == classic.data.tokenizer

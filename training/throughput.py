@@ -1,0 +1,96 @@
+"""Throughput levers of the training step that need more than a line: torch.compile with a fallback,
+and Linear layers whose matmuls run in oneDNN on CPUs where that is faster than the BLAS default."""
+import sys
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+
+
+def compile_model(model: nn.Module, batch_shape: tuple[int, int], vocab_size: int,
+                  autocast=nullcontext(), warn=lambda msg: print(msg, file=sys.stderr, flush=True)):
+    """torch.compile(model), tried at once on one forward and backward of a batch of batch_shape.
+
+    Compiling is lazy: without the trial, a missing C++ compiler or an unsupported op would surface
+    as a long traceback in the middle of the first step. Here it is a one-line warning and the eager
+    model. The trial compiles the graphs the training step reuses (same shapes, same autocast) and
+    leaves no trace: no gradients, and the RNG states (dropout draws) are restored afterwards.
+    """
+    compiled = torch.compile(model)
+    device = next(model.parameters()).device
+    x = torch.randint(0, vocab_size, batch_shape, device=device)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast:
+            _, loss = compiled(x, x)
+            loss.backward()
+    except Exception as e:   # any failure in dynamo, inductor or the C++/Triton toolchain
+        reason = (str(e).strip().splitlines() or [""])[0][:160]
+        warn(f"warning: torch.compile failed, training without it ({type(e).__name__}: {reason})")
+        return model
+    finally:
+        model.zero_grad(set_to_none=True)
+    return compiled
+
+
+@torch.library.custom_op("gpt::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) @ weight (out, in)ᵀ + bias, in oneDNN (strided views are fine: no copies).
+    A custom op, so that torch.compile calls it as it is rather than looking inside."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.size(0))
+
+
+def _save(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    """dL/dx = g W, dL/dW = gᵀ x, dL/db = Σ g: two more matmuls, also in oneDNN."""
+    x, weight = ctx.saved_tensors
+    grad_2d = grad.reshape(-1, grad.size(-1))                                    # (M, out)
+    grad_x = onednn_linear(grad, weight.t(), None) if ctx.needs_input_grad[0] else None
+    grad_w = onednn_linear(grad_2d.t(), x.reshape(-1, x.size(-1)).t(), None)    # (out, in)
+    grad_b = grad_2d.sum(0) if ctx.has_bias else None
+    return grad_x, grad_w, grad_b
+
+
+onednn_linear.register_autograd(_backward, setup_context=_save)
+
+
+class OneDNNLinear(nn.Linear):
+    """nn.Linear (same parameters, same state_dict) whose matmuls run in oneDNN."""
+
+    def forward(self, x):
+        return onednn_linear(x, self.weight, self.bias)
+
+
+def onednn_works() -> bool:
+    """oneDNN's fp32 linear is in this build and gives the right answer."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        x, w = torch.randn(4, 8), torch.randn(3, 8)
+        return torch.allclose(onednn_linear(x, w, None), x @ w.t(), atol=1e-5)
+    except Exception:
+        return False
+
+
+def use_onednn_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """On CPU in fp32, turn every nn.Linear of model into a OneDNNLinear; return how many.
+
+    PyTorch's CPU fp32 matmul calls MKL, which on AMD processors runs an AVX2 code path; oneDNN
+    picks AVX-512 where the CPU has it, about twice the FLOP/s on the 2-core AMD EPYC this repo was
+    tuned on (bench.py train measures both). bf16 autocast on CPU already goes to oneDNN.
+    """
+    if device.type != "cpu" or dtype != torch.float32 or not onednn_works():
+        return 0
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    for m in linears:
+        m.__class__ = OneDNNLinear
+    return len(linears)
