@@ -36,6 +36,9 @@ def test_values_are_coerced_to_field_types():
     (["--model.attention=magic"], "model.attention='magic' is not one of"),
     (["--train.lr"], "--train.lr needs a value"),
     (["oops"], "unexpected argument 'oops'"),
+    (["--train.optimizer=sgd"], "train.optimizer='sgd' is not one of adamw, muon"),
+    (["--train.schedule=step"], "train.schedule='step' is not one of cosine, wsd"),
+    (["--train.optimizer=muon", "--train.fsdp=true"], "train.optimizer=muon needs whole matrices, train.fsdp shards them"),
 ])
 def test_bad_overrides_name_the_problem(args, message):
     with pytest.raises(ConfigError) as e:

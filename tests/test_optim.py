@@ -7,6 +7,7 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT
+from training.checkpoint import CheckpointError
 from training.config import TrainConfig, build_config
 from training.optim import Muon, Optimizers, build_optimizer, lr_at, orthogonalize, set_lr
 from training.trainer import train
@@ -103,3 +104,9 @@ def test_resume_with_muon_and_wsd_is_exact(tmp_path, tiny_cfg):
     for step in range(11, 21):
         assert rest["losses"][step] == pytest.approx(whole["losses"][step], abs=1e-6), step
     assert rest["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-6)
+
+
+def test_resume_with_another_optimizer_is_a_checkpoint_error(tmp_path, tiny_cfg):
+    train(tiny_cfg(out_dir=tmp_path / "run"), quiet=True, stop_at=5)
+    with pytest.raises(CheckpointError, match="does not fit this run"):
+        train(tiny_cfg(**{"train.optimizer": "muon"}, out_dir=tmp_path / "run"), quiet=True, resume=True)
