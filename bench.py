@@ -5,18 +5,19 @@ times drift on a shared machine).
     python bench.py train CONFIG [--key=value ...] matmul peak, step time, tokens/s, MFU; with vs without the levers
     python bench.py sample                         tokens/s with and without the KV cache, ms/token by position
     python bench.py scaling                        step time vs block size and width; sampling time vs samples
-    python bench.py prepare                        (slot: data preparation speed, python -m data.prepare_bench)
+    python bench.py prepare                        data preparation speed and memory (data/prepare_bench.py)
 """
 import argparse
 import os
 import sys
 
-# OpenMP threads that spin while they wait steal the cores that other jobs on a shared machine (and
-# their own sibling threads) need: with 2 threads on 2 busy cores a step measured 25x slower than
-# with passive waits. Set before torch loads its OpenMP runtime; an explicit setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy matters on CPU: spinning threads are fastest on an idle machine but take the
+# cores other jobs need on a busy one (there, run with OMP_WAIT_POLICY=PASSIVE). Benchmarks run under
+# whatever the environment says, and print it with the load, so a figure says how it was taken.
+if os.environ.get("OMP_WAIT_POLICY") == "":
+    del os.environ["OMP_WAIT_POLICY"]
 
-from training.errors import run_cli  # noqa: E402
+from training.errors import run_cli
 
 CLASSIC, FAST = "configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"
 
@@ -38,6 +39,8 @@ def main(argv: list[str]) -> int:
     sub.add_parser("scaling", help="how step and sampling time grow with block size, width and samples")
     sub.add_parser("prepare", help="data preparation benchmark (python -m data.prepare_bench)")
     args, overrides = p.parse_known_args(argv)
+    print(f"# OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (other jobs slow every figure)")
 
     if args.command == "race":
         from benchmarks.race import race
@@ -56,11 +59,7 @@ def main(argv: list[str]) -> int:
     elif args.command == "prepare":
         import runpy
         sys.argv = ["data/prepare_bench.py", *overrides]
-        try:
-            runpy.run_module("data.prepare_bench", run_name="__main__")
-        except ImportError:
-            print("error: data/prepare_bench.py is not in this checkout", file=sys.stderr)
-            return 2
+        runpy.run_module("data.prepare_bench", run_name="__main__")
     return 0
 
 

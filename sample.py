@@ -60,7 +60,7 @@ def main(argv) -> int:
 
     from data.tokenizers import TokenizerError, load_tokenizer
     from model.gpt import GPT
-    from model.sampling import generate
+    from model.sampling import generate, use_decoding_layout
     from training.checkpoint import CheckpointError, clean_state_dict, load_checkpoint, resolve_path
     from training.config import ConfigError, from_dict
     from training.trainer import pick_device, pick_dtype
@@ -76,7 +76,7 @@ def main(argv) -> int:
         raise CheckpointError(f"{path} does not hold a usable model: {str(e).strip().splitlines()[0][:160]}") from None
     device = pick_device(args.device)
     dtype = pick_dtype(device, "auto")
-    model.to(device).eval()
+    use_decoding_layout(model.to(device).eval())
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
     text = read_prompt(args.prompt)

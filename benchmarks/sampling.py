@@ -8,14 +8,15 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
-from model.sampling import generate
+from model.sampling import generate, use_decoding_layout
 
 SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
 
 
-def make_model(device) -> GPT:
+def make_model(device, decoding_layout: bool = True) -> GPT:
     torch.manual_seed(0)
-    return GPT(ModelConfig(**SHAPE)).to(device).eval()
+    model = GPT(ModelConfig(**SHAPE)).to(device).eval()
+    return use_decoding_layout(model) if decoding_layout else model   # sample.py uses the layout
 
 
 def tokens_per_s(model, new_tokens: int, use_cache: bool, samples: int = 1) -> float:
@@ -51,19 +52,22 @@ def bench_sample(new_tokens: int = 500, device: str = "cpu", say=print) -> dict:
     """tokens/s with and without the cache, for each CPU thread count up to the current one (decoding
     one token is bound by reading the weights from memory, recomputing by FLOPs: threads help only
     the latter), then ms per token by position at the current thread count."""
-    model = make_model(device)
+    model, plain = make_model(device), make_model(device, decoding_layout=False)
     c = model.cfg
     threads = torch.get_num_threads()
     say(f"# sampling {new_tokens} new tokens, {c.n_layer} layers x {c.n_embd}, block {c.block_size}, batch 1, "
         f"{device}, fp32, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
-    say(f"{'threads':>7s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'speedup':>8s}")
+    say(f"{'threads':>7s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'speedup':>8s} "
+        f"{'cached, usual weight layout':>28s}")
     rates = {}
     for n in (range(1, threads + 1) if device == "cpu" else [threads]):
         torch.set_num_threads(n)
         tokens_per_s(model, 20, True)                            # warm up
+        tokens_per_s(plain, 20, True)
         cached, full = tokens_per_s(model, new_tokens, True), tokens_per_s(model, new_tokens, False)
-        rates[n] = (cached, full)
-        say(f"{n:7d} {cached:13.1f} {full:17.1f} {cached / full:7.1f}x")
+        cached_plain = tokens_per_s(plain, new_tokens, True)
+        rates[n] = (cached, full, cached_plain)
+        say(f"{n:7d} {cached:13.1f} {full:17.1f} {cached / full:7.1f}x {cached_plain:28.1f}")
     torch.set_num_threads(threads)
     say(f"{'position':>8s} {'ms/token cached':>16s} {'ms/token recomputed':>20s}   ({threads} threads)")
     per_pos = {}

@@ -3,7 +3,7 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
-from model.sampling import generate, sample_next
+from model.sampling import generate, sample_next, use_decoding_layout
 
 
 def make_model(**kw):
@@ -31,6 +31,18 @@ def test_generation_with_and_without_cache_agree_past_the_block_size():
     assert with_cache.shape == (2, 30)
     # the cache re-primes from half a block when full, so agreement is exact up to the first slide
     assert torch.equal(with_cache[:, :10], without[:, :10])
+
+
+def test_decoding_layout_changes_strides_not_values():
+    model, plain = make_model(), make_model()
+    use_decoding_layout(model)
+    w = model.blocks[0].mlp.up.weight
+    assert w.t().is_contiguous() and not w.is_contiguous()
+    idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(model(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-5, rtol=0)
+    prompt = idx[:, :3]
+    assert torch.equal(torch.cat(list(generate(model, prompt, 20, temperature=0)), dim=1),
+                       torch.cat(list(generate(plain, prompt, 20, temperature=0)), dim=1))
 
 
 def test_seeded_sampling_is_reproducible():

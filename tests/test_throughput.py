@@ -13,13 +13,14 @@ needs_onednn = pytest.mark.skipif(not onednn_works(), reason="this PyTorch build
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [True, False])
-def test_onednn_linear_matches_nn_linear_in_outputs_and_gradients(bias):
+@pytest.mark.parametrize("n_in, n_out", [(24, 40), (40, 24)])   # both orders of dL/dW's operands
+def test_onednn_linear_matches_nn_linear_in_outputs_and_gradients(bias, n_in, n_out):
     torch.manual_seed(0)
-    ref = torch.nn.Linear(24, 40, bias=bias)
-    fast = torch.nn.Linear(24, 40, bias=bias)
+    ref = torch.nn.Linear(n_in, n_out, bias=bias)
+    fast = torch.nn.Linear(n_in, n_out, bias=bias)
     fast.load_state_dict(ref.state_dict())
     fast.__class__ = OneDNNLinear
-    x = torch.randn(3, 7, 24)
+    x = torch.randn(3, 7, n_in)
     x_ref, x_fast = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref, out_fast = ref(x_ref), fast(x_fast)
     torch.testing.assert_close(out_fast, out_ref, atol=1e-5, rtol=1e-5)

@@ -51,11 +51,18 @@ def _save(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    """dL/dx = g W, dL/dW = gᵀ x, dL/db = Σ g: two more matmuls, also in oneDNN."""
+    """dL/dx = g W, dL/dW = gᵀ x, dL/db = Σ g: two more matmuls, also in oneDNN.
+
+    oneDNN copies its first operand into a contiguous one, and for dL/dW both gᵀ and xᵀ are
+    transposed views of (M, ·) activations. Put the narrower one first (a quarter of the copying
+    in the MLP), computing (xᵀ g)ᵀ, with a transpose of the small result, when that is xᵀ."""
     x, weight = ctx.saved_tensors
-    grad_2d = grad.reshape(-1, grad.size(-1))                                    # (M, out)
+    grad_2d, x_2d = grad.reshape(-1, grad.size(-1)), x.reshape(-1, x.size(-1))   # (M, out), (M, in)
     grad_x = onednn_linear(grad, weight.t(), None) if ctx.needs_input_grad[0] else None
-    grad_w = onednn_linear(grad_2d.t(), x.reshape(-1, x.size(-1)).t(), None)    # (out, in)
+    if grad_2d.size(1) <= x_2d.size(1):
+        grad_w = onednn_linear(grad_2d.t(), x_2d.t(), None)                          # (out, in)
+    else:
+        grad_w = onednn_linear(x_2d.t(), grad_2d.t(), None).t().contiguous()         # (in, out) -> (out, in)
     grad_b = grad_2d.sum(0) if ctx.has_bias else None
     return grad_x, grad_w, grad_b
 
