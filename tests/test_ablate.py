@@ -116,3 +116,14 @@ def test_shipped_sweeps_load(monkeypatch):
     assert any(not r.cfg.model.attn_scale for r in cpu.runs) and any(r.cfg.model.qk_norm for r in cpu.runs)
     gpu = load_sweep("configs/ablations/attention.toml")
     assert {r.cfg.model.pos for r in gpu.runs} == {"learned", "rope", "alibi", "none"}
+
+
+def test_fast_recipe_sweep_turns_off_one_lever_per_variant(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    sweep = load_sweep("configs/ablations/fast_recipe_cpu.toml")
+    base = next(r.cfg for r in sweep.runs if r.variant == "fast")
+    for run in sweep.runs:
+        changed = {(section, key) for section in ("model", "train")
+                   for key, value in getattr(run.cfg, section).__dict__.items()
+                   if getattr(base, section).__dict__[key] != value and key != "seed"}
+        assert len(changed) == (0 if run.variant == "fast" else 1), (run.variant, changed)
