@@ -78,12 +78,14 @@ def test_alibi_slopes_are_the_papers():
 
 
 @pytest.mark.parametrize("pos", ["learned", "rope", "alibi"])
-def test_gqa_with_as_many_kv_heads_as_heads_is_multi_head(pos):
+@pytest.mark.parametrize("variant, settings", [("gqa", {"n_kv_head": 4}),            # as many kv heads as heads
+                                               ("sliding_window", {"window": 16})])  # a window as long as the block
+def test_a_variant_at_its_limit_is_plain_multi_head_attention(pos, variant, settings):
     plain = make_model("sdpa", pos)
-    gqa = make_model("gqa", pos, n_kv_head=4)
-    gqa.load_state_dict(plain.state_dict())
+    other = make_model(variant, pos, **settings)
+    other.load_state_dict(plain.state_dict())
     idx = tokens()
-    torch.testing.assert_close(gqa(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(other(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-6, rtol=0)
 
 
 def test_gqa_is_multi_head_with_each_kv_head_shared_by_its_group():
@@ -96,15 +98,6 @@ def test_gqa_is_multi_head_with_each_kv_head_shared_by_its_group():
     plain.load_state_dict(state)
     idx = tokens()
     torch.testing.assert_close(gqa(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize("pos", ["learned", "rope", "alibi"])
-def test_a_window_as_long_as_the_block_is_full_causal_attention(pos):
-    plain = make_model("sdpa", pos)
-    local = make_model("sliding_window", pos, window=16)
-    local.load_state_dict(plain.state_dict())
-    idx = tokens()
-    torch.testing.assert_close(local(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 64])

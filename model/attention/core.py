@@ -9,6 +9,18 @@ import torch.nn.functional as F
 from model.positions import alibi_bias
 
 
+def split_heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """(B, T, n_head * hs) -> (B, n_head, T, hs): each head attends on its own slice of the features."""
+    B, T, C = t.shape
+    return t.view(B, T, n_head, C // n_head).transpose(1, 2)
+
+
+def merge_heads(t: torch.Tensor) -> torch.Tensor:
+    """(B, nh, T, hs) -> (B, T, nh * hs): the heads' outputs side by side (concatenated)."""
+    B, nh, T, hs = t.shape
+    return t.transpose(1, 2).contiguous().view(B, T, nh * hs)
+
+
 def causal_mask(t_query: int, t_key: int, device, window: int = 0) -> torch.Tensor:
     """(t_query, t_key) bool, True where attending is allowed: key j <= query position i, and with a
     window also i - j < window (the query and the window - 1 keys before it)."""

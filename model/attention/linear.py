@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.attention.core import merge_heads, split_heads
 from model.config import ModelConfig
 from model.positions import apply_rotary_emb
 
@@ -82,10 +83,6 @@ class LinearAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.chunk = CHUNK
 
-    def split_heads(self, t: torch.Tensor) -> torch.Tensor:
-        B, T, _ = t.shape
-        return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)   # (B, nh, T, hs)
-
     def new_cache(self, batch: int, max_len: int, device, dtype) -> LinearState:
         return LinearState(batch, self.n_head, self.head_dim, device, dtype)
 
@@ -94,7 +91,7 @@ class LinearAttention(nn.Module):
 
     def forward(self, x, rope=None, cache: LinearState | None = None):
         B, T, C = x.shape
-        q, k, v = self.split_heads(self.query(x)), self.split_heads(self.key(x)), self.split_heads(self.value(x))
+        q, k, v = (split_heads(proj(x), self.n_head) for proj in (self.query, self.key, self.value))   # (B, nh, T, hs)
         if self.qk_norm:
             q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         q, k = F.elu(q * self.scale) + 1, F.elu(k) + 1                   # φ: positive features
@@ -110,5 +107,5 @@ class LinearAttention(nn.Module):
         if cache is not None:
             cache.S, cache.z = S, z
         out = num / den.clamp_min(1e-6)
-        out = out.transpose(1, 2).contiguous().view(B, T, C)              # concatenate the heads
+        out = merge_heads(out)                                           # (B, T, C): concatenate the heads
         return self.resid_dropout(self.proj(out))

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention.core import KVCache, naive_attention, sdpa_attention
+from model.attention.core import KVCache, merge_heads, naive_attention, sdpa_attention, split_heads
 from model.config import ModelConfig
 from model.positions import alibi_slopes, apply_rotary_emb
 
@@ -52,10 +52,6 @@ class CausalSelfAttention(nn.Module):
         slopes = alibi_slopes(cfg.n_head) if cfg.pos == "alibi" else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
 
-    def split_heads(self, t: torch.Tensor, n_head: int) -> torch.Tensor:
-        B, T, _ = t.shape
-        return t.view(B, T, n_head, self.head_dim).transpose(1, 2)        # (B, nh, T, hs)
-
     def new_cache(self, batch: int, max_len: int, device, dtype) -> KVCache:
         return KVCache(batch, self.n_kv_head, max_len, self.head_dim, device, dtype)
 
@@ -66,10 +62,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, rope=None, cache: KVCache | None = None, return_weights: bool = False):
         """x (B, T, C) -> (B, T, C); with return_weights (naive only) also the (B, nh, T, T) weights."""
-        B, T, C = x.shape
-        q = self.split_heads(self.query(x), self.n_head)                 # (B, nh, T, hs)
-        k = self.split_heads(self.key(x), self.n_kv_head)                # (B, nkv, T, hs)
-        v = self.split_heads(self.value(x), self.n_kv_head)
+        q = split_heads(self.query(x), self.n_head)                      # (B, nh, T, hs)
+        k = split_heads(self.key(x), self.n_kv_head)                     # (B, nkv, T, hs)
+        v = split_heads(self.value(x), self.n_kv_head)
         if self.qk_norm:
             q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         if rope is not None:
@@ -88,6 +83,6 @@ class CausalSelfAttention(nn.Module):
                 raise ValueError("attention weights are only materialized by model.attention='naive'")
             out = sdpa_attention(q, k, v, self.scale, p, self.window, self.alibi_slopes)
 
-        out = out.transpose(1, 2).contiguous().view(B, T, C)              # concatenate the heads
+        out = merge_heads(out)                                           # (B, T, C): concatenate the heads
         out = self.resid_dropout(self.proj(out))
         return (out, weights) if return_weights else out

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention.core import sdpa_attention
+from model.attention.core import merge_heads, sdpa_attention, split_heads
 from model.config import ModelConfig
 from model.positions import alibi_slopes, apply_rotary_emb
 
@@ -68,10 +68,6 @@ class MultiHeadLatentAttention(nn.Module):
         slopes = alibi_slopes(cfg.n_head) if cfg.pos == "alibi" else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
 
-    def split_heads(self, t: torch.Tensor, n_head: int) -> torch.Tensor:
-        B, T, _ = t.shape
-        return t.view(B, T, n_head, self.head_dim).transpose(1, 2)        # (B, nh, T, hs)
-
     def new_cache(self, batch: int, max_len: int, device, dtype) -> LatentCache:
         return LatentCache(batch, max_len, self.latent_dim, self.head_dim if self.rope else 0, device, dtype)
 
@@ -79,23 +75,22 @@ class MultiHeadLatentAttention(nn.Module):
         return (self.latent_dim + (self.head_dim if self.rope else 0)) * seq_len
 
     def forward(self, x, rope=None, cache: LatentCache | None = None):
-        B, T, C = x.shape
         norm = (lambda t: F.rms_norm(t, (self.head_dim,))) if self.qk_norm else (lambda t: t)
-        q = norm(self.split_heads(self.query(x), self.n_head))           # (B, nh, T, hs)
+        q = norm(split_heads(self.query(x), self.n_head))                # (B, nh, T, hs)
         c = self.kv_norm(self.kv_down(x))                                # (B, T, d_c)
         k_rope = None
         if self.rope:
-            q_rope = apply_rotary_emb(norm(self.split_heads(self.query_rope(x), self.n_head)), *rope)
-            k_rope = apply_rotary_emb(norm(self.split_heads(self.key_rope(x), 1)), *rope)   # (B, 1, T, hs)
+            q_rope = apply_rotary_emb(norm(split_heads(self.query_rope(x), self.n_head)), *rope)
+            k_rope = apply_rotary_emb(norm(split_heads(self.key_rope(x), 1)), *rope)   # (B, 1, T, hs)
         if cache is not None:
             c, k_rope = cache.append(c, k_rope)                          # (B, T_past + T, d_c)
-        k = norm(self.split_heads(self.key_up(c), self.n_head))          # (B, nh, T_all, hs)
-        v = self.split_heads(self.value_up(c), self.n_head)
+        k = norm(split_heads(self.key_up(c), self.n_head))               # (B, nh, T_all, hs)
+        v = split_heads(self.value_up(c), self.n_head)
         if self.rope:
             q = torch.cat([q, q_rope], dim=-1)                           # (B, nh, T, 2 hs)
             k = torch.cat([k, k_rope.expand(-1, self.n_head, -1, -1)], dim=-1)
 
         p = self.dropout_p if self.training else 0.0
         out = sdpa_attention(q, k, v, self.scale, p, slopes=self.alibi_slopes)   # (B, nh, T, hs)
-        out = out.transpose(1, 2).contiguous().view(B, T, C)              # concatenate the heads
+        out = merge_heads(out)                                           # (B, T, C): concatenate the heads
         return self.resid_dropout(self.proj(out))
