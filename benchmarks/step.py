@@ -14,7 +14,7 @@ import torch
 from model.gpt import GPT
 from training.config import build_config
 from training.optim import build_optimizer
-from training.throughput import compile_model, onednn_linear, onednn_works, use_onednn_linears
+from training.throughput import compile_model, onednn_linear, onednn_pays, onednn_works, use_onednn_linears
 from training.trainer import pick_device, pick_dtype
 
 CHAR_VOCAB = 65   # tinyshakespeare's characters: the vocabulary when a config leaves it to the data
@@ -62,7 +62,7 @@ def make_step(cfg, device, dtype, levers: bool):
     x = torch.randint(0, cfg.model.vocab_size, (t.batch_size, cfg.model.block_size), device=device)
     if levers:
         autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-        if t.onednn:
+        if t.onednn and onednn_pays(device, dtype):
             use_onednn_linears(model, device, dtype)
         optimizer = build_optimizer(model, t, device)
         forward = compile_model(model, tuple(x.shape), cfg.model.vocab_size, autocast) if t.compile else model
@@ -112,7 +112,7 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
     tokens = cfg.train.batch_size * m.block_size
     say(f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, batch {cfg.train.batch_size} "
         f"({tokens:,} tokens/step) | FLOPs/token 6N + attention = {dense / 1e6:.1f}M + {attn / 1e6:.1f}M")
-    onednn = cfg.train.onednn and device.type == "cpu" and dtype == torch.float32 and onednn_works()
+    onednn = cfg.train.onednn and onednn_pays(device, dtype)
     levers = (f"{'compiled' if cfg.train.compile else 'eager'}, {cfg.train.optimizer} (fused AdamW), "
               f"{str(dtype).removeprefix('torch.')}{', oneDNN linears' if onednn else ''}")
     say(f"# levers: {levers} (setup incl. compile {setup:.1f} s) | plain: eager, default AdamW, float32")

@@ -5,7 +5,8 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from training.throughput import OneDNNLinear, onednn_works, use_onednn_linears
+import training.throughput as throughput
+from training.throughput import OneDNNLinear, onednn_pays, onednn_works, use_onednn_linears
 from training.trainer import train
 
 needs_onednn = pytest.mark.skipif(not onednn_works(), reason="this PyTorch build has no oneDNN")
@@ -30,6 +31,28 @@ def test_onednn_linear_matches_nn_linear_in_outputs_and_gradients(bias, n_in, n_
     torch.testing.assert_close(x_fast.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
     for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters()):
         torch.testing.assert_close(p_fast.grad, p_ref.grad, atol=1e-4, rtol=1e-5, msg=name)
+
+
+@needs_onednn
+@pytest.mark.parametrize("vendor, capability, device, dtype, pays", [
+    ("AuthenticAMD", "AVX512", "cpu", torch.float32, True),     # MKL would run its AVX2 path here
+    ("GenuineIntel", "AVX512", "cpu", torch.float32, False),    # MKL runs AVX-512 itself: faster than oneDNN
+    ("AuthenticAMD", "AVX2", "cpu", torch.float32, False),      # no AVX-512 for oneDNN to win with
+    ("", "AVX512", "cpu", torch.float32, False),                # unknown processor: PyTorch's default
+    ("AuthenticAMD", "AVX512", "cpu", torch.bfloat16, False),   # bf16 autocast goes to oneDNN anyway
+    ("AuthenticAMD", "AVX512", "meta", torch.float32, False),   # not a CPU
+])
+def test_onednn_linears_are_used_only_where_they_pay(monkeypatch, vendor, capability, device, dtype, pays):
+    monkeypatch.setattr(throughput, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert onednn_pays(torch.device(device), dtype) is pays
+
+
+def test_cpu_vendor_reads_cpuinfo_or_says_unknown(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n")
+    assert throughput.cpu_vendor(str(info)) == "AuthenticAMD"
+    assert throughput.cpu_vendor(str(tmp_path / "missing")) == ""
 
 
 @needs_onednn

@@ -88,13 +88,35 @@ def onednn_works() -> bool:
         return False
 
 
-def use_onednn_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """On CPU in fp32, turn every nn.Linear of model into a OneDNNLinear; return how many.
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The x86 vendor string ('GenuineIntel', 'AuthenticAMD', ...) from /proc/cpuinfo; '' where unknown."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
-    PyTorch's CPU fp32 matmul calls MKL, which on AMD processors runs an AVX2 code path; oneDNN
-    picks AVX-512 where the CPU has it, about twice the FLOP/s on the 2-core AMD EPYC this repo was
-    tuned on (bench.py train measures both). bf16 autocast on CPU already goes to oneDNN.
+
+def onednn_pays(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN linears beat PyTorch's own CPU matmul here: on CPU, in fp32, on a processor with
+    AVX-512 that is not Intel's.
+
+    PyTorch's fp32 CPU matmul calls MKL, which runs its AVX-512 kernels only on Intel processors and
+    an AVX2 path elsewhere; oneDNN uses AVX-512 wherever the CPU has it. Measured with bench.py train:
+    on a 2-core AMD EPYC (Zen 5) oneDNN made the training step 1.3-1.7x faster; on a 2-core Intel Xeon
+    (AVX-512, AMX) it made it 16-18% slower, since MKL is already at its best there.
     """
+    return (device.type == "cpu" and dtype == torch.float32 and cpu_vendor() not in ("", "GenuineIntel")
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512") and onednn_works())
+
+
+def use_onednn_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """On CPU in fp32, turn every nn.Linear of model into a OneDNNLinear (same parameters, same
+    math); return how many. Whether that is faster is onednn_pays' question, not this function's.
+    bf16 autocast on CPU already goes to oneDNN."""
     if device.type != "cpu" or dtype != torch.float32 or not onednn_works():
         return 0
     linears = [m for m in model.modules() if type(m) is nn.Linear]

@@ -21,7 +21,7 @@ from training.config import Config, ConfigError, describe
 from training.errors import RunError
 from training.guards import NonFiniteGuard, StopSignal, check_out_dir, make_out_dir
 from training.optim import build_optimizer, lr_at, set_lr  # noqa: F401 (lr_at: the schedule, importable from here too)
-from training.throughput import compile_model, use_onednn_linears
+from training.throughput import compile_model, onednn_pays, use_onednn_linears
 
 EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the training seed
 
@@ -198,7 +198,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     model = GPT(cfg.model).to(device)   # the same initial weights on every rank
     if ctx.rank:
         torch.manual_seed(t.seed + ctx.rank)   # but each its own dropout masks
-    if t.onednn:
+    onednn = t.onednn and onednn_pays(device, dtype)
+    if onednn:
         use_onednn_linears(model, device, dtype)   # before wrapping: same parameters, faster CPU matmuls
     train_model = distributed.wrap(model, ctx, t.fsdp)   # model, DDP(model), or model sharded in place
     optimizer = build_optimizer(model, t, device)
@@ -229,7 +230,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     say(describe(cfg), end="")
     procs = f" x {ctx.world} processes ({'FSDP' if distributed.is_sharded(model) else 'DDP'})" if ctx.world > 1 else ""
     say(f"# {model.num_params() / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
-        f"{', compiled' if t.compile else ''}{procs} | {tokens_per_step:,} tokens/step | data {dataset}")
+        f"{', oneDNN linears' if onednn else ''}{', compiled' if t.compile else ''}{procs} | {tokens_per_step:,} tokens/step | data {dataset}")
     if t.fsdp and ctx.world == 1:
         say("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
     say(f"# resuming {resume_from} at step {step}" if ckpt else f"# out dir {out_dir}")
