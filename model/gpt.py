@@ -138,7 +138,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.cfg.block_size}")
         x = self.tok_emb(idx)                                             # (B, T, C)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))
+            x = x + self.pos_emb.weight[start:start + T]                   # (T, C) rows of the table
         x = self.dropout(x)
         rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T]) if self.cfg.pos == "rope" else None
         for i, block in enumerate(self.blocks):
@@ -148,7 +148,7 @@ class GPT(nn.Module):
             cache.pos += T
 
         if targets is None:
-            return self.lm_head(x if all_logits else x[:, [-1], :]), None
+            return self.lm_head(x if all_logits else x[:, -1:, :]), None
         logits = self.lm_head(x)                                          # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss

@@ -39,8 +39,9 @@ def use_decoding_layout(model: GPT) -> GPT:
     """Store the blocks' Linear weights (out, in) column-major: the same values, transposed strides.
 
     Decoding one token makes every Linear a vector-matrix product x Wᵀ, bound by reading W from
-    memory. On CPU, MKL streams Wᵀ stored as (in, out) rows 1.3-1.6x faster than W's own rows
-    (bench.py sample measures the whole effect); full-sequence matmuls run as fast either way.
+    memory. On a 2-core AMD EPYC, MKL streamed Wᵀ stored as (in, out) rows 1.3-1.6x faster than W's
+    own rows; on a 2-core Intel Xeon both layouts ran at the same speed (bench.py sample measures
+    it). Full-sequence matmuls run as fast either way.
     Training code should not see this model: optimizers expect the usual layout."""
     if next(model.parameters()).device.type == "cpu":
         for module in model.blocks.modules():
