@@ -177,3 +177,24 @@ def test_every_variant_trains_and_samples(tiny_cfg, attention, pos):
     cached = torch.cat(list(generate(model, prompt, 40, temperature=0)), dim=1)   # slides past the block
     fresh = torch.cat(list(generate(model, prompt, 13, temperature=0, use_cache=False)), dim=1)
     assert cached.shape == (2, 40) and torch.equal(cached[:, :13], fresh)
+
+
+@pytest.mark.parametrize("attention", list(OWN))
+def test_qk_norm_and_no_scale_reach_every_variant_and_keep_it_causal_and_cacheable(attention):
+    default = make_model(attention, "rope")
+    switched = make_model(attention, "rope", qk_norm=True, attn_scale=False)
+    switched.load_state_dict(default.state_dict())          # the switches add no parameters
+    idx = tokens(b=2)
+    out, _ = switched(idx, all_logits=True)
+    assert not torch.allclose(out, default(idx, all_logits=True)[0], atol=1e-4), "the switches changed nothing"
+    for scale_only in (True, False):                        # each switch on its own changes the output too
+        one = make_model(attention, "rope", qk_norm=not scale_only, attn_scale=not scale_only)
+        one.load_state_dict(default.state_dict())
+        assert not torch.allclose(one(idx, all_logits=True)[0], default(idx, all_logits=True)[0], atol=1e-4)
+    changed = idx.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 40
+    torch.testing.assert_close(switched(changed, all_logits=True)[0][:, :9], out[:, :9], atol=1e-6, rtol=0)
+    cache = InferenceCache(switched, 2, "cpu", torch.float32)
+    parts = [switched(idx[:, :6], cache=cache, all_logits=True)[0]]
+    parts += [switched(idx[:, t:t + 1], cache=cache)[0] for t in range(6, 16)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), out, atol=1e-5, rtol=0)
