@@ -48,11 +48,14 @@ def test_onednn_linears_are_used_only_where_they_pay(monkeypatch, vendor, capabi
     assert onednn_pays(torch.device(device), dtype) is pays
 
 
-def test_cpu_vendor_reads_cpuinfo_or_says_unknown(tmp_path):
+def test_cpuinfo_reads_the_first_processors_fields_or_says_unknown(tmp_path):
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n")
-    assert throughput.cpu_vendor(str(info)) == "AuthenticAMD"
-    assert throughput.cpu_vendor(str(tmp_path / "missing")) == ""
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R45\n\n"
+                    "processor\t: 1\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R45\n")
+    assert throughput.cpuinfo("vendor_id", str(info)) == "AuthenticAMD"
+    assert throughput.cpuinfo("model name", str(info)) == "AMD EPYC 9R45"
+    assert throughput.cpuinfo("flags", str(info)) == ""
+    assert throughput.cpuinfo("vendor_id", str(tmp_path / "missing")) == ""
 
 
 @needs_onednn

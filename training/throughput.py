@@ -88,16 +88,23 @@ def onednn_works() -> bool:
         return False
 
 
-def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The x86 vendor string ('GenuineIntel', 'AuthenticAMD', ...) from /proc/cpuinfo; '' where unknown."""
+def cpuinfo(field: str, path: str = "/proc/cpuinfo") -> str:
+    """A field of the first processor in /proc/cpuinfo ('vendor_id' -> 'GenuineIntel', 'model name'
+    -> 'Intel(R) Xeon(R) ...'); '' where there is no such file (not Linux) or field."""
     try:
-        with open(cpuinfo) as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() == field:
+                    return value.strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """'GenuineIntel', 'AuthenticAMD', ...; '' where unknown."""
+    return cpuinfo("vendor_id")
 
 
 def onednn_pays(device: torch.device, dtype: torch.dtype) -> bool:
