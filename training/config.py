@@ -58,7 +58,7 @@ class TrainConfig:
     keep_checkpoints: int = 2     # ckpt_<step>.pt files kept (the newest); best.pt is kept besides
     on_nonfinite: str = "stop"    # stop | skip: what a NaN/inf loss or gradient does
     fsdp: bool = False            # under torchrun: shard parameters, gradients and optimizer state (FSDP) instead of DDP
-    onednn: bool = True           # CPU, fp32: Linear matmuls in oneDNN where that is faster (AVX-512 CPUs not made by Intel)
+    onednn: bool = True           # CPU, fp32: Linear matmuls in oneDNN where faster (AVX-512, not Intel)
 
 
 @dataclass

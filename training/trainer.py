@@ -229,8 +229,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     tokens_per_step = t.batch_size * t.grad_accum * ctx.world * cfg.model.block_size
     say(describe(cfg), end="")
     procs = f" x {ctx.world} processes ({'FSDP' if distributed.is_sharded(model) else 'DDP'})" if ctx.world > 1 else ""
+    levers = f"{', oneDNN linears' if onednn else ''}{', compiled' if t.compile else ''}"
     say(f"# {model.num_params() / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
-        f"{', oneDNN linears' if onednn else ''}{', compiled' if t.compile else ''}{procs} | {tokens_per_step:,} tokens/step | data {dataset}")
+        f"{levers}{procs} | {tokens_per_step:,} tokens/step | data {dataset}")
     if t.fsdp and ctx.world == 1:
         say("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
     say(f"# resuming {resume_from} at step {step}" if ckpt else f"# out dir {out_dir}")
