@@ -5,27 +5,23 @@ compare them (results.md, results.csv, loss_curves.png in the sweep's out dir).
     python ablate.py configs/ablations/attention.toml --train.device=cuda:1   # applies to every run
     python ablate.py SWEEP.toml --report                                      # only rewrite the results
 
-The sweep file format is described in training/sweep.py. Running the same command again skips the
+The sweep file format is described in ablation/sweep.py (each run: ablation/run.py). Running the same command again skips the
 finished runs and resumes an unfinished one from its last checkpoint; Ctrl-C stops after the current
 step of the current run (with a checkpoint).
 """
 import shlex
 import sys
-from pathlib import Path
 
 from training.errors import run_cli
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--run-one"] and len(argv) == 2:      # internal: one run, in its own process
-        from training.sweep import run_one
-        return run_one(Path(argv[1]))
     if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("--"):
         print(__doc__)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    from training.report import write_report
-    from training.sweep import load_sweep, run_sweep
-    from training.trainer import RunError
+    from ablation.report import write_report
+    from ablation.sweep import load_sweep, run_sweep
+    from training.errors import RunError
 
     report_only = "--report" in argv
     sweep = load_sweep(argv[0], [a for a in argv[1:] if a != "--report"])

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     sub.add_parser("scaling", help="how step and sampling time grow with block size, width and samples")
     sub.add_parser("prepare", help="data preparation benchmark (python -m data.prepare_bench)")
     args, overrides = p.parse_known_args(argv)
-    from training.report import cpu_name
+    from training.runtime import cpu_name
     print(f"# {cpu_name()} x {os.cpu_count()} | OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
           f"load average {os.getloadavg()[0]:.2f} (other jobs slow every figure)")
 

@@ -8,11 +8,13 @@ the first is streamed token by token, the others are printed when they are done.
 """
 import argparse
 import codecs
+import math
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 from training.errors import run_cli
+
+PROMPT_FILE_MAX = 1 << 20
 
 
 def parse_args(argv):
@@ -32,9 +34,10 @@ def parse_args(argv):
     args = p.parse_args(argv)
     checks = [(args.num_samples >= 1, "--num-samples must be >= 1"),
               (args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
-              (args.temperature >= 0, "--temperature must be >= 0"),
+              (0 <= args.temperature < math.inf, "--temperature must be a finite number >= 0"),
               (args.top_k >= 0, "--top-k must be >= 0"),
-              (0 < args.top_p <= 1, "--top-p must be in (0, 1]")]
+              (0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
+              (0 <= args.seed < 2**63, "--seed must be in [0, 2^63)")]
     for ok, message in checks:
         if not ok:
             p.error(message)
@@ -42,49 +45,46 @@ def parse_args(argv):
 
 
 def read_prompt(prompt: str) -> str:
+    """The prompt text: itself, or @FILE's contents (at most PROMPT_FILE_MAX bytes, UTF-8)."""
     from training.config import ConfigError
-    if prompt.startswith("@"):
-        path = Path(prompt[1:])
-        try:
-            return path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"prompt file not found: {path}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read the prompt file {path}: {e}") from None
-    return prompt
+    if not prompt.startswith("@"):
+        return prompt
+    path = Path(prompt[1:])
+    try:
+        with open(path, "rb") as f:
+            data = f.read(PROMPT_FILE_MAX + 1)
+        if len(data) > PROMPT_FILE_MAX:
+            raise ConfigError(f"the prompt file {path} is larger than {PROMPT_FILE_MAX // 2**20} MB "
+                              f"(the model sees only its last block_size tokens anyway)")
+        return data.decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"prompt file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"the prompt file {path} is not UTF-8 (byte offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
 
 
 def main(argv) -> int:
     args = parse_args(argv)
     import torch
 
-    from data.tokenizers import TokenizerError, load_tokenizer
-    from model.gpt import GPT
-    from model.sampling import generate, use_decoding_layout
-    from training.checkpoint import CheckpointError, clean_state_dict, load_checkpoint, resolve_path
-    from training.config import ConfigError, from_dict
-    from training.trainer import pick_device, pick_dtype
+    from data.tokenizers import TokenizerError
+    from model.sampling import generate
+    from training.checkpoint import load_model
+    from training.runtime import autocast, pick_device, pick_dtype
 
-    path = resolve_path(Path(args.checkpoint))
-    ckpt = load_checkpoint(path)
-    try:
-        cfg = from_dict(ckpt["config"])
-        tokenizer = load_tokenizer(ckpt["tokenizer"])
-        model = GPT(cfg.model)
-        model.load_state_dict(clean_state_dict(ckpt["model"]))
-    except (ConfigError, TokenizerError, ValueError, RuntimeError) as e:   # a config or weights that do not fit
-        raise CheckpointError(f"{path} does not hold a usable model: {str(e).strip().splitlines()[0][:160]}") from None
-    device = pick_device(args.device)
+    device = pick_device(args.device, setting="--device")
+    loaded = load_model(args.checkpoint, device)
+    model, tokenizer = loaded.model, loaded.tokenizer
     dtype = pick_dtype(device, "auto")
-    use_decoding_layout(model.to(device).eval())
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
     text = read_prompt(args.prompt)
     try:
         ids = tokenizer.encode(text) if text else [tokenizer.start_token]
     except TokenizerError as e:
         raise TokenizerError(f"the prompt has {e}") from None
-    print(f"# {path} (step {ckpt['step']}, val loss {ckpt.get('best_val_loss', float('nan')):.4f})", file=sys.stderr)
+    print(f"# {loaded.describe()}", file=sys.stderr)
 
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
@@ -94,7 +94,7 @@ def main(argv) -> int:
     out.write(("" if args.num_samples == 1 else "--- sample 1 ---\n") + text)
     out.flush()
     columns = []
-    with autocast:
+    with autocast(device, dtype):
         for col in generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                             generator, use_cache=not args.no_cache, cache_dtype=dtype):
             columns.append(col)

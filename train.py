@@ -6,9 +6,9 @@
     python train.py configs/shakespeare_char_cpu.toml --resume
     torchrun --standalone --nproc_per_node=4 train.py CONFIG     # 4 GPUs (or CPU processes), see README
 
-Options: a config file (TOML), --section.key=value overrides (see training/config.py or
---help), --data FILE, --out_dir DIR, --resume (continue the latest checkpoint in the out dir),
---overwrite (start over in an out dir that holds an earlier run's checkpoints).
+Options: a config file (TOML), --section.key=value overrides (listed below, and in docs/config.md),
+--data FILE, --out_dir DIR, --resume (continue the latest checkpoint in the out dir), --overwrite
+(start over in an out dir that holds an earlier run's checkpoints).
 """
 import sys
 
@@ -16,12 +16,12 @@ from training.errors import run_cli
 
 
 def main(argv: list[str]) -> int:
-    from training.config import all_keys, build_config
+    from training.config import build_config, help_text
     from training.distributed import teardown
     from training.trainer import train
 
     if "-h" in argv or "--help" in argv:
-        print(__doc__ + "\nConfig keys:\n  " + "\n  ".join(all_keys()))
+        print(__doc__ + "\nSettings (--section.key=value; the default shown):" + help_text(), end="")
         return 0
     flags = {a for a in argv if a in ("--resume", "--overwrite")}
     rest = [a for a in argv if a not in flags]

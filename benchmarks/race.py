@@ -17,7 +17,7 @@ import torch
 
 from data.prepare import load_meta
 from training.config import build_config
-from training.trainer import prepare_data, train
+from training.trainer import train
 
 
 def val_windows(dataset: Path, block_size: int) -> torch.Tensor:
@@ -79,7 +79,7 @@ def race(classic: str, fast: str, overrides: list[str], evals: int = 20, say=pri
             cfg.train.eval_interval = cfg.train.max_steps   # the race evaluates; the trainer only at the end
             cfg.train.eval_iters = 1
             cfgs[label] = cfg
-        windows = val_windows(prepare_data(cfgs["classic"]), cfgs["classic"].model.block_size)
+        windows = val_windows(cfgs["classic"].data.prepare(), cfgs["classic"].model.block_size)
         say(f"# val: {windows.numel() - len(windows):,} tokens in {len(windows)} windows of "
             f"{windows.size(1) - 1}, the same for both runs; times exclude these evaluations")
         curves = {label: run(cfg, windows, max(1, cfg.train.max_steps // evals), label, say)

@@ -14,15 +14,11 @@ import torch
 from model.gpt import GPT
 from training.config import build_config
 from training.optim import build_optimizer
-from training.throughput import compile_model, onednn_linear, onednn_pays, onednn_works, use_onednn_linears
-from training.trainer import pick_device, pick_dtype
+from training.compile import compile_model
+from training.onednn import onednn_linear, onednn_works, use_onednn_linears
+from training.runtime import autocast as autocast_for, pick_device, pick_dtype, sync, use_fast_matmuls
 
 CHAR_VOCAB = 65   # tinyshakespeare's characters: the vocabulary when a config leaves it to the data
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:
@@ -61,8 +57,8 @@ def make_step(cfg, device, dtype, levers: bool):
     t = cfg.train
     x = torch.randint(0, cfg.model.vocab_size, (t.batch_size, cfg.model.block_size), device=device)
     if levers:
-        autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-        if t.onednn and onednn_pays(device, dtype):
+        autocast = autocast_for(device, dtype)
+        if t.onednn:
             use_onednn_linears(model, device, dtype)
         optimizer = build_optimizer(model, t, device)
         forward = compile_model(model, tuple(x.shape), cfg.model.vocab_size, autocast) if t.compile else model
@@ -95,8 +91,7 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
     cfg.model.vocab_size = cfg.model.vocab_size or CHAR_VOCAB
     device = pick_device(cfg.train.device)
     dtype = pick_dtype(device, cfg.train.dtype)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    use_fast_matmuls(device)
     peaks = matmul_peak(device, dtype)                     # in the dtype the step's matmuls run in
     peak = max(peaks.values())
     m = cfg.model
@@ -112,7 +107,7 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
     tokens = cfg.train.batch_size * m.block_size
     say(f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, batch {cfg.train.batch_size} "
         f"({tokens:,} tokens/step) | FLOPs/token 6N + attention = {dense / 1e6:.1f}M + {attn / 1e6:.1f}M")
-    onednn = cfg.train.onednn and onednn_pays(device, dtype)
+    onednn = cfg.train.onednn and onednn_works() and device.type == "cpu" and dtype == torch.float32
     levers = (f"{'compiled' if cfg.train.compile else 'eager'}, {cfg.train.optimizer} (fused AdamW), "
               f"{str(dtype).removeprefix('torch.')}{', oneDNN linears' if onednn else ''}")
     say(f"# levers: {levers} (setup incl. compile {setup:.1f} s) | plain: eager, default AdamW, float32")

@@ -64,6 +64,19 @@ class BatchLoader:
         for micro in mine:
             yield self._read(split, micro)
 
+    def step_windows(self, split: str = "train", consume: bool = True) -> torch.Tensor:
+        """This rank's windows of one optimizer step as one host tensor (grad_accum, B, T + 1), pinned
+        on CUDA so that copying it to the device does not wait; consume=False leaves the data order
+        where it is (the same windows come again)."""
+        generator = self.generator
+        if not consume:
+            generator = torch.Generator().manual_seed(0)
+            generator.set_state(self.generator.get_state())
+        starts = self._offsets(split, self.grad_accum * self.world * self.batch_size, generator)
+        mine = starts.reshape(self.grad_accum, self.world, self.batch_size)[:, self.rank]   # (accum, B)
+        windows = torch.from_numpy(self.splits[split][mine[..., None] + self.offsets].astype(np.int64))
+        return windows.pin_memory() if self.device.type == "cuda" else windows
+
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
 

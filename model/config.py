@@ -1,4 +1,5 @@
 """The model's one config dataclass: every architectural choice is a field here."""
+import math
 from dataclasses import dataclass
 
 # model/attention/__init__.py maps each name to its module (and checks that the two lists agree)
@@ -9,10 +10,10 @@ ATTENTIONS = ("naive", "sdpa", "gqa", "sliding_window", "linear", "mla")
 class ModelConfig:
     vocab_size: int = 0          # 0 = taken from the prepared dataset
     block_size: int = 64         # longest context the model sees (T)
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
+    n_layer: int = 4             # transformer blocks
+    n_head: int = 4              # attention heads per block (head size = n_embd / n_head)
+    n_embd: int = 128            # width of the residual stream (C)
+    dropout: float = 0.0         # dropout on embeddings, attention weights and residual branches
     bias: bool = True            # biases in Linear layers and LayerNorms
     attention: str = "sdpa"      # naive | sdpa | gqa | sliding_window | linear | mla (model/attention/)
     n_kv_head: int = 0           # gqa: key/value heads, a divisor of n_head (1 = multi-query)
@@ -25,7 +26,7 @@ class ModelConfig:
     mlp: str = "gelu"            # gelu | relu2
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
     zero_init_proj: bool = False  # residual output projections start at zero
-    rope_base: float = 10000.0
+    rope_base: float = 10000.0   # rope: the base of its wavelengths (longest ~ 2π·base positions)
 
     @property
     def head_dim(self) -> int:
@@ -42,6 +43,8 @@ class ModelConfig:
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if not (math.isfinite(self.rope_base) and self.rope_base > 0):
+            raise ValueError(f"model.rope_base must be a finite number > 0, got {self.rope_base}")
         choices = {"attention": ATTENTIONS, "pos": ("learned", "rope", "alibi", "none"),
                    "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "relu2")}
         for name, allowed in choices.items():

@@ -5,10 +5,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
 from training.config import ConfigError
-from training.sweep import load_sweep
+from ablation.sweep import load_sweep
+from training.runtime import pick_device, pick_dtype
 
 VARIANTS = """
 [[variants]]
@@ -63,7 +65,9 @@ def test_a_sweep_runs_reports_skips_finished_runs_and_resumes_partial_ones(tmp_p
     assert all(r["seeds_done"] == "2" and float(r["final_val"]) > 0 for r in rows)
     sdpa, mqa = rows
     assert int(mqa["params"]) < int(sdpa["params"])
-    assert float(mqa["kv_bytes_per_token"]) * 2 == float(sdpa["kv_bytes_per_token"]) == 1 * 2 * 16 * 4
+    t = sweep.runs[0].cfg.train   # the cache is in the run's dtype: fp32 on CPU, bf16 on most GPUs
+    itemsize = torch.empty((), dtype=pick_dtype(pick_device(t.device), t.dtype)).element_size()
+    assert float(mqa["kv_bytes_per_token"]) * 2 == float(sdpa["kv_bytes_per_token"]) == 1 * 2 * 16 * itemsize
     assert sdpa["beyond_noise"] == "baseline" and mqa["beyond_noise"] in ("yes", "no")
     assert float(mqa["delta"]) == pytest.approx(float(mqa["final_val"]) - float(sdpa["final_val"]), abs=1e-5)
     assert float(sdpa["peak_mem_bytes"]) > 10e6 and float(sdpa["tokens_per_s"]) > 0

@@ -98,7 +98,7 @@ def test_only_rank_0_writes(runs):
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, STEPS + 1))
     assert out["ddp"].stdout.count("step      1 |") == 1 and out["ddp"].stdout.count("# done") == 1
     assert "x 2 processes (DDP)" in out["ddp"].stdout and "x 2 processes (FSDP)" in out["fsdp"].stdout
-    assert sorted(os.listdir(tmp / "ddp")) == ["best.pt", "ckpt_0000004.pt", "ckpt_0000006.pt",
+    assert sorted(os.listdir(tmp / "ddp")) == [".lock", "best.pt", "ckpt_0000004.pt", "ckpt_0000006.pt",
                                                 "config.toml", "metrics.jsonl"]
 
 

@@ -77,7 +77,7 @@ def test_checkpoint_holds_everything_a_resume_needs(trained):
     assert ckpt["format"] == FORMAT and ckpt["version"] == 1 and ckpt["step"] == 4
     assert ckpt["config"]["model"]["vocab_size"] == len(set(TEXT)), "the resolved config, not the requested one"
     assert ckpt["tokenizer"] == {"kind": "char", "chars": "".join(sorted(set(TEXT)))}
-    assert set(ckpt["rng"]) >= {"python", "numpy", "torch", "cuda"} and "generator" in ckpt["loader"]
+    assert set(ckpt["rng_ranks"][0]) >= {"python", "numpy", "torch", "cuda"} and "generator" in ckpt["loader"]
     assert ckpt["optimizer"]["state"] and "scaler" in ckpt and ckpt["elapsed"] > 0
     assert ckpt["best_val_loss"] < 10 and ckpt["skipped_steps"] == 0
 
@@ -245,7 +245,7 @@ CASES = [
     for kind, message in [("empty", "checkpoint is empty"), ("truncated", "not a readable checkpoint: truncated"),
                           ("random", "not a readable checkpoint"), ("text", "not a readable checkpoint"),
                           ("version", "format version 99"), ("foreign", "not a checkpoint of this project"),
-                          ("evil", "was refused"), ("mismatched", "does not hold a usable model")]
+                          ("evil", "was refused"), ("mismatched", "its weights do not match its config")]
 ] + [
     ("sample, missing checkpoint", sample_cli, lambda e: [e["tmp"] / "gone.pt"], "checkpoint not found"),
     ("sample, dir without checkpoints", sample_cli, lambda e: [e["tmp"]], "no checkpoint (best.pt or ckpt_*.pt)"),
@@ -331,7 +331,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, text_
     rc, out, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)
     assert rc == 2 and "No space left on device" in err and "ckpt_0000020.pt" in err, err
     out_dir = tmp_path / "out"
-    assert sorted(p.name for p in out_dir.iterdir()) == ["best.pt", "ckpt_0000010.pt", "config.toml", "metrics.jsonl"]
+    assert sorted(p.name for p in out_dir.iterdir()) == [".lock", "best.pt", "ckpt_0000010.pt", "config.toml", "metrics.jsonl"]
     assert load_checkpoint(out_dir / "ckpt_0000010.pt")["step"] == 10
 
 
@@ -387,7 +387,7 @@ def poison(monkeypatch, bad_steps, kind="loss"):
 def test_a_non_finite_step_stops_the_run_naming_it(kind, tmp_path, text_file, monkeypatch, capsys):
     poison(monkeypatch, {13}, kind)
     rc, out, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)
-    assert rc == 2 and f"non-finite {kind} at step 13" in err and "last good checkpoint is kept" in err, err
+    assert rc == 2 and f"non-finite {kind} at step 13" in err and "last good checkpoint (step 10) is kept" in err, err
     assert [s for s, _ in list_checkpoints(tmp_path / "out")] == [10]
     weights = load_checkpoint(tmp_path / "out" / "ckpt_0000010.pt")["model"]
     assert all(torch.isfinite(w).all() for w in weights.values())
@@ -417,13 +417,14 @@ def test_the_deferred_check_names_the_first_bad_step():
     """On an accelerator, stop mode records the first bad step on the device and reads it later."""
     guard = NonFiniteGuard("stop", torch.device("cpu"))
     guard.deferred = True   # as on CUDA
+    guard.start_at(40)      # a resumed run counts on from its checkpoint's step
     one, nan = torch.tensor(1.0), torch.tensor(float("nan"))
-    assert guard.ok(1, one, one) and guard.ok(2, one, nan) and guard.ok(3, nan, one)
-    with pytest.raises(RunError, match="non-finite gradient at step 2"):
+    assert guard.ok(one, one) and guard.ok(one, nan) and guard.ok(nan, one)
+    with pytest.raises(RunError, match="non-finite gradient at step 42; stopped, no checkpoint had been written"):
         guard.check()
     fine = NonFiniteGuard("stop", torch.device("cpu"))
     fine.deferred = True
-    assert fine.ok(1, one, one)
+    assert fine.ok(one, one)
     fine.check()
 
 
@@ -472,8 +473,8 @@ def test_resume_needs_the_whole_training_state_and_the_same_tokenizer(tmp_path, 
     weights_only = tmp_path / "w"
     weights_only.mkdir()
     ckpt = torch.load(f"{cfg.out_dir}/ckpt_0000002.pt", weights_only=True)
-    torch.save({k: v for k, v in ckpt.items() if k not in ("optimizer", "rng")}, weights_only / "ckpt_0000002.pt")
-    with pytest.raises(CheckpointError, match="cannot be resumed from: it lacks optimizer, rng"):
+    torch.save({k: v for k, v in ckpt.items() if k not in ("optimizer", "rng_ranks")}, weights_only / "ckpt_0000002.pt")
+    with pytest.raises(CheckpointError, match="cannot be resumed from: it lacks optimizer, rng_ranks"):
         train(tiny_cfg(**{"model.vocab_size": 80}, out_dir=weights_only), resume=True, quiet=True)
     text_file.write_text(TEXT.upper())   # the same model, another vocabulary
     with pytest.raises(CheckpointError, match="another tokenizer or vocabulary"):

@@ -9,15 +9,8 @@ from model.gpt import GPT
 from training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from training.config import from_dict
 from tests.conftest import TEXT
-from training.trainer import RunError, lr_at, train
-
-
-def test_lr_schedule_warms_up_then_decays_to_the_floor(tiny_cfg):
-    t = tiny_cfg(**{"train.lr": 1.0, "train.min_lr": 0.1, "train.warmup_steps": 10, "train.max_steps": 110}).train
-    assert lr_at(0, t) == pytest.approx(0.1) and lr_at(9, t) == pytest.approx(1.0)
-    assert lr_at(60, t) == pytest.approx(0.55)
-    assert lr_at(110, t) == pytest.approx(0.1)
-    assert all(lr_at(s, t) >= lr_at(s + 1, t) for s in range(10, 110))
+from training.errors import RunError
+from training.trainer import train
 
 
 def test_a_tiny_model_overfits_a_short_text(tiny_cfg, text_file):

@@ -1,13 +1,13 @@
-"""Checkpoints: written atomically, loaded without running code from the file.
+"""Checkpoints: what they hold, writing them atomically, and reading them without running their code.
 
 An out dir holds ckpt_<step>.pt (the last `keep` of them) and best.pt (lowest val loss so far).
-Each is a dict of tensors and plain Python values: format tag and version, resolved config,
-tokenizer, model and optimizer state, step, best val loss, RNG and data-sampler states, elapsed time.
+A checkpoint is a dict of tensors and plain values; SCHEMA below is the one place that says which.
 
 Saving writes a temporary file in the same directory, fsyncs it and renames it over the target, so
 a reader (or a run killed mid-save) sees the old checkpoint or the new one, never half of one; old
-checkpoints are deleted only after the new one is complete. Loading uses torch.load(weights_only=True):
-unpickling is restricted to tensors and plain containers, so a malicious file cannot execute code.
+checkpoints are deleted only after the new one is complete. Loading checks the zip archive (every
+member's CRC, no compressed members), then uses torch.load(weights_only=True): unpickling is
+restricted to tensors and plain containers, so a malicious file cannot execute code.
 """
 import os
 import pickle
@@ -19,10 +19,32 @@ from pathlib import Path
 
 import torch
 
+from training.errors import first_line
+
 FORMAT, VERSION = "gpt-checkpoint", 1
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 WRAPPERS = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}   # torch.compile, FSDP, checkpointing
-RESUME_KEYS = ("optimizer", "rng", "loader", "best_val_loss", "elapsed")
+
+# What a checkpoint holds, with each entry's type. Sampling needs the first group, resuming all of them.
+FOR_SAMPLING = {
+    "config": dict,                 # the run's resolved config (training.config.Config.to_dict())
+    "tokenizer": dict,              # the tokenizer's meta: a model always comes with its tokenizer
+    "model": dict,                  # parameter name -> tensor, without wrapper prefixes
+    "step": int,                    # optimizer steps taken
+}
+FOR_RESUMING = {
+    "dataset": dict,                # the prepared data's meta.json (source sha256, split, counts)
+    "optimizer": dict,              # optimizer state, keyed by parameter index
+    "scaler": (dict, type(None)),   # fp16 loss scaler, None when not used
+    "loader": dict,                 # the data order's generator
+    "rng_ranks": list,              # every rank's random generators (dropout draws)
+    "best_val_loss": float,
+    "elapsed": float,               # seconds of training before this checkpoint
+    "skipped_steps": int,           # updates dropped for a non-finite loss or gradient
+    "is_best": bool,                # best.pt should be this file
+}
+SCHEMA = {**FOR_SAMPLING, **FOR_RESUMING}
+OWN_TEMP_FILES = re.compile(r"^\.(ckpt_\d+\.pt|best\.pt|metrics\.jsonl|config\.toml)\.tmp$")
 
 
 class CheckpointError(ValueError):
@@ -42,6 +64,8 @@ def clean_state_dict(state: dict) -> dict:
     """A model state dict with wrapper prefixes removed from its keys (see clean_key)."""
     return {clean_key(k): v for k, v in state.items()}
 
+
+# ---------------------------------------------------------------- writing
 
 def _fsync_dir(path: Path) -> None:
     try:
@@ -72,19 +96,15 @@ def _atomic_write(path: Path, write) -> None:
     _fsync_dir(path.parent)
 
 
-def atomic_save(obj, path: Path) -> None:
-    """torch.save(obj) to path such that path is always either the old file or the complete new one."""
-    _atomic_write(path, lambda f: torch.save(obj, f))
-
-
 def atomic_write_text(path: Path, text: str) -> None:
     _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def remove_partial_saves(out_dir: Path) -> None:
-    """Delete the temporary files of saves that a kill interrupted (.<name>.tmp)."""
+    """Delete the temporary files of this project's saves that a kill interrupted (.ckpt_<step>.pt.tmp,
+    .best.pt.tmp, ...); other hidden files in the out dir are the user's and stay."""
     for name in os.listdir(out_dir) if Path(out_dir).is_dir() else []:
-        if name.startswith(".") and name.endswith(".tmp"):
+        if OWN_TEMP_FILES.match(name):
             (Path(out_dir) / name).unlink(missing_ok=True)
 
 
@@ -116,30 +136,51 @@ def link_best(path: Path) -> None:
     os.replace(tmp, best)
 
 
-def save_checkpoint(state: dict, out_dir: Path, step: int, keep: int, is_best: bool) -> Path:
-    """Write ckpt_<step>.pt, point best.pt at it if is_best, then delete all but the last `keep`.
-    A failed write (a full disk) is a CheckpointError and leaves the earlier checkpoints as they were."""
-    out_dir = Path(out_dir)
-    path = out_dir / f"ckpt_{step:07d}.pt"
+def new_checkpoint(**entries) -> dict:
+    """The dict a checkpoint file holds: exactly SCHEMA's entries, plus the format tag and version."""
+    if set(entries) != set(SCHEMA):
+        raise ValueError(f"a checkpoint holds {sorted(SCHEMA)}; got {sorted(entries)}")
+    return {"format": FORMAT, "version": VERSION, **entries}
+
+
+def save_failure(path: Path, error: BaseException) -> CheckpointError:
+    """Any failure to write a checkpoint, said in one line: torch.save reports a full disk as a
+    RuntimeError from its zip writer, os calls as an OSError."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error, 120)
     try:
-        atomic_save({"format": FORMAT, "version": VERSION, **state, "is_best": is_best}, path)
-        if is_best:
+        free = shutil.disk_usage(path.parent).free
+        if free < 64 << 20:
+            reason += f"; {free / 2**20:.0f} MB left on the device (is the disk full?)"
+    except OSError:
+        pass
+    return CheckpointError(f"could not write the checkpoint {path}: {reason}; the checkpoints written before are kept")
+
+
+def save_checkpoint(ckpt: dict, out_dir: Path, keep: int) -> Path:
+    """Write ckpt_<step>.pt, point best.pt at it if it is the best, then delete all but the last
+    `keep`. Any failure is a CheckpointError and leaves the earlier checkpoints as they were."""
+    out_dir = Path(out_dir)
+    path = out_dir / f"ckpt_{ckpt['step']:07d}.pt"
+    try:
+        _atomic_write(path, lambda f: torch.save(ckpt, f))
+        if ckpt["is_best"]:
             link_best(path)
-    except OSError as e:
-        raise CheckpointError(f"could not write the checkpoint {path}: {e.strerror or e}; "
-                              f"the checkpoints written before are kept") from None
+    except Exception as e:
+        raise save_failure(path, e) from None
     for _, old in list_checkpoints(out_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return path
 
 
-def repair_best(path: Path, ckpt: dict) -> None:
+def repair_best(path: Path, is_best: bool) -> None:
     """A run killed between writing its best checkpoint and linking best.pt to it left best.pt
     stale: resuming from that checkpoint links it now."""
     best = Path(path).parent / "best.pt"
-    if ckpt.get("is_best") and not (best.exists() and os.path.samefile(best, path)):
+    if is_best and not (best.exists() and os.path.samefile(best, path)):
         link_best(Path(path))
 
+
+# ---------------------------------------------------------------- reading
 
 def resolve_path(path: Path) -> Path:
     """A checkpoint file, or a run dir -> its best.pt, else its latest ckpt_*.pt."""
@@ -163,36 +204,74 @@ def _refusal_reason(error: Exception) -> str:
     return (named or lines or ["unsupported content"])[0][:160]
 
 
+def _earlier_hint(path: Path) -> str:
+    """', the earlier ckpt_... is intact' where a damaged file has an older neighbour to resume from."""
+    older = [p for s, p in list_checkpoints(path.parent) if p.name < path.name and p != path]
+    return f"; the earlier checkpoint {older[-1].name} in the same directory may be intact" if older else ""
+
+
+def check_archive(path: Path) -> None:
+    """torch.save writes an uncompressed zip: its members' sizes must fit in the file (a compressed
+    member could expand to any size when loaded), and every member's CRC must match its bytes."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+            if any(m.compress_type != zipfile.ZIP_STORED for m in members) or \
+                    sum(m.file_size for m in members) > path.stat().st_size:
+                raise CheckpointError(f"{path} is not a checkpoint written by this project (compressed members)")
+            bad = archive.testzip()
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint (damaged: {first_line(e, 100)})"
+                              f"{_earlier_hint(path)}") from None
+    if bad is not None:
+        raise CheckpointError(f"{path} is damaged: {bad} does not match its checksum{_earlier_hint(path)}")
+
+
+def check_entries(ckpt: dict, path: Path, schema: dict) -> None:
+    """Every entry of schema present in ckpt with its type (a float entry may hold an int)."""
+    for key, kind in schema.items():
+        value = ckpt.get(key, None)
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            raise CheckpointError(f"{path} is damaged: {key!r} is missing or not a {names}")
+
+
 def load_checkpoint(path: Path, map_location="cpu") -> dict:
-    """Load and check a checkpoint file; any problem is a CheckpointError naming the file.
-    Only tensors and plain data are unpickled: nothing in the file is ever executed."""
+    """Load and check a checkpoint file (the entries sampling needs); any problem is a CheckpointError
+    naming the file. Only tensors and plain data are unpickled: nothing in the file is executed.
+    Tensors are memory-mapped, not read into memory, until they are used."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     if not path.is_file():
         raise CheckpointError(f"checkpoint is not a file: {path}")
     if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint is empty: {path}")
+        raise CheckpointError(f"checkpoint is empty: {path}{_earlier_hint(path)}")
     if not zipfile.is_zipfile(path):   # torch.save writes a zip archive; its index is at the very end
-        raise CheckpointError(f"{path} is not a readable checkpoint: truncated, or not a checkpoint file at all")
+        raise CheckpointError(f"{path} is not a readable checkpoint: truncated, or not a checkpoint file at all"
+                              f"{_earlier_hint(path)}")
+    check_archive(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location=map_location, weights_only=True)
+            ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path} was refused: it holds objects other than tensors and plain data, "
                               f"which could run code when loaded ({_refusal_reason(e)})") from None
     except Exception as e:   # a damaged archive can fail in many ways; none of them may escape as a traceback
-        detail = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} is not a readable checkpoint (damaged or truncated: {detail})") from None
+        raise CheckpointError(f"{path} is not a readable checkpoint (damaged or truncated: {first_line(e, 120)})"
+                              f"{_earlier_hint(path)}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint of this project")
     if ckpt.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')!r}, "
                               f"this code reads version {VERSION}")
-    for key, kind in (("config", dict), ("tokenizer", dict), ("model", dict), ("step", int)):
-        if not isinstance(ckpt.get(key), kind):
-            raise CheckpointError(f"{path} is damaged: {key!r} is missing or not a {kind.__name__}")
+    check_entries(ckpt, path, FOR_SAMPLING)
     if not isinstance(ckpt["config"].get("model"), dict):
         raise CheckpointError(f"{path} is damaged: its config has no model section")
     return ckpt
@@ -200,6 +279,88 @@ def load_checkpoint(path: Path, map_location="cpu") -> dict:
 
 def check_resumable(ckpt: dict, path: Path) -> None:
     """A checkpoint to resume from must hold the whole training state, not only the weights."""
-    missing = [k for k in RESUME_KEYS if k not in ckpt]
+    missing = [k for k in FOR_RESUMING if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
+    check_entries(ckpt, path, FOR_RESUMING)
+
+
+# ---------------------------------------------------------------- a model to use
+
+class LoadedModel:
+    """A model read from a checkpoint, ready to use (eval mode), with what came with it."""
+
+    def __init__(self, model, tokenizer, config: dict, path: Path, step: int, best_val_loss: float):
+        self.model, self.tokenizer, self.config, self.path = model, tokenizer, config, path
+        self.step, self.best_val_loss = step, best_val_loss
+
+    def describe(self) -> str:
+        return f"{self.path} (step {self.step}, val loss {self.best_val_loss:.4f})"
+
+
+def model_config(stored: dict, path: Path):
+    """The stored model section as a ModelConfig, each value checked for its type and range."""
+    from model.config import ModelConfig
+    from training.config import ConfigError, coerce
+    import dataclasses
+
+    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    values = {}
+    try:
+        for key, value in stored.items():
+            if key not in fields:
+                raise ConfigError(f"unknown setting model.{key}")
+            values[key] = coerce(f"model.{key}", value, fields[key])
+        cfg = ModelConfig(**values)
+        cfg.validate()
+    except (ConfigError, ValueError) as e:
+        raise CheckpointError(f"{path} does not hold a usable model: {first_line(e)}") from None
+    return cfg
+
+
+def check_weights(state: dict, cfg, path: Path) -> None:
+    """The stored tensors must be exactly the ones the config's model has, shape for shape: checked
+    on shapes alone (a model on the meta device), before any memory is allocated for the model."""
+    from model.gpt import GPT
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+    stored = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+    problems = [f"{k} is missing" for k in expected if k not in stored]
+    problems += [f"{k} is not a tensor" for k, shape in stored.items() if shape is None]
+    problems += [f"{k} is {stored[k]}, the config needs {shape}" for k, shape in expected.items()
+                 if stored.get(k) is not None and stored[k] != shape]
+    problems += [f"{k} is not part of the model" for k in stored if k not in expected]
+    if problems:
+        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+        raise CheckpointError(f"{path}: its weights do not match its config: {'; '.join(problems[:2])}{more}")
+
+
+def load_model(path, device: torch.device = torch.device("cpu")) -> LoadedModel:
+    """The model of a checkpoint (a file, or a run dir: its best.pt, else its latest checkpoint),
+    with its tokenizer. Everything is checked before the model is built: the archive, the config,
+    the tokenizer, each weight's shape, and that no weight is NaN or infinite."""
+    from data.tokenizers import TokenizerError, load_tokenizer
+    from model.gpt import GPT
+
+    path = resolve_path(Path(path))
+    ckpt = load_checkpoint(path)
+    cfg = model_config(ckpt["config"]["model"], path)
+    try:
+        tokenizer = load_tokenizer(ckpt["tokenizer"])
+    except (TokenizerError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path} does not hold a usable tokenizer: {first_line(e)}") from None
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{path} is damaged: its tokenizer has {tokenizer.vocab_size} tokens, "
+                              f"its model only model.vocab_size={cfg.vocab_size}")
+    state = clean_state_dict(ckpt["model"])
+    check_weights(state, cfg, path)
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"{path} holds non-finite weights (NaN or inf in {bad[0]}"
+                              f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}): the run diverged "
+                              f"or the file is damaged; try an earlier checkpoint")
+    model = GPT(cfg)
+    model.load_state_dict(state)
+    best = ckpt.get("best_val_loss", float("nan"))
+    return LoadedModel(model.to(device).eval(), tokenizer, ckpt["config"], path, ckpt["step"],
+                       best if isinstance(best, float) else float("nan"))

@@ -8,6 +8,9 @@ it (and the closest valid key). TOML is read with the standard library: a config
 import dataclasses
 import difflib
 import glob
+import inspect
+import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,41 +33,48 @@ class DataConfig:
     prepared_dir: str = "data/prepared"      # where prepared token files are cached
     encoding_errors: str = "strict"          # strict | replace: what to do with non-UTF-8 bytes
 
+    def prepare(self) -> Path:
+        """The prepared dataset's directory (preparing the text now unless the cache holds it)."""
+        from data.prepare import prepare
+        return prepare(Path(self.path), self.tokenizer, self.val_fraction, Path(self.prepared_dir),
+                       self.encoding_errors)
+
 
 @dataclass
 class TrainConfig:
     batch_size: int = 12          # sequences per micro-step
     grad_accum: int = 1           # micro-steps per optimizer step
-    max_steps: int = 2000
+    max_steps: int = 2000         # optimizer steps in the whole run (the LR schedule ends here)
     optimizer: str = "adamw"      # adamw | muon (Muon for the hidden matrices, AdamW for the rest)
     lr: float = 1e-3              # AdamW's peak learning rate
     muon_lr: float = 0.02         # Muon's peak learning rate (optimizer = "muon")
-    muon_momentum: float = 0.95
+    muon_momentum: float = 0.95   # Muon's momentum (Nesterov)
     schedule: str = "cosine"      # cosine (warmup, cosine decay) | wsd (warmup, constant, linear warm-down)
     min_lr: float = 1e-4          # the floor that the decay ends at (Muon's: muon_lr * min_lr / lr)
-    warmup_steps: int = 100
+    warmup_steps: int = 100       # steps of linear LR warmup from 0
     warmdown_frac: float = 0.2    # wsd: the last fraction of max_steps that decays linearly to min_lr
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
+    weight_decay: float = 0.1     # AdamW weight decay, on matrices only (not biases or norm gains)
+    beta1: float = 0.9            # AdamW's momentum
+    beta2: float = 0.99           # AdamW's second-moment decay
     grad_clip: float = 1.0        # max global gradient norm (0 = off)
     eval_interval: int = 250      # evaluate (and checkpoint) every this many steps
     eval_iters: int = 100         # batches per split in each evaluation (the same batches every time)
-    log_interval: int = 50
-    seed: int = 1337
+    log_interval: int = 50        # print and record the training loss every this many steps
+    seed: int = 1337              # initial weights, data order and dropout: the same seed, the same run
     device: str = "auto"          # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "auto"           # auto (bf16 on CUDA, fp16 where bf16 is missing, fp32 elsewhere) | float32 | bfloat16 | float16
-    compile: bool = False         # torch.compile the model
+    compile: bool = False         # torch.compile the model (fused kernels; compiling takes seconds to minutes)
+    cuda_graph: bool = True       # CUDA: record the whole step once as a CUDA graph and replay it (training/step.py)
     keep_checkpoints: int = 2     # ckpt_<step>.pt files kept (the newest); best.pt is kept besides
     on_nonfinite: str = "stop"    # stop | skip: what a NaN/inf loss or gradient does
     fsdp: bool = False            # under torchrun: shard parameters, gradients and optimizer state (FSDP) instead of DDP
-    onednn: bool = True           # CPU, fp32: Linear matmuls in oneDNN where faster (AVX-512, not Intel)
+    onednn: bool = False          # CPU, fp32: Linear matmuls in oneDNN (faster on some CPUs, slower on others)
 
 
 @dataclass
 class LogConfig:
     wandb: bool = False           # also log to Weights & Biases (honours WANDB_MODE=offline/disabled)
-    wandb_project: str = "gpt"
+    wandb_project: str = "gpt"    # the wandb project the runs go to
     wandb_run_name: str = ""      # "" = the out dir's name
     wandb_group: str = ""         # runs with the same group overlay in the wandb UI (ablate.py sets the sweep's name)
 
@@ -85,35 +95,55 @@ class Config:
             self.model.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        for key, rule in LIMITS.items():
+            check_limit(key, get_key(self, key), rule)
+        for key, allowed in CHOICES.items():
+            if get_key(self, key) not in allowed:
+                raise ConfigError(f"{key}={get_key(self, key)!r} is not one of {', '.join(allowed)}")
         t = self.train
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters", "log_interval",
-                     "keep_checkpoints"):
-            if getattr(t, name) <= 0:
-                raise ConfigError(f"train.{name} must be > 0, got {getattr(t, name)}")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "warmup_steps"):
-            if getattr(t, name) < 0:
-                raise ConfigError(f"train.{name} must be >= 0, got {getattr(t, name)}")
         if t.min_lr > t.lr:
             raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
-        if t.optimizer not in ("adamw", "muon"):
-            raise ConfigError(f"train.optimizer={t.optimizer!r} is not one of adamw, muon")
         if t.optimizer == "muon" and t.fsdp:
             raise ConfigError("train.optimizer=muon needs whole matrices, train.fsdp shards them: use one of the two")
-        if t.schedule not in ("cosine", "wsd"):
-            raise ConfigError(f"train.schedule={t.schedule!r} is not one of cosine, wsd")
-        if not 0.0 < t.warmdown_frac <= 1.0:
-            raise ConfigError(f"train.warmdown_frac must be in (0, 1], got {t.warmdown_frac}")
-        if t.muon_lr < 0 or not 0.0 <= t.muon_momentum < 1.0:
-            raise ConfigError(f"train.muon_lr must be >= 0 and train.muon_momentum in [0, 1), "
-                              f"got {t.muon_lr} and {t.muon_momentum}")
-        if t.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"train.dtype={t.dtype!r} is not one of auto, float32, bfloat16, float16")
-        if t.on_nonfinite not in ("stop", "skip"):
-            raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r} is not one of stop, skip")
-        if not 0.0 < self.data.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must be between 0 and 1, got {self.data.val_fraction}")
-        if self.data.encoding_errors not in ("strict", "replace"):
-            raise ConfigError(f"data.encoding_errors={self.data.encoding_errors!r} is not one of strict, replace")
+
+
+# What each number may be; validate() also refuses NaN and infinity in every float.
+LIMITS = {
+    **{f"train.{k}": (">", 0) for k in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters",
+                                        "log_interval", "keep_checkpoints")},
+    **{f"train.{k}": (">=", 0) for k in ("lr", "min_lr", "muon_lr", "weight_decay", "grad_clip", "warmup_steps")},
+    "train.beta1": ("[)", 0, 1), "train.beta2": ("[)", 0, 1), "train.muon_momentum": ("[)", 0, 1),
+    "train.warmdown_frac": ("(]", 0, 1), "data.val_fraction": ("()", 0, 1),
+    "train.seed": ("[]", 0, 2**32 - 1),   # what numpy's generator accepts
+}
+CHOICES = {
+    "train.optimizer": ("adamw", "muon"), "train.schedule": ("cosine", "wsd"),
+    "train.dtype": ("auto", "float32", "bfloat16", "float16"), "train.on_nonfinite": ("stop", "skip"),
+    "data.encoding_errors": ("strict", "replace"),
+}
+
+
+def get_key(cfg: "Config", key: str):
+    section, _, name = key.rpartition(".")
+    return getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
+
+
+def check_limit(key: str, value, rule: tuple) -> None:
+    """Raise a ConfigError naming key unless value is finite and obeys rule: ('>', low), ('>=', low), or
+    an interval ('[)', low, high) with [ ] closed and ( ) open ends."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value}")
+    kind, low, *high = rule
+    if kind == ">":
+        ok, text = value > low, f"> {low}"
+    elif kind == ">=":
+        ok, text = value >= low, f">= {low}"
+    else:
+        high = high[0]
+        ok = (value >= low if kind[0] == "[" else value > low) and (value <= high if kind[1] == "]" else value < high)
+        text = f"in {kind[0]}{low}, {high}{kind[1]}"
+    if not ok:
+        raise ConfigError(f"{key} must be {text}, got {value}")
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)}
@@ -254,16 +284,75 @@ def build_config(config_file: str | None, overrides: list[str]) -> Config:
     return cfg
 
 
+FIELD_RE = re.compile(r"^    (\w+): [^=]+=.*?(?:#\s*(.*))?$")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """{field name: the comment beside it in cls's source (continued on the comment lines below it)}."""
+    docs, last = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        if m := FIELD_RE.match(line):
+            last = m.group(1)
+            docs[last] = (m.group(2) or "").strip()
+        elif last and line.startswith(" " * 8) and line.strip().startswith("#"):
+            docs[last] += " " + line.strip().lstrip("#").strip()
+        elif line.strip():
+            last = None
+    return docs
+
+
+def reference() -> list[tuple[str, list[tuple[str, str, str, str]]]]:
+    """Every setting as (section, [(key, type, default, what it does)]), from the dataclasses and the
+    comment beside each field in their source: each setting is documented once, where it is defined."""
+    out = [("(top level)", [("out_dir", "str", fmt(Config().out_dir), field_docs(Config)["out_dir"])])]
+    for section, cls in SECTIONS.items():
+        docs, defaults = field_docs(cls), cls()
+        out.append((section, [(f"{section}.{f.name}", f.type.__name__, fmt(getattr(defaults, f.name)),
+                               docs.get(f.name, "")) for f in dataclasses.fields(cls)]))
+    return out
+
+
+def help_text() -> str:
+    """The settings for `train.py --help`: grouped by section, each with its type, default and meaning."""
+    lines = []
+    for section, rows in reference():
+        lines.append(f"\n[{section}]")
+        width = max(len(f"--{k}={d}") for k, _, d, _ in rows)
+        lines += [f"  --{k}={d}".ljust(width + 4) + f"{t:6s} {text}" for k, t, d, text in rows]
+    return "\n".join(lines) + "\n"
+
+
+def reference_markdown() -> str:
+    """The same reference as a Markdown page (docs/config.md, generated: python -m training.config)."""
+    out = ["# Config reference", "",
+           "Every setting, its type, its default and what it does: generated from the dataclasses in",
+           "`model/config.py` and `training/config.py` by `python -m training.config > docs/config.md` (a test",
+           "checks that this page is up to date). Set any of them in a TOML config file under its section,",
+           "or on the command line as `--section.key=value`.", ""]
+    for section, rows in reference():
+        out += [f"## {section}", "", "| key | type | default | what it does |", "| --- | --- | --- | --- |"]
+        out += [f"| `{k}` | {t} | `{d}` | {text.replace('|', '&#124;')} |" for k, t, d, text in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def fmt(v) -> str:
+    """A value as TOML writes it."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
 def describe(cfg: Config) -> str:
     """The resolved config as TOML text (printed at start, saved as config.toml in the out dir)."""
-    def fmt(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        return repr(v)
     d = cfg.to_dict()
     lines = [f"out_dir = {fmt(d.pop('out_dir'))}"]
     for section, values in d.items():
         lines += ["", f"[{section}]"] + [f"{k} = {fmt(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

@@ -46,7 +46,7 @@ class Dist:
         return tensor
 
     def any(self, flag: bool) -> bool:
-        """True on every rank if flag is true on any: ranks must agree on when to stop."""
+        """True on every rank if flag is true on any (a blocking vote: for rare decisions)."""
         if self.world == 1:
             return flag
         t = torch.tensor([float(flag)], device=self.device)
@@ -93,6 +93,36 @@ class Dist:
         if errors:
             raise errors[0]
         return result if leader else fn()
+
+
+class StopVote:
+    """Ranks agree to stop at the same step without waiting on the GPU: each step every rank starts
+    an asynchronous all-reduce (on the CPU, through a gloo group) of "I was asked to stop", and reads
+    the previous step's result, long finished by then. So all ranks stop one step after the first
+    signal, at the same step. A single process decides at once."""
+
+    def __init__(self, ctx: "Dist"):
+        self.ctx, self.pending, self.group = ctx, None, None
+        if ctx.world > 1:
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+
+    def __call__(self, requested: bool) -> bool:
+        if self.ctx.world == 1:
+            return requested
+        decided = False
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()
+            decided = bool(flag.item())
+        flag = torch.tensor([float(requested)])
+        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return decided
+
+    def finish(self) -> None:
+        """Complete the last vote, so that no collective is left in flight."""
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
 
 
 def setup(device: torch.device) -> Dist:

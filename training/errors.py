@@ -12,10 +12,24 @@ class RunError(RuntimeError):
     """A run that cannot start or go on (out dir, resume, numerical fault, memory); the message says why."""
 
 
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """An exception's message cut to its first line: what a one-line error can quote of it."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Any allocation failure: torch's (CUDA or CPU allocator), numpy's, Python's."""
+    if isinstance(error, MemoryError):   # numpy's _ArrayMemoryError too
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (type(error).__name__ == "OutOfMemoryError" or
+                                                "can't allocate memory" in text or "out of memory" in text.lower()
+                                                or "not enough memory" in text)
+
+
 def run_cli(main, argv: list[str]) -> int:
     """Run main(argv); turn the errors a user can cause into a one-line message and a non-zero exit."""
-    import torch
-
     from data.prepare import DataError
     from data.tokenizers import TokenizerError
     from training.checkpoint import CheckpointError
@@ -26,10 +40,6 @@ def run_cli(main, argv: list[str]) -> int:
     except (ConfigError, DataError, TokenizerError, CheckpointError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except torch.OutOfMemoryError:
-        print("error: out of memory on the device; try a smaller --train.batch_size or --model.block_size "
-              "(checkpoints already written are kept)", file=sys.stderr)
-        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -39,3 +49,9 @@ def run_cli(main, argv: list[str]) -> int:
         where = f" ({e.filename})" if e.filename else ""
         print(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        print(f"error: out of memory ({first_line(e, 100)}); try a smaller batch, block size, model or number "
+              f"of samples (checkpoints already written are kept)", file=sys.stderr)
+        return 3

@@ -31,12 +31,29 @@ def lr_at(step: int, t) -> float:
 
 
 def set_lr(optimizer, step: int, t) -> float:
-    """Set every group's lr to its base_lr times the schedule's factor at `step`; return the AdamW lr."""
+    """Set every group's lr to its base_lr times the schedule's factor at `step`; return the AdamW lr.
+    A tensor lr (a CUDA graph reads it from its address) is filled in place."""
     lr = lr_at(step, t)
     factor = lr / t.lr if t.lr > 0 else 0.0
     for group in optimizer.param_groups:
-        group["lr"] = group["base_lr"] * factor
+        value = float(torch.tensor(group["base_lr"] * factor, dtype=torch.float32))   # the same as a tensor lr holds
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(value)
+        else:
+            group["lr"] = value
     return lr
+
+
+def use_tensor_lr(optimizer, capturable: bool = False) -> None:
+    """Hold each group's lr in a one-element tensor on its parameters' device, so that a CUDA graph
+    that captured the optimizer step reads the current value (a Python float would be baked in).
+    capturable: tell torch's optimizers that their step will be captured."""
+    for group in optimizer.param_groups:
+        device = group["params"][0].device
+        if not torch.is_tensor(group["lr"]):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        if capturable and "capturable" in group:
+            group["capturable"] = True
 
 
 def fast_matmul_dtype(device: torch.device) -> torch.dtype:
@@ -102,8 +119,9 @@ class Muon(torch.optim.Optimizer):
             for (rows, cols), items in by_shape.items():
                 stacked = torch.stack([g for _, g in items])
                 updates = orthogonalize(stacked.to(fast_matmul_dtype(stacked.device)), group["ns_steps"]).to(stacked.dtype)
-                scale = -group["lr"] * max(1.0, rows / cols) ** 0.5
-                torch._foreach_add_([p for p, _ in items], list(updates.unbind(0)), alpha=scale)
+                shape_scale = -max(1.0, rows / cols) ** 0.5
+                step = updates * shape_scale * group["lr"]   # lr: a float, or a tensor (CUDA graphs): same rounding
+                torch._foreach_add_([p for p, _ in items], list(step.unbind(0)))
 
 
 class Optimizers:

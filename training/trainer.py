@@ -1,129 +1,226 @@
-"""The training loop: the optimizer and LR schedule of training/optim.py, gradient accumulation and clipping,
-evaluation on fixed batches, checkpoints, metrics.jsonl (and wandb if enabled), exact resume."""
-import glob
-import json
-import random
+"""The training loop. train() runs these steps, top to bottom:
+
+    set_up            check the out dir, the checkpoint to resume and the data; build the data loader,
+                      the model and the optimizer. Nothing is written until every check has passed.
+    restore           continue a checkpoint: weights, optimizer, data order, random generators.
+    build_step        how one optimizer step runs: eager, or a replayed CUDA graph (training/step.py).
+    start_writing     lock and create the out dir, print the banner, open metrics.jsonl.
+    then, every step  the optimizer step; every log_interval steps a log line; every eval_interval
+                      steps (and at the end, or when a signal asks to stop) evaluate_and_save.
+
+Everything a run holds between steps is one Run. Exact resume: the model, the optimizer, the LR
+schedule, the data order and every random generator continue where the checkpoint left them.
+"""
+import math
 import time
-from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from data.loader import BatchLoader
-from data.prepare import DataError, download, load_meta, prepare
-from data.tokenizers import load_tokenizer
+from data.prepare import load_meta
 from model.gpt import GPT
-from training.checkpoint import (CheckpointError, atomic_write_text, check_resumable, clean_state_dict,
-                                 load_checkpoint, repair_best, save_checkpoint)
 from training import distributed
+from training.checkpoint import (CheckpointError, atomic_write_text, check_resumable, clean_state_dict,
+                                 load_checkpoint, new_checkpoint, repair_best, save_checkpoint)
+from training.compile import compile_model
 from training.config import Config, ConfigError, describe
-from training.errors import RunError
+from training.errors import RunError, first_line, is_out_of_memory
 from training.guards import NonFiniteGuard, StopSignal, check_out_dir, make_out_dir
-from training.optim import build_optimizer, lr_at, set_lr  # noqa: F401 (lr_at: the schedule, importable from here too)
-from training.throughput import compile_model, onednn_pays, use_onednn_linears
+from training.metrics import Metrics, NoMetrics, duration
+from training.optim import build_optimizer, set_lr
+from training.runtime import (autocast, dtype_name, pick_device, pick_dtype, printer, rng_state, seed_everything,
+                              set_rng_state, use_fast_matmuls)
+from training.step import EagerStep, GraphStep, graph_blockers
 
 EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the training seed
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+@dataclass
+class Run:
+    """A training run between steps."""
+    cfg: Config
+    dist: distributed.Dist
+    say: object                     # print on rank 0 (unless quiet), nothing elsewhere
+    dtype: torch.dtype
+    autocast: object                # the mixed-precision context of every forward
+    dataset: Path                   # the prepared dataset's directory
+    meta: dict                      # its meta.json
+    loader: BatchLoader
+    model: GPT                      # what is saved and evaluated; its parameters are the optimizer's
+    trained: torch.nn.Module        # what the step calls: model, DDP(model) or FSDP-sharded, maybe compiled
+    optimizer: object
+    scaler: torch.amp.GradScaler    # fp16 loss scaling (disabled in bf16 and fp32)
+    guard: NonFiniteGuard
+    resume_from: Path | None = None
+    resume_is_best: bool = False    # the checkpoint resumed from should be best.pt
+    step_fn: object = None          # one optimizer step (training/step.py)
+    step: int = 0
+    best_val: float = math.inf
+    elapsed_before: float = 0.0     # training seconds of the runs this one continues
+    started: float = 0.0            # perf_counter at the first step of this process
+    metrics: object = field(default_factory=NoMetrics)
+    lock: object = None             # the out dir's lock (rank 0)
+    made_out_dir: bool = False      # this run created the out dir
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.out_dir)
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.cfg.train
+        return t.batch_size * t.grad_accum * self.dist.world * self.cfg.model.block_size
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.started
+
+
+# ---------------------------------------------------------------- set up
+
+def set_up(cfg: Config, resume: bool, overwrite: bool, quiet: bool) -> tuple[Run, dict | None]:
+    """Check everything a user can get wrong, then build the run; returns it and the checkpoint to
+    restore (None for a new run). Writes nothing (but the prepared-data cache)."""
+    t, out_dir = cfg.train, Path(cfg.out_dir)
+    ctx = distributed.setup(pick_device(t.device))   # one process, or this process's rank under torchrun
+    resume_from = ctx.on_main(lambda: check_out_dir(out_dir, resume, overwrite))
+    ckpt = load_checkpoint(resume_from) if resume_from else None
+    if ckpt is not None:
+        check_resumable(ckpt, resume_from)
+    dtype = pick_dtype(ctx.device, t.dtype)
+    if t.fsdp and ctx.world > 1 and dtype == torch.float16:
+        raise ConfigError("train.fsdp with float16 needs a sharded gradient scaler: use --train.dtype=bfloat16")
+
+    dataset = ctx.local_main_first(cfg.data.prepare)
+    meta = load_meta(dataset)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = meta["vocab_size"]
+    elif cfg.model.vocab_size < meta["vocab_size"]:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {meta['vocab_size']}")
+    if ckpt is not None:
+        check_same_model(ckpt, cfg, meta, resume_from)
+    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=ctx.device,
+                         grad_accum=t.grad_accum, rank=ctx.rank, world=ctx.world)   # checks the split sizes
+
+    seed_everything(t.seed)
+    use_fast_matmuls(ctx.device)
+    model = GPT(cfg.model).to(ctx.device)   # the same initial weights on every rank
+    if t.onednn:   # opt-in, CPU only (training/onednn.py)
+        from training.onednn import use_onednn_linears
+        use_onednn_linears(model, ctx.device, dtype)
+    if ctx.rank:
+        torch.manual_seed(t.seed + ctx.rank)   # but each its own dropout masks
+    trained = distributed.wrap(model, ctx, t.fsdp)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
+    run = Run(cfg, ctx, printer(ctx.is_main and not quiet), dtype, autocast(ctx.device, dtype), dataset, meta, loader,
+              model, trained, build_optimizer(model, t, ctx.device), scaler,
+              NonFiniteGuard(t.on_nonfinite, ctx.device, check_grad=not scaler.is_enabled()), resume_from)
+    return run, ckpt
+
+
+def check_same_model(ckpt: dict, cfg: Config, meta: dict, path: Path) -> None:
+    """Resuming needs the model and tokenizer the checkpoint was trained with."""
+    saved, now = ckpt["config"]["model"], cfg.to_dict()["model"]
+    if saved != now:
+        diff = [f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in now.items() if saved.get(k) != v]
+        raise CheckpointError(f"{path} was trained with another model config ({'; '.join(diff)})")
+    if ckpt["tokenizer"] != meta["tokenizer"]:
+        raise CheckpointError(f"{path} was trained with another tokenizer or vocabulary than {cfg.data.path} gives "
+                              f"(resume with the same data file and data.tokenizer)")
+
+
+# ---------------------------------------------------------------- restore
+
+def restore(run: Run, ckpt: dict) -> None:
+    """Continue the checkpoint: weights, optimizer and scaler, data order, every rank's generators."""
+    ctx = run.dist
     try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"train.device={name!r} is not a device (auto, cpu, cuda, cuda:N, mps)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} but CUDA is not available here")
-    return device
+        distributed.load_full_state(run.model, run.optimizer, clean_state_dict(ckpt["model"]), ckpt["optimizer"])
+        if ckpt["scaler"]:
+            run.scaler.load_state_dict(ckpt["scaler"])
+        run.loader.load_state_dict(ckpt["loader"])
+        rngs = ckpt["rng_ranks"]   # one per rank of the run that saved it
+        set_rng_state(rngs[ctx.rank] if len(rngs) == ctx.world else rngs[0])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(f"{run.resume_from} does not fit this run: {first_line(e)}") from None
+    if len(rngs) != ctx.world and ctx.rank:   # another world size: new dropout streams per rank
+        torch.manual_seed(run.cfg.train.seed + 1000 * ckpt["step"] + ctx.rank)
+    run.step, run.best_val, run.elapsed_before = ckpt["step"], ckpt["best_val_loss"], ckpt["elapsed"]
+    run.guard.skipped = ckpt["skipped_steps"]
+    run.guard.start_at(run.step)
+    run.guard.saved_step = run.step
+    run.resume_is_best = ckpt["is_best"]
+    was, now = ckpt["dataset"].get("sha256"), run.meta.get("sha256")
+    if was and now and was != now:
+        run.say(f"warning: the training text changed since this checkpoint (sha256 {was[:12]}... then, "
+                f"{now[:12]}... now); training goes on with the new text")
 
 
-def pick_dtype(device: torch.device, name: str) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return getattr(torch, name)
+# ---------------------------------------------------------------- the step
 
-
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
-            "numpy": np_state[1].tolist(), "numpy_pos": int(np_state[2]),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_state(s: dict) -> None:
-    random.setstate((s["python_version"], tuple(s["python"]), None))
-    np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
-    torch.set_rng_state(s["torch"])
-    if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-
-def prepare_data(cfg: Config) -> Path:
-    source = Path(cfg.data.path)
-    if not source.exists() and not glob.has_magic(cfg.data.path):   # a glob names files that exist
-        if not cfg.data.url:
-            raise DataError(f"data file not found: {source}")
-        download(cfg.data.url, source)
-    return prepare(source, cfg.data.tokenizer, cfg.data.val_fraction, Path(cfg.data.prepared_dir),
-                   cfg.data.encoding_errors)
-
-
-class NoMetrics:
-    """What ranks other than 0 log to: nothing."""
-
-    def log(self, record: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Metrics:
-    """metrics.jsonl (always) and wandb (when enabled): one record per log or eval line."""
-
-    def __init__(self, cfg: Config, out_dir: Path, resume_step: int | None):
-        self.path = out_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():   # forget what came after the checkpoint
-            atomic_write_text(self.path, "".join(l + "\n" for l in self.path.read_text().splitlines()
-                                                 if self.step_of(l) <= resume_step))
-        self.file = open(self.path, "a" if resume_step is not None else "w")
-        self.wandb = None
-        if cfg.log.wandb:
-            try:
-                import wandb
-            except ImportError:
-                raise ConfigError("log.wandb = true but wandb is not installed (pip install wandb)") from None
-            self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or out_dir.name,
-                                    group=cfg.log.wandb_group or None, config=cfg.to_dict(), dir=str(out_dir),
-                                    resume="allow")
-
-    @staticmethod
-    def step_of(line: str) -> float:
-        """A record's step; inf for a line a kill cut short (so it is dropped)."""
+def build_step(run: Run) -> None:
+    """torch.compile the model (train.compile), then the step: a CUDA graph where one can hold it
+    (train.cuda_graph), else eager. After restore: a graph holds the addresses of the restored state."""
+    t = run.cfg.train
+    shape = (t.batch_size, run.cfg.model.block_size)
+    if t.compile:
+        run.trained = compile_model(run.trained, shape, run.cfg.model.vocab_size, run.autocast)
+    blockers = graph_blockers(t, run.device, run.dist.world, run.dtype)
+    if t.cuda_graph and not blockers:
         try:
-            return json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            return float("inf")
+            run.step_fn = GraphStep(run.trained, run.model, run.optimizer, run.autocast, run.guard, run.loader, t)
+            return
+        except Exception as e:   # anything the capture cannot hold: the eager step does the same work
+            run.say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
+    elif t.cuda_graph and run.device.type == "cuda":
+        run.say(f"# no CUDA graph: {'; '.join(blockers)}")
+    run.step_fn = EagerStep(run.trained, run.model, run.optimizer, run.scaler, run.autocast, run.guard,
+                            run.loader, t, run.dist)
 
-    def log(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind")}, step=record["step"])
 
-    def close(self):
-        self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+# ---------------------------------------------------------------- writing starts
 
+def start_writing(run: Run, overwrite: bool) -> None:
+    """Every check has passed: lock and create the out dir (rank 0 alone writes), say what runs."""
+    ctx, t = run.dist, run.cfg.train
+
+    def open_out_dir() -> None:
+        run.made_out_dir = not run.out_dir.exists()
+        run.lock = make_out_dir(run.out_dir, overwrite)
+        if run.resume_from is not None:
+            repair_best(run.resume_from, run.resume_is_best)
+        atomic_write_text(run.out_dir / "config.toml", describe(run.cfg))
+        run.metrics = Metrics(run.cfg, run.out_dir, run.step if run.resume_from else None)
+    ctx.on_main(open_out_dir)
+    run.say(describe(run.cfg), end="")
+    procs = f" x {ctx.world} processes ({'FSDP' if distributed.is_sharded(run.model) else 'DDP'})" if ctx.world > 1 else ""
+    how = ("CUDA graph" if run.step_fn.kind == "graph" else "eager") + (", compiled" if t.compile else "")
+    run.say(f"# {run.model.num_params() / 1e6:.2f}M parameters | {run.device}, {dtype_name(run.dtype)}, {how}{procs} "
+            f"| {run.tokens_per_step:,} tokens/step | data {run.dataset}")
+    if t.fsdp and ctx.world == 1:
+        run.say("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
+    run.say(f"# resuming {run.resume_from} at step {run.step}" if run.resume_from else f"# out dir {run.out_dir}")
+
+
+def forget_out_dir(run: Run) -> None:
+    """Remove what start_writing wrote for a new run (config.toml, metrics.jsonl, the lock, and the
+    directory if it made it): called when the run fails before its first checkpoint."""
+    if not run.dist.is_main or run.resume_from is not None or run.lock is None:
+        return
+    run.metrics.close()
+    run.lock.release()
+    for name in ("config.toml", "metrics.jsonl", ".lock"):
+        (run.out_dir / name).unlink(missing_ok=True)
+    if run.made_out_dir and not any(run.out_dir.iterdir()):
+        run.out_dir.rmdir()
+
+
+# ---------------------------------------------------------------- evaluate and save
 
 @torch.no_grad()
 def evaluate(model, loader: BatchLoader, iters: int, autocast, ctx: distributed.Dist | None = None) -> dict:
@@ -144,15 +241,48 @@ def evaluate(model, loader: BatchLoader, iters: int, autocast, ctx: distributed.
     return out
 
 
-def check_same_run(ckpt: dict, cfg: Config, meta: dict, path: Path) -> None:
-    """Resuming needs the model and tokenizer the checkpoint was trained with."""
-    saved, now = ckpt["config"]["model"], cfg.to_dict()["model"]
-    if saved != now:
-        diff = [f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in now.items() if saved.get(k) != v]
-        raise CheckpointError(f"{path} was trained with another model config ({'; '.join(diff)})")
-    if ckpt["tokenizer"] != meta["tokenizer"]:
-        raise CheckpointError(f"{path} was trained with another tokenizer or vocabulary than {cfg.data.path} gives "
-                              f"(resume with the same data file and data.tokenizer)")
+def evaluate_and_save(run: Run) -> dict:
+    """Train and val loss on fixed batches, one metrics record, a checkpoint (best.pt if best)."""
+    run.guard.check()   # never checkpoint weights that a non-finite step touched
+    ev = evaluate(run.trained, run.loader, run.cfg.train.eval_iters, run.autocast, run.dist)
+    is_best = ev["val"] < run.best_val
+    run.best_val = min(run.best_val, ev["val"])
+    run.say(f"eval {run.step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}{' (best)' if is_best else ''}")
+    run.metrics.log({"step": run.step, "kind": "eval", "train_loss": ev["train"], "val_loss": ev["val"],
+                     "elapsed_s": run.elapsed()})
+    save(run, is_best)
+    return ev
+
+
+def save(run: Run, is_best: bool) -> None:
+    model_state, optimizer_state = distributed.full_state(run.model, run.optimizer)   # gathers FSDP shards
+    rngs = run.dist.gather(rng_state())
+    if not run.dist.is_main:
+        return
+    ckpt = new_checkpoint(
+        config=run.cfg.to_dict(), tokenizer=run.meta["tokenizer"], model=clean_state_dict(model_state),
+        step=run.step, dataset=run.meta, optimizer=optimizer_state,
+        scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None, loader=run.loader.state_dict(),
+        rng_ranks=rngs, best_val_loss=run.best_val, elapsed=run.elapsed(), skipped_steps=run.guard.skipped,
+        is_best=is_best)
+    save_checkpoint(ckpt, run.out_dir, keep=run.cfg.train.keep_checkpoints)
+    run.guard.saved_step = run.step
+
+
+# ---------------------------------------------------------------- the loop
+
+def log_progress(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, steps: int, seconds: float) -> dict:
+    """One log line and metrics record for the last `steps` steps (this reads the loss: a sync)."""
+    run.guard.check()
+    t = run.cfg.train
+    ms = seconds * 1000 / steps
+    record = {"step": run.step, "kind": "train", "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+              "ms_per_step": ms, "tokens_per_s": run.tokens_per_step * 1000 / ms, "skipped_steps": run.guard.skipped}
+    eta = duration((t.max_steps - run.step) * ms / 1000)
+    run.say(f"step {run.step:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
+            f"{record['tokens_per_s']:,.0f} tok/s | ETA {eta}")
+    run.metrics.log(record)
+    return record
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
@@ -160,166 +290,66 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     """Run (or continue) the training that cfg describes; return a summary of how it ended.
     stop_at: end this process's part of the run after that step (with an evaluation and a checkpoint),
     as an interruption would; the schedule still runs to train.max_steps on resume.
-    Everything a user can get wrong (out dir, checkpoint, data, sizes) is checked before the first
-    write to the out dir, so a bad input leaves it as it was.
     on_step: called as on_step(step, model) after every optimizer step (bench.py's race evaluates there)."""
-    t, out_dir = cfg.train, Path(cfg.out_dir)
-    ctx = distributed.setup(pick_device(t.device))   # one process, or this process's rank under torchrun
-    say = print if ctx.is_main and not quiet else (lambda *a, **k: None)
-    resume_from = ctx.on_main(lambda: check_out_dir(out_dir, resume, overwrite))
-    ckpt = load_checkpoint(resume_from) if resume_from else None
+    run, ckpt = set_up(cfg, resume, overwrite, quiet)
     if ckpt is not None:
-        check_resumable(ckpt, resume_from)
-    device = ctx.device
-    dtype = pick_dtype(device, t.dtype)
-    if t.fsdp and ctx.world > 1 and dtype == torch.float16:
-        raise ConfigError("train.fsdp with float16 needs a sharded gradient scaler: use --train.dtype=bfloat16")
-
-    dataset = ctx.local_main_first(lambda: prepare_data(cfg))
-    meta = load_meta(dataset)
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = meta["vocab_size"]
-    elif cfg.model.vocab_size < meta["vocab_size"]:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {meta['vocab_size']}")
-    if ckpt is not None:
-        check_same_run(ckpt, cfg, meta, resume_from)
-    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,   # checks split sizes
-                         grad_accum=t.grad_accum, rank=ctx.rank, world=ctx.world)
-
-    torch.manual_seed(t.seed)
-    random.seed(t.seed)
-    np.random.seed(t.seed)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    autocast = (torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext())
-    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
-
-    model = GPT(cfg.model).to(device)   # the same initial weights on every rank
-    if ctx.rank:
-        torch.manual_seed(t.seed + ctx.rank)   # but each its own dropout masks
-    onednn = t.onednn and onednn_pays(device, dtype)
-    if onednn:
-        use_onednn_linears(model, device, dtype)   # before wrapping: same parameters, faster CPU matmuls
-    train_model = distributed.wrap(model, ctx, t.fsdp)   # model, DDP(model), or model sharded in place
-    optimizer = build_optimizer(model, t, device)
-    guard = NonFiniteGuard(t.on_nonfinite, device, check_grad=not scaler.is_enabled())
-    step, best_val, elapsed = 0, float("inf"), 0.0
-    if ckpt is not None:
-        try:
-            distributed.load_full_state(model, optimizer, clean_state_dict(ckpt["model"]), ckpt["optimizer"])
-            scaler.load_state_dict(ckpt["scaler"]) if ckpt.get("scaler") else None
-            loader.load_state_dict(ckpt["loader"])
-            rngs = ckpt.get("rng_ranks") or [ckpt["rng"]]   # one per rank of the run that saved it
-            set_rng_state(rngs[ctx.rank] if len(rngs) == ctx.world else rngs[0])
-        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
-            raise CheckpointError(f"{resume_from} does not fit this run: {str(e).strip().splitlines()[0][:160]}") from None
-        if len(rngs) != ctx.world and ctx.rank:   # another world size: new dropout streams per rank
-            torch.manual_seed(t.seed + 1000 * ckpt["step"] + ctx.rank)
-        step, best_val, elapsed = ckpt["step"], ckpt["best_val_loss"], ckpt["elapsed"]
-        guard.skipped = ckpt.get("skipped_steps", 0)
-    step_fn = (compile_model(train_model, (t.batch_size, cfg.model.block_size), cfg.model.vocab_size, autocast)
-               if t.compile else train_model)
-
-    def first_write() -> None:   # every check above has passed; only rank 0 writes
-        make_out_dir(out_dir, overwrite)
-        if ckpt is not None:
-            repair_best(resume_from, ckpt)
-    ctx.on_main(first_write)
-    tokens_per_step = t.batch_size * t.grad_accum * ctx.world * cfg.model.block_size
-    say(describe(cfg), end="")
-    procs = f" x {ctx.world} processes ({'FSDP' if distributed.is_sharded(model) else 'DDP'})" if ctx.world > 1 else ""
-    levers = f"{', oneDNN linears' if onednn else ''}{', compiled' if t.compile else ''}"
-    say(f"# {model.num_params() / 1e6:.2f}M parameters | device {device}, {str(dtype).removeprefix('torch.')}"
-        f"{levers}{procs} | {tokens_per_step:,} tokens/step | data {dataset}")
-    if t.fsdp and ctx.world == 1:
-        say("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
-    say(f"# resuming {resume_from} at step {step}" if ckpt else f"# out dir {out_dir}")
-    if ctx.is_main:   # only rank 0 writes
-        atomic_write_text(out_dir / "config.toml", describe(cfg))
-    metrics = Metrics(cfg, out_dir, step if ckpt else None) if ctx.is_main else NoMetrics()
-
-    def checkpoint(is_best: bool) -> None:
-        model_state, optimizer_state = distributed.full_state(model, optimizer)   # gathers FSDP shards
-        rngs = ctx.gather(rng_state())
-        if not ctx.is_main:
-            return
-        state = {"config": cfg.to_dict(), "tokenizer": meta["tokenizer"], "dataset": meta,
-                 "model": clean_state_dict(model_state), "optimizer": optimizer_state,
-                 "scaler": scaler.state_dict() if scaler.is_enabled() else None, "step": step,
-                 "best_val_loss": best_val, "rng": rngs[0], "rng_ranks": rngs, "loader": loader.state_dict(),
-                 "skipped_steps": guard.skipped, "elapsed": elapsed + time.perf_counter() - t_start}
-        save_checkpoint(state, out_dir, step, keep=t.keep_checkpoints, is_best=is_best)
-
-    losses, last_eval = {}, None
-    t_start = t_interval = time.perf_counter()
-    interval_steps, stopping = 0, False
-    with StopSignal() as stop:
-        try:
-            while step < min(t.max_steps, stop_at or t.max_steps):
-                lr = set_lr(optimizer, step, t)
-                loss_sum = torch.zeros((), device=device)
-                for micro, (x, y) in enumerate(loader.step_batches("train")):
-                    with distributed.sync_gradients(train_model, sync=micro == t.grad_accum - 1):
-                        with autocast:
-                            _, loss = step_fn(x, y)
-                        loss_sum += loss.detach()
-                        scaler.scale(loss / t.grad_accum).backward()   # DDP/FSDP average over the ranks
-                ctx.all_reduce_mean(loss_sum)   # the loss of the whole global batch, on every rank
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
-                if guard.ok(step + 1, loss_sum, grad_norm):   # every rank sees the same loss and norm: same decision
-                    scaler.step(optimizer)
-                else:
-                    say(f"step {step + 1:6d} | non-finite {guard.last}: update skipped ({guard.skipped} so far)")
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
+        restore(run, ckpt)
+    del ckpt   # its tensors now live in the model and optimizer
+    build_step(run)
+    start_writing(run, overwrite)
+    t, end = cfg.train, min(cfg.train.max_steps, stop_at or cfg.train.max_steps)
+    losses, last_eval, stopping = {}, None, False
+    vote = distributed.StopVote(run.dist)
+    run.started = t_interval = time.perf_counter()
+    interval_steps = 0
+    try:
+        with StopSignal() as stop:
+            while run.step < end:
+                lr = set_lr(run.optimizer, run.step, t)
+                loss, grad_norm, applied = run.step_fn()
+                run.step += 1
                 interval_steps += 1
+                if not applied:
+                    run.say(f"step {run.step:6d} | non-finite {run.guard.last}: update skipped "
+                            f"({run.guard.skipped} so far)")
                 if on_step is not None:
-                    on_step(step, model)
-                stopping = ctx.any(stop.requested is not None)   # all ranks stop at the same step
+                    on_step(run.step, run.model)
+                stopping = vote(stop.requested is not None)   # all ranks stop at the same step
 
-                if step % t.log_interval == 0 or step == t.max_steps:
-                    guard.check()
-                    now = time.perf_counter()
-                    ms = (now - t_interval) * 1000 / interval_steps
-                    record = {"step": step, "kind": "train", "loss": loss_sum.item() / t.grad_accum, "lr": lr,
-                              "grad_norm": grad_norm.item(), "ms_per_step": ms, "tokens_per_s": tokens_per_step * 1000 / ms,
-                              "skipped_steps": guard.skipped}
-                    say(f"step {step:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
-                        f"{record['tokens_per_s']:,.0f} tok/s")
-                    metrics.log(record)
-                    losses[step] = record["loss"]
-                if step % t.eval_interval == 0 or step in (t.max_steps, stop_at) or stopping:
-                    guard.check()   # never checkpoint weights that a non-finite step touched
-                    ev = evaluate(model, loader, t.eval_iters, autocast, ctx)
-                    is_best = ev["val"] < best_val
-                    best_val = min(best_val, ev["val"])
-                    say(f"eval {step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}{' (best)' if is_best else ''}")
-                    metrics.log({"step": step, "kind": "eval", "train_loss": ev["train"], "val_loss": ev["val"],
-                                 "elapsed_s": elapsed + time.perf_counter() - t_start})
-                    checkpoint(is_best)
-                    last_eval = ev
-                    t_interval = time.perf_counter()   # do not bill evaluation and saving to the step time
-                    interval_steps = 0
-                elif step % t.log_interval == 0:
-                    t_interval, interval_steps = time.perf_counter(), 0
+                logged = run.step % t.log_interval == 0 or run.step == t.max_steps
+                if logged:
+                    record = log_progress(run, loss, grad_norm, lr, interval_steps, time.perf_counter() - t_interval)
+                    losses[run.step] = record["loss"]
+                evaluated = run.step % t.eval_interval == 0 or run.step in (t.max_steps, stop_at) or stopping
+                if evaluated:
+                    last_eval = evaluate_and_save(run)
+                if logged or evaluated:
+                    t_interval, interval_steps = time.perf_counter(), 0   # evaluations are not billed to steps
                 if stopping:
-                    say(f"stopped by {stop.requested or 'a signal to another rank'} at step {step}, checkpoint saved "
-                        f"in {out_dir}; to continue, run the same command with --resume")
+                    run.say(f"stopped by {stop.requested or 'a signal to another rank'} at step {run.step}, "
+                            f"checkpoint saved in {run.out_dir}; to continue, run the same command with --resume")
                     break
-        except torch.OutOfMemoryError:
-            raise RunError(f"out of memory on {device} at step {step + 1}: try a smaller --train.batch_size (with a "
-                           f"larger --train.grad_accum to keep the tokens per step, and --resume to continue from "
-                           f"the last checkpoint in {out_dir}) or a smaller --model.block_size") from None
-        finally:
-            metrics.close()
+            vote.finish()
+    except Exception as e:
+        if run.guard.saved_step is None:
+            forget_out_dir(run)   # a run that never got to a checkpoint leaves the out dir as it found it
+        if not is_out_of_memory(e):
+            raise
+        kept = f"and --resume to continue from the last checkpoint in {run.out_dir}" if run.guard.saved_step \
+            else "no checkpoint had been written yet"
+        raise RunError(f"out of memory on {run.device} at step {run.step + 1} ({first_line(e, 80)}): try a smaller "
+                       f"--train.batch_size (with a larger --train.grad_accum to keep the tokens per step; {kept}) "
+                       f"or a smaller --model.block_size") from None
+    finally:
+        run.metrics.close()
+        if run.lock is not None:
+            run.lock.release()
 
-    total = elapsed + time.perf_counter() - t_start
-    if step >= t.max_steps:
-        skipped = f", {guard.skipped} non-finite steps skipped" if guard.skipped else ""
-        say(f"# done: step {step}, best val loss {best_val:.4f}, {total:.1f} s{skipped}")
-    return {"step": step, "val_loss": last_eval["val"] if last_eval else None, "best_val_loss": best_val,
-            "elapsed_s": total, "losses": losses, "skipped_steps": guard.skipped,
+    total = run.elapsed()
+    if run.step >= t.max_steps:
+        skipped = f", {run.guard.skipped} non-finite steps skipped" if run.guard.skipped else ""
+        run.say(f"# done: step {run.step}, best val loss {run.best_val:.4f}, {duration(total)} "
+                f"({total:.1f} s), {run.step * run.tokens_per_step:,} tokens{skipped}")
+    return {"step": run.step, "val_loss": last_eval["val"] if last_eval else None, "best_val_loss": run.best_val,
+            "elapsed_s": total, "losses": losses, "skipped_steps": run.guard.skipped,
             "interrupted": stopping, "exit_code": stop.exit_code or (130 if stopping else 0)}

@@ -11,11 +11,11 @@ import csv
 import datetime
 import json
 import math
-import platform
 import statistics
 from pathlib import Path
 
-from training.sweep import Sweep, flat
+from ablation.sweep import Sweep, flat
+from training.runtime import machine
 
 NOISE_Z = 2.0
 
@@ -108,19 +108,6 @@ def fmt(x, digits=4, std=None) -> str:
         return "—"
     text = f"{x:.{digits}f}"
     return text + (f" ± {std:.{digits}f}" if std is not None and not math.isnan(std) else "")
-
-
-def cpu_name() -> str:
-    """The processor's model name ('Intel(R) Xeon(R) Processor', 'AMD EPYC ...'), or platform's guess."""
-    from training.throughput import cpuinfo
-    return cpuinfo("model name") or platform.processor() or platform.machine()
-
-
-def machine() -> str:
-    import torch
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.system()} {platform.machine()}, {cpu_name()} x {__import__('os').cpu_count()} cores, "
-            f"{device}, Python {platform.python_version()}, torch {torch.__version__}")
 
 
 def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:

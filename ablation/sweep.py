@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from training.config import Config, ConfigError, apply_dict, describe, load_toml, parse_overrides, set_key
+from training.config import Config, ConfigError, apply_dict, describe, get_key, load_toml, parse_overrides, set_key
 
 SWEEP_KEYS = {"base", "out_dir", "seeds", "overrides", "variants", "name"}
 # keys a variant must not change: the data, its order and the token budget, and how runs are scored
@@ -65,11 +65,6 @@ class Sweep:
     seeds: list[int]
     variants: list[tuple[str, dict]]    # (name, overrides as a nested dict), the baseline first
     runs: list[Run]
-
-
-def get(cfg: Config, key: str):
-    section, _, name = key.rpartition(".")
-    return getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
 
 
 def flat(values: dict, prefix: str = "") -> dict:
@@ -133,9 +128,9 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
     baseline = {r.seed: r for r in runs if r.variant == named[0][0]}
     for run in runs:
         for key in SHARED_KEYS:
-            if get(run.cfg, key) != get(baseline[run.seed].cfg, key):
-                raise ConfigError(f"{where}variant {run.variant!r} changes {key} ({get(run.cfg, key)!r}, the "
-                                  f"baseline has {get(baseline[run.seed].cfg, key)!r}): every variant must see the "
+            if get_key(run.cfg, key) != get_key(baseline[run.seed].cfg, key):
+                raise ConfigError(f"{where}variant {run.variant!r} changes {key} ({get_key(run.cfg, key)!r}, the "
+                                  f"baseline has {get_key(baseline[run.seed].cfg, key)!r}): every variant must see the "
                                   f"same data and token budget; set it in [overrides] instead")
     return Sweep(path, sweep_name, out_dir, seeds, named, runs)
 
@@ -160,8 +155,8 @@ def check_not_stale(run: Run) -> None:
 
 
 def child_command(run: Run) -> list[str]:
-    entry = Path(__file__).resolve().parents[1] / "ablate.py"
-    return [sys.executable, str(entry), "--run-one", str(run.dir)]
+    """`python -m ablation.run RUN_DIR`, from the repository root whatever the working directory."""
+    return [sys.executable, "-m", "ablation.run", str(run.dir)]
 
 
 def peak_rss_bytes(rusage) -> int:
@@ -175,7 +170,9 @@ def execute(run: Run) -> tuple[int, int | None, bool]:
     it on, so the child saves a checkpoint and stops; a second one makes it exit at once."""
     run.dir.mkdir(parents=True, exist_ok=True)
     (run.dir / "sweep_run.toml").write_text(describe(run.cfg))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     stops = []
     with open(run.dir / "train.log", "a") as log:
         proc = subprocess.Popen(child_command(run), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -221,10 +218,9 @@ def last_line(path: Path) -> str:
 
 def run_sweep(sweep: Sweep, say=print) -> dict:
     """Run every unfinished run in order; return {'done': [...], 'failed': [...], 'interrupted': bool}."""
-    from training.trainer import prepare_data
     for run in sweep.runs:
         check_not_stale(run)
-    prepare_data(sweep.runs[0].cfg)     # a data problem is reported once, before any run starts
+    sweep.runs[0].cfg.data.prepare()    # a data problem is reported once, before any run starts
     failed, total = [], len(sweep.runs)
     for i, run in enumerate(sweep.runs, 1):
         if is_done(run):
@@ -247,34 +243,3 @@ def run_sweep(sweep: Sweep, say=print) -> dict:
             say(f"    val loss {result['val_loss']:.4f} (best {result['best_val_loss']:.4f}) "
                 f"in {time.perf_counter() - start:.0f} s")
     return {"failed": failed, "interrupted": False}
-
-
-def run_one(run_dir: Path) -> int:
-    """The child: train (or resume) the run in run_dir, then write result.json."""
-    import torch
-
-    from model.gpt import GPT
-    from training.checkpoint import latest_checkpoint
-    from training.config import build_config
-    from training.trainer import pick_device, pick_dtype, train
-
-    cfg = build_config(str(run_dir / "sweep_run.toml"), [])
-    resume = latest_checkpoint(run_dir) is not None
-    summary = train(cfg, resume=resume, overwrite=not resume)
-    device = pick_device(cfg.train.device)
-    with torch.device("meta"):
-        model = GPT(cfg.model)      # shapes only: for the parameter count and the cache size
-    block = cfg.model.block_size
-    evals = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
-    result = {
-        "done": summary["step"] >= cfg.train.max_steps and not summary["interrupted"],
-        "step": summary["step"], "val_loss": evals[-1]["val_loss"] if evals else None,
-        "best_val_loss": summary["best_val_loss"],
-        "params": model.num_params(),
-        "kv_cache_bytes_per_token": model.kv_cache_bytes(block, pick_dtype(device, cfg.train.dtype)) / block,
-        "kv_cache_dtype": str(pick_dtype(device, cfg.train.dtype)).removeprefix("torch."),
-        "device": str(device),
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-    }
-    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
-    return 130 if summary["interrupted"] else 0

@@ -1,0 +1,52 @@
+"""One run of a sweep, in its own process: `python -m ablation.run RUN_DIR`.
+
+Trains (or resumes) the run whose config the sweep wrote to RUN_DIR/sweep_run.toml, then writes
+RUN_DIR/result.json: whether it finished, its final and best val loss, its parameter count, the
+bytes its KV cache holds per token, and its peak GPU memory.
+"""
+import json
+import sys
+from pathlib import Path
+
+from training.errors import run_cli
+
+
+def run(run_dir: Path) -> int:
+    import torch
+
+    from training.checkpoint import latest_checkpoint, load_model
+    from training.config import build_config
+    from training.runtime import dtype_name, pick_device, pick_dtype
+    from training.trainer import train
+
+    cfg = build_config(str(run_dir / "sweep_run.toml"), [])
+    resume = latest_checkpoint(run_dir) is not None
+    summary = train(cfg, resume=resume, overwrite=not resume)
+    device = pick_device(cfg.train.device)
+    dtype = pick_dtype(device, cfg.train.dtype)
+    model = load_model(run_dir).model
+    block = cfg.model.block_size
+    evals = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
+    result = {
+        "done": summary["step"] >= cfg.train.max_steps and not summary["interrupted"],
+        "step": summary["step"], "val_loss": evals[-1]["val_loss"] if evals else None,
+        "best_val_loss": summary["best_val_loss"],
+        "params": model.num_params(),
+        "kv_cache_bytes_per_token": model.kv_cache_bytes(block, dtype) / block,
+        "kv_cache_dtype": dtype_name(dtype),
+        "device": str(device),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
+    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
+    return 130 if summary["interrupted"] else 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m ablation.run RUN_DIR (a run directory that ablate.py prepared)", file=sys.stderr)
+        return 2
+    return run(Path(argv[0]))
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, sys.argv[1:]))
