@@ -196,6 +196,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
 
     model = GPT(cfg.model).to(device)   # the same initial weights on every rank
+    if t.init_from and ckpt is None:   # pretrained weights (a resumed run loads its checkpoint below instead)
+        from training.pretrained import load_init_weights
+        load_init_weights(model, t.init_from)
     if ctx.rank:
         torch.manual_seed(t.seed + ctx.rank)   # but each its own dropout masks
     onednn = t.onednn and onednn_pays(device, dtype)
