@@ -2,6 +2,7 @@
 
     python sample.py out/tinyshakespeare --prompt "ROMEO:" --num-samples 3 --max-new-tokens 300
     python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0 # greedy
+    python sample.py gpt2 --prompt "Hello, I'm a language model,"           # GPT-2's own weights
 
 A run dir means its best.pt (else its latest checkpoint). All samples are generated as one batch;
 the first is streamed token by token, the others are printed when they are done.
@@ -18,7 +19,8 @@ from training.errors import run_cli
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Sample from a trained GPT checkpoint.")
     p.error = lambda message: sys.exit(print(f"error: {message} (see --help)", file=sys.stderr) or 2)   # one line
-    p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
+    p.add_argument("checkpoint", help="a run's out dir, a checkpoint file, or a Hugging Face GPT-2 "
+                   "(gpt2, gpt2-medium, ..., or a directory with config.json and model.safetensors)")
     p.add_argument("--prompt", default="", help="text to continue, or @FILE to read it from a file "
                    "(empty: start from a newline / end-of-text token)")
     p.add_argument("--num-samples", type=int, default=1)
@@ -63,17 +65,23 @@ def main(argv) -> int:
     from model.sampling import generate, use_decoding_layout
     from training.checkpoint import CheckpointError, clean_state_dict, load_checkpoint, resolve_path
     from training.config import ConfigError, from_dict
+    from training.pretrained import is_pretrained_source, load_pretrained_model
     from training.trainer import pick_device, pick_dtype
 
-    path = resolve_path(Path(args.checkpoint))
-    ckpt = load_checkpoint(path)
-    try:
-        cfg = from_dict(ckpt["config"])
-        tokenizer = load_tokenizer(ckpt["tokenizer"])
-        model = GPT(cfg.model)
-        model.load_state_dict(clean_state_dict(ckpt["model"]))
-    except (ConfigError, TokenizerError, ValueError, RuntimeError) as e:   # a config or weights that do not fit
-        raise CheckpointError(f"{path} does not hold a usable model: {str(e).strip().splitlines()[0][:160]}") from None
+    if is_pretrained_source(args.checkpoint):   # a Hugging Face GPT-2: gpt2, ..., or a dir with config.json
+        model, tokenizer, description = load_pretrained_model(args.checkpoint)
+    else:
+        path = resolve_path(Path(args.checkpoint))
+        ckpt = load_checkpoint(path)
+        try:
+            cfg = from_dict(ckpt["config"])
+            tokenizer = load_tokenizer(ckpt["tokenizer"])
+            model = GPT(cfg.model)
+            model.load_state_dict(clean_state_dict(ckpt["model"]))
+        except (ConfigError, TokenizerError, ValueError, RuntimeError) as e:   # a config or weights that do not fit
+            detail = str(e).strip().splitlines()[0][:160]
+            raise CheckpointError(f"{path} does not hold a usable model: {detail}") from None
+        description = f"{path} (step {ckpt['step']}, val loss {ckpt.get('best_val_loss', float('nan')):.4f})"
     device = pick_device(args.device)
     dtype = pick_dtype(device, "auto")
     use_decoding_layout(model.to(device).eval())
@@ -84,7 +92,7 @@ def main(argv) -> int:
         ids = tokenizer.encode(text) if text else [tokenizer.start_token]
     except TokenizerError as e:
         raise TokenizerError(f"the prompt has {e}") from None
-    print(f"# {path} (step {ckpt['step']}, val loss {ckpt.get('best_val_loss', float('nan')):.4f})", file=sys.stderr)
+    print(f"# {description}", file=sys.stderr)
 
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
