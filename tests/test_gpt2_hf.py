@@ -93,13 +93,16 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, overrides):
     save_pretrained(tmp_path, ours.cfg, ours.state_dict())
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
     theirs = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert theirs.config.tie_word_embeddings == ours.cfg.tie_embeddings
     diff = max_diff(ours, theirs)
     print(f"export {overrides or 'default'}: max abs logit diff {diff:.2e}")
     assert diff <= TOL
 
 
-def test_round_trip_gives_identical_tensors_and_config(tmp_path):
-    ours = our_model(dropout=0.1)
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": False, "mlp": "gelu_tanh", "attn_scale": False}],
+                         ids=["default", "untied-tanh-unscaled"])
+def test_round_trip_gives_identical_tensors_and_config(tmp_path, overrides):
+    ours = our_model(dropout=0.1, **overrides)
     hf_cfg, hf_state = to_hf(ours.cfg, ours.state_dict())
     back = state_dict_from_hf(hf_state, config_from_hf(hf_cfg))
     assert back.keys() == ours.state_dict().keys()
