@@ -49,9 +49,13 @@ from training.checkpoint import CheckpointError, atomic_write_text
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu_python_tanh": "gelu_tanh", "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
 EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
-HUB_NAMES = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
-             "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl",
-             "distilgpt2": "distilbert/distilgpt2"}
+# name -> (hub repo, n_layer, n_head, n_embd): the published sizes (vocab 50257, context 1024), so
+# that a run's config is known before, and without, any download
+HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
+              "gpt2-medium": ("openai-community/gpt2-medium", 24, 16, 1024),
+              "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
+              "gpt2-xl": ("openai-community/gpt2-xl", 48, 25, 1600),
+              "distilgpt2": ("distilbert/distilgpt2", 6, 12, 768)}
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")   # old checkpoints' causal-mask buffers
 
 
@@ -204,10 +208,10 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
-    repo_id = HUB_NAMES.get(name_or_dir, name_or_dir)
-    if name_or_dir not in HUB_NAMES and name_or_dir.count("/") != 1:
+    repo_id = HUB_MODELS[name_or_dir][0] if name_or_dir in HUB_MODELS else name_or_dir
+    if name_or_dir not in HUB_MODELS and name_or_dir.count("/") != 1:
         raise CheckpointError(f"{name_or_dir} is neither a directory nor a GPT-2 name "
-                              f"({', '.join(HUB_NAMES)}, or a hub id owner/name)")
+                              f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
@@ -218,7 +222,9 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:   # offline, unknown repo, no access, a full disk: all end here
-        detail = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+        detail = ("not in the local cache, and the hub cannot be reached" if offline
+                  else str(e).strip().split(". ")[0].splitlines()[0][:160] or type(e).__name__)
         raise CheckpointError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
                               f"pass a local directory") from None
 
@@ -260,6 +266,15 @@ def read_tensors(directory: Path) -> dict:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{f} is not a readable safetensors file ({str(e)[:120]})") from None
     return tensors
+
+
+def pretrained_config(name_or_dir: str) -> ModelConfig:
+    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its config.json."""
+    if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
+        _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
+        return config_from_hf({"vocab_size": 50257, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
+                               "n_embd": n_embd}, where=name_or_dir)
+    return config_from_hf(read_config(resolve_source(name_or_dir, weights=False)), where=f"{name_or_dir}: config.json")
 
 
 def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:

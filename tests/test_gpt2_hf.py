@@ -129,6 +129,17 @@ def test_original_openai_layout_loads(tmp_path):
     assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
 
 
+@needs_transformers
+def test_a_sharded_checkpoint_loads(tmp_path):
+    theirs = hf_model()
+    theirs.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    cfg, state = load_pretrained(str(tmp_path))
+    ours = GPT(cfg).eval()
+    ours.load_state_dict(state)
+    assert max_diff(ours, theirs) <= TOL
+
+
 # ----------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("setting", [("pos", "rope"), ("pos", "alibi"), ("norm", "rmsnorm"), ("qk_norm", True),
@@ -218,6 +229,16 @@ def test_init_from_takes_the_model_section_and_refuses_conflicts(tmp_path, text_
         build_config(str(toml), [f"--data={text_file}"])
     with pytest.raises(ConfigError, match="neither a directory nor"):
         build_config(None, [f"--data={text_file}", f"--train.init_from={tmp_path / 'missing'}"])
+
+
+def test_the_shipped_finetune_config_is_gpt2_small_without_a_download(text_file):
+    cfg = build_config(str(ROOT / "configs" / "finetune_gpt2.toml"), [f"--data={text_file}"])
+    m = cfg.model
+    assert (m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size, m.mlp) == (12, 12, 768, 50257, 512, "gelu_tanh")
+    assert cfg.data.tokenizer == "gpt2" and cfg.train.init_from == "gpt2"
+    with pytest.raises(ConfigError, match=r"model.n_layer=4 conflicts with gpt2's n_layer=12 \(train.init_from\); "
+                                          r"remove the override"):
+        build_config(str(ROOT / "configs" / "finetune_gpt2.toml"), [f"--data={text_file}", "--model.n_layer=4"])
 
 
 def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_cfg, gpt2_dir):

@@ -29,12 +29,11 @@ def resolve_init_from(cfg: Config, explicit: set[str]) -> None:
     """Replace cfg.model by the pretrained checkpoint's, keeping the free keys the user set; set
     data.tokenizer to gpt2. explicit: the dotted keys the config file and command line set."""
     source = cfg.train.init_from
-    from model.gpt2_hf import config_from_hf, read_config, resolve_source
+    from model.gpt2_hf import pretrained_config
     try:
-        pretrained = config_from_hf(read_config(resolve_source(source, weights=False)),
-                                    where=f"train.init_from={source}: config.json")
+        pretrained = pretrained_config(source)
     except CheckpointError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"train.init_from: {e}") from None
     if pretrained.vocab_size < GPT2_VOCAB:
         raise ConfigError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, fewer than "
                           f"GPT-2's {GPT2_VOCAB}: its tokenizer is not GPT-2's, which fine-tuning uses")
@@ -44,7 +43,7 @@ def resolve_init_from(cfg: Config, explicit: set[str]) -> None:
         free = (key == "dropout" or (key == "attention" and mine in ("naive", "sdpa"))
                 or (key == "block_size" and 0 < mine <= theirs))
         if mine != theirs and not free:
-            limit = " (at most)" if key == "block_size" else ""
+            limit = f" (its n_positions: at most {theirs})" if key == "block_size" else ""
             raise ConfigError(f"model.{key}={mine} conflicts with {source}'s {key}={theirs}{limit} "
                               f"(train.init_from); remove the override")
         if free:
@@ -70,9 +69,9 @@ def load_init_weights(model, source: str) -> None:
 def is_pretrained_source(arg: str) -> bool:
     """Whether sample.py's argument names a Hugging Face GPT-2: a directory with a config.json
     (this repo's run dirs hold config.toml), or a GPT-2 name that is not a local path."""
-    from model.gpt2_hf import HUB_NAMES
+    from model.gpt2_hf import HUB_MODELS
     path = Path(arg)
-    return (path / "config.json").is_file() or (arg in HUB_NAMES and not path.exists())
+    return (path / "config.json").is_file() or (arg in HUB_MODELS and not path.exists())
 
 
 def load_pretrained_model(source: str):
