@@ -28,8 +28,8 @@ Choices:
     stored as fp16/bf16 become fp32; activation "gelu_new" (and its aliases) -> model.mlp = "gelu_tanh"
   - export: model.mlp gelu -> "gelu", gelu_tanh -> "gelu_new", relu2 -> "relu2"; model.bias = false
     -> zero biases (GPT-2 always has them: the same function); vocab_size as it is, also when padded
-    (e.g. 50304 = 50257 rounded up): the extra rows are tokens the tokenizer never produces, so
-    their logits are never the targets and stay low
+    (e.g. 50304 = 50257 rounded up): the extra rows are tokens the tokenizer never produces, never
+    targets, so training has pushed their logits down
   - a setting GPT-2 cannot express (rotary positions, RMSNorm, another attention, ...) is a
     CheckpointError that names it; so is an HF config that this GPT cannot express
 
@@ -274,7 +274,8 @@ def pretrained_config(name_or_dir: str) -> ModelConfig:
         _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
         return config_from_hf({"vocab_size": 50257, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
                                "n_embd": n_embd}, where=name_or_dir)
-    return config_from_hf(read_config(resolve_source(name_or_dir, weights=False)), where=f"{name_or_dir}: config.json")
+    directory = resolve_source(name_or_dir, weights=False)
+    return config_from_hf(read_config(directory), where=f"{name_or_dir}: config.json")
 
 
 def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:

@@ -22,7 +22,6 @@ from training.checkpoint import CheckpointError
 from training.config import Config, ConfigError
 
 GPT2_VOCAB = 50257   # tiktoken's gpt2: 50,256 merges and bytes, plus <|endoftext|>
-FREE_KEYS = ("dropout", "attention", "block_size")
 
 
 def resolve_init_from(cfg: Config, explicit: set[str]) -> None:
@@ -83,7 +82,6 @@ def load_pretrained_model(source: str):
     if cfg.vocab_size < GPT2_VOCAB:
         raise CheckpointError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than GPT-2's "
                               f"{GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
-    cfg.dropout = 0.0
     model = GPT(cfg)
     model.load_state_dict(state)
     size = f"{model.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, context {cfg.block_size}"
