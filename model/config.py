@@ -23,7 +23,7 @@ class ModelConfig:
     qk_norm: bool = False        # normalize q and k per head before the scores
     attn_scale: bool = True      # scale scores by 1/sqrt(head_dim)
     norm: str = "layernorm"      # layernorm | rmsnorm
-    mlp: str = "gelu"            # gelu | relu2
+    mlp: str = "gelu"            # gelu | gelu_tanh (GPT-2's tanh approximation) | relu2
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
     zero_init_proj: bool = False  # residual output projections start at zero
     rope_base: float = 10000.0   # rope: the base of its wavelengths (longest ~ 2π·base positions)
@@ -46,7 +46,7 @@ class ModelConfig:
         if not (math.isfinite(self.rope_base) and self.rope_base > 0):
             raise ValueError(f"model.rope_base must be a finite number > 0, got {self.rope_base}")
         choices = {"attention": ATTENTIONS, "pos": ("learned", "rope", "alibi", "none"),
-                   "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "relu2")}
+                   "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "gelu_tanh", "relu2")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")

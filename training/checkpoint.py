@@ -290,12 +290,12 @@ def check_resumable(ckpt: dict, path: Path) -> None:
 class LoadedModel:
     """A model read from a checkpoint, ready to use (eval mode), with what came with it."""
 
-    def __init__(self, model, tokenizer, config: dict, path: Path, step: int, best_val_loss: float):
-        self.model, self.tokenizer, self.config, self.path = model, tokenizer, config, path
-        self.step, self.best_val_loss = step, best_val_loss
+    def __init__(self, model, tokenizer, path, description: str, step: int | None = None):
+        self.model, self.tokenizer, self.path = model, tokenizer, path
+        self.description, self.step = description, step
 
     def describe(self) -> str:
-        return f"{self.path} (step {self.step}, val loss {self.best_val_loss:.4f})"
+        return self.description
 
 
 def model_config(stored: dict, path: Path):
@@ -336,12 +336,17 @@ def check_weights(state: dict, cfg, path: Path) -> None:
 
 
 def load_model(path, device: torch.device = torch.device("cpu")) -> LoadedModel:
-    """The model of a checkpoint (a file, or a run dir: its best.pt, else its latest checkpoint),
-    with its tokenizer. Everything is checked before the model is built: the archive, the config,
-    the tokenizer, each weight's shape, and that no weight is NaN or infinite."""
+    """The model of a checkpoint (a file, or a run dir: its best.pt, else its latest checkpoint), or
+    of a Hugging Face GPT-2 (a name such as gpt2, or a directory with config.json), with its
+    tokenizer. Everything is checked before the model is built: the archive, the config, the
+    tokenizer, each weight's shape, and that no weight is NaN or infinite."""
     from data.tokenizers import TokenizerError, load_tokenizer
     from model.gpt import GPT
+    from training.pretrained import is_pretrained_source, load_pretrained_model
 
+    if is_pretrained_source(str(path)):
+        model, tokenizer, description = load_pretrained_model(str(path))
+        return LoadedModel(model.to(device), tokenizer, path, description)
     path = resolve_path(Path(path))
     ckpt = load_checkpoint(path)
     cfg = model_config(ckpt["config"]["model"], path)
@@ -361,6 +366,6 @@ def load_model(path, device: torch.device = torch.device("cpu")) -> LoadedModel:
                               f"or the file is damaged; try an earlier checkpoint")
     model = GPT(cfg)
     model.load_state_dict(state)
-    best = ckpt.get("best_val_loss", float("nan"))
-    return LoadedModel(model.to(device).eval(), tokenizer, ckpt["config"], path, ckpt["step"],
-                       best if isinstance(best, float) else float("nan"))
+    best = ckpt.get("best_val_loss")
+    val = f", val loss {best:.4f}" if isinstance(best, float) else ""
+    return LoadedModel(model.to(device).eval(), tokenizer, path, f"{path} (step {ckpt['step']}{val})", ckpt["step"])

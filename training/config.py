@@ -69,6 +69,7 @@ class TrainConfig:
     on_nonfinite: str = "stop"    # stop | skip: what a NaN/inf loss or gradient does
     fsdp: bool = False            # under torchrun: shard parameters, gradients and optimizer state (FSDP) instead of DDP
     onednn: bool = False          # CPU, fp32: Linear matmuls in oneDNN (faster on some CPUs, slower on others)
+    init_from: str = ""           # "" = random init | gpt2, gpt2-medium, ... | a Hugging Face GPT-2 dir
 
 
 @dataclass
@@ -269,8 +270,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 def build_config(config_file: str | None, overrides: list[str]) -> Config:
     """Defaults, then the TOML file, then the command line; validated, with out_dir resolved."""
     cfg = Config()
-    if config_file:
-        apply_dict(cfg, load_toml(Path(config_file)), where=f"{config_file}: ")
+    from_file = load_toml(Path(config_file)) if config_file else {}
+    apply_dict(cfg, from_file, where=f"{config_file}: ")
     pairs = parse_overrides(overrides)
     for key, value in pairs:
         set_key(cfg, key, value)
@@ -280,6 +281,9 @@ def build_config(config_file: str | None, overrides: list[str]) -> Config:
     if not cfg.out_dir:   # named after the config file, else the data file (or the folder of a glob)
         named = Path(config_file or cfg.data.path)
         cfg.out_dir = str(Path("out") / (named.parent.name if glob.has_magic(str(named)) else named.stem))
+    if cfg.train.init_from:   # the model section comes from the pretrained checkpoint (training/pretrained.py)
+        from training.pretrained import resolve_init_from
+        resolve_init_from(cfg, keys | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v})
     cfg.validate()
     return cfg
 

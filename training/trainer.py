@@ -110,6 +110,9 @@ def set_up(cfg: Config, resume: bool, overwrite: bool, quiet: bool) -> tuple[Run
     seed_everything(t.seed)
     use_fast_matmuls(ctx.device)
     model = GPT(cfg.model).to(ctx.device)   # the same initial weights on every rank
+    if t.init_from and ckpt is None:   # pretrained weights (a resumed run restores its checkpoint instead)
+        from training.pretrained import load_init_weights
+        load_init_weights(model, t.init_from)
     if t.onednn:   # opt-in, CPU only (training/onednn.py)
         from training.onednn import use_onednn_linears
         use_onednn_linears(model, ctx.device, dtype)

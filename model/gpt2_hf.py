@@ -1,0 +1,300 @@
+"""GPT-2 weights in Hugging Face's layout: read them into this repo's GPT, write ours out.
+
+Hugging Face's GPT2LMHeadModel is the network of model/gpt.py with GPT-2's settings (learned
+positions, LayerNorm, biases, tied head, GELU in its tanh form); only the names and two layouts differ.
+Per block i, with C = n_embd, V = vocab_size, T = block_size (GPT-2's n_positions):
+
+    ours (model/gpt.py)                 shape     Hugging Face ("transformer." prefix)   shape
+    tok_emb.weight                      (V, C)    wte.weight                             (V, C)
+    pos_emb.weight                      (T, C)    wpe.weight                             (T, C)
+    blocks.i.norm1.{weight,bias}        (C,)      h.i.ln_1.{weight,bias}                 (C,)
+    blocks.i.attn.{query,key,value}     (C, C)    h.i.attn.c_attn.weight                 (C, 3C)  q | k | v
+    blocks.i.attn.proj.weight           (C, C)    h.i.attn.c_proj.weight                 (C, C)
+    blocks.i.norm2.{weight,bias}        (C,)      h.i.ln_2.{weight,bias}                 (C,)
+    blocks.i.mlp.up.weight              (4C, C)   h.i.mlp.c_fc.weight                    (C, 4C)
+    blocks.i.mlp.proj.weight            (C, 4C)   h.i.mlp.c_proj.weight                  (4C, C)
+    norm_f.{weight,bias}                (C,)      ln_f.{weight,bias}                     (C,)
+    lm_head.weight                      (V, C)    lm_head.weight (only when untied; tied, it is wte)
+
+GPT-2's linear layers are "Conv1D" modules that store their weight as (in, out), the transpose of
+nn.Linear's (out, in); the query, key and value projections are one fused matrix `c_attn`, whose
+output columns are q, then k, then v. Biases keep their shape (c_attn's is split into three).
+
+Choices:
+  - files: config.json and model.safetensors (or the shards that model.safetensors.index.json names);
+    never pytorch_model.bin, a pickle that can run code when loaded
+  - import: the "transformer." prefix is optional (the original OpenAI checkpoints lack it); the
+    attn.bias / attn.masked_bias buffers of old checkpoints (the causal mask) are ignored; weights
+    stored as fp16/bf16 become fp32; activation "gelu_new" (and its aliases) -> model.mlp = "gelu_tanh"
+  - export: model.mlp gelu -> "gelu", gelu_tanh -> "gelu_new", relu2 -> "relu2"; model.bias = false
+    -> zero biases (GPT-2 always has them: the same function); vocab_size as it is, also when padded
+    (e.g. 50304 = 50257 rounded up): the extra rows are tokens the tokenizer never produces, never
+    targets, so training has pushed their logits down
+  - a setting GPT-2 cannot express (rotary positions, RMSNorm, another attention, ...) is a
+    CheckpointError that names it; so is an HF config that this GPT cannot express
+
+safetensors (and huggingface_hub, to download by name) are imported only when used.
+"""
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from model.config import ModelConfig
+from training.checkpoint import CheckpointError, atomic_write_text
+
+# GPT-2's activation names (transformers' ACT2FN) -> model.mlp
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+               "gelu_python_tanh": "gelu_tanh", "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
+EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
+# name -> (hub repo, n_layer, n_head, n_embd): the published sizes (vocab 50257, context 1024), so
+# that a run's config is known before, and without, any download
+HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
+              "gpt2-medium": ("openai-community/gpt2-medium", 24, 16, 1024),
+              "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
+              "gpt2-xl": ("openai-community/gpt2-xl", 48, 25, 1600),
+              "distilgpt2": ("distilbert/distilgpt2", 6, 12, 768)}
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")   # old checkpoints' causal-mask buffers
+
+
+# ----------------------------------------------------------------------------- configs
+
+def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """A GPT-2 config.json (as a dict) -> ModelConfig; a CheckpointError names what does not map."""
+    def get(key, default=None, kind=int):
+        value = hf.get(key, default)
+        ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
+        if not ok:
+            raise CheckpointError(f"{where}: {key} is missing or not a {getattr(kind, '__name__', 'number')} "
+                                  f"(got {value!r})")
+        return value
+
+    def refuse(setting: str, why: str):
+        raise CheckpointError(f"{where}: {setting} is not supported ({why})")
+
+    if hf.get("model_type", "gpt2") != "gpt2":
+        refuse(f"model_type={hf['model_type']!r}", "only GPT-2 checkpoints map onto this repo's GPT")
+    n_embd = get("n_embd")
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in ACTIVATIONS:
+        refuse(f"activation_function={activation!r}", f"this GPT has {', '.join(sorted(ACTIVATIONS))}")
+    if hf.get("n_inner") not in (None, 4 * n_embd):
+        refuse(f"n_inner={hf['n_inner']}", f"this GPT's MLP is 4 x n_embd = {4 * n_embd} wide")
+    if get("scale_attn_by_inverse_layer_idx", False, bool):
+        refuse("scale_attn_by_inverse_layer_idx=true", "this GPT scales every layer's scores alike")
+    if get("add_cross_attention", False, bool):
+        refuse("add_cross_attention=true", "this GPT is decoder-only")
+    eps = get("layer_norm_epsilon", 1e-5, (int, float))
+    if not math.isclose(eps, 1e-5, rel_tol=1e-3):
+        refuse(f"layer_norm_epsilon={eps}", "this GPT's LayerNorm uses 1e-5")
+    # reorder_and_upcast_attn only changes the precision of the scores under autocast, not the math: accepted
+    cfg = ModelConfig(vocab_size=get("vocab_size"), block_size=get("n_positions", hf.get("n_ctx")),
+                      n_layer=get("n_layer"), n_head=get("n_head"), n_embd=n_embd,
+                      dropout=float(get("resid_pdrop", 0.1, (int, float))), bias=True, attention="sdpa",
+                      pos="learned", norm="layernorm", mlp=ACTIVATIONS[activation],
+                      attn_scale=get("scale_attn_weights", True, bool),
+                      tie_embeddings=get("tie_word_embeddings", True, bool))
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return cfg
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """A CheckpointError naming the first setting that GPT-2's architecture cannot express."""
+    unmappable = [("pos", "learned", "GPT-2 has learned absolute positions"),
+                  ("norm", "layernorm", "GPT-2 has LayerNorm"),
+                  ("qk_norm", False, "GPT-2 does not normalize queries and keys")]
+    for name, wanted, why in unmappable:
+        if getattr(cfg, name) != wanted:
+            raise CheckpointError(f"model.{name}={getattr(cfg, name)!r} does not map onto GPT-2 ({why})")
+    if cfg.attention not in ("naive", "sdpa"):
+        raise CheckpointError(f"model.attention={cfg.attention!r} does not map onto GPT-2 "
+                              f"(GPT-2 has plain multi-head attention: naive or sdpa)")
+
+
+def hf_config(cfg: ModelConfig, eos_token_id: int | None = None) -> dict:
+    """ModelConfig -> a GPT-2 config.json dict (check_exportable first)."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size,
+            "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+            "activation_function": EXPORT_ACTIVATION[cfg.mlp],
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+            "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+            "scale_attn_weights": cfg.attn_scale, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "tie_word_embeddings": cfg.tie_embeddings,
+            "bos_token_id": eos_token_id, "eos_token_id": eos_token_id}
+
+
+# ----------------------------------------------------------------------------- weights
+
+def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetensors") -> dict:
+    """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32); a missing, misshapen or
+    unexpected tensor is a CheckpointError naming it."""
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items() if not k.endswith(IGNORED_SUFFIXES)}
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)   # tied: the head is wte, whatever else was stored
+    C = cfg.n_embd
+
+    def take(key: str, shape: tuple) -> torch.Tensor:
+        if key not in sd:
+            raise CheckpointError(f"{where} lacks the tensor {key}")
+        t = sd.pop(key)
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{where}: {key} has shape {tuple(t.shape)}, the config says {shape}")
+        return t.float()
+
+    out = {"tok_emb.weight": take("wte.weight", (cfg.vocab_size, C)),
+           "pos_emb.weight": take("wpe.weight", (cfg.block_size, C))}
+    for i in range(cfg.n_layer):
+        h, b = f"h.{i}.", f"blocks.{i}."
+        qkv_w = take(h + "attn.c_attn.weight", (C, 3 * C)).t()                 # (3C, C): rows q | k | v
+        qkv_b = take(h + "attn.c_attn.bias", (3 * C,))
+        for name, w, bias in zip(("query", "key", "value"), qkv_w.split(C), qkv_b.split(C)):
+            out[f"{b}attn.{name}.weight"], out[f"{b}attn.{name}.bias"] = w.contiguous(), bias.clone()
+        pairs = [("norm1", "ln_1", None), ("attn.proj", "attn.c_proj", (C, C)), ("norm2", "ln_2", None),
+                 ("mlp.up", "mlp.c_fc", (C, 4 * C)), ("mlp.proj", "mlp.c_proj", (4 * C, C))]
+        for ours, theirs, conv_shape in pairs:   # conv_shape: a Conv1D's (in, out) weight, else a norm's (C,)
+            weight = take(h + theirs + ".weight", conv_shape or (C,))
+            out[b + ours + ".weight"] = weight.t().contiguous() if conv_shape else weight
+            out[b + ours + ".bias"] = take(h + theirs + ".bias", (conv_shape[1] if conv_shape else C,))
+    out["norm_f.weight"], out["norm_f.bias"] = take("ln_f.weight", (C,)), take("ln_f.bias", (C,))
+    out["lm_head.weight"] = (out["tok_emb.weight"] if cfg.tie_embeddings
+                             else take("lm_head.weight", (cfg.vocab_size, C)))
+    if sd:
+        names = sorted(sd)
+        raise CheckpointError(f"{where} holds tensors a GPT-2 of this config does not have: "
+                              f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}")
+    return out
+
+
+def to_hf(cfg: ModelConfig, state_dict: dict, eos_token_id: int | None = None) -> tuple[dict, dict]:
+    """This GPT's config and state dict -> (GPT-2 config.json dict, GPT-2 tensors, "transformer."
+    names as transformers writes them). Tensors are new and contiguous (safetensors needs both)."""
+    check_exportable(cfg)
+    C = cfg.n_embd
+    sd = {k: v.detach().cpu() for k, v in state_dict.items()}
+
+    def bias(key: str, size: int) -> torch.Tensor:   # model.bias = false: zeros compute the same function
+        return sd[key].clone() if key in sd else torch.zeros(size, dtype=sd["tok_emb.weight"].dtype)
+
+    out = {"wte.weight": sd["tok_emb.weight"].clone(), "wpe.weight": sd["pos_emb.weight"].clone()}
+    for i in range(cfg.n_layer):
+        h, b = f"h.{i}.", f"blocks.{i}."
+        qkv = [sd[f"{b}attn.{name}.weight"] for name in ("query", "key", "value")]   # 3 x (C, C)
+        out[h + "attn.c_attn.weight"] = torch.cat(qkv).t().contiguous()               # (C, 3C)
+        out[h + "attn.c_attn.bias"] = torch.cat([bias(f"{b}attn.{n}.bias", C) for n in ("query", "key", "value")])
+        pairs = [("norm1", "ln_1", False), ("attn.proj", "attn.c_proj", True), ("norm2", "ln_2", False),
+                 ("mlp.up", "mlp.c_fc", True), ("mlp.proj", "mlp.c_proj", True)]
+        for ours, theirs, is_linear in pairs:   # a Linear's (out, in) weight becomes a Conv1D's (in, out)
+            weight = sd[b + ours + ".weight"]
+            out[h + theirs + ".weight"] = weight.t().contiguous() if is_linear else weight.clone()
+            out[h + theirs + ".bias"] = bias(b + ours + ".bias", weight.size(0))
+    out["ln_f.weight"], out["ln_f.bias"] = sd["norm_f.weight"].clone(), bias("norm_f.bias", C)
+    out = {"transformer." + k: v for k, v in out.items()}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"].clone()
+    return hf_config(cfg, eos_token_id), out
+
+
+# ----------------------------------------------------------------------------- files
+
+def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
+    """A local directory as it is; a hub name (gpt2, gpt2-medium, ..., or owner/name) downloaded
+    through huggingface_hub's cache (config.json, and the safetensors files if weights)."""
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():
+        return path
+    repo_id = HUB_MODELS[name_or_dir][0] if name_or_dir in HUB_MODELS else name_or_dir
+    if name_or_dir not in HUB_MODELS and name_or_dir.count("/") != 1:
+        raise CheckpointError(f"{name_or_dir} is neither a directory nor a GPT-2 name "
+                              f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(f"downloading {name_or_dir} needs huggingface_hub (pip install huggingface_hub); "
+                              f"or pass a local directory") from None
+    patterns = ["config.json"] + (["model.safetensors", "model.safetensors.index.json", "model-*.safetensors"]
+                                  if weights else [])
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:   # offline, unknown repo, no access, a full disk: all end here
+        offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+        detail = ("not in the local cache, and the hub cannot be reached" if offline
+                  else str(e).strip().split(". ")[0].splitlines()[0][:160] or type(e).__name__)
+        raise CheckpointError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
+                              f"pass a local directory") from None
+
+
+def read_config(directory: Path) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face checkpoint directory")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return hf
+
+
+def read_tensors(directory: Path) -> dict:
+    """All tensors of model.safetensors, or of the shards model.safetensors.index.json lists."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if (directory / "model.safetensors").is_file():
+        files = [directory / "model.safetensors"]
+    elif index.is_file():
+        try:
+            files = [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index ({e})") from None
+    else:
+        found = ", ".join(sorted(p.name for p in directory.iterdir())[:5])
+        raise CheckpointError(f"{directory} has no model.safetensors (found: {found}); pickled .bin weights "
+                              f"are not loaded, since they can run code")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file ({str(e)[:120]})") from None
+    return tensors
+
+
+def pretrained_config(name_or_dir: str) -> ModelConfig:
+    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its config.json."""
+    if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
+        _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
+        return config_from_hf({"vocab_size": 50257, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
+                               "n_embd": n_embd}, where=name_or_dir)
+    directory = resolve_source(name_or_dir, weights=False)
+    return config_from_hf(read_config(directory), where=f"{name_or_dir}: config.json")
+
+
+def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
+    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict)."""
+    directory = resolve_source(name_or_dir)
+    cfg = config_from_hf(read_config(directory), where=f"{name_or_dir}: config.json")
+    return cfg, state_dict_from_hf(read_tensors(directory), cfg, where=f"{name_or_dir}: weights")
+
+
+def save_pretrained(directory: Path, cfg: ModelConfig, state_dict: dict, eos_token_id: int | None = None) -> None:
+    """Write config.json and model.safetensors (each atomically) that transformers loads as GPT2LMHeadModel."""
+    from safetensors.torch import save_file
+    hf, tensors = to_hf(cfg, state_dict, eos_token_id)   # refuses unmappable settings before any write
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / ".model.safetensors.tmp"
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, directory / "model.safetensors")
+    finally:
+        tmp.unlink(missing_ok=True)
+    atomic_write_text(directory / "config.json", json.dumps(hf, indent=2) + "\n")

@@ -1,0 +1,321 @@
+"""GPT-2 weights in and out (model/gpt2_hf.py, training/pretrained.py, export.py), checked against
+transformers' own GPT2LMHeadModel: same logits both ways, exact round trips, clear refusals."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.gpt import GPT
+from model.gpt2_hf import (config_from_hf, load_pretrained, save_pretrained, state_dict_from_hf, to_hf)
+from tests.conftest import ROOT, TEXT
+from training.checkpoint import CheckpointError
+from training.config import ConfigError, build_config
+
+def run(*args, env=None):
+    """A command-line tool in a subprocess that never reaches the network."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8", **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, encoding="utf-8",
+                          timeout=300)
+
+
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (pip install -r requirements-dev.txt)")
+TOL = 1e-4   # fp32, max abs logit difference
+TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
+
+
+def scramble_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every parameter random and O(1)-ish (biases and norm shifts non-zero, norm gains around 1),
+    so that a mix-up of layouts, activations or scales shows in the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_gain = p.dim() == 1 and any(n in name for n in ("ln_", "norm")) and name.endswith("weight")
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.3 * noise if is_gain else 0.3 * noise)
+
+
+def hf_model(seed: int = 0, **overrides):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**{**TINY, **overrides}))
+    scramble_(model, seed)
+    return model.eval()
+
+
+def our_model(seed: int = 0, **overrides) -> GPT:
+    cfg = ModelConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32, **overrides)
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    scramble_(model, seed)
+    return model.eval()
+
+
+def max_diff(ours: GPT, theirs, seed: int = 0) -> float:
+    idx = torch.randint(0, ours.cfg.vocab_size, (3, ours.cfg.block_size), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        a, _ = ours(idx, all_logits=True)
+        b = theirs(idx).logits
+    assert a.shape == b.shape and a.abs().max() > 1.0   # logits large enough for a wrong mapping to show
+    return (a - b).abs().max().item()
+
+
+# ----------------------------------------------------------------------------- parity with transformers
+
+@needs_transformers
+@pytest.mark.parametrize("overrides", [{}, {"activation_function": "gelu"}, {"scale_attn_weights": False},
+                                       {"tie_word_embeddings": False}, {"reorder_and_upcast_attn": True}],
+                         ids=["gpt2", "exact-gelu", "unscaled", "untied", "upcast"])
+def test_import_gives_transformers_logits(tmp_path, overrides):
+    theirs = hf_model(**overrides)
+    theirs.save_pretrained(tmp_path)
+    cfg, state = load_pretrained(str(tmp_path))
+    ours = GPT(cfg).eval()
+    ours.load_state_dict(state)
+    diff = max_diff(ours, theirs)
+    print(f"import {overrides or 'gpt2'}: max abs logit diff {diff:.2e}")
+    assert diff <= TOL
+
+
+@needs_transformers
+@pytest.mark.parametrize("overrides", [{}, {"mlp": "gelu_tanh"}, {"mlp": "relu2"}, {"bias": False},
+                                       {"tie_embeddings": False}, {"attn_scale": False}, {"attention": "naive"}],
+                         ids=["default", "gelu_tanh", "relu2", "no-bias", "untied", "unscaled", "naive"])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, overrides):
+    from transformers import GPT2LMHeadModel
+    ours = our_model(**overrides)
+    save_pretrained(tmp_path, ours.cfg, ours.state_dict())
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert theirs.config.tie_word_embeddings == ours.cfg.tie_embeddings
+    diff = max_diff(ours, theirs)
+    print(f"export {overrides or 'default'}: max abs logit diff {diff:.2e}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": False, "mlp": "gelu_tanh", "attn_scale": False}],
+                         ids=["default", "untied-tanh-unscaled"])
+def test_round_trip_gives_identical_tensors_and_config(tmp_path, overrides):
+    ours = our_model(dropout=0.1, **overrides)
+    hf_cfg, hf_state = to_hf(ours.cfg, ours.state_dict())
+    back = state_dict_from_hf(hf_state, config_from_hf(hf_cfg))
+    assert back.keys() == ours.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+    save_pretrained(tmp_path, ours.cfg, ours.state_dict())
+    cfg, state = load_pretrained(str(tmp_path))
+    assert cfg == ours.cfg
+    assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
+
+
+def test_original_openai_layout_loads(tmp_path):
+    """The first GPT-2 checkpoints have no 'transformer.' prefix and store the causal mask as
+    attn.bias / attn.masked_bias buffers: both are understood."""
+    from safetensors.torch import save_file
+    ours = our_model()
+    hf_cfg, hf_state = to_hf(ours.cfg, ours.state_dict())
+    old = {k.removeprefix("transformer."): v for k, v in hf_state.items()}
+    for i in range(ours.cfg.n_layer):
+        old[f"h.{i}.attn.bias"] = torch.ones(1, 1, 16, 16).tril()
+        old[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(old, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
+    _, state = load_pretrained(str(tmp_path))
+    assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
+
+
+@needs_transformers
+def test_a_sharded_checkpoint_loads(tmp_path):
+    theirs = hf_model()
+    theirs.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    cfg, state = load_pretrained(str(tmp_path))
+    ours = GPT(cfg).eval()
+    ours.load_state_dict(state)
+    assert max_diff(ours, theirs) <= TOL
+
+
+# ----------------------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("setting", [("pos", "rope"), ("pos", "alibi"), ("norm", "rmsnorm"), ("qk_norm", True),
+                                     ("attention", "linear"), ("attention", "mla")])
+def test_export_refuses_models_gpt2_cannot_express(tmp_path, setting):
+    name, value = setting
+    extra = {"kv_latent_dim": 8} if value == "mla" else {}
+    model = our_model(**{name: value}, **extra)
+    with pytest.raises(CheckpointError, match=f"model.{name}={value!r}"):
+        save_pretrained(tmp_path / "out", model.cfg, model.state_dict())
+    assert not (tmp_path / "out").exists()   # refused before anything was written
+
+
+@pytest.mark.parametrize("key, value", [("scale_attn_by_inverse_layer_idx", True), ("n_inner", 64),
+                                        ("activation_function", "silu"), ("layer_norm_epsilon", 1e-6),
+                                        ("model_type", "llama"), ("add_cross_attention", True),
+                                        ("n_layer", "two")])
+def test_import_refuses_configs_this_gpt_cannot_express(tmp_path, key, value):
+    ours = our_model()
+    hf_cfg, _ = to_hf(ours.cfg, ours.state_dict())
+    with pytest.raises(CheckpointError, match=key):
+        config_from_hf({**hf_cfg, key: value})
+
+
+def test_import_refuses_damaged_checkpoints(tmp_path):
+    from safetensors.torch import save_file
+    ours = our_model()
+    hf_cfg, hf_state = to_hf(ours.cfg, ours.state_dict())
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(CheckpointError, match="no model.safetensors.*can run code"):
+        load_pretrained(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(CheckpointError, match="not a readable safetensors"):
+        load_pretrained(str(tmp_path))
+    cases = [("transformer.h.1.ln_2.weight", None, "lacks the tensor h.1.ln_2.weight"),
+             ("transformer.wpe.weight", torch.zeros(8, 32), r"wpe.weight has shape \(8, 32\)"),
+             ("transformer.h.2.ln_1.weight", torch.zeros(32), "does not have: h.2.ln_1.weight")]
+    for key, tensor, message in cases:
+        broken = {k: v for k, v in hf_state.items() if k != key} | ({key: tensor} if tensor is not None else {})
+        save_file(broken, tmp_path / "model.safetensors")
+        with pytest.raises(CheckpointError, match=message):
+            load_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_pretrained(str(tmp_path))
+
+
+def test_a_hub_name_that_cannot_be_downloaded_is_a_one_line_error(tmp_path):
+    with pytest.raises(CheckpointError, match="neither a directory nor a GPT-2 name"):
+        load_pretrained(str(tmp_path / "no_such_dir"))
+    r = run("sample.py", "gpt2-medium", "--prompt", "Hi", env={"HF_HOME": str(tmp_path)})   # offline, empty cache
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(("error: could not download gpt2-medium from the Hugging Face hub",
+                                "error: downloading gpt2-medium needs huggingface_hub")), r.stderr
+
+
+# ----------------------------------------------------------------------------- train.init_from, sample.py
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A tiny random GPT-2 with GPT-2's vocabulary (the tokenizer is tiktoken's gpt2), saved by transformers."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install -r requirements-dev.txt)")
+    path = tmp_path_factory.mktemp("gpt2_tiny")
+    hf_model(seed=1, vocab_size=50257).save_pretrained(path)
+    return path
+
+
+def test_init_from_takes_the_model_section_and_refuses_conflicts(tmp_path, text_file, gpt2_dir):
+    base = [f"--data={text_file}", f"--train.init_from={gpt2_dir}"]
+    cfg = build_config(None, base + ["--model.block_size=8", "--model.dropout=0.2", "--model.attention=naive"])
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.vocab_size, cfg.model.mlp) == (2, 32, 50257, "gelu_tanh")
+    assert (cfg.model.block_size, cfg.model.dropout, cfg.model.attention) == (8, 0.2, "naive")
+    assert cfg.data.tokenizer == "gpt2"
+    assert build_config(None, base + ["--model.n_layer=2"]).model.n_layer == 2   # agreeing is no conflict
+    for override, key in [("--model.n_layer=4", "model.n_layer=4"), ("--model.block_size=32", "model.block_size=32"),
+                          ("--model.pos=rope", "model.pos=rope"), ("--model.vocab_size=50304", "model.vocab_size"),
+                          ("--data.tokenizer=char", "data.tokenizer=char")]:
+        with pytest.raises(ConfigError, match=f"{key}.*conflicts with"):
+            build_config(None, base + [override])
+    toml = tmp_path / "ft.toml"   # a key set in the config file conflicts the same way
+    toml.write_text(f'[train]\ninit_from = "{gpt2_dir}"\n[model]\nn_embd = 64\n')
+    with pytest.raises(ConfigError, match="model.n_embd=64 conflicts with .*n_embd=32"):
+        build_config(str(toml), [f"--data={text_file}"])
+    with pytest.raises(ConfigError, match="neither a directory nor"):
+        build_config(None, [f"--data={text_file}", f"--train.init_from={tmp_path / 'missing'}"])
+
+
+def test_the_shipped_finetune_config_is_gpt2_small_without_a_download(text_file):
+    cfg = build_config(str(ROOT / "configs" / "finetune_gpt2.toml"), [f"--data={text_file}"])
+    m = cfg.model
+    assert (m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size, m.mlp) == (12, 12, 768, 50257, 512, "gelu_tanh")
+    assert cfg.data.tokenizer == "gpt2" and cfg.train.init_from == "gpt2"
+    with pytest.raises(ConfigError, match=r"model.n_layer=4 conflicts with gpt2's n_layer=12 \(train.init_from\); "
+                                          r"remove the override"):
+        build_config(str(ROOT / "configs" / "finetune_gpt2.toml"), [f"--data={text_file}", "--model.n_layer=4"])
+
+
+def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_cfg, gpt2_dir):
+    """The first training loss is transformers' loss on the same batch (with the position table
+    cropped to block_size 8); a resumed run continues its own checkpoint, not the pretrained weights."""
+    from transformers import GPT2LMHeadModel
+
+    from data.loader import BatchLoader
+    from training.trainer import train
+    extra = {"train.init_from": gpt2_dir, "model.block_size": 8, "model.dropout": 0.0, "train.batch_size": 4,
+             "train.max_steps": 4, "train.eval_interval": 2, "train.lr": 1e-2, "train.warmup_steps": 0}
+    whole = train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
+    cfg = tiny_cfg(**extra, out_dir=tmp_path / "split")
+    x, y = next(BatchLoader(cfg.data.prepare(), 8, 4, seed=cfg.train.seed).step_batches("train"))
+    with torch.no_grad():
+        logits = GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()(x).logits
+    hf_loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)).item()
+    assert whole["losses"][1] == pytest.approx(hf_loss, abs=1e-4)
+    assert whole["losses"][4] < whole["losses"][1] - 0.5   # and it trains
+
+    train(cfg, quiet=True, stop_at=2)
+    weights = gpt2_dir / "model.safetensors"
+    weights.rename(gpt2_dir / "hidden")   # resuming must not need them
+    try:
+        rest = train(tiny_cfg(**extra, out_dir=tmp_path / "split"), quiet=True, resume=True)
+    finally:
+        (gpt2_dir / "hidden").rename(weights)
+    assert rest["losses"][4] == pytest.approx(whole["losses"][4], abs=1e-5)
+
+
+def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_does(gpt2_dir):
+    from transformers import GPT2LMHeadModel
+
+    from data.tokenizers import TiktokenTokenizer
+    tok = TiktokenTokenizer("gpt2")
+    prompt = "First Citizen:"
+    ids = torch.tensor([tok.encode(prompt)])
+    with torch.no_grad():
+        expected = GPT2LMHeadModel.from_pretrained(gpt2_dir).eval().generate(
+            ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
+    r = run("sample.py", str(gpt2_dir), "--prompt", prompt, "--max-new-tokens", "6", "--temperature", "0",
+            "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "Hugging Face GPT-2" in r.stderr
+    assert r.stdout == prompt + tok.decode_bytes(expected).decode("utf-8", errors="replace") + "\n"
+
+
+@needs_transformers
+def test_export_py_end_to_end(tmp_path, text_file, tiny_cfg):
+    from transformers import GPT2LMHeadModel
+
+    from training.trainer import train
+    cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2})
+    train(cfg, quiet=True)
+    out = tmp_path / "hf"
+    r = run("export.py", cfg.out_dir, str(out))
+    assert r.returncode == 0, r.stderr
+    assert "weights only" in r.stdout   # a char-level run: transformers has no such tokenizer
+    assert GPT2LMHeadModel.from_pretrained(out).config.vocab_size == cfg.model.vocab_size
+    r = run("export.py", cfg.out_dir, str(out))
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "--force" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert run("export.py", cfg.out_dir, str(out), "--force").returncode == 0
+
+    rope = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2, "model.pos": "rope",
+                       "out_dir": tmp_path / "rope"})
+    train(rope, quiet=True)
+    r = run("export.py", rope.out_dir, str(tmp_path / "hf_rope"))
+    assert r.returncode == 2 and r.stderr.strip() == ("error: model.pos='rope' does not map onto GPT-2 "
+                                                      "(GPT-2 has learned absolute positions)")
+    assert not (tmp_path / "hf_rope").exists()
+
+
+def test_training_does_not_import_transformers_or_safetensors_unless_asked():
+    code = ("import sys; from training.config import build_config; build_config(None, []); "
+            "import training.trainer, train, sample, export; "
+            "print(sorted(m for m in ('transformers', 'safetensors', 'huggingface_hub') if m in sys.modules))")
+    r = run("-c", code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
