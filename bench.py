@@ -1,7 +1,8 @@
 """Benchmarks: each prints its figures, measured in one run on this machine (ratios travel, absolute
 times drift on a shared machine).
 
-    python bench.py race [--data FILE]             classic config vs the fast recipe: time to the classic's val loss
+    python bench.py race [--data FILE]             classic config vs the fast recipe: time to the classic's best val loss
+                                                   (the CPU pair, or on a GPU the GPU pair)
     python bench.py train CONFIG [--key=value ...] matmul peak, step time, tokens/s, MFU; with vs without the levers
     python bench.py sample                         tokens/s with and without the KV cache, ms/token by position
     python bench.py scaling                        step time vs block size and width; sampling time vs samples
@@ -19,15 +20,16 @@ if os.environ.get("OMP_WAIT_POLICY") == "":
 
 from training.errors import run_cli
 
-CLASSIC, FAST = "configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"
+RACES = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
+         "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("race", help="classic vs fast recipe: wall time to the classic's final val loss")
-    r.add_argument("--classic", default=CLASSIC)
-    r.add_argument("--fast", default=FAST)
+    r = sub.add_parser("race", help="classic vs fast recipe: wall time to the classic's best val loss")
+    r.add_argument("--classic", help="default: the classic config of this machine's kind (CPU or GPU)")
+    r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
     r.add_argument("--evals", type=int, default=20, help="evaluations per run (the fast run's resolution)")
     t = sub.add_parser("train", help="matmul peak, training step throughput and MFU of a config")
     t.add_argument("config")
@@ -44,8 +46,10 @@ def main(argv: list[str]) -> int:
           f"load average {os.getloadavg()[0]:.2f} (other jobs slow every figure)")
 
     if args.command == "race":
+        import torch
         from benchmarks.race import race
-        race(args.classic, args.fast, overrides, evals=args.evals)
+        classic, fast = RACES["cuda" if torch.cuda.is_available() else "cpu"]
+        race(args.classic or classic, args.fast or fast, overrides, evals=args.evals)
     elif args.command == "train":
         from benchmarks.step import bench_train
         bench_train(args.config, overrides, steps=args.steps, rounds=args.rounds)

@@ -4,7 +4,8 @@ Both runs go through training.trainer.train, as `python train.py CONFIG` would r
 every `eval_every` steps the race evaluates the model on the same fixed val windows (the whole val
 split cut into non-overlapping windows of the classic's block size: no sampling noise at all) and
 stops its clock while it does, so the wall times below are training only: data, model and compile
-setup included, the race's evaluations and the trainer's final checkpoint excluded.
+setup included, the race's evaluations and the trainer's final checkpoint excluded. The target is
+the classic run's best val loss, and its time is the time it first got there.
 """
 import math
 import shutil
@@ -87,11 +88,13 @@ def race(classic: str, fast: str, overrides: list[str], evals: int = 20, say=pri
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
-    end = curves["classic"][-1]
+    end = min(curves["classic"], key=lambda p: p["val"])   # its best val: a long run may overfit after it
     target = end["val"]
     hit = first_reaching(curves["fast"], target)
-    say(f"classic  {classic}: val {target:.4f} after {end['step']} steps, {end['tokens']:,} tokens, "
-        f"{end['seconds']:.1f} s")
+    last = curves["classic"][-1]
+    after = "" if last is end else f"; it ends at val {last['val']:.4f} after {last['step']} steps"
+    say(f"classic  {classic}: best val {target:.4f} at step {end['step']}, {end['tokens']:,} tokens, "
+        f"{end['seconds']:.1f} s{after}")
     if hit is None:
         best = min(p["val"] for p in curves["fast"])
         say(f"fast     {fast}: never reached val {target:.4f} (best {best:.4f}, "

@@ -1,24 +1,26 @@
-"""Training-step throughput: the machine's matmul peak, a config's step time, tokens/s and MFU, with
-and without the throughput levers; and how step time grows with block size and width.
+"""Training-step throughput: the machine's matmul peak, a config's step time, tokens/s and MFU for each
+way the trainer can run its step (eager, compiled, CUDA graph), against plain PyTorch; and how step
+time grows with block size and width.
 
 MFU (model FLOPs utilization) = the FLOPs the model needs per second / the matmul peak measured
 here. Per token, training needs 6N FLOPs for the N weights used in matmuls (2 forward, 4 backward)
 plus 6 L T C for causal attention (the scores and the weighted sum, each 2 C FLOPs per pair of
 positions, over T/2 visible positions on average, times 3 for forward and backward).
 """
+import copy
+import shutil
+import tempfile
 import time
-from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
 from model.gpt import GPT
 from training.config import build_config
 from training.optim import build_optimizer
-from training.compile import compile_model
-from training.onednn import onednn_linear, onednn_works, use_onednn_linears
-from training.runtime import autocast as autocast_for, pick_device, pick_dtype, sync, use_fast_matmuls
+from training.onednn import onednn_linear, onednn_works
+from training.runtime import pick_device, pick_dtype, sync, use_fast_matmuls
 
-CHAR_VOCAB = 65   # tinyshakespeare's characters: the vocabulary when a config leaves it to the data
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:
@@ -50,30 +52,44 @@ def flops_per_token(model: GPT) -> tuple[float, float]:
     return 6.0 * n, 6.0 * cfg.n_layer * cfg.block_size * cfg.n_embd
 
 
-def make_step(cfg, device, dtype, levers: bool):
-    """A closure running one training step of cfg, with the levers or as plain eager PyTorch would."""
+def plain_step(cfg, device):
+    """A training step as plain PyTorch writes it: eager, fp32, torch.optim.AdamW's defaults. The
+    reference every measured step is compared with."""
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
-    t = cfg.train
-    x = torch.randint(0, cfg.model.vocab_size, (t.batch_size, cfg.model.block_size), device=device)
-    if levers:
-        autocast = autocast_for(device, dtype)
-        if t.onednn:
-            use_onednn_linears(model, device, dtype)
-        optimizer = build_optimizer(model, t, device)
-        forward = compile_model(model, tuple(x.shape), cfg.model.vocab_size, autocast) if t.compile else model
-    else:
-        autocast, forward = nullcontext(), model
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr)   # the default: a loop over tensors
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.block_size), device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
 
     def step():
-        with autocast:
-            _, loss = forward(x, x)
+        _, loss = model(x, x)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return model, step
+
+
+def trainer_step(cfg, out_dir, compile: bool, graph: bool):
+    """The trainer's own step (training/step.py) for cfg with these two switches, on real batches."""
+    from training.optim import set_lr
+    from training.trainer import build_step, set_up
+    cfg = copy.deepcopy(cfg)
+    cfg.train.compile, cfg.train.cuda_graph, cfg.out_dir = compile, graph, str(out_dir)
+    run, _ = set_up(cfg, resume=False, overwrite=True, quiet=True)
+    build_step(run)
+
+    def step():
+        set_lr(run.optimizer, cfg.train.warmup_steps, cfg.train)
+        run.step_fn()
+    return run.model, step, run.step_fn.kind
+
+
+def variants_for(cfg, device) -> dict:
+    """{name: (compile, graph)}: on CUDA every combination of the two switches; on CPU the config's."""
+    if device.type == "cuda":
+        return {"eager": (False, False), "compiled": (True, False), "graph": (False, True),
+                "compiled+graph": (True, True)}
+    return {"trainer": (cfg.train.compile, False)}
 
 
 def time_step(step, device, steps: int) -> float:
@@ -87,45 +103,56 @@ def time_step(step, device, steps: int) -> float:
 
 
 def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int = 3, say=print) -> dict:
+    """ms/step, tokens/s and MFU of the trainer's step for a config: on CUDA eager, compiled, CUDA graph
+    and both; on CPU the config's step. Each against plain PyTorch (eager fp32, default AdamW)."""
     cfg = build_config(config, overrides)
-    cfg.model.vocab_size = cfg.model.vocab_size or CHAR_VOCAB
     device = pick_device(cfg.train.device)
     dtype = pick_dtype(device, cfg.train.dtype)
     use_fast_matmuls(device)
     peaks = matmul_peak(device, dtype)                     # in the dtype the step's matmuls run in
     peak = max(peaks.values())
-    m = cfg.model
     say(f"# {device}, {torch.get_num_threads()} threads | matmul peak ({str(dtype).removeprefix('torch.')}, "
         f"measured now): " + ", ".join(f"{k} {v / 1e9:,.1f} GFLOP/s" for k, v in peaks.items()))
-
-    variants = {}
-    t0 = time.perf_counter()
-    variants["levers"] = make_step(cfg, device, dtype, levers=True)
-    setup = time.perf_counter() - t0
-    variants["plain"] = make_step(cfg, device, dtype, levers=False)
-    dense, attn = flops_per_token(variants["plain"][0])
-    tokens = cfg.train.batch_size * m.block_size
-    say(f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, batch {cfg.train.batch_size} "
-        f"({tokens:,} tokens/step) | FLOPs/token 6N + attention = {dense / 1e6:.1f}M + {attn / 1e6:.1f}M")
-    onednn = cfg.train.onednn and onednn_works() and device.type == "cpu" and dtype == torch.float32
-    levers = (f"{'compiled' if cfg.train.compile else 'eager'}, {cfg.train.optimizer} (fused AdamW), "
-              f"{str(dtype).removeprefix('torch.')}{', oneDNN linears' if onednn else ''}")
-    say(f"# levers: {levers} (setup incl. compile {setup:.1f} s) | plain: eager, default AdamW, float32")
-
-    best = {name: float("inf") for name in variants}
-    for _, step in variants.values():
-        step()                                                # warm up (allocations, autotuning)
-    for _ in range(rounds):                                   # alternate, so drift hits both alike
-        for name, (_, step) in variants.items():
-            best[name] = min(best[name], time_step(step, device, steps))
-    results = {}
-    say(f"{'':8s} {'ms/step':>9s} {'tokens/s':>10s} {'GFLOP/s':>9s} {'MFU':>6s}")
-    for name, sec in best.items():
-        achieved = (dense + attn) * tokens / sec
-        results[name] = {"ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec, "flops": achieved, "mfu": achieved / peak}
-        say(f"{name:8s} {sec * 1e3:9.1f} {tokens / sec:10,.0f} {achieved / 1e9:9.1f} {achieved / peak:6.1%}")
-    say(f"speedup of the levers: {best['plain'] / best['levers']:.2f}x tokens/s "
-        f"(best of {rounds} alternating rounds of {steps} steps)")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_train_"))
+    results, times = {}, {}
+    try:
+        runs = {}
+        for name, (compile, graph) in variants_for(cfg, device).items():
+            t0 = time.perf_counter()
+            model, step, kind = trainer_step(cfg, tmp / name, compile, graph)
+            cfg.model.vocab_size = cfg.model.vocab_size or model.cfg.vocab_size   # as the data gave it
+            runs[name] = (model, step, f"{kind}{', compiled' if compile else ''}, setup {time.perf_counter() - t0:.1f} s")
+            if device.type == "cuda":   # one variant at a time on the GPU (memory), timed at once
+                step()
+                times[name] = sorted(time_step(step, device, steps) for _ in range(rounds))
+                runs[name] = (model, None, runs[name][2])
+                del model, step
+                torch.cuda.empty_cache()
+        plain_model, plain = plain_step(cfg, device)
+        runs["plain"] = (plain_model, plain, "eager, fp32, default AdamW")
+        dense, attn = flops_per_token(plain_model)
+        m, t = cfg.model, cfg.train
+        tokens = t.batch_size * t.grad_accum * m.block_size
+        say(f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, batch {t.batch_size} x "
+            f"{t.grad_accum} ({tokens:,} tokens/step) | FLOPs/token 6N + attention = {dense / 1e6:.1f}M + "
+            f"{attn / 1e6:.1f}M")
+        pending = {name: step for name, (_, step, _) in runs.items() if step is not None}
+        for step in pending.values():
+            step()                                            # warm up (allocations, autotuning)
+        for _ in range(rounds):                               # alternate, so drift hits all alike
+            for name, step in pending.items():
+                times.setdefault(name, []).append(time_step(step, device, steps))
+        say(f"{'step':15s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
+        for name, (_, _, how) in runs.items():
+            sec = sorted(times[name])[len(times[name]) // 2]   # the median round
+            achieved = (dense + attn) * tokens / sec
+            results[name] = {"ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec, "mfu": achieved / peak}
+            say(f"{name:15s} {sec * 1e3:9.2f} {tokens / sec:10,.0f} {achieved / peak:6.1%}  {how}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    best = min((n for n in results if n != "plain"), key=lambda n: results[n]["ms_per_step"])
+    say(f"fastest: {best}, {results['plain']['ms_per_step'] / results[best]['ms_per_step']:.2f}x plain PyTorch "
+        f"(median of {rounds} rounds of {steps} steps)")
     return {"peaks": peaks, **results}
 
 
@@ -136,12 +163,15 @@ def bench_scaling(device: str = "cpu", say=print) -> None:
     def ms_per_step(**model_kw) -> tuple[float, float]:
         block, batch = model_kw.pop("block_size"), model_kw.pop("batch_size")
         cfg = build_config(None, [f"--model.block_size={block}", f"--train.batch_size={batch}",
-                                  f"--model.vocab_size={CHAR_VOCAB}", "--train.device=" + device.type]
-                           + [f"--model.{k}={v}" for k, v in model_kw.items()])
-        model, step = make_step(cfg, device, torch.float32, levers=True)
-        step()
-        dense, attn = flops_per_token(model)
-        sec = min(time_step(step, device, 2) for _ in range(2))
+                                  "--train.device=" + device.type] + [f"--model.{k}={v}" for k, v in model_kw.items()])
+        tmp = Path(tempfile.mkdtemp(prefix="bench_scaling_"))
+        try:
+            model, step, _ = trainer_step(cfg, tmp, compile=False, graph=False)
+            step()
+            dense, attn = flops_per_token(model)
+            sec = min(time_step(step, device, 2) for _ in range(2))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return sec * 1e3, attn / (dense + attn), (dense + attn) * block * batch / sec / 1e9
 
     say("step time vs block size (4 layers x 128, 8,192 tokens/step: the quadratic part grows with T)")
