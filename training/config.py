@@ -14,18 +14,15 @@ from pathlib import Path
 
 from model.config import ModelConfig
 
-TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-
-
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the offending key or value."""
 
 
 @dataclass
 class DataConfig:
-    path: str = "data/tinyshakespeare.txt"   # the text file to train on
-    url: str = TINYSHAKESPEARE_URL           # where to download `path` from when it is missing ("" = never)
-    tokenizer: str = "char"                  # char | a tiktoken encoding name (gpt2, cl100k_base, ...)
+    path: str = "data/tinyshakespeare.txt"   # the text to train on: a file, a directory or a glob (the default
+                                             # ships with the repo: data/README.md says where it comes from)
+    tokenizer: str = "char"                  # char | bpe:N (a BPE of N tokens trained on the data) | a tiktoken encoding (gpt2, ...)
     val_fraction: float = 0.1                # the last 10% of the text is the validation split
     prepared_dir: str = "data/prepared"      # where prepared token files are cached
     encoding_errors: str = "strict"          # strict | replace: what to do with non-UTF-8 bytes
@@ -212,7 +209,11 @@ def load_toml(path: Path) -> dict:
 
 
 def from_dict(values: dict) -> Config:
-    """A Config from Config.to_dict()'s output (as stored in checkpoints)."""
+    """A Config from Config.to_dict()'s output (as stored in checkpoints). A stored data.url (a
+    download address, in checkpoints of earlier versions) is ignored, so those checkpoints load."""
+    values = dict(values)
+    if isinstance(values.get("data"), dict):
+        values["data"] = {k: v for k, v in values["data"].items() if k != "url"}
     cfg = Config()
     apply_dict(cfg, values)
     return cfg
@@ -244,9 +245,6 @@ def build_config(config_file: str | None, overrides: list[str]) -> Config:
     pairs = parse_overrides(overrides)
     for key, value in pairs:
         set_key(cfg, key, value)
-    keys = {key for key, _ in pairs}
-    if "data.path" in keys and "data.url" not in keys:
-        cfg.data.url = ""   # a file named on the command line is never replaced by a download
     if not cfg.out_dir:   # named after the config file, else the data file (or the folder of a glob)
         named = Path(config_file or cfg.data.path)
         cfg.out_dir = str(Path("out") / (named.parent.name if glob.has_magic(str(named)) else named.stem))

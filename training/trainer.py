@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from data.loader import BatchLoader
-from data.prepare import DataError, download, load_meta, prepare
+from data.prepare import DataError, load_meta, prepare
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT
 from training.checkpoint import (CheckpointError, atomic_write_text, check_resumable, clean_state_dict,
@@ -69,9 +69,7 @@ def set_rng_state(s: dict) -> None:
 def prepare_data(cfg: Config) -> Path:
     source = Path(cfg.data.path)
     if not source.exists() and not glob.has_magic(cfg.data.path):   # a glob names files that exist
-        if not cfg.data.url:
-            raise DataError(f"data file not found: {source}")
-        download(cfg.data.url, source)
+        raise DataError(f"data file not found: {source}")
     return prepare(source, cfg.data.tokenizer, cfg.data.val_fraction, Path(cfg.data.prepared_dir),
                    cfg.data.encoding_errors)
 
