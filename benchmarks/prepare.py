@@ -1,7 +1,7 @@
 """How fast, and in how much memory, a large text file is prepared: streaming vs reading it whole.
 
-    python -m data.prepare_bench                     # a 1 GB file in /tmp; char and gpt2
-    python -m data.prepare_bench --mb 200 --plain-mb 50
+    python bench.py prepare                          # a 1 GB file in /tmp; char and gpt2
+    python bench.py prepare --mb 200 --plain-mb 50
 
 Generates a text file of random tinyshakespeare lines (in the temp dir, never in the repo), then
 prepares it with each tokenizer in a child process and reports MB/s and the child's peak resident
@@ -42,7 +42,7 @@ else:
     exec(compile(target, "<code>", "exec"), {"__name__": "__main__"})
 """
 
-# The whole-file approach, as data/prepare.py did before it streamed.
+# The whole-file approach: read the text into one str, encode it to a list, convert.
 _PLAIN = """
 import sys, numpy as np
 from data.tokenizers import build_tokenizer
