@@ -52,7 +52,10 @@ def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
     """(tokenizer meta, seconds) of a BPE of vocab_size tokens trained on the str pieces in texts.
     rustbpe holds `batch` pieces at a time and counts them in parallel. A text with too few distinct
     pairs gives fewer tokens than asked for (the meta says how many)."""
-    import rustbpe
+    try:
+        import rustbpe
+    except ImportError:
+        raise TokenizerError("training a bpe:N tokenizer needs rustbpe: pip install rustbpe") from None
     start = time.perf_counter()
     trainer = rustbpe.Tokenizer()
     trainer.train_from_iterator(capped(texts, TRAIN_MAX_CHARS), vocab_size - 1, buffer_size=batch, pattern=PATTERN)

@@ -54,6 +54,9 @@ def entry_name(stem: str, tokenizer: str, sha256: str, val_fraction: float, enco
     return f"{stem}-{label}-{sha256[:12]}-val{val_fraction:g}" + ("-replace" if encoding_errors == "replace" else "")
 
 
+_NAMES = {int: "an integer", float: "a number", str: "a string", dict: "an object"}
+
+
 def _type_problem(values: dict, schema: dict, where: str = "") -> str | None:
     for key, typ in schema.items():
         if key not in values:
@@ -66,7 +69,7 @@ def _type_problem(values: dict, schema: dict, where: str = "") -> str | None:
             if problem:
                 return problem
         elif isinstance(value, bool) or not isinstance(value, (int, float) if typ is float else typ):
-            return f"meta.json's {where}{key} is not a {typ.__name__}"
+            return f"meta.json's {where}{key} is not {_NAMES[typ]}"
         elif typ is int and value < (-1 if key == "max_token" else 0):
             return f"meta.json's {where}{key} is negative"
     return None
@@ -223,14 +226,14 @@ def remove_stale_temp_dirs(root: Path) -> list[Path]:
     return removed
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """Rename the finished tmp dir to out. Where out exists: keep it if it is sound (another process
-    finished the same dataset first), else replace it."""
+def publish(tmp: Path, out: Path, expect: dict) -> None:
+    """Rename the finished tmp dir to out. Where out exists: keep it if it is sound and as expected
+    (another process finished the same dataset first), else replace it."""
     try:
         os.rename(tmp, out)
         return
     except OSError:
-        if read_entry(out)[0] is not None:
+        if read_entry(out, expect)[0] is not None:
             return
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)

@@ -326,7 +326,7 @@ def _prepare(files, source, tokenizer, val_fraction, root, encoding_errors, bloc
                                    "val_chars": n_chars - split_at}})
             check_split_sizes(meta["tokens"], block_size)   # before publishing: a refused text leaves nothing
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            publish(tmp, out)
+            publish(tmp, out, expect)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:   # a full disk, a read-only or misplaced data.prepared_dir
