@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 
 from data.bpe import bpe_vocab_size, train_bpe
-from data.cache import (FORMAT, check_split_sizes, load_meta, make_temp_dir, publish, read_entry,  # noqa: F401
-                        remove_stale_temp_dirs, token_dtype, entry_name)
-from data.sources import DataError, find_sources, iter_text, read_text, sources_sha256  # noqa: F401
+from data.cache import (FORMAT, check_split_sizes, entry_name, load_meta, make_temp_dir, publish,  # noqa: F401
+                        read_entry, remove_stale_temp_dirs, token_dtype)   # load_meta: importable from here too
+from data.sources import DataError, find_sources, iter_text, sources_sha256
 from data.tokenizers import CharTokenizer, TokenizerError, build_tokenizer, check_encoding_name, load_tokenizer
 
 PIECE_CHARS = 1 << 20       # characters per encoding task (fewer where many cores share IN_FLIGHT_CHARS)
@@ -299,8 +299,7 @@ def _prepare(files, source, tokenizer, val_fraction, root, encoding_errors, bloc
     progress = Progress("scanning", total, show)
     counts, chars = scan(files, encoding_errors, tokenizer == "char", progress)
     progress.close()
-    bpe = tokenizer != "char"
-    n_chars = sum(counts) + (0 if bpe else sum(1 for c in counts if c) - 1)   # + newlines between documents
+    n_chars = sum(counts) + (sum(1 for c in counts if c) - 1 if tokenizer == "char" else 0)   # + newlines between
     split_at = int(n_chars * (1.0 - val_fraction))
     workers = min(MAX_WORKERS, available_cpus())
     piece_chars = min(PIECE_CHARS, IN_FLIGHT_CHARS // (2 * workers))
@@ -309,19 +308,12 @@ def _prepare(files, source, tokenizer, val_fraction, root, encoding_errors, bloc
         root.mkdir(parents=True, exist_ok=True)
         tmp = make_temp_dir(out)
         try:
-            if tokenizer == "char":   # with the newline between documents, which none may hold
-                tok = CharTokenizer("".join(sorted(set(chars) | {"\n"})) if sum(map(bool, counts)) > 1 else chars)
-            elif bpe_vocab_size(tokenizer):
-                texts = train_texts(files, counts, encoding_errors, split_at, piece_chars)
-                tok_meta, took = train_bpe(texts, bpe_vocab_size(tokenizer), batch=2 * workers)
-                tok = load_tokenizer(tok_meta)
-                print(f"trained {tokenizer} in {took:.1f} s ({tok.vocab_size:,} tokens)", file=sys.stderr)
-            else:
-                tok = build_tokenizer(tokenizer)
+            tok = _tokenizer(tokenizer, chars, files, counts, encoding_errors, split_at, piece_chars, workers,
+                             Progress("training", int(total * split_at / max(1, n_chars)), show))
             meta = _encode(files, counts, tok, encoding_errors, split_at, piece_chars, workers, tmp, total, show)
-            meta.update({"source": str(Path(source).resolve()) if Path(source).exists() else str(Path(source).absolute()),
-                         "sha256": sha, "files": len(files), "tokenizer_spec": tokenizer,
-                         "encoding_errors": encoding_errors,
+            src = Path(source)
+            meta.update({"source": str(src.resolve() if src.exists() else src.absolute()), "sha256": sha,
+                         "files": len(files), "tokenizer_spec": tokenizer, "encoding_errors": encoding_errors,
                          "split": {"val_fraction": val_fraction, "train_chars": split_at,
                                    "val_chars": n_chars - split_at}})
             check_split_sizes(meta["tokens"], block_size)   # before publishing: a refused text leaves nothing
@@ -334,6 +326,27 @@ def _prepare(files, source, tokenizer, val_fraction, root, encoding_errors, bloc
     print(f"prepared {source} with tokenizer {tokenizer}: {meta['tokens']['train']:,} train and "
           f"{meta['tokens']['val']:,} val tokens (vocab {tok.vocab_size:,}) -> {out}")
     return out
+
+
+def _tokenizer(spec, chars, files, counts, errors, split_at, piece_chars, workers, progress):
+    """The tokenizer to encode with: char's from the scanned characters, a named tiktoken encoding,
+    or bpe:N trained on the training split."""
+    if spec == "char":   # with the newline between documents, which none of them may hold
+        return CharTokenizer("".join(sorted(set(chars) | {"\n"})) if sum(map(bool, counts)) > 1 else chars)
+    vocab_size = bpe_vocab_size(spec)
+    if vocab_size is None:
+        return build_tokenizer(spec)
+
+    def texts():
+        for text in train_texts(files, counts, errors, split_at, piece_chars):
+            progress.advance(len(text) * progress.total / max(1, split_at))
+            yield text
+    tok_meta, took = train_bpe(texts(), vocab_size, batch=2 * workers)
+    progress.close()
+    tok = load_tokenizer(tok_meta)
+    short = "" if tok.vocab_size == vocab_size else " (the text has too few distinct pairs for more)"
+    print(f"trained {spec} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens{short}")
+    return tok
 
 
 def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, total, show) -> dict:
