@@ -155,8 +155,8 @@ def trained_bpe(meta: dict) -> TiktokenTokenizer:
         raise damaged("a token is empty or appears twice")
     if any(bytes([b]) not in mergeable for b in range(256)):
         raise damaged("not every byte is a token, so some text could not be encoded")
-    if (not isinstance(special, dict) or EOT not in special
-            or sorted(v for v in special.values() if type(v) is int) != list(range(len(tokens), len(tokens) + len(special)))):
+    after_ranks = list(range(len(tokens), len(tokens) + len(special))) if isinstance(special, dict) else None
+    if not after_ranks or EOT not in special or sorted(v for v in special.values() if type(v) is int) != after_ranks:
         raise damaged(f"its special tokens must include {EOT} and follow the {len(tokens)} ranks")
     try:
         enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable, special_tokens=special)

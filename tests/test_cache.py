@@ -46,7 +46,8 @@ DAMAGES = {   # what breaks the entry, and the reason the notice gives
                      "tokens.train is not an integer"),
     "a damaged tokenizer": (lambda out: edit_meta(out, lambda m: m["tokenizer"].update(chars="")),
                             "damaged char tokenizer"),
-    "an older format": (lambda out: edit_meta(out, lambda m: m.update(format=FORMAT - 1)), "is outdated (format"),
+    "an older format": (lambda out: edit_meta(out, lambda m: m.update(format=FORMAT - 1) or m.pop("bytes")),
+                        f"is outdated (format {FORMAT - 1}; this code writes format {FORMAT})"),
     "no meta.json": (lambda out: (out / "meta.json").unlink(), "is unfinished"),
 }
 

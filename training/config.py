@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 class DataConfig:
     path: str = "data/tinyshakespeare.txt"   # the text to train on: a file, a directory or a glob (the default
                                              # ships with the repo: data/README.md says where it comes from)
-    tokenizer: str = "char"                  # char | bpe:N (a BPE of N tokens trained on the data) | a tiktoken encoding (gpt2, ...)
+    tokenizer: str = "char"                  # char | bpe:N (N tokens, trained on the data) | a tiktoken name (gpt2, ...)
     val_fraction: float = 0.1                # the last 10% of the text is the validation split
     prepared_dir: str = "data/prepared"      # where prepared token files are cached
     encoding_errors: str = "strict"          # strict | replace: what to do with non-UTF-8 bytes
