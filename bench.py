@@ -6,7 +6,7 @@ times drift on a shared machine).
     python bench.py train CONFIG [--key=value ...] matmul peak, step time, tokens/s, MFU; with vs without the levers
     python bench.py sample                         tokens/s with and without the KV cache, ms/token by position
     python bench.py scaling                        step time vs block size and width; sampling time vs samples
-    python bench.py prepare                        data preparation speed and memory (data/prepare_bench.py)
+    python bench.py prepare                        data preparation speed and memory (benchmarks/prepare.py)
 """
 import argparse
 import os
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     s.add_argument("--new-tokens", type=int, default=500)
     s.add_argument("--device", default="cpu")
     sub.add_parser("scaling", help="how step and sampling time grow with block size, width and samples")
-    sub.add_parser("prepare", help="data preparation benchmark (python -m data.prepare_bench)")
+    sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole")
     args, overrides = p.parse_known_args(argv)
     from training.runtime import cpu_name
     print(f"# {cpu_name()} x {os.cpu_count()} | OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
@@ -63,8 +63,8 @@ def main(argv: list[str]) -> int:
         bench_samples_scaling()
     elif args.command == "prepare":
         import runpy
-        sys.argv = ["data/prepare_bench.py", *overrides]
-        runpy.run_module("data.prepare_bench", run_name="__main__")
+        sys.argv = ["benchmarks/prepare.py", *overrides]
+        runpy.run_module("benchmarks.prepare", run_name="__main__")
     return 0
 
 

@@ -20,21 +20,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.prepare import DataError, load_meta
+from data.cache import check_split_sizes, load_meta
 
 
 class BatchLoader:
     def __init__(self, dataset_dir: Path, block_size: int, batch_size: int, seed: int = 0, device="cpu",
                  grad_accum: int = 1, rank: int = 0, world: int = 1):
-        meta = load_meta(dataset_dir)
+        meta = load_meta(dataset_dir)   # checked: a damaged dataset is a DataError naming it
+        check_split_sizes(meta["tokens"], block_size)
         self.block_size, self.batch_size, self.device = block_size, batch_size, torch.device(device)
         self.grad_accum, self.rank, self.world = grad_accum, rank, world
         self.splits = {}
         for split in ("train", "val"):
             n = meta["tokens"][split]
-            if n < block_size + 1:
-                raise DataError(f"the {split} split has {n} tokens, fewer than block_size + 1 = {block_size + 1}; "
-                                f"use a longer text or a smaller --model.block_size")
             self.splits[split] = np.memmap(Path(dataset_dir) / f"{split}.bin", dtype=meta["dtype"], mode="r", shape=(n,))
         self.offsets = np.arange(block_size + 1)
         self.generator = torch.Generator().manual_seed(seed)   # the training data order

@@ -1,153 +1,57 @@
 """Turn text (a file, a directory of files, or a glob) into train/val token files plus a meta.json.
 
-A prepared dataset is a directory:
+A prepared dataset is a directory of the cache (data/cache.py: its layout and checks):
     train.bin, val.bin   raw token ids (uint16, or uint32 when the vocabulary needs it)
-    meta.json            tokenizer, dtype, token counts, split, sha256 of the source text
-It is cached by (source sha256, tokenizer, split): preparing the same text again reuses it.
+    meta.json            tokenizer, dtype, tokens and bytes per split, sha256 of the source text, ...
+Preparing the same text with the same settings again reuses it, once its checks pass.
 
 The text is streamed, never held whole, so memory stays bounded (a few hundred MB at most) whatever
-its size. Three passes over the bytes:
+its size and the number of cores. The passes over the bytes:
   1. hash      sha256 of the bytes: the cache key (a cache hit costs only this pass)
   2. scan      decode UTF-8 (a bad byte is an error naming its offset), count the characters (the
                split point is a character index), and for `char` collect the vocabulary
-  3. encode    pieces of ~1M characters are tokenized on a thread pool (tiktoken and the numpy
-               lookup of the char tokenizer release the GIL, so all cores work) and written in order
+  3. train     for `bpe:N` only: learn the BPE from the training split (data/bpe.py)
+  4. encode    pieces of text are tokenized on a thread pool (tiktoken and the numpy lookup of the
+               char tokenizer release the GIL, so all cores work) and written in order; at most
+               IN_FLIGHT_CHARS characters are in flight, split into more, smaller pieces on more cores
 The last val_fraction of the characters is the validation split. Several files are one text, in
 sorted path order, with the end-of-text token between documents (BPE) or a newline (char).
-Everything is written to a hidden temporary directory that is renamed into place when complete, so
-an interrupted preparation never leaves a dataset that looks finished.
+Everything is written to a hidden temporary directory that is renamed into place when complete.
+SIGINT, SIGTERM and SIGHUP during preparation remove it and raise Interrupted; a run killed outright
+(SIGKILL) leaves it to the next preparation in the same root, which removes it.
 
-    python -m data.prepare FILE|DIR|GLOB [--tokenizer gpt2] [--val-fraction 0.1] [--root data/prepared]
+    python -m data.prepare FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096] [--val-fraction 0.1] [--root data/prepared]
 """
 import glob
-import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import sys
-import tempfile
+import threading
 import time
-import urllib.request
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from data.tokenizers import CharTokenizer, TokenizerError, build_tokenizer
+from data.bpe import bpe_vocab_size, train_bpe
+from data.cache import (FORMAT, check_split_sizes, entry_name, load_meta, make_temp_dir, publish,  # noqa: F401
+                        read_entry, remove_stale_temp_dirs, token_dtype)   # load_meta: importable from here too
+from data.sources import DataError, find_sources, iter_text, sources_sha256
+from data.tokenizers import CharTokenizer, TokenizerError, build_tokenizer, check_encoding_name, load_tokenizer
 
-FORMAT = 1
-READ_BYTES = 4 << 20        # bytes read at a time
-PIECE_CHARS = 1 << 20       # characters per encoding task
+PIECE_CHARS = 1 << 20       # characters per encoding task (fewer where many cores share IN_FLIGHT_CHARS)
+IN_FLIGHT_CHARS = 4 << 20   # characters being encoded or waiting to be written, whatever the core count
+MAX_WORKERS = 32
 PROGRESS_MIN_BYTES = 64 << 20   # show a progress bar for inputs at least this large
 
 
-class DataError(ValueError):
-    """A data file or setting that cannot be used; the message says which and why."""
-
-
-def download(url: str, path: Path) -> None:
-    """Fetch url to path (through a temporary file, so a failed download leaves nothing behind)."""
-    print(f"downloading {url} -> {path}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r, open(tmp, "wb") as f:
-            shutil.copyfileobj(r, f, 1 << 20)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"{path} is missing and could not be downloaded from {url} ({e}); "
-                        f"pass a local copy with --data PATH") from None
-
-
-def find_sources(source) -> list[Path]:
-    """The files a data path names: itself, the files under a directory, or a glob's matches; sorted."""
-    source = Path(source)
-    if source.is_file():
-        return [source]
-    if source.is_dir():
-        files = sorted(p for p in source.rglob("*")
-                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(source).parts))
-        if not files:
-            raise DataError(f"no files in the data directory {source}")
-        return files
-    if glob.has_magic(str(source)):
-        files = sorted(Path(p) for p in glob.glob(str(source), recursive=True) if os.path.isfile(p))
-        if not files:
-            raise DataError(f"no files match {source}")
-        return files
-    raise DataError(f"data file not found: {source}")
-
-
-def sources_sha256(files: list[Path], progress=None) -> str:
-    """A single file's sha256 (the cache key as it has always been); for several, the sha256 of
-    their names and contents in order, so renaming or reordering files makes a new dataset."""
-    shas = []
-    for path in files:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(READ_BYTES), b""):
-                h.update(chunk)
-                progress and progress.advance(len(chunk))
-        shas.append(h.hexdigest())
-    if len(files) == 1:
-        return shas[0]
-    base = os.path.commonpath([str(p.resolve()) for p in files])
-    listing = "".join(f"{os.path.relpath(p.resolve(), base)}\0{sha}\n" for p, sha in zip(files, shas))
-    return hashlib.sha256(listing.encode()).hexdigest()
-
-
-def _utf8_cut(buf: bytes) -> int:
-    """The length of buf without a UTF-8 sequence cut off at its end (carried over to the next read)."""
-    n = len(buf)
-    i = n - 1
-    while i >= 0 and n - i <= 4 and buf[i] & 0xC0 == 0x80:   # continuation bytes 10xxxxxx
-        i -= 1
-    if i < 0 or n - i > 4:
-        return n
-    lead = buf[i]
-    need = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
-    return i if n - i < need else n
-
-
-def iter_text(path: Path, errors: str = "strict", progress=None):
-    """The file as str chunks of about READ_BYTES bytes each, never splitting a character.
-    A non-UTF-8 byte is a DataError naming its offset in the file (or U+FFFD with errors='replace')."""
-    offset, carry = 0, b""
-    with open(path, "rb") as f:
-        while True:
-            raw = f.read(READ_BYTES)
-            buf = carry + raw
-            cut = _utf8_cut(buf) if raw else len(buf)
-            buf, carry = buf[:cut], buf[cut:]
-            if not raw and not buf:
-                return
-            try:
-                yield buf.decode("utf-8", errors=errors)
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path} is not UTF-8: byte 0x{buf[e.start]:02x} at offset {offset + e.start}; "
-                                f"set --data.encoding_errors=replace to replace such bytes") from None
-            offset += len(buf)
-            progress and progress.advance(len(buf))
-
-
-def read_text(path: Path, errors: str = "strict") -> str:
-    """A whole (small) file as text, with the same checks as preparing: missing, empty, not UTF-8."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data file not found: {path}")
-    if not path.is_file():
-        raise DataError(f"data path is not a file: {path}")
-    text = "".join(iter_text(path, errors))
-    if not text.strip():
-        raise DataError(f"data file is empty: {path}")
-    return text
-
-
-def token_dtype(vocab_size: int):
-    return np.uint16 if vocab_size <= 2**16 else np.uint32
+def available_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class Progress:
@@ -198,7 +102,7 @@ def scan(files: list[Path], errors: str, want_chars: bool, progress) -> tuple[li
 
 
 # Cutting BPE input at these points gives the same tokens as encoding the whole text: no token of
-# the gpt2 / cl100k / o200k pre-tokenizers runs across "x\n|y" or "x| y" (x, y not whitespace).
+# the gpt2 / cl100k / o200k pre-tokenizers (nor data/bpe.py's) runs across "x\n|y" or "x| y" (x, y not whitespace).
 _SAFE_CUT = re.compile(r"\S\n(?=\S)|\S(?= \S)")
 
 
@@ -213,19 +117,79 @@ def safe_cut(text: str) -> int:
     return 0
 
 
+def _cut(buffer: str, piece_chars: int, bpe: bool, final: bool) -> tuple[list[str], str]:
+    """(whole pieces of buffer, the rest); with final, the rest is a piece too."""
+    out, start = [], 0
+    while len(buffer) - start >= piece_chars:
+        window = buffer[start:start + piece_chars]
+        cut = (safe_cut(window) if bpe else 0) or piece_chars   # no safe cut in a whole piece: cut anyway
+        out.append(window[:cut])
+        start += cut
+    rest = buffer[start:]
+    if final and rest:
+        out.append(rest)
+        rest = ""
+    return out, rest
+
+
+def pieces(files, counts, errors: str, split_at: int, bpe: bool, piece_chars: int):
+    """The text as (split, piece) pairs in order: the first split_at characters in "train", the rest
+    in "val". Between documents: a newline (char) or (split, None), the end-of-text token (bpe).
+    BPE text is cut only at document ends, the split point, and safe_cut points."""
+    def documents():
+        first = True
+        for path, count in zip(files, counts):
+            if count:   # a blank document is skipped
+                if not first:
+                    yield None if bpe else "\n"
+                first = False
+                yield from iter_text(path, errors)
+
+    split, pos, buffer = "train", 0, ""
+    for text in documents():
+        if text is None:
+            done, buffer = _cut(buffer, piece_chars, bpe, final=True)
+            yield from ((split, p) for p in done)
+            yield split, None
+            continue
+        if split == "train" and pos + len(text) >= split_at:
+            head, text = text[:split_at - pos], text[split_at - pos:]
+            pos += len(head)
+            done, buffer = _cut(buffer + head, piece_chars, bpe, final=True)
+            yield from ((split, p) for p in done)
+            split = "val"
+        pos += len(text)
+        done, buffer = _cut(buffer + text, piece_chars, bpe, final=False)
+        yield from ((split, p) for p in done)
+    done, _ = _cut(buffer, piece_chars, bpe, final=True)
+    yield from ((split, p) for p in done)
+
+
+def train_texts(files, counts, errors: str, split_at: int, piece_chars: int):
+    """The training split's text in pieces (what a BPE is learned from); reading stops at the split."""
+    for split, piece in pieces(files, counts, errors, split_at, True, piece_chars):
+        if split != "train":
+            return
+        if piece:
+            yield piece
+
+
 class TokenWriter:
-    """Encodes text pieces on a thread pool and appends the ids, in order, to <split>.bin files.
-    At most 2 x workers pieces are in flight, which bounds the memory."""
+    """Encodes text pieces on a thread pool and appends the ids, in order, to <split>.bin files,
+    counting tokens, UTF-8 bytes and the largest id. At most 2 x workers pieces are in flight."""
 
     def __init__(self, encode, dtype, out_dir: Path, workers: int, progress, bytes_per_char: float):
         self.encode, self.dtype, self.progress, self.bytes_per_char = encode, dtype, progress, bytes_per_char
         self.files = {s: open(out_dir / f"{s}.bin", "wb") for s in ("train", "val")}
-        self.tokens = {"train": 0, "val": 0}
+        self.tokens, self.bytes, self.max_token = {"train": 0, "val": 0}, {"train": 0, "val": 0}, -1
         self.pool = ThreadPoolExecutor(workers)
         self.pending, self.limit = deque(), 2 * workers
 
     def _encode(self, text: str):
-        return self.encode(text).astype(self.dtype, copy=False), len(text)
+        ids = self.encode(text)
+        top = int(ids.max()) if len(ids) else -1   # before the cast, which would wrap an id too large for it
+        nbytes = len(text) if text.isascii() else len(text.encode("utf-8"))
+        return ids.astype(self.dtype, copy=False), len(text), nbytes, top
 
     def text(self, split: str, text: str) -> None:
         self.pending.append((split, self.pool.submit(self._encode, text)))
@@ -233,18 +197,17 @@ class TokenWriter:
 
     def token(self, split: str, token: int) -> None:
         done = Future()   # queued behind the pieces before it, without waiting for them
-        done.set_result((np.array([token], dtype=self.dtype), 0))
+        done.set_result((np.array([token], dtype=self.dtype), 0, 0, token))
         self.pending.append((split, done))
-
-    def _write(self, split, ids) -> None:
-        ids.tofile(self.files[split])
-        self.tokens[split] += len(ids)
 
     def _drain(self, keep: int) -> None:
         while len(self.pending) > keep:
             split, future = self.pending.popleft()
-            ids, nchars = future.result()
-            self._write(split, ids)
+            ids, nchars, nbytes, top = future.result()
+            ids.tofile(self.files[split])
+            self.tokens[split] += len(ids)
+            self.bytes[split] += nbytes
+            self.max_token = max(self.max_token, top)
             self.progress.advance(nchars * self.bytes_per_char)
 
     def close(self, ok: bool) -> None:
@@ -257,143 +220,179 @@ class TokenWriter:
                 f.close()
 
 
-def encode_files(files, counts, eot, errors, split_at: int, writer: TokenWriter) -> None:
-    """Stream the files through the writer: the first split_at characters to train, the rest to val.
-    BPE text is cut only at document ends, the split point, and safe_cut points."""
-    bpe = eot is not None
-    split, pos, buffer = "train", 0, ""
+class Interrupted(KeyboardInterrupt):
+    """A signal stopped a preparation (after its temporary directory was removed). exit_code is the
+    shell's 128 + signal number: 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP."""
 
-    def flush(final: bool) -> None:   # send whole pieces on; the rest too if final
-        nonlocal buffer
-        while len(buffer) >= PIECE_CHARS:
-            cut = (safe_cut(buffer[:PIECE_CHARS]) if bpe else 0) or PIECE_CHARS   # no safe cut in a whole
-            writer.text(split, buffer[:cut])                                      # piece: cut anyway
-            buffer = buffer[cut:]
-        if final and buffer:
-            writer.text(split, buffer)
-            buffer = ""
-
-    def add(text: str) -> None:
-        nonlocal buffer, split, pos
-        if split == "train" and pos + len(text) >= split_at:
-            head, text = text[:split_at - pos], text[split_at - pos:]
-            buffer += head
-            pos += len(head)
-            flush(final=True)
-            split = "val"
-        buffer += text
-        pos += len(text)
-        flush(final=False)
-
-    first = True
-    for path, count in zip(files, counts):
-        if count == 0:
-            continue
-        if not first:
-            flush(final=True)
-            writer.token(split, eot) if bpe else add("\n")
-        first = False
-        for text in iter_text(path, errors):
-            add(text)
-    flush(final=True)
+    def __init__(self, signum: int, message: str = ""):
+        super().__init__(message or f"stopped by {signal.Signals(signum).name}")
+        self.signum, self.exit_code = signum, 128 + signum
 
 
-def prepare(source: Path, tokenizer: str, val_fraction: float, root: Path,
-            encoding_errors: str = "strict") -> Path:
-    """Prepare source (a file, a directory, or a glob), or reuse an earlier preparation of the same
-    bytes; return the dataset dir."""
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+
+
+@contextmanager
+def signals_raise():
+    """While preparing, SIGINT, SIGTERM and SIGHUP raise Interrupted, so `finally` blocks clean up; a
+    second signal during that cleanup is ignored. The previous handlers come back after. Signals that
+    are ignored (nohup) stay ignored; outside the main thread, where no handler can be set, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = []
+
+    def handler(signum, frame):
+        if not raised:
+            raised.append(signum)
+            raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def prepare(source: Path, tokenizer: str, val_fraction: float, root: Path, encoding_errors: str = "strict",
+            block_size: int | None = None) -> Path:
+    """Prepare source (a file, a directory, or a glob), or reuse a sound earlier preparation of the same
+    bytes; return the dataset dir. block_size: each split must hold block_size + 1 tokens (one training
+    window), checked before anything is published (None: no check)."""
     files = find_sources(source)
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
+    if encoding_errors not in ("strict", "replace"):
+        raise DataError(f"data.encoding_errors={encoding_errors!r} is not one of strict, replace")
+    try:   # an unknown tokenizer fails now, not after hashing
+        if tokenizer != "char" and bpe_vocab_size(tokenizer) is None:
+            check_encoding_name(tokenizer)
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
+    with signals_raise():
+        try:
+            return _prepare(files, source, tokenizer, val_fraction, Path(root), encoding_errors, block_size)
+        except Interrupted as e:
+            raise Interrupted(e.signum, f"preparing {source} stopped by {signal.Signals(e.signum).name}; "
+                                        f"nothing was kept") from None
+
+
+def _prepare(files, source, tokenizer, val_fraction, root, encoding_errors, block_size) -> Path:
     total = sum(p.stat().st_size for p in files)
     show = total >= PROGRESS_MIN_BYTES
-
     progress = Progress("hashing", total, show)
     sha = sources_sha256(files, progress)
     progress.close()
-    name = Path(source).parent.name if glob.has_magic(str(source)) else Path(source).stem
-    out = Path(root) / f"{name}-{tokenizer}-{sha[:12]}-val{val_fraction:g}"
-    if (out / "meta.json").exists():
+    stem = Path(source).parent.name if glob.has_magic(str(source)) else Path(source).stem
+    out = root / entry_name(stem, tokenizer, sha, val_fraction, encoding_errors)
+    remove_stale_temp_dirs(root)
+    expect = {"sha256": sha, "tokenizer_spec": tokenizer, "val_fraction": val_fraction,
+              "encoding_errors": encoding_errors}
+    meta, problem = read_entry(out, expect)
+    if meta is not None:
+        check_split_sizes(meta["tokens"], block_size)
         return out
+    if problem:
+        print(f"notice: {out} {problem}; preparing it again", file=sys.stderr)
 
     progress = Progress("scanning", total, show)
     counts, chars = scan(files, encoding_errors, tokenizer == "char", progress)
     progress.close()
-    try:
-        tok = CharTokenizer(chars) if tokenizer == "char" else build_tokenizer(tokenizer)
-    except TokenizerError as e:
-        raise DataError(str(e)) from None
-    eot = None if tokenizer == "char" else tok.enc.eot_token
-    n_chars = sum(counts) + (sum(1 for c in counts if c) - 1 if eot is None else 0)   # + newlines between
+    n_chars = sum(counts) + (sum(1 for c in counts if c) - 1 if tokenizer == "char" else 0)   # + newlines between
     split_at = int(n_chars * (1.0 - val_fraction))
-    dtype = token_dtype(tok.vocab_size)
-    tok.encode_array("")   # build any lookup table before the threads share the tokenizer
+    workers = min(MAX_WORKERS, available_cpus())
+    piece_chars = min(PIECE_CHARS, IN_FLIGHT_CHARS // (2 * workers))
 
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))   # unique, even across machines
-        ok = False
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(out)
         try:
-            progress = Progress("encoding", total, show)
-            workers = min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-            writer = TokenWriter(tok.encode_array, dtype, tmp, workers, progress, total / max(1, n_chars))
-            try:
-                encode_files(files, counts, eot, encoding_errors, split_at, writer)
-                ok = True
-            finally:
-                writer.close(ok)
-            progress.close()
+            tok = _tokenizer(tokenizer, chars, files, counts, encoding_errors, split_at, piece_chars, workers,
+                             Progress("training", int(total * split_at / max(1, n_chars)), show))
+            meta = _encode(files, counts, tok, encoding_errors, split_at, piece_chars, workers, tmp, total, show)
             src = Path(source)
-            meta = {
-                "format": FORMAT, "source": str(src.resolve()) if src.exists() else str(src.absolute()),
-                "sha256": sha, "files": len(files),
-                "tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
-                "split": {"val_fraction": val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at},
-                "tokens": dict(writer.tokens),
-            }
+            meta.update({"source": str(src.resolve() if src.exists() else src.absolute()), "sha256": sha,
+                         "files": len(files), "tokenizer_spec": tokenizer, "encoding_errors": encoding_errors,
+                         "split": {"val_fraction": val_fraction, "train_chars": split_at,
+                                   "val_chars": n_chars - split_at}})
+            check_split_sizes(meta["tokens"], block_size)   # before publishing: a refused text leaves nothing
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            publish(tmp, out)
+            publish(tmp, out, expect)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:   # a full disk, a read-only or misplaced data.prepared_dir
-        raise DataError(f"cannot write the prepared data to {out.parent}: {e.strerror or e}") from None
+        raise DataError(f"cannot write the prepared data to {root}: {e.strerror or e}") from None
     print(f"prepared {source} with tokenizer {tokenizer}: {meta['tokens']['train']:,} train and "
           f"{meta['tokens']['val']:,} val tokens (vocab {tok.vocab_size:,}) -> {out}")
     return out
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """Rename the finished tmp dir to out. If out exists: another process finished the same dataset
-    first (keep it) or it is an unfinished leftover without meta.json (replace it)."""
+def _tokenizer(spec, chars, files, counts, errors, split_at, piece_chars, workers, progress):
+    """The tokenizer to encode with: char's from the scanned characters, a named tiktoken encoding,
+    or bpe:N trained on the training split."""
+    if spec == "char":   # with the newline between documents, which none of them may hold
+        return CharTokenizer("".join(sorted(set(chars) | {"\n"})) if sum(map(bool, counts)) > 1 else chars)
+    vocab_size = bpe_vocab_size(spec)
+    if vocab_size is None:
+        return build_tokenizer(spec)
+
+    def texts():
+        for text in train_texts(files, counts, errors, split_at, piece_chars):
+            progress.advance(len(text) * progress.total / max(1, split_at))
+            yield text
+    tok_meta, took = train_bpe(texts(), vocab_size, batch=2 * workers)
+    progress.close()
+    tok = load_tokenizer(tok_meta)
+    short = "" if tok.vocab_size == vocab_size else " (the text has too few distinct pairs for more)"
+    print(f"trained {spec} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens{short}")
+    return tok
+
+
+def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, total, show) -> dict:
+    """Write tmp/train.bin and tmp/val.bin; the meta entries that describe them."""
+    eot = tok.enc.eot_token if hasattr(tok, "enc") else None
+    dtype = token_dtype(tok.vocab_size)
+    tok.encode_array("")   # build any lookup table before the threads share the tokenizer
+    progress = Progress("encoding", total, show)
+    n_chars = sum(counts)
+    writer = TokenWriter(tok.encode_array, dtype, tmp, workers, progress, total / max(1, n_chars))
+    ok = False
     try:
-        os.rename(tmp, out)
-    except OSError:
-        if (out / "meta.json").exists():
-            return
-        shutil.rmtree(out, ignore_errors=True)
-        os.rename(tmp, out)
-
-
-def load_meta(dataset_dir: Path) -> dict:
-    return json.loads((Path(dataset_dir) / "meta.json").read_text())
+        for split, piece in pieces(files, counts, errors, split_at, eot is not None, piece_chars):
+            writer.text(split, piece) if piece is not None else writer.token(split, eot)
+        ok = True
+    finally:
+        writer.close(ok)
+    progress.close()
+    return {"format": FORMAT, "tokenizer": tok.meta(), "vocab_size": tok.vocab_size,
+            "dtype": np.dtype(dtype).name, "max_token": writer.max_token,
+            "tokens": dict(writer.tokens), "bytes": dict(writer.bytes)}
 
 
 def main(argv: list[str]) -> int:
     import argparse
     p = argparse.ArgumentParser(description="Prepare a text file, directory or glob into token files.")
     p.add_argument("source")
-    p.add_argument("--tokenizer", default="char")
+    p.add_argument("--tokenizer", default="char", help="char | bpe:N (trained on the data) | a tiktoken encoding")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--root", default="data/prepared")
     p.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict")
+    p.add_argument("--block-size", type=int, default=None, help="refuse splits shorter than block_size + 1 tokens")
     args = p.parse_args(argv)
-    prepare(args.source, args.tokenizer, args.val_fraction, Path(args.root), args.encoding_errors)
+    prepare(args.source, args.tokenizer, args.val_fraction, Path(args.root), args.encoding_errors, args.block_size)
     return 0
 
 
 if __name__ == "__main__":   # without training.errors.run_cli, which imports torch (300 MB of memory)
     try:
         sys.exit(main(sys.argv[1:]))
+    except Interrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except (DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

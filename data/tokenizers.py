@@ -1,13 +1,21 @@
 """Tokenizers behind one small interface: encode, decode, vocab_size, and a JSON-able meta dict that
 is saved with the dataset and in every checkpoint, so a model always comes with its tokenizer.
 
-  char  one token per character; the vocabulary is the sorted set of characters of the text.
-  BPE   any tiktoken encoding by name ("gpt2", "cl100k_base", ...).
+  char   one token per character; the vocabulary is the sorted set of characters of the text.
+  BPE    any tiktoken encoding by name ("gpt2", "cl100k_base", ...).
+  bpe:N  a byte-level BPE with N tokens trained on the data's training split (data/bpe.py); its
+         meta holds the whole tokenizer (pattern, base64 token bytes in rank order, <|endoftext|>),
+         so tiktoken rebuilds it from the meta alone, with no file and no network.
 
 encode_array(text) is encode() as a numpy array, without a Python int per token: what preparing
 large files uses (it releases the GIL for BPE, so threads encode in parallel).
 """
+import base64
+import binascii
+
 import numpy as np
+
+EOT = "<|endoftext|>"   # the end-of-text token between documents (gpt2's name for it)
 
 
 class TokenizerError(ValueError):
@@ -67,18 +75,30 @@ class CharTokenizer:
         return {"kind": "char", "chars": self.chars}
 
 
+def check_encoding_name(name: str) -> None:
+    """A TokenizerError unless tiktoken knows the encoding name (without loading its files)."""
+    import tiktoken
+    if name not in tiktoken.list_encoding_names():
+        raise TokenizerError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N tokens trained on "
+                             f"the data) or a tiktoken encoding ({', '.join(tiktoken.list_encoding_names())})")
+
+
 class TiktokenTokenizer:
-    def __init__(self, name: str = "gpt2"):
+    """BPE encoded by tiktoken: a named encoding, or one trained on the data (see trained_bpe)."""
+
+    def __init__(self, enc, meta: dict):
+        self.enc, self._meta, self.name = enc, meta, enc.name
+
+    @classmethod
+    def named(cls, name: str = "gpt2") -> "TiktokenTokenizer":
         import tiktoken
+        check_encoding_name(name)
         try:
-            self.enc = tiktoken.get_encoding(name)
-        except ValueError:
-            raise TokenizerError(f"unknown tokenizer {name!r}: use 'char' or a tiktoken encoding "
-                                 f"({', '.join(tiktoken.list_encoding_names())})") from None
+            enc = tiktoken.get_encoding(name)
         except Exception as e:   # the BPE files are downloaded on first use
             raise TokenizerError(f"could not load the tiktoken encoding {name!r} ({type(e).__name__}: {e}); "
                                  "with no network, set TIKTOKEN_CACHE_DIR to a folder holding its files") from None
-        self.name = name
+        return cls(enc, {"kind": "tiktoken", "name": name})
 
     @property
     def vocab_size(self) -> int:
@@ -103,22 +123,70 @@ class TiktokenTokenizer:
         return self.enc.decode_bytes(list(ids))
 
     def meta(self) -> dict:
-        return {"kind": "tiktoken", "name": self.name}
+        return self._meta
+
+
+def bpe_meta(pattern: str, tokens: list[bytes]) -> dict:
+    """The JSON description of a trained BPE: tokens[i] is the bytes of the token of rank (and id) i;
+    <|endoftext|> comes after them."""
+    return {"kind": "bpe", "name": f"bpe{len(tokens) + 1}", "pattern": pattern,
+            "ranks": [base64.b64encode(t).decode("ascii") for t in tokens],
+            "special_tokens": {EOT: len(tokens)}}
+
+
+def trained_bpe(meta: dict) -> TiktokenTokenizer:
+    """The tokenizer bpe_meta() describes, checked: a damaged description is a TokenizerError."""
+    import tiktoken
+
+    def damaged(why: str) -> TokenizerError:
+        return TokenizerError(f"damaged BPE tokenizer description: {why}")
+
+    name, pattern, ranks, special = (meta.get(k) for k in ("name", "pattern", "ranks", "special_tokens"))
+    if not isinstance(name, str) or not isinstance(pattern, str) or not pattern:
+        raise damaged("its name or pattern is missing")
+    if not isinstance(ranks, list) or not all(isinstance(r, str) for r in ranks):
+        raise damaged("its ranks are not a list of base64 strings")
+    try:
+        tokens = [base64.b64decode(r, validate=True) for r in ranks]
+    except (binascii.Error, ValueError):
+        raise damaged("a rank is not base64") from None
+    mergeable = {t: i for i, t in enumerate(tokens)}
+    if len(mergeable) != len(tokens) or b"" in mergeable:
+        raise damaged("a token is empty or appears twice")
+    if any(bytes([b]) not in mergeable for b in range(256)):
+        raise damaged("not every byte is a token, so some text could not be encoded")
+    after_ranks = list(range(len(tokens), len(tokens) + len(special))) if isinstance(special, dict) else None
+    if not after_ranks or EOT not in special or sorted(v for v in special.values() if type(v) is int) != after_ranks:
+        raise damaged(f"its special tokens must include {EOT} and follow the {len(tokens)} ranks")
+    try:
+        enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable, special_tokens=special)
+    except ValueError as e:   # the pattern is not a valid regex
+        raise damaged(str(e).splitlines()[0]) from None
+    return TiktokenTokenizer(enc, meta)
 
 
 def build_tokenizer(name: str, text: str | None = None):
-    """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name."""
+    """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name. ('bpe:N' is
+    trained while preparing the data, on the training split: see data/prepare.py.)"""
     if name == "char":
         if text is None:
             raise TokenizerError("a char tokenizer is built from a text")
         return CharTokenizer.from_text(text)
-    return TiktokenTokenizer(name)
+    if name.startswith("bpe:"):
+        raise TokenizerError(f"{name} is trained on the data when it is prepared (data/prepare.py)")
+    return TiktokenTokenizer.named(name)
 
 
 def load_tokenizer(meta: dict):
-    """The tokenizer described by meta() (from a dataset's meta.json or a checkpoint)."""
-    if not isinstance(meta, dict) or meta.get("kind") not in ("char", "tiktoken"):
+    """The tokenizer described by meta() (from a dataset's meta.json or a checkpoint), checked."""
+    if not isinstance(meta, dict) or meta.get("kind") not in ("char", "tiktoken", "bpe"):
         raise TokenizerError(f"not a tokenizer description: {str(meta)[:80]}")
     if meta["kind"] == "char":
+        if not isinstance(meta.get("chars"), str) or not meta["chars"] or len(set(meta["chars"])) != len(meta["chars"]):
+            raise TokenizerError("damaged char tokenizer description: its characters are missing or repeated")
         return CharTokenizer(meta["chars"])
-    return TiktokenTokenizer(meta["name"])
+    if meta["kind"] == "bpe":
+        return trained_bpe(meta)
+    if not isinstance(meta.get("name"), str):
+        raise TokenizerError(f"not a tokenizer description: {str(meta)[:80]}")
+    return TiktokenTokenizer.named(meta["name"])

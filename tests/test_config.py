@@ -14,7 +14,7 @@ def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path):
     path = write(tmp_path, '[model]\nn_layer = 3\nn_embd = 64\n[train]\nlr = 0.01\n')
     cfg = build_config(str(path), ["--model.n_layer=5", "--train.batch_size", "7", "--data", "x.txt"])
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.train.lr, cfg.train.batch_size) == (5, 64, 0.01, 7)
-    assert cfg.data.path == "x.txt" and cfg.data.url == "", "a named file is never downloaded over"
+    assert cfg.data.path == "x.txt"
     assert cfg.out_dir == "out/c", "out dir from the config file's name"
     assert build_config(None, ["--data", "notes/my_notes.txt"]).out_dir == "out/my_notes"
 
@@ -62,6 +62,16 @@ def test_described_config_is_valid_toml_that_round_trips(tmp_path):
     path = write(tmp_path, describe(cfg))
     assert build_config(str(path), []).to_dict() == cfg.to_dict()
     assert from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_stored_config_with_a_data_url_still_loads():
+    """Checkpoints of earlier versions store data.url (a download address): it is ignored."""
+    stored = build_config(None, ["--model.n_layer=3"]).to_dict()
+    stored["data"]["url"] = "https://example.invalid/input.txt"
+    assert from_dict(stored).to_dict() == build_config(None, ["--model.n_layer=3"]).to_dict()
+    stored["data"]["nope"] = 1
+    with pytest.raises(ConfigError, match="unknown config key 'data.nope'"):
+        from_dict(stored)
 
 
 def test_shipped_configs_load():

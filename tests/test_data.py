@@ -1,5 +1,6 @@
 """Tokenizers round-trip; preparing writes what meta.json says and is cached; batches are shifted windows."""
 import json
+import math
 import os
 
 import numpy as np
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from data.loader import BatchLoader
-from data.prepare import DataError, prepare, read_text
+from data.prepare import DataError, prepare
+from data.sources import read_text
 from data.tokenizers import CharTokenizer, TokenizerError, build_tokenizer, load_tokenizer
 from tests.conftest import TEXT
 
@@ -105,16 +107,55 @@ def test_a_split_shorter_than_a_block_is_a_clear_error(tmp_path, text_file):
         BatchLoader(out, block_size=1000, batch_size=2)
 
 
-def test_missing_data_is_downloaded_through_a_temporary_file(tmp_path, text_file):
-    from data.prepare import download
-    target = tmp_path / "sub" / "input.txt"
-    download(text_file.resolve().as_uri(), target)
-    assert target.read_text() == TEXT and not list(target.parent.glob("*.part"))
+def test_the_default_data_ships_with_the_repo_and_prepares_offline(tmp_path, monkeypatch):
+    import socket
+
+    from tests.conftest import ROOT
+    from training.config import Config
+
+    path = ROOT / Config().data.path
+    assert path.is_file() and path.stat().st_size > 1_000_000, "data/tinyshakespeare.txt is in the repository"
+
+    def no_network(*a, **k):
+        raise AssertionError("preparing the default data tried to open a network connection")
+    monkeypatch.setattr(socket, "socket", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    out = prepare(path, Config().data.tokenizer, Config().data.val_fraction, tmp_path / "prep")
+    assert json.loads((out / "meta.json").read_text())["vocab_size"] == 65
 
 
-def test_a_failed_download_says_how_to_pass_a_local_file(tmp_path):
-    from data.prepare import download
-    target = tmp_path / "input.txt"
-    with pytest.raises(DataError, match="could not be downloaded .* pass a local copy with --data PATH"):
-        download((tmp_path / "nowhere.txt").as_uri(), target)
-    assert not target.exists() and not (tmp_path / "input.txt.part").exists()
+def test_bits_per_byte_divides_by_the_bytes_of_the_text(tmp_path, text_file):
+    from data.cache import bits_per_byte, load_meta, tokens_per_byte
+    meta = load_meta(prepare(text_file, "char", 0.1, tmp_path / "prep"))
+    split = int(len(TEXT) * 0.9)
+    assert meta["bytes"] == {"train": split, "val": len(TEXT) - split} == meta["tokens"], "ASCII: a byte a token"
+    assert tokens_per_byte(meta, "val") == 1.0
+    assert bits_per_byte(2.0, meta["tokens"]["val"], meta["bytes"]["val"]) == pytest.approx(2.0 / math.log(2))
+    assert bits_per_byte(1.5, 100, 400) == pytest.approx(1.5 * 100 / 400 / math.log(2))
+
+    wide = tmp_path / "wide.txt"   # 2 to 4 bytes per character: more bytes than char tokens
+    text = TEXT[:500] + "héllo wörld ✓ 日本語 😀\n" * 20 + TEXT[500:]
+    wide.write_text(text, encoding="utf-8")
+    meta = load_meta(prepare(wide, "char", 0.3, tmp_path / "prep"))
+    split = int(len(text) * 0.7)
+    assert meta["bytes"] == {"train": len(text[:split].encode()), "val": len(text[split:].encode())}
+    assert tokens_per_byte(meta, "train") < 1
+
+    gpt2_or_skip()
+    meta = load_meta(prepare(text_file, "gpt2", 0.1, tmp_path / "prep"))
+    assert meta["tokens"]["val"] < meta["bytes"]["val"] / 3 and tokens_per_byte(meta, "val") < 1 / 3
+    with pytest.raises(ValueError):
+        bits_per_byte(1.0, 10, 0)
+
+
+def test_bytes_of_several_documents_count_their_text(tmp_path):
+    """char: the newline between documents is text (a byte); BPE: the end-of-text token is not."""
+    from data.cache import load_meta
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("Première. " * 30)
+    (docs / "b.txt").write_text("Zweite — " * 30)
+    total = len(("Première. " * 30 + "Zweite — " * 30).encode())
+    char = load_meta(prepare(docs, "char", 0.1, tmp_path / "prep"))
+    bpe = load_meta(prepare(docs, "bpe:300", 0.1, tmp_path / "prep"))
+    assert sum(char["bytes"].values()) == total + 1 and sum(bpe["bytes"].values()) == total

@@ -273,7 +273,7 @@ def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_doe
     from transformers import GPT2LMHeadModel
 
     from data.tokenizers import TiktokenTokenizer
-    tok = TiktokenTokenizer("gpt2")
+    tok = TiktokenTokenizer.named("gpt2")
     prompt = "First Citizen:"
     ids = torch.tensor([tok.encode(prompt)])
     with torch.no_grad():

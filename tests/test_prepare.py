@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import data.prepare as prep
+import data.sources
 from data.loader import BatchLoader
 from data.prepare import DataError, prepare
-from data.prepare_bench import measure
+from benchmarks.prepare import measure
 from data.tokenizers import CharTokenizer, load_tokenizer
 from tests.conftest import ROOT, TEXT
 from tests.test_data import gpt2_or_skip
@@ -26,19 +27,20 @@ def read_split(out, split):
 @pytest.fixture
 def small_reads(monkeypatch):
     """Tiny reads and pieces, so a short text crosses many boundaries (mid-character ones too)."""
-    monkeypatch.setattr(prep, "READ_BYTES", 7)
+    monkeypatch.setattr(data.sources, "READ_BYTES", 7)
     monkeypatch.setattr(prep, "PIECE_CHARS", 97)
 
 
-@pytest.mark.parametrize("tokenizer", ["char", "gpt2"])
+@pytest.mark.parametrize("tokenizer", ["char", "gpt2", "bpe:300"])
 def test_streaming_gives_the_tokens_of_the_whole_text(tmp_path, small_reads, tokenizer):
     text = TEXT[:1200] + TRICKY + TEXT[1200:]
     path = tmp_path / "t.txt"
     path.write_text(text, encoding="utf-8")
-    tok = CharTokenizer.from_text(text) if tokenizer == "char" else gpt2_or_skip()
+    tok = CharTokenizer.from_text(text) if tokenizer == "char" else gpt2_or_skip() if tokenizer == "gpt2" else None
     out = prepare(path, tokenizer, 0.2, tmp_path / "prep")
     split = int(len(text) * 0.8)
     train, meta = read_split(out, "train")
+    tok = tok or load_tokenizer(meta["tokenizer"])   # the trained BPE, applied to the whole text
     assert train == tok.encode(text[:split]) and read_split(out, "val")[0] == tok.encode(text[split:])
     assert meta["split"] == {"val_fraction": 0.2, "train_chars": split, "val_chars": len(text) - split}
 
@@ -114,27 +116,36 @@ def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, c
     assert all(f"{phase}" in err for phase in ("hashing", "scanning", "encoding")) and "MB/s" in err
 
 
+# A child process that prepares as if the machine had 32 cores (32 encoding threads).
+AS_IF_32_CORES = "import sys, data.prepare as p; p.available_cpus = lambda: 32; sys.exit(p.main(sys.argv[1:]))"
+
+
 def test_memory_does_not_grow_with_the_file(tmp_path):
-    """Reading a file whole costs ~10 bytes per character here (the text, then a list of ids); streaming
-    costs the same few MB for 3 MB or 30 MB. Peak memory of a child process (see data/prepare_bench.py)."""
+    """The bound: preparing 30 MB takes less than 40 MB more peak memory than preparing 3 MB, on any
+    number of cores (here as if there were 32). At most IN_FLIGHT_CHARS = 4M characters are being
+    encoded or waiting to be written, in smaller pieces on more cores, at ~8 bytes each (text, code
+    points, ids). Without that cap (2 pieces of 1M characters per core) the growth is ~120 MB here;
+    reading the file whole costs ~10 bytes per character. Peak memory is the child process's (see
+    benchmarks/prepare.py)."""
     line = (TEXT.replace("\n", " ") + "\n").encode()
     peaks = []
     for name, size in (("small", 3_000_000), ("big", 30_000_000)):
         (tmp_path / f"{name}.txt").write_bytes(line * (size // len(line)))
-        peaks.append(measure("-m", "data.prepare", [str(tmp_path / f"{name}.txt"), "--root", str(tmp_path / "p")])[1])
+        peaks.append(measure("-c", AS_IF_32_CORES, [str(tmp_path / f"{name}.txt"), "--root", str(tmp_path / "p")])[1])
     assert len(list((tmp_path / "p").glob("*/meta.json"))) == 2
     assert peaks[1] - peaks[0] < 40, f"peak memory grew from {peaks[0]:.0f} to {peaks[1]:.0f} MB for 27 MB more text"
 
 
-def test_batches_are_read_from_disk_not_memory(tmp_path):
-    """A 2 GB (sparse) token file: a batch costs the batch, not the file."""
-    out = tmp_path / "huge"
-    out.mkdir()
+def test_batches_are_read_from_disk_not_memory(tmp_path, text_file):
+    """2 GB (sparse) token files: a batch costs the batch, not the file."""
+    out = prepare(text_file, "char", 0.1, tmp_path / "prep")
+    meta = json.loads((out / "meta.json").read_text())
     n = 1 << 30
     for split in ("train", "val"):
         with open(out / f"{split}.bin", "wb") as f:
             f.truncate(2 * n)
-    (out / "meta.json").write_text(json.dumps({"dtype": "uint16", "tokens": {"train": n, "val": n}}))
+    meta["tokens"] = {"train": n, "val": n}
+    (out / "meta.json").write_text(json.dumps(meta))
     def rss_mb():
         return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
     before = rss_mb()

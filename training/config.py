@@ -17,27 +17,25 @@ from pathlib import Path
 
 from model.config import ModelConfig
 
-TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-
-
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the offending key or value."""
 
 
 @dataclass
 class DataConfig:
-    path: str = "data/tinyshakespeare.txt"   # the text file to train on
-    url: str = TINYSHAKESPEARE_URL           # where to download `path` from when it is missing ("" = never)
-    tokenizer: str = "char"                  # char | a tiktoken encoding name (gpt2, cl100k_base, ...)
+    path: str = "data/tinyshakespeare.txt"   # the text to train on: a file, a directory or a glob (the default
+                                             # ships with the repo: data/README.md says where it comes from)
+    tokenizer: str = "char"                  # char | bpe:N (N tokens, trained on the data) | a tiktoken name (gpt2, ...)
     val_fraction: float = 0.1                # the last 10% of the text is the validation split
     prepared_dir: str = "data/prepared"      # where prepared token files are cached
     encoding_errors: str = "strict"          # strict | replace: what to do with non-UTF-8 bytes
 
-    def prepare(self) -> Path:
-        """The prepared dataset's directory (preparing the text now unless the cache holds it)."""
+    def prepare(self, block_size: int | None = None) -> Path:
+        """The prepared dataset's directory (preparing the text now unless the cache holds it);
+        block_size: refuse, before anything is cached, a split too short for one training window."""
         from data.prepare import prepare
         return prepare(Path(self.path), self.tokenizer, self.val_fraction, Path(self.prepared_dir),
-                       self.encoding_errors)
+                       self.encoding_errors, block_size=block_size)
 
 
 @dataclass
@@ -243,7 +241,11 @@ def load_toml(path: Path) -> dict:
 
 
 def from_dict(values: dict) -> Config:
-    """A Config from Config.to_dict()'s output (as stored in checkpoints)."""
+    """A Config from Config.to_dict()'s output (as stored in checkpoints). A stored data.url (a
+    download address, in checkpoints of earlier versions) is ignored, so those checkpoints load."""
+    values = dict(values)
+    if isinstance(values.get("data"), dict):
+        values["data"] = {k: v for k, v in values["data"].items() if k != "url"}
     cfg = Config()
     apply_dict(cfg, values)
     return cfg
@@ -275,15 +277,13 @@ def build_config(config_file: str | None, overrides: list[str]) -> Config:
     pairs = parse_overrides(overrides)
     for key, value in pairs:
         set_key(cfg, key, value)
-    keys = {key for key, _ in pairs}
-    if "data.path" in keys and "data.url" not in keys:
-        cfg.data.url = ""   # a file named on the command line is never replaced by a download
     if not cfg.out_dir:   # named after the config file, else the data file (or the folder of a glob)
         named = Path(config_file or cfg.data.path)
         cfg.out_dir = str(Path("out") / (named.parent.name if glob.has_magic(str(named)) else named.stem))
     if cfg.train.init_from:   # the model section comes from the pretrained checkpoint (training/pretrained.py)
         from training.pretrained import resolve_init_from
-        resolve_init_from(cfg, keys | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v})
+        explicit = {key for key, _ in pairs} | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v}
+        resolve_init_from(cfg, explicit)
     cfg.validate()
     return cfg
 

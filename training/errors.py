@@ -4,6 +4,7 @@
          cannot go on (non-finite loss, out of memory, full disk)
     3    out of memory outside the training loop (e.g. sampling)
     130  interrupted (Ctrl-C) outside the training loop, which handles its own signals
+    129, 130, 143  SIGHUP, SIGINT, SIGTERM while data is prepared (nothing of it is kept)
 """
 import sys
 
@@ -30,7 +31,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def run_cli(main, argv: list[str]) -> int:
     """Run main(argv); turn the errors a user can cause into a one-line message and a non-zero exit."""
-    from data.prepare import DataError
+    from data.prepare import DataError, Interrupted
     from data.tokenizers import TokenizerError
     from training.checkpoint import CheckpointError
     from training.config import ConfigError
@@ -40,6 +41,9 @@ def run_cli(main, argv: list[str]) -> int:
     except (ConfigError, DataError, TokenizerError, CheckpointError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:   # a signal during data preparation, which has cleaned up
+        print(f"interrupted: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -85,4 +85,4 @@ def load_pretrained_model(source: str):
     model = GPT(cfg)
     model.load_state_dict(state)
     size = f"{model.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, context {cfg.block_size}"
-    return model.eval(), TiktokenTokenizer("gpt2"), f"{source} (Hugging Face GPT-2, {size})"
+    return model.eval(), TiktokenTokenizer.named("gpt2"), f"{source} (Hugging Face GPT-2, {size})"

@@ -96,7 +96,7 @@ def set_up(cfg: Config, resume: bool, overwrite: bool, quiet: bool) -> tuple[Run
     if t.fsdp and ctx.world > 1 and dtype == torch.float16:
         raise ConfigError("train.fsdp with float16 needs a sharded gradient scaler: use --train.dtype=bfloat16")
 
-    dataset = ctx.local_main_first(cfg.data.prepare)
+    dataset = ctx.local_main_first(lambda: cfg.data.prepare(cfg.model.block_size))
     meta = load_meta(dataset)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = meta["vocab_size"]

@@ -1,7 +1,7 @@
 """How fast, and in how much memory, a large text file is prepared: streaming vs reading it whole.
 
-    python -m data.prepare_bench                     # a 1 GB file in /tmp; char and gpt2
-    python -m data.prepare_bench --mb 200 --plain-mb 50
+    python bench.py prepare                          # a 1 GB file in /tmp; char and gpt2
+    python bench.py prepare --mb 200 --plain-mb 50
 
 Generates a text file of random tinyshakespeare lines (in the temp dir, never in the repo), then
 prepares it with each tokenizer in a child process and reports MB/s and the child's peak resident
@@ -42,7 +42,7 @@ else:
     exec(compile(target, "<code>", "exec"), {"__name__": "__main__"})
 """
 
-# The whole-file approach, as data/prepare.py did before it streamed.
+# The whole-file approach: read the text into one str, encode it to a list, convert.
 _PLAIN = """
 import sys, numpy as np
 from data.tokenizers import build_tokenizer
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=1000, help="size of the large file (streaming only)")
     p.add_argument("--plain-mb", type=int, default=64, help="size of the file both approaches prepare")
-    p.add_argument("--tokenizers", default="char,gpt2")
+    p.add_argument("--tokenizers", default="char,gpt2", help="comma-separated: char, gpt2, bpe:4096, ...")
     p.add_argument("--source", type=Path, default=None, help="text to draw lines from (default: tinyshakespeare)")
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "prepare_bench")
     args = p.parse_args(argv)
@@ -106,7 +106,8 @@ def main(argv: list[str]) -> int:
                 make_text(path, mb, source)
             size = path.stat().st_size / 1e6
             for tok in args.tokenizers.split(","):
-                approaches = ["stream", "plain"] if mb == args.plain_mb else ["stream"]
+                plain = mb == args.plain_mb and not tok.startswith("bpe:")   # a trained BPE exists only streamed
+                approaches = ["stream", "plain"] if plain else ["stream"]
                 for approach in approaches:
                     out = args.dir / f"out_{approach}"
                     shutil.rmtree(out, ignore_errors=True)
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> int:
                         took, peak = measure("-c", _PLAIN, [str(path), tok, str(out)])
                     shutil.rmtree(out, ignore_errors=True)
                     rows.append((size, tok, approach, size / took, peak))
-                    print(f"{size:8.0f} MB  {tok:5s}  {approach:6s}  {size / took:7.1f} MB/s  peak {peak:7.0f} MB", flush=True)
+                    print(f"{size:8.0f} MB  {tok:8s}  {approach:6s}  {size / took:7.1f} MB/s  peak {peak:7.0f} MB", flush=True)
     finally:
         for f in args.dir.glob("text_*mb.txt"):
             f.unlink()
@@ -126,7 +127,7 @@ def main(argv: list[str]) -> int:
         got = {r[2]: r for r in rows if r[1] == tok and round(r[0]) == round(args.plain_mb * 1.0)}
         if "plain" in got and "stream" in got:
             s, pl = got["stream"], got["plain"]
-            print(f"{tok:5s}: speed x{s[3] / pl[3]:.2f}, peak memory x{s[4] / pl[4]:.2f} "
+            print(f"{tok:8s}: speed x{s[3] / pl[3]:.2f}, peak memory x{s[4] / pl[4]:.2f} "
                   f"({s[4]:.0f} MB vs {pl[4]:.0f} MB at {s[0]:.0f} MB of text)")
     print(f"# the plain approach was not run on the {args.mb} MB file: its memory grows with the file "
           f"(char: a Python list of one int per character), more than this machine should risk")

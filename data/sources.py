@@ -1,0 +1,122 @@
+"""The text to prepare: which files a data path names, their sha256, and their text as a stream of
+str chunks that never splits a character. Nothing here holds a whole file in memory."""
+import glob
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+READ_BYTES = 1 << 20        # bytes read at a time
+
+
+class DataError(ValueError):
+    """A data file or setting that cannot be used; the message says which and why."""
+
+
+def special_kind(path: Path) -> str | None:
+    """What path is when it exists but is neither a regular file nor a directory (found with stat,
+    which never opens it, so a FIFO cannot block); None otherwise."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kinds = ((stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISCHR, "character device"),
+             (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
+    return next((name for test, name in kinds if test(mode)), "special file")
+
+
+def find_sources(source) -> list[Path]:
+    """The files a data path names: itself, the regular files under a directory (hidden ones
+    skipped), or a glob's matches; sorted."""
+    source = Path(source)
+    if source.is_file():
+        return [source]
+    if source.is_dir():
+        files = sorted(p for p in source.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(source).parts))
+        if not files:
+            raise DataError(f"no files in the data directory {source}")
+        return files
+    kind = special_kind(source)
+    if kind:
+        raise DataError(f"data path {source} is a {kind}, not a regular file: save the text to a file and pass that")
+    if glob.has_magic(str(source)):
+        files = sorted(Path(p) for p in glob.glob(str(source), recursive=True) if os.path.isfile(p))
+        if not files:
+            raise DataError(f"no files match {source}")
+        return files
+    raise DataError(f"data file not found: {source}")
+
+
+def _open(path: Path):
+    try:
+        return open(path, "rb")
+    except OSError as e:   # removed or made unreadable since it was found
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def sources_sha256(files: list[Path], progress=None) -> str:
+    """A single file's sha256; for several, the sha256 of their names and contents in order, so
+    renaming or reordering files makes a new dataset."""
+    shas = []
+    for path in files:
+        h = hashlib.sha256()
+        with _open(path) as f:
+            for chunk in iter(lambda: f.read(READ_BYTES), b""):
+                h.update(chunk)
+                progress and progress.advance(len(chunk))
+        shas.append(h.hexdigest())
+    if len(files) == 1:
+        return shas[0]
+    base = os.path.commonpath([str(p.resolve()) for p in files])
+    listing = "".join(f"{os.path.relpath(p.resolve(), base)}\0{sha}\n" for p, sha in zip(files, shas))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _utf8_cut(buf: bytes) -> int:
+    """The length of buf without a UTF-8 sequence cut off at its end (carried over to the next read)."""
+    n = len(buf)
+    i = n - 1
+    while i >= 0 and n - i <= 4 and buf[i] & 0xC0 == 0x80:   # continuation bytes 10xxxxxx
+        i -= 1
+    if i < 0 or n - i > 4:
+        return n
+    lead = buf[i]
+    need = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+    return i if n - i < need else n
+
+
+def iter_text(path: Path, errors: str = "strict", progress=None):
+    """The file as str chunks of about READ_BYTES bytes each, never splitting a character.
+    A non-UTF-8 byte is a DataError naming its offset in the file (or U+FFFD with errors='replace')."""
+    offset, carry = 0, b""
+    with _open(path) as f:
+        while True:
+            raw = f.read(READ_BYTES)
+            buf = carry + raw
+            cut = _utf8_cut(buf) if raw else len(buf)
+            buf, carry = buf[:cut], buf[cut:]
+            if not raw and not buf:
+                return
+            try:
+                yield buf.decode("utf-8", errors=errors)
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path} is not UTF-8: byte 0x{buf[e.start]:02x} at offset {offset + e.start}; "
+                                f"set --data.encoding_errors=replace to replace such bytes") from None
+            offset += len(buf)
+            progress and progress.advance(len(buf))
+
+
+def read_text(path: Path, errors: str = "strict") -> str:
+    """A whole (small) file as text, with the same checks as preparing: missing, not a regular
+    file, empty, not UTF-8."""
+    path = Path(path)
+    if not path.is_file():
+        kind = "directory" if path.is_dir() else special_kind(path)
+        raise DataError(f"data path {path} is a {kind}, not a regular file" if kind else f"data file not found: {path}")
+    text = "".join(iter_text(path, errors))
+    if not text.strip():
+        raise DataError(f"data file is empty: {path}")
+    return text
