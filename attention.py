@@ -118,8 +118,8 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
     n, T = len(heads), weights.shape[-1]
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
-    size = min(7.0, max(2.5, 0.11 * T))                                  # inches per panel
-    font = min(8.0, max(3.0, 0.6 * size * 72 / T))                      # a label per token must fit
+    size = min(8.0, max(2.5, 0.13 * T))                                  # inches per panel
+    font = min(9.0, max(3.0, 0.7 * size * 72 / T))                      # points: a label per token must fit
     fig, axes = plt.subplots(rows, cols, figsize=(cols * size + 1.2, rows * size + 0.6), dpi=dpi,
                              squeeze=False, layout="constrained")
     signed = bool((weights < 0).any())
@@ -138,7 +138,8 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
         ax.set_ylabel("query: the token attending", fontsize=8)
     for ax in axes.flat[n:]:
         fig.delaxes(ax)
-    fig.colorbar(image, ax=axes.flat[:n], shrink=0.6, label="weight" + (" (not a distribution: signed)" if signed else ""))
+    label = "weight (signed: not a distribution)" if signed else "weight (square-root scale)"
+    fig.colorbar(image, ax=axes.flat[:n], shrink=0.6, label=label)
     fig.suptitle(title, fontsize=11)
     return fig
 

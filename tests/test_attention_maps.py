@@ -160,6 +160,17 @@ def test_a_layer_figure_has_a_labelled_panel_per_head():
     assert [t.get_text() for t in panels[0].get_yticklabels()] == labels
 
 
+def test_bpe_tokens_are_labelled_with_their_text_and_visible_whitespace():
+    from attention import token_texts, visible
+    from data.tokenizers import TokenizerError, build_tokenizer
+    try:
+        tokenizer = build_tokenizer("gpt2")
+    except TokenizerError as e:
+        pytest.skip(f"gpt2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {e}")
+    texts = token_texts(tokenizer, tokenizer.encode("To be\nor not"))
+    assert [visible(t) for t in texts] == ["To", "␣be", "⏎", "or", "␣not"]
+
+
 def test_the_command_writes_a_png_per_layer_and_a_summary(run_dir, tmp_path):
     import matplotlib.image
     out = tmp_path / "maps"
