@@ -8,8 +8,8 @@ writes, into --out (default: <run dir>/attention/),
                              at, the colour the weight a_ij; the prompt's tokens label both axes
                              (spaces as ␣, newlines as ⏎)
     attention_summary.png    per head: the share of attention on the previous token, the first token,
-                             itself, the same column one line up (character models), and the mean
-                             distance looked back, in tokens
+                             itself, the newline that began its line, the same column one line up
+                             (character models), and the mean distance looked back, in tokens
 and prints their paths. The weights are the model's own, by its variant's math (model/inspect.py).
 A prompt longer than the model's block_size is cut to its last block_size tokens.
 """
@@ -21,7 +21,8 @@ from pathlib import Path
 from training.errors import run_cli
 
 VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
-SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself", "line_up": "one line\nup"}
+SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself",
+               "newline": "newline that\nbegan its line", "line_up": "same column\none line up"}
 
 
 def parse_args(argv):
@@ -210,7 +211,7 @@ def main(argv) -> int:
         written.append(out_dir / "attention_summary.png")
         fig.savefig(written[-1])
         plt.close(fig)
-        for name in ("previous", "first", "self", "line_up"):
+        for name in SCORE_NAMES:
             if not np.isnan(merged[name]).all():
                 best = int(np.nanargmax(merged[name]))
                 print(f"# most on {SCORE_NAMES[name].replace(chr(10), ' ')}: {rows[best]} ({merged[name][best]:.2f})",

@@ -16,13 +16,14 @@ head_scores(weights, texts) summarizes each head by the share of its attention t
     previous   the token just before it (i - 1)
     first      the first token of the prompt
     self       itself (the diagonal)
+    newline    the newline that began its line (the last token before it holding a newline)
     line_up    the character in the same column one line up (character models only; NaN otherwise)
 and by its mean distance Σ_j a_ij (i - j) in tokens: small for local heads, large for far-looking ones.
 Each is averaged over the queries from the second token on (the first can only look at itself).
 """
 import torch
 
-SCORES = ("previous", "first", "self", "line_up")   # shares of attention, in [0, 1] for softmax heads
+SCORES = ("previous", "first", "self", "newline", "line_up")   # shares of attention, in [0, 1] for softmax heads
 
 
 @torch.no_grad()
@@ -55,6 +56,25 @@ def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
     return logits, layers
 
 
+def newline_positions(texts: list[str]) -> torch.Tensor:
+    """(T,) for each position, the last earlier position whose token holds a newline, or -1."""
+    found, last = [], -1
+    for i, text in enumerate(texts):
+        found.append(last)
+        if "\n" in text:
+            last = i
+    return torch.tensor(found, dtype=torch.long)
+
+
+def share_on(w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """w (nh, T, T), targets (T,) a key position per query or -1 -> (nh,) the mean weight on the
+    target over the queries that have one (NaN if none has)."""
+    rows = (targets >= 0).nonzero().squeeze(1)
+    if len(rows) == 0:
+        return torch.full((w.size(0),), float("nan"))
+    return w[:, rows, targets[rows]].mean(-1)
+
+
 def line_up_positions(texts: list[str]) -> torch.Tensor:
     """(T,) for each position, the position of the character in the same column on the line above,
     or -1 where there is none (the first line, a shorter line above). texts: one character each."""
@@ -69,17 +89,15 @@ def line_up_positions(texts: list[str]) -> torch.Tensor:
 
 def head_scores(weights: torch.Tensor, texts: list[str] | None = None) -> dict[str, torch.Tensor]:
     """weights (nh, T, T) of one layer -> {score name: (nh,)}: SCORES and "distance" (see the top).
-    line_up is computed when texts are given and every token is one character, else NaN."""
+    newline needs the tokens' texts, line_up texts of one character each; they are NaN otherwise."""
     nh, T, _ = weights.shape
     w = weights.float()
     i = torch.arange(1, T)                                                # the queries that have a past
     scores = {"previous": w[:, i, i - 1].mean(-1), "first": w[:, i, 0].mean(-1), "self": w[:, i, i].mean(-1)}
-    scores["line_up"] = torch.full((nh,), float("nan"))
-    if texts is not None and all(len(t) == 1 for t in texts):
-        up = line_up_positions(texts)
-        rows = (up >= 0).nonzero().squeeze(1)
-        if len(rows):
-            scores["line_up"] = w[:, rows, up[rows]].mean(-1)
+    none = torch.full((T,), -1)
+    scores["newline"] = share_on(w, newline_positions(texts) if texts is not None else none)
+    one_char = texts is not None and all(len(t) == 1 for t in texts)
+    scores["line_up"] = share_on(w, line_up_positions(texts) if one_char else none)
     distance = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp_min(0).float()   # (T, T) i - j
     scores["distance"] = (w * distance).sum(-1)[:, 1:].mean(-1)
     return scores

@@ -10,7 +10,7 @@ from model.attention import MultiHeadLatentAttention, build_attention
 from model.attention.core import causal_mask, merge_heads, split_heads
 from model.config import ModelConfig
 from model.gpt import GPT
-from model.inspect import attention_maps, head_scores, line_up_positions
+from model.inspect import attention_maps, head_scores, line_up_positions, newline_positions
 from model.positions import rope_tables
 
 from tests.conftest import ROOT
@@ -112,7 +112,15 @@ def test_head_scores_name_the_patterns():
     torch.testing.assert_close(scores["first"], torch.tensor([0.2, 1.0, 0.0]))
     torch.testing.assert_close(scores["self"], torch.tensor([0.0, 0.0, 1.0]))
     torch.testing.assert_close(scores["distance"], torch.tensor([1.0, 3.0, 0.0]))   # (1+2+3+4+5) / 5
-    assert scores["line_up"].isnan().all(), "no texts: no columns"
+    assert scores["line_up"].isnan().all() and scores["newline"].isnan().all(), "no texts: no lines"
+
+
+def test_the_newline_score_is_the_attention_on_the_newline_that_began_the_line():
+    texts = ["To", " be", "\n", "or", " not", ".\n", "That"]
+    assert newline_positions(texts).tolist() == [-1, -1, -1, 2, 2, 2, 5]
+    weights = torch.eye(7)[None].clone()
+    weights[0, 4] = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.5, 0.0, 0.0])
+    assert head_scores(weights, texts)["newline"].item() == pytest.approx(0.5 / 4)
 
 
 def test_one_line_up_is_the_same_column_of_the_line_above():
