@@ -39,10 +39,15 @@ def test_attention_rows_are_distributions_with_zeros_above_the_diagonal():
     torch.testing.assert_close(weights.sum(-1), torch.ones(3, 4, 10), atol=1e-6, rtol=0)
 
 
-def test_sdpa_does_not_claim_to_return_weights():
-    attn = CausalSelfAttention(ModelConfig(n_embd=32, n_head=4, attention="sdpa"))
-    with pytest.raises(ValueError, match="naive"):
-        attn(torch.randn(1, 4, 32), return_weights=True)
+def test_sdpa_asked_for_weights_takes_the_explicit_path():
+    torch.manual_seed(0)
+    naive = CausalSelfAttention(ModelConfig(n_embd=32, n_head=4, attention="naive")).eval()
+    sdpa = CausalSelfAttention(ModelConfig(n_embd=32, n_head=4, attention="sdpa")).eval()
+    sdpa.load_state_dict(naive.state_dict())
+    x = torch.randn(2, 6, 32)
+    out, weights = sdpa(x, return_weights=True)
+    torch.testing.assert_close(weights, naive(x, return_weights=True)[1], atol=0, rtol=0)
+    torch.testing.assert_close(out, sdpa(x), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("pos", ["learned", "rope", "alibi", "none"])

@@ -15,6 +15,9 @@ Every variant is an nn.Module with one interface, which the GPT and the sampler 
     cache_size(seq_len) -> int                  numbers the cache holds for one sequence of seq_len
                                                 tokens (the KV-cache column of an ablation)
 
+forward(x, rope, return_weights=True) also returns the (B, nh, T, T) attention weights, computed by
+the variant's own math (sdpa through the explicit path): what model/inspect.py collects.
+
 The shared math (mask, naive and fused attention, the KV cache) is in core.py; positions in
 model/positions.py.
 """

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention.core import merge_heads, split_heads
+from model.attention.core import causal_mask, merge_heads, split_heads
 from model.config import ModelConfig
 from model.positions import apply_rotary_emb
 
@@ -61,6 +61,20 @@ def recurrent_linear_attention(q, k, v, state=None):
     return torch.stack(outs, dim=2), S
 
 
+def linear_attention_weights(q, k, q_num, k_num):
+    """The weight each value gets, written out as a (B, nh, T, T) matrix (for attention maps):
+
+        a_ij = q_num_i·k_num_j / Σ_{j'≤i} q_i·k_j'   for j ≤ i, 0 for j > i,   so that out_i = Σ_j a_ij v_j
+
+    q, k are the features φ(q), φ(k); q_num, k_num the same rotated by rope (or the same tensors).
+    Without rope each row is a distribution over the past. With rope the numerator is rotated and the
+    denominator is not: rows need not sum to 1 and a weight can be negative."""
+    future = ~causal_mask(q.size(2), k.size(2), q.device)
+    num = (q_num @ k_num.transpose(-2, -1)).masked_fill(future, 0.0)                # (B, nh, T, T)
+    den = (q @ k.transpose(-2, -1)).masked_fill(future, 0.0).sum(-1, keepdim=True)  # (B, nh, T, 1)
+    return num / den.clamp_min(1e-6)
+
+
 class LinearState:
     """One layer's recurrent state: S (B, nh, hs, hs) for the numerator, z (B, nh, hs, 1) for the
     denominator. Its size does not depend on max_len."""
@@ -89,7 +103,11 @@ class LinearAttention(nn.Module):
     def cache_size(self, seq_len: int) -> int:
         return self.n_head * (self.head_dim * self.head_dim + self.head_dim)
 
-    def forward(self, x, rope=None, cache: LinearState | None = None):
+    def forward(self, x, rope=None, cache: LinearState | None = None, return_weights: bool = False):
+        """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T) weights of
+        linear_attention_weights (a whole sequence: a cache keeps no past keys to weigh)."""
+        if return_weights and cache is not None:
+            raise ValueError("linear attention's weights need the whole sequence, not a cache")
         B, T, C = x.shape
         q, k, v = (split_heads(proj(x), self.n_head) for proj in (self.query, self.key, self.value))   # (B, nh, T, hs)
         if self.qk_norm:
@@ -108,4 +126,5 @@ class LinearAttention(nn.Module):
             cache.S, cache.z = S, z
         out = num / den.clamp_min(1e-6)
         out = merge_heads(out)                                           # (B, T, C): concatenate the heads
-        return self.resid_dropout(self.proj(out))
+        out = self.resid_dropout(self.proj(out))
+        return (out, linear_attention_weights(q, k, q_num, k_num)) if return_weights else out

@@ -16,8 +16,10 @@ hs. Dividing by √hs keeps the scores at unit scale, so the softmax does not sa
 (whose gradients vanish) as heads get wider. `model.attn_scale = false` drops it, to test that claim.
 
 Two implementations of the same math, chosen by `model.attention`:
-  naive  the explicit steps above, materializing the (T, T) weights; can return them for inspection.
+  naive  the explicit steps above, materializing the (T, T) weights.
   sdpa   torch's fused scaled_dot_product_attention (flash / memory-efficient kernels where present).
+With return_weights=True either one takes the explicit path and also returns the weights (for
+attention maps, model/inspect.py); training never asks for them, so it pays nothing.
 Cost: O(T²·C) time per sequence; the KV cache holds 2·C numbers per token per layer.
 
 This class is also the base of `gqa` (fewer key/value heads) and `sliding_window` (a local mask):
@@ -61,7 +63,8 @@ class CausalSelfAttention(nn.Module):
         return 2 * self.n_kv_head * self.head_dim * seq_len
 
     def forward(self, x, rope=None, cache: KVCache | None = None, return_weights: bool = False):
-        """x (B, T, C) -> (B, T, C); with return_weights (naive only) also the (B, nh, T, T) weights."""
+        """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T_all) weights (GQA: each
+        query head's; sliding window: zero outside the window), computed by the explicit path."""
         q = split_heads(self.query(x), self.n_head)                      # (B, nh, T, hs)
         k = split_heads(self.key(x), self.n_kv_head)                     # (B, nkv, T, hs)
         v = split_heads(self.value(x), self.n_kv_head)
@@ -76,11 +79,9 @@ class CausalSelfAttention(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
         p = self.dropout_p if self.training else 0.0
-        if self.impl == "naive":
+        if self.impl == "naive" or return_weights:
             out, weights = naive_attention(q, k, v, self.scale, p, self.window, self.alibi_slopes)
         else:
-            if return_weights:
-                raise ValueError("attention weights are only materialized by model.attention='naive'")
             out = sdpa_attention(q, k, v, self.scale, p, self.window, self.alibi_slopes)
 
         out = merge_heads(out)                                           # (B, T, C): concatenate the heads

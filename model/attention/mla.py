@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention.core import merge_heads, sdpa_attention, split_heads
+from model.attention.core import merge_heads, naive_attention, sdpa_attention, split_heads
 from model.config import ModelConfig
 from model.positions import alibi_slopes, apply_rotary_emb
 
@@ -74,7 +74,9 @@ class MultiHeadLatentAttention(nn.Module):
     def cache_size(self, seq_len: int) -> int:
         return (self.latent_dim + (self.head_dim if self.rope else 0)) * seq_len
 
-    def forward(self, x, rope=None, cache: LatentCache | None = None):
+    def forward(self, x, rope=None, cache: LatentCache | None = None, return_weights: bool = False):
+        """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T_all) weights by the explicit
+        path: the softmax of the up-projected keys' scores (plus q_rope·k_rope with rope), scaled as here."""
         norm = (lambda t: F.rms_norm(t, (self.head_dim,))) if self.qk_norm else (lambda t: t)
         q = norm(split_heads(self.query(x), self.n_head))                # (B, nh, T, hs)
         c = self.kv_norm(self.kv_down(x))                                # (B, T, d_c)
@@ -91,6 +93,10 @@ class MultiHeadLatentAttention(nn.Module):
             k = torch.cat([k, k_rope.expand(-1, self.n_head, -1, -1)], dim=-1)
 
         p = self.dropout_p if self.training else 0.0
-        out = sdpa_attention(q, k, v, self.scale, p, slopes=self.alibi_slopes)   # (B, nh, T, hs)
+        if return_weights:
+            out, weights = naive_attention(q, k, v, self.scale, p, slopes=self.alibi_slopes)
+        else:
+            out = sdpa_attention(q, k, v, self.scale, p, slopes=self.alibi_slopes)   # (B, nh, T, hs)
         out = merge_heads(out)                                           # (B, T, C): concatenate the heads
-        return self.resid_dropout(self.proj(out))
+        out = self.resid_dropout(self.proj(out))
+        return (out, weights) if return_weights else out

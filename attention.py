@@ -1,0 +1,225 @@
+"""Draw what a trained GPT attends to: every layer x head for a prompt, and which heads do what.
+
+    python attention.py out/shakespeare_char_cpu --prompt $'ROMEO:\\nBut soft, what light?\\n'
+    python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 --out maps/
+
+writes, into --out (default: <run dir>/attention/),
+    attention_layer<i>.png   one panel per head: row i is query token i, column j the token it looks
+                             at, the colour the weight a_ij; the prompt's tokens label both axes
+                             (spaces as ␣, newlines as ⏎)
+    attention_summary.png    per head: the share of attention on the previous token, the first token,
+                             itself, the newline that began its line, the same column one line up
+                             (character models), and the mean distance looked back, in tokens
+and prints their paths. The weights are the model's own, by its variant's math (model/inspect.py).
+A prompt longer than the model's block_size is cut to its last block_size tokens.
+"""
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from training.errors import run_cli
+
+VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
+SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself",
+               "newline": "newline that\nbegan its line", "line_up": "same column\none line up"}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
+    p.error = lambda message: sys.exit(print(f"error: {message} (see --help)", file=sys.stderr) or 2)   # one line
+    p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
+    p.add_argument("--prompt", required=True, help="the text to look at, or @FILE to read it from a file")
+    p.add_argument("--out", default="", help="folder for the PNGs (default: <run dir>/attention/)")
+    p.add_argument("--layers", default="", help="comma-separated layer numbers from 0 (default: all)")
+    p.add_argument("--heads", default="", help="comma-separated head numbers from 0 (default: all)")
+    p.add_argument("--no-summary", action="store_true", help="skip attention_summary.png")
+    p.add_argument("--dpi", type=int, default=100)
+    return p.parse_args(argv)
+
+
+def load_run(checkpoint: str):
+    """(model in eval mode on the CPU, tokenizer, checkpoint path) of a checkpoint file or run dir."""
+    from data.tokenizers import TokenizerError, load_tokenizer
+    from model.gpt import GPT
+    from training.checkpoint import CheckpointError, clean_state_dict, load_checkpoint, resolve_path
+    from training.config import ConfigError, from_dict
+
+    path = resolve_path(Path(checkpoint))
+    ckpt = load_checkpoint(path)
+    try:
+        cfg = from_dict(ckpt["config"])
+        tokenizer = load_tokenizer(ckpt["tokenizer"])
+        model = GPT(cfg.model)
+        model.load_state_dict(clean_state_dict(ckpt["model"]))
+    except (ConfigError, TokenizerError, ValueError, RuntimeError) as e:   # a config or weights that do not fit
+        raise CheckpointError(f"{path} does not hold a usable model: {str(e).strip().splitlines()[0][:160]}") from None
+    return model.eval(), tokenizer, path
+
+
+def read_prompt(prompt: str) -> str:
+    from training.config import ConfigError
+    if not prompt.startswith("@"):
+        return prompt
+    try:
+        return Path(prompt[1:]).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the prompt file {prompt[1:]}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def encode_prompt(tokenizer, text: str, block_size: int) -> list[int]:
+    """The prompt's token ids, at most the last block_size of them (with a notice on stderr)."""
+    from data.tokenizers import TokenizerError
+    from training.config import ConfigError
+    try:
+        ids = tokenizer.encode(text)
+    except TokenizerError as e:
+        raise TokenizerError(f"the prompt has {e}") from None
+    if len(ids) < 2:
+        raise ConfigError(f"the prompt has {len(ids)} token(s): attention needs at least 2 to show anything")
+    if len(ids) > block_size:
+        print(f"note: the prompt has {len(ids)} tokens, the model sees at most {block_size}: "
+              f"drawing the last {block_size}", file=sys.stderr)
+        ids = ids[-block_size:]
+    return ids
+
+
+def pick(spec: str, n: int, option: str) -> list[int]:
+    """'0,2' -> [0, 2], each in range(n); '' -> all of range(n)."""
+    from training.config import ConfigError
+    if not spec:
+        return list(range(n))
+    try:
+        chosen = [int(s) for s in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"{option} takes comma-separated numbers, got {spec!r}") from None
+    bad = [i for i in chosen if not 0 <= i < n]
+    if bad:
+        raise ConfigError(f"{option}: {bad[0]} is out of range, the model has {n} (0 to {n - 1})")
+    return chosen
+
+
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's own text (a BPE token that is part of a character shows as �)."""
+    return [tokenizer.decode_bytes([i]).decode("utf-8", errors="replace") for i in ids]
+
+
+def visible(text: str) -> str:
+    """A label that shows whitespace: 'to be' -> 'to␣be', '\\n' -> '⏎'."""
+    return "".join(VISIBLE.get(ch, ch) for ch in text)
+
+
+def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: int = 100):
+    """weights (len(heads), T, T) as a numpy array -> a Figure with one heatmap panel per head (and a
+    colour bar). Softmax weights are drawn on [0, 1] with a square-root scale, so that a weight of
+    0.05 is still visible; signed weights (linear attention with rope) on a diverging scale around 0."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import Normalize, PowerNorm
+
+    n, T = len(heads), weights.shape[-1]
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    size = min(8.0, max(2.5, 0.13 * T))                                  # inches per panel
+    font = min(9.0, max(3.0, 0.7 * size * 72 / T))                      # points: a label per token must fit
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * size + 1.2, rows * size + 0.6), dpi=dpi,
+                             squeeze=False, layout="constrained")
+    signed = bool((weights < 0).any())
+    if signed:
+        m = float(abs(weights).max())
+        norm, cmap = Normalize(-m, m), "RdBu_r"
+    else:
+        norm, cmap = PowerNorm(0.5, vmin=0.0, vmax=max(1.0, float(weights.max()))), "Blues"
+    for ax, h, w in zip(axes.flat, heads, weights):
+        image = ax.imshow(w, cmap=cmap, norm=norm, interpolation="nearest")
+        ax.set_title(f"head {h}", fontsize=10)
+        ax.set_xticks(range(T), labels, fontsize=font, rotation=90)
+        ax.set_yticks(range(T), labels, fontsize=font)
+        ax.tick_params(length=0, pad=1)
+        ax.set_xlabel("key: the token attended to", fontsize=8)
+        ax.set_ylabel("query: the token attending", fontsize=8)
+    for ax in axes.flat[n:]:
+        fig.delaxes(ax)
+    label = "weight (signed: not a distribution)" if signed else "weight (square-root scale)"
+    fig.colorbar(image, ax=axes.flat[:n], shrink=0.6, label=label)
+    fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
+    """rows: a name per head ('layer 0 head 1'); scores: {name: (len(rows),) numpy} from
+    model.inspect.head_scores -> a Figure of two annotated heatmaps, shares and mean distance."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
+    shares = np.stack([scores[s] for s in names], axis=1)                # (heads, patterns)
+    distance = scores["distance"][:, None]                               # (heads, 1)
+    height = 1.2 + 0.28 * len(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(2.2 + 1.0 * len(names) + 1.6, height), dpi=dpi,
+                                      width_ratios=[len(names), 1.3], layout="constrained")
+    panels = ((left, shares, [SCORE_NAMES[s] for s in names], "Blues", (0.0, 1.0), "{:.2f}"),
+              (right, distance, ["mean\ndistance"], "Oranges", (0.0, max(1.0, float(np.nanmax(distance)))), "{:.1f}"))
+    for ax, values, columns, cmap, (lo, hi), fmt in panels:
+        ax.imshow(values, cmap=cmap, vmin=lo, vmax=hi, aspect="auto", interpolation="nearest")
+        ax.set_xticks(range(len(columns)), columns, fontsize=8)
+        ax.xaxis.tick_top()
+        ax.set_yticks(range(len(rows)), rows if ax is left else [], fontsize=8)
+        ax.tick_params(length=0)
+        for (r, c), v in np.ndenumerate(values):
+            dark = (v - lo) / (hi - lo) > 0.6
+            ax.text(c, r, fmt.format(v), ha="center", va="center", fontsize=7, color="white" if dark else "black")
+    left.set_title("share of each head's attention on ...", fontsize=9)
+    right.set_title("tokens back", fontsize=9)
+    return fig
+
+
+def main(argv) -> int:
+    args = parse_args(argv)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import torch
+
+    from model.inspect import attention_maps, head_scores
+
+    model, tokenizer, path = load_run(args.checkpoint)
+    cfg = model.cfg
+    ids = encode_prompt(tokenizer, read_prompt(args.prompt), cfg.block_size)
+    layers, heads = pick(args.layers, cfg.n_layer, "--layers"), pick(args.heads, cfg.n_head, "--heads")
+    out_dir = Path(args.out) if args.out else path.parent / "attention"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    _, maps = attention_maps(model, torch.tensor([ids]))
+    texts = token_texts(tokenizer, ids)
+    labels = [visible(t) for t in texts]
+    kind = f"{cfg.attention}, pos={cfg.pos}"
+    written, rows, scores = [], [], []
+    for layer in layers:
+        weights = maps[layer][0, heads].numpy()                          # (heads, T, T)
+        fig = plot_layer(weights, labels, heads, f"layer {layer} ({kind}): row = query token, "
+                         f"column = the token it attends to", args.dpi)
+        written.append(out_dir / f"attention_layer{layer}.png")
+        fig.savefig(written[-1])
+        plt.close(fig)
+        layer_scores = head_scores(maps[layer][0, heads], texts)
+        rows += [f"layer {layer} head {h}" for h in heads]
+        scores.append({name: s.numpy() for name, s in layer_scores.items()})
+    if not args.no_summary:
+        merged = {name: np.concatenate([s[name] for s in scores]) for name in scores[0]}
+        fig = plot_summary(rows, merged, args.dpi)
+        written.append(out_dir / "attention_summary.png")
+        fig.savefig(written[-1])
+        plt.close(fig)
+        for name in SCORE_NAMES:
+            if not np.isnan(merged[name]).all():
+                best = int(np.nanargmax(merged[name]))
+                print(f"# most on {SCORE_NAMES[name].replace(chr(10), ' ')}: {rows[best]} ({merged[name][best]:.2f})",
+                      file=sys.stderr)
+    for p in written:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, sys.argv[1:]))
