@@ -38,35 +38,6 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def load_run(checkpoint: str):
-    """(model in eval mode on the CPU, tokenizer, checkpoint path) of a checkpoint file or run dir."""
-    from data.tokenizers import TokenizerError, load_tokenizer
-    from model.gpt import GPT
-    from training.checkpoint import CheckpointError, clean_state_dict, load_checkpoint, resolve_path
-    from training.config import ConfigError, from_dict
-
-    path = resolve_path(Path(checkpoint))
-    ckpt = load_checkpoint(path)
-    try:
-        cfg = from_dict(ckpt["config"])
-        tokenizer = load_tokenizer(ckpt["tokenizer"])
-        model = GPT(cfg.model)
-        model.load_state_dict(clean_state_dict(ckpt["model"]))
-    except (ConfigError, TokenizerError, ValueError, RuntimeError) as e:   # a config or weights that do not fit
-        raise CheckpointError(f"{path} does not hold a usable model: {str(e).strip().splitlines()[0][:160]}") from None
-    return model.eval(), tokenizer, path
-
-
-def read_prompt(prompt: str) -> str:
-    from training.config import ConfigError
-    if not prompt.startswith("@"):
-        return prompt
-    try:
-        return Path(prompt[1:]).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read the prompt file {prompt[1:]}: {getattr(e, 'strerror', None) or e}") from None
-
-
 def encode_prompt(tokenizer, text: str, block_size: int) -> list[int]:
     """The prompt's token ids, at most the last block_size of them (with a notice on stderr)."""
     from data.tokenizers import TokenizerError
@@ -183,7 +154,11 @@ def main(argv) -> int:
 
     from model.inspect import attention_maps, head_scores
 
-    model, tokenizer, path = load_run(args.checkpoint)
+    from data.sources import read_prompt
+    from training.checkpoint import load_model
+
+    loaded = load_model(args.checkpoint)
+    model, tokenizer, path = loaded.model, loaded.tokenizer, Path(loaded.path)
     cfg = model.cfg
     ids = encode_prompt(tokenizer, read_prompt(args.prompt), cfg.block_size)
     layers, heads = pick(args.layers, cfg.n_layer, "--layers"), pick(args.heads, cfg.n_head, "--heads")

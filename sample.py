@@ -14,8 +14,6 @@ from pathlib import Path
 
 from training.errors import run_cli
 
-PROMPT_FILE_MAX = 1 << 20
-
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Sample from a trained GPT checkpoint.")
@@ -44,31 +42,11 @@ def parse_args(argv):
     return args
 
 
-def read_prompt(prompt: str) -> str:
-    """The prompt text: itself, or @FILE's contents (at most PROMPT_FILE_MAX bytes, UTF-8)."""
-    from training.config import ConfigError
-    if not prompt.startswith("@"):
-        return prompt
-    path = Path(prompt[1:])
-    try:
-        with open(path, "rb") as f:
-            data = f.read(PROMPT_FILE_MAX + 1)
-        if len(data) > PROMPT_FILE_MAX:
-            raise ConfigError(f"the prompt file {path} is larger than {PROMPT_FILE_MAX // 2**20} MB "
-                              f"(the model sees only its last block_size tokens anyway)")
-        return data.decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"prompt file not found: {path}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"the prompt file {path} is not UTF-8 (byte offset {e.start})") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
-
-
 def main(argv) -> int:
     args = parse_args(argv)
     import torch
 
+    from data.sources import read_prompt
     from data.tokenizers import TokenizerError
     from model.sampling import generate
     from training.checkpoint import load_model

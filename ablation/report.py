@@ -35,6 +35,7 @@ def read_run(run) -> dict:
         "steps": [r["step"] for r in evals], "val": [r["val_loss"] for r in evals],
         "elapsed": [r.get("elapsed_s", math.nan) for r in evals],
         "final_val": evals[-1]["val_loss"] if evals else math.nan,
+        "final_bpb": evals[-1].get("val_bpb", math.nan) if evals else math.nan,
         "best_val": min((r["val_loss"] for r in evals), default=math.nan),
         "tokens_per_s": statistics.median(speeds) if speeds else math.nan,
         "wall_s": evals[-1].get("elapsed_s", math.nan) if evals else math.nan,
@@ -59,7 +60,7 @@ def summarize(sweep: Sweep, runs: list[dict]) -> list[dict]:
         row = {"variant": name, "changes": " ".join(f"{k}={v}" for k, v in flat(overrides).items()) or "(baseline)",
                "seeds_done": len(done), "seeds": len(sweep.seeds),
                "params": done[0]["params"] if done else None}
-        for key in ("final_val", "best_val", "tokens_per_s", "wall_s", "peak_mem_bytes", "kv_bytes_per_token"):
+        for key in ("final_val", "final_bpb", "best_val", "tokens_per_s", "wall_s", "peak_mem_bytes", "kv_bytes_per_token"):
             row[key], row[key + "_std"] = mean_std([r[key] for r in done])
         row["peak_mem_kind"] = done[0]["peak_mem_kind"] if done else ""
         row["_final"] = [r["final_val"] for r in done]
@@ -81,7 +82,7 @@ def summarize(sweep: Sweep, runs: list[dict]) -> list[dict]:
     return rows
 
 
-CSV_COLUMNS = ["variant", "changes", "seeds_done", "seeds", "params", "final_val", "final_val_std", "best_val",
+CSV_COLUMNS = ["variant", "changes", "seeds_done", "seeds", "params", "final_val", "final_val_std", "final_bpb", "best_val",
                "best_val_std", "delta", "noise_se", "beyond_noise", "tokens_per_s", "wall_s", "peak_mem_bytes",
                "peak_mem_kind", "kv_bytes_per_token"]
 
@@ -96,7 +97,7 @@ def write_csv(rows: list[dict], runs: list[dict], out: Path) -> None:
         w.writeheader()
         w.writerows(rounded(r) for r in rows)
     with open(out / "runs.csv", "w", newline="") as f:
-        cols = ["variant", "seed", "done", "final_val", "best_val", "tokens_per_s", "wall_s", "params",
+        cols = ["variant", "seed", "done", "final_val", "final_bpb", "best_val", "tokens_per_s", "wall_s", "params",
                 "peak_mem_bytes", "kv_bytes_per_token"]
         w = csv.DictWriter(f, cols, extrasaction="ignore")
         w.writeheader()
@@ -121,22 +122,24 @@ def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:
         f"{t.max_steps} steps of {t.batch_size * t.grad_accum} x {base_cfg.model.block_size} tokens "
         f"({tokens:,} tokens per run), val loss on the same {t.eval_iters} batches every {t.eval_interval} steps. "
         f"Machine: {machine()}. Written {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}.", "",
-        f"| variant | changes | params | final val loss | best val loss | Δ final vs {rows[0]['variant']} | beyond noise? "
-        f"| tokens/s | wall s | peak mem MB | KV cache B/token |",
-        "| --- | --- | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: |",
+        f"| variant | changes | params | final val loss | val bits/byte | best val loss | Δ final vs {rows[0]['variant']} "
+        f"| beyond noise? | tokens/s | wall s | peak mem MB | KV cache B/token |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         status = "" if r["seeds_done"] == r["seeds"] else f" ({r['seeds_done']}/{r['seeds']} seeds done)"
         mem = r["peak_mem_bytes"] / 2**20 if r["peak_mem_bytes"] == r["peak_mem_bytes"] else math.nan
         lines.append(
             f"| {r['variant']}{status} | {r['changes']} | {r['params']:,} | {fmt(r['final_val'], 4, r['final_val_std'])} "
-            f"| {fmt(r['best_val'], 4, r['best_val_std'])} | {'' if r['beyond_noise'] == 'baseline' else fmt(r['delta'], 4)} "
+            f"| {fmt(r['final_bpb'], 4)} | {fmt(r['best_val'], 4, r['best_val_std'])} | {'' if r['beyond_noise'] == 'baseline' else fmt(r['delta'], 4)} "
             f"| {'' if r['beyond_noise'] == 'baseline' else r['beyond_noise']} | {fmt(r['tokens_per_s'], 0)} "
             f"| {fmt(r['wall_s'], 0)} | {fmt(mem, 0)} | {fmt(r['kv_bytes_per_token'], 0)} |"
-            if r["params"] is not None else f"| {r['variant']} | {r['changes']} | no finished run | | | | | | | | |")
+            if r["params"] is not None else f"| {r['variant']} | {r['changes']} | no finished run | | | | | | | | | |")
     lines += [
         "", "![val loss curves](loss_curves.png)", "",
         "How to read it:", "",
+        "- **val bits/byte**: the final val loss per byte of text instead of per token (loss x tokens / bytes / ln 2), "
+        "comparable across tokenizers (char, gpt2, bpe:N).",
         "- **final / best val loss**: the val loss after the last step / the lowest one seen, mean ± standard "
         "deviation over the seeds. For a given seed every variant saw the same batches in the same order.",
         f"- **Δ** is the variant's mean final val loss minus the baseline's (negative = better). **beyond noise?** "

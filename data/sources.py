@@ -7,6 +7,7 @@ import stat
 from pathlib import Path
 
 READ_BYTES = 1 << 20        # bytes read at a time
+PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
 
 
 class DataError(ValueError):
@@ -120,3 +121,25 @@ def read_text(path: Path, errors: str = "strict") -> str:
     if not text.strip():
         raise DataError(f"data file is empty: {path}")
     return text
+
+
+def read_prompt(prompt: str) -> str:
+    """A prompt argument's text: itself, or with @FILE the file's (UTF-8, at most PROMPT_FILE_MAX
+    bytes: a model sees only its last block_size tokens anyway, and /dev/zero never ends)."""
+    if not prompt.startswith("@"):
+        return prompt
+    path = Path(prompt[1:])
+    try:
+        with open(path, "rb") as f:
+            data = f.read(PROMPT_FILE_MAX + 1)
+    except FileNotFoundError:
+        raise DataError(f"prompt file not found: {path}") from None
+    except OSError as e:
+        raise DataError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
+    if len(data) > PROMPT_FILE_MAX:
+        raise DataError(f"the prompt file {path} is larger than {PROMPT_FILE_MAX >> 20} MB "
+                        f"(a model sees only its last block_size tokens)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"the prompt file {path} is not UTF-8 (byte offset {e.start})") from None

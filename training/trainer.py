@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from data.cache import bits_per_byte
 from data.loader import BatchLoader
 from data.prepare import load_meta
 from model.gpt import GPT
@@ -250,9 +251,11 @@ def evaluate_and_save(run: Run) -> dict:
     ev = evaluate(run.trained, run.loader, run.cfg.train.eval_iters, run.autocast, run.dist)
     is_best = ev["val"] < run.best_val
     run.best_val = min(run.best_val, ev["val"])
-    run.say(f"eval {run.step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}{' (best)' if is_best else ''}")
+    bpb = {s: bits_per_byte(ev[s], run.meta["tokens"][s], run.meta["bytes"][s]) for s in ("train", "val")}
+    run.say(f"eval {run.step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f} | val {bpb['val']:.4f} bits/byte"
+            f"{' (best)' if is_best else ''}")
     run.metrics.log({"step": run.step, "kind": "eval", "train_loss": ev["train"], "val_loss": ev["val"],
-                     "elapsed_s": run.elapsed()})
+                     "train_bpb": bpb["train"], "val_bpb": bpb["val"], "elapsed_s": run.elapsed()})
     save(run, is_best)
     return ev
 
