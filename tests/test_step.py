@@ -98,3 +98,15 @@ def test_on_cuda_the_default_device_is_the_gpu_with_bf16():
     from training.runtime import pick_dtype
     device = pick_device("auto")
     assert device.type == "cuda" and pick_dtype(device) in (torch.bfloat16, torch.float16)
+
+
+def test_a_graph_run_checkpoints_float_learning_rates_and_resumes_eagerly(tiny_cfg, tmp_path, monkeypatch):
+    """The graph step holds the lr in a device tensor; a checkpoint must not (it loads anywhere)."""
+    from training.checkpoint import load_checkpoint
+    monkeypatch.setattr(trainer, "graph_blockers", lambda *a: [])
+    cfg = tiny_cfg(**{"train.optimizer": "muon"})
+    train(cfg, quiet=True, stop_at=10)
+    states = load_checkpoint(f"{cfg.out_dir}/ckpt_0000010.pt")["optimizer"]["optimizers"]
+    assert all(type(g["lr"]) is float for s in states for g in s["param_groups"])
+    monkeypatch.undo()
+    assert train(cfg, quiet=True, resume=True)["step"] == 20

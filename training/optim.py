@@ -56,6 +56,25 @@ def use_tensor_lr(optimizer, capturable: bool = False) -> None:
             group["capturable"] = True
 
 
+def use_float_lr(optimizer) -> None:
+    """Undo use_tensor_lr."""
+    for group in optimizer.param_groups:
+        if torch.is_tensor(group["lr"]):
+            group["lr"] = float(group["lr"])
+        if "capturable" in group:
+            group["capturable"] = False
+
+
+def lr_as_float(optimizer_state: dict) -> dict:
+    """An optimizer state dict with every group's lr as a float: a tensor lr (use_tensor_lr) lives on
+    the device, and a checkpoint must load anywhere and resume with either kind of step."""
+    if "optimizers" in optimizer_state:   # Optimizers: one state dict per optimizer
+        return {**optimizer_state, "optimizers": [lr_as_float(s) for s in optimizer_state["optimizers"]]}
+    groups = [{**g, "lr": float(g["lr"])} if torch.is_tensor(g.get("lr")) else g
+              for g in optimizer_state.get("param_groups", [])]
+    return {**optimizer_state, "param_groups": groups}
+
+
 def fast_matmul_dtype(device: torch.device) -> torch.dtype:
     """bf16 where its matmuls are faster than fp32's (CUDA, CPUs with AVX512-BF16 or AMX), else fp32."""
     if device.type == "cuda":

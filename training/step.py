@@ -14,11 +14,13 @@ in it may wait for the host (no .item(), no Python branch on a tensor's value): 
 norm and the non-finite check stay on the device until the loop reads them at a log line.
 """
 import math
+import warnings
+from contextlib import nullcontext
 
 import torch
 
 from training.distributed import sync_gradients
-from training.optim import use_tensor_lr
+from training.optim import use_float_lr, use_tensor_lr
 
 
 def clip_gradients(params, max_norm: float) -> torch.Tensor:
@@ -76,10 +78,15 @@ class GraphStep:
                                    device=device)                            # (accum, B, T + 1): the batch buffer
         self.loss = torch.zeros((), device=device)
         self.grad_norm = torch.zeros((), device=device)
-        use_tensor_lr(optimizer)
+        capture = capture and device.type == "cuda"
+        use_tensor_lr(optimizer, capturable=capture)
         self.graph = None
         self.windows.copy_(loader.step_windows("train", consume=False))   # real data for the warm-up
-        self._warm_up_then_restore(capture and device.type == "cuda")
+        try:
+            self._warm_up_then_restore(capture)
+        except Exception:
+            use_float_lr(optimizer)   # the eager step that replaces this one
+            raise
 
     def _body(self) -> None:
         """Everything the graph holds: forward and backward per micro-batch, clipping, the update."""
@@ -102,30 +109,38 @@ class GraphStep:
                        for p, s in self.optimizer.state.items()}
         saved_guard = self.guard.state()
         devices = [self.loader.device] if self.loader.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            side = torch.cuda.Stream() if capture else None
-            if side is not None:
-                side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side) if side is not None else _nothing():
-                for _ in range(self.WARMUP):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self._body()
-            if side is not None:
-                torch.cuda.current_stream().wait_stream(side)
-                self.optimizer.zero_grad(set_to_none=True)   # the graph allocates the gradients it writes
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self._body()
-        with torch.no_grad():   # back to the state before the warm-up, at the same addresses
-            for p, saved in zip(params, saved_params):
-                p.copy_(saved)
-            for p, state in self.optimizer.state.items():
-                for k, v in state.items():
-                    if torch.is_tensor(v):
-                        v.copy_(saved_state[p][k]) if p in saved_state else v.zero_()
-        self.guard.load_state(saved_guard)
-        if self.graph is None:
-            self.optimizer.zero_grad(set_to_none=True)
+        try:
+            with torch.random.fork_rng(devices=devices):
+                self._warm_up(capture)
+        finally:   # back to the state before the warm-up, at the same addresses (also if capturing failed)
+            with torch.no_grad():
+                for p, saved in zip(params, saved_params):
+                    p.copy_(saved)
+                for p, state in self.optimizer.state.items():
+                    for k, v in state.items():
+                        if torch.is_tensor(v):
+                            v.copy_(saved_state[p][k]) if p in saved_state else v.zero_()
+            self.guard.load_state(saved_guard)
+            if self.graph is None:
+                self.optimizer.zero_grad(set_to_none=True)
+
+    def _warm_up(self, capture: bool) -> None:
+        """WARMUP real steps (on a side stream when capturing, as CUDA graphs require), then the capture."""
+        side = torch.cuda.Stream() if capture else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if side is not None else nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # "capturable=True ... running without graph capture": on purpose
+            for _ in range(self.WARMUP):
+                self.optimizer.zero_grad(set_to_none=True)
+                self._body()
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+            self.optimizer.zero_grad(set_to_none=True)   # the graph allocates the gradients it writes
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._body()
+            self.graph = graph
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
         self.windows.copy_(self.loader.step_windows("train"), non_blocking=True)
@@ -135,14 +150,6 @@ class GraphStep:
             self.optimizer.zero_grad(set_to_none=True)
             self._body()
         return self.loss, self.grad_norm, True
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def graph_blockers(t, device: torch.device, world: int, dtype: torch.dtype) -> list[str]:

@@ -30,7 +30,7 @@ from training.config import Config, ConfigError, describe
 from training.errors import RunError, first_line, is_out_of_memory
 from training.guards import NonFiniteGuard, StopSignal, check_out_dir, make_out_dir
 from training.metrics import Metrics, NoMetrics, duration
-from training.optim import build_optimizer, set_lr
+from training.optim import build_optimizer, lr_as_float, set_lr
 from training.runtime import (autocast, dtype_name, pick_device, pick_dtype, printer, rng_state, seed_everything,
                               set_rng_state, use_fast_matmuls)
 from training.step import EagerStep, GraphStep, graph_blockers
@@ -267,7 +267,7 @@ def save(run: Run, is_best: bool) -> None:
         return
     ckpt = new_checkpoint(
         config=run.cfg.to_dict(), tokenizer=run.meta["tokenizer"], model=clean_state_dict(model_state),
-        step=run.step, dataset=run.meta, optimizer=optimizer_state,
+        step=run.step, dataset=run.meta, optimizer=lr_as_float(optimizer_state),
         scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None, loader=run.loader.state_dict(),
         rng_ranks=rngs, best_val_loss=run.best_val, elapsed=run.elapsed(), skipped_steps=run.guard.skipped,
         is_best=is_best)
