@@ -299,7 +299,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         restore(run, ckpt)
     del ckpt   # its tensors now live in the model and optimizer
     build_step(run)
-    start_writing(run, overwrite)
+    try:
+        start_writing(run, overwrite)
+    except BaseException:   # e.g. wandb missing or failing to start: leave the out dir as it was found
+        forget_out_dir(run)
+        if run.lock is not None:
+            run.lock.release()
+        raise
     t, end = cfg.train, min(cfg.train.max_steps, stop_at or cfg.train.max_steps)
     losses, last_eval, stopping = {}, None, False
     vote = distributed.StopVote(run.dist)
