@@ -8,7 +8,7 @@ import pytest
 import train as train_cli
 from tests.conftest import tiny_overrides
 from tests.test_reliability import damaged, one_thread, run_limited, run_tool, trained  # noqa: F401 (fixtures)
-from training.checkpoint import list_checkpoints, load_checkpoint
+from training.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 
 
 def test_a_small_file_claiming_a_huge_model_is_refused_before_memory_is_spent_on_it(tmp_path, trained):
@@ -50,3 +50,12 @@ def test_a_disk_that_really_fills_during_a_save_is_one_line_and_the_run_resumes_
     rc, _, err = run_tool(train_cli, [*args, "--resume"], capsys)
     assert rc == 0, err
     assert [s for s, _ in list_checkpoints(out)] == [10, 20]
+
+
+def test_a_damaged_latest_checkpoint_names_the_one_before_it_by_step(tmp_path):
+    (tmp_path / "ckpt_9999999.pt").write_bytes(b"PK an older checkpoint")
+    (tmp_path / "ckpt_10000000.pt").write_bytes(b"")   # 8 digits: after ckpt_9999999.pt, though not by name
+    latest = latest_checkpoint(tmp_path)
+    assert latest.name == "ckpt_10000000.pt"
+    with pytest.raises(CheckpointError, match=r"the earlier checkpoint ckpt_9999999.pt in the same directory may be intact"):
+        load_checkpoint(latest)

@@ -206,7 +206,8 @@ def _refusal_reason(error: Exception) -> str:
 
 def _earlier_hint(path: Path) -> str:
     """', the earlier ckpt_... is intact' where a damaged file has an older neighbour to resume from."""
-    older = [p for s, p in list_checkpoints(path.parent) if p.name < path.name and p != path]
+    here = CKPT_RE.match(path.name)   # by step, not by name: ckpt_10000000.pt comes after ckpt_9999999.pt
+    older = [p for s, p in list_checkpoints(path.parent) if here and s < int(here.group(1))]
     return f"; the earlier checkpoint {older[-1].name} in the same directory may be intact" if older else ""
 
 
