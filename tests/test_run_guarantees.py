@@ -1,8 +1,10 @@
 """What a run promises its user besides a trained model: one run per out dir, a warning when a resume
 trains on another text, a --help that documents every setting, and log lines that say how long is left."""
 import dataclasses
+import errno
 import hashlib
 import json
+import os
 import re
 import signal
 
@@ -13,7 +15,9 @@ from tests.conftest import ROOT, TEXT, tiny_overrides
 from tests.test_reliability import one_thread, run_tool, tree  # noqa: F401 (one_thread: an autouse fixture)
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import latest_checkpoint, load_checkpoint
+from training import guards
 from training.config import Config, build_config
+from training.errors import RunError
 from training.trainer import train
 
 # ---------------------------------------------------------------- one run per out dir
@@ -39,6 +43,24 @@ def test_a_second_run_into_a_busy_out_dir_is_refused_and_writes_nothing(tmp_path
     resumed_at = load_checkpoint(latest_checkpoint(out))["step"]
     cfg = build_config(None, tiny_overrides(tmp_path, text_file, **{"train.max_steps": resumed_at + 2}))
     assert train(cfg, resume=True, quiet=True)["step"] == resumed_at + 2, "a killed run's lock went stale"
+
+
+@pytest.mark.parametrize("code, busy", [(errno.EWOULDBLOCK, True), (errno.ENOLCK, False)], ids=["held", "no locks"])
+def test_only_a_held_lock_makes_an_out_dir_busy(code, busy, tiny_cfg, monkeypatch):
+    """A file system that cannot lock at all (NFS without its lock daemon) runs unguarded, as it would
+    without the lock, instead of being 'in use by another run' forever."""
+    cfg = tiny_cfg(**{"train.max_steps": 2})
+    train(cfg, quiet=True)   # the out dir has its .lock file now
+
+    def flock(fd, operation):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(guards.fcntl, "flock", flock)
+    if busy:
+        with pytest.raises(RunError, match="is in use by another run"):
+            train(cfg, quiet=True, overwrite=True)
+    else:
+        assert train(cfg, quiet=True, overwrite=True)["step"] == 2
 
 
 # ---------------------------------------------------------------- resume on a changed text
