@@ -3,11 +3,18 @@ input that ends in one line, a non-zero exit and no file written."""
 import errno
 import json
 import os
+import re
+import resource
 import shutil
+import struct
 import subprocess
 import sys
+import tempfile
+import threading
+import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,9 +52,35 @@ def run_tool(tool, argv, capsys):
     return rc, out, err
 
 
+def run_limited(argv, memory=2 << 30, timeout=120):
+    """(exit code, stdout, stderr, peak resident bytes) of `python ARGV` run as a user runs it, with
+    its address space limited to `memory` bytes: an allocation beyond that fails at once, as on a
+    machine without that much memory, instead of taking this machine's memory from everyone else."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT, stdout=out, stderr=err, preexec_fn=limit,
+                                env={**os.environ, "WANDB_MODE": "disabled"})
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        _, status, usage = os.wait4(proc.pid, 0)   # this child's own peak memory, not any other child's
+        timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read(), err.read(), usage.ru_maxrss * 1024
+
+
 def tree(root):
     """Everything under root, with sizes and modification times: any write shows up as a difference."""
     return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def settled(snapshot):
+    """A tree() snapshot without the directories' modification times, which show only that files came
+    and went: what a run that removes what it wrote leaves comparable."""
+    return {path: entry if not entry[0] else "dir" for path, entry in snapshot.items()}
 
 
 class Evil:
@@ -152,6 +185,9 @@ def test_a_prefixed_state_dict_still_samples(tmp_path, trained, capsys):
 
 # ---------------------------------------------------------------- bad input: the table
 
+VOCAB = len(set(TEXT))   # the char tokenizer's vocabulary of the tiny text
+
+
 def write(path, content):
     path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     return path
@@ -174,23 +210,53 @@ def damaged(trained, tmp, kind):
         return write(path, bytes(range(256)) * 40)
     if kind == "text":
         return write(path, "just some text\n" * 20)
+    if kind == "deflated":   # the same members, compressed: a small file could expand to any size when loaded
+        with zipfile.ZipFile(trained / "ckpt_0000004.pt") as src, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as dst:
+            for member in src.infolist():
+                dst.writestr(member.filename, src.read(member))
+        return path
+    if kind == "flipped":   # one bit of rot in the middle of the largest tensor's bytes
+        with zipfile.ZipFile(trained / "ckpt_0000004.pt") as archive:
+            member = max((m for m in archive.infolist() if "/data/" in m.filename), key=lambda m: m.file_size)
+        data = bytearray(good)
+        name_len, extra_len = struct.unpack("<HH", data[member.header_offset + 26: member.header_offset + 30])
+        data[member.header_offset + 30 + name_len + extra_len + member.file_size // 2] ^= 0x10
+        return write(path, bytes(data))
     ckpt = torch.load(trained / "ckpt_0000004.pt", weights_only=True)
+    model = ckpt["config"]["model"]
     if kind == "version":
-        torch.save({**ckpt, "version": 99}, path)
+        ckpt["version"] = 99
     elif kind == "foreign":
-        torch.save({"state_dict": ckpt["model"]}, path)
+        ckpt = {"state_dict": ckpt["model"]}
     elif kind == "mismatched":   # its config says 3 layers, its weights have 2
-        ckpt["config"]["model"]["n_layer"] = 3
-        torch.save(ckpt, path)
+        model["n_layer"] = 3
+    elif kind == "reshaped":     # its config says 64 wide, its weights are 32
+        model["n_embd"] = 64
+    elif kind == "huge":         # a small file whose config claims 8 x 4096: ~6 GB of weights if built
+        model.update(n_layer=8, n_embd=4096)
+    elif kind == "text n_layer":
+        model["n_layer"] = str(model["n_layer"])
+    elif kind == "list n_layer":
+        model["n_layer"] = [model["n_layer"]]
+    elif kind == "text step":
+        ckpt["step"] = "x"
+    elif kind == "long tokenizer":   # more tokens than the model's vocabulary has rows
+        ckpt["tokenizer"]["chars"] += "\u2603\u2604\u2605\u2606"
+    elif kind == "nan":
+        ckpt["model"]["blocks.0.mlp.up.weight"][3, 4] = float("nan")
     elif kind == "evil":
-        torch.save({**ckpt, "rng": Evil(tmp / "pwned")}, path)
+        ckpt["rng"] = Evil(tmp / "pwned")
+    torch.save(ckpt, path)
     return path
 
 
-def in_out_dir(env, ckpt_path):
+def in_out_dir(env, ckpt_path, earlier=False):
+    """--resume from ckpt_path as the out dir's latest checkpoint (after an intact one: earlier)."""
     out = env["tmp"] / "out"
     out.mkdir(exist_ok=True)
     shutil.copy(ckpt_path, out / "ckpt_0000004.pt")
+    if earlier:
+        shutil.copy(env["ckpt"], out / "ckpt_0000002.pt")
     return env["base"]() + ["--resume"]
 
 
@@ -231,6 +297,19 @@ CASES = [
      "cannot write the prepared data"),
     ("resume, no run", train_cli, lambda e: e["base"]() + ["--resume"], "--resume: no checkpoint"),
     ("resume and overwrite", train_cli, lambda e: e["base"]() + ["--resume", "--overwrite"], "contradict each other"),
+] + [   # values of the right type that would pass a type check, then crash or diverge the run
+    (f"{key}={value}", train_cli, lambda e, key=key, value=value: e["base"](**{key: value}), message)
+    for key, value, message in [
+        ("train.lr", "nan", "train.lr must be a finite number, got nan"),
+        ("train.lr", "inf", "train.lr must be a finite number, got inf"),
+        ("train.weight_decay", "nan", "train.weight_decay must be a finite number, got nan"),
+        ("train.grad_clip", "nan", "train.grad_clip must be a finite number, got nan"),
+        ("train.beta1", 1.5, "train.beta1 must be in [0, 1), got 1.5"),
+        ("train.seed", -1, "train.seed must be in [0, 4294967295], got -1"),
+        ("train.seed", 2**40, "train.seed must be in [0, 4294967295], got 1099511627776"),
+        ("model.rope_base", 0, "model.rope_base must be a finite number > 0, got 0.0"),
+    ]
+] + [
     ("fresh run over a run", train_cli, lambda e: in_out_dir(e, e["ckpt"])[:-1],
      "already holds checkpoints of a run: continue it with --resume, start over with --overwrite"),
     ("resume, other model", train_cli, lambda e: in_out_dir(e, e["ckpt"]) + ["--model.n_layer=3"],
@@ -239,13 +318,27 @@ CASES = [
     (f"resume, {kind} checkpoint", train_cli, lambda e, kind=kind: in_out_dir(e, damaged(e["trained"], e["tmp"], kind)), message)
     for kind, message in [("empty", "checkpoint is empty"), ("truncated", "not a readable checkpoint: truncated"),
                           ("random", "not a readable checkpoint"), ("version", "format version 99, this code reads version 1"),
-                          ("foreign", "not a checkpoint of this project"), ("evil", "was refused")]
+                          ("foreign", "not a checkpoint of this project"), ("evil", "was refused"),
+                          ("deflated", "(compressed members)"), ("flipped", "does not match its checksum")]
+] + [   # a damaged latest checkpoint names the intact one before it
+    (f"resume, {kind} beside an intact one", train_cli,
+     lambda e, kind=kind: in_out_dir(e, damaged(e["trained"], e["tmp"], kind), earlier=True),
+     "the earlier checkpoint ckpt_0000002.pt in the same directory may be intact")
+    for kind in ("empty", "truncated", "flipped")
 ] + [
     (f"sample, {kind} checkpoint", sample_cli, lambda e, kind=kind: [damaged(e["trained"], e["tmp"], kind)], message)
     for kind, message in [("empty", "checkpoint is empty"), ("truncated", "not a readable checkpoint: truncated"),
                           ("random", "not a readable checkpoint"), ("text", "not a readable checkpoint"),
                           ("version", "format version 99"), ("foreign", "not a checkpoint of this project"),
-                          ("evil", "was refused"), ("mismatched", "its weights do not match its config")]
+                          ("evil", "was refused"), ("mismatched", "its weights do not match its config"),
+                          ("huge", "its weights do not match its config"), ("deflated", "(compressed members)"),
+                          ("flipped", "does not match its checksum"),
+                          ("reshaped", f"tok_emb.weight is ({VOCAB}, 32), the config needs ({VOCAB}, 64)"),
+                          ("nan", "holds non-finite weights (NaN or inf in blocks.0.mlp.up.weight)"),
+                          ("text n_layer", "does not hold a usable model: model.n_layer: expected int, got '2'"),
+                          ("list n_layer", "does not hold a usable model: model.n_layer: expected int, got [2]"),
+                          ("text step", "is damaged: 'step' is missing or not an int"),
+                          ("long tokenizer", f"its tokenizer has {VOCAB + 4} tokens, its model only model.vocab_size={VOCAB}")]
 ] + [
     ("sample, missing checkpoint", sample_cli, lambda e: [e["tmp"] / "gone.pt"], "checkpoint not found"),
     ("sample, dir without checkpoints", sample_cli, lambda e: [e["tmp"]], "no checkpoint (best.pt or ckpt_*.pt)"),
@@ -253,6 +346,10 @@ CASES = [
      "the prompt has 1 character(s) not in the"),
     ("missing prompt file", sample_cli, lambda e: [e["ckpt"], "--prompt", f"@{e['tmp'] / 'p.txt'}"], "prompt file not found"),
     ("bad sampling option", sample_cli, lambda e: [e["ckpt"], "--top-p", "2"], "--top-p must be in (0, 1]"),
+    ("seed too large", sample_cli, lambda e: [e["ckpt"], "--seed", str(10**23)], "--seed must be in [0, 2^63)"),
+    ("endless prompt file", sample_cli, lambda e: [e["ckpt"], "--prompt", "@/dev/zero"], "/dev/zero is larger than 1 MB"),
+    ("absent GPU", sample_cli, lambda e: [e["ckpt"], "--device", "cuda:7"], "error: --device='cuda:7'"),
+    ("unknown device", sample_cli, lambda e: [e["ckpt"], "--device", "tpu"], "error: --device='tpu' is not a device"),
 ]
 
 
@@ -317,19 +414,26 @@ def test_a_preparation_cut_short_leaves_nothing_behind(failure, tmp_path, text_f
 
 # ---------------------------------------------------------------- failures in the middle of a run
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, text_file, monkeypatch, capsys):
+@pytest.mark.parametrize("failure, message", [
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "No space left on device"),
+    # what torch.save's zip writer raises when the disk fills (a RuntimeError, not an OSError)
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 2048"), "unexpected pos 4096 vs 2048"),
+], ids=["OSError", "RuntimeError"])
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(failure, message, tmp_path, text_file, monkeypatch,
+                                                                 capsys):
     real_save, calls = torch.save, []
 
     def save_until_the_disk_fills(obj, f, *a, **k):
         calls.append(1)
         if len(calls) == 2:
             f.write(b"PK\x03\x04 half a checkpoint")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise failure
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", save_until_the_disk_fills)
     rc, out, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)
-    assert rc == 2 and "No space left on device" in err and "ckpt_0000020.pt" in err, err
+    assert rc == 2 and err.startswith("error: could not write the checkpoint") and len(err.splitlines()) == 1, err
+    assert message in err and "ckpt_0000020.pt" in err and "the checkpoints written before are kept" in err, err
     out_dir = tmp_path / "out"
     assert sorted(p.name for p in out_dir.iterdir()) == [".lock", "best.pt", "ckpt_0000010.pt", "config.toml", "metrics.jsonl"]
     assert load_checkpoint(out_dir / "ckpt_0000010.pt")["step"] == 10
@@ -350,6 +454,25 @@ def test_out_of_memory_names_the_fix_and_keeps_the_checkpoint(tmp_path, text_fil
     assert "smaller --train.batch_size" in err and "--model.block_size" in err and len(err.splitlines()) == 1
     assert [s for s, _ in list_checkpoints(tmp_path / "out")] == [10]
     assert load_checkpoint(tmp_path / "out" / "ckpt_0000010.pt")["step"] == 10
+
+
+@pytest.mark.parametrize("tool, argv, code, message", [
+    ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text, **{"train.batch_size": 300_000_000,
+                                                                      "train.device": "cpu"}), 2,
+     "error: out of memory on cpu at step 1"),
+    ("sample.py", lambda tmp, text, ckpt: [ckpt, "--num-samples", 10_000_000, "--max-new-tokens", 5, "--device", "cpu"], 3,
+     "error: out of memory (DefaultCPUAllocator"),
+], ids=["train batch", "sample batch"])
+def test_memory_that_runs_out_for_real_is_one_line(tool, argv, code, message, tmp_path, trained):
+    """Allocations that really fail (a process limited to 2 GB of address space): a batch of 300 million
+    sequences to train, 10 million samples to generate."""
+    text = write(tmp_path / "tiny.txt", TEXT)
+    prepare(text, "char", 0.1, tmp_path / "prepared")
+    before = tree(tmp_path)
+    rc, out, err, _ = run_limited([tool, *argv(tmp_path, text, trained / "ckpt_0000004.pt")])
+    lines = [l for l in err.splitlines() if not l.startswith("# ")]   # sample.py names the checkpoint first
+    assert rc == code and len(lines) == 1 and lines[0].startswith(message), err[-2000:]
+    assert "smaller" in lines[0] and tree(tmp_path) == before
 
 
 # ---------------------------------------------------------------- non-finite loss or gradient
@@ -428,6 +551,57 @@ def test_the_deferred_check_names_the_first_bad_step():
     fine.check()
 
 
+def numpy_memory_error() -> MemoryError:
+    """The exception numpy raises when an array does not fit (its own MemoryError subclass)."""
+    try:
+        np.empty(1 << 60, np.uint8)
+    except MemoryError as e:
+        return e
+    raise AssertionError("numpy allocated an exbibyte")
+
+
+def fail_in_forward(monkeypatch, step, error):
+    """Make the training forward of the given (1-based) step raise error."""
+    real_forward, calls = GPT.forward, []
+
+    def forward(self, idx, targets=None, **kw):
+        if self.training and targets is not None:
+            calls.append(1)
+            if len(calls) == step:
+                raise error
+        return real_forward(self, idx, targets, **kw)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new out dir", "existing out dir"])
+@pytest.mark.parametrize("make_failure, extra, pattern", [
+    (lambda mp: poison(mp, {1}), {}, r"non-finite loss at step 1; stopped, no checkpoint had been written yet"),
+    (lambda mp: fail_in_forward(mp, 3, numpy_memory_error()), {},
+     r"out of memory on \S+ at step 3 \(Unable to allocate 1.00 EiB.*no checkpoint had been written yet"),
+    (lambda mp: fail_in_forward(mp, 3, RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 1000000000000 bytes. Error code 12 (Cannot allocate memory)")), {},
+     r"out of memory on \S+ at step 3 \(DefaultCPUAllocator: can't allocate memory: you tried to allocate 1000000000000"
+     r".*no checkpoint had been written yet"),
+    (lambda mp: fail_in_forward(mp, 3, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")), {},
+     r"out of memory on \S+ at step 3 \(CUDA out of memory. Tried to allocate 20.00 GiB\).*no checkpoint had been written"),
+    (lambda mp: mp.setitem(sys.modules, "wandb", None), {"log.wandb": "true"},   # `import wandb` fails
+     r"^error: log.wandb = true but wandb is not installed \(pip install wandb\)$"),
+], ids=["NaN loss", "numpy MemoryError", "CPU allocator", "torch OutOfMemoryError", "no wandb"])
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_the_out_dir_as_it_was(
+        make_failure, extra, pattern, existing, tmp_path, text_file, monkeypatch, capsys):
+    prepare(text_file, "char", 0.1, tmp_path / "prepared")
+    if existing:
+        write(mkdir(tmp_path / "out") / "notes.txt", "the user's")
+    before = tree(tmp_path)
+    make_failure(monkeypatch)
+    rc, out, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file, **extra), capsys)
+    assert rc == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, (rc, err)
+    assert re.search(pattern, err) and "checkpoint is kept" not in err, err
+    assert settled(tree(tmp_path)) == settled(before), "the failed run left files behind"
+
+
 # ---------------------------------------------------------------- resume
 
 def test_resume_is_exact_from_any_step_twice_over(tmp_path, tiny_cfg):
@@ -479,3 +653,24 @@ def test_resume_needs_the_whole_training_state_and_the_same_tokenizer(tmp_path, 
     text_file.write_text(TEXT.upper())   # the same model, another vocabulary
     with pytest.raises(CheckpointError, match="another tokenizer or vocabulary"):
         train(tiny_cfg(**{"model.vocab_size": 80, "train.max_steps": 4}), resume=True, quiet=True)
+
+
+def test_a_new_run_removes_only_its_own_temporary_files(tiny_cfg):
+    """A kill can leave this project's .<name>.tmp files; the user's own hidden files are not ours to delete."""
+    cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2})
+    out = mkdir(Path(cfg.out_dir))
+    ours = [write(out / f".{name}.tmp", "stale") for name in ("ckpt_0000010.pt", "best.pt", "metrics.jsonl", "config.toml")]
+    theirs = [write(out / name, "mine") for name in (".notes.tmp", ".ckpt_latest.pt.tmp", "draft.tmp")]
+    train(cfg, quiet=True)
+    assert not any(p.exists() for p in ours)
+    assert all(p.read_text() == "mine" for p in theirs)
+
+
+def test_an_out_dir_holding_only_best_pt_is_resumed_as_the_refusal_says(tmp_path, text_file, trained, capsys):
+    out = mkdir(tmp_path / "out")
+    shutil.copy(trained / "best.pt", out / "best.pt")
+    rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)
+    assert rc == 2 and "already holds best.pt of a run: continue it with --resume" in err, err
+    rc, stdout, err = run_tool(train_cli, [*tiny_overrides(tmp_path, text_file, **{"train.max_steps": 6}), "--resume"], capsys)
+    assert rc == 0 and f"# resuming {out / 'best.pt'} at step 4" in stdout, err
+    assert load_checkpoint(out / "ckpt_0000006.pt")["step"] == 6

@@ -206,7 +206,8 @@ def _refusal_reason(error: Exception) -> str:
 
 def _earlier_hint(path: Path) -> str:
     """', the earlier ckpt_... is intact' where a damaged file has an older neighbour to resume from."""
-    older = [p for s, p in list_checkpoints(path.parent) if p.name < path.name and p != path]
+    here = CKPT_RE.match(path.name)   # by step, not by name: ckpt_10000000.pt comes after ckpt_9999999.pt
+    older = [p for s, p in list_checkpoints(path.parent) if here and s < int(here.group(1))]
     return f"; the earlier checkpoint {older[-1].name} in the same directory may be intact" if older else ""
 
 
@@ -238,7 +239,8 @@ def check_entries(ckpt: dict, path: Path, schema: dict) -> None:
             ok = True
         if not ok:
             names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            raise CheckpointError(f"{path} is damaged: {key!r} is missing or not a {names}")
+            article = "an" if names[0] in "aeiou" else "a"
+            raise CheckpointError(f"{path} is damaged: {key!r} is missing or not {article} {names}")
 
 
 def load_checkpoint(path: Path, map_location="cpu") -> dict:
@@ -310,6 +312,8 @@ def model_config(stored: dict, path: Path):
         for key, value in stored.items():
             if key not in fields:
                 raise ConfigError(f"unknown setting model.{key}")
+            if isinstance(value, str) and fields[key] is not str:   # a checkpoint stores typed values, never text
+                raise ConfigError(f"model.{key}: expected {fields[key].__name__}, got {value!r}")
             values[key] = coerce(f"model.{key}", value, fields[key])
         cfg = ModelConfig(**values)
         cfg.validate()
@@ -325,10 +329,11 @@ def check_weights(state: dict, cfg, path: Path) -> None:
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
     stored = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
-    problems = [f"{k} is missing" for k in expected if k not in stored]
+    # a wrong shape first: it says most about how the config and the weights disagree
+    problems = [f"{k} is {stored[k]}, the config needs {shape}" for k, shape in expected.items()
+                if stored.get(k) is not None and stored[k] != shape]
     problems += [f"{k} is not a tensor" for k, shape in stored.items() if shape is None]
-    problems += [f"{k} is {stored[k]}, the config needs {shape}" for k, shape in expected.items()
-                 if stored.get(k) is not None and stored[k] != shape]
+    problems += [f"{k} is missing" for k in expected if k not in stored]
     problems += [f"{k} is not part of the model" for k in stored if k not in expected]
     if problems:
         more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""

@@ -6,7 +6,11 @@
     130  interrupted (Ctrl-C) outside the training loop, which handles its own signals
     129, 130, 143  SIGHUP, SIGINT, SIGTERM while data is prepared (nothing of it is kept)
 """
+import re
 import sys
+
+
+ENFORCE_PREFIX = re.compile(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?")
 
 
 class RunError(RuntimeError):
@@ -17,6 +21,13 @@ def first_line(error: BaseException, limit: int = 160) -> str:
     """An exception's message cut to its first line: what a one-line error can quote of it."""
     text = str(error).strip()
     return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
+def memory_detail(error: BaseException, limit: int) -> str:
+    """What an allocation failure says, without the C++ source location that torch puts first
+    ('[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: ...'), which would
+    crowd out the size it tried to allocate."""
+    return first_line(ENFORCE_PREFIX.sub("", str(error).strip()) or type(error).__name__, limit)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -56,6 +67,6 @@ def run_cli(main, argv: list[str]) -> int:
     except (MemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
-        print(f"error: out of memory ({first_line(e, 100)}); try a smaller batch, block size, model or number "
+        print(f"error: out of memory ({memory_detail(e, 100)}); try a smaller batch, block size, model or number "
               f"of samples (checkpoints already written are kept)", file=sys.stderr)
         return 3

@@ -1,5 +1,6 @@
 """What keeps a run from being lost or corrupted: the out dir's checks, stop signals, and the
 response to a non-finite loss or gradient."""
+import errno
 import os
 import signal
 import sys
@@ -65,15 +66,24 @@ class OutDirLock:
         return RunError(f"{self.path.parent} is in use by another run (PID {pid}); wait for it to end, "
                         f"or choose another --out_dir")
 
+    @staticmethod
+    def _lock(fd: int) -> bool:
+        """Take the lock without waiting: False where another process holds it. A file system that
+        cannot lock (e.g. NFS without its lock daemon: ENOLCK) is not a busy out dir: no lock there."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            return e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+        return True
+
     def check_free(self) -> None:
         """Raise if another process holds the lock; creates nothing."""
         if fcntl is None or not self.path.is_file():
             return
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise self._busy() from None
+            if not self._lock(fd):
+                raise self._busy()
         finally:
             os.close(fd)   # closing releases the probe's lock
 
@@ -81,11 +91,9 @@ class OutDirLock:
         if fcntl is None:
             return
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if not self._lock(fd):
             os.close(fd)
-            raise self._busy() from None
+            raise self._busy()
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd

@@ -12,6 +12,11 @@ class Metrics:
     run killed after its last checkpoint logged is logged again when it resumes)."""
 
     def __init__(self, cfg: Config, out_dir: Path, resume_step: int | None):
+        if cfg.log.wandb:   # before metrics.jsonl is touched
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("log.wandb = true but wandb is not installed (pip install wandb)") from None
         self.path = out_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             atomic_write_text(self.path, "".join(l + "\n" for l in self.path.read_text().splitlines()
@@ -20,12 +25,12 @@ class Metrics:
         self.wandb = None
         if cfg.log.wandb:
             try:
-                import wandb
-            except ImportError:
-                raise ConfigError("log.wandb = true but wandb is not installed (pip install wandb)") from None
-            self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or out_dir.name,
-                                    group=cfg.log.wandb_group or None, config=cfg.to_dict(), dir=str(out_dir),
-                                    resume="allow")
+                self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or out_dir.name,
+                                        group=cfg.log.wandb_group or None, config=cfg.to_dict(), dir=str(out_dir),
+                                        resume="allow")
+            except BaseException:
+                self.file.close()
+                raise
 
     @staticmethod
     def step_of(line: str) -> float:

@@ -27,7 +27,7 @@ from training.checkpoint import (CheckpointError, atomic_write_text, check_resum
                                  load_checkpoint, new_checkpoint, repair_best, save_checkpoint)
 from training.compile import compile_model
 from training.config import Config, ConfigError, describe
-from training.errors import RunError, first_line, is_out_of_memory
+from training.errors import RunError, first_line, is_out_of_memory, memory_detail
 from training.guards import NonFiniteGuard, StopSignal, check_out_dir, make_out_dir
 from training.metrics import Metrics, NoMetrics, duration
 from training.optim import build_optimizer, lr_as_float, set_lr
@@ -302,7 +302,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         restore(run, ckpt)
     del ckpt   # its tensors now live in the model and optimizer
     build_step(run)
-    start_writing(run, overwrite)
+    try:
+        start_writing(run, overwrite)
+    except BaseException:   # e.g. wandb missing or failing to start: leave the out dir as it was found
+        forget_out_dir(run)
+        if run.lock is not None:
+            run.lock.release()
+        raise
     t, end = cfg.train, min(cfg.train.max_steps, stop_at or cfg.train.max_steps)
     losses, last_eval, stopping = {}, None, False
     vote = distributed.StopVote(run.dist)
@@ -343,7 +349,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             raise
         kept = f"and --resume to continue from the last checkpoint in {run.out_dir}" if run.guard.saved_step \
             else "no checkpoint had been written yet"
-        raise RunError(f"out of memory on {run.device} at step {run.step + 1} ({first_line(e, 80)}): try a smaller "
+        raise RunError(f"out of memory on {run.device} at step {run.step + 1} ({memory_detail(e, 80)}): try a smaller "
                        f"--train.batch_size (with a larger --train.grad_accum to keep the tokens per step; {kept}) "
                        f"or a smaller --model.block_size") from None
     finally:

@@ -1,0 +1,61 @@
+"""Checkpoints against the machine and the file: a disk that fills during a save, and a small file
+whose config claims a model far larger than its weights (the table of damaged files that end in one
+line is test_reliability.py's CASES)."""
+import subprocess
+
+import pytest
+
+import train as train_cli
+from tests.conftest import tiny_overrides
+from tests.test_reliability import damaged, one_thread, run_limited, run_tool, trained  # noqa: F401 (fixtures)
+from training.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
+
+
+def test_a_small_file_claiming_a_huge_model_is_refused_before_memory_is_spent_on_it(tmp_path, trained):
+    """Its config says 8 layers of width 4096 (~6 GB of weights); its weights are the tiny model's."""
+    huge = damaged(trained, tmp_path, "huge")
+    rc, out, err, peak = run_limited(["sample.py", huge, "--max-new-tokens", 5, "--device", "cpu"])
+    assert rc == 2 and err.startswith(f"error: {huge}: its weights do not match its config: ") and err.count("\n") == 1, err
+    assert "tok_emb.weight is (" in err and "the config needs (" in err, err
+    assert peak < 1 << 30, f"peak memory {peak / 2**30:.1f} GB"
+
+
+def mount_tmpfs(path, size):
+    path.mkdir(exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small file system here ({r.stderr.strip() or 'mount failed'}); needs root")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 600 KB file system: room for the tiny model's first checkpoint (~400 KB), not for a second."""
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "600k")
+    yield disk
+    if subprocess.run(["umount", str(disk)]).returncode:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_a_disk_that_really_fills_during_a_save_is_one_line_and_the_run_resumes_once_there_is_room(
+        small_disk, tmp_path, text_file, capsys):
+    out = small_disk / "out"
+    args = tiny_overrides(tmp_path, text_file, out_dir=out)
+    rc, _, err = run_tool(train_cli, args, capsys)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: could not write the checkpoint {out / 'ckpt_0000020.pt'}: ") and "disk full" in err, err
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "best.pt", "ckpt_0000010.pt", "config.toml", "metrics.jsonl"]
+    assert load_checkpoint(out / "ckpt_0000010.pt")["step"] == 10
+    subprocess.run(["mount", "-o", "remount,size=2m", str(small_disk)], check=True)   # the user makes room
+    rc, _, err = run_tool(train_cli, [*args, "--resume"], capsys)
+    assert rc == 0, err
+    assert [s for s, _ in list_checkpoints(out)] == [10, 20]
+
+
+def test_a_damaged_latest_checkpoint_names_the_one_before_it_by_step(tmp_path):
+    (tmp_path / "ckpt_9999999.pt").write_bytes(b"PK an older checkpoint")
+    (tmp_path / "ckpt_10000000.pt").write_bytes(b"")   # 8 digits: after ckpt_9999999.pt, though not by name
+    latest = latest_checkpoint(tmp_path)
+    assert latest.name == "ckpt_10000000.pt"
+    with pytest.raises(CheckpointError, match=r"the earlier checkpoint ckpt_9999999.pt in the same directory may be intact"):
+        load_checkpoint(latest)
