@@ -32,7 +32,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     checks = [(args.num_samples >= 1, "--num-samples must be >= 1"),
               (args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
-              (args.temperature >= 0, "--temperature must be >= 0"),
+              (0 <= args.temperature < float("inf"), "--temperature must be >= 0 and finite"),
               (args.top_k >= 0, "--top-k must be >= 0"),
               (0 < args.top_p <= 1, "--top-p must be in (0, 1]")]
     for ok, message in checks:
@@ -60,9 +60,10 @@ def main(argv) -> int:
 
     from data.tokenizers import TokenizerError, load_tokenizer
     from model.gpt import GPT
-    from model.sampling import generate, use_decoding_layout
+    from model.sampling import SamplingError, generate
     from training.checkpoint import CheckpointError, clean_state_dict, load_checkpoint, resolve_path
     from training.config import ConfigError, from_dict
+    from training.errors import RunError
     from training.trainer import pick_device, pick_dtype
 
     path = resolve_path(Path(args.checkpoint))
@@ -76,7 +77,7 @@ def main(argv) -> int:
         raise CheckpointError(f"{path} does not hold a usable model: {str(e).strip().splitlines()[0][:160]}") from None
     device = pick_device(args.device)
     dtype = pick_dtype(device, "auto")
-    use_decoding_layout(model.to(device).eval())
+    model.to(device).eval()
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
     text = read_prompt(args.prompt)
@@ -94,12 +95,16 @@ def main(argv) -> int:
     out.write(("" if args.num_samples == 1 else "--- sample 1 ---\n") + text)
     out.flush()
     columns = []
-    with autocast:
-        for col in generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                            generator, use_cache=not args.no_cache, cache_dtype=dtype):
-            columns.append(col)
-            out.write(stream.decode(tokenizer.decode_bytes([col[0, 0].item()])))
-            out.flush()
+    try:
+        with autocast:   # the flags are read with each token, which is read for streaming anyway
+            for col in generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                                generator, use_cache=not args.no_cache, cache_dtype=dtype, check_every=1):
+                columns.append(col)
+                out.write(stream.decode(tokenizer.decode_bytes([col[0, 0].item()])))
+                out.flush()
+    except SamplingError as e:
+        out.write("\n")
+        raise RunError(f"{path}: {e}") from None
     out.write(stream.decode(b"", final=True) + "\n")
     new = torch.cat(columns, dim=1).tolist() if columns else [[] for _ in range(args.num_samples)]
     for i in range(1, args.num_samples):

@@ -122,9 +122,57 @@ def test_incremental_decoding_matches_recomputing_the_prefix(attention, pos):
     full, _ = model(idx, all_logits=True)
     cache = InferenceCache(model, 3, "cpu", torch.float32)
     parts = [model(idx[:, :7], cache=cache, all_logits=True)[0],      # prefill longer than the window
-             model(idx[:, 7:9], cache=cache, all_logits=True)[0]]     # a chunk after the cache
-    parts += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(9, 16)]
+             model(idx[:, 7:9], cache=cache, all_logits=True, pos=torch.arange(7, 9))[0]]   # a chunk after it
+    parts += [model(idx[:, t:t + 1], cache=cache, pos=torch.tensor([t]))[0] for t in range(9, 16)]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+
+
+def greedy_by_recomputation(model, prompt, n):
+    """The tokens generate(temperature=0) must give, each from the whole context the cache holds,
+    recomputed: the prompt's last block_size tokens, then one more per token; when the cache is
+    full it restarts from the last half block (positions from 0 again)."""
+    block, tokens, filled = model.cfg.block_size, prompt, 0
+    for _ in range(n):
+        if filled in (0, block):
+            filled = min(tokens.size(1), block if filled == 0 else block // 2)
+        else:
+            filled += 1
+        logits, _ = model(tokens[:, -filled:])
+        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens[:, prompt.size(1):]
+
+
+def peaked(model):
+    """Larger logit gaps (embeddings x 10): a rounding difference cannot flip a greedy choice."""
+    model.tok_emb.weight.data.mul_(10)
+    return model
+
+
+@pytest.mark.parametrize("attention, pos", COMBOS + [("sliding_window", "rope")])
+def test_greedy_decoding_with_the_cache_is_recomputation_across_slides(attention, pos):
+    # block 16: the cache is full and restarts from 8 tokens twice; a window of 12 > 8 also checks
+    # that a restart forgets the ring's stale slots
+    model = peaked(make_model(attention, pos, **({"window": 12} if pos == "rope" and attention == "sliding_window" else {})))
+    prompt = tokens(b=2, t=3)
+    cached = torch.cat(list(generate(model, prompt, 30, temperature=0)), dim=1)
+    assert torch.equal(cached, greedy_by_recomputation(model, prompt, 30))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled step replays a CUDA graph")
+@pytest.mark.parametrize("attention, pos", [("sdpa", "learned"), ("gqa", "rope"), ("sliding_window", "alibi"),
+                                            ("linear", "rope"), ("mla", "rope"), ("naive", "none")])
+def test_the_compiled_decoding_step_on_cuda_is_recomputation(attention, pos, capsys):
+    from torch._dynamo.utils import counters
+    model = peaked(make_model(attention, pos)).cuda()
+    prompt = tokens(b=2, t=3).cuda()
+    skips = counters["inductor"]["cudagraph_skips"]
+    compiled = torch.cat(list(generate(model, prompt, 30, temperature=0, compile=True)), dim=1)
+    assert "warning" not in capsys.readouterr().err, "compiling failed: the step ran eagerly"
+    assert counters["inductor"]["cudagraph_skips"] == skips, "the step ran without CUDA graphs"
+    assert torch.equal(compiled, greedy_by_recomputation(model, prompt, 30))
+    sampled = [torch.cat(list(generate(model, prompt, 30, generator=torch.Generator("cuda").manual_seed(1),
+                                       compile=c)), dim=1) for c in (True, False)]
+    assert torch.equal(*sampled), "the same draws, compiled or not"
 
 
 @pytest.mark.parametrize("attention", list(OWN))
@@ -133,7 +181,8 @@ def test_cache_size_is_what_the_cache_holds(attention):
     cache = InferenceCache(model, 1, "cpu", torch.float32)
     model(tokens(b=1), cache=cache)
     for block, layer_cache in zip(model.blocks, cache.layers):
-        held = sum(t.numel() for t in vars(layer_cache).values() if isinstance(t, torch.Tensor))
+        held = sum(t.numel() for t in vars(layer_cache).values()   # keys, values, latents, states: not positions
+                   if isinstance(t, torch.Tensor) and t.is_floating_point())
         assert held == block.attn.cache_size(16)
     per_layer = {"naive": 2 * 32 * 16, "sdpa": 2 * 32 * 16, "gqa": 2 * 16 * 16, "sliding_window": 2 * 32 * 5,
                  "linear": 4 * (8 * 8 + 8), "mla": (12 + 8) * 16}[attention]
@@ -196,5 +245,5 @@ def test_qk_norm_and_no_scale_reach_every_variant_and_keep_it_causal_and_cacheab
     torch.testing.assert_close(switched(changed, all_logits=True)[0][:, :9], out[:, :9], atol=1e-6, rtol=0)
     cache = InferenceCache(switched, 2, "cpu", torch.float32)
     parts = [switched(idx[:, :6], cache=cache, all_logits=True)[0]]
-    parts += [switched(idx[:, t:t + 1], cache=cache)[0] for t in range(6, 16)]
+    parts += [switched(idx[:, t:t + 1], cache=cache, pos=torch.tensor([t]))[0] for t in range(6, 16)]
     torch.testing.assert_close(torch.cat(parts, dim=1), out, atol=1e-5, rtol=0)

@@ -63,11 +63,16 @@ def recurrent_linear_attention(q, k, v, state=None):
 
 class LinearState:
     """One layer's recurrent state: S (B, nh, hs, hs) for the numerator, z (B, nh, hs, 1) for the
-    denominator. Its size does not depend on max_len."""
+    denominator. Its size does not depend on max_len; it is updated in place."""
 
     def __init__(self, batch: int, n_head: int, head_dim: int, device, dtype):
         self.S = torch.zeros(batch, n_head, head_dim, head_dim, device=device, dtype=dtype)
         self.z = torch.zeros(batch, n_head, head_dim, 1, device=device, dtype=dtype)
+
+    def reset(self) -> None:
+        """Start again from position 0: the sums over no token are zero."""
+        self.S.zero_()
+        self.z.zero_()
 
 
 class LinearAttention(nn.Module):
@@ -89,7 +94,9 @@ class LinearAttention(nn.Module):
     def cache_size(self, seq_len: int) -> int:
         return self.n_head * (self.head_dim * self.head_dim + self.head_dim)
 
-    def forward(self, x, rope=None, cache: LinearState | None = None):
+    def forward(self, x, rope=None, cache: LinearState | None = None, pos=None):
+        """x (B, T, C) -> (B, T, C). With a cache, x continues the tokens its state sums over (the
+        state has no positions: pos is not needed)."""
         B, T, C = x.shape
         q, k, v = (split_heads(proj(x), self.n_head) for proj in (self.query, self.key, self.value))   # (B, nh, T, hs)
         if self.qk_norm:
@@ -105,7 +112,8 @@ class LinearAttention(nn.Module):
         num, S = attend(q_num, k_num, v, cache.S if cache is not None else None)   # (B, nh, T, hs)
         den, z = attend(q, k, ones, cache.z if cache is not None else None)         # (B, nh, T, 1)
         if cache is not None:
-            cache.S, cache.z = S, z
+            cache.S.copy_(S)
+            cache.z.copy_(z)
         out = num / den.clamp_min(1e-6)
         out = merge_heads(out)                                           # (B, T, C): concatenate the heads
         return self.resid_dropout(self.proj(out))
