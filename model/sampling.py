@@ -113,11 +113,12 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     token on CPU, every 32 on a GPU, where each read waits for the device)."""
     block_size, device, batch = model.cfg.block_size, idx.device, idx.size(0)
     check_every = check_every or (1 if device.type == "cpu" else 32)
+    compile = default_compile(device) if compile is None else compile
     finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)   # one flag per new token
     if use_cache:
         cache = InferenceCache(model, batch, device, cache_dtype or next(model.parameters()).dtype)
         decode = step
-        if default_compile(device) if compile is None else compile:
+        if compile:
             for t in cache.tensors():   # buffers updated in place: the CUDA graph may use them as they are
                 torch._dynamo.mark_static_address(t)
             decode = compiled(step, device)
@@ -133,9 +134,10 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             cache.reset()
             next_id, ok = step(model, cache, tokens[:, -keep:], torch.arange(keep, device=device), *sampling)
             filled = keep
-        else:
+        else:                                                              # one new token
             pos.fill_(filled)
-            next_id, ok = decode(model, cache, next_id, pos, *sampling)    # one new token
+            last = next_id.clone()          # not the step's own output, which its CUDA graph's next replay overwrites
+            next_id, ok = decode(model, cache, last, pos, *sampling)
             filled += 1
         tokens = torch.cat([tokens, next_id], dim=1)
         finite[i] = ok
