@@ -29,6 +29,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context for every token (slow; for comparison)")
+    p.add_argument("--compile", action="store_true", help="compile the decoding step, on CUDA replayed as a CUDA "
+                   "graph: ~10x more tokens/s on a GPU, after ~30 s of compiling (pays for long samples)")
     args = p.parse_args(argv)
     checks = [(args.num_samples >= 1, "--num-samples must be >= 1"),
               (args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
@@ -98,7 +100,8 @@ def main(argv) -> int:
     try:
         with autocast:   # the flags are read with each token, which is read for streaming anyway
             for col in generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                                generator, use_cache=not args.no_cache, cache_dtype=dtype, check_every=1):
+                                generator, use_cache=not args.no_cache, cache_dtype=dtype, compile=args.compile,
+                                check_every=1):
                 columns.append(col)
                 out.write(stream.decode(tokenizer.decode_bytes([col[0, 0].item()])))
                 out.flush()

@@ -21,6 +21,9 @@ import torch.nn.functional as F
 from model.gpt import GPT, InferenceCache
 
 
+TINY = torch.finfo(torch.float32).tiny                                   # the smallest normal float32
+
+
 class SamplingError(ValueError):
     """The model's output cannot be sampled from (its weights are damaged, or it diverged)."""
 
@@ -31,11 +34,12 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     of Exponential(1) (draw_noise), the randomness of the choice.
 
     The logits are shifted so that the largest is 0 before they are divided by the temperature: the
-    quotients are <= 0 and cannot overflow, so a temperature near 0 samples like greedy."""
+    quotients are <= 0 and cannot overflow, so a temperature near 0 samples like greedy. A subnormal
+    temperature (below TINY, about 1e-38), which a GPU flushes to 0, counts as TINY."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, TINY)
     if 0 < top_k < logits.size(-1):
         kth_best = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
@@ -48,17 +52,16 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
         logits = logits.masked_fill(drop, float("-inf"))
     probs = F.softmax(logits, dim=-1)
     if noise is None:
-        noise = draw_noise(*probs.shape, probs.device)
+        noise = draw_noise(torch.empty_like(probs))
     # The exponential race: token i wins argmax p_i / E_i with probability p_i (E_i / p_i is an
     # exponential of rate p_i, and the smallest of them is the i-th with that probability). The
     # same distribution as torch.multinomial, in ops that compile into the decoding step.
-    return (probs / noise).argmax(dim=-1, keepdim=True)
+    return (probs / noise.clamp_min(TINY)).argmax(dim=-1, keepdim=True)   # (a draw of 0 would make 0 / 0)
 
 
-def draw_noise(batch: int, vocab_size: int, device, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(batch, vocab_size) draws of Exponential(1), kept away from 0 (0 / 0 would be nan)."""
-    noise = torch.empty(batch, vocab_size, device=device).exponential_(generator=generator)
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+def draw_noise(noise: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill noise (B, V) with draws of Exponential(1), in place (where the compiled step reads it)."""
+    return noise.exponential_(generator=generator)
 
 
 def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
@@ -71,13 +74,33 @@ def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch
     return sample_next(logits, temperature, top_k, top_p, noise), torch.isfinite(logits).all()
 
 
-def compiled(fn, device: torch.device, warn=lambda msg: print(msg, file=sys.stderr, flush=True)):
-    """torch.compile(fn) as one graph: on CUDA with CUDA graphs (mode reduce-overhead), so a call
-    is one graph replay. Compiling is lazy, so the first calls (which compile, then record the
-    CUDA graph) are tried: a failure there is a one-line warning and fn runs eagerly from then on."""
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    fast = torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
-    trials = 3
+def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
+                noise: torch.Tensor | None, temperature: float, top_k: int, top_p: float):
+    """One new token: step() on the newest tokens last (B, 1) at position pos (1,), then last and
+    pos move on to the chosen tokens, in place, so the next call continues from there. Every call
+    has the same shapes and reads and writes the same tensors: one compiled graph, one CUDA graph."""
+    next_id, ok = step(model, cache, last, pos, noise, temperature, top_k, top_p)
+    last.copy_(next_id)
+    pos.add_(1)
+    return next_id, ok
+
+
+def warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
+def compiled(fn, device: torch.device):
+    """torch.compile(fn) as one graph of fixed shapes. Compiling is lazy, so the first calls are
+    tried: a failure there is a one-line warning, and fn runs eagerly from then on. On CUDA,
+    coordinate descent tuning makes inductor turn each one-row matmul into a reduction it tunes and
+    fuses with its neighbours (instead of a library call per matmul)."""
+    options = {"coordinate_descent_tuning": True} if device.type == "cuda" else None
+    fast = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    trials = 2
 
     def run(*args):
         nonlocal fast, trials
@@ -88,11 +111,34 @@ def compiled(fn, device: torch.device, warn=lambda msg: print(msg, file=sys.stde
             trials -= 1
             return out
         except Exception as e:   # dynamo, inductor or the C++/Triton toolchain
-            reason = (str(e).strip().splitlines() or [""])[0][:160]
-            warn(f"warning: compiling the decoding step failed, decoding without it ({type(e).__name__}: {reason})")
+            warn(f"warning: compiling the decoding step failed, decoding without it ({first_line(e)})")
             fast, trials = fn, 0
             return fn(*args)
     return run
+
+
+def cuda_graph(fn, *args):
+    """fn(*args) recorded once as a CUDA graph; each call of the result replays it: the same kernels
+    on the same tensors (args are updated in place between calls), launched at once instead of one
+    by one from Python. A failure to record is a one-line warning, and fn is called as it is."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):          # warm up (compile, allocate) outside the recording
+            for _ in range(2):
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(*args)
+    except Exception as e:
+        warn(f"warning: recording the decoding step as a CUDA graph failed, decoding without it ({first_line(e)})")
+        return fn
+
+    def replay(*same_args):
+        graph.replay()
+        return out                             # the graph's own output tensors, overwritten by the next replay
+    return replay
 
 
 def default_compile(device: torch.device) -> bool:
@@ -108,25 +154,26 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
              check_every: int | None = None) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T).
 
-    compile: compile the one-token decoding step (default: default_compile). Raises SamplingError
-    when the logits are not finite; the flags are read every check_every tokens (default: every
-    token on CPU, every 32 on a GPU, where each read waits for the device)."""
+    compile: compile the one-token decoding step, and on CUDA replay it as a CUDA graph (default:
+    default_compile). Raises SamplingError when the logits are not finite; the flags are read every
+    check_every tokens (default: every token on CPU, every 32 on a GPU, where a read waits for it)."""
     block_size, device, batch = model.cfg.block_size, idx.device, idx.size(0)
     check_every = check_every or (1 if device.type == "cpu" else 32)
     compile = default_compile(device) if compile is None else compile
     finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)   # one flag per new token
+    noise = torch.ones(batch, model.cfg.vocab_size, device=device) if temperature > 0 else None
+    sampling = (noise, temperature, top_k, top_p)
     if use_cache:
         cache = InferenceCache(model, batch, device, cache_dtype or next(model.parameters()).dtype)
-        decode = step
-        if compile:
-            for t in cache.tensors():   # buffers updated in place: the CUDA graph may use them as they are
-                torch._dynamo.mark_static_address(t)
-            decode = compiled(step, device)
-        pos = torch.zeros(1, dtype=torch.long, device=device)              # the new token's position
+        last = torch.zeros(batch, 1, dtype=torch.long, device=device)       # the newest tokens
+        pos = torch.zeros(1, dtype=torch.long, device=device)              # and their position
+        decode = compiled(decode_step, device) if compile else decode_step
+        if compile and device.type == "cuda":   # (its warm-up calls write into the cache: the prefill resets it)
+            decode = cuda_graph(decode, model, cache, last, pos, *sampling)
     tokens, filled = idx, 0                                                # filled: positions in the cache
     for i in range(max_new_tokens):
-        noise = draw_noise(batch, model.cfg.vocab_size, device, generator) if temperature > 0 else None
-        sampling = (noise, temperature, top_k, top_p)
+        if noise is not None:
+            draw_noise(noise, generator)
         if not use_cache:
             next_id, ok = step(model, None, tokens[:, -block_size:], None, *sampling)   # recompute the window
         elif filled == 0 or filled == block_size:                          # prefill (the prompt, or a slide)
@@ -134,10 +181,10 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             cache.reset()
             next_id, ok = step(model, cache, tokens[:, -keep:], torch.arange(keep, device=device), *sampling)
             filled = keep
-        else:                                                              # one new token
+            last.copy_(next_id)
             pos.fill_(filled)
-            last = next_id.clone()          # not the step's own output, which its CUDA graph's next replay overwrites
-            next_id, ok = decode(model, cache, last, pos, *sampling)
+        else:
+            next_id, ok = decode(model, cache, last, pos, *sampling)       # one new token
             filled += 1
         tokens = torch.cat([tokens, next_id], dim=1)
         finite[i] = ok
