@@ -98,3 +98,14 @@ def test_the_first_non_finite_token_is_named_even_when_the_flags_are_read_later(
         for col in generate(model, torch.zeros(1, 1, dtype=torch.long), 12, check_every=4):
             tokens.append(col)
     assert len(tokens) == 7, "the flags of tokens 5 to 8 are read at the 8th, before it is yielded"
+
+
+def test_the_compiled_decoding_step_is_recomputation():
+    """The step compiled by inductor (C++ on CPU; one compile, ~10 s), fed tokens one at a time
+    after a prefill: the logits of recomputing the whole sequence."""
+    from tests.test_variants import compiled_decoding_logits
+    torch._dynamo.reset()
+    model = make_model(pos="rope")
+    seq = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(4))
+    full, _ = model(seq, all_logits=True)
+    torch.testing.assert_close(compiled_decoding_logits(model, seq, 3), full[:, 2:-1], atol=1e-5, rtol=0)

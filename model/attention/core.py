@@ -60,8 +60,10 @@ def sdpa_attention(q, k, v, scale: float, dropout_p: float = 0.0, window: int = 
     The plain causal case takes the flash path (is_causal); a window, ALiBi or a cache's positions
     need an explicit mask."""
     t_query, t_key = q.size(2), k.size(2)
-    if t_query == 1 and q_pos is not None:   # decoding: the fused kernels are made for many queries;
-        return naive_attention(q, k, v, scale, dropout_p, window, slopes, q_pos, k_pos)[0]   # a compiler fuses these
+    if t_query == 1 and q_pos is not None and torch.compiler.is_compiling():
+        # a compiled decoding step: the fused kernels are made for many queries, while a compiler
+        # fuses the explicit math for one query into a few kernels of its own
+        return naive_attention(q, k, v, scale, dropout_p, window, slopes, q_pos, k_pos)[0]
     mask, is_causal = None, False
     if q_pos is None and not window and slopes is None and t_query == t_key:
         is_causal = True
