@@ -80,9 +80,6 @@ class InferenceCache:
         for layer in self.layers:
             layer.reset()
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for layer in self.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):

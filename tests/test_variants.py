@@ -138,7 +138,8 @@ def recomputed_logits(model, seq, prompt_len):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("attention, pos, window", [(a, p, {}) for a, p in COMBOS] + [("sliding_window", "rope", {"window": 12})])
+@pytest.mark.parametrize("attention, pos, window",
+                         [(a, p, {}) for a, p in COMBOS] + [("sliding_window", "rope", {"window": 12})])
 def test_decoding_with_the_cache_is_recomputation_across_slides(attention, pos, window, monkeypatch):
     # block 16: the cache is full and restarts from 8 tokens twice; a window of 12 > 8 also checks
     # that a restart forgets the ring's stale slots

@@ -71,9 +71,9 @@ class CausalSelfAttention(nn.Module):
             q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         if rope is not None:
             q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
-        q_pos = k_pos = None                                            # consecutive, without a cache
+        q_pos = k_pos = None                                             # consecutive, without a cache
         if cache is not None:
-            k, v, k_pos = cache.update(pos, k, v)                         # (B, nkv, T_cache, hs), (T_cache,)
+            k, v, k_pos = cache.update(pos, k, v)                        # (B, nkv, T_cache, hs), (T_cache,)
             q_pos = pos
         if self.n_kv_head != self.n_head:   # each key/value head serves a group of query heads
             group = self.n_head // self.n_kv_head

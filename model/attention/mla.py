@@ -86,9 +86,9 @@ class MultiHeadLatentAttention(nn.Module):
         if self.rope:
             q_rope = apply_rotary_emb(norm(split_heads(self.query_rope(x), self.n_head)), *rope)
             k_rope = apply_rotary_emb(norm(split_heads(self.key_rope(x), 1)), *rope)   # (B, 1, T, hs)
-        q_pos = k_pos = None                                            # consecutive, without a cache
+        q_pos = k_pos = None                                             # consecutive, without a cache
         if cache is not None:
-            c, k_rope, k_pos = cache.update(pos, c, k_rope)              # (B, T_cache, d_c), (T_cache,)
+            c, k_rope, k_pos = cache.update(pos, c, k_rope)             # (B, T_cache, d_c), (T_cache,)
             q_pos = pos
         k = norm(split_heads(self.key_up(c), self.n_head))               # (B, nh, T_all, hs)
         v = split_heads(self.value_up(c), self.n_head)
