@@ -4,7 +4,8 @@ times drift on a shared machine).
     python bench.py race [--data FILE]             classic config vs the fast recipe: time to the classic's best val loss
                                                    (the CPU pair, or on a GPU the GPU pair)
     python bench.py train CONFIG [--key=value ...] matmul peak, step time, tokens/s, MFU; with vs without the levers
-    python bench.py sample                         tokens/s with and without the KV cache, ms/token by position
+    python bench.py sample [--device cuda]         tokens/s with and without the KV cache, ms/token by position
+                                                   (CUDA: batch 1 and 16, with and without the compiled step)
     python bench.py scaling                        step time vs block size and width; sampling time vs samples
     python bench.py prepare                        data preparation speed and memory (benchmarks/prepare.py)
 """

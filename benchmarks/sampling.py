@@ -1,6 +1,7 @@
 """Sampling speed: incremental decoding with the KV cache against recomputing the whole context for
 every new token, at the 6-layer, 384-dim, block-256 shape (random weights: speed does not depend on
-what the weights know)."""
+what the weights know). On CPU by thread count and by position; on CUDA at batch 1 and 16, with and
+without the compiled decoding step (CUDA graphs)."""
 import os
 import time
 
@@ -8,22 +9,29 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
-from model.sampling import generate, use_decoding_layout
+from model.sampling import generate
 
 SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
 
 
-def make_model(device, decoding_layout: bool = True) -> GPT:
+def make_model(device) -> GPT:
     torch.manual_seed(0)
-    model = GPT(ModelConfig(**SHAPE)).to(device).eval()
-    return use_decoding_layout(model) if decoding_layout else model   # sample.py uses the layout
+    return GPT(ModelConfig(**SHAPE)).to(device).eval()
 
 
-def tokens_per_s(model, new_tokens: int, use_cache: bool, samples: int = 1) -> float:
-    prompt = torch.zeros(samples, 1, dtype=torch.long, device=next(model.parameters()).device)
-    gen = torch.Generator(device=prompt.device).manual_seed(0)
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tokens_per_s(model, new_tokens: int, use_cache: bool, samples: int = 1, compile: bool = False) -> float:
+    device = next(model.parameters()).device
+    prompt = torch.zeros(samples, 1, dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    sync(device)
     t0 = time.perf_counter()
-    for col in generate(model, prompt, new_tokens, temperature=1.0, generator=gen, use_cache=use_cache):
+    for col in generate(model, prompt, new_tokens, temperature=1.0, generator=gen, use_cache=use_cache,
+                        compile=compile):
         pass
     col.cpu()                                        # wait for the device
     return samples * new_tokens / (time.perf_counter() - t0)
@@ -45,8 +53,9 @@ def ms_per_token_by_position(model, positions, use_cache: bool, reps: int = 3) -
             cache = InferenceCache(model, 1, device, torch.float32)
             model(idx[:, :1], cache=cache)
             for pos in range(1, last + 1):
+                at = torch.tensor([pos], device=device)
                 t0 = time.perf_counter()
-                model(idx[:, pos:pos + 1], cache=cache)[0].cpu()
+                model(idx[:, pos:pos + 1], cache=cache, pos=at)[0].cpu()
                 if pos in best:
                     best[pos] = min(best[pos], time.perf_counter() - t0)
         else:
@@ -58,25 +67,25 @@ def ms_per_token_by_position(model, positions, use_cache: bool, reps: int = 3) -
 
 
 def bench_sample(new_tokens: int = 500, device: str = "cpu", say=print) -> dict:
-    """tokens/s with and without the cache, for each CPU thread count up to the current one (decoding
-    one token is bound by reading the weights from memory, recomputing by FLOPs: threads help only
-    the latter), then ms per token by position at the current thread count."""
-    model, plain = make_model(device), make_model(device, decoding_layout=False)
+    """tokens/s with and without the cache: on CPU for each thread count up to the current one
+    (decoding one token is bound by reading the weights from memory, recomputing by FLOPs: threads
+    help only the latter), then ms per token by position, then what compiling the decoding step
+    costs and gives; on CUDA see bench_sample_cuda."""
+    if torch.device(device).type == "cuda":
+        return bench_sample_cuda(new_tokens, device, say)
+    model = make_model(device)
     c = model.cfg
     threads = torch.get_num_threads()
     say(f"# sampling {new_tokens} new tokens, {c.n_layer} layers x {c.n_embd}, block {c.block_size}, batch 1, "
         f"{device}, fp32, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
-    say(f"{'threads':>7s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'speedup':>8s} "
-        f"{'cached, usual weight layout':>28s}")
+    say(f"{'threads':>7s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'speedup':>8s}")
     rates = {}
-    for n in (range(1, threads + 1) if device == "cpu" else [threads]):
+    for n in range(1, threads + 1):
         torch.set_num_threads(n)
         tokens_per_s(model, 20, True)                            # warm up
-        tokens_per_s(plain, 20, True)
         cached, full = tokens_per_s(model, new_tokens, True), tokens_per_s(model, new_tokens, False)
-        cached_plain = tokens_per_s(plain, new_tokens, True)
-        rates[n] = (cached, full, cached_plain)
-        say(f"{n:7d} {cached:13.1f} {full:17.1f} {cached / full:7.1f}x {cached_plain:28.1f}")
+        rates[n] = (cached, full)
+        say(f"{n:7d} {cached:13.1f} {full:17.1f} {cached / full:7.1f}x")
     torch.set_num_threads(threads)
     say(f"{'position':>8s} {'ms/token cached':>16s} {'ms/token recomputed':>20s}   ({threads} threads)")
     positions = (10, 100, 250)
@@ -84,7 +93,47 @@ def bench_sample(new_tokens: int = 500, device: str = "cpu", say=print) -> dict:
     per_pos = {pos: (cached[pos], full[pos]) for pos in positions}
     for pos in positions:
         say(f"{pos:8d} {cached[pos]:16.2f} {full[pos]:20.2f}")
-    return {"rates": rates, "per_position": per_pos}
+    compiled = bench_compiled_cpu(model, new_tokens, rates[threads][0], say)
+    return {"rates": rates, "per_position": per_pos, "compiled": compiled}
+
+
+def bench_compiled_cpu(model, new_tokens: int, eager_rate: float, say=print) -> dict:
+    """Whether compiling the decoding step pays on CPU: its compile time against the time it saves
+    over a sample of new_tokens (sample.py decodes eagerly on CPU unless this says otherwise)."""
+    t0 = time.perf_counter()
+    tokens_per_s(model, 3, True, compile=True)                   # compiles (inductor, C++)
+    compile_s = time.perf_counter() - t0
+    rate = tokens_per_s(model, new_tokens, True, compile=True)
+    eager_s, compiled_s = new_tokens / eager_rate, compile_s + new_tokens / rate
+    say(f"compiled decoding step: {compile_s:.1f} s to compile, then {rate:.1f} tok/s ({rate / eager_rate:.2f}x "
+        f"eager); a {new_tokens}-token sample takes {compiled_s:.1f} s with it, {eager_s:.1f} s without")
+    return {"compile_s": compile_s, "rate": rate}
+
+
+def bench_sample_cuda(new_tokens: int, device: str, say=print, reps: int = 3) -> dict:
+    """tokens/s at batch 1 and 16: the compiled decoding step replayed as a CUDA graph, the same
+    step eager, and recomputing the context; best of reps runs each (other work only slows a run
+    down). Compiling and recording the graph happen in a warm-up run before the timed ones."""
+    model = make_model(device)
+    c = model.cfg
+    say(f"# sampling {new_tokens} new tokens, {c.n_layer} layers x {c.n_embd}, block {c.block_size}, "
+        f"{torch.cuda.get_device_name(device)}, fp32, torch {torch.__version__}, best of {reps}")
+    say(f"{'batch':>5s} {'compiled tok/s':>15s} {'eager tok/s':>12s} {'recomputed tok/s':>17s} "
+        f"{'compiled/eager':>15s} {'compiled/recomputed':>20s} {'compile s':>10s}")
+    rows = {}
+    for batch in (1, 16):
+        t0 = time.perf_counter()
+        tokens_per_s(model, new_tokens, True, batch, compile=True)   # warm up: compile
+        compile_s = time.perf_counter() - t0
+        tokens_per_s(model, 20, True, batch)
+        tokens_per_s(model, 20, False, batch)
+        compiled, eager, full = (max(tokens_per_s(model, new_tokens, use_cache, batch, compile=compile)
+                                     for _ in range(reps))
+                                 for use_cache, compile in ((True, True), (True, False), (False, False)))
+        rows[batch] = (compiled, eager, full)
+        say(f"{batch:5d} {compiled:15.0f} {eager:12.0f} {full:17.0f} {compiled / eager:14.1f}x "
+            f"{compiled / full:19.1f}x {compile_s:10.1f}")
+    return {"rows": rows}
 
 
 def bench_samples_scaling(device: str = "cpu", new_tokens: int = 100, say=print) -> None:

@@ -62,19 +62,24 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope=None, cache=None):
-        x = x + self.attn(self.norm1(x), rope, cache)
+    def forward(self, x, rope=None, cache=None, pos=None):
+        x = x + self.attn(self.norm1(x), rope, cache, pos=pos)
         x = x + self.mlp(self.norm2(x))
         return x
 
 
 class InferenceCache:
-    """Per-layer attention caches plus the position the next token goes to."""
+    """Per-layer attention caches for decoding `batch` sequences of up to block_size positions, of
+    fixed shapes: the tokens' positions say where each new key and value goes."""
 
     def __init__(self, model: "GPT", batch: int, device, dtype):
         max_len = model.cfg.block_size
         self.layers = [b.attn.new_cache(batch, max_len, device, dtype) for b in model.blocks]
-        self.pos = 0
+
+    def reset(self) -> None:
+        """Make the cache hold no position, in place (its tensors keep their addresses)."""
+        for layer in self.layers:
+            layer.reset()
 
 
 class GPT(nn.Module):
@@ -126,27 +131,29 @@ class GPT(nn.Module):
         numbers = sum(block.attn.cache_size(seq_len) for block in self.blocks)
         return numbers * torch.empty((), dtype=dtype).element_size()
 
-    def forward(self, idx, targets=None, cache: InferenceCache | None = None, all_logits=False):
+    def forward(self, idx, targets=None, cache: InferenceCache | None = None, all_logits=False, pos=None):
         """idx (B, T) token ids -> (logits, loss).
 
         With targets (B, T): logits for every position and the mean cross-entropy (targets of -1 are
         ignored). Without: logits (B, 1, V) of the last position only, which is all that sampling
-        needs, unless all_logits. With a cache, idx continues the cached positions.
+        needs, unless all_logits. pos (T,): the tokens' positions, a tensor (default 0..T-1). With a
+        cache, the tokens' keys and values are stored in it at those positions, and each token attends
+        to every cached position up to its own: decoding feeds the next token at the next position.
         """
         B, T = idx.shape
-        start = cache.pos if cache is not None else 0
-        if start + T > self.cfg.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.cfg.block_size}")
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.cfg.block_size}")
+        if cache is not None and pos is None:
+            pos = torch.arange(T, device=idx.device)
+        at = (lambda table: table[:T]) if pos is None else (lambda table: table[pos])   # rows of a table
         x = self.tok_emb(idx)                                             # (B, T, C)
         if self.pos_emb is not None:
-            x = x + self.pos_emb.weight[start:start + T]                   # (T, C) rows of the table
+            x = x + at(self.pos_emb.weight)                                # (T, C) rows of the table
         x = self.dropout(x)
-        rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T]) if self.cfg.pos == "rope" else None
+        rope = (at(self.rope_cos), at(self.rope_sin)) if self.cfg.pos == "rope" else None
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, cache.layers[i] if cache is not None else None)
+            x = block(x, rope, cache.layers[i] if cache is not None else None, pos)
         x = self.norm_f(x)
-        if cache is not None:
-            cache.pos += T
 
         if targets is None:
             return self.lm_head(x if all_logits else x[:, -1:, :]), None

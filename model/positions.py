@@ -44,10 +44,8 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def alibi_bias(slopes: torch.Tensor, t_query: int, t_key: int) -> torch.Tensor:
-    """(nh, t_query, t_key) additive score bias -slope * (i - j). The queries are the last t_query of
-    the t_key positions (as in causal_mask); entries above the diagonal are masked out anyway."""
-    q_pos = torch.arange(t_key - t_query, t_key, device=slopes.device)
-    k_pos = torch.arange(t_key, device=slopes.device)
-    distance = (q_pos[:, None] - k_pos[None, :]).float()                 # (Tq, Tk), >= 0 where visible
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """(nh, Tq, Tk) additive score bias -slope * (i - j) for queries at positions q_pos (Tq,) and
+    keys at k_pos (Tk,); entries where the key is in the future are masked out anyway."""
+    distance = (q_pos[:, None] - k_pos[None, :]).to(slopes.dtype)       # (Tq, Tk), >= 0 where visible
     return -slopes[:, None, None] * distance

@@ -6,7 +6,13 @@ and values; only the last window of them, a latent, or a recurrent state for som
 context reaches block_size, the window slides: the cache is rebuilt from the last half block of
 tokens (positions restart at 0, as learned position embeddings need), so the cost stays amortized
 O(1) forwards of one token per step.
+
+The cache has fixed shapes and the position of the new token is a tensor, so every decoding step
+runs the same computation on the same buffers: torch.compile turns it into one graph, and on CUDA
+into one CUDA graph replayed for every token (at batch 1 a step is a hundred small kernels, and
+launching them one by one from Python costs more than running them).
 """
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -15,58 +21,185 @@ import torch.nn.functional as F
 from model.gpt import GPT, InferenceCache
 
 
+TINY = torch.finfo(torch.float32).tiny                                   # the smallest normal float32
+
+
+class SamplingError(ValueError):
+    """The model's output cannot be sampled from (its weights are damaged, or it diverged)."""
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B, 1). temperature 0 is greedy (argmax)."""
+                noise: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B, 1). temperature 0 is greedy (argmax). noise (B, V): draws
+    of Exponential(1) (draw_noise), the randomness of the choice.
+
+    The logits are shifted so that the largest is 0 before they are divided by the temperature: the
+    quotients are <= 0 and cannot overflow, so a temperature near 0 samples like greedy. A subnormal
+    temperature (below TINY, about 1e-38), which a GPU flushes to 0, counts as TINY."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, TINY)
     if 0 < top_k < logits.size(-1):
         kth_best = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
     if top_p < 1.0:
         # nucleus: keep the most likely tokens until their total probability reaches top_p
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = F.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop_sorted = cum - F.softmax(sorted_logits, dim=-1) >= top_p   # mass before this token already enough
+        sorted_probs = F.softmax(sorted_logits, dim=-1)
+        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p   # the mass before it is enough
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    if noise is None:
+        noise = draw_noise(torch.empty_like(probs))
+    # The exponential race: token i wins argmax p_i / E_i with probability p_i (E_i / p_i is an
+    # exponential of rate p_i, and the smallest of them is the i-th with that probability). The
+    # same distribution as torch.multinomial, in ops that compile into the decoding step.
+    return (probs / noise.clamp_min(TINY)).argmax(dim=-1, keepdim=True)   # (a draw of 0 would make 0 / 0)
 
 
-def use_decoding_layout(model: GPT) -> GPT:
-    """Store the blocks' Linear weights (out, in) column-major: the same values, transposed strides.
+def draw_noise(noise: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill noise (B, V) with draws of Exponential(1), in place (where the compiled step reads it)."""
+    return noise.exponential_(generator=generator)
 
-    Decoding one token makes every Linear a vector-matrix product x Wᵀ, bound by reading W from
-    memory. On a 2-core AMD EPYC, MKL streamed Wᵀ stored as (in, out) rows 1.3-1.6x faster than W's
-    own rows; on a 2-core Intel Xeon both layouts ran at the same speed (bench.py sample measures
-    it). Full-sequence matmuls run as fast either way.
-    Training code should not see this model: optimizers expect the usual layout."""
-    if next(model.parameters()).device.type == "cpu":
-        for module in model.blocks.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.data = module.weight.data.t().contiguous().t()
-    return model
+
+def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
+         noise: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """The model on the tokens idx (B, T) at positions pos, then the next token ids (B, 1) and
+    whether every logit was finite (a flag on the device, read later: reading it here would make
+    the host wait for the device at every token). The choice is among the first V = noise's width
+    tokens (a vocabulary padded past the tokenizer's, e.g. 50,304 for GPT-2's 50,257, has rows no
+    tokenizer can decode)."""
+    logits, _ = model(idx, cache=cache, pos=pos)
+    logits = logits[:, -1, :noise.size(-1)]                               # (B, V)
+    return sample_next(logits, temperature, top_k, top_p, noise), torch.isfinite(logits).all()
+
+
+def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
+                noise: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """One new token: step() on the newest tokens last (B, 1) at position pos (1,), then last and
+    pos move on to the chosen tokens, in place, so the next call continues from there. Every call
+    has the same shapes and reads and writes the same tensors: one compiled graph, one CUDA graph."""
+    next_id, ok = step(model, cache, last, pos, noise, temperature, top_k, top_p)
+    last.copy_(next_id)
+    pos.add_(1)
+    return next_id, ok
+
+
+def warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
+def compiled(fn, device: torch.device):
+    """torch.compile(fn) as one graph of fixed shapes. Compiling is lazy, so the first calls are
+    tried: a failure there is a one-line warning, and fn runs eagerly from then on. On CUDA,
+    coordinate descent tuning makes inductor turn each one-row matmul into a reduction it tunes and
+    fuses with its neighbours (instead of a library call per matmul)."""
+    options = {"coordinate_descent_tuning": True} if device.type == "cuda" else None
+    fast = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    trials = 2
+
+    def run(*args):
+        nonlocal fast, trials
+        if trials == 0:
+            return fast(*args)
+        try:
+            out = fast(*args)
+            trials -= 1
+            return out
+        except Exception as e:   # dynamo, inductor or the C++/Triton toolchain
+            warn(f"warning: compiling the decoding step failed, decoding without it ({first_line(e)})")
+            fast, trials = fn, 0
+            return fn(*args)
+    return run
+
+
+def cuda_graph(fn, *args):
+    """fn(*args) recorded once as a CUDA graph; each call of the result replays it: the same kernels
+    on the same tensors (args are updated in place between calls), launched at once instead of one
+    by one from Python. A failure to record is a one-line warning, and fn is called as it is."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):          # warm up (compile, allocate) outside the recording
+            for _ in range(2):
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(*args)
+    except Exception as e:
+        warn(f"warning: recording the decoding step as a CUDA graph failed, decoding without it ({first_line(e)})")
+        return fn
+
+    def replay(*same_args):
+        graph.replay()
+        return out                             # the graph's own output tensors, overwritten by the next replay
+    return replay
+
+
+def default_compile(device: torch.device) -> bool:
+    """Compile the decoding step on CUDA only: on CPU, compiling takes longer than it saves on the
+    few hundred tokens of a sample (bench.py sample measures both)."""
+    return device.type == "cuda"
 
 
 @torch.inference_mode()   # like no_grad, and skips autograd's version counting too
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             use_cache: bool = True, cache_dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
-    """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T)."""
-    block_size = model.cfg.block_size
-    tokens, cache = idx, None
-    dtype = cache_dtype or next(model.parameters()).dtype
-    for _ in range(max_new_tokens):
+             use_cache: bool = True, cache_dtype: torch.dtype | None = None, compile: bool | None = None,
+             check_every: int | None = None, vocab_limit: int | None = None) -> Iterator[torch.Tensor]:
+    """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T).
+
+    compile: compile the one-token decoding step, and on CUDA replay it as a CUDA graph (default:
+    default_compile). Raises SamplingError when the logits are not finite; the flags are read every
+    check_every tokens (default: every token on CPU, every 32 on a GPU, where a read waits for it).
+    vocab_limit: choose only among the first vocab_limit tokens (the tokenizer's vocabulary)."""
+    block_size, device, batch = model.cfg.block_size, idx.device, idx.size(0)
+    check_every = check_every or (1 if device.type == "cpu" else 32)
+    compile = default_compile(device) if compile is None else compile
+    finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)   # one flag per new token
+    vocab = min(vocab_limit or model.cfg.vocab_size, model.cfg.vocab_size)
+    noise = torch.ones(batch, vocab, device=device)   # Exponential(1) draws, redrawn per token when sampling
+    sampling = (noise, temperature, top_k, top_p)
+    if use_cache:
+        cache = InferenceCache(model, batch, device, cache_dtype or next(model.parameters()).dtype)
+        last = torch.zeros(batch, 1, dtype=torch.long, device=device)       # the newest tokens
+        pos = torch.zeros(1, dtype=torch.long, device=device)              # and their position
+        decode = compiled(decode_step, device) if compile else decode_step
+        if compile and device.type == "cuda":   # (its warm-up calls write into the cache: the prefill resets it)
+            decode = cuda_graph(decode, model, cache, last, pos, *sampling)
+    tokens, filled = idx, 0                                                # filled: positions in the cache
+    for i in range(max_new_tokens):
+        if temperature > 0:
+            draw_noise(noise, generator)
         if not use_cache:
-            logits, _ = model(tokens[:, -block_size:])                   # recompute the whole window
-        elif cache is None or cache.pos == block_size:
-            keep = block_size if cache is None else max(1, block_size // 2)
-            cache = InferenceCache(model, tokens.size(0), tokens.device, dtype)
-            logits, _ = model(tokens[:, -keep:], cache=cache)            # prefill
+            next_id, ok = step(model, None, tokens[:, -block_size:], None, *sampling)   # recompute the window
+        elif filled == 0 or filled == block_size:                          # prefill (the prompt, or a slide)
+            keep = min(tokens.size(1), block_size if filled == 0 else max(1, block_size // 2))
+            cache.reset()
+            next_id, ok = step(model, cache, tokens[:, -keep:], torch.arange(keep, device=device), *sampling)
+            filled = keep
+            last.copy_(next_id)
+            pos.fill_(filled)
         else:
-            logits, _ = model(tokens[:, -1:], cache=cache)               # one new token
-        next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)
+            next_id, ok = decode(model, cache, last, pos, *sampling)       # one new token
+            filled += 1
         tokens = torch.cat([tokens, next_id], dim=1)
-        yield next_id
+        finite[i] = ok
+        if (i + 1) % check_every == 0 or i + 1 == max_new_tokens:
+            check_finite(finite[:i + 1])
+        yield tokens[:, -1:]
+
+
+def check_finite(flags: torch.Tensor) -> None:
+    """Raise SamplingError naming the first new token whose logits were not all finite."""
+    if not flags.all():
+        first = int((~flags).nonzero()[0, 0]) + 1
+        raise SamplingError(f"the model's logits are not finite at new token {first}: "
+                            "its weights are damaged or the model diverged")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.attention import MultiHeadLatentAttention, build_attention
-from model.attention.core import causal_mask, merge_heads, split_heads
+from model.attention.core import causal_mask, consecutive_positions, merge_heads, split_heads
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.inspect import attention_maps, head_scores, line_up_positions, newline_positions
@@ -56,7 +56,7 @@ def test_weights_are_exactly_zero_outside_the_visible_past(attention, pos):
     attn, x, rope = layer_and_input(attention, pos)
     with torch.no_grad():
         _, weights = attn(x, rope, return_weights=True)
-    visible = causal_mask(T, T, "cpu", window=OWN[attention].get("window", 0))
+    visible = causal_mask(*consecutive_positions(T, T, "cpu"), window=OWN[attention].get("window", 0))
     assert torch.all(weights[..., ~visible] == 0.0)
     if attention == "sliding_window":
         assert (~visible).sum() > T * (T - 1) // 2, "the window hides more than the future"

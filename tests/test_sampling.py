@@ -1,14 +1,20 @@
-"""Sampling: the cache changes nothing but speed; the filters keep what they should."""
+"""Sampling: the cache changes nothing but speed; the sampler draws from the right distribution and
+keeps what the filters allow; a model that cannot be sampled from is named, not sampled."""
+import pytest
 import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
-from model.sampling import generate, sample_next, use_decoding_layout
+from model.sampling import SamplingError, draw_noise, generate, sample_next
 
 
 def make_model(**kw):
     torch.manual_seed(0)
     return GPT(ModelConfig(vocab_size=40, block_size=12, n_layer=2, n_head=2, n_embd=32, **kw)).eval()
+
+
+def run(model, prompt, n, **kw):
+    return torch.cat(list(generate(model, prompt, n, **kw)), dim=1)
 
 
 def test_incremental_decoding_matches_recomputing_the_prefix():
@@ -18,7 +24,7 @@ def test_incremental_decoding_matches_recomputing_the_prefix():
         full, _ = model(idx, all_logits=True)
         cache = InferenceCache(model, 3, "cpu", torch.float32)
         prefill, _ = model(idx[:, :5], cache=cache, all_logits=True)
-        steps = [prefill] + [model(idx[:, t:t + 1], cache=cache)[0] for t in range(5, 12)]
+        steps = [prefill] + [model(idx[:, t:t + 1], cache=cache, pos=torch.tensor([t]))[0] for t in range(5, 12)]
         torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0, msg=pos)
 
 
@@ -26,38 +32,97 @@ def test_generation_with_and_without_cache_agree_past_the_block_size():
     model = make_model()
     prompt = torch.randint(0, 40, (2, 3))
     # greedy, 30 tokens with block 12: the window slides several times
-    with_cache = torch.cat(list(generate(model, prompt, 30, temperature=0)), dim=1)
-    without = torch.cat(list(generate(model, prompt, 30, temperature=0, use_cache=False)), dim=1)
+    with_cache = run(model, prompt, 30, temperature=0)
+    without = run(model, prompt, 30, temperature=0, use_cache=False)
     assert with_cache.shape == (2, 30)
     # the cache re-primes from half a block when full, so agreement is exact up to the first slide
     assert torch.equal(with_cache[:, :10], without[:, :10])
 
 
-def test_decoding_layout_changes_strides_not_values():
-    model, plain = make_model(), make_model()
-    use_decoding_layout(model)
-    w = model.blocks[0].mlp.up.weight
-    assert w.t().is_contiguous() and not w.is_contiguous()
-    idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(model(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-5, rtol=0)
-    prompt = idx[:, :3]
-    assert torch.equal(torch.cat(list(generate(model, prompt, 20, temperature=0)), dim=1),
-                       torch.cat(list(generate(plain, prompt, 20, temperature=0)), dim=1))
-
-
-def test_seeded_sampling_is_reproducible():
+def test_seeded_sampling_is_reproducible_and_the_same_with_or_without_cache():
     model = make_model()
     prompt = torch.zeros(2, 1, dtype=torch.long)
-    a = torch.cat(list(generate(model, prompt, 20, generator=torch.Generator().manual_seed(5))), 1)
-    b = torch.cat(list(generate(model, prompt, 20, generator=torch.Generator().manual_seed(5))), 1)
-    assert torch.equal(a, b)
+    a, b, other = (run(model, prompt, 20, generator=torch.Generator().manual_seed(s)) for s in (5, 5, 6))
+    assert torch.equal(a, b) and not torch.equal(a, other)
+    recomputed = run(model, prompt, 11, generator=torch.Generator().manual_seed(5), use_cache=False)
+    assert torch.equal(recomputed, a[:, :11]), "one draw per token, whatever computes the logits"
+
+
+def test_the_sampler_draws_each_token_with_its_probability():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(40_000, 4)
+    noise = draw_noise(torch.empty(40_000, 4), torch.Generator().manual_seed(0))
+    freq = torch.bincount(sample_next(logits, 1.0, noise=noise).flatten(), minlength=4) / 40_000
+    torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)   # 4 standard errors
+    hot = torch.bincount(sample_next(logits, 0.5, noise=noise).flatten(), minlength=4) / 40_000
+    torch.testing.assert_close(hot, probs ** 2 / (probs ** 2).sum(), atol=0.01, rtol=0)   # temperature 0.5: p²
 
 
 def test_top_k_and_top_p_only_sample_allowed_tokens():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    gen = torch.Generator().manual_seed(0)
-    top2 = {sample_next(logits, 1.0, top_k=2, generator=gen).item() for _ in range(200)}
-    assert top2 == {0, 1}
-    nucleus = {sample_next(logits, 1.0, top_p=0.7, generator=gen).item() for _ in range(200)}
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(200, 4)
+    noise = draw_noise(torch.empty(200, 4), torch.Generator().manual_seed(0))
+    assert set(sample_next(logits, 1.0, top_k=2, noise=noise).flatten().tolist()) == {0, 1}
+    nucleus = set(sample_next(logits, 1.0, top_p=0.7, noise=noise).flatten().tolist())
     assert nucleus == {0, 1}, "0.5 + 0.3 reaches 0.7: token 2 and 3 are outside the nucleus"
-    assert sample_next(logits, 0.0).item() == 0
+    assert sample_next(logits[:1], 0.0).item() == 0
+
+
+def test_a_tiny_temperature_samples_like_greedy_instead_of_overflowing():
+    """The rule: logits are shifted to a maximum of 0 before dividing, so logits / temperature stays
+    finite (<= 0) for any temperature > 0, and as the temperature goes to 0 sampling becomes greedy."""
+    model = make_model()
+    prompt = torch.randint(0, 40, (2, 3), generator=torch.Generator().manual_seed(3))
+    greedy = run(model, prompt, 20, temperature=0)
+    flushing = torch.set_flush_denormal(True)   # as GPUs do: a subnormal temperature would divide as 0
+    try:
+        for temperature in (1e-45, 1e-30, 1e-8):
+            assert torch.equal(run(model, prompt, 20, temperature=temperature), greedy), temperature
+    finally:
+        torch.set_flush_denormal(False)
+    assert flushing, "this CPU cannot flush subnormals: the GPU's case was not tested"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_nan_weight_is_named_at_the_first_token(temperature):
+    model = make_model()
+    model.blocks[0].attn.query.weight.data[0, 0] = float("nan")
+    with pytest.raises(SamplingError, match="logits are not finite at new token 1: its weights are damaged"):
+        run(model, torch.zeros(1, 1, dtype=torch.long), 5, temperature=temperature)
+
+
+def test_the_first_non_finite_token_is_named_even_when_the_flags_are_read_later():
+    model = make_model()
+    model.pos_emb.weight.data[4] = float("nan")     # the logits at position 4: new token 5 after a 1-token prompt
+    tokens = []
+    with pytest.raises(SamplingError, match="at new token 5:"):
+        for col in generate(model, torch.zeros(1, 1, dtype=torch.long), 12, check_every=4):
+            tokens.append(col)
+    assert len(tokens) == 7, "the flags of tokens 5 to 8 are read at the 8th, before it is yielded"
+
+
+def test_the_compiled_decoding_step_is_recomputation():
+    """The step compiled by inductor (C++ on CPU; one compile, ~10 s), fed tokens one at a time
+    after a prefill: the logits of recomputing the whole sequence."""
+    from tests.test_variants import compiled_decoding_logits
+    torch._dynamo.reset()
+    model = make_model(pos="rope")
+    seq = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(4))
+    full, _ = model(seq, all_logits=True)
+    torch.testing.assert_close(compiled_decoding_logits(model, seq, 3), full[:, 2:-1], atol=1e-5, rtol=0)
+
+
+def test_a_padded_vocabulary_never_yields_a_token_the_tokenizer_lacks():
+    """A model whose vocabulary is padded past its tokenizer's (GPT-2: 50,304 rows for 50,257 tokens)
+    must not pick a padding row, which no tokenizer can decode."""
+    model = make_model()
+    forward = model.forward
+
+    def padding_wins(*args, **kwargs):   # the rows past a 30-token tokenizer win every choice
+        logits, loss = forward(*args, **kwargs)
+        return logits + 100.0 * (torch.arange(logits.size(-1)) >= 35), loss
+    model.forward = padding_wins
+    prompt = torch.zeros(2, 1, dtype=torch.long)
+    for temperature in (0, 1.0):
+        free = torch.cat(list(generate(model, prompt, 20, temperature=temperature)), dim=1)
+        limited = torch.cat(list(generate(model, prompt, 20, temperature=temperature, vocab_limit=30)), dim=1)
+        assert (free >= 30).any() and (limited < 30).all(), temperature

@@ -8,7 +8,7 @@ from model.attention.linear import causal_linear_attention, recurrent_linear_att
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
 from model.positions import alibi_slopes
-from model.sampling import generate
+from model.sampling import generate, sample_next
 from training.config import ConfigError, build_config
 
 OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
@@ -122,9 +122,80 @@ def test_incremental_decoding_matches_recomputing_the_prefix(attention, pos):
     full, _ = model(idx, all_logits=True)
     cache = InferenceCache(model, 3, "cpu", torch.float32)
     parts = [model(idx[:, :7], cache=cache, all_logits=True)[0],      # prefill longer than the window
-             model(idx[:, 7:9], cache=cache, all_logits=True)[0]]     # a chunk after the cache
-    parts += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(9, 16)]
+             model(idx[:, 7:9], cache=cache, all_logits=True, pos=torch.arange(7, 9))[0]]   # a chunk after it
+    parts += [model(idx[:, t:t + 1], cache=cache, pos=torch.tensor([t]))[0] for t in range(9, 16)]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+
+
+def recomputed_logits(model, seq, prompt_len):
+    """(n, B, V): for each new token of seq (B, prompt_len + n), the logits recomputed from scratch
+    on the context the cache holds when generate() chooses it: the prompt's last block_size tokens,
+    then one more per token; when the cache is full, the last half block (positions from 0 again)."""
+    block, filled, out = model.cfg.block_size, 0, []
+    for end in range(prompt_len, seq.size(1)):
+        filled = min(end, block if filled == 0 else block // 2) if filled in (0, block) else filled + 1
+        out.append(model(seq[:, end - filled:end])[0][:, -1])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("attention, pos, window",
+                         [(a, p, {}) for a, p in COMBOS] + [("sliding_window", "rope", {"window": 12})])
+def test_decoding_with_the_cache_is_recomputation_across_slides(attention, pos, window, monkeypatch):
+    # block 16: the cache is full and restarts from 8 tokens twice; a window of 12 > 8 also checks
+    # that a restart forgets the ring's stale slots
+    model = make_model(attention, pos, **window)
+    seen = []
+
+    def recording(logits, *args, **kw):    # the logits the sampler is given, token by token
+        seen.append(logits.clone())
+        return sample_next(logits, *args, **kw)
+    monkeypatch.setattr("model.sampling.sample_next", recording)
+    prompt = tokens(b=2, t=3)
+    new = torch.cat(list(generate(model, prompt, 30, generator=torch.Generator().manual_seed(0))), dim=1)
+    expected = recomputed_logits(model, torch.cat([prompt, new], dim=1), prompt.size(1))
+    torch.testing.assert_close(torch.stack(seen), expected, atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()
+def compiled_decoding_logits(model, seq, prompt_len):
+    """(B, n, V): the logits of seq's tokens after the prompt, fed one at a time to a compiled step
+    (replayed as a CUDA graph on CUDA), as generate() decodes, after an eager prefill of the prompt."""
+    from model.sampling import compiled, cuda_graph
+    device, batch = seq.device, seq.size(0)
+    cache = InferenceCache(model, batch, device, torch.float32)
+    last, pos = torch.zeros(batch, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
+
+    def logits_step(model, cache, last, pos):
+        logits, _ = model(last, cache=cache, pos=pos)
+        pos.add_(1)
+        return logits[:, -1]
+    fn = compiled(logits_step, device)
+    if device.type == "cuda":
+        fn = cuda_graph(fn, model, cache, last, pos)
+    cache.reset()
+    out = [model(seq[:, :prompt_len], cache=cache)[0][:, -1]]
+    pos.fill_(prompt_len)
+    for t in range(prompt_len, seq.size(1) - 1):
+        last.copy_(seq[:, t:t + 1])
+        out.append(fn(model, cache, last, pos).clone())
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled step replays a CUDA graph")
+@pytest.mark.parametrize("attention, pos", [("sdpa", "learned"), ("gqa", "rope"), ("sliding_window", "alibi"),
+                                            ("linear", "rope"), ("mla", "rope"), ("naive", "none")])
+def test_the_compiled_decoding_step_on_cuda_is_recomputation(attention, pos, capsys):
+    torch._dynamo.reset()   # each variant compiles its own graphs: forget the others' (8 at most per function)
+    model = make_model(attention, pos).cuda()
+    seq = tokens(b=2).cuda()
+    full, _ = model(seq, all_logits=True)
+    torch.testing.assert_close(compiled_decoding_logits(model, seq, 3), full[:, 2:-1], atol=1e-4, rtol=0)
+    new = torch.cat(list(generate(model, seq[:, :3], 30, temperature=0, compile=True)), dim=1)   # (B, n)
+    assert "warning" not in capsys.readouterr().err, "compiling or recording the CUDA graph failed"
+    expected = recomputed_logits(model, torch.cat([seq[:, :3], new], dim=1), 3)                  # (n, B, V)
+    chosen = expected.gather(-1, new.T.unsqueeze(-1)).squeeze(-1)
+    # greedy through the whole loop: each token is the best by recomputation (up to rounding)
+    assert (chosen >= expected.max(dim=-1).values - 1e-4).all()
 
 
 @pytest.mark.parametrize("attention", list(OWN))
@@ -133,7 +204,8 @@ def test_cache_size_is_what_the_cache_holds(attention):
     cache = InferenceCache(model, 1, "cpu", torch.float32)
     model(tokens(b=1), cache=cache)
     for block, layer_cache in zip(model.blocks, cache.layers):
-        held = sum(t.numel() for t in vars(layer_cache).values() if isinstance(t, torch.Tensor))
+        held = sum(t.numel() for t in vars(layer_cache).values()   # keys, values, latents, states: not positions
+                   if isinstance(t, torch.Tensor) and t.is_floating_point())
         assert held == block.attn.cache_size(16)
     per_layer = {"naive": 2 * 32 * 16, "sdpa": 2 * 32 * 16, "gqa": 2 * 16 * 16, "sliding_window": 2 * 32 * 5,
                  "linear": 4 * (8 * 8 + 8), "mla": (12 + 8) * 16}[attention]
@@ -196,5 +268,5 @@ def test_qk_norm_and_no_scale_reach_every_variant_and_keep_it_causal_and_cacheab
     torch.testing.assert_close(switched(changed, all_logits=True)[0][:, :9], out[:, :9], atol=1e-6, rtol=0)
     cache = InferenceCache(switched, 2, "cpu", torch.float32)
     parts = [switched(idx[:, :6], cache=cache, all_logits=True)[0]]
-    parts += [switched(idx[:, t:t + 1], cache=cache)[0] for t in range(6, 16)]
+    parts += [switched(idx[:, t:t + 1], cache=cache, pos=torch.tensor([t]))[0] for t in range(6, 16)]
     torch.testing.assert_close(torch.cat(parts, dim=1), out, atol=1e-5, rtol=0)

@@ -8,10 +8,13 @@
 
 Every variant is an nn.Module with one interface, which the GPT and the sampler rely on:
 
-    forward(x, rope=None, cache=None) -> y      x, y (B, T, C); rope = (cos, sin) of the T new
-                                                positions when model.pos = 'rope'; with a cache, x
-                                                continues the positions it holds and is added to it
-    new_cache(batch, max_len, device, dtype)    an empty cache for incremental decoding
+    forward(x, rope=None, cache=None, pos=None) -> y
+                                                x, y (B, T, C); rope = (cos, sin) of the T new
+                                                positions when model.pos = 'rope'; with a cache,
+                                                pos (T,) are x's positions: x is stored in it there
+                                                and attends to every cached position up to its own
+    new_cache(batch, max_len, device, dtype)    an empty cache for incremental decoding, of fixed
+                                                shapes (written in place; reset() empties it)
     cache_size(seq_len) -> int                  numbers the cache holds for one sequence of seq_len
                                                 tokens (the KV-cache column of an ablation)
 

@@ -1,7 +1,9 @@
 """What the softmax attention variants share: the causal mask, the math (explicit and fused), the cache.
 
-Positions: the t_query queries are always the LAST t_query of the t_key positions (they follow any
-cached keys), so query i sits at absolute position t_key - t_query + i.
+Positions: without a cache, the t_query queries are the LAST t_query of t_key consecutive
+positions, so query i sits at position t_key - t_query + i. With a cache, the caller passes the
+positions of the queries and of the cache's slots (q_pos, k_pos): a slot not yet written holds a
+position in the future and is masked like one.
 """
 import torch
 import torch.nn.functional as F
@@ -21,60 +23,80 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().view(B, T, nh * hs)
 
 
-def causal_mask(t_query: int, t_key: int, device, window: int = 0) -> torch.Tensor:
-    """(t_query, t_key) bool, True where attending is allowed: key j <= query position i, and with a
-    window also i - j < window (the query and the window - 1 keys before it)."""
-    offset = t_key - t_query
-    allowed = torch.ones(t_query, t_key, dtype=torch.bool, device=device).tril(diagonal=offset)
+def consecutive_positions(t_query: int, t_key: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of t_query queries that follow t_key - t_query earlier keys, and of the t_key keys."""
+    return torch.arange(t_key - t_query, t_key, device=device), torch.arange(t_key, device=device)
+
+
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """(Tq, Tk) bool, True where attending is allowed: the key's position <= the query's, and with a
+    window also query - key < window (the query and the window - 1 positions before it)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
     if window:
-        allowed = allowed.triu(diagonal=offset - window + 1)
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
     return allowed
 
 
-def naive_attention(q, k, v, scale: float, dropout_p: float = 0.0, window: int = 0, slopes=None):
+def naive_attention(q, k, v, scale: float, dropout_p: float = 0.0, window: int = 0, slopes=None,
+                    q_pos=None, k_pos=None):
     """The explicit math. q (B, nh, Tq, hs), k (B, nh, Tk, hs), v (B, nh, Tk, hv)
-    -> out (B, nh, Tq, hv) and the weights (B, nh, Tq, Tk). slopes: ALiBi's per-head slopes, or None."""
+    -> out (B, nh, Tq, hv) and the weights (B, nh, Tq, Tk). slopes: ALiBi's per-head slopes, or None.
+    q_pos (Tq,), k_pos (Tk,): the positions of queries and keys (default: consecutive)."""
+    if q_pos is None:
+        q_pos, k_pos = consecutive_positions(q.size(2), k.size(2), q.device)
     scores = (q @ k.transpose(-2, -1)) * scale                         # (B, nh, Tq, Tk)
     if slopes is not None:
-        scores = scores + alibi_bias(slopes, q.size(2), k.size(2))
-    future = ~causal_mask(q.size(2), k.size(2), q.device, window)
+        scores = scores + alibi_bias(slopes, q_pos, k_pos)
+    future = ~causal_mask(q_pos, k_pos, window)
     scores = scores.masked_fill(future, float("-inf"))
     weights = F.softmax(scores, dim=-1)                                # rows sum to 1, zero above the diagonal
     out = F.dropout(weights, dropout_p) @ v                            # (B, nh, Tq, hv)
     return out, weights
 
 
-def sdpa_attention(q, k, v, scale: float, dropout_p: float = 0.0, window: int = 0, slopes=None):
+def sdpa_attention(q, k, v, scale: float, dropout_p: float = 0.0, window: int = 0, slopes=None,
+                   q_pos=None, k_pos=None):
     """The same math through torch's fused kernel; the (T, T) weights are never materialized.
-    The plain causal case takes the flash path (is_causal); a window or ALiBi needs an explicit mask."""
+    The plain causal case takes the flash path (is_causal); a window, ALiBi or a cache's positions
+    need an explicit mask."""
     t_query, t_key = q.size(2), k.size(2)
+    if t_query == 1 and q_pos is not None and torch.compiler.is_compiling():
+        # a compiled decoding step: the fused kernels are made for many queries, while a compiler
+        # fuses the explicit math for one query into a few kernels of its own
+        return naive_attention(q, k, v, scale, dropout_p, window, slopes, q_pos, k_pos)[0]
     mask, is_causal = None, False
-    if window or slopes is not None:
-        allowed = causal_mask(t_query, t_key, q.device, window)
+    if q_pos is None and not window and slopes is None and t_query == t_key:
+        is_causal = True
+    else:
+        if q_pos is None:
+            q_pos, k_pos = consecutive_positions(t_query, t_key, q.device)
+        allowed = causal_mask(q_pos, k_pos, window)
         if slopes is None:
             mask = allowed
         else:   # a float mask is added to the scores: the ALiBi bias, -inf where not allowed
-            mask = alibi_bias(slopes, t_query, t_key).to(q.dtype).masked_fill(~allowed, float("-inf"))
-    elif t_query == t_key:
-        is_causal = True
-    elif t_query > 1:   # (a single new token after the cache may see every key: no mask)
-        mask = causal_mask(t_query, t_key, q.device)
+            mask = alibi_bias(slopes, q_pos, k_pos).to(q.dtype).masked_fill(~allowed, float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale)
 
 
 class KVCache:
-    """One layer's keys and values of the positions seen so far, preallocated for max_len of them."""
+    """One layer's keys and values, preallocated for max_len positions: slot j holds position j.
+
+    Its shapes never change, so one compiled decoding step serves every position; the slots not yet
+    written hold positions after the query's and are masked like any future key."""
 
     def __init__(self, batch: int, n_head: int, max_len: int, head_dim: int, device, dtype):
         self.k = torch.zeros(batch, n_head, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        self.len = 0
+        self.k_pos = torch.arange(max_len, device=device)              # the position in each slot
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nh, T, hs) after the cached ones; return all keys and values so far."""
-        end = self.len + k.size(2)
-        self.k[:, :, self.len:end] = k
-        self.v[:, :, self.len:end] = v
-        self.len = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (B, nh, T, hs) of the positions pos (T,) into their slots; return every slot's
+        keys and values (B, nh, max_len, hs) and positions (max_len,)."""
+        self.k.index_copy_(2, pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, pos, v.to(self.v.dtype))
+        return self.k, self.v, self.k_pos
+
+    def reset(self) -> None:
+        """Start again from position 0. Nothing to clear: a stale slot holds a position after the new
+        tokens' and is overwritten before any query reaches it."""

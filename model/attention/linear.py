@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention.core import causal_mask, merge_heads, split_heads
+from model.attention.core import causal_mask, consecutive_positions, merge_heads, split_heads
 from model.config import ModelConfig
 from model.positions import apply_rotary_emb
 
@@ -69,7 +69,7 @@ def linear_attention_weights(q, k, q_num, k_num):
     q, k are the features φ(q), φ(k); q_num, k_num the same rotated by rope (or the same tensors).
     Without rope each row is a distribution over the past. With rope the numerator is rotated and the
     denominator is not: rows need not sum to 1 and a weight can be negative."""
-    future = ~causal_mask(q.size(2), k.size(2), q.device)
+    future = ~causal_mask(*consecutive_positions(q.size(2), k.size(2), q.device))
     num = (q_num @ k_num.transpose(-2, -1)).masked_fill(future, 0.0)                # (B, nh, T, T)
     den = (q @ k.transpose(-2, -1)).masked_fill(future, 0.0).sum(-1, keepdim=True)  # (B, nh, T, 1)
     return num / den.clamp_min(1e-6)
@@ -77,11 +77,16 @@ def linear_attention_weights(q, k, q_num, k_num):
 
 class LinearState:
     """One layer's recurrent state: S (B, nh, hs, hs) for the numerator, z (B, nh, hs, 1) for the
-    denominator. Its size does not depend on max_len."""
+    denominator. Its size does not depend on max_len; it is updated in place."""
 
     def __init__(self, batch: int, n_head: int, head_dim: int, device, dtype):
         self.S = torch.zeros(batch, n_head, head_dim, head_dim, device=device, dtype=dtype)
         self.z = torch.zeros(batch, n_head, head_dim, 1, device=device, dtype=dtype)
+
+    def reset(self) -> None:
+        """Start again from position 0: the sums over no token are zero."""
+        self.S.zero_()
+        self.z.zero_()
 
 
 class LinearAttention(nn.Module):
@@ -103,8 +108,9 @@ class LinearAttention(nn.Module):
     def cache_size(self, seq_len: int) -> int:
         return self.n_head * (self.head_dim * self.head_dim + self.head_dim)
 
-    def forward(self, x, rope=None, cache: LinearState | None = None, return_weights: bool = False):
-        """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T) weights of
+    def forward(self, x, rope=None, cache: LinearState | None = None, pos=None, return_weights: bool = False):
+        """x (B, T, C) -> (B, T, C). With a cache, x continues the tokens its state sums over (the state
+        has no positions: pos is not needed). With return_weights also the (B, nh, T, T) weights of
         linear_attention_weights (a whole sequence: a cache keeps no past keys to weigh)."""
         if return_weights and cache is not None:
             raise ValueError("linear attention's weights need the whole sequence, not a cache")
@@ -123,7 +129,8 @@ class LinearAttention(nn.Module):
         num, S = attend(q_num, k_num, v, cache.S if cache is not None else None)   # (B, nh, T, hs)
         den, z = attend(q, k, ones, cache.z if cache is not None else None)         # (B, nh, T, 1)
         if cache is not None:
-            cache.S, cache.z = S, z
+            cache.S.copy_(S)
+            cache.z.copy_(z)
         out = num / den.clamp_min(1e-6)
         out = merge_heads(out)                                           # (B, T, C): concatenate the heads
         out = self.resid_dropout(self.proj(out))

@@ -62,9 +62,11 @@ class CausalSelfAttention(nn.Module):
         per key/value head per token."""
         return 2 * self.n_kv_head * self.head_dim * seq_len
 
-    def forward(self, x, rope=None, cache: KVCache | None = None, return_weights: bool = False):
-        """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T_all) weights (GQA: each
-        query head's; sliding window: zero outside the window), computed by the explicit path."""
+    def forward(self, x, rope=None, cache: KVCache | None = None, pos=None, return_weights: bool = False):
+        """x (B, T, C) -> (B, T, C). With a cache, pos (T,) are the positions of x's tokens: they are
+        stored at those positions and attend to every cached one up to their own. With return_weights
+        also the (B, nh, T, T_all) weights (GQA: each query head's; sliding window: zero outside the
+        window), computed by the explicit path."""
         q = split_heads(self.query(x), self.n_head)                      # (B, nh, T, hs)
         k = split_heads(self.key(x), self.n_kv_head)                     # (B, nkv, T, hs)
         v = split_heads(self.value(x), self.n_kv_head)
@@ -72,17 +74,19 @@ class CausalSelfAttention(nn.Module):
             q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         if rope is not None:
             q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
+        q_pos = k_pos = None                                             # consecutive, without a cache
         if cache is not None:
-            k, v = cache.append(k, v)                                     # (B, nkv, T_past + T, hs)
+            k, v, k_pos = cache.update(pos, k, v)                        # (B, nkv, T_cache, hs), (T_cache,)
+            q_pos = pos
         if self.n_kv_head != self.n_head:   # each key/value head serves a group of query heads
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
         p = self.dropout_p if self.training else 0.0
         if self.impl == "naive" or return_weights:
-            out, weights = naive_attention(q, k, v, self.scale, p, self.window, self.alibi_slopes)
+            out, weights = naive_attention(q, k, v, self.scale, p, self.window, self.alibi_slopes, q_pos, k_pos)
         else:
-            out = sdpa_attention(q, k, v, self.scale, p, self.window, self.alibi_slopes)
+            out = sdpa_attention(q, k, v, self.scale, p, self.window, self.alibi_slopes, q_pos, k_pos)
 
         out = merge_heads(out)                                           # (B, T, C): concatenate the heads
         out = self.resid_dropout(self.proj(out))

@@ -30,20 +30,24 @@ from model.positions import alibi_slopes, apply_rotary_emb
 
 
 class LatentCache:
-    """One layer's latents (B, max_len, d_c) and, with rope, rotated shared keys (B, 1, max_len, hs)."""
+    """One layer's latents (B, max_len, d_c) and, with rope, rotated shared keys (B, 1, max_len, hs),
+    preallocated: slot j holds position j (as in core.KVCache)."""
 
     def __init__(self, batch: int, max_len: int, latent_dim: int, rope_dim: int, device, dtype):
         self.c = torch.zeros(batch, max_len, latent_dim, device=device, dtype=dtype)
         self.k_rope = torch.zeros(batch, 1, max_len, rope_dim, device=device, dtype=dtype) if rope_dim else None
-        self.len = 0
+        self.k_pos = torch.arange(max_len, device=device)              # the position in each slot
 
-    def append(self, c, k_rope):
-        end = self.len + c.size(1)
-        self.c[:, self.len:end] = c
+    def update(self, pos, c, k_rope):
+        """Write the latents c (B, T, d_c) (and k_rope) of the positions pos (T,) into their slots;
+        return every slot's latents, rotated keys and positions."""
+        self.c.index_copy_(1, pos, c.to(self.c.dtype))
         if k_rope is not None:
-            self.k_rope[:, :, self.len:end] = k_rope
-        self.len = end
-        return self.c[:, :end], (self.k_rope[:, :, :end] if k_rope is not None else None)
+            self.k_rope.index_copy_(2, pos, k_rope.to(self.k_rope.dtype))
+        return self.c, self.k_rope, self.k_pos
+
+    def reset(self) -> None:
+        """Nothing to clear (see core.KVCache.reset)."""
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -74,7 +78,7 @@ class MultiHeadLatentAttention(nn.Module):
     def cache_size(self, seq_len: int) -> int:
         return (self.latent_dim + (self.head_dim if self.rope else 0)) * seq_len
 
-    def forward(self, x, rope=None, cache: LatentCache | None = None, return_weights: bool = False):
+    def forward(self, x, rope=None, cache: LatentCache | None = None, pos=None, return_weights: bool = False):
         """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T_all) weights by the explicit
         path: the softmax of the up-projected keys' scores (plus q_rope·k_rope with rope), scaled as here."""
         norm = (lambda t: F.rms_norm(t, (self.head_dim,))) if self.qk_norm else (lambda t: t)
@@ -84,8 +88,10 @@ class MultiHeadLatentAttention(nn.Module):
         if self.rope:
             q_rope = apply_rotary_emb(norm(split_heads(self.query_rope(x), self.n_head)), *rope)
             k_rope = apply_rotary_emb(norm(split_heads(self.key_rope(x), 1)), *rope)   # (B, 1, T, hs)
+        q_pos = k_pos = None                                             # consecutive, without a cache
         if cache is not None:
-            c, k_rope = cache.append(c, k_rope)                          # (B, T_past + T, d_c)
+            c, k_rope, k_pos = cache.update(pos, c, k_rope)             # (B, T_cache, d_c), (T_cache,)
+            q_pos = pos
         k = norm(split_heads(self.key_up(c), self.n_head))               # (B, nh, T_all, hs)
         v = split_heads(self.value_up(c), self.n_head)
         if self.rope:
@@ -94,9 +100,9 @@ class MultiHeadLatentAttention(nn.Module):
 
         p = self.dropout_p if self.training else 0.0
         if return_weights:
-            out, weights = naive_attention(q, k, v, self.scale, p, slopes=self.alibi_slopes)
+            out, weights = naive_attention(q, k, v, self.scale, p, 0, self.alibi_slopes, q_pos, k_pos)
         else:
-            out = sdpa_attention(q, k, v, self.scale, p, slopes=self.alibi_slopes)   # (B, nh, T, hs)
+            out = sdpa_attention(q, k, v, self.scale, p, 0, self.alibi_slopes, q_pos, k_pos)   # (B, nh, T, hs)
         out = merge_heads(out)                                           # (B, T, C): concatenate the heads
         out = self.resid_dropout(self.proj(out))
         return (out, weights) if return_weights else out
