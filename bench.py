@@ -7,6 +7,7 @@ times drift on a shared machine).
     python bench.py sample [--device cuda]         tokens/s with and without the KV cache, ms/token by position
                                                    (CUDA: batch 1 and 16, with and without the compiled step)
     python bench.py scaling                        step time vs block size and width; sampling time vs samples
+    python bench.py tokenizers [--seconds 120]     char vs gpt2 vs bpe:4096 in bits per byte at equal training time
     python bench.py prepare                        data preparation speed and memory (benchmarks/prepare.py)
 """
 import argparse
@@ -40,6 +41,9 @@ def main(argv: list[str]) -> int:
     s.add_argument("--new-tokens", type=int, default=500)
     s.add_argument("--device", default="cpu")
     sub.add_parser("scaling", help="how step and sampling time grow with block size, width and samples")
+    k = sub.add_parser("tokenizers", help="bits per byte of char, gpt2 and bpe:4096 at equal training time")
+    k.add_argument("--config", default="configs/shakespeare_char_cpu.toml")
+    k.add_argument("--seconds", type=float, default=120.0, help="training time per tokenizer")
     sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole")
     args, overrides = p.parse_known_args(argv)
     from training.runtime import cpu_name
@@ -62,6 +66,9 @@ def main(argv: list[str]) -> int:
         from benchmarks.step import bench_scaling
         bench_scaling()
         bench_samples_scaling()
+    elif args.command == "tokenizers":
+        from benchmarks.tokenizers import bench_tokenizers
+        bench_tokenizers(args.config, overrides, seconds=args.seconds)
     elif args.command == "prepare":
         import runpy
         sys.argv = ["benchmarks/prepare.py", *overrides]
