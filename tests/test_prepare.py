@@ -92,6 +92,13 @@ def test_missing_and_empty_inputs_are_clear_errors(tmp_path):
             prepare(path, "char", 0.1, tmp_path / "prep")
 
 
+@pytest.mark.parametrize("fraction", ["0", "1", "-0.1", "nan"])
+def test_the_command_refuses_a_val_fraction_outside_0_to_1(tmp_path, text_file, fraction):
+    with pytest.raises(DataError, match=r"data.val_fraction must be between 0 and 1, got"):
+        prep.main([str(text_file), "--val-fraction", fraction, "--root", str(tmp_path / "prep")])
+    assert not (tmp_path / "prep").exists()
+
+
 def test_an_interrupted_preparation_leaves_nothing_that_looks_finished(tmp_path, text_file, monkeypatch, small_reads):
     calls = []
     real = CharTokenizer.encode_array
