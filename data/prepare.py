@@ -384,7 +384,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":   # without training.errors.run_cli, which imports torch (300 MB of memory)
+if __name__ == "__main__":   # without training.errors.run_cli, which imports torch: preparing needs none of it
     try:
         sys.exit(main(sys.argv[1:]))
     except Interrupted as e:

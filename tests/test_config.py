@@ -65,7 +65,7 @@ def test_described_config_is_valid_toml_that_round_trips(tmp_path):
 
 
 def test_a_stored_config_with_a_data_url_still_loads():
-    """Checkpoints of earlier versions store data.url (a download address): it is ignored."""
+    """Some checkpoints hold data.url (a download address): it is ignored."""
     stored = build_config(None, ["--model.n_layer=3"]).to_dict()
     stored["data"]["url"] = "https://example.invalid/input.txt"
     assert from_dict(stored).to_dict() == build_config(None, ["--model.n_layer=3"]).to_dict()

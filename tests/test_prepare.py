@@ -131,9 +131,9 @@ def test_memory_does_not_grow_with_the_file(tmp_path):
     """The bound: preparing 30 MB takes less than 40 MB more peak memory than preparing 3 MB, on any
     number of cores (here as if there were 32). At most IN_FLIGHT_CHARS = 4M characters are being
     encoded or waiting to be written, in smaller pieces on more cores, at ~8 bytes each (text, code
-    points, ids). Without that cap (2 pieces of 1M characters per core) the growth is ~120 MB here;
-    reading the file whole costs ~10 bytes per character. Peak memory is the child process's (see
-    benchmarks/prepare.py)."""
+    points, ids). Without that cap (2 pieces of 1M characters per core) 32 cores would hold 64M
+    characters, far past the bound; reading the file whole costs ~10 bytes per character. Peak
+    memory is the child process's (see benchmarks/prepare.py)."""
     line = (TEXT.replace("\n", " ") + "\n").encode()
     peaks = []
     for name, size in (("small", 3_000_000), ("big", 30_000_000)):

@@ -101,7 +101,7 @@ def test_the_first_non_finite_token_is_named_even_when_the_flags_are_read_later(
 
 
 def test_the_compiled_decoding_step_is_recomputation():
-    """The step compiled by inductor (C++ on CPU; one compile, ~10 s), fed tokens one at a time
+    """The step compiled by inductor (C++ on CPU; one compile), fed tokens one at a time
     after a prefill: the logits of recomputing the whole sequence."""
     from tests.test_variants import compiled_decoding_logits
     torch._dynamo.reset()

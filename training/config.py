@@ -242,8 +242,8 @@ def load_toml(path: Path) -> dict:
 
 
 def from_dict(values: dict) -> Config:
-    """A Config from Config.to_dict()'s output (as stored in checkpoints). A stored data.url (a
-    download address, in checkpoints of earlier versions) is ignored, so those checkpoints load."""
+    """A Config from Config.to_dict()'s output (as stored in checkpoints). A data.url (a download
+    address that some checkpoints hold) is ignored, so that those checkpoints load."""
     values = dict(values)
     if isinstance(values.get("data"), dict):
         values["data"] = {k: v for k, v in values["data"].items() if k != "url"}
