@@ -12,7 +12,7 @@ from data.loader import BatchLoader
 from data.prepare import DataError, prepare
 from benchmarks.prepare import measure
 from data.tokenizers import CharTokenizer, load_tokenizer
-from tests.conftest import ROOT, TEXT
+from tests.conftest import TEXT
 from tests.test_data import gpt2_or_skip
 
 TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
