@@ -10,7 +10,6 @@ import argparse
 import codecs
 import math
 import sys
-from pathlib import Path
 
 from training.errors import run_cli
 

@@ -3,7 +3,7 @@ position encoding: tests/test_variants.py)."""
 import pytest
 import torch
 
-from model.attention import CausalSelfAttention
+from model.attention.mha import CausalSelfAttention
 from model.config import ModelConfig
 from model.gpt import GPT
 

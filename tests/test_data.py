@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from data.loader import BatchLoader
-from data.prepare import DataError, prepare
-from data.sources import read_text
+from data.prepare import prepare
+from data.sources import DataError, read_text
 from data.tokenizers import CharTokenizer, TokenizerError, build_tokenizer, load_tokenizer
 from tests.conftest import TEXT
 

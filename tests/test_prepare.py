@@ -9,7 +9,8 @@ import pytest
 import data.prepare as prep
 import data.sources
 from data.loader import BatchLoader
-from data.prepare import DataError, prepare
+from data.prepare import prepare
+from data.sources import DataError
 from benchmarks.prepare import measure
 from data.tokenizers import CharTokenizer, load_tokenizer
 from tests.conftest import TEXT

@@ -20,7 +20,8 @@ import torch
 
 import sample as sample_cli
 import train as train_cli
-from data.prepare import DataError, prepare
+from data.prepare import prepare
+from data.sources import DataError
 from model.gpt import GPT
 from tests.conftest import ROOT, TEXT, num_threads, tiny_overrides
 from training.checkpoint import (FORMAT, CheckpointError, clean_key, clean_state_dict, list_checkpoints,

@@ -38,7 +38,8 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def run_cli(main, argv: list[str]) -> int:
     """Run main(argv); turn the errors a user can cause into a one-line message and a non-zero exit."""
-    from data.prepare import DataError, Interrupted
+    from data.prepare import Interrupted
+    from data.sources import DataError
     from data.tokenizers import TokenizerError
     from training.checkpoint import CheckpointError
     from training.config import ConfigError

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from data.cache import bits_per_byte
+from data.cache import bits_per_byte, load_meta
 from data.loader import BatchLoader
-from data.prepare import load_meta
 from model.gpt import GPT
 from training import distributed
 from training.checkpoint import (CheckpointError, atomic_write_text, check_resumable, clean_state_dict,
