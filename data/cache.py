@@ -150,11 +150,6 @@ def check_split_sizes(tokens: dict, block_size: int | None) -> None:
                             f"{block_size + 1}; use a longer text or a smaller --model.block_size")
 
 
-def tokens_per_byte(meta: dict, split: str) -> float:
-    """Tokens per UTF-8 byte of a split's text: 1 for char on ASCII text, ~0.3 for gpt2 on English."""
-    return meta["tokens"][split] / meta["bytes"][split]
-
-
 def bits_per_byte(loss_nats_per_token: float, tokens: int, nbytes: int) -> float:
     """A mean cross-entropy (nats per token) over `tokens` tokens as bits per byte of the `nbytes`
     bytes of text they encode: comparable across tokenizers, unlike a loss per token."""

@@ -241,17 +241,6 @@ def load_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
 
 
-def from_dict(values: dict) -> Config:
-    """A Config from Config.to_dict()'s output (as stored in checkpoints). A data.url (a download
-    address that some checkpoints hold) is ignored, so that those checkpoints load."""
-    values = dict(values)
-    if isinstance(values.get("data"), dict):
-        values["data"] = {k: v for k, v in values["data"].items() if k != "url"}
-    cfg = Config()
-    apply_dict(cfg, values)
-    return cfg
-
-
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     """['--train.lr=1e-3', '--data', 'f.txt'] -> [('train.lr', '1e-3'), ('data.path', 'f.txt')]."""
     shorthands = {"data": "data.path"}
