@@ -10,7 +10,6 @@ import argparse
 import codecs
 import math
 import sys
-from pathlib import Path
 
 from training.errors import run_cli
 
@@ -30,7 +29,7 @@ def parse_args(argv):
     p.add_argument("--device", default="auto")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context for every token (slow; for comparison)")
     p.add_argument("--compile", action="store_true", help="compile the decoding step, on CUDA replayed as a CUDA "
-                   "graph: ~10x more tokens/s on a GPU, after ~30 s of compiling (pays for long samples)")
+                   "graph: many more tokens/s on a GPU once compiled (compiling takes a while: pays for long samples)")
     args = p.parse_args(argv)
     checks = [(args.num_samples >= 1, "--num-samples must be >= 1"),
               (args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),

@@ -150,7 +150,7 @@ def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:
         "- **tokens/s**: median training throughput over the logged intervals (timings on a shared machine "
         "are noisy). **wall s**: training time of a run, evaluations and checkpoints included.",
         f"- **peak mem**: {rows[0]['peak_mem_kind'] or 'peak memory'} of each run's process (largest over "
-        "its attempts if it was resumed), mean over seeds; on CPU it includes the ~0.3 GB of Python and torch.",
+        "its attempts if it was resumed), mean over seeds; it includes the memory of Python and torch themselves.",
         "- **KV cache**: bytes a sampler keeps per token of context (all layers, the run's dtype), for a full "
         f"block of {base_cfg.model.block_size} tokens. sliding_window's cache stops growing at its window and "
         "linear attention's is a constant-size state: theirs is that size divided by the block.",

@@ -4,8 +4,7 @@ Choices:
   trainer      rustbpe (nanochat's BPE trainer, Rust): it returns tiktoken's mergeable ranks (token
                bytes -> rank) directly, so the result encodes with tiktoken exactly like gpt2 does.
                Hugging Face `tokenizers` trains as well, but keeps byte-level tokens in a remapped
-               alphabet that would need translating back to bytes, and was slower: 4,096 tokens on
-               tinyshakespeare (1 MB) took 0.27 s with it and 0.07-0.11 s with rustbpe.
+               alphabet that would need translating back to bytes (and trains more slowly).
   bytes        the 256 byte values are tokens 0..255, so every text encodes, characters never seen
                in training included
   pattern      GPT-4's (cl100k) pre-tokenizer regex: no merge crosses a split point, and cutting the
@@ -24,7 +23,7 @@ PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^
            r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
 MIN_VOCAB = 257          # the 256 bytes and <|endoftext|>
 MAX_VOCAB = 1 << 20
-TRAIN_MAX_CHARS = 256_000_000   # the first 256M characters of the train split (~15 s of counting)
+TRAIN_MAX_CHARS = 256_000_000   # the first 256M characters of the train split: a bound on the counting time
 
 
 def bpe_vocab_size(spec: str) -> int | None:

@@ -30,6 +30,7 @@ import numpy as np
 
 from data.sources import DataError
 from data.tokenizers import TokenizerError, load_tokenizer
+from error_text import first_line
 
 FORMAT = 2
 STALE_SECONDS = 24 * 3600
@@ -127,7 +128,7 @@ def read_entry(entry: Path, expect: dict | None = None) -> tuple[dict | None, st
     except FileNotFoundError:
         return None, "is unfinished (it has no meta.json)"
     except (OSError, ValueError) as e:   # unreadable, not UTF-8, not JSON
-        return None, f"is damaged (meta.json cannot be read: {str(e).splitlines()[0][:80]})"
+        return None, f"is damaged (meta.json cannot be read: {first_line(e, 80)})"
     problem = _problem(entry, meta, expect or {})
     return (None, problem) if problem else (meta, None)
 
@@ -147,11 +148,6 @@ def check_split_sizes(tokens: dict, block_size: int | None) -> None:
         if block_size is not None and tokens[split] < block_size + 1:
             raise DataError(f"the {split} split has {tokens[split]} tokens, fewer than block_size + 1 = "
                             f"{block_size + 1}; use a longer text or a smaller --model.block_size")
-
-
-def tokens_per_byte(meta: dict, split: str) -> float:
-    """Tokens per UTF-8 byte of a split's text: 1 for char on ASCII text, ~0.3 for gpt2 on English."""
-    return meta["tokens"][split] / meta["bytes"][split]
 
 
 def bits_per_byte(loss_nats_per_token: float, tokens: int, nbytes: int) -> float:

@@ -40,7 +40,7 @@ import numpy as np
 
 from data.bpe import bpe_vocab_size, train_bpe
 from data.cache import (FORMAT, check_split_sizes, entry_name, load_meta, make_temp_dir, publish,  # noqa: F401
-                        read_entry, remove_stale_temp_dirs, token_dtype)   # load_meta: importable from here too
+                        read_entry, remove_stale_temp_dirs, token_dtype)   # load_meta: benchmarks/ import it from here
 from data.sources import DataError, find_sources, iter_text, sources_sha256
 from data.tokenizers import CharTokenizer, TokenizerError, build_tokenizer, check_encoding_name, load_tokenizer
 
@@ -384,7 +384,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":   # without training.errors.run_cli, which imports torch (300 MB of memory)
+if __name__ == "__main__":   # without training.errors.run_cli, which imports torch: preparing needs none of it
     try:
         sys.exit(main(sys.argv[1:]))
     except Interrupted as e:

@@ -15,6 +15,8 @@ import binascii
 
 import numpy as np
 
+from error_text import first_line
+
 EOT = "<|endoftext|>"   # the end-of-text token between documents (gpt2's name for it)
 
 
@@ -161,7 +163,7 @@ def trained_bpe(meta: dict) -> TiktokenTokenizer:
     try:
         enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable, special_tokens=special)
     except ValueError as e:   # the pattern is not a valid regex
-        raise damaged(str(e).splitlines()[0]) from None
+        raise damaged(first_line(e)) from None
     return TiktokenTokenizer(enc, meta)
 
 

@@ -160,11 +160,3 @@ class GPT(nn.Module):
         logits = self.lm_head(x)                                          # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
-
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """Weight decay on matrices (linear weights, embeddings) only; never on biases or norm gains."""
-        params = list(self.parameters())    # a tied weight appears once
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        return [{"params": decay, "weight_decay": weight_decay},
-                {"params": no_decay, "weight_decay": 0.0}]

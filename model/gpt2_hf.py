@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from error_text import first_line
 from model.config import ModelConfig
 from training.checkpoint import CheckpointError, atomic_write_text
 
@@ -224,7 +225,7 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     except Exception as e:   # offline, unknown repo, no access, a full disk: all end here
         offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
         detail = ("not in the local cache, and the hub cannot be reached" if offline
-                  else str(e).strip().split(". ")[0].splitlines()[0][:160] or type(e).__name__)
+                  else first_line(e).split(". ")[0])
         raise CheckpointError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
                               f"pass a local directory") from None
 
@@ -264,7 +265,7 @@ def read_tensors(directory: Path) -> dict:
         try:
             tensors.update(load_file(f))
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f} is not a readable safetensors file ({str(e)[:120]})") from None
+            raise CheckpointError(f"{f} is not a readable safetensors file ({first_line(e, 120)})") from None
     return tensors
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from error_text import first_line
 from model.gpt import GPT, InferenceCache
 
 
@@ -91,10 +92,6 @@ def warn(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
-
-
 def compiled(fn, device: torch.device):
     """torch.compile(fn) as one graph of fixed shapes. Compiling is lazy, so the first calls are
     tried: a failure there is a one-line warning, and fn runs eagerly from then on. On CUDA,
@@ -113,7 +110,8 @@ def compiled(fn, device: torch.device):
             trials -= 1
             return out
         except Exception as e:   # dynamo, inductor or the C++/Triton toolchain
-            warn(f"warning: compiling the decoding step failed, decoding without it ({first_line(e)})")
+            warn(f"warning: compiling the decoding step failed, decoding without it "
+                 f"({type(e).__name__}: {first_line(e)})")
             fast, trials = fn, 0
             return fn(*args)
     return run
@@ -134,7 +132,8 @@ def cuda_graph(fn, *args):
         with torch.cuda.graph(graph):
             out = fn(*args)
     except Exception as e:
-        warn(f"warning: recording the decoding step as a CUDA graph failed, decoding without it ({first_line(e)})")
+        warn(f"warning: recording the decoding step as a CUDA graph failed, decoding without it "
+             f"({type(e).__name__}: {first_line(e)})")
         return fn
 
     def replay(*same_args):

@@ -1,5 +1,6 @@
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,6 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
 
 import torch  # noqa: E402
-
-torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # A short text with enough variety to be a real (if tiny) language: ~2,300 characters.
 TEXT = """First Citizen:
@@ -79,6 +78,25 @@ content to say it was for his country he did it to
 please his mother and to be partly proud; which he
 is, even till the altitude of his virtue.
 """
+
+
+@contextmanager
+def num_threads(n: int):
+    """torch's intra-op thread count set to n inside the block, and put back after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def at_most_two_threads():
+    """At most two intra-op threads for the session: the tests' tiny models gain nothing from more,
+    and the suite shares its machine."""
+    with num_threads(min(2, torch.get_num_threads())):
+        yield
 
 
 @pytest.fixture

@@ -7,9 +7,10 @@ import sys
 import pytest
 import torch
 
+from ablation.sweep import load_sweep
+from model.config import ATTENTIONS
 from tests.conftest import ROOT
 from training.config import ConfigError
-from ablation.sweep import load_sweep
 from training.runtime import pick_device, pick_dtype
 
 VARIANTS = """
@@ -109,16 +110,27 @@ def test_sweep_errors_are_one_line_from_the_command(tmp_path, text_file):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_shipped_sweeps_load(monkeypatch):
+SHIPPED = sorted((ROOT / "configs" / "ablations").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_a_shipped_sweep_loads_with_its_base_config_as_the_baseline(path, monkeypatch):
+    """Its baseline is the base config as it is, and it has seeds enough to judge a difference
+    against the seeds' own spread."""
+    monkeypatch.chdir(ROOT)
+    sweep = load_sweep(str(path.relative_to(ROOT)))
+    assert sweep.variants[0][1] == {}, "the baseline overrides nothing"
+    assert len(sweep.seeds) >= 2
+
+
+def test_the_attention_sweeps_cover_every_variant_switch_and_position(monkeypatch):
     monkeypatch.chdir(ROOT)
     cpu = load_sweep("configs/ablations/attention_cpu.toml")
-    assert len(cpu.runs) <= 18 and cpu.seeds == [1337, 1338]
-    m = cpu.runs[0].cfg.model
-    assert (m.n_layer, m.n_embd, m.block_size) == (4, 128, 64) and cpu.runs[0].cfg.data.path == "data/tinyshakespeare.txt"
-    attentions = {r.cfg.model.attention for r in cpu.runs}
-    assert attentions == {"naive", "sdpa", "gqa", "sliding_window", "linear", "mla"}
-    assert any(not r.cfg.model.attn_scale for r in cpu.runs) and any(r.cfg.model.qk_norm for r in cpu.runs)
     gpu = load_sweep("configs/ablations/attention.toml")
+    assert {"attention_cpu.toml", "attention.toml"} <= {p.name for p in SHIPPED}, "the sweeps above are tested"
+    for sweep in (cpu, gpu):
+        assert {r.cfg.model.attention for r in sweep.runs} == set(ATTENTIONS)
+    assert any(not r.cfg.model.attn_scale for r in cpu.runs) and any(r.cfg.model.qk_norm for r in cpu.runs)
     assert {r.cfg.model.pos for r in gpu.runs} == {"learned", "rope", "alibi", "none"}
 
 

@@ -6,8 +6,9 @@ import sys
 import pytest
 import torch
 
-from model.attention import MultiHeadLatentAttention, build_attention
+from model.attention import build_attention
 from model.attention.core import causal_mask, consecutive_positions, merge_heads, split_heads
+from model.attention.mla import MultiHeadLatentAttention
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.inspect import attention_maps, head_scores, line_up_positions, newline_positions

@@ -5,7 +5,7 @@ import torch
 
 from benchmarks.race import first_reaching, race, val_windows
 from benchmarks.step import flops_per_token
-from data.prepare import load_meta
+from data.cache import load_meta
 from model.config import ModelConfig
 from model.gpt import GPT
 from tests.conftest import tiny_overrides

@@ -8,7 +8,8 @@ import pytest
 
 import data.bpe
 import data.prepare as prep
-from data.prepare import DataError, prepare
+from data.prepare import prepare
+from data.sources import DataError
 from data.tokenizers import EOT, TokenizerError, load_tokenizer
 from tests.conftest import TEXT
 

@@ -16,7 +16,8 @@ import pytest
 import data.cache as cache
 from data.cache import FORMAT, load_meta
 from data.loader import BatchLoader
-from data.prepare import DataError, prepare
+from data.prepare import prepare
+from data.sources import DataError
 from tests.conftest import ROOT, TEXT
 
 

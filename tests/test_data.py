@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from data.loader import BatchLoader
-from data.prepare import DataError, prepare
-from data.sources import read_text
+from data.prepare import prepare
+from data.sources import DataError, read_text
 from data.tokenizers import CharTokenizer, TokenizerError, build_tokenizer, load_tokenizer
 from tests.conftest import TEXT
 
@@ -125,7 +125,10 @@ def test_the_default_data_ships_with_the_repo_and_prepares_offline(tmp_path, mon
 
 
 def test_bits_per_byte_divides_by_the_bytes_of_the_text(tmp_path, text_file):
-    from data.cache import bits_per_byte, load_meta, tokens_per_byte
+    from data.cache import bits_per_byte, load_meta
+
+    def tokens_per_byte(meta, split):
+        return meta["tokens"][split] / meta["bytes"][split]
     meta = load_meta(prepare(text_file, "char", 0.1, tmp_path / "prep"))
     split = int(len(TEXT) * 0.9)
     assert meta["bytes"] == {"train": split, "val": len(TEXT) - split} == meta["tokens"], "ASCII: a byte a token"

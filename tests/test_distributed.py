@@ -19,9 +19,8 @@ import sys
 import pytest
 import torch
 
-from model.gpt import GPT
-from training.checkpoint import load_checkpoint
-from training.config import build_config, from_dict
+from training.checkpoint import load_checkpoint, load_model
+from training.config import build_config
 from training.trainer import train
 from tests.conftest import ROOT, TEXT, tiny_overrides
 
@@ -104,10 +103,9 @@ def test_only_rank_0_writes(runs):
 
 def test_fsdp_checkpoint_loads_in_one_plain_process(runs):
     tmp, _ = runs
-    ckpt = final(tmp, "fsdp")
-    model = GPT(from_dict(ckpt["config"]).model)
-    model.load_state_dict(ckpt["model"])   # strict: full tensors under their plain names
-    assert len(ckpt["rng_ranks"]) == 2
+    path = tmp / "fsdp" / f"ckpt_{STEPS:07d}.pt"
+    load_model(path)   # as sample.py reads it: full tensors under their plain names, each shape checked
+    assert len(load_checkpoint(path)["rng_ranks"]) == 2
 
 
 def test_gradients_are_synced_only_on_the_last_micro_step(tmp_path):

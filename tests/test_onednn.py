@@ -54,5 +54,6 @@ def test_a_gpt_with_onednn_linears_is_the_same_gpt():
 def test_train_onednn_runs_the_same_training(tiny_cfg, tmp_path):
     plain = train(tiny_cfg(out_dir=tmp_path / "plain"), quiet=True)
     fast = train(tiny_cfg(**{"train.onednn": True}, out_dir=tmp_path / "onednn"), quiet=True)
+    assert sorted(fast["losses"]) == sorted(plain["losses"]) == list(range(1, 21))
     for step, loss in plain["losses"].items():
         assert fast["losses"][step] == pytest.approx(loss, abs=1e-4), step

@@ -9,10 +9,11 @@ import pytest
 import data.prepare as prep
 import data.sources
 from data.loader import BatchLoader
-from data.prepare import DataError, prepare
+from data.prepare import prepare
+from data.sources import DataError
 from benchmarks.prepare import measure
 from data.tokenizers import CharTokenizer, load_tokenizer
-from tests.conftest import ROOT, TEXT
+from tests.conftest import TEXT
 from tests.test_data import gpt2_or_skip
 
 TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
@@ -92,6 +93,13 @@ def test_missing_and_empty_inputs_are_clear_errors(tmp_path):
             prepare(path, "char", 0.1, tmp_path / "prep")
 
 
+@pytest.mark.parametrize("fraction", ["0", "1", "-0.1", "nan"])
+def test_the_command_refuses_a_val_fraction_outside_0_to_1(tmp_path, text_file, fraction):
+    with pytest.raises(DataError, match=r"data.val_fraction must be between 0 and 1, got"):
+        prep.main([str(text_file), "--val-fraction", fraction, "--root", str(tmp_path / "prep")])
+    assert not (tmp_path / "prep").exists()
+
+
 def test_an_interrupted_preparation_leaves_nothing_that_looks_finished(tmp_path, text_file, monkeypatch, small_reads):
     calls = []
     real = CharTokenizer.encode_array
@@ -124,9 +132,9 @@ def test_memory_does_not_grow_with_the_file(tmp_path):
     """The bound: preparing 30 MB takes less than 40 MB more peak memory than preparing 3 MB, on any
     number of cores (here as if there were 32). At most IN_FLIGHT_CHARS = 4M characters are being
     encoded or waiting to be written, in smaller pieces on more cores, at ~8 bytes each (text, code
-    points, ids). Without that cap (2 pieces of 1M characters per core) the growth is ~120 MB here;
-    reading the file whole costs ~10 bytes per character. Peak memory is the child process's (see
-    benchmarks/prepare.py)."""
+    points, ids). Without that cap (2 pieces of 1M characters per core) 32 cores would hold 64M
+    characters, far past the bound; reading the file whole costs ~10 bytes per character. Peak
+    memory is the child process's (see benchmarks/prepare.py)."""
     line = (TEXT.replace("\n", " ") + "\n").encode()
     peaks = []
     for name, size in (("small", 3_000_000), ("big", 30_000_000)):

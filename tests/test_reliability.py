@@ -20,9 +20,10 @@ import torch
 
 import sample as sample_cli
 import train as train_cli
-from data.prepare import DataError, prepare
+from data.prepare import prepare
+from data.sources import DataError
 from model.gpt import GPT
-from tests.conftest import ROOT, TEXT, tiny_overrides
+from tests.conftest import ROOT, TEXT, num_threads, tiny_overrides
 from training.checkpoint import (FORMAT, CheckpointError, clean_key, clean_state_dict, list_checkpoints,
                                  load_checkpoint)
 from training.config import build_config
@@ -35,10 +36,8 @@ from training.trainer import train
 def one_thread():
     """One intra-op thread: these tiny models gain nothing from more, and on a busy machine two
     threads spinning at each barrier are several times slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with num_threads(1):
+        yield
 
 
 def run_tool(tool, argv, capsys):
@@ -292,6 +291,12 @@ CASES = [
     ("out dir under a file", train_cli, lambda e: e["base"](out_dir=write(e["tmp"] / "file", "x") / "out"),
      "cannot create the out dir"),
     ("out dir is a file", train_cli, lambda e: e["base"](out_dir=write(e["tmp"] / "file", "x")), "is a file, not a directory"),
+    ("val fraction of 1", train_cli, lambda e: e["base"](**{"data.val_fraction": 1}),
+     "data.val_fraction must be between 0 and 1, got 1.0"),
+    ("val fraction nan", train_cli, lambda e: e["base"](**{"data.val_fraction": "nan"}),
+     "data.val_fraction must be between 0 and 1, got nan"),
+    ("bad encoding_errors", train_cli, lambda e: e["base"](**{"data.encoding_errors": "ignore"}),
+     "data.encoding_errors='ignore' is not one of strict, replace"),
     ("prepared dir under a file", train_cli,
      lambda e: e["base"](**{"data.prepared_dir": write(e["tmp"] / "file", "x") / "p", "data.val_fraction": 0.2}),
      "cannot write the prepared data"),
@@ -617,7 +622,7 @@ def test_resume_is_exact_from_any_step_twice_over(tmp_path, tiny_cfg):
         lines = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         records[name] = [(r["step"], r["loss"], r["lr"]) for r in lines if r["kind"] == "train"]
     assert [r[0] for r in records["split"]] == list(range(1, 13)), "every step logged once"
-    for (step, loss, lr), (_, loss_w, lr_w) in zip(records["split"], records["whole"]):
+    for (step, loss, lr), (_, loss_w, lr_w) in zip(records["split"], records["whole"], strict=True):
         assert loss == pytest.approx(loss_w, abs=1e-6) and lr == lr_w, step
     a = load_checkpoint(tmp_path / "whole" / "ckpt_0000012.pt")["model"]
     b = load_checkpoint(tmp_path / "split" / "ckpt_0000012.pt")["model"]

@@ -11,9 +11,8 @@ import threading
 import time
 
 import pytest
-import torch
 
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, num_threads, tiny_overrides
 from training.checkpoint import list_checkpoints, load_checkpoint
 from training.config import build_config
 from training.trainer import train
@@ -55,10 +54,8 @@ THREADS = 1   # in the test process and its children alike, so that their float 
 
 @pytest.fixture(autouse=True, scope="module")
 def same_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(threads)
+    with num_threads(THREADS):
+        yield
 
 
 class Child:

@@ -1,10 +1,11 @@
 """Sampling: the cache changes nothing but speed; the sampler draws from the right distribution and
-keeps what the filters allow; a model that cannot be sampled from is named, not sampled."""
+keeps what the filters allow; a model that cannot be sampled from is named, not sampled. (The cache
+against recomputation, for every attention variant and position encoding: tests/test_variants.py.)"""
 import pytest
 import torch
 
 from model.config import ModelConfig
-from model.gpt import GPT, InferenceCache
+from model.gpt import GPT
 from model.sampling import SamplingError, draw_noise, generate, sample_next
 
 
@@ -15,28 +16,6 @@ def make_model(**kw):
 
 def run(model, prompt, n, **kw):
     return torch.cat(list(generate(model, prompt, n, **kw)), dim=1)
-
-
-def test_incremental_decoding_matches_recomputing_the_prefix():
-    for pos in ("learned", "rope", "none"):
-        model = make_model(pos=pos)
-        idx = torch.randint(0, 40, (3, 12), generator=torch.Generator().manual_seed(1))
-        full, _ = model(idx, all_logits=True)
-        cache = InferenceCache(model, 3, "cpu", torch.float32)
-        prefill, _ = model(idx[:, :5], cache=cache, all_logits=True)
-        steps = [prefill] + [model(idx[:, t:t + 1], cache=cache, pos=torch.tensor([t]))[0] for t in range(5, 12)]
-        torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0, msg=pos)
-
-
-def test_generation_with_and_without_cache_agree_past_the_block_size():
-    model = make_model()
-    prompt = torch.randint(0, 40, (2, 3))
-    # greedy, 30 tokens with block 12: the window slides several times
-    with_cache = run(model, prompt, 30, temperature=0)
-    without = run(model, prompt, 30, temperature=0, use_cache=False)
-    assert with_cache.shape == (2, 30)
-    # the cache re-primes from half a block when full, so agreement is exact up to the first slide
-    assert torch.equal(with_cache[:, :10], without[:, :10])
 
 
 def test_seeded_sampling_is_reproducible_and_the_same_with_or_without_cache():
@@ -101,7 +80,7 @@ def test_the_first_non_finite_token_is_named_even_when_the_flags_are_read_later(
 
 
 def test_the_compiled_decoding_step_is_recomputation():
-    """The step compiled by inductor (C++ on CPU; one compile, ~10 s), fed tokens one at a time
+    """The step compiled by inductor (C++ on CPU; one compile), fed tokens one at a time
     after a prefill: the logits of recomputing the whole sequence."""
     from tests.test_variants import compiled_decoding_logits
     torch._dynamo.reset()

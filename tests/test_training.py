@@ -4,11 +4,9 @@ import json
 import pytest
 import torch
 
-from data.tokenizers import load_tokenizer
 from model.gpt import GPT
-from training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from training.config import from_dict
 from tests.conftest import TEXT
+from training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_model
 from training.errors import RunError
 from training.trainer import train
 
@@ -25,17 +23,15 @@ def test_a_tiny_model_overfits_a_short_text(tiny_cfg, text_file):
 def test_save_then_load_gives_identical_logits(tiny_cfg):
     cfg = tiny_cfg()
     train(cfg, quiet=True)
-    ckpt = load_checkpoint(list_checkpoints(cfg.out_dir)[-1][1])
-    model = GPT(from_dict(ckpt["config"]).model).eval()
-    model.load_state_dict(ckpt["model"])
+    path = list_checkpoints(cfg.out_dir)[-1][1]
+    loaded = load_model(path)   # as sample.py and export.py read it
     live = GPT(cfg.model).eval()
-    live.load_state_dict(torch.load(list_checkpoints(cfg.out_dir)[-1][1], weights_only=True)["model"])
+    live.load_state_dict(torch.load(path, weights_only=True)["model"])
     idx = torch.randint(0, cfg.model.vocab_size, (2, 32))
-    a, _ = model(idx, all_logits=True)
+    a, _ = loaded.model(idx, all_logits=True)
     b, _ = live(idx, all_logits=True)
     assert torch.equal(a, b)
-    tok = load_tokenizer(ckpt["tokenizer"])
-    assert tok.vocab_size == cfg.model.vocab_size and ckpt["step"] == 20
+    assert loaded.tokenizer.vocab_size == cfg.model.vocab_size and loaded.step == 20
 
 
 def test_resume_is_exact(tmp_path, tiny_cfg):

@@ -3,7 +3,7 @@ the same logits with or without the cache, and the configs that cannot work are 
 import pytest
 import torch
 
-from model.attention import naive_attention, sdpa_attention
+from model.attention.core import naive_attention, sdpa_attention
 from model.attention.linear import causal_linear_attention, recurrent_linear_attention
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache

@@ -5,6 +5,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
+from error_text import first_line
+
 
 def compile_model(model: nn.Module, batch_shape: tuple[int, int], vocab_size: int,
                   autocast=nullcontext(), warn=lambda msg: print(msg, file=sys.stderr, flush=True)):
@@ -23,8 +25,7 @@ def compile_model(model: nn.Module, batch_shape: tuple[int, int], vocab_size: in
             _, loss = compiled(x, x)
             loss.backward()
     except Exception as e:   # any failure in dynamo, inductor or the C++/Triton toolchain
-        reason = (str(e).strip().splitlines() or [""])[0][:160]
-        warn(f"warning: torch.compile failed, training without it ({type(e).__name__}: {reason})")
+        warn(f"warning: torch.compile failed, training without it ({type(e).__name__}: {first_line(e)})")
         return model
     finally:
         model.zero_grad(set_to_none=True)

@@ -106,19 +106,20 @@ class Config:
             raise ConfigError("train.optimizer=muon needs whole matrices, train.fsdp shards them: use one of the two")
 
 
-# What each number may be; validate() also refuses NaN and infinity in every float.
+# What each number may be; validate() also refuses NaN and infinity in every float here. The data
+# section's values are checked where the text is prepared (data/prepare.py), which python -m
+# data.prepare reaches as well as train.py.
 LIMITS = {
     **{f"train.{k}": (">", 0) for k in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters",
                                         "log_interval", "keep_checkpoints")},
     **{f"train.{k}": (">=", 0) for k in ("lr", "min_lr", "muon_lr", "weight_decay", "grad_clip", "warmup_steps")},
     "train.beta1": ("[)", 0, 1), "train.beta2": ("[)", 0, 1), "train.muon_momentum": ("[)", 0, 1),
-    "train.warmdown_frac": ("(]", 0, 1), "data.val_fraction": ("()", 0, 1),
+    "train.warmdown_frac": ("(]", 0, 1),
     "train.seed": ("[]", 0, 2**32 - 1),   # what numpy's generator accepts
 }
 CHOICES = {
     "train.optimizer": ("adamw", "muon"), "train.schedule": ("cosine", "wsd"),
     "train.dtype": ("auto", "float32", "bfloat16", "float16"), "train.on_nonfinite": ("stop", "skip"),
-    "data.encoding_errors": ("strict", "replace"),
 }
 
 
@@ -238,17 +239,6 @@ def load_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: TOML syntax error: {e}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
-
-
-def from_dict(values: dict) -> Config:
-    """A Config from Config.to_dict()'s output (as stored in checkpoints). A stored data.url (a
-    download address, in checkpoints of earlier versions) is ignored, so those checkpoints load."""
-    values = dict(values)
-    if isinstance(values.get("data"), dict):
-        values["data"] = {k: v for k, v in values["data"].items() if k != "url"}
-    cfg = Config()
-    apply_dict(cfg, values)
-    return cfg
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:

@@ -151,8 +151,8 @@ def teardown(wait_for_others: bool) -> None:
     After a clean run: free what still holds the group (DDP/FSDP modules sit in reference cycles
     that only the garbage collector frees), wait for every rank, then destroy it, so that gloo's
     worker threads end while Python is still alive. Left to interpreter shutdown, a worker that
-    touches a Python object aborts the process ("terminate called without an active exception",
-    seen in about 1 run in 15 on CPU). After an error, leave at once: the others may never arrive."""
+    touches a Python object can abort the process ("terminate called without an active exception").
+    After an error, leave at once: the others may never arrive."""
     if dist.is_available() and dist.is_initialized():
         if wait_for_others:
             gc.collect()

@@ -9,18 +9,14 @@
 import re
 import sys
 
+from error_text import first_line
+
 
 ENFORCE_PREFIX = re.compile(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?")
 
 
 class RunError(RuntimeError):
     """A run that cannot start or go on (out dir, resume, numerical fault, memory); the message says why."""
-
-
-def first_line(error: BaseException, limit: int = 160) -> str:
-    """An exception's message cut to its first line: what a one-line error can quote of it."""
-    text = str(error).strip()
-    return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
 def memory_detail(error: BaseException, limit: int) -> str:
@@ -42,7 +38,8 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def run_cli(main, argv: list[str]) -> int:
     """Run main(argv); turn the errors a user can cause into a one-line message and a non-zero exit."""
-    from data.prepare import DataError, Interrupted
+    from data.prepare import Interrupted
+    from data.sources import DataError
     from data.tokenizers import TokenizerError
     from training.checkpoint import CheckpointError
     from training.config import ConfigError

@@ -18,6 +18,7 @@ checkpoint, never the pretrained weights again.
 """
 from pathlib import Path
 
+from error_text import first_line
 from training.checkpoint import CheckpointError
 from training.config import Config, ConfigError
 
@@ -62,7 +63,7 @@ def load_init_weights(model, source: str) -> None:
     try:
         model.load_state_dict(state)
     except RuntimeError as e:   # the checkpoint changed since the config was read
-        raise CheckpointError(f"{source} does not fit the model: {str(e).strip().splitlines()[0][:160]}") from None
+        raise CheckpointError(f"{source} does not fit the model: {first_line(e)}") from None
 
 
 def is_pretrained_source(arg: str) -> bool:

@@ -96,7 +96,7 @@ def sync(device: torch.device) -> None:
 
 
 def cpuinfo(field: str, path: str = "/proc/cpuinfo") -> str:
-    """A field of the first processor in /proc/cpuinfo ('model name' -> 'AMD EPYC ...'); '' where there is
+    """A field of the first processor in /proc/cpuinfo ('model name' -> the processor's name); '' where there is
     no such file (not Linux) or field."""
     try:
         with open(path) as f:

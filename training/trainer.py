@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch
 
-from data.cache import bits_per_byte
+from data.cache import bits_per_byte, load_meta
 from data.loader import BatchLoader
-from data.prepare import load_meta
 from model.gpt import GPT
 from training import distributed
 from training.checkpoint import (CheckpointError, atomic_write_text, check_resumable, clean_state_dict,
                                  load_checkpoint, new_checkpoint, repair_best, save_checkpoint)
 from training.compile import compile_model
 from training.config import Config, ConfigError, describe
-from training.errors import RunError, first_line, is_out_of_memory, memory_detail
+from error_text import first_line
+from training.errors import RunError, is_out_of_memory, memory_detail
 from training.guards import NonFiniteGuard, StopSignal, check_out_dir, make_out_dir
 from training.metrics import Metrics, NoMetrics, duration
 from training.optim import build_optimizer, lr_as_float, set_lr
@@ -118,7 +118,7 @@ def set_up(cfg: Config, resume: bool, overwrite: bool, quiet: bool) -> tuple[Run
         from training.onednn import use_onednn_linears
         use_onednn_linears(model, ctx.device, dtype)
     if ctx.rank:
-        torch.manual_seed(t.seed + ctx.rank)   # but each its own dropout masks
+        torch.manual_seed(t.seed + ctx.rank)   # each rank its own dropout masks (the weights above are alike)
     trained = distributed.wrap(model, ctx, t.fsdp)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
     run = Run(cfg, ctx, printer(ctx.is_main and not quiet), dtype, autocast(ctx.device, dtype), dataset, meta, loader,
@@ -190,17 +190,30 @@ def build_step(run: Run) -> None:
 # ---------------------------------------------------------------- writing starts
 
 def start_writing(run: Run, overwrite: bool) -> None:
-    """Every check has passed: lock and create the out dir (rank 0 alone writes), say what runs."""
-    ctx, t = run.dist, run.cfg.train
+    """Every check has passed: lock and create the out dir (rank 0 alone writes), say what runs.
+    If any of it fails (e.g. wandb missing or failing to start), the out dir is left as it was found."""
+    try:
+        run.dist.on_main(lambda: open_out_dir(run, overwrite))
+        say_what_runs(run)
+    except BaseException:
+        forget_out_dir(run)
+        if run.lock is not None:
+            run.lock.release()
+        raise
 
-    def open_out_dir() -> None:
-        run.made_out_dir = not run.out_dir.exists()
-        run.lock = make_out_dir(run.out_dir, overwrite)
-        if run.resume_from is not None:
-            repair_best(run.resume_from, run.resume_is_best)
-        atomic_write_text(run.out_dir / "config.toml", describe(run.cfg))
-        run.metrics = Metrics(run.cfg, run.out_dir, run.step if run.resume_from else None)
-    ctx.on_main(open_out_dir)
+
+def open_out_dir(run: Run, overwrite: bool) -> None:
+    run.made_out_dir = not run.out_dir.exists()
+    run.lock = make_out_dir(run.out_dir, overwrite)
+    if run.resume_from is not None:
+        repair_best(run.resume_from, run.resume_is_best)
+    atomic_write_text(run.out_dir / "config.toml", describe(run.cfg))
+    run.metrics = Metrics(run.cfg, run.out_dir, run.step if run.resume_from else None)
+
+
+def say_what_runs(run: Run) -> None:
+    """The config, then one line: size, device, dtype, step kind, processes, tokens per step, data."""
+    ctx, t = run.dist, run.cfg.train
     run.say(describe(run.cfg), end="")
     procs = f" x {ctx.world} processes ({'FSDP' if distributed.is_sharded(run.model) else 'DDP'})" if ctx.world > 1 else ""
     how = ("CUDA graph" if run.step_fn.kind == "graph" else "eager") + (", compiled" if t.compile else "")
@@ -302,13 +315,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         restore(run, ckpt)
     del ckpt   # its tensors now live in the model and optimizer
     build_step(run)
-    try:
-        start_writing(run, overwrite)
-    except BaseException:   # e.g. wandb missing or failing to start: leave the out dir as it was found
-        forget_out_dir(run)
-        if run.lock is not None:
-            run.lock.release()
-        raise
+    start_writing(run, overwrite)
     t, end = cfg.train, min(cfg.train.max_steps, stop_at or cfg.train.max_steps)
     losses, last_eval, stopping = {}, None, False
     vote = distributed.StopVote(run.dist)
@@ -347,21 +354,30 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             forget_out_dir(run)   # a run that never got to a checkpoint leaves the out dir as it found it
         if not is_out_of_memory(e):
             raise
-        kept = f"and --resume to continue from the last checkpoint in {run.out_dir}" if run.guard.saved_step \
-            else "no checkpoint had been written yet"
-        raise RunError(f"out of memory on {run.device} at step {run.step + 1} ({memory_detail(e, 80)}): try a smaller "
-                       f"--train.batch_size (with a larger --train.grad_accum to keep the tokens per step; {kept}) "
-                       f"or a smaller --model.block_size") from None
+        raise out_of_memory(run, e) from None
     finally:
         run.metrics.close()
         if run.lock is not None:
             run.lock.release()
+    return finish(run, losses, last_eval, stopping, stop.exit_code or (130 if stopping else 0))
 
+
+def out_of_memory(run: Run, error: BaseException) -> RunError:
+    """An allocation failure in the loop, in one line: what to make smaller, and what is kept."""
+    kept = f"and --resume to continue from the last checkpoint in {run.out_dir}" if run.guard.saved_step \
+        else "no checkpoint had been written yet"
+    return RunError(f"out of memory on {run.device} at step {run.step + 1} ({memory_detail(error, 80)}): try a "
+                    f"smaller --train.batch_size (with a larger --train.grad_accum to keep the tokens per step; "
+                    f"{kept}) or a smaller --model.block_size")
+
+
+def finish(run: Run, losses: dict, last_eval: dict | None, stopping: bool, exit_code: int) -> dict:
+    """Say how a run that reached max_steps went; return train()'s summary."""
     total = run.elapsed()
-    if run.step >= t.max_steps:
+    if run.step >= run.cfg.train.max_steps:
         skipped = f", {run.guard.skipped} non-finite steps skipped" if run.guard.skipped else ""
         run.say(f"# done: step {run.step}, best val loss {run.best_val:.4f}, {duration(total)} "
                 f"({total:.1f} s), {run.step * run.tokens_per_step:,} tokens{skipped}")
     return {"step": run.step, "val_loss": last_eval["val"] if last_eval else None, "best_val_loss": run.best_val,
             "elapsed_s": total, "losses": losses, "skipped_steps": run.guard.skipped,
-            "interrupted": stopping, "exit_code": stop.exit_code or (130 if stopping else 0)}
+            "interrupted": stopping, "exit_code": exit_code}

@@ -24,14 +24,12 @@ the variant's own math (sdpa through the explicit path): what model/inspect.py c
 The shared math (mask, naive and fused attention, the KV cache) is in core.py; positions in
 model/positions.py.
 """
-from model.attention.core import KVCache, causal_mask, naive_attention, sdpa_attention
 from model.attention.gqa import GroupedQueryAttention
 from model.attention.linear import LinearAttention
 from model.attention.mha import CausalSelfAttention
 from model.attention.mla import MultiHeadLatentAttention
 from model.attention.sliding_window import SlidingWindowAttention
 from model.config import ATTENTIONS, ModelConfig
-from model.positions import apply_rotary_emb, rope_tables
 
 REGISTRY = {
     "naive": CausalSelfAttention,
@@ -48,7 +46,3 @@ def build_attention(cfg: ModelConfig):
     """The attention module that cfg.attention names."""
     return REGISTRY[cfg.attention](cfg)
 
-
-__all__ = ["REGISTRY", "build_attention", "CausalSelfAttention", "GroupedQueryAttention",
-           "SlidingWindowAttention", "LinearAttention", "MultiHeadLatentAttention", "KVCache",
-           "causal_mask", "naive_attention", "sdpa_attention", "apply_rotary_emb", "rope_tables"]

@@ -27,7 +27,6 @@ they only change n_kv_head, window and the cache.
 """
 import math
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
