@@ -7,7 +7,7 @@
     >>> model = GPT2LMHeadModel.from_pretrained("hf_model")
 
 Only models whose architecture GPT-2 has can be exported (learned positions, LayerNorm, plain
-multi-head attention, no qk_norm); any other setting is an error that names it (model/gpt2_hf.py).
+multi-head attention, no qk_norm); any other setting is an error that names it (training/gpt2_hf.py).
 A run trained with the gpt2 tokenizer pairs with transformers' "gpt2" tokenizer; any other
 tokenizer (char, cl100k_base, ...) is not written: the directory then holds the weights only.
 """
@@ -29,7 +29,7 @@ def parse_args(argv):
 
 def main(argv) -> int:
     args = parse_args(argv)
-    from model.gpt2_hf import check_exportable, save_pretrained
+    from training.gpt2_hf import check_exportable, save_pretrained
     from training.checkpoint import load_model
     from training.errors import RunError
 

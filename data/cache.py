@@ -30,7 +30,6 @@ import numpy as np
 
 from data.sources import DataError
 from data.tokenizers import TokenizerError, load_tokenizer
-from error_text import first_line
 
 FORMAT = 2
 STALE_SECONDS = 24 * 3600
@@ -128,7 +127,7 @@ def read_entry(entry: Path, expect: dict | None = None) -> tuple[dict | None, st
     except FileNotFoundError:
         return None, "is unfinished (it has no meta.json)"
     except (OSError, ValueError) as e:   # unreadable, not UTF-8, not JSON
-        return None, f"is damaged (meta.json cannot be read: {first_line(e, 80)})"
+        return None, f"is damaged (meta.json cannot be read: {str(e)[:80]})"
     problem = _problem(entry, meta, expect or {})
     return (None, problem) if problem else (meta, None)
 

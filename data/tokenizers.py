@@ -15,7 +15,6 @@ import binascii
 
 import numpy as np
 
-from error_text import first_line
 
 EOT = "<|endoftext|>"   # the end-of-text token between documents (gpt2's name for it)
 
@@ -163,7 +162,7 @@ def trained_bpe(meta: dict) -> TiktokenTokenizer:
     try:
         enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable, special_tokens=special)
     except ValueError as e:   # the pattern is not a valid regex
-        raise damaged(first_line(e)) from None
+        raise damaged(str(e)[:160]) from None
     return TiktokenTokenizer(enc, meta)
 
 

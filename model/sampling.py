@@ -18,7 +18,6 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from error_text import first_line
 from model.gpt import GPT, InferenceCache
 
 
@@ -88,6 +87,11 @@ def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torc
     return next_id, ok
 
 
+def one_line(e: Exception) -> str:
+    """A compiler's many-line error message, squeezed into one line of a warning."""
+    return " ".join(str(e).split())[:160]
+
+
 def warn(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -111,7 +115,7 @@ def compiled(fn, device: torch.device):
             return out
         except Exception as e:   # dynamo, inductor or the C++/Triton toolchain
             warn(f"warning: compiling the decoding step failed, decoding without it "
-                 f"({type(e).__name__}: {first_line(e)})")
+                 f"({type(e).__name__}: {one_line(e)})")
             fast, trials = fn, 0
             return fn(*args)
     return run
@@ -133,7 +137,7 @@ def cuda_graph(fn, *args):
             out = fn(*args)
     except Exception as e:
         warn(f"warning: recording the decoding step as a CUDA graph failed, decoding without it "
-             f"({type(e).__name__}: {first_line(e)})")
+             f"({type(e).__name__}: {one_line(e)})")
         return fn
 
     def replay(*same_args):

@@ -1,4 +1,4 @@
-"""GPT-2 weights in and out (model/gpt2_hf.py, training/pretrained.py, export.py), checked against
+"""GPT-2 weights in and out (training/gpt2_hf.py, training/pretrained.py, export.py), checked against
 transformers' own GPT2LMHeadModel: same logits both ways, exact round trips, clear refusals."""
 import importlib.util
 import json
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from model.gpt2_hf import (config_from_hf, load_pretrained, save_pretrained, state_dict_from_hf, to_hf)
+from training.gpt2_hf import (config_from_hf, load_pretrained, save_pretrained, state_dict_from_hf, to_hf)
 from tests.conftest import ROOT
 from training.checkpoint import CheckpointError
 from training.config import ConfigError, build_config

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from error_text import first_line
+from training.errors import first_line
 
 FORMAT, VERSION = "gpt-checkpoint", 1
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")

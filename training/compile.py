@@ -5,7 +5,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from error_text import first_line
+from training.errors import first_line
 
 
 def compile_model(model: nn.Module, batch_shape: tuple[int, int], vocab_size: int,

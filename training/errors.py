@@ -9,10 +9,14 @@
 import re
 import sys
 
-from error_text import first_line
-
-
 ENFORCE_PREFIX = re.compile(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?")
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """What a one-line message can quote of an exception: its message cut to the first line and to
+    `limit` characters (its type's name when the message is empty); torch's run over many lines."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
 class RunError(RuntimeError):

@@ -18,9 +18,9 @@ checkpoint, never the pretrained weights again.
 """
 from pathlib import Path
 
-from error_text import first_line
 from training.checkpoint import CheckpointError
 from training.config import Config, ConfigError
+from training.errors import first_line
 
 GPT2_VOCAB = 50257   # tiktoken's gpt2: 50,256 merges and bytes, plus <|endoftext|>
 
@@ -29,7 +29,7 @@ def resolve_init_from(cfg: Config, explicit: set[str]) -> None:
     """Replace cfg.model by the pretrained checkpoint's, keeping the free keys the user set; set
     data.tokenizer to gpt2. explicit: the dotted keys the config file and command line set."""
     source = cfg.train.init_from
-    from model.gpt2_hf import pretrained_config
+    from training.gpt2_hf import pretrained_config
     try:
         pretrained = pretrained_config(source)
     except CheckpointError as e:
@@ -57,7 +57,7 @@ def resolve_init_from(cfg: Config, explicit: set[str]) -> None:
 def load_init_weights(model, source: str) -> None:
     """Copy the pretrained weights of source into model (built from the resolved config), cropping
     the position table to model.cfg.block_size rows."""
-    from model.gpt2_hf import load_pretrained
+    from training.gpt2_hf import load_pretrained
     _, state = load_pretrained(source)
     state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]   # (n_positions, C) -> (T, C)
     try:
@@ -69,7 +69,7 @@ def load_init_weights(model, source: str) -> None:
 def is_pretrained_source(arg: str) -> bool:
     """Whether sample.py's argument names a Hugging Face GPT-2: a directory with a config.json
     (this repo's run dirs hold config.toml), or a GPT-2 name that is not a local path."""
-    from model.gpt2_hf import HUB_MODELS
+    from training.gpt2_hf import HUB_MODELS
     path = Path(arg)
     return (path / "config.json").is_file() or (arg in HUB_MODELS and not path.exists())
 
@@ -78,7 +78,7 @@ def load_pretrained_model(source: str):
     """(GPT in eval mode, tiktoken gpt2 tokenizer, a one-line description) for a Hugging Face GPT-2."""
     from data.tokenizers import TiktokenTokenizer
     from model.gpt import GPT
-    from model.gpt2_hf import load_pretrained
+    from training.gpt2_hf import load_pretrained
     cfg, state = load_pretrained(source)
     if cfg.vocab_size < GPT2_VOCAB:
         raise CheckpointError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than GPT-2's "

@@ -26,8 +26,7 @@ from training.checkpoint import (CheckpointError, atomic_write_text, check_resum
                                  load_checkpoint, new_checkpoint, repair_best, save_checkpoint)
 from training.compile import compile_model
 from training.config import Config, ConfigError, describe
-from error_text import first_line
-from training.errors import RunError, is_out_of_memory, memory_detail
+from training.errors import RunError, first_line, is_out_of_memory, memory_detail
 from training.guards import NonFiniteGuard, StopSignal, check_out_dir, make_out_dir
 from training.metrics import Metrics, NoMetrics, duration
 from training.optim import build_optimizer, lr_as_float, set_lr

@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from error_text import first_line
 from model.config import ModelConfig
 from training.checkpoint import CheckpointError, atomic_write_text
+from training.errors import first_line
 
 # GPT-2's activation names (transformers' ACT2FN) -> model.mlp
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
