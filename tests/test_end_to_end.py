@@ -50,3 +50,25 @@ def test_user_errors_are_one_line_and_exit_non_zero(tmp_path, text_file):
         r = run(*args)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_the_first_command_works_without_a_network(tmp_path):
+    """python train.py on a fresh machine with no network: the default data ships with the repository.
+    The child process cannot open any socket (sitecustomize replaces socket.socket)."""
+    blocker = tmp_path / "offline"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import socket\n"
+        "def refuse(*a, **k):\n"
+        "    raise OSError('no network in this test')\n"
+        "socket.socket = refuse\n"
+        "socket.create_connection = refuse\n")
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": f"{blocker}{os.pathsep}{ROOT}"}
+    args = ["train.py", f"--out_dir={tmp_path / 'out'}", f"--data.prepared_dir={tmp_path / 'prepared'}",
+            "--train.max_steps=3", "--train.eval_interval=3", "--train.eval_iters=1", "--train.log_interval=1"]
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "data/tinyshakespeare.txt" in r.stdout and "# done: step 3" in r.stdout
+    probe = subprocess.run([sys.executable, "-c", "import socket; socket.socket()"], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert probe.returncode != 0 and "no network" in probe.stderr, "the child really had no network"
