@@ -54,21 +54,21 @@ def test_user_errors_are_one_line_and_exit_non_zero(tmp_path, text_file):
 
 def test_the_first_command_works_without_a_network(tmp_path):
     """python train.py on a fresh machine with no network: the default data ships with the repository.
-    The child process cannot open any socket (sitecustomize replaces socket.socket)."""
+    The child process can neither resolve a name nor connect anywhere (sitecustomize, run at start)."""
     blocker = tmp_path / "offline"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(
         "import socket\n"
         "def refuse(*a, **k):\n"
         "    raise OSError('no network in this test')\n"
-        "socket.socket = refuse\n"
-        "socket.create_connection = refuse\n")
+        "socket.socket.connect = socket.socket.connect_ex = refuse\n"
+        "socket.create_connection = socket.getaddrinfo = refuse\n")
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": f"{blocker}{os.pathsep}{ROOT}"}
     args = ["train.py", f"--out_dir={tmp_path / 'out'}", f"--data.prepared_dir={tmp_path / 'prepared'}",
             "--train.max_steps=3", "--train.eval_interval=3", "--train.eval_iters=1", "--train.log_interval=1"]
     r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "data/tinyshakespeare.txt" in r.stdout and "# done: step 3" in r.stdout
-    probe = subprocess.run([sys.executable, "-c", "import socket; socket.socket()"], env=env, capture_output=True,
-                           text=True, timeout=60)
+    probe = subprocess.run([sys.executable, "-c", "import socket; socket.socket().connect(('127.0.0.1', 9))"],
+                           env=env, capture_output=True, text=True, timeout=60)
     assert probe.returncode != 0 and "no network" in probe.stderr, "the child really had no network"
