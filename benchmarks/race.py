@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.prepare import load_meta
+from data.cache import load_meta
 from training.config import build_config
 from training.trainer import train
 

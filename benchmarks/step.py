@@ -17,7 +17,6 @@ import torch
 
 from model.gpt import GPT
 from training.config import build_config
-from training.optim import build_optimizer
 from training.onednn import onednn_linear, onednn_works
 from training.runtime import pick_device, pick_dtype, sync, use_fast_matmuls
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from benchmarks.race import val_loss, val_windows
 from data.cache import bits_per_byte
-from data.prepare import load_meta
+from data.cache import load_meta
 from training.checkpoint import load_model
 from training.config import build_config
 from training.trainer import train

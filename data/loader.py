@@ -40,15 +40,23 @@ class BatchLoader:
     def _offsets(self, split: str, n: int, generator: torch.Generator) -> np.ndarray:
         return torch.randint(len(self.splits[split]) - self.block_size, (n,), generator=generator).numpy()
 
+    def _windows(self, split: str, starts: np.ndarray) -> torch.Tensor:
+        """The windows of block_size + 1 tokens at starts (any shape S), as a host tensor (*S, T + 1)."""
+        return torch.from_numpy(self.splits[split][starts[..., None] + self.offsets].astype(np.int64))
+
     def _read(self, split: str, starts: np.ndarray):
         """(x, y), each (B, T) int64 on the device: the windows at starts, y shifted by one."""
-        data = self.splits[split]
-        windows = torch.from_numpy(data[starts[:, None] + self.offsets].astype(np.int64))   # (B, T+1)
+        windows = self._windows(split, starts)                                  # (B, T+1)
         if self.device.type == "cuda":
             windows = windows.pin_memory().to(self.device, non_blocking=True)
         else:
             windows = windows.to(self.device)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def _step_starts(self, split: str, generator: torch.Generator) -> np.ndarray:
+        """This rank's window starts of one optimizer step (grad_accum, B), out of the global batch's."""
+        starts = self._offsets(split, self.grad_accum * self.world * self.batch_size, generator)
+        return starts.reshape(self.grad_accum, self.world, self.batch_size)[:, self.rank]
 
     def batch(self, split: str, generator: torch.Generator | None = None):
         """This rank's B windows of world x B drawn from generator (default: the loader's)."""
@@ -57,9 +65,7 @@ class BatchLoader:
 
     def step_batches(self, split: str = "train"):
         """This rank's grad_accum micro-batches of one optimizer step, read one at a time."""
-        starts = self._offsets(split, self.grad_accum * self.world * self.batch_size, self.generator)
-        mine = starts.reshape(self.grad_accum, self.world, self.batch_size)[:, self.rank]   # (accum, B)
-        for micro in mine:
+        for micro in self._step_starts(split, self.generator):
             yield self._read(split, micro)
 
     def step_windows(self, split: str = "train", consume: bool = True) -> torch.Tensor:
@@ -68,11 +74,9 @@ class BatchLoader:
         where it is (the same windows come again)."""
         generator = self.generator
         if not consume:
-            generator = torch.Generator().manual_seed(0)
+            generator = torch.Generator()
             generator.set_state(self.generator.get_state())
-        starts = self._offsets(split, self.grad_accum * self.world * self.batch_size, generator)
-        mine = starts.reshape(self.grad_accum, self.world, self.batch_size)[:, self.rank]   # (accum, B)
-        windows = torch.from_numpy(self.splits[split][mine[..., None] + self.offsets].astype(np.int64))
+        windows = self._windows(split, self._step_starts(split, generator))
         return windows.pin_memory() if self.device.type == "cuda" else windows
 
     def state_dict(self) -> dict:

@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from data.bpe import bpe_vocab_size, train_bpe
-from data.cache import (FORMAT, check_split_sizes, entry_name, load_meta, make_temp_dir, publish,  # noqa: F401
-                        read_entry, remove_stale_temp_dirs, token_dtype)   # load_meta: benchmarks/ import it from here
+from data.cache import (FORMAT, check_split_sizes, entry_name, make_temp_dir, publish, read_entry,
+                        remove_stale_temp_dirs, token_dtype)
 from data.sources import DataError, find_sources, iter_text, sources_sha256
 from data.tokenizers import CharTokenizer, TokenizerError, build_tokenizer, check_encoding_name, load_tokenizer
 

@@ -177,7 +177,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
         decode = compiled(decode_step, device) if compile else decode_step
         if compile and device.type == "cuda":   # (its warm-up calls write into the cache: the prefill resets it)
             decode = cuda_graph(decode, model, cache, last, pos, *sampling)
-    tokens, filled = idx, 0                                                # filled: positions in the cache
+    tokens, filled, checked = idx, 0, 0                                    # filled: positions in the cache
     for i in range(max_new_tokens):
         if temperature > 0:
             draw_noise(noise, generator)
@@ -196,13 +196,16 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
         tokens = torch.cat([tokens, next_id], dim=1)
         finite[i] = ok
         if (i + 1) % check_every == 0 or i + 1 == max_new_tokens:
-            check_finite(finite[:i + 1])
+            check_finite(finite, checked, i + 1)
+            checked = i + 1
         yield tokens[:, -1:]
 
 
-def check_finite(flags: torch.Tensor) -> None:
-    """Raise SamplingError naming the first new token whose logits were not all finite."""
-    if not flags.all():
-        first = int((~flags).nonzero()[0, 0]) + 1
+def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
+    """Raise SamplingError naming the first new token in start..end-1 whose logits were not all
+    finite (those before start were checked already)."""
+    window = flags[start:end]
+    if not window.all():
+        first = start + int((~window).nonzero()[0, 0]) + 1
         raise SamplingError(f"the model's logits are not finite at new token {first}: "
                             "its weights are damaged or the model diverged")

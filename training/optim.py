@@ -15,6 +15,7 @@ train.schedule (a factor on every group's base learning rate; all groups move to
 """
 import math
 
+import numpy as np
 import torch
 
 
@@ -36,7 +37,7 @@ def set_lr(optimizer, step: int, t) -> float:
     lr = lr_at(step, t)
     factor = lr / t.lr if t.lr > 0 else 0.0
     for group in optimizer.param_groups:
-        value = float(torch.tensor(group["base_lr"] * factor, dtype=torch.float32))   # the same as a tensor lr holds
+        value = float(np.float32(group["base_lr"] * factor))   # rounded as a tensor lr holds it
         if torch.is_tensor(group["lr"]):
             group["lr"].fill_(value)
         else:

@@ -103,7 +103,7 @@ class GraphStep:
         self.optimizer.step()
 
     def _warm_up_then_restore(self, capture: bool) -> None:
-        params = [p for p in self.model.parameters()]
+        params = list(self.model.parameters())
         saved_params = [p.detach().clone() for p in params]
         saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                        for p, s in self.optimizer.state.items()}

@@ -48,8 +48,8 @@ class Run:
     dataset: Path                   # the prepared dataset's directory
     meta: dict                      # its meta.json
     loader: BatchLoader
-    model: GPT                      # what is saved and evaluated; its parameters are the optimizer's
-    trained: torch.nn.Module        # what the step calls: model, DDP(model) or FSDP-sharded, maybe compiled
+    model: GPT                      # what is saved; its parameters are the optimizer's
+    trained: torch.nn.Module        # what the step and evaluation call: model, DDP or FSDP, maybe compiled
     optimizer: object
     scaler: torch.amp.GradScaler    # fp16 loss scaling (disabled in bf16 and fp32)
     guard: NonFiniteGuard
