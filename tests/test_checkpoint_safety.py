@@ -1,13 +1,14 @@
 """Checkpoints against the machine and the file: a disk that fills during a save, and a small file
 whose config claims a model far larger than its weights (the table of damaged files that end in one
-line is test_reliability.py's CASES)."""
+line is test_bad_input.py's CASES)."""
 import subprocess
 
 import pytest
 
 import train as train_cli
 from tests.conftest import tiny_overrides
-from tests.test_reliability import damaged, one_thread, run_limited, run_tool, trained  # noqa: F401 (fixtures)
+from tests.test_bad_input import damaged
+from tests.test_reliability import one_thread, run_limited, run_tool, trained  # noqa: F401 (fixtures)
 from training.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
 
 

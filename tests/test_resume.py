@@ -1,0 +1,86 @@
+"""Resuming: exactly from any step, after a kill's leftovers, only with the whole training state
+and the same tokenizer, and from an out dir that holds only best.pt."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import train as train_cli
+from tests.conftest import TEXT, tiny_overrides
+from tests.test_reliability import mkdir, one_thread, run_tool, trained, write  # noqa: F401 (fixtures)
+from training.checkpoint import CheckpointError, load_checkpoint
+from training.trainer import train
+
+
+def test_resume_is_exact_from_any_step_twice_over(tmp_path, tiny_cfg):
+    extra = {"model.dropout": 0.1, "train.grad_accum": 2, "train.eval_interval": 4, "train.max_steps": 12}
+    whole = train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
+    split = tiny_cfg(**extra, out_dir=tmp_path / "split")
+    train(split, quiet=True, stop_at=5)   # not an eval step: the stop saves its own checkpoint
+    train(split, quiet=True, resume=True, stop_at=9)
+    rest = train(split, quiet=True, resume=True)
+    assert sorted(rest["losses"]) == list(range(10, 13))
+    records = {}
+    for name in ("whole", "split"):
+        lines = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        records[name] = [(r["step"], r["loss"], r["lr"]) for r in lines if r["kind"] == "train"]
+    assert [r[0] for r in records["split"]] == list(range(1, 13)), "every step logged once"
+    for (step, loss, lr), (_, loss_w, lr_w) in zip(records["split"], records["whole"], strict=True):
+        assert loss == pytest.approx(loss_w, abs=1e-6) and lr == lr_w, step
+    a = load_checkpoint(tmp_path / "whole" / "ckpt_0000012.pt")["model"]
+    b = load_checkpoint(tmp_path / "split" / "ckpt_0000012.pt")["model"]
+    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+
+
+def test_resume_cleans_up_after_a_kill(tiny_cfg):
+    """What a kill -9 can leave: a half-written temp file, a torn metrics line, best.pt not yet linked."""
+    cfg = tiny_cfg()
+    train(cfg, quiet=True, stop_at=10)
+    out_path = Path(cfg.out_dir)
+    (out_path / ".ckpt_0000015.pt.tmp").write_bytes(b"PK half")
+    with open(out_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "kind": "tra')
+    (out_path / "best.pt").unlink()
+    assert load_checkpoint(out_path / "ckpt_0000010.pt")["is_best"]
+    summary = train(cfg, quiet=True, resume=True)
+    assert summary["step"] == 20 and not list(out_path.glob(".*.tmp"))
+    steps = [json.loads(l)["step"] for l in (out_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(11) == 1 and steps[-1] == 20
+    assert (out_path / "best.pt").exists()
+
+
+def test_resume_needs_the_whole_training_state_and_the_same_tokenizer(tmp_path, tiny_cfg, text_file):
+    cfg = tiny_cfg(**{"model.vocab_size": 80, "train.max_steps": 2})
+    train(cfg, quiet=True)
+    weights_only = tmp_path / "w"
+    weights_only.mkdir()
+    ckpt = torch.load(f"{cfg.out_dir}/ckpt_0000002.pt", weights_only=True)
+    torch.save({k: v for k, v in ckpt.items() if k not in ("optimizer", "rng_ranks")}, weights_only / "ckpt_0000002.pt")
+    with pytest.raises(CheckpointError, match="cannot be resumed from: it lacks optimizer, rng_ranks"):
+        train(tiny_cfg(**{"model.vocab_size": 80}, out_dir=weights_only), resume=True, quiet=True)
+    text_file.write_text(TEXT.upper())   # the same model, another vocabulary
+    with pytest.raises(CheckpointError, match="another tokenizer or vocabulary"):
+        train(tiny_cfg(**{"model.vocab_size": 80, "train.max_steps": 4}), resume=True, quiet=True)
+
+
+def test_a_new_run_removes_only_its_own_temporary_files(tiny_cfg):
+    """A kill can leave this project's .<name>.tmp files; the user's own hidden files are not ours to delete."""
+    cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2})
+    out = mkdir(Path(cfg.out_dir))
+    ours = [write(out / f".{name}.tmp", "stale") for name in ("ckpt_0000010.pt", "best.pt", "metrics.jsonl", "config.toml")]
+    theirs = [write(out / name, "mine") for name in (".notes.tmp", ".ckpt_latest.pt.tmp", "draft.tmp")]
+    train(cfg, quiet=True)
+    assert not any(p.exists() for p in ours)
+    assert all(p.read_text() == "mine" for p in theirs)
+
+
+def test_an_out_dir_holding_only_best_pt_is_resumed_as_the_refusal_says(tmp_path, text_file, trained, capsys):
+    out = mkdir(tmp_path / "out")
+    shutil.copy(trained / "best.pt", out / "best.pt")
+    rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)
+    assert rc == 2 and "already holds best.pt of a run: continue it with --resume" in err, err
+    rc, stdout, err = run_tool(train_cli, [*tiny_overrides(tmp_path, text_file, **{"train.max_steps": 6}), "--resume"], capsys)
+    assert rc == 0 and f"# resuming {out / 'best.pt'} at step 4" in stdout, err
+    assert load_checkpoint(out / "ckpt_0000006.pt")["step"] == 6
