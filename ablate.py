@@ -12,7 +12,7 @@ step of the current run (with a checkpoint).
 import shlex
 import sys
 
-from training.errors import run_cli
+from common import RunError, run_cli
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +21,6 @@ def main(argv: list[str]) -> int:
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     from ablation.report import write_report
     from ablation.sweep import load_sweep, run_sweep
-    from training.errors import RunError
 
     report_only = "--report" in argv
     sweep = load_sweep(argv[0], [a for a in argv[1:] if a != "--report"])

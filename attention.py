@@ -13,12 +13,11 @@ writes, into --out (default: <run dir>/attention/),
 and prints their paths. The weights are the model's own, by its variant's math (model/inspect.py).
 A prompt longer than the model's block_size is cut to its last block_size tokens.
 """
-import argparse
 import math
 import sys
 from pathlib import Path
 
-from training.errors import run_cli
+from common import ArgumentParser, ConfigError, TokenizerError, run_cli
 
 VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
 SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself",
@@ -26,8 +25,7 @@ SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
-    p.error = lambda message: sys.exit(print(f"error: {message} (see --help)", file=sys.stderr) or 2)   # one line
+    p = ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("--prompt", required=True, help="the text to look at, or @FILE to read it from a file")
     p.add_argument("--out", default="", help="folder for the PNGs (default: <run dir>/attention/)")
@@ -40,8 +38,6 @@ def parse_args(argv):
 
 def encode_prompt(tokenizer, text: str, block_size: int) -> list[int]:
     """The prompt's token ids, at most the last block_size of them (with a notice on stderr)."""
-    from data.tokenizers import TokenizerError
-    from training.config import ConfigError
     try:
         ids = tokenizer.encode(text)
     except TokenizerError as e:
@@ -57,7 +53,6 @@ def encode_prompt(tokenizer, text: str, block_size: int) -> list[int]:
 
 def pick(spec: str, n: int, option: str) -> list[int]:
     """'0,2' -> [0, 2], each in range(n); '' -> all of range(n)."""
-    from training.config import ConfigError
     if not spec:
         return list(range(n))
     try:
@@ -152,9 +147,8 @@ def main(argv) -> int:
     import numpy as np
     import torch
 
-    from model.inspect import attention_maps, head_scores
-
     from data.sources import read_prompt
+    from model.inspect import attention_maps, head_scores
     from training.checkpoint import load_model
 
     loaded = load_model(args.checkpoint)

@@ -20,14 +20,14 @@ import sys
 if os.environ.get("OMP_WAIT_POLICY") == "":
     del os.environ["OMP_WAIT_POLICY"]
 
-from training.errors import run_cli
+from common import ArgumentParser, run_cli
 
 RACES = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
          "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("race", help="classic vs fast recipe: wall time to the classic's best val loss")
     r.add_argument("--classic", help="default: the classic config of this machine's kind (CPU or GPU)")
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     k.add_argument("--seconds", type=float, default=120.0, help="training time per tokenizer")
     sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole")
     args, overrides = p.parse_known_args(argv)
-    from training.runtime import cpu_name
+    from benchmarks.machine import cpu_name
     print(f"# {cpu_name()} x {os.cpu_count()} | OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
           f"load average {os.getloadavg()[0]:.2f} (other jobs slow every figure)")
 

@@ -7,20 +7,18 @@
     >>> model = GPT2LMHeadModel.from_pretrained("hf_model")
 
 Only models whose architecture GPT-2 has can be exported (learned positions, LayerNorm, plain
-multi-head attention, no qk_norm); any other setting is an error that names it (training/gpt2_hf.py).
+multi-head attention, no qk_norm); any other setting is an error that names it (hf/convert.py).
 A run trained with the gpt2 tokenizer pairs with transformers' "gpt2" tokenizer; any other
 tokenizer (char, cl100k_base, ...) is not written: the directory then holds the weights only.
 """
-import argparse
 import sys
 from pathlib import Path
 
-from training.errors import run_cli
+from common import ArgumentParser, RunError, run_cli
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Export a trained GPT as a Hugging Face GPT-2 directory.")
-    p.error = lambda message: sys.exit(print(f"error: {message} (see --help)", file=sys.stderr) or 2)   # one line
+    p = ArgumentParser(description="Export a trained GPT as a Hugging Face GPT-2 directory.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("out_dir", help="the directory to write config.json and model.safetensors to")
     p.add_argument("--force", action="store_true", help="write into out_dir even if it is not empty")
@@ -29,9 +27,9 @@ def parse_args(argv):
 
 def main(argv) -> int:
     args = parse_args(argv)
-    from training.gpt2_hf import check_exportable, save_pretrained
+    from hf.convert import check_exportable
+    from hf.hub import save_pretrained
     from training.checkpoint import load_model
-    from training.errors import RunError
 
     out = Path(args.out_dir)
     if out.exists() and not out.is_dir():

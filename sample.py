@@ -6,17 +6,15 @@
 A run dir means its best.pt (else its latest checkpoint). All samples are generated as one batch;
 the first is streamed token by token, the others are printed when they are done.
 """
-import argparse
 import codecs
 import math
 import sys
 
-from training.errors import run_cli
+from common import ArgumentParser, run_cli
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Sample from a trained GPT checkpoint.")
-    p.error = lambda message: sys.exit(print(f"error: {message} (see --help)", file=sys.stderr) or 2)   # one line
+    p = ArgumentParser(description="Sample from a trained GPT checkpoint.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("--prompt", default="", help="text to continue, or @FILE to read it from a file "
                    "(empty: start from a newline / end-of-text token)")
@@ -47,11 +45,10 @@ def main(argv) -> int:
     args = parse_args(argv)
     import torch
 
+    from common import RunError, SamplingError, TokenizerError
     from data.sources import read_prompt
-    from data.tokenizers import TokenizerError
-    from model.sampling import SamplingError, generate
+    from model.sampling import Decoding, generate
     from training.checkpoint import load_model
-    from training.errors import RunError
     from training.runtime import autocast, pick_device, pick_dtype
 
     device = pick_device(args.device, setting="--device")
@@ -64,7 +61,7 @@ def main(argv) -> int:
         ids = tokenizer.encode(text) if text else [tokenizer.start_token]
     except TokenizerError as e:
         raise TokenizerError(f"the prompt has {e}") from None
-    print(f"# {loaded.describe()}", file=sys.stderr)
+    print(f"# {loaded.description}", file=sys.stderr)
 
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
@@ -76,9 +73,9 @@ def main(argv) -> int:
     columns = []
     try:
         with autocast(device, dtype):   # the finite flags are read with each token, read for streaming anyway
+            decoding = Decoding(use_cache=not args.no_cache, cache_dtype=dtype, compile=args.compile, check_every=1)
             for col in generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                                generator, use_cache=not args.no_cache, cache_dtype=dtype, compile=args.compile,
-                                check_every=1, vocab_limit=tokenizer.vocab_size):
+                                generator, vocab_limit=tokenizer.vocab_size, decoding=decoding):
                 columns.append(col)
                 out.write(stream.decode(tokenizer.decode_bytes([col[0, 0].item()])))
                 out.flush()

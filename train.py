@@ -12,12 +12,11 @@ Options: a config file (TOML), --section.key=value overrides (listed below, and 
 """
 import sys
 
-from training.errors import run_cli
+from common import run_cli
 
 
 def main(argv: list[str]) -> int:
     from training.config import build_config, help_text
-    from training.distributed import teardown
     from training.trainer import train
 
     if "-h" in argv or "--help" in argv:
@@ -27,12 +26,7 @@ def main(argv: list[str]) -> int:
     rest = [a for a in argv if a not in flags]
     config_file = rest.pop(0) if rest and not rest[0].startswith("--") else None
     cfg = build_config(config_file, rest)
-    finished = False
-    try:
-        summary = train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
-        finished = True
-    finally:
-        teardown(wait_for_others=finished)   # leave the process group, if torchrun started this as one rank
+    summary = train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
     return summary["exit_code"]   # 0, or 128 + the signal that stopped it (130 for Ctrl-C, 143 for SIGTERM)
 
 

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from ablation.sweep import Sweep, flat
-from training.runtime import machine
+from benchmarks.machine import machine
 
 NOISE_Z = 2.0
 

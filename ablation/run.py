@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from training.errors import run_cli
+from common import run_cli
 
 
 def run(run_dir: Path) -> int:

@@ -34,7 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from training.config import Config, ConfigError, apply_dict, describe, get_key, load_toml, parse_overrides, set_key
+from common import ConfigError, on_stop_signals
+from data.prepare import prepare
+from training.config import Config, apply_dict, describe, get_key, load_toml, parse_overrides, set_key
 
 SWEEP_KEYS = {"base", "out_dir", "seeds", "overrides", "variants", "name"}
 # keys a variant must not change: the data, its order and the token budget, and how runs are scored
@@ -178,28 +180,18 @@ def execute(run: Run) -> tuple[int, int | None, bool]:
         proc = subprocess.Popen(child_command(run), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
 
-        def forward(signum, frame):
+        def forward(signum):
             stops.append(signum)
             proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
 
-        caught = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-        previous = {s: signal.signal(s, forward) for s in caught}
-        try:
+        with on_stop_signals(forward):
             if hasattr(os, "wait4"):
-                while True:
-                    try:
-                        _, status, rusage = os.wait4(proc.pid, 0)
-                        break
-                    except InterruptedError:
-                        continue
+                _, status, rusage = os.wait4(proc.pid, 0)   # (retried by Python when a signal interrupts it)
                 proc.returncode = os.waitstatus_to_exitcode(status)
                 rss = peak_rss_bytes(rusage)
             else:
                 proc.wait()
                 rss = None
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
     return proc.returncode, rss, bool(stops)
 
 
@@ -220,7 +212,7 @@ def run_sweep(sweep: Sweep, say=print) -> dict:
     """Run every unfinished run in order; return {'done': [...], 'failed': [...], 'interrupted': bool}."""
     for run in sweep.runs:
         check_not_stale(run)
-    sweep.runs[0].cfg.data.prepare()    # a data problem is reported once, before any run starts
+    prepare(sweep.runs[0].cfg.data)    # a data problem is reported once, before any run starts
     failed, total = [], len(sweep.runs)
     for i, run in enumerate(sweep.runs, 1):
         if is_done(run):

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from data.cache import load_meta
+from data.prepare import prepare
 from training.config import build_config
+from training.step import mean_loss
 from training.trainer import train
 
 
@@ -30,19 +32,11 @@ def val_windows(dataset: Path, block_size: int) -> torch.Tensor:
     return torch.from_numpy(tokens[idx].astype(np.int64))
 
 
-@torch.no_grad()
 def val_loss(model, windows: torch.Tensor, chunk: int = 128) -> float:
     """Mean next-token cross-entropy over every position of every window (fp32, eval mode)."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
-    total = 0.0
-    for i in range(0, len(windows), chunk):
-        w = windows[i:i + chunk].to(device)
-        _, loss = model(w[:, :-1].contiguous(), w[:, 1:].contiguous())
-        total += loss.item() * w.size(0)
-    model.train(was_training)
-    return total / len(windows)
+    batches = ((w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows.split(chunk))
+    return mean_loss(model, batches).item()
 
 
 def run(cfg, windows: torch.Tensor, eval_every: int, label: str, say=print) -> list[dict]:
@@ -80,7 +74,7 @@ def race(classic: str, fast: str, overrides: list[str], evals: int = 20, say=pri
             cfg.train.eval_interval = cfg.train.max_steps   # the race evaluates; the trainer only at the end
             cfg.train.eval_iters = 1
             cfgs[label] = cfg
-        windows = val_windows(cfgs["classic"].data.prepare(), cfgs["classic"].model.block_size)
+        windows = val_windows(prepare(cfgs["classic"].data), cfgs["classic"].model.block_size)
         say(f"# val: {windows.numel() - len(windows):,} tokens in {len(windows)} windows of "
             f"{windows.size(1) - 1}, the same for both runs; times exclude these evaluations")
         curves = {label: run(cfg, windows, max(1, cfg.train.max_steps // evals), label, say)

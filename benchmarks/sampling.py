@@ -9,7 +9,8 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
-from model.sampling import generate
+from model.sampling import Decoding, generate
+from training.runtime import sync
 
 SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
 
@@ -19,19 +20,14 @@ def make_model(device) -> GPT:
     return GPT(ModelConfig(**SHAPE)).to(device).eval()
 
 
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def tokens_per_s(model, new_tokens: int, use_cache: bool, samples: int = 1, compile: bool = False) -> float:
     device = next(model.parameters()).device
     prompt = torch.zeros(samples, 1, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     sync(device)
     t0 = time.perf_counter()
-    for col in generate(model, prompt, new_tokens, temperature=1.0, generator=gen, use_cache=use_cache,
-                        compile=compile):
+    for col in generate(model, prompt, new_tokens, temperature=1.0, generator=gen,
+                        decoding=Decoding(use_cache=use_cache, compile=compile)):
         pass
     col.cpu()                                        # wait for the device
     return samples * new_tokens / (time.perf_counter() - t0)

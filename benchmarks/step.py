@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from model.gpt import GPT
+from speed.onednn import onednn_linear, onednn_works
 from training.config import build_config
-from training.onednn import onednn_linear, onednn_works
 from training.runtime import pick_device, pick_dtype, sync, use_fast_matmuls
-
+from training.trainer import build_step, join_world, set_up
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:
@@ -69,18 +69,13 @@ def plain_step(cfg, device):
 
 
 def trainer_step(cfg, out_dir, compile: bool, graph: bool):
-    """The trainer's own step (training/step.py) for cfg with these two switches, on real batches."""
-    from training.optim import set_lr
-    from training.trainer import build_step, set_up
+    """The trainer's own step (training/step.py) for cfg with these two switches, on real batches, at
+    the peak learning rate."""
     cfg = copy.deepcopy(cfg)
     cfg.train.compile, cfg.train.cuda_graph, cfg.out_dir = compile, graph, str(out_dir)
-    run, _ = set_up(cfg, resume=False, overwrite=True, quiet=True)
+    run, _ = set_up(cfg, join_world(pick_device(cfg.train.device)), resume=False, overwrite=True, quiet=True)
     build_step(run)
-
-    def step():
-        set_lr(run.optimizer, cfg.train.warmup_steps, cfg.train)
-        run.step_fn()
-    return run.model, step, run.step_fn.kind
+    return run.model, run.train_step, run.train_step.kind
 
 
 def variants_for(cfg, device) -> dict:

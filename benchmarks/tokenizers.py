@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from benchmarks.race import val_loss, val_windows
-from data.cache import bits_per_byte
-from data.cache import load_meta
+from data.cache import bits_per_byte, load_meta
+from data.prepare import prepare
 from training.checkpoint import load_model
 from training.config import build_config
 from training.trainer import train
@@ -51,7 +51,7 @@ def bench_tokenizers(config: str, overrides: list[str], seconds: float = 120.0, 
             t0 = time.perf_counter()
             train(cfg, overwrite=True, quiet=True)
             took = time.perf_counter() - t0
-            dataset = cfg.data.prepare(cfg.model.block_size)
+            dataset = prepare(cfg.data, cfg.model.block_size)
             meta = load_meta(dataset)
             model = load_model(out / tok.replace(":", "_")).model
             windows = val_windows(dataset, cfg.model.block_size)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data.sources import DataError
-from data.tokenizers import TokenizerError, load_tokenizer
+from common import DataError, TokenizerError
+from data.tokenizers import load_tokenizer
 
 FORMAT = 2
 STALE_SECONDS = 24 * 3600

@@ -1,13 +1,13 @@
-"""Batches of random windows from memory-mapped token files.
+"""Batches of windows from memory-mapped token files.
 
-A batch is B windows of block_size + 1 consecutive tokens at random offsets: x is the first
-block_size of each, y the same shifted by one, so y[b, t] is the token that follows x[b, :t+1].
-Memory and time per batch are O(B * block_size) whatever the dataset's size: only the windows
-are read from disk. On CUDA a batch is copied through pinned memory, asynchronously.
+A window is block_size + 1 consecutive tokens: x is its first block_size, y the same shifted by one,
+so y[b, t] is the token that follows x[b, :t+1]. Training draws windows at random offsets; memory and
+time per batch are O(B * block_size) whatever the dataset's size, since only the windows are read
+from disk. On CUDA a step's windows are copied through pinned memory, asynchronously.
 
 Many processes (torch.distributed): every rank holds the same generator and, each optimizer step,
 draws the offsets of the whole global batch, world x grad_accum x B windows (a few KB of integers),
-then reads only its own B windows per micro-step. So the ranks read different windows, and which
+then keeps only its own B windows per micro-step. So the ranks read different windows, and which
 windows a step trains on depends only on the global batch size: 1 process with batch 2B, 1 process
 with batch B and 2 accumulation steps, and 2 processes with batch B each see exactly the same data
 (the tests check that they end with the same weights). Seeding each rank differently instead would
@@ -37,47 +37,25 @@ class BatchLoader:
         self.offsets = np.arange(block_size + 1)
         self.generator = torch.Generator().manual_seed(seed)   # the training data order
 
-    def _offsets(self, split: str, n: int, generator: torch.Generator) -> np.ndarray:
+    def _starts(self, split: str, n: int, generator: torch.Generator) -> np.ndarray:
         return torch.randint(len(self.splits[split]) - self.block_size, (n,), generator=generator).numpy()
 
     def _windows(self, split: str, starts: np.ndarray) -> torch.Tensor:
         """The windows of block_size + 1 tokens at starts (any shape S), as a host tensor (*S, T + 1)."""
         return torch.from_numpy(self.splits[split][starts[..., None] + self.offsets].astype(np.int64))
 
-    def _read(self, split: str, starts: np.ndarray):
-        """(x, y), each (B, T) int64 on the device: the windows at starts, y shifted by one."""
-        windows = self._windows(split, starts)                                  # (B, T+1)
-        if self.device.type == "cuda":
-            windows = windows.pin_memory().to(self.device, non_blocking=True)
-        else:
-            windows = windows.to(self.device)
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-
-    def _step_starts(self, split: str, generator: torch.Generator) -> np.ndarray:
-        """This rank's window starts of one optimizer step (grad_accum, B), out of the global batch's."""
-        starts = self._offsets(split, self.grad_accum * self.world * self.batch_size, generator)
-        return starts.reshape(self.grad_accum, self.world, self.batch_size)[:, self.rank]
-
-    def batch(self, split: str, generator: torch.Generator | None = None):
-        """This rank's B windows of world x B drawn from generator (default: the loader's)."""
-        starts = self._offsets(split, self.world * self.batch_size, generator or self.generator)
-        return self._read(split, starts.reshape(self.world, self.batch_size)[self.rank])
-
-    def step_batches(self, split: str = "train"):
-        """This rank's grad_accum micro-batches of one optimizer step, read one at a time."""
-        for micro in self._step_starts(split, self.generator):
-            yield self._read(split, micro)
-
-    def step_windows(self, split: str = "train", consume: bool = True) -> torch.Tensor:
-        """This rank's windows of one optimizer step as one host tensor (grad_accum, B, T + 1), pinned
-        on CUDA so that copying it to the device does not wait; consume=False leaves the data order
-        where it is (the same windows come again)."""
-        generator = self.generator
-        if not consume:
-            generator = torch.Generator()
-            generator.set_state(self.generator.get_state())
-        windows = self._windows(split, self._step_starts(split, generator))
+    def step_windows(self) -> torch.Tensor:
+        """This rank's training windows of the next optimizer step, (grad_accum, B, T + 1) on the host,
+        pinned on CUDA so that copying them to the device does not wait."""
+        starts = self._starts("train", self.grad_accum * self.world * self.batch_size, self.generator)
+        windows = self._windows("train", starts.reshape(self.grad_accum, self.world, self.batch_size)[:, self.rank])
         return windows.pin_memory() if self.device.type == "cuda" else windows
+
+    def batch(self, split: str, generator: torch.Generator):
+        """(x, y) on the device: this rank's B of world x B windows drawn from generator."""
+        starts = self._starts(split, self.world * self.batch_size, generator)
+        windows = self._windows(split, starts.reshape(self.world, self.batch_size)[self.rank]).to(self.device)
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

@@ -29,25 +29,43 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from data.bpe import bpe_vocab_size, train_bpe
+from common import ArgumentParser, DataError, Interrupted, check, duration, on_stop_signals, run_cli
 from data.cache import (FORMAT, check_split_sizes, entry_name, make_temp_dir, publish, read_entry,
                         remove_stale_temp_dirs, token_dtype)
-from data.sources import DataError, find_sources, iter_text, sources_sha256
-from data.tokenizers import CharTokenizer, TokenizerError, build_tokenizer, check_encoding_name, load_tokenizer
+from data.sources import find_sources, iter_text, sources_sha256
+from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer, check_encoding_name, load_tokenizer,
+                             train_bpe)
 
 PIECE_CHARS = 1 << 20       # characters per encoding task (fewer where many cores share IN_FLIGHT_CHARS)
 IN_FLIGHT_CHARS = 4 << 20   # characters being encoded or waiting to be written, whatever the core count
 MAX_WORKERS = 32
 PROGRESS_MIN_BYTES = 64 << 20   # show a progress bar for inputs at least this large
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/tinyshakespeare.txt"   # the text to train on: a file, a directory or a glob (the default
+                                             # ships with the repo: data/README.md says where it comes from)
+    tokenizer: str = "char"                  # char | bpe:N (N tokens, trained on the data) | a tiktoken name (gpt2, ...)
+    val_fraction: float = 0.1                # the last 10% of the text is the validation split
+    prepared_dir: str = "data/prepared"      # where prepared token files are cached
+    encoding_errors: str = "strict"          # strict | replace: what to do with non-UTF-8 bytes
+
+    def validate(self) -> None:
+        """A ConfigError (or TokenizerError) naming the data setting that cannot be used; the text
+        itself is checked as it is prepared."""
+        check("data.val_fraction", self.val_fraction, above=0.0, below=1.0)
+        check("data.encoding_errors", self.encoding_errors, one_of=("strict", "replace"))
+        if self.tokenizer != "char" and bpe_vocab_size(self.tokenizer) is None:
+            check_encoding_name(self.tokenizer)
 
 
 def available_cpus() -> int:
@@ -70,7 +88,7 @@ class Progress:
             rate = self.done / max(now - self.start, 1e-9)
             eta = (self.total - self.done) / max(rate, 1e-9)
             line = (f"{self.label:8s} {self.done / 1e6:9.1f} / {self.total / 1e6:.1f} MB  "
-                    f"{rate / 1e6:6.1f} MB/s  ETA {int(eta) // 60}:{int(eta) % 60:02d}")
+                    f"{rate / 1e6:6.1f} MB/s  ETA {duration(eta)}")
             print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
     def close(self) -> None:
@@ -220,62 +238,22 @@ class TokenWriter:
                 f.close()
 
 
-class Interrupted(KeyboardInterrupt):
-    """A signal stopped a preparation (after its temporary directory was removed). exit_code is the
-    shell's 128 + signal number: 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP."""
+def prepare(data: DataConfig, block_size: int | None = None) -> Path:
+    """Prepare data.path (a file, a directory, or a glob), or reuse a sound earlier preparation of the
+    same bytes with the same settings; return the dataset dir. block_size: each split must hold
+    block_size + 1 tokens (one training window), checked before anything is published."""
+    data.validate()
+    files = find_sources(data.path)
+    stopped = []
 
-    def __init__(self, signum: int, message: str = ""):
-        super().__init__(message or f"stopped by {signal.Signals(signum).name}")
-        self.signum, self.exit_code = signum, 128 + signum
-
-
-STOP_SIGNALS = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
-
-
-@contextmanager
-def signals_raise():
-    """While preparing, SIGINT, SIGTERM and SIGHUP raise Interrupted, so `finally` blocks clean up; a
-    second signal during that cleanup is ignored. The previous handlers come back after. Signals that
-    are ignored (nohup) stay ignored; outside the main thread, where no handler can be set, nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    raised = []
-
-    def handler(signum, frame):
-        if not raised:
-            raised.append(signum)
-            raise Interrupted(signum)
-
-    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-
-def prepare(source: Path, tokenizer: str, val_fraction: float, root: Path, encoding_errors: str = "strict",
-            block_size: int | None = None) -> Path:
-    """Prepare source (a file, a directory, or a glob), or reuse a sound earlier preparation of the same
-    bytes; return the dataset dir. block_size: each split must hold block_size + 1 tokens (one training
-    window), checked before anything is published (None: no check)."""
-    files = find_sources(source)
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
-    if encoding_errors not in ("strict", "replace"):
-        raise DataError(f"data.encoding_errors={encoding_errors!r} is not one of strict, replace")
-    try:   # an unknown tokenizer fails now, not after hashing
-        if tokenizer != "char" and bpe_vocab_size(tokenizer) is None:
-            check_encoding_name(tokenizer)
-    except TokenizerError as e:
-        raise DataError(str(e)) from None
-    with signals_raise():
-        try:
-            return _prepare(files, source, tokenizer, val_fraction, Path(root), encoding_errors, block_size)
-        except Interrupted as e:
-            raise Interrupted(e.signum, f"preparing {source} stopped by {signal.Signals(e.signum).name}; "
-                                        f"nothing was kept") from None
+    def stop(signum: int):   # the first signal unwinds the preparation (which cleans up); later ones wait
+        if not stopped:
+            stopped.append(signum)
+            raise Interrupted(signum, f"preparing {data.path} stopped by {signal.Signals(signum).name}; "
+                                      f"nothing was kept")
+    with on_stop_signals(stop):
+        return _prepare(files, data.path, data.tokenizer, data.val_fraction, Path(data.prepared_dir),
+                        data.encoding_errors, block_size)
 
 
 def _prepare(files, source, tokenizer, val_fraction, root, encoding_errors, block_size) -> Path:
@@ -371,28 +349,17 @@ def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, tot
 
 
 def main(argv: list[str]) -> int:
-    import argparse
-    p = argparse.ArgumentParser(description="Prepare a text file, directory or glob into token files.")
+    p = ArgumentParser(description="Prepare a text file, directory or glob into token files.")
     p.add_argument("source")
     p.add_argument("--tokenizer", default="char", help="char | bpe:N (trained on the data) | a tiktoken encoding")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--root", default="data/prepared")
-    p.add_argument("--encoding-errors", choices=("strict", "replace"), default="strict")
+    p.add_argument("--encoding-errors", default="strict", help="strict | replace")
     p.add_argument("--block-size", type=int, default=None, help="refuse splits shorter than block_size + 1 tokens")
     args = p.parse_args(argv)
-    prepare(args.source, args.tokenizer, args.val_fraction, Path(args.root), args.encoding_errors, args.block_size)
+    prepare(DataConfig(args.source, args.tokenizer, args.val_fraction, args.root, args.encoding_errors), args.block_size)
     return 0
 
 
-if __name__ == "__main__":   # without training.errors.run_cli, which imports torch: preparing needs none of it
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except Interrupted as e:
-        print(f"interrupted: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    except (DataError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+if __name__ == "__main__":
+    sys.exit(run_cli(main, sys.argv[1:]))

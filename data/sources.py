@@ -6,13 +6,10 @@ import os
 import stat
 from pathlib import Path
 
+from common import DataError
+
 READ_BYTES = 1 << 20        # bytes read at a time
 PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
-
-
-class DataError(ValueError):
-    """A data file or setting that cannot be used; the message says which and why."""
-
 
 def special_kind(path: Path) -> str | None:
     """What path is when it exists but is neither a regular file nor a directory (found with stat,

@@ -1,9 +1,11 @@
 """The model's one config dataclass: every architectural choice is a field here."""
-import math
 from dataclasses import dataclass
+
+from common import ConfigError, check
 
 # model/attention/__init__.py maps each name to its module (and checks that the two lists agree)
 ATTENTIONS = ("naive", "sdpa", "gqa", "sliding_window", "linear", "mla")
+POSITIONS, NORMS, MLPS = ("learned", "rope", "alibi", "none"), ("layernorm", "rmsnorm"), ("gelu", "gelu_tanh", "relu2")
 
 
 @dataclass
@@ -33,25 +35,18 @@ class ModelConfig:
         return self.n_embd // self.n_head
 
     def validate(self) -> None:
-        """Raise ValueError naming the setting(s) that make this config impossible."""
+        """A ConfigError naming the setting(s) that make this model impossible."""
         for name in ("block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
-        if self.vocab_size < 0:
-            raise ValueError(f"model.vocab_size must be >= 0, got {self.vocab_size}")
+            check(f"model.{name}", getattr(self, name), above=0)
+        check("model.vocab_size", self.vocab_size, at_least=0)
         if self.n_embd % self.n_head:
-            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        if not (math.isfinite(self.rope_base) and self.rope_base > 0):
-            raise ValueError(f"model.rope_base must be a finite number > 0, got {self.rope_base}")
-        choices = {"attention": ATTENTIONS, "pos": ("learned", "rope", "alibi", "none"),
-                   "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "gelu_tanh", "relu2")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+        check("model.dropout", self.dropout, at_least=0.0, below=1.0)
+        check("model.rope_base", self.rope_base, above=0.0)
+        for name, allowed in {"attention": ATTENTIONS, "pos": POSITIONS, "norm": NORMS, "mlp": MLPS}.items():
+            check(f"model.{name}", getattr(self, name), one_of=allowed)
         if self.pos == "rope" and self.head_dim % 2:
-            raise ValueError(f"model.pos='rope' needs an even head dim, but model.n_embd/model.n_head = {self.head_dim}")
+            raise ConfigError(f"model.pos='rope' needs an even head dim, but model.n_embd/model.n_head = {self.head_dim}")
         self.validate_variant()
 
     def validate_variant(self) -> None:
@@ -61,17 +56,16 @@ class ModelConfig:
                  "window": f"at most model.block_size={self.block_size}", "kv_latent_dim": "e.g. model.n_embd / 4"}
         for name, variant in own.items():
             value = getattr(self, name)
-            if value < 0:
-                raise ValueError(f"model.{name} must be >= 0, got {value}")
+            check(f"model.{name}", value, at_least=0)
             if self.attention == variant and value == 0:
-                raise ValueError(f"model.attention='{variant}' needs model.{name} > 0 ({hints[name]})")
+                raise ConfigError(f"model.attention='{variant}' needs model.{name} > 0 ({hints[name]})")
             if self.attention != variant and value != 0:
-                raise ValueError(f"model.{name}={value} only applies to model.attention='{variant}', "
-                                 f"not model.attention='{self.attention}'")
+                raise ConfigError(f"model.{name}={value} only applies to model.attention='{variant}', "
+                                  f"not model.attention='{self.attention}'")
         if self.attention == "gqa" and self.n_head % self.n_kv_head:
-            raise ValueError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}")
+            raise ConfigError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}")
         if self.attention == "sliding_window" and self.window > self.block_size:
-            raise ValueError(f"model.window={self.window} is larger than model.block_size={self.block_size}")
+            raise ConfigError(f"model.window={self.window} is larger than model.block_size={self.block_size}")
         if self.attention == "linear" and self.pos == "alibi":
-            raise ValueError("model.pos='alibi' biases attention scores, which model.attention='linear' never forms "
-                             "(use rope, learned or none)")
+            raise ConfigError("model.pos='alibi' biases attention scores, which model.attention='linear' never forms "
+                              "(use rope, learned or none)")

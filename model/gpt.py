@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common import ConfigError
 from model.attention import build_attention
 from model.config import ModelConfig
 from model.positions import rope_tables
@@ -62,8 +63,8 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope=None, cache=None, pos=None):
-        x = x + self.attn(self.norm1(x), rope, cache, pos=pos)
+    def forward(self, x, rope=None, cache=None, pos=None, explicit_attention=False):
+        x = x + self.attn(self.norm1(x), rope, cache, pos=pos, explicit=explicit_attention)
         x = x + self.mlp(self.norm2(x))
         return x
 
@@ -87,7 +88,7 @@ class GPT(nn.Module):
         super().__init__()
         cfg.validate()
         if cfg.vocab_size <= 0:
-            raise ValueError("model.vocab_size must be set (it is taken from the prepared dataset)")
+            raise ConfigError("model.vocab_size must be set (it is taken from the prepared dataset)")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
@@ -131,7 +132,8 @@ class GPT(nn.Module):
         numbers = sum(block.attn.cache_size(seq_len) for block in self.blocks)
         return numbers * torch.empty((), dtype=dtype).element_size()
 
-    def forward(self, idx, targets=None, cache: InferenceCache | None = None, all_logits=False, pos=None):
+    def forward(self, idx, targets=None, cache: InferenceCache | None = None, all_logits=False, pos=None,
+                explicit_attention=False):
         """idx (B, T) token ids -> (logits, loss).
 
         With targets (B, T): logits for every position and the mean cross-entropy (targets of -1 are
@@ -139,6 +141,8 @@ class GPT(nn.Module):
         needs, unless all_logits. pos (T,): the tokens' positions, a tensor (default 0..T-1). With a
         cache, the tokens' keys and values are stored in it at those positions, and each token attends
         to every cached position up to its own: decoding feeds the next token at the next position.
+        explicit_attention: softmax attention by its explicit steps, not the fused kernel (the same
+        numbers; what a compiled decoding step of one token is faster with).
         """
         B, T = idx.shape
         if T > self.cfg.block_size:
@@ -152,11 +156,11 @@ class GPT(nn.Module):
         x = self.dropout(x)
         rope = (at(self.rope_cos), at(self.rope_sin)) if self.cfg.pos == "rope" else None
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, cache.layers[i] if cache is not None else None, pos)
+            x = block(x, rope, cache.layers[i] if cache is not None else None, pos, explicit_attention)
         x = self.norm_f(x)
 
         if targets is None:
             return self.lm_head(x if all_logits else x[:, -1:, :]), None
         logits = self.lm_head(x)                                          # (B, T, V)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss

@@ -12,20 +12,29 @@ runs the same computation on the same buffers: torch.compile turns it into one g
 into one CUDA graph replayed for every token (at batch 1 a step is a hundred small kernels, and
 launching them one by one from Python costs more than running them).
 """
+import functools
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from common import SamplingError, first_line
 from model.gpt import GPT, InferenceCache
-
 
 TINY = torch.finfo(torch.float32).tiny                                   # the smallest normal float32
 
 
-class SamplingError(ValueError):
-    """The model's output cannot be sampled from (its weights are damaged, or it diverged)."""
+@dataclass
+class Decoding:
+    """How generate() computes, not what it samples: every choice gives the same tokens."""
+    use_cache: bool = True               # reuse the keys and values of earlier tokens (False: recompute the window)
+    cache_dtype: torch.dtype | None = None   # the cache's number format (default: the model's)
+    compile: bool | None = None          # compile the one-token step (on CUDA also replayed as a CUDA graph);
+                                         # None: on CUDA only (on CPU, compiling costs more than a sample saves)
+    check_every: int | None = None       # read the finite flags every this many tokens (default: every token
+                                         # on CPU, every 32 on a GPU, where a read waits for the device)
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -65,80 +74,48 @@ def draw_noise(noise: torch.Tensor, generator: torch.Generator | None = None) ->
 
 
 def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
-         noise: torch.Tensor, temperature: float, top_k: int, top_p: float):
+         noise: torch.Tensor, temperature: float, top_k: int, top_p: float, explicit: bool = False):
     """The model on the tokens idx (B, T) at positions pos, then the next token ids (B, 1) and
     whether every logit was finite (a flag on the device, read later: reading it here would make
     the host wait for the device at every token). The choice is among the first V = noise's width
     tokens (a vocabulary padded past the tokenizer's, e.g. 50,304 for GPT-2's 50,257, has rows no
-    tokenizer can decode)."""
-    logits, _ = model(idx, cache=cache, pos=pos)
+    tokenizer can decode). explicit: softmax attention by its explicit steps (model/attention/mha.py)."""
+    logits, _ = model(idx, cache=cache, pos=pos, explicit_attention=explicit)
     logits = logits[:, -1, :noise.size(-1)]                               # (B, V)
     return sample_next(logits, temperature, top_k, top_p, noise), torch.isfinite(logits).all()
 
 
 def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
-                noise: torch.Tensor, temperature: float, top_k: int, top_p: float):
+                noise: torch.Tensor, temperature: float, top_k: int, top_p: float, explicit: bool = False):
     """One new token: step() on the newest tokens last (B, 1) at position pos (1,), then last and
     pos move on to the chosen tokens, in place, so the next call continues from there. Every call
     has the same shapes and reads and writes the same tensors: one compiled graph, one CUDA graph."""
-    next_id, ok = step(model, cache, last, pos, noise, temperature, top_k, top_p)
+    next_id, ok = step(model, cache, last, pos, noise, temperature, top_k, top_p, explicit)
     last.copy_(next_id)
     pos.add_(1)
     return next_id, ok
 
 
-def one_line(e: Exception) -> str:
-    """A compiler's many-line error message, squeezed into one line of a warning."""
-    return " ".join(str(e).split())[:160]
-
-
-def warn(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def compiled(fn, device: torch.device):
-    """torch.compile(fn) as one graph of fixed shapes. Compiling is lazy, so the first calls are
-    tried: a failure there is a one-line warning, and fn runs eagerly from then on. On CUDA,
+def fast_decode_step(device: torch.device, args: tuple):
+    """decode_step compiled (speed/compile.py: a failure is one warning line and the eager step), and
+    on CUDA recorded as a CUDA graph (speed/cuda_graph.py), called with args (which it updates in
+    place). The compiled step asks for the explicit attention math, which a compiler fuses into a
+    few kernels of its own for one query (the fused attention kernels are made for many); on CUDA,
     coordinate descent tuning makes inductor turn each one-row matmul into a reduction it tunes and
     fuses with its neighbours (instead of a library call per matmul)."""
+    from speed.compile import compiled_or_eager   # the optional speed room
     options = {"coordinate_descent_tuning": True} if device.type == "cuda" else None
-    fast = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
-    trials = 2
-
-    def run(*args):
-        nonlocal fast, trials
-        if trials == 0:
-            return fast(*args)
-        try:
-            out = fast(*args)
-            trials -= 1
-            return out
-        except Exception as e:   # dynamo, inductor or the C++/Triton toolchain
-            warn(f"warning: compiling the decoding step failed, decoding without it "
-                 f"({type(e).__name__}: {one_line(e)})")
-            fast, trials = fn, 0
-            return fn(*args)
-    return run
-
-
-def cuda_graph(fn, *args):
-    """fn(*args) recorded once as a CUDA graph; each call of the result replays it: the same kernels
-    on the same tensors (args are updated in place between calls), launched at once instead of one
-    by one from Python. A failure to record is a one-line warning, and fn is called as it is."""
+    decode = compiled_or_eager(functools.partial(decode_step, explicit=True), lambda fn: [fn(*args) for _ in range(2)],
+                               "decoding", fullgraph=True, dynamic=False, options=options)
+    if device.type != "cuda":
+        return decode
+    from speed.cuda_graph import record
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):          # warm up (compile, allocate) outside the recording
-            for _ in range(2):
-                fn(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn(*args)
+        graph, out = record(lambda: decode(*args))
     except Exception as e:
-        warn(f"warning: recording the decoding step as a CUDA graph failed, decoding without it "
-             f"({type(e).__name__}: {one_line(e)})")
-        return fn
+        print(f"warning: recording the decoding step as a CUDA graph failed, decoding without it "
+              f"({type(e).__name__}: {first_line(e)})", file=sys.stderr, flush=True)
+        return decode
 
     def replay(*same_args):
         graph.replay()
@@ -146,42 +123,33 @@ def cuda_graph(fn, *args):
     return replay
 
 
-def default_compile(device: torch.device) -> bool:
-    """Compile the decoding step on CUDA only: on CPU, compiling takes longer than it saves on the
-    few hundred tokens of a sample (bench.py sample measures both)."""
-    return device.type == "cuda"
-
-
 @torch.inference_mode()   # like no_grad, and skips autograd's version counting too
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             use_cache: bool = True, cache_dtype: torch.dtype | None = None, compile: bool | None = None,
-             check_every: int | None = None, vocab_limit: int | None = None) -> Iterator[torch.Tensor]:
+             vocab_limit: int | None = None, decoding: Decoding = Decoding()) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T).
 
-    compile: compile the one-token decoding step, and on CUDA replay it as a CUDA graph (default:
-    default_compile). Raises SamplingError when the logits are not finite; the flags are read every
-    check_every tokens (default: every token on CPU, every 32 on a GPU, where a read waits for it).
-    vocab_limit: choose only among the first vocab_limit tokens (the tokenizer's vocabulary)."""
+    vocab_limit: choose only among the first vocab_limit tokens (the tokenizer's vocabulary).
+    decoding: how to compute (the cache, compiling): the same tokens either way. Raises SamplingError
+    when the logits are not finite, naming the first new token whose logits were not."""
     block_size, device, batch = model.cfg.block_size, idx.device, idx.size(0)
-    check_every = check_every or (1 if device.type == "cpu" else 32)
-    compile = default_compile(device) if compile is None else compile
+    check_every = decoding.check_every or (1 if device.type == "cpu" else 32)
+    compile = device.type == "cuda" if decoding.compile is None else decoding.compile
     finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)   # one flag per new token
     vocab = min(vocab_limit or model.cfg.vocab_size, model.cfg.vocab_size)
     noise = torch.ones(batch, vocab, device=device)   # Exponential(1) draws, redrawn per token when sampling
     sampling = (noise, temperature, top_k, top_p)
-    if use_cache:
-        cache = InferenceCache(model, batch, device, cache_dtype or next(model.parameters()).dtype)
+    if decoding.use_cache:
+        cache = InferenceCache(model, batch, device, decoding.cache_dtype or next(model.parameters()).dtype)
         last = torch.zeros(batch, 1, dtype=torch.long, device=device)       # the newest tokens
         pos = torch.zeros(1, dtype=torch.long, device=device)              # and their position
-        decode = compiled(decode_step, device) if compile else decode_step
-        if compile and device.type == "cuda":   # (its warm-up calls write into the cache: the prefill resets it)
-            decode = cuda_graph(decode, model, cache, last, pos, *sampling)
+        # (compiling and recording call the step on the cache: the prefill resets it)
+        decode = fast_decode_step(device, (model, cache, last, pos, *sampling)) if compile else decode_step
     tokens, filled, checked = idx, 0, 0                                    # filled: positions in the cache
     for i in range(max_new_tokens):
         if temperature > 0:
             draw_noise(noise, generator)
-        if not use_cache:
+        if not decoding.use_cache:
             next_id, ok = step(model, None, tokens[:, -block_size:], None, *sampling)   # recompute the window
         elif filled == 0 or filled == block_size:                          # prefill (the prompt, or a slide)
             keep = min(tokens.size(1), block_size if filled == 0 else max(1, block_size // 2))

@@ -123,3 +123,10 @@ def tiny_cfg(tmp_path, text_file):
     def make(**extra):
         return build_config(None, tiny_overrides(tmp_path, text_file, **extra))
     return make
+
+
+def prepare_text(path, tokenizer="char", val_fraction=0.1, root="data/prepared", encoding_errors="strict",
+                 block_size=None):
+    """data.prepare.prepare() of the text at path with these data settings; the dataset's directory."""
+    from data.prepare import DataConfig, prepare
+    return prepare(DataConfig(str(path), tokenizer, val_fraction, str(root), encoding_errors), block_size)

@@ -10,7 +10,7 @@ import torch
 from ablation.sweep import load_sweep
 from model.config import ATTENTIONS
 from tests.conftest import ROOT
-from training.config import ConfigError
+from common import ConfigError
 from training.runtime import pick_device, pick_dtype
 
 VARIANTS = """

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.attention import build_attention
-from model.attention.core import causal_mask, consecutive_positions, merge_heads, split_heads
+from model.attention.mha import causal_mask, consecutive_positions, merge_heads, split_heads
 from model.attention.mla import MultiHeadLatentAttention
 from model.config import ModelConfig
 from model.gpt import GPT
@@ -172,7 +172,8 @@ def test_a_layer_figure_has_a_labelled_panel_per_head():
 
 def test_bpe_tokens_are_labelled_with_their_text_and_visible_whitespace():
     from attention import token_texts, visible
-    from data.tokenizers import TokenizerError, build_tokenizer
+    from common import TokenizerError
+    from data.tokenizers import build_tokenizer
     try:
         tokenizer = build_tokenizer("gpt2")
     except TokenizerError as e:
@@ -217,7 +218,7 @@ def test_the_command_draws_the_chosen_heads_and_cuts_a_long_prompt(run_dir, caps
 ])
 def test_a_bad_prompt_or_option_is_one_line_and_exit_2(run_dir, capsys, args, message):
     from attention import main
-    from training.errors import run_cli
+    from common import run_cli
     assert run_cli(main, [str(run_dir), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
@@ -225,6 +226,6 @@ def test_a_bad_prompt_or_option_is_one_line_and_exit_2(run_dir, capsys, args, me
 
 def test_a_missing_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
     from attention import main
-    from training.errors import run_cli
+    from common import run_cli
     assert run_cli(main, [str(tmp_path / "nothing"), "--prompt", "hi"]) == 2
     assert capsys.readouterr().err.startswith("error: checkpoint not found")

@@ -14,9 +14,8 @@ import torch
 
 import sample as sample_cli
 import train as train_cli
-from data.prepare import prepare
-from data.sources import DataError
-from tests.conftest import ROOT, TEXT, tiny_overrides
+from common import DataError
+from tests.conftest import ROOT, TEXT, prepare_text, tiny_overrides
 from tests.test_reliability import Evil, mkdir, one_thread, run_tool, trained, tree, write  # noqa: F401 (fixtures)
 from training.trainer import train
 
@@ -119,9 +118,9 @@ CASES = [
      "cannot create the out dir"),
     ("out dir is a file", train_cli, lambda e: e["base"](out_dir=write(e["tmp"] / "file", "x")), "is a file, not a directory"),
     ("val fraction of 1", train_cli, lambda e: e["base"](**{"data.val_fraction": 1}),
-     "data.val_fraction must be between 0 and 1, got 1.0"),
+     "data.val_fraction must be in (0.0, 1.0), got 1.0"),
     ("val fraction nan", train_cli, lambda e: e["base"](**{"data.val_fraction": "nan"}),
-     "data.val_fraction must be between 0 and 1, got nan"),
+     "data.val_fraction must be a finite number, got nan"),
     ("bad encoding_errors", train_cli, lambda e: e["base"](**{"data.encoding_errors": "ignore"}),
      "data.encoding_errors='ignore' is not one of strict, replace"),
     ("prepared dir under a file", train_cli,
@@ -139,7 +138,7 @@ CASES = [
         ("train.beta1", 1.5, "train.beta1 must be in [0, 1), got 1.5"),
         ("train.seed", -1, "train.seed must be in [0, 4294967295], got -1"),
         ("train.seed", 2**40, "train.seed must be in [0, 4294967295], got 1099511627776"),
-        ("model.rope_base", 0, "model.rope_base must be a finite number > 0, got 0.0"),
+        ("model.rope_base", 0, "model.rope_base must be > 0.0, got 0.0"),
     ]
 ] + [
     ("fresh run over a run", train_cli, lambda e: in_out_dir(e, e["ckpt"])[:-1],
@@ -191,7 +190,7 @@ def test_bad_input_is_one_line_a_non_zero_exit_and_writes_nothing(name, tool, ma
     text = write(tmp_path / "tiny.txt", TEXT)
     short = write(tmp_path / "short.txt", "abcdefghij" * 3)
     for path in (text, short):   # a complete preparation may be cached; it is made here, before the snapshot
-        prepare(path, "char", 0.1, tmp_path / "prepared")
+        prepare_text(path, "char", 0.1, tmp_path / "prepared")
     ckpt = tmp_path / "good.pt"
     shutil.copy(trained / "ckpt_0000004.pt", ckpt)
     env = {"tmp": tmp_path, "short": short, "ckpt": ckpt, "trained": trained,
@@ -238,7 +237,7 @@ def test_a_preparation_cut_short_leaves_nothing_behind(failure, tmp_path, text_f
     monkeypatch.setattr(json, "dumps", fail_after_the_token_files)
     with pytest.raises(type(failure) if isinstance(failure, KeyboardInterrupt) else DataError,
                        match=None if isinstance(failure, KeyboardInterrupt) else "No space left on device"):
-        prepare(text_file, "char", 0.1, tmp_path / "prepared")
+        prepare_text(text_file, "char", 0.1, tmp_path / "prepared")
     assert list((tmp_path / "prepared").iterdir()) == []
     monkeypatch.setattr(json, "dumps", real_dumps)
-    assert (prepare(text_file, "char", 0.1, tmp_path / "prepared") / "meta.json").exists()
+    assert (prepare_text(text_file, "char", 0.1, tmp_path / "prepared") / "meta.json").exists()

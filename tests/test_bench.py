@@ -10,11 +10,12 @@ from model.config import ModelConfig
 from model.gpt import GPT
 from tests.conftest import tiny_overrides
 from training.config import build_config
+from data.prepare import prepare
 
 
 def test_race_windows_are_the_whole_val_split_in_order(tiny_cfg):
     cfg = tiny_cfg(**{"model.block_size": 8})
-    dataset = cfg.data.prepare()
+    dataset = prepare(cfg.data)
     meta = load_meta(dataset)
     val = np.fromfile(dataset / "val.bin", dtype=meta["dtype"])
     w = val_windows(dataset, 8)

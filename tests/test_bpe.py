@@ -6,12 +6,11 @@ import json
 import numpy as np
 import pytest
 
-import data.bpe
 import data.prepare as prep
-from data.prepare import prepare
-from data.sources import DataError
-from data.tokenizers import EOT, TokenizerError, load_tokenizer
-from tests.conftest import TEXT
+import data.tokenizers
+from common import DataError, TokenizerError
+from data.tokenizers import EOT, load_tokenizer
+from tests.conftest import TEXT, prepare_text
 
 UNSEEN = "héllo wörld, naïve café — 日本語のテキスト 😀🎉 ∑ x² \t\r\n <|endoftext|> \x00 \U0010fffd"
 
@@ -19,7 +18,7 @@ UNSEEN = "héllo wörld, naïve café — 日本語のテキスト 😀🎉 ∑ 
 def trained(tmp_path, text: str, tokenizer="bpe:300", name="t.txt", root="prep", **kw) -> tuple:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
-    out = prepare(path, tokenizer, 0.2, tmp_path / root, **kw)
+    out = prepare_text(path, tokenizer, 0.2, tmp_path / root, **kw)
     meta = json.loads((out / "meta.json").read_text())
     return out, meta
 
@@ -44,12 +43,12 @@ def test_only_the_training_split_shapes_the_merges(tmp_path):
 
 def test_training_reads_at_most_the_cap(tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "PIECE_CHARS", 97)
-    monkeypatch.setattr(data.bpe, "TRAIN_MAX_CHARS", 600)
+    monkeypatch.setattr(data.tokenizers, "TRAIN_MAX_CHARS", 600)
     head, tail = TEXT[:1000], TEXT[1000:]
     _, a = trained(tmp_path, head + tail, name="a.txt")
     _, b = trained(tmp_path, head + tail.upper(), name="b.txt")   # differs only after the cap
     assert a["tokenizer"] == b["tokenizer"]
-    monkeypatch.setattr(data.bpe, "TRAIN_MAX_CHARS", 10**9)
+    monkeypatch.setattr(data.tokenizers, "TRAIN_MAX_CHARS", 10**9)
     _, c = trained(tmp_path, head + tail.upper(), name="c.txt", root="uncapped")
     assert c["tokenizer"] != a["tokenizer"]
 
@@ -78,7 +77,7 @@ def test_documents_are_separated_by_the_end_of_text_token(tmp_path):
     docs.mkdir()
     (docs / "a.txt").write_text(TEXT[:1500])
     (docs / "b.txt").write_text(TEXT[1500:])
-    out = prepare(docs, "bpe:300", 0.1, tmp_path / "prep")
+    out = prepare_text(docs, "bpe:300", 0.1, tmp_path / "prep")
     meta = json.loads((out / "meta.json").read_text())
     ids = np.concatenate([np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")]).tolist()
     tok = load_tokenizer(meta["tokenizer"])
@@ -92,8 +91,8 @@ def test_too_few_pairs_give_fewer_tokens_and_say_so(tmp_path):
 
 @pytest.mark.parametrize("spec", ["bpe:abc", "bpe:256", "bpe", "bpe:99999999", "bpe:-5"])
 def test_a_bad_vocabulary_size_is_refused_before_anything_is_read(tmp_path, text_file, spec):
-    with pytest.raises(DataError, match=r"write bpe:N with N the vocabulary size, 257 to"):
-        prepare(text_file, spec, 0.1, tmp_path / "prep")
+    with pytest.raises(TokenizerError, match=r"write bpe:N with N the vocabulary size, 257 to"):
+        prepare_text(text_file, spec, 0.1, tmp_path / "prep")
     assert not (tmp_path / "prep").exists()
 
 

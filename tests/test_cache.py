@@ -16,9 +16,8 @@ import pytest
 import data.cache as cache
 from data.cache import FORMAT, load_meta
 from data.loader import BatchLoader
-from data.prepare import prepare
-from data.sources import DataError
-from tests.conftest import ROOT, TEXT
+from common import ConfigError, DataError
+from tests.conftest import ROOT, TEXT, prepare_text
 
 
 def edit_meta(out, change):
@@ -55,7 +54,7 @@ DAMAGES = {   # what breaks the entry, and the reason the notice gives
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=list(DAMAGES))
 def test_a_damaged_entry_is_prepared_again_with_a_notice(tmp_path, text_file, capsys, damage):
-    out = prepare(text_file, "char", 0.1, tmp_path / "prep")
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     good = {name: (out / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")}
     change, reason = DAMAGES[damage]
     change(out)
@@ -66,7 +65,7 @@ def test_a_damaged_entry_is_prepared_again_with_a_notice(tmp_path, text_file, ca
     with pytest.raises(DataError, match="delete it"):
         BatchLoader(out, block_size=8, batch_size=2)
 
-    assert prepare(text_file, "char", 0.1, tmp_path / "prep") == out
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") == out
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"notice: {out} ") and reason in err and err.endswith("preparing it again"), err
     assert "\n" not in err
@@ -75,10 +74,10 @@ def test_a_damaged_entry_is_prepared_again_with_a_notice(tmp_path, text_file, ca
 
 
 def test_a_sound_entry_is_reused_without_a_notice(tmp_path, text_file, capsys):
-    out = prepare(text_file, "char", 0.1, tmp_path / "prep")
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     stamp = os.stat(out / "train.bin").st_mtime_ns
     capsys.readouterr()
-    assert prepare(text_file, "char", 0.1, tmp_path / "prep") == out
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") == out
     assert capsys.readouterr() == ("", "") and os.stat(out / "train.bin").st_mtime_ns == stamp
     meta = load_meta(out)
     assert meta["format"] == FORMAT and meta["max_token"] == max(
@@ -91,35 +90,35 @@ def test_a_text_too_short_for_the_block_is_refused_before_it_is_published(tmp_pa
     for tokenizer in ("char", "bpe:300"):
         with pytest.raises(DataError, match=r"the (train|val) split has \d+ tokens, fewer than block_size \+ 1 = 9; use a "
                                             r"longer text or a smaller --model.block_size"):
-            prepare(short, tokenizer, 0.1, tmp_path / "prep", block_size=8)
+            prepare_text(short, tokenizer, 0.1, tmp_path / "prep", block_size=8)
         assert os.listdir(tmp_path / "prep") == [], "no entry and no temporary dir"
-    out = prepare(text_file, "char", 0.1, tmp_path / "prep")   # no block_size: no check
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")   # no block_size: no check
     with pytest.raises(DataError, match="the val split has 164 tokens, fewer than block_size"):
-        prepare(text_file, "char", 0.1, tmp_path / "prep", block_size=200)   # a cache hit is checked too
-    assert prepare(text_file, "char", 0.1, tmp_path / "prep", block_size=163) == out
+        prepare_text(text_file, "char", 0.1, tmp_path / "prep", block_size=200)   # a cache hit is checked too
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep", block_size=163) == out
 
 
 def test_encoding_errors_are_part_of_the_cache_key(tmp_path):
     path = tmp_path / "bad.txt"
     path.write_bytes(TEXT.encode() + b"\xff")
-    replaced = prepare(path, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
+    replaced = prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
     assert load_meta(replaced)["encoding_errors"] == "replace"
     with pytest.raises(DataError, match="byte 0xff at offset"):
-        prepare(path, "char", 0.1, tmp_path / "prep", encoding_errors="strict")
+        prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="strict")
     assert load_meta(replaced)["encoding_errors"] == "replace", "kept"
     clean = tmp_path / "clean.txt"
     clean.write_text(TEXT)
-    assert prepare(clean, "char", 0.1, tmp_path / "prep") != prepare(clean, "char", 0.1, tmp_path / "prep",
+    assert prepare_text(clean, "char", 0.1, tmp_path / "prep") != prepare_text(clean, "char", 0.1, tmp_path / "prep",
                                                                      encoding_errors="replace")
-    with pytest.raises(DataError, match="data.encoding_errors='ignore' is not one of strict, replace"):
-        prepare(path, "char", 0.1, tmp_path / "prep", encoding_errors="ignore")
+    with pytest.raises(ConfigError, match="data.encoding_errors='ignore' is not one of strict, replace"):
+        prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="ignore")
 
 
 def test_an_entry_of_another_text_under_the_same_name_is_not_used(tmp_path, text_file, capsys):
-    out = prepare(text_file, "char", 0.1, tmp_path / "prep")
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     edit_meta(out, lambda m: m.update(sha256="0" * 64))
     capsys.readouterr()
-    assert prepare(text_file, "char", 0.1, tmp_path / "prep") == out
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") == out
     assert "holds another preparation (its sha256" in capsys.readouterr().err
     assert load_meta(out)["sha256"] != "0" * 64
 
@@ -134,7 +133,7 @@ def test_a_pipe_a_device_or_a_socket_is_not_a_data_file(tmp_path):
         cases = {"/dev/null": "character device", "/dev/zero": "character device", sock_path: "socket"}
         for path, kind in cases.items():
             with pytest.raises(DataError, match=rf"data path {path} is a {kind}, not a regular file"):
-                prepare(path, "char", 0.1, tmp_path / "prep")
+                prepare_text(path, "char", 0.1, tmp_path / "prep")
     finally:
         server.close()
     # A FIFO would block whoever opens it to read: a child process, so a hang fails the test.
@@ -176,7 +175,7 @@ def test_temporary_dirs_of_stopped_preparations_are_removed_and_live_ones_kept(t
             if when:
                 for p in (root / name / "train.bin", root / name):
                     os.utime(p, (when, when))
-        out = prepare(text_file, "char", 0.1, root)
+        out = prepare_text(text_file, "char", 0.1, root)
     finally:
         live.kill()
         live.wait()

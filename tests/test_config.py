@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from training.config import ConfigError, build_config, describe, get_key, load_toml
+from common import ConfigError
+from training.config import build_config, describe, get_key, load_toml
 
 SHIPPED = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from data.loader import BatchLoader
-from data.prepare import prepare
-from data.sources import DataError, read_text
-from data.tokenizers import CharTokenizer, TokenizerError, build_tokenizer, load_tokenizer
-from tests.conftest import TEXT
+from common import DataError, TokenizerError
+from data.sources import read_text
+from data.tokenizers import CharTokenizer, build_tokenizer, load_tokenizer
+from tests.conftest import TEXT, prepare_text
 
 
 def test_char_tokenizer_round_trips_and_saves():
@@ -51,7 +51,7 @@ def test_unknown_tiktoken_name_is_a_clear_error():
 
 
 def test_prepare_writes_token_files_and_meta(tmp_path, text_file):
-    out = prepare(text_file, "char", 0.1, tmp_path / "prep")
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     meta = json.loads((out / "meta.json").read_text())
     tok = load_tokenizer(meta["tokenizer"])
     split = int(len(TEXT) * 0.9)
@@ -63,19 +63,19 @@ def test_prepare_writes_token_files_and_meta(tmp_path, text_file):
 
 
 def test_prepare_is_cached_by_content(tmp_path, text_file):
-    first = prepare(text_file, "char", 0.1, tmp_path / "prep")
+    first = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     stamp = os.stat(first / "train.bin").st_mtime_ns
-    assert prepare(text_file, "char", 0.1, tmp_path / "prep") == first
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") == first
     assert os.stat(first / "train.bin").st_mtime_ns == stamp, "a second run must reuse the files"
     text_file.write_text(TEXT + "more")
-    assert prepare(text_file, "char", 0.1, tmp_path / "prep") != first, "new content, new dataset"
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") != first, "new content, new dataset"
 
 
 def test_prepare_uses_uint32_for_large_vocabularies(tmp_path):
     path = tmp_path / "wide.txt"
     chars = [chr(i) for i in range(0x100, 0x100 + 70000) if not 0xD800 <= i < 0xE000]   # no surrogates
     path.write_text("".join(chars), encoding="utf-8")
-    meta = json.loads((prepare(path, "char", 0.5, tmp_path / "prep") / "meta.json").read_text())
+    meta = json.loads((prepare_text(path, "char", 0.5, tmp_path / "prep") / "meta.json").read_text())
     assert meta["vocab_size"] > 65536 and meta["dtype"] == "uint32"
 
 
@@ -88,21 +88,20 @@ def test_non_utf8_names_the_byte_offset(tmp_path):
 
 
 def test_batches_are_windows_shifted_by_one_and_seeded(tmp_path, text_file):
-    out = prepare(text_file, "char", 0.1, tmp_path / "prep")
-    loader = BatchLoader(out, block_size=16, batch_size=4, seed=7)
-    x, y = loader.batch("train")
-    assert x.shape == y.shape == (4, 16) and x.dtype == torch.long
-    assert torch.equal(x[:, 1:], y[:, :-1])
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
+    def first_step(seed):
+        return BatchLoader(out, block_size=16, batch_size=4, seed=seed, grad_accum=2).step_windows()
+    windows = first_step(7)
+    assert windows.shape == (2, 4, 17) and windows.dtype == torch.long
     tok = load_tokenizer(json.loads((out / "meta.json").read_text())["tokenizer"])
-    assert tok.decode(x[0].tolist() + y[0, -1:].tolist()) in TEXT
-    x2, _ = BatchLoader(out, block_size=16, batch_size=4, seed=7).batch("train")
-    assert torch.equal(x, x2)
-    x3, _ = BatchLoader(out, block_size=16, batch_size=4, seed=8).batch("train")
-    assert not torch.equal(x, x3)
+    assert all(tok.decode(w.tolist()) in TEXT for w in windows.flatten(0, 1)), "consecutive tokens of the text"
+    x, y = BatchLoader(out, block_size=16, batch_size=4).batch("val", torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(first_step(7), windows) and not torch.equal(first_step(8), windows)
 
 
 def test_a_split_shorter_than_a_block_is_a_clear_error(tmp_path, text_file):
-    out = prepare(text_file, "char", 0.1, tmp_path / "prep")
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     with pytest.raises(DataError, match="val split has .* fewer than block_size"):
         BatchLoader(out, block_size=1000, batch_size=2)
 
@@ -120,7 +119,7 @@ def test_the_default_data_ships_with_the_repo_and_prepares_offline(tmp_path, mon
         raise AssertionError("preparing the default data tried to open a network connection")
     monkeypatch.setattr(socket, "socket", no_network)
     monkeypatch.setattr(socket, "create_connection", no_network)
-    out = prepare(path, Config().data.tokenizer, Config().data.val_fraction, tmp_path / "prep")
+    out = prepare_text(path, Config().data.tokenizer, Config().data.val_fraction, tmp_path / "prep")
     assert json.loads((out / "meta.json").read_text())["vocab_size"] == 65
 
 
@@ -129,7 +128,7 @@ def test_bits_per_byte_divides_by_the_bytes_of_the_text(tmp_path, text_file):
 
     def tokens_per_byte(meta, split):
         return meta["tokens"][split] / meta["bytes"][split]
-    meta = load_meta(prepare(text_file, "char", 0.1, tmp_path / "prep"))
+    meta = load_meta(prepare_text(text_file, "char", 0.1, tmp_path / "prep"))
     split = int(len(TEXT) * 0.9)
     assert meta["bytes"] == {"train": split, "val": len(TEXT) - split} == meta["tokens"], "ASCII: a byte a token"
     assert tokens_per_byte(meta, "val") == 1.0
@@ -139,13 +138,13 @@ def test_bits_per_byte_divides_by_the_bytes_of_the_text(tmp_path, text_file):
     wide = tmp_path / "wide.txt"   # 2 to 4 bytes per character: more bytes than char tokens
     text = TEXT[:500] + "héllo wörld ✓ 日本語 😀\n" * 20 + TEXT[500:]
     wide.write_text(text, encoding="utf-8")
-    meta = load_meta(prepare(wide, "char", 0.3, tmp_path / "prep"))
+    meta = load_meta(prepare_text(wide, "char", 0.3, tmp_path / "prep"))
     split = int(len(text) * 0.7)
     assert meta["bytes"] == {"train": len(text[:split].encode()), "val": len(text[split:].encode())}
     assert tokens_per_byte(meta, "train") < 1
 
     gpt2_or_skip()
-    meta = load_meta(prepare(text_file, "gpt2", 0.1, tmp_path / "prep"))
+    meta = load_meta(prepare_text(text_file, "gpt2", 0.1, tmp_path / "prep"))
     assert meta["tokens"]["val"] < meta["bytes"]["val"] / 3 and tokens_per_byte(meta, "val") < 1 / 3
     with pytest.raises(ValueError):
         bits_per_byte(1.0, 10, 0)
@@ -159,6 +158,6 @@ def test_bytes_of_several_documents_count_their_text(tmp_path):
     (docs / "a.txt").write_text("Première. " * 30)
     (docs / "b.txt").write_text("Zweite — " * 30)
     total = len(("Première. " * 30 + "Zweite — " * 30).encode())
-    char = load_meta(prepare(docs, "char", 0.1, tmp_path / "prep"))
-    bpe = load_meta(prepare(docs, "bpe:300", 0.1, tmp_path / "prep"))
+    char = load_meta(prepare_text(docs, "char", 0.1, tmp_path / "prep"))
+    bpe = load_meta(prepare_text(docs, "bpe:300", 0.1, tmp_path / "prep"))
     assert sum(char["bytes"].values()) == total + 1 and sum(bpe["bytes"].values()) == total

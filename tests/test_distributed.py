@@ -114,7 +114,7 @@ def test_gradients_are_synced_only_on_the_last_micro_step(tmp_path):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from training.distributed import sync_gradients
+    from training.distributed import ProcessGroup
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = DDP(torch.nn.Linear(4, 4))
@@ -126,7 +126,7 @@ def test_gradients_are_synced_only_on_the_last_micro_step(tmp_path):
             return fut
         model.register_comm_hook(None, count)
         for micro in range(3):
-            with sync_gradients(model, sync=micro == 2):
+            with ProcessGroup(torch.device("cpu")).no_sync(model, last=micro == 2):
                 model(torch.randn(2, 4)).sum().backward()
             assert len(calls) == (1 if micro == 2 else 0)
     finally:

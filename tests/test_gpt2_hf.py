@@ -12,10 +12,12 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from training.gpt2_hf import (config_from_hf, load_pretrained, save_pretrained, state_dict_from_hf, to_hf)
+from common import CheckpointError, ConfigError
+from hf.convert import config_from_hf, state_dict_from_hf, to_hf
+from hf.hub import load_pretrained, save_pretrained
 from tests.conftest import ROOT
-from training.checkpoint import CheckpointError
-from training.config import ConfigError, build_config
+from training.config import build_config
+from data.prepare import prepare
 
 def run(*args, env=None):
     """A command-line tool in a subprocess that never reaches the network."""
@@ -253,10 +255,11 @@ def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_
              "train.max_steps": 4, "train.eval_interval": 2, "train.lr": 1e-2, "train.warmup_steps": 0}
     whole = train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
     cfg = tiny_cfg(**extra, out_dir=tmp_path / "split")
-    x, y = next(BatchLoader(cfg.data.prepare(), 8, 4, seed=cfg.train.seed).step_batches("train"))
+    windows = BatchLoader(prepare(cfg.data), 8, 4, seed=cfg.train.seed).step_windows()[0]   # the first step's batch
+    x, y = windows[:, :-1], windows[:, 1:].reshape(-1)
     with torch.no_grad():
         logits = GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()(x).logits
-    hf_loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)).item()
+    hf_loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y).item()
     assert whole["losses"][1] == pytest.approx(hf_loss, abs=1e-4)
     assert whole["losses"][4] < whole["losses"][1] - 0.5   # and it trains
 

@@ -4,7 +4,7 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from training.onednn import OneDNNLinear, onednn_works, use_onednn_linears
+from speed.onednn import OneDNNLinear, onednn_works, use_onednn_linears
 from training.trainer import train
 
 needs_onednn = pytest.mark.skipif(not onednn_works(), reason="this PyTorch build has no oneDNN")

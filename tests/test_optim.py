@@ -5,8 +5,7 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from training.checkpoint import CheckpointError
-from training.config import TrainConfig
+from common import CheckpointError
 from training.optim import Muon, Optimizers, build_optimizer, lr_at, orthogonalize, set_lr
 from training.trainer import train
 
@@ -55,23 +54,25 @@ def test_muon_batches_same_shaped_matrices_without_mixing_them():
 
 
 def test_wsd_warms_up_holds_then_decays_linearly_to_the_floor():
-    t = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=100, schedule="wsd", warmdown_frac=0.2)
-    assert lr_at(0, t) == pytest.approx(0.1) and lr_at(9, t) == pytest.approx(1.0)
-    assert all(lr_at(s, t) == 1.0 for s in range(10, 81))
-    assert lr_at(90, t) == pytest.approx(0.55)
-    assert lr_at(100, t) == pytest.approx(0.1)
-    assert all(lr_at(s, t) >= lr_at(s + 1, t) for s in range(10, 100))
+    def lr(step):
+        return lr_at(step, lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=100, schedule="wsd", warmdown_frac=0.2)
+    assert lr(0) == pytest.approx(0.1) and lr(9) == pytest.approx(1.0)
+    assert all(lr(s) == 1.0 for s in range(10, 81))
+    assert lr(90) == pytest.approx(0.55)
+    assert lr(100) == pytest.approx(0.1)
+    assert all(lr(s) >= lr(s + 1) for s in range(10, 100))
 
 
 def test_cosine_warms_up_then_decays_to_the_floor():
-    t = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
-    assert lr_at(9, t) == pytest.approx(1.0) and lr_at(60, t) == pytest.approx(0.55)
-    assert lr_at(110, t) == pytest.approx(0.1)
+    def lr(step):
+        return lr_at(step, lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert lr(9) == pytest.approx(1.0) and lr(60) == pytest.approx(0.55)
+    assert lr(110) == pytest.approx(0.1)
 
 
 def test_adamw_decays_the_matrices_only_and_holds_every_parameter_once():
     model = GPT(ModelConfig(vocab_size=50, n_layer=2, n_embd=32, n_head=2))   # tied: one weight, two uses
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu"))
+    opt = build_optimizer(model, "adamw", torch.device("cpu"), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     held = [(p, g["weight_decay"]) for g in opt.param_groups for p in g["params"]]
     params = list(model.parameters())
     assert sorted(id(p) for p, _ in held) == sorted(id(p) for p in params)
@@ -81,8 +82,8 @@ def test_adamw_decays_the_matrices_only_and_holds_every_parameter_once():
 
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     model = GPT(ModelConfig(vocab_size=50, n_layer=2, n_embd=32, n_head=2, tie_embeddings=False))
-    t = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02, min_lr=1e-4, warmup_steps=0, max_steps=10)
-    opt = build_optimizer(model, t, torch.device("cpu"))
+    opt = build_optimizer(model, "muon", torch.device("cpu"), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1,
+                          muon_lr=0.02)
     assert isinstance(opt, Optimizers)
     muon, adamw = opt.optimizers
     in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
@@ -90,7 +91,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert in_muon.isdisjoint(in_adamw) and in_muon | in_adamw == {id(p) for p in model.parameters()}
     assert in_muon == {id(p) for p in model.blocks.parameters() if p.ndim == 2}
     assert id(model.tok_emb.weight) in in_adamw and id(model.lm_head.weight) in in_adamw
-    set_lr(opt, 10, t)                                 # the end of the schedule: everything at its floor
+    set_lr(opt, 0.1)                                   # the end of a schedule to min_lr = lr / 10: every group's floor
     assert muon.param_groups[0]["lr"] == pytest.approx(0.02 * 0.1)
     assert all(g["lr"] == pytest.approx(1e-4) for g in adamw.param_groups)
 

@@ -5,15 +5,15 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 import data.prepare as prep
 import data.sources
 from data.loader import BatchLoader
-from data.prepare import prepare
-from data.sources import DataError
+from common import ConfigError, DataError
 from benchmarks.prepare import measure
 from data.tokenizers import CharTokenizer, load_tokenizer
-from tests.conftest import TEXT
+from tests.conftest import TEXT, prepare_text
 from tests.test_data import gpt2_or_skip
 
 TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
@@ -38,7 +38,7 @@ def test_streaming_gives_the_tokens_of_the_whole_text(tmp_path, small_reads, tok
     path = tmp_path / "t.txt"
     path.write_text(text, encoding="utf-8")
     tok = CharTokenizer.from_text(text) if tokenizer == "char" else gpt2_or_skip() if tokenizer == "gpt2" else None
-    out = prepare(path, tokenizer, 0.2, tmp_path / "prep")
+    out = prepare_text(path, tokenizer, 0.2, tmp_path / "prep")
     split = int(len(text) * 0.8)
     train, meta = read_split(out, "train")
     tok = tok or load_tokenizer(meta["tokenizer"])   # the trained BPE, applied to the whole text
@@ -50,9 +50,9 @@ def test_a_bad_byte_deep_in_the_file_is_named_by_its_offset(tmp_path, small_read
     path = tmp_path / "bad.txt"
     path.write_bytes(TEXT[:1000].encode() + b"\xff" + TEXT[1000:].encode())
     with pytest.raises(DataError, match=r"byte 0xff at offset 1000; set --data.encoding_errors=replace"):
-        prepare(path, "char", 0.1, tmp_path / "prep")
+        prepare_text(path, "char", 0.1, tmp_path / "prep")
     assert not (tmp_path / "prep").exists() or not os.listdir(tmp_path / "prep")
-    out = prepare(path, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
+    out = prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
     tok = load_tokenizer(read_split(out, "train")[1]["tokenizer"])
     assert tok.decode(read_split(out, "train")[0])[1000] == "\ufffd"
 
@@ -64,19 +64,19 @@ def test_a_directory_or_a_glob_is_one_dataset(tmp_path):
     (docs / "b.txt").write_text("   \n")                    # blank: skipped
     (docs / "sub" / "c.txt").write_text("Third, in a subfolder.")
     (docs / ".hidden").write_text("never read")
-    out = prepare(docs, "char", 0.1, tmp_path / "prep")
+    out = prepare_text(docs, "char", 0.1, tmp_path / "prep")
     (train, meta), (val, _) = read_split(out, "train"), read_split(out, "val")
     tok = load_tokenizer(meta["tokenizer"])
     assert tok.decode(train + val) == "First document.\n\nThird, in a subfolder." and meta["files"] == 3
 
     gpt2_or_skip()
-    out = prepare(docs, "gpt2", 0.1, tmp_path / "prep")
+    out = prepare_text(docs, "gpt2", 0.1, tmp_path / "prep")
     (train, meta), (val, _) = read_split(out, "train"), read_split(out, "val")
     tok = load_tokenizer(meta["tokenizer"])
     assert tok.decode(train + val) == "First document.\n<|endoftext|>Third, in a subfolder."
     assert (train + val).count(tok.start_token) == 1   # the real end-of-text token, once
 
-    out = prepare(tmp_path / "docs" / "*.txt", "char", 0.1, tmp_path / "prep")
+    out = prepare_text(tmp_path / "docs" / "*.txt", "char", 0.1, tmp_path / "prep")
     (train, meta), (val, _) = read_split(out, "train"), read_split(out, "val")
     assert load_tokenizer(meta["tokenizer"]).decode(train + val) == "First document.\n"
 
@@ -90,12 +90,12 @@ def test_missing_and_empty_inputs_are_clear_errors(tmp_path):
                   tmp_path / "emptydir": "no files in the data directory"})
     for path, message in cases.items():
         with pytest.raises(DataError, match=message):
-            prepare(path, "char", 0.1, tmp_path / "prep")
+            prepare_text(path, "char", 0.1, tmp_path / "prep")
 
 
 @pytest.mark.parametrize("fraction", ["0", "1", "-0.1", "nan"])
 def test_the_command_refuses_a_val_fraction_outside_0_to_1(tmp_path, text_file, fraction):
-    with pytest.raises(DataError, match=r"data.val_fraction must be between 0 and 1, got"):
+    with pytest.raises(ConfigError, match=r"data\.val_fraction must be .*, got"):
         prep.main([str(text_file), "--val-fraction", fraction, "--root", str(tmp_path / "prep")])
     assert not (tmp_path / "prep").exists()
 
@@ -110,16 +110,16 @@ def test_an_interrupted_preparation_leaves_nothing_that_looks_finished(tmp_path,
         return real(self, text)
     monkeypatch.setattr(CharTokenizer, "encode_array", failing)
     with pytest.raises(KeyboardInterrupt):
-        prepare(text_file, "char", 0.1, tmp_path / "prep")
+        prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     assert os.listdir(tmp_path / "prep") == [], "no dataset dir and no temporary dir"
     monkeypatch.setattr(CharTokenizer, "encode_array", real)
-    out = prepare(text_file, "char", 0.1, tmp_path / "prep")
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     assert CharTokenizer.from_text(TEXT).decode(read_split(out, "train")[0]) == TEXT[:int(len(TEXT) * 0.9)]
 
 
 def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, capsys):
     monkeypatch.setattr(prep, "PROGRESS_MIN_BYTES", 0)
-    prepare(text_file, "char", 0.1, tmp_path / "prep")
+    prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     err = capsys.readouterr().err
     assert all(f"{phase}" in err for phase in ("hashing", "scanning", "encoding")) and "MB/s" in err
 
@@ -146,7 +146,7 @@ def test_memory_does_not_grow_with_the_file(tmp_path):
 
 def test_batches_are_read_from_disk_not_memory(tmp_path, text_file):
     """2 GB (sparse) token files: a batch costs the batch, not the file."""
-    out = prepare(text_file, "char", 0.1, tmp_path / "prep")
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     meta = json.loads((out / "meta.json").read_text())
     n = 1 << 30
     for split in ("train", "val"):
@@ -159,7 +159,6 @@ def test_batches_are_read_from_disk_not_memory(tmp_path, text_file):
     before = rss_mb()
     loader = BatchLoader(out, block_size=256, batch_size=16, grad_accum=2, world=2, rank=1)
     for _ in range(2):
-        for x, y in loader.step_batches():
-            assert x.shape == (16, 256)
-        loader.batch("val")
+        assert loader.step_windows().shape == (2, 16, 257)
+        loader.batch("val", torch.Generator())
     assert rss_mb() - before < 100

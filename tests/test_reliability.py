@@ -17,14 +17,13 @@ import torch
 
 import sample as sample_cli
 import train as train_cli
-from data.prepare import prepare
+from common import CheckpointError, RunError, run_cli
 from model.gpt import GPT
-from tests.conftest import ROOT, TEXT, num_threads, tiny_overrides
-from training.checkpoint import (FORMAT, CheckpointError, clean_key, clean_state_dict, list_checkpoints,
+from tests.conftest import ROOT, TEXT, num_threads, prepare_text, tiny_overrides
+from training.checkpoint import (FORMAT, clean_key, clean_state_dict, list_checkpoints,
                                  load_checkpoint)
 from training.config import build_config
-from training.errors import RunError, run_cli
-from training.guards import NonFiniteGuard
+from training.step import NonFiniteGuard
 from training.trainer import train
 
 
@@ -243,7 +242,7 @@ def test_memory_that_runs_out_for_real_is_one_line(tool, argv, code, message, tm
     """Allocations that really fail (a process limited to 2 GB of address space): a batch of 300 million
     sequences to train, 10 million samples to generate."""
     text = write(tmp_path / "tiny.txt", TEXT)
-    prepare(text, "char", 0.1, tmp_path / "prepared")
+    prepare_text(text, "char", 0.1, tmp_path / "prepared")
     before = tree(tmp_path)
     rc, out, err, _ = run_limited([tool, *argv(tmp_path, text, trained / "ckpt_0000004.pt")])
     lines = [l for l in err.splitlines() if not l.startswith("# ")]   # sample.py names the checkpoint first
@@ -367,7 +366,7 @@ def fail_in_forward(monkeypatch, step, error):
 ], ids=["NaN loss", "numpy MemoryError", "CPU allocator", "torch OutOfMemoryError", "no wandb"])
 def test_a_run_that_fails_before_its_first_checkpoint_leaves_the_out_dir_as_it_was(
         make_failure, extra, pattern, existing, tmp_path, text_file, monkeypatch, capsys):
-    prepare(text_file, "char", 0.1, tmp_path / "prepared")
+    prepare_text(text_file, "char", 0.1, tmp_path / "prepared")
     if existing:
         write(mkdir(tmp_path / "out") / "notes.txt", "the user's")
     before = tree(tmp_path)

@@ -44,7 +44,7 @@ def announced_evaluate(*a, **k):
 
 torch.save, trainer.evaluate = announced_save, announced_evaluate
 import train
-from training.errors import run_cli
+from common import run_cli
 sys.exit(run_cli(train.main, sys.argv[1:]))
 """
 

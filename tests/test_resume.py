@@ -10,7 +10,8 @@ import torch
 import train as train_cli
 from tests.conftest import TEXT, tiny_overrides
 from tests.test_reliability import mkdir, one_thread, run_tool, trained, write  # noqa: F401 (fixtures)
-from training.checkpoint import CheckpointError, load_checkpoint
+from common import CheckpointError
+from training.checkpoint import load_checkpoint
 from training.trainer import train
 
 

@@ -11,13 +11,13 @@ import signal
 import pytest
 
 import train as train_cli
+from common import RunError
 from tests.conftest import ROOT, TEXT, tiny_overrides
 from tests.test_reliability import one_thread, run_tool, tree  # noqa: F401 (one_thread: an autouse fixture)
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import latest_checkpoint, load_checkpoint
-from training import guards
+from training import outdir
 from training.config import Config, build_config
-from training.errors import RunError
 from training.trainer import train
 
 # ---------------------------------------------------------------- one run per out dir
@@ -55,7 +55,7 @@ def test_only_a_held_lock_makes_an_out_dir_busy(code, busy, tiny_cfg, monkeypatc
     def flock(fd, operation):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(guards.fcntl, "flock", flock)
+    monkeypatch.setattr(outdir.fcntl, "flock", flock)
     if busy:
         with pytest.raises(RunError, match="is in use by another run"):
             train(cfg, quiet=True, overwrite=True)

@@ -6,7 +6,8 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from model.sampling import SamplingError, draw_noise, generate, sample_next
+from common import SamplingError
+from model.sampling import Decoding, draw_noise, generate, sample_next
 
 
 def make_model(**kw):
@@ -23,7 +24,8 @@ def test_seeded_sampling_is_reproducible_and_the_same_with_or_without_cache():
     prompt = torch.zeros(2, 1, dtype=torch.long)
     a, b, other = (run(model, prompt, 20, generator=torch.Generator().manual_seed(s)) for s in (5, 5, 6))
     assert torch.equal(a, b) and not torch.equal(a, other)
-    recomputed = run(model, prompt, 11, generator=torch.Generator().manual_seed(5), use_cache=False)
+    recomputed = run(model, prompt, 11, generator=torch.Generator().manual_seed(5),
+                     decoding=Decoding(use_cache=False))
     assert torch.equal(recomputed, a[:, :11]), "one draw per token, whatever computes the logits"
 
 
@@ -74,7 +76,7 @@ def test_the_first_non_finite_token_is_named_even_when_the_flags_are_read_later(
     model.pos_emb.weight.data[4] = float("nan")     # the logits at position 4: new token 5 after a 1-token prompt
     tokens = []
     with pytest.raises(SamplingError, match="at new token 5:"):
-        for col in generate(model, torch.zeros(1, 1, dtype=torch.long), 12, check_every=4):
+        for col in generate(model, torch.zeros(1, 1, dtype=torch.long), 12, decoding=Decoding(check_every=4)):
             tokens.append(col)
     assert len(tokens) == 7, "the flags of tokens 5 to 8 are read at the 8th, before it is yielded"
 

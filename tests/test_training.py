@@ -6,8 +6,8 @@ import torch
 
 from model.gpt import GPT
 from tests.conftest import TEXT
-from training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_model
-from training.errors import RunError
+from common import CheckpointError, RunError
+from training.checkpoint import list_checkpoints, load_checkpoint, load_model
 from training.trainer import train
 
 

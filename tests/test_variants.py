@@ -3,13 +3,14 @@ the same logits with or without the cache, and the configs that cannot work are 
 import pytest
 import torch
 
-from model.attention.core import naive_attention, sdpa_attention
+from model.attention.mha import naive_attention, sdpa_attention
 from model.attention.linear import causal_linear_attention, recurrent_linear_attention
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
 from model.positions import alibi_slopes
-from model.sampling import generate, sample_next
-from training.config import ConfigError, build_config
+from common import ConfigError
+from model.sampling import Decoding, generate, sample_next
+from training.config import build_config
 
 OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
        "linear": {}, "mla": {"kv_latent_dim": 12}}
@@ -66,8 +67,8 @@ def test_naive_and_sdpa_math_agree_with_windows_alibi_and_cached_keys(window, al
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 4, t_query, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
     slopes = alibi_slopes(4) if alibi else None
-    expected, weights = naive_attention(q, k, v, 0.3, window=window, slopes=slopes)
-    torch.testing.assert_close(sdpa_attention(q, k, v, 0.3, window=window, slopes=slopes), expected, atol=1e-6, rtol=0)
+    expected, weights = naive_attention(q, k, v, scale=0.3, window=window, slopes=slopes)
+    torch.testing.assert_close(sdpa_attention(q, k, v, scale=0.3, window=window, slopes=slopes), expected, atol=1e-6, rtol=0)
     visible = (weights > 0).sum(-1)
     assert visible.max() <= (window or 8) and visible[..., -1].min() == min(8, window or 8)
 
@@ -160,18 +161,21 @@ def test_decoding_with_the_cache_is_recomputation_across_slides(attention, pos, 
 def compiled_decoding_logits(model, seq, prompt_len):
     """(B, n, V): the logits of seq's tokens after the prompt, fed one at a time to a compiled step
     (replayed as a CUDA graph on CUDA), as generate() decodes, after an eager prefill of the prompt."""
-    from model.sampling import compiled, cuda_graph
+    from speed.compile import compiled_or_eager
+    from speed.cuda_graph import record
     device, batch = seq.device, seq.size(0)
     cache = InferenceCache(model, batch, device, torch.float32)
     last, pos = torch.zeros(batch, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
 
     def logits_step(model, cache, last, pos):
-        logits, _ = model(last, cache=cache, pos=pos)
+        logits, _ = model(last, cache=cache, pos=pos, explicit_attention=True)
         pos.add_(1)
         return logits[:, -1]
-    fn = compiled(logits_step, device)
+    args = (model, cache, last, pos)
+    fn = compiled_or_eager(logits_step, lambda f: f(*args), "decoding", fullgraph=True, dynamic=False)
     if device.type == "cuda":
-        fn = cuda_graph(fn, model, cache, last, pos)
+        graph, out_logits = record(lambda: fn(*args))
+        fn = lambda *a: (graph.replay(), out_logits)[1]   # noqa: E731
     cache.reset()
     out = [model(seq[:, :prompt_len], cache=cache)[0][:, -1]]
     pos.fill_(prompt_len)
@@ -190,7 +194,7 @@ def test_the_compiled_decoding_step_on_cuda_is_recomputation(attention, pos, cap
     seq = tokens(b=2).cuda()
     full, _ = model(seq, all_logits=True)
     torch.testing.assert_close(compiled_decoding_logits(model, seq, 3), full[:, 2:-1], atol=1e-4, rtol=0)
-    new = torch.cat(list(generate(model, seq[:, :3], 30, temperature=0, compile=True)), dim=1)   # (B, n)
+    new = torch.cat(list(generate(model, seq[:, :3], 30, temperature=0, decoding=Decoding(compile=True))), dim=1)   # (B, n)
     assert "warning" not in capsys.readouterr().err, "compiling or recording the CUDA graph failed"
     expected = recomputed_logits(model, torch.cat([seq[:, :3], new], dim=1), 3)                  # (n, B, V)
     chosen = expected.gather(-1, new.T.unsqueeze(-1)).squeeze(-1)
@@ -247,7 +251,7 @@ def test_every_variant_trains_and_samples(tiny_cfg, attention, pos):
     model.load_state_dict(ckpt["model"])
     prompt = tokens(b=2, t=3) % cfg.model.vocab_size
     cached = torch.cat(list(generate(model, prompt, 40, temperature=0)), dim=1)   # slides past the block
-    fresh = torch.cat(list(generate(model, prompt, 13, temperature=0, use_cache=False)), dim=1)
+    fresh = torch.cat(list(generate(model, prompt, 13, temperature=0, decoding=Decoding(use_cache=False))), dim=1)
     assert cached.shape == (2, 40) and torch.equal(cached[:, :13], fresh)
 
 

@@ -9,6 +9,7 @@ checkpoints are deleted only after the new one is complete. Loading checks the z
 member's CRC, no compressed members), then uses torch.load(weights_only=True): unpickling is
 restricted to tensors and plain containers, so a malicious file cannot execute code.
 """
+import dataclasses
 import os
 import pickle
 import re
@@ -19,7 +20,11 @@ from pathlib import Path
 
 import torch
 
-from training.errors import first_line
+from common import CheckpointError, ConfigError, atomic_write, first_line
+from data.tokenizers import load_tokenizer
+from model.config import ModelConfig
+from model.gpt import GPT
+from training.config import coerce
 
 FORMAT, VERSION = "gpt-checkpoint", 1
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
@@ -47,10 +52,6 @@ SCHEMA = {**FOR_SAMPLING, **FOR_RESUMING}
 OWN_TEMP_FILES = re.compile(r"^\.(ckpt_\d+\.pt|best\.pt|metrics\.jsonl|config\.toml)\.tmp$")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, used or written; the message says which file and why."""
-
-
 def clean_key(name: str) -> str:
     """'module._orig_mod.blocks.0.attn.weight' -> 'blocks.0.attn.weight': drop the names that
     torch.compile, FSDP and activation checkpointing insert anywhere, and DDP's leading 'module.'."""
@@ -66,39 +67,6 @@ def clean_state_dict(state: dict) -> dict:
 
 
 # ---------------------------------------------------------------- writing
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """write(file) to a temporary file next to path, fsync, rename over path: all or nothing."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-
 
 def remove_partial_saves(out_dir: Path) -> None:
     """Delete the temporary files of this project's saves that a kill interrupted (.ckpt_<step>.pt.tmp,
@@ -131,16 +99,26 @@ def link_best(path: Path) -> None:
         os.link(path, tmp)
     except OSError:
         with open(path, "rb") as src:
-            _atomic_write(best, lambda f: shutil.copyfileobj(src, f))
+            atomic_write(best, lambda f: shutil.copyfileobj(src, f))
         return
     os.replace(tmp, best)
 
 
 def new_checkpoint(**entries) -> dict:
-    """The dict a checkpoint file holds: exactly SCHEMA's entries, plus the format tag and version."""
+    """The dict a checkpoint file holds: exactly SCHEMA's entries, plus the format tag and version.
+    Learning rates are plain floats (a CUDA graph step holds them in device tensors), so that a
+    checkpoint loads anywhere and resumes with either kind of step."""
     if set(entries) != set(SCHEMA):
         raise ValueError(f"a checkpoint holds {sorted(SCHEMA)}; got {sorted(entries)}")
-    return {"format": FORMAT, "version": VERSION, **entries}
+    return {"format": FORMAT, "version": VERSION, **entries, "optimizer": float_lrs(entries["optimizer"])}
+
+
+def float_lrs(optimizer_state: dict) -> dict:
+    """An optimizer state dict (or training/optim.py's Optimizers' list of them) with every lr a float."""
+    if "optimizers" in optimizer_state:
+        return {**optimizer_state, "optimizers": [float_lrs(s) for s in optimizer_state["optimizers"]]}
+    groups = [{**g, "lr": float(g["lr"])} for g in optimizer_state.get("param_groups", [])]
+    return {**optimizer_state, "param_groups": groups}
 
 
 def save_failure(path: Path, error: BaseException) -> CheckpointError:
@@ -162,7 +140,7 @@ def save_checkpoint(ckpt: dict, out_dir: Path, keep: int) -> Path:
     out_dir = Path(out_dir)
     path = out_dir / f"ckpt_{ckpt['step']:07d}.pt"
     try:
-        _atomic_write(path, lambda f: torch.save(ckpt, f))
+        atomic_write(path, lambda f: torch.save(ckpt, f))
         if ckpt["is_best"]:
             link_best(path)
     except Exception as e:
@@ -172,11 +150,11 @@ def save_checkpoint(ckpt: dict, out_dir: Path, keep: int) -> Path:
     return path
 
 
-def repair_best(path: Path, is_best: bool) -> None:
-    """A run killed between writing its best checkpoint and linking best.pt to it left best.pt
+def repair_best(path: Path) -> None:
+    """A run killed between writing its best checkpoint (path) and linking best.pt to it left best.pt
     stale: resuming from that checkpoint links it now."""
     best = Path(path).parent / "best.pt"
-    if is_best and not (best.exists() and os.path.samefile(best, path)):
+    if not (best.exists() and os.path.samefile(best, path)):
         link_best(Path(path))
 
 
@@ -197,11 +175,10 @@ def resolve_path(path: Path) -> Path:
     return path
 
 
-def _refusal_reason(error: Exception) -> str:
-    """The line of torch's weights_only error that says what was refused (e.g. 'GLOBAL posix.system')."""
-    lines = [l.strip() for l in str(error).splitlines() if l.strip()]
-    named = [l for l in lines if "GLOBAL" in l or "Unsupported" in l]
-    return (named or lines or ["unsupported content"])[0][:160]
+def refused_global(error: Exception) -> str:
+    """The line of torch's weights_only error that names what was refused (e.g. 'GLOBAL posix.system')."""
+    named = [l.strip() for l in str(error).splitlines() if "GLOBAL" in l or "Unsupported" in l]
+    return named[0][:160] if named else first_line(error)
 
 
 def _earlier_hint(path: Path) -> str:
@@ -264,7 +241,7 @@ def load_checkpoint(path: Path, map_location="cpu") -> dict:
             ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path} was refused: it holds objects other than tensors and plain data, "
-                              f"which could run code when loaded ({_refusal_reason(e)})") from None
+                              f"which could run code when loaded ({refused_global(e)})") from None
     except Exception as e:   # a damaged archive can fail in many ways; none of them may escape as a traceback
         raise CheckpointError(f"{path} is not a readable checkpoint (damaged or truncated: {first_line(e, 120)})"
                               f"{_earlier_hint(path)}") from None
@@ -289,23 +266,18 @@ def check_resumable(ckpt: dict, path: Path) -> None:
 
 # ---------------------------------------------------------------- a model to use
 
+@dataclasses.dataclass
 class LoadedModel:
     """A model read from a checkpoint, ready to use (eval mode), with what came with it."""
-
-    def __init__(self, model, tokenizer, path, description: str, step: int | None = None):
-        self.model, self.tokenizer, self.path = model, tokenizer, path
-        self.description, self.step = description, step
-
-    def describe(self) -> str:
-        return self.description
+    model: GPT
+    tokenizer: object
+    path: str | Path
+    description: str          # one line: where it came from, its step and val loss
+    step: int | None = None
 
 
-def model_config(stored: dict, path: Path):
+def model_config(stored: dict, path: Path) -> ModelConfig:
     """The stored model section as a ModelConfig, each value checked for its type and range."""
-    from model.config import ModelConfig
-    from training.config import ConfigError, coerce
-    import dataclasses
-
     fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
     values = {}
     try:
@@ -317,7 +289,7 @@ def model_config(stored: dict, path: Path):
             values[key] = coerce(f"model.{key}", value, fields[key])
         cfg = ModelConfig(**values)
         cfg.validate()
-    except (ConfigError, ValueError) as e:
+    except ConfigError as e:
         raise CheckpointError(f"{path} does not hold a usable model: {first_line(e)}") from None
     return cfg
 
@@ -325,7 +297,6 @@ def model_config(stored: dict, path: Path):
 def check_weights(state: dict, cfg, path: Path) -> None:
     """The stored tensors must be exactly the ones the config's model has, shape for shape: checked
     on shapes alone (a model on the meta device), before any memory is allocated for the model."""
-    from model.gpt import GPT
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
     stored = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
@@ -345,19 +316,17 @@ def load_model(path, device: torch.device = torch.device("cpu")) -> LoadedModel:
     of a Hugging Face GPT-2 (a name such as gpt2, or a directory with config.json), with its
     tokenizer. Everything is checked before the model is built: the archive, the config, the
     tokenizer, each weight's shape, and that no weight is NaN or infinite."""
-    from data.tokenizers import TokenizerError, load_tokenizer
-    from model.gpt import GPT
-    from training.pretrained import is_pretrained_source, load_pretrained_model
-
-    if is_pretrained_source(str(path)):
-        model, tokenizer, description = load_pretrained_model(str(path))
-        return LoadedModel(model.to(device), tokenizer, path, description)
-    path = resolve_path(Path(path))
+    source, path = str(path), Path(path)
+    if (path / "config.json").is_file() or (not path.exists() and "/" not in source and os.sep not in source):
+        from hf.hub import load_gpt2   # a Hugging Face directory or hub name: the optional hf/ room
+        model, tokenizer, description = load_gpt2(source)
+        return LoadedModel(model.to(device), tokenizer, source, description)
+    path = resolve_path(path)
     ckpt = load_checkpoint(path)
     cfg = model_config(ckpt["config"]["model"], path)
     try:
         tokenizer = load_tokenizer(ckpt["tokenizer"])
-    except (TokenizerError, KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError) as e:   # TokenizerError too
         raise CheckpointError(f"{path} does not hold a usable tokenizer: {first_line(e)}") from None
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{path} is damaged: its tokenizer has {tokenizer.vocab_size} tokens, "

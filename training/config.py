@@ -2,6 +2,8 @@
 
     python train.py [CONFIG.toml] [--section.key=value ...] [--data FILE] [--out_dir DIR]
 
+Each section is a dataclass that lives with the code it configures (ModelConfig in model/config.py,
+DataConfig in data/prepare.py; TrainConfig and LogConfig here) and checks itself in validate().
 Values are coerced to each field's type; an unknown key or a bad value is a ConfigError that names
 it (and the closest valid key). TOML is read with the standard library: a config is data, never code.
 """
@@ -9,33 +11,14 @@ import dataclasses
 import difflib
 import glob
 import inspect
-import math
 import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import ConfigError, check
+from data.prepare import DataConfig
 from model.config import ModelConfig
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the offending key or value."""
-
-
-@dataclass
-class DataConfig:
-    path: str = "data/tinyshakespeare.txt"   # the text to train on: a file, a directory or a glob (the default
-                                             # ships with the repo: data/README.md says where it comes from)
-    tokenizer: str = "char"                  # char | bpe:N (N tokens, trained on the data) | a tiktoken name (gpt2, ...)
-    val_fraction: float = 0.1                # the last 10% of the text is the validation split
-    prepared_dir: str = "data/prepared"      # where prepared token files are cached
-    encoding_errors: str = "strict"          # strict | replace: what to do with non-UTF-8 bytes
-
-    def prepare(self, block_size: int | None = None) -> Path:
-        """The prepared dataset's directory (preparing the text now unless the cache holds it);
-        block_size: refuse, before anything is cached, a split too short for one training window."""
-        from data.prepare import prepare
-        return prepare(Path(self.path), self.tokenizer, self.val_fraction, Path(self.prepared_dir),
-                       self.encoding_errors, block_size=block_size)
 
 
 @dataclass
@@ -69,6 +52,26 @@ class TrainConfig:
     onednn: bool = False          # CPU, fp32: Linear matmuls in oneDNN (faster on some CPUs, slower on others)
     init_from: str = ""           # "" = random init | gpt2, gpt2-medium, ... | a Hugging Face GPT-2 dir
 
+    def validate(self) -> None:
+        """A ConfigError naming the first training setting that cannot be used."""
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters", "log_interval",
+                     "keep_checkpoints"):
+            check(f"train.{name}", getattr(self, name), above=0)
+        for name in ("lr", "min_lr", "muon_lr", "weight_decay", "grad_clip", "warmup_steps"):
+            check(f"train.{name}", getattr(self, name), at_least=0)
+        for name in ("beta1", "beta2", "muon_momentum"):
+            check(f"train.{name}", getattr(self, name), at_least=0, below=1)
+        check("train.warmdown_frac", self.warmdown_frac, above=0, at_most=1)
+        check("train.seed", self.seed, at_least=0, at_most=2**32 - 1)   # what numpy's generator accepts
+        choices = {"optimizer": ("adamw", "muon"), "schedule": ("cosine", "wsd"),
+                   "dtype": ("auto", "float32", "bfloat16", "float16"), "on_nonfinite": ("stop", "skip")}
+        for name, allowed in choices.items():
+            check(f"train.{name}", getattr(self, name), one_of=allowed)
+        if self.min_lr > self.lr:
+            raise ConfigError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}")
+        if self.optimizer == "muon" and self.fsdp:
+            raise ConfigError("train.optimizer=muon needs whole matrices, train.fsdp shards them: use one of the two")
+
 
 @dataclass
 class LogConfig:
@@ -90,60 +93,15 @@ class Config:
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
-        try:
-            self.model.validate()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        for key, rule in LIMITS.items():
-            check_limit(key, get_key(self, key), rule)
-        for key, allowed in CHOICES.items():
-            if get_key(self, key) not in allowed:
-                raise ConfigError(f"{key}={get_key(self, key)!r} is not one of {', '.join(allowed)}")
-        t = self.train
-        if t.min_lr > t.lr:
-            raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
-        if t.optimizer == "muon" and t.fsdp:
-            raise ConfigError("train.optimizer=muon needs whole matrices, train.fsdp shards them: use one of the two")
-
-
-# What each number may be; validate() also refuses NaN and infinity in every float here. The data
-# section's values are checked where the text is prepared (data/prepare.py), which python -m
-# data.prepare reaches as well as train.py.
-LIMITS = {
-    **{f"train.{k}": (">", 0) for k in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters",
-                                        "log_interval", "keep_checkpoints")},
-    **{f"train.{k}": (">=", 0) for k in ("lr", "min_lr", "muon_lr", "weight_decay", "grad_clip", "warmup_steps")},
-    "train.beta1": ("[)", 0, 1), "train.beta2": ("[)", 0, 1), "train.muon_momentum": ("[)", 0, 1),
-    "train.warmdown_frac": ("(]", 0, 1),
-    "train.seed": ("[]", 0, 2**32 - 1),   # what numpy's generator accepts
-}
-CHOICES = {
-    "train.optimizer": ("adamw", "muon"), "train.schedule": ("cosine", "wsd"),
-    "train.dtype": ("auto", "float32", "bfloat16", "float16"), "train.on_nonfinite": ("stop", "skip"),
-}
+        """A ConfigError (or TokenizerError) naming the first setting that cannot be used."""
+        self.model.validate()
+        self.data.validate()
+        self.train.validate()
 
 
 def get_key(cfg: "Config", key: str):
     section, _, name = key.rpartition(".")
     return getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
-
-
-def check_limit(key: str, value, rule: tuple) -> None:
-    """Raise a ConfigError naming key unless value is finite and obeys rule: ('>', low), ('>=', low), or
-    an interval ('[)', low, high) with [ ] closed and ( ) open ends."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key} must be a finite number, got {value}")
-    kind, low, *high = rule
-    if kind == ">":
-        ok, text = value > low, f"> {low}"
-    elif kind == ">=":
-        ok, text = value >= low, f">= {low}"
-    else:
-        high = high[0]
-        ok = (value >= low if kind[0] == "[" else value > low) and (value <= high if kind[1] == "]" else value < high)
-        text = f"in {kind[0]}{low}, {high}{kind[1]}"
-    if not ok:
-        raise ConfigError(f"{key} must be {text}, got {value}")
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)}
@@ -270,8 +228,8 @@ def build_config(config_file: str | None, overrides: list[str]) -> Config:
     if not cfg.out_dir:   # named after the config file, else the data file (or the folder of a glob)
         named = Path(config_file or cfg.data.path)
         cfg.out_dir = str(Path("out") / (named.parent.name if glob.has_magic(str(named)) else named.stem))
-    if cfg.train.init_from:   # the model section comes from the pretrained checkpoint (training/pretrained.py)
-        from training.pretrained import resolve_init_from
+    if cfg.train.init_from:   # the model section comes from the pretrained checkpoint
+        from hf.hub import resolve_init_from   # the optional Hugging Face room
         explicit = {key for key, _ in pairs} | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v}
         resolve_init_from(cfg, explicit)
     cfg.validate()
@@ -320,7 +278,7 @@ def reference_markdown() -> str:
     """The same reference as a Markdown page (docs/config.md, generated: python -m training.config)."""
     out = ["# Config reference", "",
            "Every setting, its type, its default and what it does: generated from the dataclasses in",
-           "`model/config.py` and `training/config.py` by `python -m training.config > docs/config.md` (a test",
+           "`model/config.py`, `data/prepare.py` and `training/config.py` by `python -m training.config > docs/config.md` (a test",
            "checks that this page is up to date). Set any of them in a TOML config file under its section,",
            "or on the command line as `--section.key=value`.", ""]
     for section, rows in reference():

@@ -1,10 +1,10 @@
 """What a run records: metrics.jsonl (always) and Weights & Biases (when enabled), one record per log
-or eval line; and the ETA a log line shows."""
+or eval line."""
 import json
 from pathlib import Path
 
-from training.checkpoint import atomic_write_text
-from training.config import Config, ConfigError
+from common import ConfigError, atomic_write
+from training.config import Config
 
 
 class Metrics:
@@ -19,7 +19,7 @@ class Metrics:
                 raise ConfigError("log.wandb = true but wandb is not installed (pip install wandb)") from None
         self.path = out_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            atomic_write_text(self.path, "".join(l + "\n" for l in self.path.read_text().splitlines()
+            atomic_write(self.path, "".join(l + "\n" for l in self.path.read_text().splitlines()
                                                  if self.step_of(l) <= resume_step))
         self.file = open(self.path, "a" if resume_step is not None else "w")
         self.wandb = None
@@ -62,11 +62,3 @@ class NoMetrics:
 
     def close(self) -> None:
         pass
-
-
-def duration(seconds: float) -> str:
-    """3725 -> '1:02:05', 65 -> '1:05'."""
-    seconds = max(0, int(round(seconds)))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

@@ -19,61 +19,28 @@ import numpy as np
 import torch
 
 
-def lr_at(step: int, t) -> float:
-    """The base (AdamW) learning rate for optimizer step `step` (0-based) under train config t."""
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    if t.schedule == "wsd":
-        decay_steps = max(1, round(t.warmdown_frac * t.max_steps))
-        progress = min(1.0, max(0.0, (step - (t.max_steps - decay_steps)) / decay_steps))
-        return t.lr + progress * (t.min_lr - t.lr)
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
-    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, schedule: str = "cosine",
+          warmdown_frac: float = 0.2) -> float:
+    """The base (AdamW) learning rate of optimizer step `step` (0-based): peak lr, floor min_lr."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "wsd":
+        decay_steps = max(1, round(warmdown_frac * max_steps))
+        progress = min(1.0, max(0.0, (step - (max_steps - decay_steps)) / decay_steps))
+        return lr + progress * (min_lr - lr)
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
-def set_lr(optimizer, step: int, t) -> float:
-    """Set every group's lr to its base_lr times the schedule's factor at `step`; return the AdamW lr.
-    A tensor lr (a CUDA graph reads it from its address) is filled in place."""
-    lr = lr_at(step, t)
-    factor = lr / t.lr if t.lr > 0 else 0.0
+def set_lr(optimizer, factor: float) -> None:
+    """Set every group's lr to its base_lr times factor (the schedule moves all groups together). A
+    tensor lr (which a CUDA graph reads from its address) is filled in place."""
     for group in optimizer.param_groups:
         value = float(np.float32(group["base_lr"] * factor))   # rounded as a tensor lr holds it
         if torch.is_tensor(group["lr"]):
             group["lr"].fill_(value)
         else:
             group["lr"] = value
-    return lr
-
-
-def use_tensor_lr(optimizer, capturable: bool = False) -> None:
-    """Hold each group's lr in a one-element tensor on its parameters' device, so that a CUDA graph
-    that captured the optimizer step reads the current value (a Python float would be baked in).
-    capturable: tell torch's optimizers that their step will be captured."""
-    for group in optimizer.param_groups:
-        device = group["params"][0].device
-        if not torch.is_tensor(group["lr"]):
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
-        if capturable and "capturable" in group:
-            group["capturable"] = True
-
-
-def use_float_lr(optimizer) -> None:
-    """Undo use_tensor_lr."""
-    for group in optimizer.param_groups:
-        if torch.is_tensor(group["lr"]):
-            group["lr"] = float(group["lr"])
-        if "capturable" in group:
-            group["capturable"] = False
-
-
-def lr_as_float(optimizer_state: dict) -> dict:
-    """An optimizer state dict with every group's lr as a float: a tensor lr (use_tensor_lr) lives on
-    the device, and a checkpoint must load anywhere and resume with either kind of step."""
-    if "optimizers" in optimizer_state:   # Optimizers: one state dict per optimizer
-        return {**optimizer_state, "optimizers": [lr_as_float(s) for s in optimizer_state["optimizers"]]}
-    groups = [{**g, "lr": float(g["lr"])} if torch.is_tensor(g.get("lr")) else g
-              for g in optimizer_state.get("param_groups", [])]
-    return {**optimizer_state, "param_groups": groups}
 
 
 def fast_matmul_dtype(device: torch.device) -> torch.dtype:
@@ -176,29 +143,25 @@ class Optimizers:
             opt.load_state_dict(s)
 
 
-def adamw(groups: list[dict], t, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with the fused kernel (one pass over each tensor) on CUDA and CPU, the multi-tensor
-    (foreach) one elsewhere. On CPU, fused beats the default per-tensor loop and foreach does not
-    (python bench.py train measures all three)."""
-    impl = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), **impl)
+def build_optimizer(model: torch.nn.Module, kind: str, device: torch.device, *, lr: float, betas: tuple,
+                    weight_decay: float, muon_lr: float = 0.02, muon_momentum: float = 0.95):
+    """The optimizer `kind` (adamw | muon) over model's parameters (a tied weight once); weight decay on
+    matrices only. Every group carries base_lr, which set_lr scales by the schedule.
 
-
-def build_optimizer(model: torch.nn.Module, t, device: torch.device):
-    """The optimizer that train config t asks for, over model's parameters (a tied weight once).
-
-    Every group carries base_lr, which set_lr scales by the schedule."""
+    AdamW runs its fused kernel (one pass over each tensor) on CUDA and CPU, where it beats the default
+    per-tensor loop and the multi-tensor (foreach) one; foreach elsewhere."""
     params = list(model.parameters())
-    if t.optimizer == "adamw":
+    if kind == "adamw":
         hidden = []
     else:
         in_blocks = {id(p) for p in model.blocks.parameters()}
         hidden = [p for p in params if p.ndim == 2 and id(p) in in_blocks]
     rest = [p for p in params if id(p) not in {id(h) for h in hidden}]
-    groups = [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": t.weight_decay, "base_lr": t.lr},
-              {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0, "base_lr": t.lr}]
-    opt = adamw([g for g in groups if g["params"]], t, device)
+    groups = [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": weight_decay, "base_lr": lr},
+              {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0, "base_lr": lr}]
+    impl = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, **impl)
     if not hidden:
         return opt
-    muon = Muon([{"params": hidden, "base_lr": t.muon_lr}], lr=t.muon_lr, momentum=t.muon_momentum)
+    muon = Muon([{"params": hidden, "base_lr": muon_lr}], lr=muon_lr, momentum=muon_momentum)
     return Optimizers(muon, opt)

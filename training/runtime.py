@@ -1,18 +1,21 @@
-"""Where and how a run computes: the device, the number format, random seeds, and who prints.
+"""Where and how a run computes: the device, the number format, random seeds, and its processes.
 
     device   auto = cuda > mps > cpu
     dtype    auto = bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere. Lower precision runs
              under autocast: weights and optimizer state stay fp32, matmuls run in the low format.
     TF32     on CUDA, fp32 matmuls may use TF32 tensor cores (10-bit mantissa): much faster, and the
              rounding is far below what training notices.
+    world    the run's processes: one (World), or under torchrun one per device (training/distributed.py)
 """
 import random
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from training.config import ConfigError
+from common import ConfigError
+
 
 def pick_device(name: str, setting: str = "train.device") -> torch.device:
     if name == "auto":
@@ -60,6 +63,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device to finish what was queued (before reading a clock)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def seed_everything(seed: int) -> None:
     """Python's, numpy's and torch's (every device's) generators from one seed."""
     random.seed(seed)
@@ -84,40 +93,57 @@ def set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def printer(enabled: bool):
-    """print, or a function that prints nothing (ranks other than 0, quiet runs)."""
-    return print if enabled else (lambda *args, **kwargs: None)
+@dataclass
+class World:
+    """The run's processes as this one sees them. This class is a single process, for which every
+    method is trivial; training/distributed.py's ProcessGroup is the same interface for many."""
+    device: torch.device
+    rank: int = 0          # 0 .. size-1 over all machines
+    local_rank: int = 0    # which device on this machine
+    size: int = 1
+    kind: str = ""        # how the model is shared between processes ("DDP" or "FSDP"; "" alone)
 
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that prints, writes metrics and saves checkpoints."""
+        return self.rank == 0
 
-def sync(device: torch.device) -> None:
-    """Wait for the device to finish what was queued (before reading a clock)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The mean of tensor over the ranks, in place on every rank."""
+        return tensor
 
+    def gather(self, obj) -> list:
+        """[obj of rank 0, obj of rank 1, ...] on every rank."""
+        return [obj]
 
-def cpuinfo(field: str, path: str = "/proc/cpuinfo") -> str:
-    """A field of the first processor in /proc/cpuinfo ('model name' -> the processor's name); '' where there is
-    no such file (not Linux) or field."""
-    try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == field:
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
+    def on_main(self, fn):
+        """fn() run on rank 0 only; every rank returns its result, or raises its error."""
+        return fn()
 
+    def local_main_first(self, fn):
+        """fn() on each machine's first process, then on the others (which find its work done)."""
+        return fn()
 
-def cpu_name() -> str:
-    import platform
-    return cpuinfo("model name") or platform.processor() or platform.machine()
+    def wrap(self, model: torch.nn.Module, fsdp: bool) -> torch.nn.Module:
+        """The module the step calls: model itself, or DDP(model) / model sharded by FSDP."""
+        return model
 
+    def no_sync(self, module: torch.nn.Module, last: bool):
+        """Context of one micro-step: only the last of a step averages the gradients over the ranks."""
+        return nullcontext()
 
-def machine() -> str:
-    """One line naming this machine: what a measurement was taken on."""
-    import os
-    import platform
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.system()} {platform.machine()}, {cpu_name()} x {os.cpu_count()} cores, {gpu}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
+    def full_state(self, model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+        """(model, optimizer) state dicts as one process holds them (FSDP gathers them on rank 0)."""
+        return model.state_dict(), optimizer.state_dict()
+
+    def load_full_state(self, model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+
+    def agree_to_stop(self, requested: bool) -> bool:
+        """Whether the run stops after this step: on every rank at the same step."""
+        return requested
+
+    def leave(self, finished: bool) -> None:
+        """Leave the process group before the process ends."""
+

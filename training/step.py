@@ -1,26 +1,18 @@
-"""One training step: forward and backward over grad_accum micro-batches, gradient clipping, the update.
+"""One optimizer step, the guard against non-finite numbers, and the evaluation loss.
 
-Two ways to run the same step (`train.cuda_graph`):
-
-  eager  PyTorch launches each kernel as Python reaches it. Used on CPU and MPS, with several
-         processes (DDP, FSDP), with fp16 loss scaling, and with train.on_nonfinite = "skip".
-  graph  CUDA: the step's kernels are recorded once into a CUDA graph; each step then copies its
-         batch into the graph's input buffer and replays the whole step with one launch.
-
-Why a graph: a small model on a big GPU spends most of a step in Python launching hundreds of small
-kernels, and the GPU waits. A replay costs one launch. Everything the graph touches must stay at the
-same address (the batch buffer, the learning rate as a tensor, gradients, optimizer state) and nothing
-in it may wait for the host (no .item(), no Python branch on a tensor's value): the loss, the gradient
-norm and the non-finite check stay on the device until the loop reads them at a log line.
+The step runs eagerly: PyTorch launches each kernel as Python reaches it. On a single CUDA GPU the
+same step can be recorded once as a CUDA graph and replayed (train.cuda_graph, speed/cuda_graph.py):
+it is written so that it can be, with no host sync inside (the loss, the gradient norm and the
+non-finite record stay on the device until the loop reads them at a log line).
 """
 import math
-import warnings
 from contextlib import nullcontext
 
 import torch
 
-from training.distributed import sync_gradients
-from training.optim import use_float_lr, use_tensor_lr
+from common import RunError
+
+MAX_SKIPS_IN_A_ROW = 10   # on_nonfinite = "skip" still stops a run that has plainly diverged
 
 
 def clip_gradients(params, max_norm: float) -> torch.Tensor:
@@ -29,138 +21,147 @@ def clip_gradients(params, max_norm: float) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
 
 
-class EagerStep:
-    """The step as plain PyTorch: what every other way of running it must match."""
+class Step:
+    """One optimizer step: forward and backward over the step's micro-batches (gradients averaged over
+    the processes by the wrapped module), clipping, the non-finite check, the update."""
 
     kind = "eager"
 
-    def __init__(self, trained, model, optimizer, scaler, autocast, guard, loader, t, dist):
-        self.trained, self.model, self.optimizer, self.scaler = trained, model, optimizer, scaler
-        self.autocast, self.guard, self.loader, self.t, self.dist = autocast, guard, loader, t, dist
+    def __init__(self, wrapped, model, optimizer, scaler, autocast, guard, world, loader, grad_clip: float):
+        self.wrapped, self.model, self.optimizer, self.scaler = wrapped, model, optimizer, scaler
+        self.autocast, self.guard, self.world, self.loader, self.grad_clip = autocast, guard, world, loader, grad_clip
 
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """-> (mean loss over the global batch, gradient norm, whether the update was applied)."""
-        loss_sum = torch.zeros((), device=self.loader.device)
-        for micro, (x, y) in enumerate(self.loader.step_batches("train")):
-            with sync_gradients(self.trained, sync=micro == self.t.grad_accum - 1):
-                with self.autocast:
-                    _, loss = self.trained(x, y)
-                loss_sum += loss.detach()
-                self.scaler.scale(loss / self.t.grad_accum).backward()   # DDP/FSDP average over the ranks
-        self.dist.all_reduce_mean(loss_sum)   # the loss of the whole global batch, on every rank
+    def __call__(self):
+        """The next step, on the loader's next windows."""
+        return self.on(self.loader.step_windows().to(self.loader.device, non_blocking=True))
+
+    def on(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """windows (grad_accum, B, T + 1) on the device -> (mean loss over the global batch, gradient
+        norm before clipping, whether the update was applied)."""
+        accum = windows.size(0)
+        loss_sum = torch.zeros((), device=windows.device)
+        for micro in range(accum):
+            x, y = windows[micro, :, :-1], windows[micro, :, 1:]        # (B, T) each: y is x shifted by one
+            with self.world.no_sync(self.wrapped, last=micro == accum - 1), self.autocast:
+                _, loss = self.wrapped(x, y)
+            loss_sum += loss.detach()
+            self.scaler.scale(loss / accum).backward()
+        self.world.all_reduce_mean(loss_sum)   # the loss of the whole global batch, on every rank
         self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_gradients(self.model.parameters(), self.t.grad_clip)
+        grad_norm = clip_gradients(self.model.parameters(), self.grad_clip)
         applied = self.guard.ok(loss_sum, grad_norm)   # every rank sees the same loss and norm: same decision
         if applied:
             self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / self.t.grad_accum, grad_norm, applied
+        return loss_sum / accum, grad_norm, applied
 
 
-class GraphStep:
-    """The same step, recorded once as a CUDA graph and replayed (capture=False: the identical
-    static-buffer step without recording, which is how it is tested on a CPU).
-
-    Recording runs the step's kernels without executing them, but the warm-up before it (which
-    lets torch.compile compile and cuBLAS pick its kernels outside the graph) does execute real
-    updates: the weights, optimizer state and random generators are put back afterwards, in place,
-    so the graph's addresses stay valid and training starts exactly where it would have."""
-
-    kind = "graph"
-    WARMUP = 3
-
-    def __init__(self, trained, model, optimizer, autocast, guard, loader, t, capture: bool = True):
-        self.trained, self.model, self.optimizer, self.autocast = trained, model, optimizer, autocast
-        self.guard, self.loader, self.t = guard, loader, t
-        device = loader.device
-        self.windows = torch.zeros(t.grad_accum, t.batch_size, loader.block_size + 1, dtype=torch.long,
-                                   device=device)                            # (accum, B, T + 1): the batch buffer
-        self.loss = torch.zeros((), device=device)
-        self.grad_norm = torch.zeros((), device=device)
-        capture = capture and device.type == "cuda"
-        use_tensor_lr(optimizer, capturable=capture)
-        self.graph = None
-        self.windows.copy_(loader.step_windows("train", consume=False))   # real data for the warm-up
-        try:
-            self._warm_up_then_restore(capture)
-        except Exception:
-            use_float_lr(optimizer)   # the eager step that replaces this one
-            raise
-
-    def _body(self) -> None:
-        """Everything the graph holds: forward and backward per micro-batch, clipping, the update."""
-        self.loss.zero_()
-        for micro in range(self.t.grad_accum):
-            x = self.windows[micro, :, :-1].contiguous()                   # (B, T)
-            y = self.windows[micro, :, 1:].contiguous()                    # (B, T): x shifted by one
-            with self.autocast:
-                _, loss = self.trained(x, y)
-            self.loss.add_(loss.detach() / self.t.grad_accum)
-            (loss / self.t.grad_accum).backward()
-        self.grad_norm.copy_(clip_gradients(self.model.parameters(), self.t.grad_clip))
-        self.guard.ok(self.loss, self.grad_norm)   # a device-side record only: never skips
-        self.optimizer.step()
-
-    def _warm_up_then_restore(self, capture: bool) -> None:
-        params = list(self.model.parameters())
-        saved_params = [p.detach().clone() for p in params]
-        saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                       for p, s in self.optimizer.state.items()}
-        saved_guard = self.guard.state()
-        devices = [self.loader.device] if self.loader.device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):
-                self._warm_up(capture)
-        finally:   # back to the state before the warm-up, at the same addresses (also if capturing failed)
-            with torch.no_grad():
-                for p, saved in zip(params, saved_params):
-                    p.copy_(saved)
-                for p, state in self.optimizer.state.items():
-                    for k, v in state.items():
-                        if torch.is_tensor(v):
-                            v.copy_(saved_state[p][k]) if p in saved_state else v.zero_()
-            self.guard.load_state(saved_guard)
-            if self.graph is None:
-                self.optimizer.zero_grad(set_to_none=True)
-
-    def _warm_up(self, capture: bool) -> None:
-        """WARMUP real steps (on a side stream when capturing, as CUDA graphs require), then the capture."""
-        side = torch.cuda.Stream() if capture else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side) if side is not None else nullcontext(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # "capturable=True ... running without graph capture": on purpose
-            for _ in range(self.WARMUP):
-                self.optimizer.zero_grad(set_to_none=True)
-                self._body()
-        if side is not None:
-            torch.cuda.current_stream().wait_stream(side)
-            self.optimizer.zero_grad(set_to_none=True)   # the graph allocates the gradients it writes
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._body()
-            self.graph = graph
-
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        self.windows.copy_(self.loader.step_windows("train"), non_blocking=True)
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self._body()
-        return self.loss, self.grad_norm, True
-
-
-def graph_blockers(t, device: torch.device, world: int, dtype: torch.dtype) -> list[str]:
-    """Why the step cannot be a CUDA graph here ([] = it can)."""
+def graph_blockers(on_nonfinite: str, device: torch.device, processes: int, dtype: torch.dtype) -> list[str]:
+    """Why the step cannot be recorded as a CUDA graph here ([] = it can)."""
     reasons = []
     if device.type != "cuda":
         reasons.append(f"graphs are CUDA only (device {device.type})")
-    if world > 1:
+    if processes > 1:
         reasons.append("several processes (DDP/FSDP synchronize from the host)")
     if dtype == torch.float16:
         reasons.append("fp16 loss scaling decides on the host")
-    if t.on_nonfinite == "skip":
+    if on_nonfinite == "skip":
         reasons.append("on_nonfinite = skip decides on the host")
     return reasons
+
+
+class NonFiniteGuard:
+    """What a NaN or inf loss or gradient norm does (train.on_nonfinite):
+
+      stop  raise RunError naming the first bad step; no checkpoint is written after it, so the
+            last checkpoint is the last good state.
+      skip  drop that step's update (its batch and LR-schedule slot are used up), count it, go on;
+            MAX_SKIPS_IN_A_ROW bad steps in a row still stop the run.
+
+    Reading a CUDA tensor waits for the GPU, so in stop mode on an accelerator the check is a
+    device-side record of the first bad step (`deferred`), read only where the loop syncs anyway
+    (log, eval, checkpoint and the last step); the updates of the few steps in between are
+    discarded with the run. The step counter lives on the device too, so a CUDA graph can hold
+    the check. Skip mode has to decide before the optimizer step, so it reads the flag every step.
+    With fp16 loss scaling an inf gradient is routine (the scaler skips it and lowers the scale):
+    check_grad=False leaves gradients to the scaler.
+    """
+
+    def __init__(self, mode: str, device: torch.device, check_grad: bool = True):
+        self.mode, self.check_grad = mode, check_grad
+        self.deferred = mode == "stop" and device.type != "cpu"
+        self.steps = torch.zeros((), dtype=torch.long, device=device)       # steps checked: the last one's number
+        self.first_bad = torch.zeros((), dtype=torch.long, device=device)   # 0: none yet
+        self.bad_loss = torch.zeros((), dtype=torch.bool, device=device)    # was the first bad one the loss?
+        self.skipped, self.in_a_row, self.last = 0, 0, None   # last: what the last skipped step had wrong
+        self.saved_step = None   # the step of the newest checkpoint, for the message (None: none yet)
+
+    def ok(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Called before each optimizer step: False means skip the update."""
+        self.steps.add_(1)
+        loss_bad = ~torch.isfinite(loss)
+        bad = loss_bad | ~torch.isfinite(grad_norm) if self.check_grad else loss_bad
+        if self.deferred:
+            first = (self.first_bad == 0) & bad
+            self.bad_loss.copy_(torch.where(first, loss_bad, self.bad_loss))
+            self.first_bad.copy_(torch.where(first, self.steps, self.first_bad))
+            return True
+        if not bad.item():
+            self.in_a_row = 0
+            return True
+        step = int(self.steps)
+        what = self.last = "loss" if loss_bad.item() else "gradient"
+        if self.mode == "stop":
+            self.fail(step, what)
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row >= MAX_SKIPS_IN_A_ROW:
+            raise RunError(f"non-finite {what} at {self.in_a_row} steps in a row (up to step {step}); stopped, "
+                           f"{self.kept()} (try a lower --train.lr)")
+        return False
+
+    def check(self) -> None:
+        """Raise if a deferred check recorded a bad step (a no-op where every step is checked)."""
+        if self.deferred and (step := int(self.first_bad)):
+            self.fail(step, "loss" if bool(self.bad_loss) else "gradient")
+
+    def start_at(self, step: int, skipped: int = 0) -> None:
+        """Continue counting after `step`, with `skipped` steps skipped so far (a resumed run)."""
+        self.steps.fill_(step)
+        self.skipped = skipped
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps.clone(), "first_bad": self.first_bad.clone(), "bad_loss": self.bad_loss.clone(),
+                "skipped": self.skipped, "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        """In place: a CUDA graph holds these tensors' addresses."""
+        for name in ("steps", "first_bad", "bad_loss"):
+            getattr(self, name).copy_(state[name])
+        self.skipped, self.in_a_row = state["skipped"], state["in_a_row"]
+
+    def kept(self) -> str:
+        if self.saved_step is None:
+            return "no checkpoint had been written yet"
+        return f"the last good checkpoint (step {self.saved_step}) is kept"
+
+    def fail(self, step: int, what: str):
+        raise RunError(f"non-finite {what} at step {step}; stopped, {self.kept()} (try a lower --train.lr, "
+                       f"or --train.on_nonfinite=skip to skip such steps)")
+
+
+@torch.no_grad()
+def mean_loss(model, batches, autocast=nullcontext()) -> torch.Tensor:
+    """The mean next-token loss over every target of the (x, y) batches (targets of -1 are not scored),
+    as a 0-d tensor on the device, computed in eval mode (the model's mode is restored after)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        with autocast:
+            _, loss = model(x, y)
+        scored = (y >= 0).sum()
+        total, count = total + loss.float() * scored, count + scored
+    model.train(was_training)
+    return total / count

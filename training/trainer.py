@@ -3,36 +3,40 @@
     set_up            check the out dir, the checkpoint to resume and the data; build the data loader,
                       the model and the optimizer. Nothing is written until every check has passed.
     restore           continue a checkpoint: weights, optimizer, data order, random generators.
-    build_step        how one optimizer step runs: eager, or a replayed CUDA graph (training/step.py).
-    start_writing     lock and create the out dir, print the banner, open metrics.jsonl.
-    then, every step  the optimizer step; every log_interval steps a log line; every eval_interval
+    build_step        how one optimizer step runs: eager (training/step.py), maybe compiled, or
+                      replayed as a CUDA graph (speed/).
+    start_writing     lock and create the out dir, write config.toml, open metrics.jsonl, print the banner.
+    run_steps         the optimizer steps; every log_interval steps a log line; every eval_interval
                       steps (and at the end, or when a signal asks to stop) evaluate_and_save.
 
 Everything a run holds between steps is one Run. Exact resume: the model, the optimizer, the LR
 schedule, the data order and every random generator continue where the checkpoint left them.
 """
+import functools
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from common import CheckpointError, ConfigError, RunError, atomic_write, duration, first_line, is_out_of_memory, \
+    on_stop_signals, say_now
 from data.cache import bits_per_byte, load_meta
 from data.loader import BatchLoader
+from data.prepare import prepare
 from model.gpt import GPT
-from training import distributed
-from training.checkpoint import (CheckpointError, atomic_write_text, check_resumable, clean_state_dict,
-                                 load_checkpoint, new_checkpoint, repair_best, save_checkpoint)
-from training.compile import compile_model
-from training.config import Config, ConfigError, describe
-from training.errors import RunError, first_line, is_out_of_memory, memory_detail
-from training.guards import NonFiniteGuard, StopSignal, check_out_dir, make_out_dir
-from training.metrics import Metrics, NoMetrics, duration
-from training.optim import build_optimizer, lr_as_float, set_lr
-from training.runtime import (autocast, dtype_name, pick_device, pick_dtype, printer, rng_state, seed_everything,
+from training.checkpoint import (check_resumable, clean_state_dict, load_checkpoint, new_checkpoint, repair_best,
+                                 save_checkpoint)
+from training.config import Config, describe
+from training.metrics import Metrics, NoMetrics
+from training.optim import build_optimizer, lr_at, set_lr
+from training.outdir import OutDir
+from training.runtime import (World, autocast, dtype_name, pick_device, pick_dtype, rng_state, seed_everything,
                               set_rng_state, use_fast_matmuls)
-from training.step import EagerStep, GraphStep, graph_blockers
+from training.step import NonFiniteGuard, Step, graph_blockers, mean_loss
 
 EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the training seed
 
@@ -41,62 +45,85 @@ EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the 
 class Run:
     """A training run between steps."""
     cfg: Config
-    dist: distributed.Dist
-    say: object                     # print on rank 0 (unless quiet), nothing elsewhere
-    dtype: torch.dtype
-    autocast: object                # the mixed-precision context of every forward
+    world: World                    # this process among the run's processes; world.device computes
+    print: object                   # print() on the main process unless quiet, a no-op elsewhere
+    dtype: torch.dtype              # the number format of the matmuls (under autocast)
     dataset: Path                   # the prepared dataset's directory
     meta: dict                      # its meta.json
     loader: BatchLoader
     model: GPT                      # what is saved; its parameters are the optimizer's
-    trained: torch.nn.Module        # what the step and evaluation call: model, DDP or FSDP, maybe compiled
+    wrapped: torch.nn.Module        # what the step and evaluation call: model, DDP or FSDP, maybe compiled
     optimizer: object
     scaler: torch.amp.GradScaler    # fp16 loss scaling (disabled in bf16 and fp32)
     guard: NonFiniteGuard
-    resume_from: Path | None = None
-    resume_is_best: bool = False    # the checkpoint resumed from should be best.pt
-    step_fn: object = None          # one optimizer step (training/step.py)
-    step: int = 0
+    out: OutDir
+    relink_best: bool = False       # the resumed checkpoint is the best: best.pt must be it
+    train_step: object = None       # the next optimizer step (training/step.py, speed/cuda_graph.py)
+    step: int = 0                   # optimizer steps done
     best_val: float = math.inf
-    elapsed_before: float = 0.0     # training seconds of the runs this one continues
-    started: float = 0.0            # perf_counter at the first step of this process
+    seconds_before: float = 0.0     # training time of the runs this one continues
+    started: float = 0.0            # perf_counter at this process's first step
     metrics: object = field(default_factory=NoMetrics)
-    lock: object = None             # the out dir's lock (rank 0)
-    made_out_dir: bool = False      # this run created the out dir
 
     @property
-    def out_dir(self) -> Path:
-        return Path(self.cfg.out_dir)
-
-    @property
-    def device(self) -> torch.device:
-        return self.dist.device
+    def autocast(self):
+        return autocast(self.world.device, self.dtype)
 
     @property
     def tokens_per_step(self) -> int:
         t = self.cfg.train
-        return t.batch_size * t.grad_accum * self.dist.world * self.cfg.model.block_size
+        return t.batch_size * t.grad_accum * self.world.size * self.cfg.model.block_size
 
     def elapsed(self) -> float:
-        return self.elapsed_before + time.perf_counter() - self.started
+        return self.seconds_before + time.perf_counter() - self.started
+
+
+def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
+          stop_at: int | None = None, on_step=None) -> dict:
+    """Run (or continue) the training that cfg describes; return a summary of how it ended.
+    stop_at: end this process's part of the run after that step (with an evaluation and a checkpoint),
+    as an interruption would; the schedule still runs to train.max_steps on resume.
+    on_step: called as on_step(step, model) after every optimizer step (bench.py's race evaluates there)."""
+    world = join_world(pick_device(cfg.train.device))   # one process, or this process's rank under torchrun
+    finished = False
+    try:
+        run, ckpt = set_up(cfg, world, resume, overwrite, quiet)
+        if ckpt is not None:
+            restore(run, ckpt)
+        del ckpt   # its tensors now live in the model and optimizer
+        build_step(run)
+        start_writing(run, overwrite)
+        summary = run_steps(run, stop_at, on_step)
+        finished = True
+        return summary
+    finally:
+        world.leave(finished)
 
 
 # ---------------------------------------------------------------- set up
 
-def set_up(cfg: Config, resume: bool, overwrite: bool, quiet: bool) -> tuple[Run, dict | None]:
+def join_world(device: torch.device) -> World:
+    """This process's World: alone, or under torchrun (WORLD_SIZE > 1) its place in the process group."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return World(device)
+    from training.distributed import ProcessGroup   # only under torchrun
+    return ProcessGroup.join(device)
+
+
+def set_up(cfg: Config, world: World, resume: bool, overwrite: bool, quiet: bool) -> tuple[Run, dict | None]:
     """Check everything a user can get wrong, then build the run; returns it and the checkpoint to
     restore (None for a new run). Writes nothing (but the prepared-data cache)."""
-    t, out_dir = cfg.train, Path(cfg.out_dir)
-    ctx = distributed.setup(pick_device(t.device))   # one process, or this process's rank under torchrun
-    resume_from = ctx.on_main(lambda: check_out_dir(out_dir, resume, overwrite))
+    t, device = cfg.train, world.device
+    out = OutDir(cfg.out_dir)
+    out.resume_from = resume_from = world.on_main(lambda: out.check(resume, overwrite))
     ckpt = load_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
         check_resumable(ckpt, resume_from)
-    dtype = pick_dtype(ctx.device, t.dtype)
-    if t.fsdp and ctx.world > 1 and dtype == torch.float16:
+    dtype = pick_dtype(device, t.dtype)
+    if t.fsdp and world.size > 1 and dtype == torch.float16:
         raise ConfigError("train.fsdp with float16 needs a sharded gradient scaler: use --train.dtype=bfloat16")
 
-    dataset = ctx.local_main_first(lambda: cfg.data.prepare(cfg.model.block_size))
+    dataset = world.local_main_first(lambda: prepare(cfg.data, cfg.model.block_size))
     meta = load_meta(dataset)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = meta["vocab_size"]
@@ -104,25 +131,27 @@ def set_up(cfg: Config, resume: bool, overwrite: bool, quiet: bool) -> tuple[Run
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {meta['vocab_size']}")
     if ckpt is not None:
         check_same_model(ckpt, cfg, meta, resume_from)
-    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=ctx.device,
-                         grad_accum=t.grad_accum, rank=ctx.rank, world=ctx.world)   # checks the split sizes
+    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,
+                         grad_accum=t.grad_accum, rank=world.rank, world=world.size)   # checks the split sizes
 
     seed_everything(t.seed)
-    use_fast_matmuls(ctx.device)
-    model = GPT(cfg.model).to(ctx.device)   # the same initial weights on every rank
+    use_fast_matmuls(device)
+    model = GPT(cfg.model).to(device)   # the same initial weights on every rank
     if t.init_from and ckpt is None:   # pretrained weights (a resumed run restores its checkpoint instead)
-        from training.pretrained import load_init_weights
+        from hf.hub import load_init_weights   # the optional Hugging Face room
         load_init_weights(model, t.init_from)
-    if t.onednn:   # opt-in, CPU only (training/onednn.py)
-        from training.onednn import use_onednn_linears
-        use_onednn_linears(model, ctx.device, dtype)
-    if ctx.rank:
-        torch.manual_seed(t.seed + ctx.rank)   # each rank its own dropout masks (the weights above are alike)
-    trained = distributed.wrap(model, ctx, t.fsdp)
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)
-    run = Run(cfg, ctx, printer(ctx.is_main and not quiet), dtype, autocast(ctx.device, dtype), dataset, meta, loader,
-              model, trained, build_optimizer(model, t, ctx.device), scaler,
-              NonFiniteGuard(t.on_nonfinite, ctx.device, check_grad=not scaler.is_enabled()), resume_from)
+    if t.onednn:
+        from speed.onednn import use_onednn_linears   # the optional speed room
+        use_onednn_linears(model, device, dtype)
+    if world.rank:
+        torch.manual_seed(t.seed + world.rank)   # each rank its own dropout masks (the weights above are alike)
+    wrapped = world.wrap(model, t.fsdp)        # before the optimizer: FSDP replaces the parameters by shards
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
+                                weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
+    guard = NonFiniteGuard(t.on_nonfinite, device, check_grad=not scaler.is_enabled())
+    say = print if world.is_main and not quiet else (lambda *args, **kwargs: None)
+    run = Run(cfg, world, say, dtype, dataset, meta, loader, model, wrapped, optimizer, scaler, guard, out)
     return run, ckpt
 
 
@@ -141,49 +170,64 @@ def check_same_model(ckpt: dict, cfg: Config, meta: dict, path: Path) -> None:
 
 def restore(run: Run, ckpt: dict) -> None:
     """Continue the checkpoint: weights, optimizer and scaler, data order, every rank's generators."""
-    ctx = run.dist
+    world = run.world
     try:
-        distributed.load_full_state(run.model, run.optimizer, clean_state_dict(ckpt["model"]), ckpt["optimizer"])
+        world.load_full_state(run.model, run.optimizer, clean_state_dict(ckpt["model"]), ckpt["optimizer"])
         if ckpt["scaler"]:
             run.scaler.load_state_dict(ckpt["scaler"])
         run.loader.load_state_dict(ckpt["loader"])
         rngs = ckpt["rng_ranks"]   # one per rank of the run that saved it
-        set_rng_state(rngs[ctx.rank] if len(rngs) == ctx.world else rngs[0])
+        set_rng_state(rngs[world.rank] if len(rngs) == world.size else rngs[0])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise CheckpointError(f"{run.resume_from} does not fit this run: {first_line(e)}") from None
-    if len(rngs) != ctx.world and ctx.rank:   # another world size: new dropout streams per rank
-        torch.manual_seed(run.cfg.train.seed + 1000 * ckpt["step"] + ctx.rank)
-    run.step, run.best_val, run.elapsed_before = ckpt["step"], ckpt["best_val_loss"], ckpt["elapsed"]
-    run.guard.skipped = ckpt["skipped_steps"]
-    run.guard.start_at(run.step)
+        raise CheckpointError(f"{run.out.resume_from} does not fit this run: {first_line(e)}") from None
+    if len(rngs) != world.size and world.rank:   # another world size: new dropout streams per rank
+        torch.manual_seed(run.cfg.train.seed + 1000 * ckpt["step"] + world.rank)
+    run.step, run.best_val, run.seconds_before = ckpt["step"], ckpt["best_val_loss"], ckpt["elapsed"]
+    run.guard.start_at(run.step, ckpt["skipped_steps"])
     run.guard.saved_step = run.step
-    run.resume_is_best = ckpt["is_best"]
+    run.relink_best = ckpt["is_best"]
     was, now = ckpt["dataset"].get("sha256"), run.meta.get("sha256")
     if was and now and was != now:
-        run.say(f"warning: the training text changed since this checkpoint (sha256 {was[:12]}... then, "
-                f"{now[:12]}... now); training goes on with the new text")
+        run.print(f"warning: the training text changed since this checkpoint (sha256 {was[:12]}... then, "
+                  f"{now[:12]}... now); training goes on with the new text")
 
 
 # ---------------------------------------------------------------- the step
 
 def build_step(run: Run) -> None:
-    """torch.compile the model (train.compile), then the step: a CUDA graph where one can hold it
-    (train.cuda_graph), else eager. After restore: a graph holds the addresses of the restored state."""
+    """torch.compile the model (train.compile), then the step: eager, or recorded as a CUDA graph where
+    one can hold it (train.cuda_graph). After restore: a graph holds the addresses of the restored state."""
     t = run.cfg.train
-    shape = (t.batch_size, run.cfg.model.block_size)
     if t.compile:
-        run.trained = compile_model(run.trained, shape, run.cfg.model.vocab_size, run.autocast)
-    blockers = graph_blockers(t, run.device, run.dist.world, run.dtype)
-    if t.cuda_graph and not blockers:
-        try:
-            run.step_fn = GraphStep(run.trained, run.model, run.optimizer, run.autocast, run.guard, run.loader, t)
-            return
-        except Exception as e:   # anything the capture cannot hold: the eager step does the same work
-            run.say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
-    elif t.cuda_graph and run.device.type == "cuda":
-        run.say(f"# no CUDA graph: {'; '.join(blockers)}")
-    run.step_fn = EagerStep(run.trained, run.model, run.optimizer, run.scaler, run.autocast, run.guard,
-                            run.loader, t, run.dist)
+        from speed.compile import compiled_or_eager   # the optional speed room
+        run.wrapped = compiled_or_eager(run.wrapped, functools.partial(compile_trial, run), "training")
+    step = Step(run.wrapped, run.model, run.optimizer, run.scaler, run.autocast, run.guard, run.world, run.loader,
+                t.grad_clip)
+    run.train_step = step
+    if not t.cuda_graph:
+        return
+    blockers = graph_blockers(t.on_nonfinite, run.world.device, run.world.size, run.dtype)
+    if blockers:
+        if run.world.device.type == "cuda":
+            run.print(f"# no CUDA graph: {'; '.join(blockers)}")
+        return
+    from speed.cuda_graph import GraphStep   # the optional speed room
+    try:
+        run.train_step = GraphStep(step, run.loader)
+    except Exception as e:   # anything the recording cannot hold: the eager step does the same work
+        run.print(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
+
+
+def compile_trial(run: Run, compiled) -> None:
+    """One forward and backward of the compiled model on a batch of the training shape (compiling
+    the graphs the step reuses), leaving no trace: no gradients, the random generators as they were."""
+    device, t = run.world.device, run.cfg.train
+    x = torch.randint(0, run.cfg.model.vocab_size, (t.batch_size, run.cfg.model.block_size), device=device)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), run.autocast:
+            compiled(x, x)[1].backward()
+    finally:
+        run.model.zero_grad(set_to_none=True)
 
 
 # ---------------------------------------------------------------- writing starts
@@ -192,80 +236,58 @@ def start_writing(run: Run, overwrite: bool) -> None:
     """Every check has passed: lock and create the out dir (rank 0 alone writes), say what runs.
     If any of it fails (e.g. wandb missing or failing to start), the out dir is left as it was found."""
     try:
-        run.dist.on_main(lambda: open_out_dir(run, overwrite))
+        run.world.on_main(lambda: open_out_dir(run, overwrite))
         say_what_runs(run)
     except BaseException:
-        forget_out_dir(run)
-        if run.lock is not None:
-            run.lock.release()
+        run.metrics.close()
+        run.out.forget()
         raise
 
 
 def open_out_dir(run: Run, overwrite: bool) -> None:
-    run.made_out_dir = not run.out_dir.exists()
-    run.lock = make_out_dir(run.out_dir, overwrite)
-    if run.resume_from is not None:
-        repair_best(run.resume_from, run.resume_is_best)
-    atomic_write_text(run.out_dir / "config.toml", describe(run.cfg))
-    run.metrics = Metrics(run.cfg, run.out_dir, run.step if run.resume_from else None)
+    run.out.open(overwrite)
+    if run.relink_best:
+        repair_best(run.out.resume_from)
+    atomic_write(run.out.path / "config.toml", describe(run.cfg))
+    run.metrics = Metrics(run.cfg, run.out.path, run.step if run.out.resume_from else None)
 
 
 def say_what_runs(run: Run) -> None:
     """The config, then one line: size, device, dtype, step kind, processes, tokens per step, data."""
-    ctx, t = run.dist, run.cfg.train
-    run.say(describe(run.cfg), end="")
-    procs = f" x {ctx.world} processes ({'FSDP' if distributed.is_sharded(run.model) else 'DDP'})" if ctx.world > 1 else ""
-    how = ("CUDA graph" if run.step_fn.kind == "graph" else "eager") + (", compiled" if t.compile else "")
-    run.say(f"# {run.model.num_params() / 1e6:.2f}M parameters | {run.device}, {dtype_name(run.dtype)}, {how}{procs} "
-            f"| {run.tokens_per_step:,} tokens/step | data {run.dataset}")
-    if t.fsdp and ctx.world == 1:
-        run.say("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
-    run.say(f"# resuming {run.resume_from} at step {run.step}" if run.resume_from else f"# out dir {run.out_dir}")
-
-
-def forget_out_dir(run: Run) -> None:
-    """Remove what start_writing wrote for a new run (config.toml, metrics.jsonl, the lock, and the
-    directory if it made it): called when the run fails before its first checkpoint."""
-    if not run.dist.is_main or run.resume_from is not None or run.lock is None:
-        return
-    run.metrics.close()
-    run.lock.release()
-    for name in ("config.toml", "metrics.jsonl", ".lock"):
-        (run.out_dir / name).unlink(missing_ok=True)
-    if run.made_out_dir and not any(run.out_dir.iterdir()):
-        run.out_dir.rmdir()
+    world, t = run.world, run.cfg.train
+    run.print(describe(run.cfg), end="")
+    procs = f" x {world.size} processes ({world.kind})" if world.size > 1 else ""
+    how = ("CUDA graph" if run.train_step.kind == "graph" else "eager") + (", compiled" if t.compile else "")
+    run.print(f"# {run.model.num_params() / 1e6:.2f}M parameters | {world.device}, {dtype_name(run.dtype)}, {how}"
+              f"{procs} | {run.tokens_per_step:,} tokens/step | data {run.dataset}")
+    if t.fsdp and world.size == 1:
+        run.print("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
+    resumed = run.out.resume_from
+    run.print(f"# resuming {resumed} at step {run.step}" if resumed else f"# out dir {run.out.path}")
 
 
 # ---------------------------------------------------------------- evaluate and save
 
-@torch.no_grad()
-def evaluate(model, loader: BatchLoader, iters: int, autocast, ctx: distributed.Dist | None = None) -> dict:
-    """Mean loss over the same `iters` batches of each split every time (a fixed generator); with
+def evaluate(run: Run) -> dict:
+    """Mean loss over the same eval_iters batches of each split every time (a fixed generator); with
     several ranks each evaluates its slice of every batch and the means are averaged."""
-    model.eval()
-    out = {}
+    losses = {}
     for split in ("train", "val"):
-        gen = torch.Generator().manual_seed(EVAL_SEED)
-        total = torch.zeros((), device=loader.device)
-        for _ in range(iters):
-            x, y = loader.batch(split, gen)
-            with autocast:
-                _, loss = model(x, y)
-            total += loss.float()
-        out[split] = (ctx.all_reduce_mean(total / iters) if ctx else total / iters).item()
-    model.train()
-    return out
+        generator = torch.Generator().manual_seed(EVAL_SEED)
+        batches = (run.loader.batch(split, generator) for _ in range(run.cfg.train.eval_iters))
+        losses[split] = run.world.all_reduce_mean(mean_loss(run.wrapped, batches, run.autocast)).item()
+    return losses
 
 
 def evaluate_and_save(run: Run) -> dict:
     """Train and val loss on fixed batches, one metrics record, a checkpoint (best.pt if best)."""
     run.guard.check()   # never checkpoint weights that a non-finite step touched
-    ev = evaluate(run.trained, run.loader, run.cfg.train.eval_iters, run.autocast, run.dist)
+    ev = evaluate(run)
     is_best = ev["val"] < run.best_val
     run.best_val = min(run.best_val, ev["val"])
     bpb = {s: bits_per_byte(ev[s], run.meta["tokens"][s], run.meta["bytes"][s]) for s in ("train", "val")}
-    run.say(f"eval {run.step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f} | val {bpb['val']:.4f} bits/byte"
-            f"{' (best)' if is_best else ''}")
+    run.print(f"eval {run.step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f} | val {bpb['val']:.4f} bits/byte"
+              f"{' (best)' if is_best else ''}")
     run.metrics.log({"step": run.step, "kind": "eval", "train_loss": ev["train"], "val_loss": ev["val"],
                      "train_bpb": bpb["train"], "val_bpb": bpb["val"], "elapsed_s": run.elapsed()})
     save(run, is_best)
@@ -273,99 +295,106 @@ def evaluate_and_save(run: Run) -> dict:
 
 
 def save(run: Run, is_best: bool) -> None:
-    model_state, optimizer_state = distributed.full_state(run.model, run.optimizer)   # gathers FSDP shards
-    rngs = run.dist.gather(rng_state())
-    if not run.dist.is_main:
+    model_state, optimizer_state = run.world.full_state(run.model, run.optimizer)   # gathers FSDP shards
+    rngs = run.world.gather(rng_state())
+    if not run.world.is_main:
         return
     ckpt = new_checkpoint(
         config=run.cfg.to_dict(), tokenizer=run.meta["tokenizer"], model=clean_state_dict(model_state),
-        step=run.step, dataset=run.meta, optimizer=lr_as_float(optimizer_state),
+        step=run.step, dataset=run.meta, optimizer=optimizer_state,
         scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None, loader=run.loader.state_dict(),
         rng_ranks=rngs, best_val_loss=run.best_val, elapsed=run.elapsed(), skipped_steps=run.guard.skipped,
         is_best=is_best)
-    save_checkpoint(ckpt, run.out_dir, keep=run.cfg.train.keep_checkpoints)
+    save_checkpoint(ckpt, run.out.path, keep=run.cfg.train.keep_checkpoints)
     run.guard.saved_step = run.step
 
 
 # ---------------------------------------------------------------- the loop
 
+class StopRequest:
+    """SIGINT, SIGTERM or SIGHUP during training: the first asks the loop to stop after the current
+    step (and save a checkpoint); a second one exits at once (checkpoints are written atomically, so
+    nothing is corrupted: a save cut short leaves only a temporary file, which the next run removes)."""
+
+    def __init__(self):
+        self.signal = None   # the name of the first signal received
+
+    def __call__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            say_now(f"\n{name} again: exiting now\n")
+            os._exit(128 + signum)
+        self.signal = name
+        say_now(f"\n{name}: finishing this step and saving a checkpoint (again to exit at once)\n")
+
+
 def log_progress(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, steps: int, seconds: float) -> dict:
     """One log line and metrics record for the last `steps` steps (this reads the loss: a sync)."""
     run.guard.check()
-    t = run.cfg.train
     ms = seconds * 1000 / steps
     record = {"step": run.step, "kind": "train", "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
               "ms_per_step": ms, "tokens_per_s": run.tokens_per_step * 1000 / ms, "skipped_steps": run.guard.skipped}
-    eta = duration((t.max_steps - run.step) * ms / 1000)
-    run.say(f"step {run.step:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
-            f"{record['tokens_per_s']:,.0f} tok/s | ETA {eta}")
+    eta = duration((run.cfg.train.max_steps - run.step) * ms / 1000)
+    run.print(f"step {run.step:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
+              f"{record['tokens_per_s']:,.0f} tok/s | ETA {eta}")
     run.metrics.log(record)
     return record
 
 
-def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
-          stop_at: int | None = None, on_step=None) -> dict:
-    """Run (or continue) the training that cfg describes; return a summary of how it ended.
-    stop_at: end this process's part of the run after that step (with an evaluation and a checkpoint),
-    as an interruption would; the schedule still runs to train.max_steps on resume.
-    on_step: called as on_step(step, model) after every optimizer step (bench.py's race evaluates there)."""
-    run, ckpt = set_up(cfg, resume, overwrite, quiet)
-    if ckpt is not None:
-        restore(run, ckpt)
-    del ckpt   # its tensors now live in the model and optimizer
-    build_step(run)
-    start_writing(run, overwrite)
-    t, end = cfg.train, min(cfg.train.max_steps, stop_at or cfg.train.max_steps)
-    losses, last_eval, stopping = {}, None, False
-    vote = distributed.StopVote(run.dist)
-    run.started = t_interval = time.perf_counter()
+def run_steps(run: Run, stop_at: int | None, on_step) -> dict:
+    """The optimizer steps up to train.max_steps (or stop_at), with their log lines and evaluations."""
+    t = run.cfg.train
+    end = min(t.max_steps, stop_at or t.max_steps)
+    schedule = functools.partial(lr_at, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+                                 max_steps=t.max_steps, schedule=t.schedule, warmdown_frac=t.warmdown_frac)
+    losses, last_eval, stopping, stop = {}, None, False, StopRequest()
+    run.started = interval_start = time.perf_counter()
     interval_steps = 0
     try:
-        with StopSignal() as stop:
+        with on_stop_signals(stop):
             while run.step < end:
-                lr = set_lr(run.optimizer, run.step, t)
-                loss, grad_norm, applied = run.step_fn()
+                lr = schedule(run.step)
+                set_lr(run.optimizer, lr / t.lr if t.lr > 0 else 0.0)
+                loss, grad_norm, applied = run.train_step()
                 run.step += 1
                 interval_steps += 1
                 if not applied:
-                    run.say(f"step {run.step:6d} | non-finite {run.guard.last}: update skipped "
-                            f"({run.guard.skipped} so far)")
+                    run.print(f"step {run.step:6d} | non-finite {run.guard.last}: update skipped "
+                              f"({run.guard.skipped} so far)")
                 if on_step is not None:
                     on_step(run.step, run.model)
-                stopping = vote(stop.requested is not None)   # all ranks stop at the same step
-
+                stopping = run.world.agree_to_stop(stop.signal is not None)   # all ranks stop at the same step
                 logged = run.step % t.log_interval == 0 or run.step == t.max_steps
                 if logged:
-                    record = log_progress(run, loss, grad_norm, lr, interval_steps, time.perf_counter() - t_interval)
-                    losses[run.step] = record["loss"]
-                evaluated = run.step % t.eval_interval == 0 or run.step in (t.max_steps, stop_at) or stopping
-                if evaluated:
+                    losses[run.step] = log_progress(run, loss, grad_norm, lr, interval_steps,
+                                                    time.perf_counter() - interval_start)["loss"]
+                if run.step % t.eval_interval == 0 or run.step in (t.max_steps, stop_at) or stopping:
                     last_eval = evaluate_and_save(run)
-                if logged or evaluated:
-                    t_interval, interval_steps = time.perf_counter(), 0   # evaluations are not billed to steps
+                    logged = True
+                if logged:
+                    interval_start, interval_steps = time.perf_counter(), 0   # evaluations are not billed to steps
                 if stopping:
-                    run.say(f"stopped by {stop.requested or 'a signal to another rank'} at step {run.step}, "
-                            f"checkpoint saved in {run.out_dir}; to continue, run the same command with --resume")
+                    run.print(f"stopped by {stop.signal or 'a signal to another rank'} at step {run.step}, checkpoint "
+                              f"saved in {run.out.path}; to continue, run the same command with --resume")
                     break
-            vote.finish()
     except Exception as e:
         if run.guard.saved_step is None:
-            forget_out_dir(run)   # a run that never got to a checkpoint leaves the out dir as it found it
+            run.out.forget()   # a run that never got to a checkpoint leaves the out dir as it found it
         if not is_out_of_memory(e):
             raise
         raise out_of_memory(run, e) from None
     finally:
         run.metrics.close()
-        if run.lock is not None:
-            run.lock.release()
-    return finish(run, losses, last_eval, stopping, stop.exit_code or (130 if stopping else 0))
+        run.out.close()
+    exit_code = 128 + signal.Signals[stop.signal] if stop.signal else (130 if stopping else 0)
+    return finish(run, losses, last_eval, stopping, exit_code)
 
 
 def out_of_memory(run: Run, error: BaseException) -> RunError:
     """An allocation failure in the loop, in one line: what to make smaller, and what is kept."""
-    kept = f"and --resume to continue from the last checkpoint in {run.out_dir}" if run.guard.saved_step \
+    kept = f"and --resume to continue from the last checkpoint in {run.out.path}" if run.guard.saved_step \
         else "no checkpoint had been written yet"
-    return RunError(f"out of memory on {run.device} at step {run.step + 1} ({memory_detail(error, 80)}): try a "
+    return RunError(f"out of memory on {run.world.device} at step {run.step + 1} ({first_line(error, 80)}): try a "
                     f"smaller --train.batch_size (with a larger --train.grad_accum to keep the tokens per step; "
                     f"{kept}) or a smaller --model.block_size")
 
@@ -375,8 +404,8 @@ def finish(run: Run, losses: dict, last_eval: dict | None, stopping: bool, exit_
     total = run.elapsed()
     if run.step >= run.cfg.train.max_steps:
         skipped = f", {run.guard.skipped} non-finite steps skipped" if run.guard.skipped else ""
-        run.say(f"# done: step {run.step}, best val loss {run.best_val:.4f}, {duration(total)} "
-                f"({total:.1f} s), {run.step * run.tokens_per_step:,} tokens{skipped}")
+        run.print(f"# done: step {run.step}, best val loss {run.best_val:.4f}, {duration(total)} "
+                  f"({total:.1f} s), {run.step * run.tokens_per_step:,} tokens{skipped}")
     return {"step": run.step, "val_loss": last_eval["val"] if last_eval else None, "best_val_loss": run.best_val,
             "elapsed_s": total, "losses": losses, "skipped_steps": run.guard.skipped,
             "interrupted": stopping, "exit_code": exit_code}

@@ -1,10 +1,10 @@
 """Causal self-attention and its variants, chosen by `model.attention`.
 
-    naive, sdpa      plain multi-head attention, explicit or fused        mha.py
-    gqa              fewer key/value heads (model.n_kv_head; 1 = MQA)      gqa.py
-    sliding_window   each token sees the last model.window tokens         sliding_window.py
-    linear           kernelized, O(T) memory, an RNN-like state           linear.py
-    mla              keys and values from a cached low-rank latent        mla.py
+    naive, sdpa      plain multi-head attention, explicit or fused            mha.py
+    gqa              fewer key/value heads (model.n_kv_head; 1 = MQA)          mha.py
+    sliding_window   each token sees the last model.window tokens             mha.py
+    linear           kernelized, O(T) memory, an RNN-like state               linear.py
+    mla              keys and values from a cached low-rank latent            mla.py
 
 Every variant is an nn.Module with one interface, which the GPT and the sampler rely on:
 
@@ -18,24 +18,21 @@ Every variant is an nn.Module with one interface, which the GPT and the sampler 
     cache_size(seq_len) -> int                  numbers the cache holds for one sequence of seq_len
                                                 tokens (the KV-cache column of an ablation)
 
-forward(x, rope, return_weights=True) also returns the (B, nh, T, T) attention weights, computed by
-the variant's own math (sdpa through the explicit path): what model/inspect.py collects.
-
-The shared math (mask, naive and fused attention, the KV cache) is in core.py; positions in
-model/positions.py.
+forward(..., return_weights=True) also returns the (B, nh, T, T) attention weights, computed by the
+variant's own math (sdpa through the explicit path): what model/inspect.py collects.
+forward(..., explicit=True) computes softmax attention by its explicit steps instead of the fused
+kernel, which a compiled one-token decoding step asks for (model/sampling.py).
 """
-from model.attention.gqa import GroupedQueryAttention
 from model.attention.linear import LinearAttention
 from model.attention.mha import CausalSelfAttention
 from model.attention.mla import MultiHeadLatentAttention
-from model.attention.sliding_window import SlidingWindowAttention
 from model.config import ATTENTIONS, ModelConfig
 
 REGISTRY = {
     "naive": CausalSelfAttention,
     "sdpa": CausalSelfAttention,
-    "gqa": GroupedQueryAttention,
-    "sliding_window": SlidingWindowAttention,
+    "gqa": CausalSelfAttention,
+    "sliding_window": CausalSelfAttention,
     "linear": LinearAttention,
     "mla": MultiHeadLatentAttention,
 }
@@ -45,4 +42,3 @@ assert tuple(REGISTRY) == ATTENTIONS, "model/config.py's ATTENTIONS must list th
 def build_attention(cfg: ModelConfig):
     """The attention module that cfg.attention names."""
     return REGISTRY[cfg.attention](cfg)
-

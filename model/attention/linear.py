@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention.core import causal_mask, consecutive_positions, merge_heads, split_heads
+from model.attention.mha import causal_mask, consecutive_positions, merge_heads, split_heads
 from model.config import ModelConfig
 from model.positions import apply_rotary_emb
 
@@ -108,10 +108,12 @@ class LinearAttention(nn.Module):
     def cache_size(self, seq_len: int) -> int:
         return self.n_head * (self.head_dim * self.head_dim + self.head_dim)
 
-    def forward(self, x, rope=None, cache: LinearState | None = None, pos=None, return_weights: bool = False):
+    def forward(self, x, rope=None, cache: LinearState | None = None, pos=None, return_weights: bool = False,
+                explicit: bool = False):
         """x (B, T, C) -> (B, T, C). With a cache, x continues the tokens its state sums over (the state
         has no positions: pos is not needed). With return_weights also the (B, nh, T, T) weights of
-        linear_attention_weights (a whole sequence: a cache keeps no past keys to weigh)."""
+        linear_attention_weights (a whole sequence: a cache keeps no past keys to weigh). There is no
+        softmax kernel to fuse: explicit changes nothing."""
         if return_weights and cache is not None:
             raise ValueError("linear attention's weights need the whole sequence, not a cache")
         B, T, C = x.shape

@@ -24,14 +24,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention.core import merge_heads, naive_attention, sdpa_attention, split_heads
+from model.attention.mha import merge_heads, naive_attention, sdpa_attention, split_heads
 from model.config import ModelConfig
 from model.positions import alibi_slopes, apply_rotary_emb
 
 
 class LatentCache:
     """One layer's latents (B, max_len, d_c) and, with rope, rotated shared keys (B, 1, max_len, hs),
-    preallocated: slot j holds position j (as in core.KVCache)."""
+    preallocated: slot j holds position j (as in mha.KVCache)."""
 
     def __init__(self, batch: int, max_len: int, latent_dim: int, rope_dim: int, device, dtype):
         self.c = torch.zeros(batch, max_len, latent_dim, device=device, dtype=dtype)
@@ -47,7 +47,7 @@ class LatentCache:
         return self.c, self.k_rope, self.k_pos
 
     def reset(self) -> None:
-        """Nothing to clear (see core.KVCache.reset)."""
+        """Nothing to clear (see mha.KVCache.reset)."""
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -78,9 +78,11 @@ class MultiHeadLatentAttention(nn.Module):
     def cache_size(self, seq_len: int) -> int:
         return (self.latent_dim + (self.head_dim if self.rope else 0)) * seq_len
 
-    def forward(self, x, rope=None, cache: LatentCache | None = None, pos=None, return_weights: bool = False):
+    def forward(self, x, rope=None, cache: LatentCache | None = None, pos=None, return_weights: bool = False,
+                explicit: bool = False):
         """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T_all) weights by the explicit
-        path: the softmax of the up-projected keys' scores (plus q_rope·k_rope with rope), scaled as here."""
+        path (which explicit=True also asks for): the softmax of the up-projected keys' scores (plus
+        q_rope·k_rope with rope), scaled as here."""
         norm = (lambda t: F.rms_norm(t, (self.head_dim,))) if self.qk_norm else (lambda t: t)
         q = norm(split_heads(self.query(x), self.n_head))                # (B, nh, T, hs)
         c = self.kv_norm(self.kv_down(x))                                # (B, T, d_c)
@@ -98,11 +100,12 @@ class MultiHeadLatentAttention(nn.Module):
             q = torch.cat([q, q_rope], dim=-1)                           # (B, nh, T, 2 hs)
             k = torch.cat([k, k_rope.expand(-1, self.n_head, -1, -1)], dim=-1)
 
-        p = self.dropout_p if self.training else 0.0
-        if return_weights:
-            out, weights = naive_attention(q, k, v, self.scale, p, 0, self.alibi_slopes, q_pos, k_pos)
+        settings = dict(scale=self.scale, dropout_p=self.dropout_p if self.training else 0.0,
+                        slopes=self.alibi_slopes, q_pos=q_pos, k_pos=k_pos)
+        if return_weights or explicit:
+            out, weights = naive_attention(q, k, v, **settings)
         else:
-            out = sdpa_attention(q, k, v, self.scale, p, 0, self.alibi_slopes, q_pos, k_pos)   # (B, nh, T, hs)
+            out = sdpa_attention(q, k, v, **settings)                    # (B, nh, T, hs)
         out = merge_heads(out)                                           # (B, T, C): concatenate the heads
         out = self.resid_dropout(self.proj(out))
         return (out, weights) if return_weights else out

@@ -33,30 +33,19 @@ Choices:
   - a setting GPT-2 cannot express (rotary positions, RMSNorm, another attention, ...) is a
     CheckpointError that names it; so is an HF config that this GPT cannot express
 
-safetensors (and huggingface_hub, to download by name) are imported only when used.
+Files, hub names and downloads: hf/hub.py.
 """
-import json
 import math
-import os
-from pathlib import Path
 
 import torch
 
+from common import CheckpointError, ConfigError
 from model.config import ModelConfig
-from training.checkpoint import CheckpointError, atomic_write_text
-from training.errors import first_line
 
 # GPT-2's activation names (transformers' ACT2FN) -> model.mlp
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu_python_tanh": "gelu_tanh", "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
 EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
-# name -> (hub repo, n_layer, n_head, n_embd): the published sizes (vocab 50257, context 1024), so
-# that a run's config is known before, and without, any download
-HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
-              "gpt2-medium": ("openai-community/gpt2-medium", 24, 16, 1024),
-              "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
-              "gpt2-xl": ("openai-community/gpt2-xl", 48, 25, 1600),
-              "distilgpt2": ("distilbert/distilgpt2", 6, 12, 768)}
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")   # old checkpoints' causal-mask buffers
 
 
@@ -99,7 +88,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
                       tie_embeddings=get("tie_word_embeddings", True, bool))
     try:
         cfg.validate()
-    except ValueError as e:
+    except ConfigError as e:
         raise CheckpointError(f"{where}: {e}") from None
     return cfg
 
@@ -199,103 +188,3 @@ def to_hf(cfg: ModelConfig, state_dict: dict, eos_token_id: int | None = None) -
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"].clone()
     return hf_config(cfg, eos_token_id), out
-
-
-# ----------------------------------------------------------------------------- files
-
-def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
-    """A local directory as it is; a hub name (gpt2, gpt2-medium, ..., or owner/name) downloaded
-    through huggingface_hub's cache (config.json, and the safetensors files if weights)."""
-    path = Path(name_or_dir).expanduser()
-    if path.is_dir():
-        return path
-    repo_id = HUB_MODELS[name_or_dir][0] if name_or_dir in HUB_MODELS else name_or_dir
-    if name_or_dir not in HUB_MODELS and name_or_dir.count("/") != 1:
-        raise CheckpointError(f"{name_or_dir} is neither a directory nor a GPT-2 name "
-                              f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise CheckpointError(f"downloading {name_or_dir} needs huggingface_hub (pip install huggingface_hub); "
-                              f"or pass a local directory") from None
-    patterns = ["config.json"] + (["model.safetensors", "model.safetensors.index.json", "model-*.safetensors"]
-                                  if weights else [])
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as e:   # offline, unknown repo, no access, a full disk: all end here
-        offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
-        detail = ("not in the local cache, and the hub cannot be reached" if offline
-                  else first_line(e).split(". ")[0])
-        raise CheckpointError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
-                              f"pass a local directory") from None
-
-
-def read_config(directory: Path) -> dict:
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face checkpoint directory")
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return hf
-
-
-def read_tensors(directory: Path) -> dict:
-    """All tensors of model.safetensors, or of the shards model.safetensors.index.json lists."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if (directory / "model.safetensors").is_file():
-        files = [directory / "model.safetensors"]
-    elif index.is_file():
-        try:
-            files = [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index} is not a safetensors index ({e})") from None
-    else:
-        found = ", ".join(sorted(p.name for p in directory.iterdir())[:5])
-        raise CheckpointError(f"{directory} has no model.safetensors (found: {found}); pickled .bin weights "
-                              f"are not loaded, since they can run code")
-    tensors = {}
-    for f in files:
-        try:
-            tensors.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f} is not a readable safetensors file ({first_line(e, 120)})") from None
-    return tensors
-
-
-def pretrained_config(name_or_dir: str) -> ModelConfig:
-    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its config.json."""
-    if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
-        _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
-        return config_from_hf({"vocab_size": 50257, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
-                               "n_embd": n_embd}, where=name_or_dir)
-    directory = resolve_source(name_or_dir, weights=False)
-    return config_from_hf(read_config(directory), where=f"{name_or_dir}: config.json")
-
-
-def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
-    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict)."""
-    directory = resolve_source(name_or_dir)
-    cfg = config_from_hf(read_config(directory), where=f"{name_or_dir}: config.json")
-    return cfg, state_dict_from_hf(read_tensors(directory), cfg, where=f"{name_or_dir}: weights")
-
-
-def save_pretrained(directory: Path, cfg: ModelConfig, state_dict: dict, eos_token_id: int | None = None) -> None:
-    """Write config.json and model.safetensors (each atomically) that transformers loads as GPT2LMHeadModel."""
-    from safetensors.torch import save_file
-    hf, tensors = to_hf(cfg, state_dict, eos_token_id)   # refuses unmappable settings before any write
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / ".model.safetensors.tmp"
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, directory / "model.safetensors")
-    finally:
-        tmp.unlink(missing_ok=True)
-    atomic_write_text(directory / "config.json", json.dumps(hf, indent=2) + "\n")

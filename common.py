@@ -1,0 +1,205 @@
+"""What every command of this repository keeps to, imported by all of them and importing neither
+torch nor any other module of the project:
+
+  errors   a mistake a user can make (or a fault of the machine) is a UserError; run_cli turns it
+           into one line on stderr and a non-zero exit, never a traceback
+  files    a file is written whole or not at all (atomic_write)
+  signals  SIGINT, SIGTERM and SIGHUP go to one handler while a job runs (on_stop_signals)
+  checks   a config value out of range or not among its choices is a ConfigError naming it
+
+Exit codes: 2 for a usable message (bad config, data, checkpoint, prompt, out dir; a run that cannot
+go on), 3 for out of memory outside the training loop, 128 + the signal's number when a signal
+stopped the job (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
+"""
+import argparse
+import math
+import os
+import re
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+
+# ---------------------------------------------------------------- errors
+
+class UserError(Exception):
+    """Something the user can fix (or the machine's fault), said in one line: which file, key or
+    value, and why."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config key or value that cannot be used."""
+
+
+class DataError(UserError, ValueError):
+    """A data file or data setting that cannot be used."""
+
+
+class TokenizerError(UserError, ValueError):
+    """Text or a tokenizer description the tokenizer cannot handle."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that cannot be read, used or written."""
+
+
+class SamplingError(UserError, ValueError):
+    """A model whose output cannot be sampled from (damaged weights, or a diverged run)."""
+
+
+class RunError(UserError, RuntimeError):
+    """A run that cannot start or go on (out dir, resume, a numerical fault, memory)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal stopped a job after it cleaned up; exit_code is 128 + the signal's number."""
+
+    def __init__(self, signum: int, message: str = ""):
+        super().__init__(message or f"stopped by {signal.Signals(signum).name}")
+        self.signum, self.exit_code = signum, 128 + signum
+
+
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """What a one-line message can quote of an exception: the first line of its message, at most
+    `limit` characters (its type's name when it has no message). torch's run over many lines, and
+    its allocator puts a C++ source location first ('[enforce fail at alloc_cpu.cpp:127] err == 0.')."""
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", str(error).strip())
+    return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Any allocation failure: torch's (CUDA or CPU allocator), numpy's, Python's."""
+    if isinstance(error, MemoryError):   # numpy's _ArrayMemoryError too
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and (type(error).__name__ == "OutOfMemoryError" or any(
+        s in text for s in ("can't allocate memory", "out of memory", "not enough memory")))
+
+
+def run_cli(main, argv: list[str]) -> int:
+    """Run main(argv); turn what a user can cause into one line on stderr and a non-zero exit."""
+    try:
+        return main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:   # e.g. `python sample.py ... | head`
+        return 0
+    except OSError as e:      # the machine's fault, not the code's: a full disk, a vanished file system
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        print(f"error: out of memory ({first_line(e, 100)}); try a smaller batch, block size, model or number "
+              f"of samples (checkpoints already written are kept)", file=sys.stderr)
+        return 3
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, whose errors are one line like every other refusal: 'error: ... (see --help)'."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+# ---------------------------------------------------------------- files
+
+def atomic_write(path: Path, data) -> None:
+    """Write data (str, bytes, or a function that writes to a binary file) to a temporary file beside
+    path, fsync it and rename it over path: a reader, or a process killed meanwhile, finds the old
+    file or the new one, never part of one. The temporary file is .<name>.tmp."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    write = data if callable(data) else (lambda f: f.write(data.encode("utf-8") if isinstance(data, str) else data))
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:   # the rename itself is durable once the directory is synced (not every system can)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------- signals
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextmanager
+def on_stop_signals(handler):
+    """While inside, SIGINT, SIGTERM and SIGHUP call handler(signum) instead of ending the process.
+    A signal the shell ignores (nohup) stays ignored; the previous handlers come back afterwards.
+    Python sets handlers in the main thread only: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, lambda signum, frame: handler(signum))
+                for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def say_now(text: str) -> None:
+    """Write to stderr from a signal handler: print() could land inside a print() that the signal
+    interrupted, which Python's buffered streams refuse with an exception."""
+    try:
+        os.write(sys.stderr.fileno(), text.encode())
+    except (OSError, ValueError):   # no file descriptor (e.g. captured by pytest), or a closed one
+        pass
+
+
+def duration(seconds: float) -> str:
+    """3725 -> '1:02:05', 65 -> '1:05'."""
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+# ---------------------------------------------------------------- config checks
+
+def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None, one_of=None) -> None:
+    """A ConfigError naming key unless value is one of `one_of`, or a finite number within the bounds
+    given: check("train.beta1", b, at_least=0, below=1) says 'train.beta1 must be in [0, 1), got 1.5'."""
+    if one_of is not None:
+        if value not in one_of:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, one_of))}")
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value}")
+    low, high = (above, at_least)[above is None], (below, at_most)[below is None]
+    ok = ((above is None or value > above) and (at_least is None or value >= at_least)
+          and (below is None or value < below) and (at_most is None or value <= at_most))
+    if ok:
+        return
+    if high is None:
+        bounds = f"> {above}" if above is not None else f">= {at_least}"
+    elif low is None:
+        bounds = f"< {below}" if below is not None else f"<= {at_most}"
+    else:
+        bounds = f"in {'(' if above is not None else '['}{low}, {high}{')' if below is not None else ']'}"
+    raise ConfigError(f"{key} must be {bounds}, got {value}")

@@ -1,0 +1,188 @@
+"""GPT-2 checkpoints as files and hub names: reading and writing Hugging Face directories, starting a
+run from GPT-2's weights (train.init_from), and loading a GPT-2 to sample from.
+
+    python train.py configs/finetune_gpt2.toml --data my.txt          # train.init_from = "gpt2"
+    python train.py --train.init_from=path/to/hf_dir --data my.txt    # config.json + model.safetensors
+    python sample.py gpt2 --prompt "Hello"
+    python export.py out/run hf_model
+
+The pretrained checkpoint fixes the architecture: the model section is taken from its config.json,
+and a model.* key the user set (config file or command line) to another value is a ConfigError that
+names it. Three settings stay free, as choices of the fine-tuning rather than of the weights:
+model.dropout (unset: the checkpoint's, 0.1 for GPT-2), model.attention (naive or sdpa: the same
+math) and model.block_size up to the checkpoint's n_positions (the position table is cropped:
+fine-tuning on short contexts is cheaper). The tokenizer is tiktoken's gpt2, which GPT-2's
+vocabulary is. init_from is a train.* key, not a model.* one: where the first weights come from is
+a choice of the run, like its seed; a resumed run loads its own checkpoint, never these weights.
+
+Files: config.json and model.safetensors (or the shards model.safetensors.index.json names), never
+pytorch_model.bin, a pickle that can run code when loaded. safetensors, and huggingface_hub to
+download by name, are imported only when used.
+"""
+import json
+from pathlib import Path
+
+from common import CheckpointError, ConfigError, atomic_write, first_line
+from data.tokenizers import TiktokenTokenizer
+from hf.convert import config_from_hf, state_dict_from_hf, to_hf
+from model.config import ModelConfig
+from model.gpt import GPT
+
+GPT2_VOCAB = 50257   # tiktoken's gpt2: 50,256 merges and bytes, plus <|endoftext|>
+# name -> (hub repo, n_layer, n_head, n_embd): the published sizes (vocab 50257, context 1024), so
+# that a run's config is known before, and without, any download
+HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
+              "gpt2-medium": ("openai-community/gpt2-medium", 24, 16, 1024),
+              "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
+              "gpt2-xl": ("openai-community/gpt2-xl", 48, 25, 1600),
+              "distilgpt2": ("distilbert/distilgpt2", 6, 12, 768)}
+
+
+# ----------------------------------------------------------------------------- files
+
+def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
+    """A local directory as it is; a hub name (gpt2, gpt2-medium, ..., or owner/name) downloaded
+    through huggingface_hub's cache (config.json, and the safetensors files if weights)."""
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():
+        return path
+    repo_id = HUB_MODELS[name_or_dir][0] if name_or_dir in HUB_MODELS else name_or_dir
+    if name_or_dir not in HUB_MODELS and name_or_dir.count("/") != 1:
+        raise CheckpointError(f"{name_or_dir} is neither a directory nor a GPT-2 name "
+                              f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(f"downloading {name_or_dir} needs huggingface_hub (pip install huggingface_hub); "
+                              f"or pass a local directory") from None
+    patterns = ["config.json"] + (["model.safetensors", "model.safetensors.index.json", "model-*.safetensors"]
+                                  if weights else [])
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:   # offline, unknown repo, no access, a full disk: all end here
+        offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
+        detail = ("not in the local cache, and the hub cannot be reached" if offline
+                  else first_line(e).split(". ")[0])
+        raise CheckpointError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
+                              f"pass a local directory") from None
+
+
+def read_config(directory: Path) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face checkpoint directory")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return hf
+
+
+def read_tensors(directory: Path) -> dict:
+    """All tensors of model.safetensors, or of the shards model.safetensors.index.json lists."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if (directory / "model.safetensors").is_file():
+        files = [directory / "model.safetensors"]
+    elif index.is_file():
+        try:
+            files = [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index ({e})") from None
+    else:
+        found = ", ".join(sorted(p.name for p in directory.iterdir())[:5])
+        raise CheckpointError(f"{directory} has no model.safetensors (found: {found}); pickled .bin weights "
+                              f"are not loaded, since they can run code")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file ({first_line(e, 120)})") from None
+    return tensors
+
+
+def pretrained_config(name_or_dir: str) -> ModelConfig:
+    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its config.json."""
+    if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
+        _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
+        return config_from_hf({"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
+                               "n_embd": n_embd}, where=name_or_dir)
+    directory = resolve_source(name_or_dir, weights=False)
+    return config_from_hf(read_config(directory), where=f"{name_or_dir}: config.json")
+
+
+def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
+    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict)."""
+    directory = resolve_source(name_or_dir)
+    cfg = config_from_hf(read_config(directory), where=f"{name_or_dir}: config.json")
+    return cfg, state_dict_from_hf(read_tensors(directory), cfg, where=f"{name_or_dir}: weights")
+
+
+def save_pretrained(directory: Path, cfg: ModelConfig, state_dict: dict, eos_token_id: int | None = None) -> None:
+    """Write config.json and model.safetensors (each atomically) that transformers loads as GPT2LMHeadModel."""
+    from safetensors.torch import save
+    hf, tensors = to_hf(cfg, state_dict, eos_token_id)   # refuses unmappable settings before any write
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write(directory / "model.safetensors", save(tensors, metadata={"format": "pt"}))
+    atomic_write(directory / "config.json", json.dumps(hf, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- using GPT-2
+
+def resolve_init_from(cfg, explicit: set[str]) -> None:
+    """Replace cfg.model (a training Config's) by the pretrained checkpoint's, keeping the free keys
+    the user set; set data.tokenizer to gpt2. explicit: the dotted keys the config file and command
+    line set."""
+    source = cfg.train.init_from
+    try:
+        pretrained = pretrained_config(source)
+    except CheckpointError as e:
+        raise ConfigError(f"train.init_from: {e}") from None
+    if pretrained.vocab_size < GPT2_VOCAB:
+        raise ConfigError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, fewer than "
+                          f"GPT-2's {GPT2_VOCAB}: its tokenizer is not GPT-2's, which fine-tuning uses")
+    user = cfg.model
+    for key in sorted(k.removeprefix("model.") for k in explicit if k.startswith("model.")):
+        mine, theirs = getattr(user, key), getattr(pretrained, key)
+        free = (key == "dropout" or (key == "attention" and mine in ("naive", "sdpa"))
+                or (key == "block_size" and 0 < mine <= theirs))
+        if mine != theirs and not free:
+            limit = f" (its n_positions: at most {theirs})" if key == "block_size" else ""
+            raise ConfigError(f"model.{key}={mine} conflicts with {source}'s {key}={theirs}{limit} "
+                              f"(train.init_from); remove the override")
+        if free:
+            setattr(pretrained, key, mine)
+    if "data.tokenizer" in explicit and cfg.data.tokenizer != "gpt2":
+        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} conflicts with train.init_from={source}, "
+                          f"whose tokenizer is gpt2; remove the override")
+    cfg.model, cfg.data.tokenizer = pretrained, "gpt2"
+
+
+def load_init_weights(model: GPT, source: str) -> None:
+    """Copy the pretrained weights of source into model (built from the resolved config), cropping
+    the position table to model.cfg.block_size rows."""
+    _, state = load_pretrained(source)
+    state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]   # (n_positions, C) -> (T, C)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:   # the checkpoint changed since the config was read
+        raise CheckpointError(f"{source} does not fit the model: {first_line(e)}") from None
+
+
+def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
+    """(GPT in eval mode, tiktoken's gpt2 tokenizer, a one-line description) of a Hugging Face GPT-2:
+    a directory holding config.json, or a hub name."""
+    cfg, state = load_pretrained(source)
+    if cfg.vocab_size < GPT2_VOCAB:
+        raise CheckpointError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than GPT-2's "
+                              f"{GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
+    model = GPT(cfg)
+    model.load_state_dict(state)
+    size = f"{model.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, context {cfg.block_size}"
+    return model.eval(), TiktokenTokenizer.named("gpt2"), f"{source} (Hugging Face GPT-2, {size})"
