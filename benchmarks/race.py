@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from data.cache import load_meta
+from data.loader import consecutive_windows
 from data.prepare import prepare
 from training.config import build_config
 from training.step import mean_loss
@@ -24,12 +25,9 @@ from training.trainer import train
 
 
 def val_windows(dataset: Path, block_size: int) -> torch.Tensor:
-    """(N, block_size + 1) int64: the val split as consecutive non-overlapping windows."""
+    """(N, block_size + 1) int64: the val split as consecutive windows."""
     meta = load_meta(dataset)
-    tokens = np.memmap(dataset / "val.bin", dtype=meta["dtype"], mode="r")
-    n = (len(tokens) - 1) // block_size
-    idx = np.arange(n)[:, None] * block_size + np.arange(block_size + 1)
-    return torch.from_numpy(tokens[idx].astype(np.int64))
+    return consecutive_windows(np.memmap(dataset / "val.bin", dtype=meta["dtype"], mode="r"), block_size)
 
 
 def val_loss(model, windows: torch.Tensor, chunk: int = 128) -> float:

@@ -23,6 +23,14 @@ import torch
 from data.cache import check_split_sizes, load_meta
 
 
+def consecutive_windows(tokens: np.ndarray, block_size: int) -> torch.Tensor:
+    """(N, block_size + 1) int64 on the host: tokens cut into consecutive windows, each window's last
+    target the next one's first input, so that every token after the first is predicted exactly once
+    (the tokens after the last whole window are left out)."""
+    n = (len(tokens) - 1) // block_size
+    return torch.from_numpy(tokens[np.arange(n)[:, None] * block_size + np.arange(block_size + 1)].astype(np.int64))
+
+
 class BatchLoader:
     def __init__(self, dataset_dir: Path, block_size: int, batch_size: int, seed: int = 0, device="cpu",
                  grad_accum: int = 1, rank: int = 0, world: int = 1):
@@ -56,6 +64,14 @@ class BatchLoader:
         starts = self._starts(split, self.world * self.batch_size, generator)
         windows = self._windows(split, starts.reshape(self.world, self.batch_size)[self.rank]).to(self.device)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def every_window(self, split: str):
+        """(x, y) batches on the device of this rank's share of the split's consecutive windows: with
+        every rank's, every token of the split after the first is scored once."""
+        windows = consecutive_windows(self.splits[split], self.block_size)[self.rank::self.world]
+        for w in windows.split(self.batch_size):
+            w = w.to(self.device)
+            yield w[:, :-1], w[:, 1:]
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

@@ -1,9 +1,10 @@
 """The benchmarks measure what they say: the race's val set is the whole val split, the race finds
 the first evaluation at the classic's loss, the FLOP count is the model's."""
 import numpy as np
+import pytest
 import torch
 
-from benchmarks.race import first_reaching, race, val_windows
+from benchmarks.race import first_reaching, race, val_loss, val_windows
 from benchmarks.step import flops_per_token
 from data.cache import load_meta
 from model.config import ModelConfig
@@ -56,3 +57,13 @@ def test_the_fast_recipe_is_judged_on_the_classic_context_length():
     fast = build_config("configs/shakespeare_char_cpu_fast.toml", [])
     assert fast.model.block_size == classic.model.block_size, "a longer context would lower val loss by itself"
     assert fast.data.tokenizer == classic.data.tokenizer
+
+
+def test_eval_iters_0_scores_every_token_of_the_split_as_the_race_does(tiny_cfg):
+    """The trainer's exact evaluation (every window of the split) is the race's val loss, batched otherwise."""
+    from training.checkpoint import load_model
+    from training.trainer import train
+    cfg = tiny_cfg(**{"train.eval_iters": 0, "train.max_steps": 4, "train.eval_interval": 4})
+    summary = train(cfg, quiet=True)
+    windows = val_windows(prepare(cfg.data), cfg.model.block_size)
+    assert summary["val_loss"] == pytest.approx(val_loss(load_model(cfg.out_dir).model, windows, chunk=3), abs=1e-6)

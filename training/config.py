@@ -39,7 +39,8 @@ class TrainConfig:
     beta2: float = 0.99           # AdamW's second-moment decay
     grad_clip: float = 1.0        # max global gradient norm (0 = off)
     eval_interval: int = 250      # evaluate (and checkpoint) every this many steps
-    eval_iters: int = 100         # batches per split in each evaluation (the same batches every time)
+    eval_iters: int = 100         # batches per split in each evaluation (the same batches every time; 0 = every
+                                  # token of each split, in consecutive windows: exact, slower on a large text)
     log_interval: int = 50        # print and record the training loss every this many steps
     seed: int = 1337              # initial weights, data order and dropout: the same seed, the same run
     device: str = "auto"          # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
@@ -54,10 +55,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         """A ConfigError naming the first training setting that cannot be used."""
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_iters", "log_interval",
-                     "keep_checkpoints"):
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "log_interval", "keep_checkpoints"):
             check(f"train.{name}", getattr(self, name), above=0)
-        for name in ("lr", "min_lr", "muon_lr", "weight_decay", "grad_clip", "warmup_steps"):
+        for name in ("lr", "min_lr", "muon_lr", "weight_decay", "grad_clip", "warmup_steps", "eval_iters"):
             check(f"train.{name}", getattr(self, name), at_least=0)
         for name in ("beta1", "beta2", "muon_momentum"):
             check(f"train.{name}", getattr(self, name), at_least=0, below=1)

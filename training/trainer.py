@@ -269,12 +269,13 @@ def say_what_runs(run: Run) -> None:
 # ---------------------------------------------------------------- evaluate and save
 
 def evaluate(run: Run) -> dict:
-    """Mean loss over the same eval_iters batches of each split every time (a fixed generator); with
-    several ranks each evaluates its slice of every batch and the means are averaged."""
-    losses = {}
+    """Mean loss over the same eval_iters batches of each split every time (a fixed generator), or
+    with eval_iters = 0 over every token of each split; with several ranks each evaluates its share
+    and the means are averaged."""
+    losses, iters = {}, run.cfg.train.eval_iters
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(EVAL_SEED)
-        batches = (run.loader.batch(split, generator) for _ in range(run.cfg.train.eval_iters))
+        batches = (run.loader.batch(split, generator) for _ in range(iters)) if iters else run.loader.every_window(split)
         losses[split] = run.world.all_reduce_mean(mean_loss(run.wrapped, batches, run.autocast)).item()
     return losses
 
