@@ -15,9 +15,10 @@ import torch
 import sample as sample_cli
 import train as train_cli
 from common import DataError
-from tests.conftest import ROOT, TEXT, prepare_text, tiny_overrides
-from tests.test_reliability import Evil, mkdir, one_thread, run_tool, trained, tree, write  # noqa: F401 (fixtures)
+from tests.conftest import ROOT, TEXT, Evil, mkdir, prepare_text, run_tool, tiny_overrides, tree, write
 from training.trainer import train
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
 
 
 VOCAB = len(set(TEXT))   # the char tokenizer's vocabulary of the tiny text

@@ -8,7 +8,7 @@ import pytest
 
 import data.prepare as prep
 import data.tokenizers
-from common import DataError, TokenizerError
+from common import TokenizerError
 from data.tokenizers import EOT, load_tokenizer
 from tests.conftest import TEXT, prepare_text
 

@@ -8,9 +8,11 @@ import pytest
 import train as train_cli
 from tests.conftest import tiny_overrides
 from tests.test_bad_input import damaged
-from tests.test_reliability import one_thread, run_limited, run_tool, trained  # noqa: F401 (fixtures)
+from tests.conftest import run_limited, run_tool
 from common import CheckpointError
 from training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
 
 
 def test_a_small_file_claiming_a_huge_model_is_refused_before_memory_is_spent_on_it(tmp_path, trained):

@@ -11,7 +11,7 @@ from data.loader import BatchLoader
 from common import DataError, TokenizerError
 from data.sources import read_text
 from data.tokenizers import CharTokenizer, build_tokenizer, load_tokenizer
-from tests.conftest import TEXT, prepare_text
+from tests.conftest import TEXT, gpt2_or_skip, prepare_text
 
 
 def test_char_tokenizer_round_trips_and_saves():
@@ -28,12 +28,6 @@ def test_char_tokenizer_names_unknown_characters():
         tok.encode("abz€")
     assert "'€'" in str(e.value) and "2 character(s)" in str(e.value)
 
-
-def gpt2_or_skip():
-    try:
-        return build_tokenizer("gpt2")
-    except TokenizerError as e:
-        pytest.skip(f"gpt2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {e}")
 
 
 def test_gpt2_tokenizer_round_trips():

@@ -14,7 +14,7 @@ from common import ConfigError, DataError
 from benchmarks.prepare import measure
 from data.tokenizers import CharTokenizer, load_tokenizer
 from tests.conftest import TEXT, prepare_text
-from tests.test_data import gpt2_or_skip
+from tests.conftest import gpt2_or_skip
 
 TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
           + "héllo wörld ✓ 😀 <|endoftext|> it's 've\n" * 3)

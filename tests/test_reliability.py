@@ -4,12 +4,8 @@ import errno
 import json
 import os
 import re
-import resource
 import shutil
-import subprocess
 import sys
-import tempfile
-import threading
 
 import numpy as np
 import pytest
@@ -17,94 +13,16 @@ import torch
 
 import sample as sample_cli
 import train as train_cli
-from common import CheckpointError, RunError, run_cli
+from common import CheckpointError, RunError
 from model.gpt import GPT
-from tests.conftest import ROOT, TEXT, num_threads, prepare_text, tiny_overrides
+from tests.conftest import TEXT, Evil, mkdir, prepare_text, run_limited, run_tool, settled, tiny_overrides, tree, write
 from training.checkpoint import (FORMAT, clean_key, clean_state_dict, list_checkpoints,
                                  load_checkpoint)
 from training.config import build_config
 from training.step import NonFiniteGuard
 from training.trainer import train
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: these tiny models gain nothing from more, and on a busy machine two
-    threads spinning at each barrier are several times slower than one."""
-    with num_threads(1):
-        yield
-
-
-def run_tool(tool, argv, capsys):
-    """(exit code, stdout, stderr) of a command-line tool run in-process, as its __main__ would."""
-    capsys.readouterr()
-    try:
-        rc = run_cli(tool.main, [str(a) for a in argv])
-    except SystemExit as e:   # argparse
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def run_limited(argv, memory=2 << 30, timeout=120):
-    """(exit code, stdout, stderr, peak resident bytes) of `python ARGV` run as a user runs it, with
-    its address space limited to `memory` bytes: an allocation beyond that fails at once, as on a
-    machine without that much memory, instead of taking this machine's memory from everyone else."""
-    def limit():
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT, stdout=out, stderr=err, preexec_fn=limit,
-                                env={**os.environ, "WANDB_MODE": "disabled"})
-        timer = threading.Timer(timeout, proc.kill)
-        timer.start()
-        _, status, usage = os.wait4(proc.pid, 0)   # this child's own peak memory, not any other child's
-        timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return proc.returncode, out.read(), err.read(), usage.ru_maxrss * 1024
-
-
-def tree(root):
-    """Everything under root, with sizes and modification times: any write shows up as a difference."""
-    return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
-
-
-def settled(snapshot):
-    """A tree() snapshot without the directories' modification times, which show only that files came
-    and went: what a run that removes what it wrote leaves comparable."""
-    return {path: entry if not entry[0] else "dir" for path, entry in snapshot.items()}
-
-
-class Evil:
-    """Unpickling this runs a shell command: the payload a malicious checkpoint would carry."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A real 4-step run's out dir (the model of tiny_overrides), shared by the tests that need one."""
-    root = tmp_path_factory.mktemp("trained")
-    text = root / "tiny.txt"
-    text.write_text(TEXT)
-    train(build_config(None, tiny_overrides(root, text, **{"train.max_steps": 4, "train.eval_interval": 2})), quiet=True)
-    return root / "out"
-
-
-def write(path, content):
-    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
-    return path
-
-
-def mkdir(path):
-    path.mkdir()
-    return path
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
 
 
 # ---------------------------------------------------------------- checkpoints

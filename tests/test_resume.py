@@ -9,15 +9,17 @@ import torch
 
 import train as train_cli
 from tests.conftest import TEXT, tiny_overrides
-from tests.test_reliability import mkdir, one_thread, run_tool, trained, write  # noqa: F401 (fixtures)
+from tests.conftest import mkdir, run_tool, write
 from common import CheckpointError
 from training.checkpoint import load_checkpoint
 from training.trainer import train
 
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
+
 
 def test_resume_is_exact_from_any_step_twice_over(tmp_path, tiny_cfg):
     extra = {"model.dropout": 0.1, "train.grad_accum": 2, "train.eval_interval": 4, "train.max_steps": 12}
-    whole = train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
+    train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
     split = tiny_cfg(**extra, out_dir=tmp_path / "split")
     train(split, quiet=True, stop_at=5)   # not an eval step: the stop saves its own checkpoint
     train(split, quiet=True, resume=True, stop_at=9)

@@ -13,12 +13,14 @@ import pytest
 import train as train_cli
 from common import RunError
 from tests.conftest import ROOT, TEXT, tiny_overrides
-from tests.test_reliability import one_thread, run_tool, tree  # noqa: F401 (one_thread: an autouse fixture)
+from tests.conftest import run_tool, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import latest_checkpoint, load_checkpoint
 from training import outdir
 from training.config import Config, build_config
 from training.trainer import train
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
 
 # ---------------------------------------------------------------- one run per out dir
 
