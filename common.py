@@ -163,6 +163,22 @@ def on_stop_signals(handler):
             signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
+class StopRequest:
+    """A handler for on_stop_signals where a job stops at a safe point: the first signal is recorded
+    (the job reads .signal, its name) and said; a second one ends the process at once."""
+
+    def __init__(self, doing: str):
+        self.doing, self.signal = doing, None
+
+    def __call__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            say_now(f"\n{name} again: exiting now\n")
+            os._exit(128 + signum)
+        self.signal = name
+        say_now(f"\n{name}: {self.doing} (again to exit at once)\n")
+
+
 def say_now(text: str) -> None:
     """Write to stderr from a signal handler: print() could land inside a print() that the signal
     interrupted, which Python's buffered streams refuse with an exception."""
@@ -180,7 +196,33 @@ def duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-# ---------------------------------------------------------------- config checks
+# ---------------------------------------------------------------- checks
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", dict: "an object", list: "a list",
+               bool: "true or false", type(None): "empty"}
+
+
+def type_problem(values: dict, schema: dict, where: str = "") -> str | None:
+    """What is wrong with a dict read from a file against schema ({key: type, tuple of types, or a
+    nested schema}), as 'tokens.train is not an integer', or None. A float may hold an int; an int
+    is never a bool (JSON and pickles both tell them apart)."""
+    for key, kind in schema.items():
+        if key not in values:
+            return f"{where}{key} is missing"
+        value = values[key]
+        if isinstance(kind, dict):
+            problem = type_problem(value, kind, f"{where}{key}.") if isinstance(value, dict) else \
+                f"{where}{key} is not an object"
+            if problem:
+                return problem
+            continue
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        ok = any(isinstance(value, k) and (k is bool or not isinstance(value, bool)) for k in kinds) or \
+            (float in kinds and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            return f"{where}{key} is not {' or '.join(_TYPE_NAMES[k] for k in kinds)}"
+    return None
+
 
 def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None, one_of=None) -> None:
     """A ConfigError naming key unless value is one of `one_of`, or a finite number within the bounds

@@ -14,6 +14,8 @@ import math
 import statistics
 from pathlib import Path
 
+import numpy as np
+
 from ablation.sweep import Sweep, flat
 from benchmarks.machine import machine
 
@@ -163,7 +165,6 @@ def plot(sweep: Sweep, runs: list[dict], out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     colors = plt.get_cmap("tab10" if len(sweep.variants) <= 10 else "tab20").colors

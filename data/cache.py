@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import DataError, TokenizerError
+from common import DataError, TokenizerError, type_problem
 from data.tokenizers import load_tokenizer
 
 FORMAT = 2
@@ -54,27 +54,6 @@ def entry_name(stem: str, tokenizer: str, sha256: str, val_fraction: float, enco
     return f"{stem}-{label}-{sha256[:12]}-val{val_fraction:g}" + ("-replace" if encoding_errors == "replace" else "")
 
 
-_NAMES = {int: "an integer", float: "a number", str: "a string", dict: "an object"}
-
-
-def _type_problem(values: dict, schema: dict, where: str = "") -> str | None:
-    for key, typ in schema.items():
-        if key not in values:
-            return f"meta.json has no {where}{key}"
-        value = values[key]
-        if isinstance(typ, dict):
-            if not isinstance(value, dict):
-                return f"meta.json's {where}{key} is not an object"
-            problem = _type_problem(value, typ, f"{where}{key}.")
-            if problem:
-                return problem
-        elif isinstance(value, bool) or not isinstance(value, (int, float) if typ is float else typ):
-            return f"meta.json's {where}{key} is not {_NAMES[typ]}"
-        elif typ is int and value < (-1 if key == "max_token" else 0):
-            return f"meta.json's {where}{key} is negative"
-    return None
-
-
 def _problem(entry: Path, meta, expect: dict) -> str | None:
     """Why a read meta.json and its entry cannot be used, or None."""
     if not isinstance(meta, dict):
@@ -83,9 +62,9 @@ def _problem(entry: Path, meta, expect: dict) -> str | None:
         return "is damaged (meta.json has no format)"
     if meta["format"] != FORMAT:
         return f"is outdated (format {meta['format']}; this code writes format {FORMAT})"
-    problem = _type_problem(meta, SCHEMA)
+    problem = type_problem(meta, SCHEMA)
     if problem:
-        return f"is damaged ({problem})"
+        return f"is damaged (meta.json: {problem})"
     for key, want in expect.items():
         got = meta["split"]["val_fraction"] if key == "val_fraction" else meta[key]
         if got != want:

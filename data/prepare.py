@@ -21,6 +21,8 @@ SIGINT, SIGTERM and SIGHUP during preparation remove it and raise Interrupted; a
 (SIGKILL) leaves it to the next preparation in the same root, which removes it.
 
     python -m data.prepare FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096] [--val-fraction 0.1] [--root data/prepared]
+
+(Over 300 lines on purpose: one streaming pipeline, its passes in the order they run.)
 """
 import glob
 import json

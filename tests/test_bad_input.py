@@ -169,7 +169,7 @@ CASES = [
                           ("nan", "holds non-finite weights (NaN or inf in blocks.0.mlp.up.weight)"),
                           ("text n_layer", "does not hold a usable model: model.n_layer: expected int, got '2'"),
                           ("list n_layer", "does not hold a usable model: model.n_layer: expected int, got [2]"),
-                          ("text step", "is damaged: 'step' is missing or not an int"),
+                          ("text step", "is damaged: step is not an integer"),
                           ("long tokenizer", f"its tokenizer has {VOCAB + 4} tokens, its model only model.vocab_size={VOCAB}")]
 ] + [
     ("sample, missing checkpoint", sample_cli, lambda e: [e["tmp"] / "gone.pt"], "checkpoint not found"),

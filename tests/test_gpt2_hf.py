@@ -1,4 +1,4 @@
-"""GPT-2 weights in and out (training/gpt2_hf.py, training/pretrained.py, export.py), checked against
+"""GPT-2 weights in and out (hf/convert.py, hf/hub.py, export.py), checked against
 transformers' own GPT2LMHeadModel: same logits both ways, exact round trips, clear refusals."""
 import importlib.util
 import json

@@ -8,6 +8,9 @@ a reader (or a run killed mid-save) sees the old checkpoint or the new one, neve
 checkpoints are deleted only after the new one is complete. Loading checks the zip archive (every
 member's CRC, no compressed members), then uses torch.load(weights_only=True): unpickling is
 restricted to tensors and plain containers, so a malicious file cannot execute code.
+
+(Over 300 lines on purpose: the file a user's hours of training live in; what it holds, how it is
+written and every check of reading it stay together.)
 """
 import dataclasses
 import os
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common import CheckpointError, ConfigError, atomic_write, first_line
+from common import CheckpointError, ConfigError, atomic_write, first_line, type_problem
 from data.tokenizers import load_tokenizer
 from model.config import ModelConfig
 from model.gpt import GPT
@@ -207,19 +210,6 @@ def check_archive(path: Path) -> None:
         raise CheckpointError(f"{path} is damaged: {bad} does not match its checksum{_earlier_hint(path)}")
 
 
-def check_entries(ckpt: dict, path: Path, schema: dict) -> None:
-    """Every entry of schema present in ckpt with its type (a float entry may hold an int)."""
-    for key, kind in schema.items():
-        value = ckpt.get(key, None)
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
-            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            article = "an" if names[0] in "aeiou" else "a"
-            raise CheckpointError(f"{path} is damaged: {key!r} is missing or not {article} {names}")
-
-
 def load_checkpoint(path: Path, map_location="cpu") -> dict:
     """Load and check a checkpoint file (the entries sampling needs); any problem is a CheckpointError
     naming the file. Only tensors and plain data are unpickled: nothing in the file is executed.
@@ -250,9 +240,9 @@ def load_checkpoint(path: Path, map_location="cpu") -> dict:
     if ckpt.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')!r}, "
                               f"this code reads version {VERSION}")
-    check_entries(ckpt, path, FOR_SAMPLING)
-    if not isinstance(ckpt["config"].get("model"), dict):
-        raise CheckpointError(f"{path} is damaged: its config has no model section")
+    problem = type_problem(ckpt, {**FOR_SAMPLING, "config": {"model": dict}})
+    if problem:
+        raise CheckpointError(f"{path} is damaged: {problem}")
     return ckpt
 
 
@@ -261,7 +251,20 @@ def check_resumable(ckpt: dict, path: Path) -> None:
     missing = [k for k in FOR_RESUMING if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
-    check_entries(ckpt, path, FOR_RESUMING)
+    problem = type_problem(ckpt, FOR_RESUMING)
+    if problem:
+        raise CheckpointError(f"{path} is damaged: {problem}")
+
+
+def check_same_run(ckpt: dict, path: Path, model: dict, tokenizer: dict, data_path: str) -> None:
+    """Resuming needs the model settings and the tokenizer the checkpoint was trained with."""
+    saved = ckpt["config"]["model"]
+    if saved != model:
+        diff = [f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in model.items() if saved.get(k) != v]
+        raise CheckpointError(f"{path} was trained with another model config ({'; '.join(diff)})")
+    if ckpt["tokenizer"] != tokenizer:
+        raise CheckpointError(f"{path} was trained with another tokenizer or vocabulary than {data_path} gives "
+                              f"(resume with the same data file and data.tokenizer)")
 
 
 # ---------------------------------------------------------------- a model to use

@@ -120,34 +120,19 @@ def all_keys() -> list[str]:
 
 
 def coerce(key: str, value, typ):
-    """value (from TOML or a command-line string) as typ, or a ConfigError naming key."""
+    """value (from TOML, or a command-line string) as typ, or a ConfigError naming key."""
     bad = ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
-    if isinstance(value, str) and typ is not str:
+    if isinstance(value, str) and typ is not str:   # command-line text
+        words = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
         text = value.strip().lower()
-        if typ is bool:
-            if text in ("true", "1", "yes", "on"):
-                return True
-            if text in ("false", "0", "no", "off"):
-                return False
-            raise bad
         try:
-            return typ(text) if typ is float else int(text)
-        except ValueError:
+            return words[text] if typ is bool else float(text) if typ is float else int(text)
+        except (KeyError, ValueError):
             raise bad from None
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad
-    if typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise bad
-    if typ is str and isinstance(value, str):
+    if isinstance(value, typ) and (typ is bool or not isinstance(value, bool)):
         return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
     raise bad
 
 
@@ -171,17 +156,11 @@ def set_key(cfg: Config, key: str, value) -> None:
 def apply_dict(cfg: Config, values: dict, where: str = "") -> None:
     """Apply a nested dict such as a parsed TOML file: {'model': {'n_layer': 4}, 'out_dir': ...}."""
     for key, value in values.items():
-        if isinstance(value, dict):
-            if key not in SECTIONS:
-                raise ConfigError(f"{where}unknown config section [{key}]{_closest(key, SECTIONS)}")
-            for sub, v in value.items():
-                try:
-                    set_key(cfg, f"{key}.{sub}", v)
-                except ConfigError as e:
-                    raise ConfigError(f"{where}{e}") from None
-        else:
+        if isinstance(value, dict) and key not in SECTIONS:
+            raise ConfigError(f"{where}unknown config section [{key}]{_closest(key, SECTIONS)}")
+        for dotted, v in ([(f"{key}.{k}", v) for k, v in value.items()] if isinstance(value, dict) else [(key, value)]):
             try:
-                set_key(cfg, key, value)
+                set_key(cfg, dotted, v)
             except ConfigError as e:
                 raise ConfigError(f"{where}{e}") from None
 

@@ -22,6 +22,11 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import ConfigError
 from training.runtime import World
@@ -89,13 +94,10 @@ class ProcessGroup(World):
         freeing; the root holds the embeddings)."""
         self.kind = "FSDP" if fsdp else "DDP"
         if fsdp:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
             mesh = init_device_mesh(self.device.type, (self.size,))
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             return fully_shard(model, mesh=mesh)
-        from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                    gradient_as_bucket_view=True)
 
@@ -112,8 +114,6 @@ class ProcessGroup(World):
         (on the CPU), keyed by parameter index, so that a checkpoint loads anywhere, FSDP or not."""
         if not is_sharded(model):
             return super().full_state(model, optimizer)
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state = get_model_state_dict(model, options=options)
         optim_state = get_optimizer_state_dict(model, optimizer, options=options)   # keyed by parameter name
@@ -128,8 +128,6 @@ class ProcessGroup(World):
         """The inverse of full_state, on every rank: each keeps its own shards under FSDP."""
         if not is_sharded(model):
             return super().load_full_state(model, optimizer, model_state, optim_state)
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
         names = {id(p): n for n, p in model.named_parameters()}
         order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         by_name = {"state": {order[i]: s for i, s in optim_state["state"].items()},

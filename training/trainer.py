@@ -11,6 +11,9 @@
 
 Everything a run holds between steps is one Run. Exact resume: the model, the optimizer, the LR
 schedule, the data order and every random generator continue where the checkpoint left them.
+
+(Over 300 lines on purpose: a run's whole life, in the order train() lives it, in one file to read
+from top to bottom.)
 """
 import functools
 import math
@@ -22,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from common import CheckpointError, ConfigError, RunError, atomic_write, duration, first_line, is_out_of_memory, \
-    on_stop_signals, say_now
+from common import (CheckpointError, ConfigError, RunError, StopRequest, atomic_write, duration, first_line,
+                    is_out_of_memory, on_stop_signals)
 from data.cache import bits_per_byte, load_meta
 from data.loader import BatchLoader
 from data.prepare import prepare
 from model.gpt import GPT
-from training.checkpoint import (check_resumable, clean_state_dict, load_checkpoint, new_checkpoint, repair_best,
-                                 save_checkpoint)
+from training.checkpoint import (check_resumable, check_same_run, clean_state_dict, load_checkpoint, new_checkpoint,
+                                 repair_best, save_checkpoint)
 from training.config import Config, describe
 from training.metrics import Metrics, NoMetrics
 from training.optim import build_optimizer, lr_at, set_lr
@@ -130,7 +133,7 @@ def set_up(cfg: Config, world: World, resume: bool, overwrite: bool, quiet: bool
     elif cfg.model.vocab_size < meta["vocab_size"]:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {meta['vocab_size']}")
     if ckpt is not None:
-        check_same_model(ckpt, cfg, meta, resume_from)
+        check_same_run(ckpt, resume_from, cfg.to_dict()["model"], meta["tokenizer"], cfg.data.path)
     loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,
                          grad_accum=t.grad_accum, rank=world.rank, world=world.size)   # checks the split sizes
 
@@ -153,17 +156,6 @@ def set_up(cfg: Config, world: World, resume: bool, overwrite: bool, quiet: bool
     say = print if world.is_main and not quiet else (lambda *args, **kwargs: None)
     run = Run(cfg, world, say, dtype, dataset, meta, loader, model, wrapped, optimizer, scaler, guard, out)
     return run, ckpt
-
-
-def check_same_model(ckpt: dict, cfg: Config, meta: dict, path: Path) -> None:
-    """Resuming needs the model and tokenizer the checkpoint was trained with."""
-    saved, now = ckpt["config"]["model"], cfg.to_dict()["model"]
-    if saved != now:
-        diff = [f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in now.items() if saved.get(k) != v]
-        raise CheckpointError(f"{path} was trained with another model config ({'; '.join(diff)})")
-    if ckpt["tokenizer"] != meta["tokenizer"]:
-        raise CheckpointError(f"{path} was trained with another tokenizer or vocabulary than {cfg.data.path} gives "
-                              f"(resume with the same data file and data.tokenizer)")
 
 
 # ---------------------------------------------------------------- restore
@@ -312,23 +304,6 @@ def save(run: Run, is_best: bool) -> None:
 
 # ---------------------------------------------------------------- the loop
 
-class StopRequest:
-    """SIGINT, SIGTERM or SIGHUP during training: the first asks the loop to stop after the current
-    step (and save a checkpoint); a second one exits at once (checkpoints are written atomically, so
-    nothing is corrupted: a save cut short leaves only a temporary file, which the next run removes)."""
-
-    def __init__(self):
-        self.signal = None   # the name of the first signal received
-
-    def __call__(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        if self.signal is not None:
-            say_now(f"\n{name} again: exiting now\n")
-            os._exit(128 + signum)
-        self.signal = name
-        say_now(f"\n{name}: finishing this step and saving a checkpoint (again to exit at once)\n")
-
-
 def log_progress(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, steps: int, seconds: float) -> dict:
     """One log line and metrics record for the last `steps` steps (this reads the loss: a sync)."""
     run.guard.check()
@@ -348,7 +323,9 @@ def run_steps(run: Run, stop_at: int | None, on_step) -> dict:
     end = min(t.max_steps, stop_at or t.max_steps)
     schedule = functools.partial(lr_at, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                                  max_steps=t.max_steps, schedule=t.schedule, warmdown_frac=t.warmdown_frac)
-    losses, last_eval, stopping, stop = {}, None, False, StopRequest()
+    losses, last_eval, stopping = {}, None, False
+    stop = StopRequest("finishing this step and saving a checkpoint")   # a second signal exits at once
+    # (checkpoints are written atomically: a save cut short leaves a temporary file the next run removes)
     run.started = interval_start = time.perf_counter()
     interval_steps = 0
     try:
