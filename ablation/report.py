@@ -18,15 +18,14 @@ import numpy as np
 
 from ablation.sweep import Sweep, flat
 from benchmarks.machine import machine
+from training.outdir import read_records
 
 NOISE_Z = 2.0
 
 
 def read_run(run) -> dict:
     """One run's numbers from its metrics.jsonl, result.json and run.json (missing ones are None)."""
-    records = []
-    if (run.dir / "metrics.jsonl").exists():
-        records = [json.loads(l) for l in (run.dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    records = read_records(run.dir / "metrics.jsonl")
     evals = [r for r in records if r.get("kind") == "eval"]
     speeds = [r["tokens_per_s"] for r in records if r.get("kind") == "train" and "tokens_per_s" in r]
     result = json.loads((run.dir / "result.json").read_text()) if (run.dir / "result.json").exists() else {}

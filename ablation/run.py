@@ -16,6 +16,7 @@ def run(run_dir: Path) -> int:
 
     from training.checkpoint import latest_checkpoint, load_model
     from training.config import build_config
+    from training.outdir import read_records
     from training.runtime import dtype_name, pick_device, pick_dtype
     from training.trainer import train
 
@@ -26,7 +27,7 @@ def run(run_dir: Path) -> int:
     dtype = pick_dtype(device, cfg.train.dtype)
     model = load_model(run_dir).model
     block = cfg.model.block_size
-    evals = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
+    evals = [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
     result = {
         "done": summary["step"] >= cfg.train.max_steps and not summary["interrupted"],
         "step": summary["step"], "val_loss": evals[-1]["val_loss"] if evals else None,

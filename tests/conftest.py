@@ -233,3 +233,54 @@ def gpt2_or_skip():
         return build_tokenizer("gpt2")
     except TokenizerError as e:
         pytest.skip(f"gpt2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {e}")
+
+
+class NanGradient(torch.autograd.Function):
+    """Identity forward, NaN backward: a finite loss with a non-finite gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def poison(monkeypatch, bad_steps, kind="loss"):
+    """Make the training forward of the given (1-based) steps return a non-finite loss or gradient;
+    returns a list with a copy of one weight as each training forward saw it."""
+    from model.gpt import GPT
+    real_forward, seen = GPT.forward, []
+
+    def forward(self, idx, targets=None, **kw):
+        logits, loss = real_forward(self, idx, targets, **kw)
+        if self.training and targets is not None:
+            seen.append(self.lm_head.weight.detach().clone())
+            if len(seen) in bad_steps:
+                loss = loss * float("inf") if kind == "loss" else NanGradient.apply(loss)
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    return seen
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """small_disk(size) mounts a file system of that size (e.g. "600k") under tmp_path and returns its
+    path; it is unmounted after the test. Skips where mounting is not allowed (it needs root)."""
+    mounted = []
+
+    def mount(size: str) -> Path:
+        disk = tmp_path / f"disk{len(mounted)}"
+        disk.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True,
+                           text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a small file system here ({r.stderr.strip() or 'mount failed'}); needs root")
+        mounted.append(disk)
+        return disk
+    yield mount
+    for disk in mounted:
+        if subprocess.run(["umount", str(disk)]).returncode:
+            subprocess.run(["umount", "-l", str(disk)])

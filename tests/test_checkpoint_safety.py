@@ -24,33 +24,17 @@ def test_a_small_file_claiming_a_huge_model_is_refused_before_memory_is_spent_on
     assert peak < 1 << 30, f"peak memory {peak / 2**30:.1f} GB"
 
 
-def mount_tmpfs(path, size):
-    path.mkdir(exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a small file system here ({r.stderr.strip() or 'mount failed'}); needs root")
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 600 KB file system: room for the tiny model's first checkpoint (~400 KB), not for a second."""
-    disk = tmp_path / "disk"
-    mount_tmpfs(disk, "600k")
-    yield disk
-    if subprocess.run(["umount", str(disk)]).returncode:
-        subprocess.run(["umount", "-l", str(disk)])
-
-
 def test_a_disk_that_really_fills_during_a_save_is_one_line_and_the_run_resumes_once_there_is_room(
         small_disk, tmp_path, text_file, capsys):
-    out = small_disk / "out"
+    disk = small_disk("600k")   # room for the tiny model's first checkpoint (~400 KB), not for a second
+    out = disk / "out"
     args = tiny_overrides(tmp_path, text_file, out_dir=out)
     rc, _, err = run_tool(train_cli, args, capsys)
     assert rc == 2 and err.count("\n") == 1, err
     assert err.startswith(f"error: could not write the checkpoint {out / 'ckpt_0000020.pt'}: ") and "disk full" in err, err
     assert sorted(p.name for p in out.iterdir()) == [".lock", "best.pt", "ckpt_0000010.pt", "config.toml", "metrics.jsonl"]
     assert load_checkpoint(out / "ckpt_0000010.pt")["step"] == 10
-    subprocess.run(["mount", "-o", "remount,size=2m", str(small_disk)], check=True)   # the user makes room
+    subprocess.run(["mount", "-o", "remount,size=2m", str(disk)], check=True)   # the user makes room
     rc, _, err = run_tool(train_cli, [*args, "--resume"], capsys)
     assert rc == 0, err
     assert [s for s, _ in list_checkpoints(out)] == [10, 20]

@@ -15,7 +15,7 @@ import sample as sample_cli
 import train as train_cli
 from common import CheckpointError, RunError
 from model.gpt import GPT
-from tests.conftest import TEXT, Evil, mkdir, prepare_text, run_limited, run_tool, settled, tiny_overrides, tree, write
+from tests.conftest import TEXT, Evil, mkdir, poison, prepare_text, run_limited, run_tool, settled, tiny_overrides, tree, write
 from training.checkpoint import (FORMAT, clean_key, clean_state_dict, list_checkpoints,
                                  load_checkpoint)
 from training.config import build_config
@@ -170,35 +170,6 @@ def test_memory_that_runs_out_for_real_is_one_line(tool, argv, code, message, tm
 
 # ---------------------------------------------------------------- non-finite loss or gradient
 
-class NanGradient(torch.autograd.Function):
-    """Identity forward, NaN backward: a finite loss with a non-finite gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("nan")
-
-
-def poison(monkeypatch, bad_steps, kind="loss"):
-    """Make the training forward of the given (1-based) steps return a non-finite loss or gradient;
-    returns a list with a copy of one weight as each training forward saw it."""
-    real_forward, seen = GPT.forward, []
-
-    def forward(self, idx, targets=None, **kw):
-        logits, loss = real_forward(self, idx, targets, **kw)
-        if self.training and targets is not None:
-            seen.append(self.lm_head.weight.detach().clone())
-            if len(seen) in bad_steps:
-                loss = loss * float("inf") if kind == "loss" else NanGradient.apply(loss)
-        return logits, loss
-
-    monkeypatch.setattr(GPT, "forward", forward)
-    return seen
-
-
 @pytest.mark.parametrize("kind", ["loss", "gradient"])
 def test_a_non_finite_step_stops_the_run_naming_it(kind, tmp_path, text_file, monkeypatch, capsys):
     poison(monkeypatch, {13}, kind)
@@ -285,8 +256,10 @@ def fail_in_forward(monkeypatch, step, error):
 def test_a_run_that_fails_before_its_first_checkpoint_leaves_the_out_dir_as_it_was(
         make_failure, extra, pattern, existing, tmp_path, text_file, monkeypatch, capsys):
     prepare_text(text_file, "char", 0.1, tmp_path / "prepared")
-    if existing:
-        write(mkdir(tmp_path / "out") / "notes.txt", "the user's")
+    if existing:   # a run writes config.toml and metrics.jsonl: files of these names that were there come back
+        out = mkdir(tmp_path / "out")
+        for name in ("notes.txt", "config.toml", "metrics.jsonl"):
+            write(out / name, "the user's own")
     before = tree(tmp_path)
     make_failure(monkeypatch)
     rc, out, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file, **extra), capsys)

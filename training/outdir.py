@@ -1,7 +1,21 @@
-"""A run's out dir: checked before anything is written, locked while the run writes into it, and left
-as it was found when the run fails before its first checkpoint."""
+"""A run's out dir and what the run records there besides checkpoints.
+
+    ckpt_<step>.pt, best.pt   checkpoints (training/checkpoint.py)
+    config.toml               the run's resolved config
+    metrics.jsonl             one JSON record per log line and per evaluation (and wandb, when on)
+    .lock                     held while a run writes into the directory
+
+Nothing is lost: the out dir is checked before anything is written; a run that replaces files
+already there (an earlier run's with --overwrite, or a config.toml or metrics.jsonl of any origin)
+moves them into .replaced/ and deletes them only once its own first checkpoint is written; a run
+that fails before that removes what it created and moves them back. A run killed outright leaves
+.replaced/ behind, and the next run into the out dir moves it back first.
+"""
 import errno
+import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 try:
@@ -9,8 +23,11 @@ try:
 except ImportError:   # not on Windows
     fcntl = None
 
-from common import RunError
-from training.checkpoint import latest_checkpoint, list_checkpoints, remove_partial_saves
+from common import ConfigError, RunError, atomic_write
+from training.checkpoint import CKPT_RE, latest_checkpoint, remove_partial_saves
+from training.config import Config
+
+ASIDE = ".replaced"   # an earlier run's files while a new run has no checkpoint yet
 
 
 class OutDirLock:
@@ -68,24 +85,34 @@ class OutDirLock:
             self.fd = None
 
 
+def run_files(directory: Path) -> list[Path]:
+    """The files of a run in directory: checkpoints, best.pt, config.toml, metrics.jsonl."""
+    names = os.listdir(directory) if Path(directory).is_dir() else []
+    return [Path(directory) / n for n in sorted(names)
+            if CKPT_RE.match(n) or n in ("best.pt", "config.toml", "metrics.jsonl")]
+
+
 class OutDir:
-    """Where a run writes: ckpt_<step>.pt, best.pt, config.toml, metrics.jsonl and the .lock."""
+    """Where a run writes; check(), then open() under the lock, then committed() at the first
+    checkpoint, or forget() when the run fails before it."""
 
     def __init__(self, path):
         self.path = Path(path)
         self.lock = OutDirLock(self.path)
         self.resume_from = None   # the checkpoint a resumed run continues (set by the trainer from check())
-        self.created = False      # this run made the directory
-        self.opened = False       # this run holds the lock and has written into it
+        self.created = []         # what this run created (the directory, .lock, config.toml, ...), to undo
+        self.opened = False       # this run holds the lock and may have written
 
     def check(self, resume: bool, overwrite: bool) -> Path | None:
-        """Check, without writing anything, that the out dir can take this run; return the checkpoint
-        to resume from (when resuming)."""
+        """Check that the out dir can take this run and return the checkpoint to resume from (when
+        resuming). Writes nothing, but for moving back an earlier run's files that a killed run left
+        aside (once no live run holds the lock)."""
         if resume and overwrite:
             raise RunError("--resume and --overwrite contradict each other: continue the run, or start it over")
         if self.path.exists() and not self.path.is_dir():
             raise RunError(f"the out dir {self.path} is a file, not a directory")
         self.lock.check_free()
+        self.restore_aside("a run that was stopped before its first checkpoint")
         latest, best = latest_checkpoint(self.path), self.path / "best.pt"
         if resume:
             if latest is None and best.is_file():
@@ -105,33 +132,142 @@ class OutDir:
             raise RunError(f"cannot create the out dir {self.path}: {parent} is not a writable directory")
         return None
 
-    def open(self, overwrite: bool) -> None:
-        """Create the out dir and lock it (the run's first writes); with overwrite, then delete the
-        previous run's checkpoints and metrics. The lock is held until close()."""
-        self.created = not self.path.exists()
+    def open(self) -> None:
+        """Create the out dir and lock it (the run's first writes). A new run moves the files a run
+        would write that are already there into .replaced/. The lock is held until close()."""
         try:
+            missing = [p for p in [*reversed(self.path.parents), self.path] if not p.exists()]
             self.path.mkdir(parents=True, exist_ok=True)
+            self.created += missing[::-1]   # (undone deepest first)
+            if not self.lock.path.exists():
+                self.created.insert(0, self.lock.path)
             self.lock.acquire()
+            self.opened = True
+            remove_partial_saves(self.path)
+            replaced = run_files(self.path) if self.resume_from is None else []
+            if replaced:
+                (self.path / ASIDE).mkdir()
+                for p in replaced:
+                    os.replace(p, self.path / ASIDE / p.name)
         except OSError as e:
             raise RunError(f"cannot write to the out dir {self.path}: {e.strerror or e}") from None
-        self.opened = True
-        remove_partial_saves(self.path)
-        if overwrite:
-            for _, p in list_checkpoints(self.path):
-                p.unlink()
-            for name in ("best.pt", "metrics.jsonl"):
-                (self.path / name).unlink(missing_ok=True)
+
+    def write(self, name: str, text: str) -> None:
+        """A file of this run, written whole."""
+        path = self.path / name
+        if not path.exists():
+            self.created.insert(0, path)
+        try:
+            atomic_write(path, text)
+        except OSError as e:
+            raise RunError(f"could not write {path}: {e.strerror or e}") from None
+
+    def committed(self) -> None:
+        """The run has a checkpoint of its own: the files it replaced can go."""
+        shutil.rmtree(self.path / ASIDE, ignore_errors=True)
+        self.created = []
 
     def forget(self) -> None:
-        """For a new run that fails before its first checkpoint: remove what open() and the run wrote
-        (config.toml, metrics.jsonl, the lock, and the directory if this run made it). Releases the lock."""
+        """A run that fails before its first checkpoint: remove what it created, move back what it
+        replaced, release the lock. A resumed run's files stay: they are the run it continues."""
         self.close()
         if not self.opened or self.resume_from is not None:
             return
-        for name in ("config.toml", "metrics.jsonl", ".lock"):
-            (self.path / name).unlink(missing_ok=True)
-        if self.created and not any(self.path.iterdir()):
-            self.path.rmdir()
+        for path in self.created:
+            try:
+                path.rmdir() if path.is_dir() else path.unlink(missing_ok=True)
+            except OSError:   # a directory that holds something else now stays
+                pass
+        self.restore_aside()
+        self.created = []
+
+    def restore_aside(self, left_by: str = "") -> None:
+        """Move the files in .replaced/ back into the out dir, over what a run without a checkpoint
+        wrote there."""
+        aside = self.path / ASIDE
+        if not aside.is_dir() or latest_checkpoint(self.path) is not None:
+            shutil.rmtree(aside, ignore_errors=True)   # (after a checkpoint of the run that replaced them)
+            return
+        for p in aside.iterdir():
+            os.replace(p, self.path / p.name)
+        aside.rmdir()
+        if left_by:
+            print(f"notice: moved back into {self.path} the files that {left_by} had set aside", file=sys.stderr)
 
     def close(self) -> None:
         self.lock.release()
+
+
+# ---------------------------------------------------------------- metrics.jsonl and wandb
+
+def read_records(path: Path, warn=True) -> list[dict]:
+    """The records of a metrics.jsonl. It is a log: a damaged line (cut by a kill, a bad byte, a value of
+    the wrong kind) is skipped, with one warning on stderr naming the file and how many."""
+    records, damaged = [], 0
+    text = Path(path).read_bytes().decode("utf-8", errors="replace") if Path(path).exists() else ""
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+            ok = isinstance(record, dict) and type(record.get("step")) is int and isinstance(record.get("kind"), str)
+        except ValueError:
+            ok = False
+        if ok:
+            records.append(record)
+        elif line.strip():
+            damaged += 1
+    if damaged and warn:
+        print(f"warning: {path}: skipped {damaged} damaged line(s)", file=sys.stderr)
+    return records
+
+
+class Metrics:
+    """metrics.jsonl and wandb. resume_step: keep the records up to that step, drop the rest (what a
+    run killed after its last checkpoint logged is logged again when it resumes)."""
+
+    def __init__(self, cfg: Config, out: OutDir, resume_step: int | None):
+        if cfg.log.wandb:   # before metrics.jsonl is touched
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("log.wandb = true but wandb is not installed (pip install wandb)") from None
+        self.path = out.path / "metrics.jsonl"
+        kept = [r for r in read_records(self.path) if r["step"] <= resume_step] if resume_step is not None else []
+        out.write(self.path.name, "".join(json.dumps(r) + "\n" for r in kept))
+        self.file = open(self.path, "a", encoding="utf-8")
+        self.wandb = None
+        if cfg.log.wandb:
+            try:
+                self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or out.path.name,
+                                        group=cfg.log.wandb_group or None, config=cfg.to_dict(),
+                                        dir=str(out.path), resume="allow")
+            except BaseException:
+                self.file.close()
+                raise
+
+    def log(self, record: dict) -> None:
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:
+            raise RunError(f"could not write {self.path}: {e.strerror or e}") from None
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind")}, step=record["step"])
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except OSError:   # what a full disk kept from the last write is lost with the run's failure, said once
+            pass
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+class NoMetrics:
+    """What ranks other than 0 record: nothing."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from common import (CheckpointError, ConfigError, RunError, StopRequest, atomic_write, duration, first_line,
+from common import (CheckpointError, ConfigError, RunError, StopRequest, duration, first_line,
                     is_out_of_memory, on_stop_signals)
 from data.cache import bits_per_byte, load_meta
 from data.loader import BatchLoader
@@ -34,9 +34,8 @@ from model.gpt import GPT
 from training.checkpoint import (check_resumable, check_same_run, clean_state_dict, load_checkpoint, new_checkpoint,
                                  repair_best, save_checkpoint)
 from training.config import Config, describe
-from training.metrics import Metrics, NoMetrics
 from training.optim import build_optimizer, lr_at, set_lr
-from training.outdir import OutDir
+from training.outdir import Metrics, NoMetrics, OutDir
 from training.runtime import (World, autocast, dtype_name, pick_device, pick_dtype, rng_state, seed_everything,
                               set_rng_state, use_fast_matmuls)
 from training.step import NonFiniteGuard, Step, graph_blockers, mean_loss
@@ -95,7 +94,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             restore(run, ckpt)
         del ckpt   # its tensors now live in the model and optimizer
         build_step(run)
-        start_writing(run, overwrite)
+        start_writing(run)
         summary = run_steps(run, stop_at, on_step)
         finished = True
         return summary
@@ -224,11 +223,11 @@ def compile_trial(run: Run, compiled) -> None:
 
 # ---------------------------------------------------------------- writing starts
 
-def start_writing(run: Run, overwrite: bool) -> None:
+def start_writing(run: Run) -> None:
     """Every check has passed: lock and create the out dir (rank 0 alone writes), say what runs.
     If any of it fails (e.g. wandb missing or failing to start), the out dir is left as it was found."""
     try:
-        run.world.on_main(lambda: open_out_dir(run, overwrite))
+        run.world.on_main(lambda: open_out_dir(run))
         say_what_runs(run)
     except BaseException:
         run.metrics.close()
@@ -236,12 +235,12 @@ def start_writing(run: Run, overwrite: bool) -> None:
         raise
 
 
-def open_out_dir(run: Run, overwrite: bool) -> None:
-    run.out.open(overwrite)
+def open_out_dir(run: Run) -> None:
+    run.out.open()
     if run.relink_best:
         repair_best(run.out.resume_from)
-    atomic_write(run.out.path / "config.toml", describe(run.cfg))
-    run.metrics = Metrics(run.cfg, run.out.path, run.step if run.out.resume_from else None)
+    run.out.write("config.toml", describe(run.cfg))
+    run.metrics = Metrics(run.cfg, run.out, run.step if run.out.resume_from else None)
 
 
 def say_what_runs(run: Run) -> None:
@@ -299,6 +298,7 @@ def save(run: Run, is_best: bool) -> None:
         rng_ranks=rngs, best_val_loss=run.best_val, elapsed=run.elapsed(), skipped_steps=run.guard.skipped,
         is_best=is_best)
     save_checkpoint(ckpt, run.out.path, keep=run.cfg.train.keep_checkpoints)
+    run.out.committed()   # the run has a checkpoint: what it replaced in the out dir can go
     run.guard.saved_step = run.step
 
 
@@ -356,8 +356,9 @@ def run_steps(run: Run, stop_at: int | None, on_step) -> dict:
                               f"saved in {run.out.path}; to continue, run the same command with --resume")
                     break
     except Exception as e:
-        if run.guard.saved_step is None:
-            run.out.forget()   # a run that never got to a checkpoint leaves the out dir as it found it
+        if run.guard.saved_step is None:   # a run that never got to a checkpoint leaves the out dir as it found it
+            run.metrics.close()
+            run.out.forget()
         if not is_out_of_memory(e):
             raise
         raise out_of_memory(run, e) from None

@@ -1,0 +1,76 @@
+"""An out dir never loses a run: --overwrite keeps the earlier run until the new one has a checkpoint
+(also across a kill -9), a failed run removes only what it created, a full disk at the first metrics
+write leaves the out dir as it was and names the file, and a damaged metrics.jsonl is a log to skip
+lines of, not a reason to stop."""
+import json
+import signal
+
+import pytest
+
+import train as train_cli
+from tests.conftest import poison, run_tool, tiny_overrides, tree
+from tests.test_reliability_kill import Child, step_line
+from training.checkpoint import list_checkpoints, load_checkpoint
+from training.outdir import ASIDE
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
+
+
+def run_files(out):
+    """The out dir as a tree, without the lock file (each run writes its PID into it)."""
+    return {k: v for k, v in tree(out).items() if k != ".lock"}
+
+
+def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(tmp_path, text_file, monkeypatch,
+                                                                           capsys):
+    out, args = tmp_path / "out", tiny_overrides(tmp_path, text_file)
+    assert run_tool(train_cli, args, capsys)[0] == 0
+    earlier = run_files(out)
+    assert {"best.pt", "ckpt_0000020.pt", "config.toml", "metrics.jsonl"} <= set(earlier)
+    poison(monkeypatch, {2})
+    rc, _, err = run_tool(train_cli, [*args, "--train.max_steps=30", "--overwrite"], capsys)
+    assert rc == 2 and "non-finite loss at step 2" in err, err
+    assert run_files(out) == earlier, "the earlier run was lost with the failed one"
+    monkeypatch.undo()
+    rc, _, err = run_tool(train_cli, [*args, "--train.max_steps=30", "--overwrite"], capsys)
+    assert rc == 0, err
+    assert [s for s, _ in list_checkpoints(out)] == [20, 30] and not (out / ASIDE).exists()
+    assert load_checkpoint(out / "ckpt_0000020.pt")["config"]["train"]["max_steps"] == 30, "the new run's"
+
+
+def test_an_overwrite_killed_before_its_first_checkpoint_gives_the_earlier_run_back(tmp_path, text_file, capsys):
+    out, args = tmp_path / "out", tiny_overrides(tmp_path, text_file, **{"train.max_steps": 4, "train.eval_interval": 4})
+    assert run_tool(train_cli, args, capsys)[0] == 0
+    child = Child(tiny_overrides(tmp_path, text_file, **{"train.max_steps": 10_000, "train.eval_interval": 5_000})
+                  + ["--overwrite"])
+    child.wait_for(step_line(2))
+    assert child.kill() == -signal.SIGKILL
+    assert (out / ASIDE).is_dir() and not list_checkpoints(out), "killed while the earlier run was set aside"
+    rc, stdout, err = run_tool(train_cli, [*tiny_overrides(tmp_path, text_file, **{"train.max_steps": 6}), "--resume"],
+                               capsys)
+    assert rc == 0 and "moved back" in err and "# resuming" in stdout, err
+    assert load_checkpoint(out / "ckpt_0000006.pt")["step"] == 6
+    assert load_checkpoint(out / "ckpt_0000004.pt")["step"] == 4 and not (out / ASIDE).exists()
+
+
+def test_a_disk_full_at_the_first_metrics_write_is_one_line_naming_the_file_and_leaves_nothing(
+        tmp_path, text_file, small_disk, capsys):
+    out = small_disk("8k") / "out"   # room for .lock and config.toml, not for the first metrics record
+    rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file, out_dir=out), capsys)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: could not write {out / 'metrics.jsonl'}: No space left on device"), err
+    assert not out.exists(), "the failed run left files behind"
+
+
+@pytest.mark.parametrize("damage", [b"\xff\xfe not UTF-8\n", b'{"step": "ten", "kind": "train"}\n', b'{"step": 3, "kin'],
+                         ids=["bad byte", "a string for a number", "a line cut short"])
+def test_a_damaged_metrics_line_is_skipped_with_a_warning_and_the_run_resumes(damage, tmp_path, text_file, capsys):
+    out, args = tmp_path / "out", tiny_overrides(tmp_path, text_file, **{"train.max_steps": 10})
+    assert run_tool(train_cli, args, capsys)[0] == 0
+    lines = (out / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_bytes(b"".join(lines[:3]) + damage + b"".join(lines[3:]))
+    rc, _, err = run_tool(train_cli, [*tiny_overrides(tmp_path, text_file, **{"train.max_steps": 12}), "--resume"],
+                          capsys)
+    assert rc == 0 and f"warning: {out / 'metrics.jsonl'}: skipped 1 damaged line(s)" in err, err
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps if s <= 12] == steps and steps.count(11) == 1 and steps[-1] == 12
