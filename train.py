@@ -7,8 +7,9 @@
     torchrun --standalone --nproc_per_node=4 train.py CONFIG     # 4 GPUs (or CPU processes), see README
 
 Options: a config file (TOML), --section.key=value overrides (listed below, and in docs/config.md),
---data FILE, --out_dir DIR, --resume (continue the latest checkpoint in the out dir), --overwrite
-(start over in an out dir that holds an earlier run's checkpoints).
+--data FILE, --out_dir DIR, --resume (continue the latest checkpoint in the out dir, with the settings
+of that run: only what the config file and the command line set changes them, each change named),
+--overwrite (start over in an out dir that holds an earlier run's checkpoints).
 """
 import sys
 
@@ -16,7 +17,8 @@ from common import run_cli
 
 
 def main(argv: list[str]) -> int:
-    from training.config import build_config, help_text
+    from training.config import build_config, help_text, resumed_config
+    from training.outdir import OutDir
     from training.trainer import train
 
     if "-h" in argv or "--help" in argv:
@@ -26,6 +28,13 @@ def main(argv: list[str]) -> int:
     rest = [a for a in argv if a not in flags]
     config_file = rest.pop(0) if rest and not rest[0].startswith("--") else None
     cfg = build_config(config_file, rest)
+    if "--resume" in flags and (stored := OutDir(cfg.out_dir).stored_config()) is not None:
+        cfg, changes, inexact = resumed_config(config_file, rest, {**stored, "out_dir": cfg.out_dir})
+        for change in changes:
+            print(f"# resuming with {change}")
+        if inexact:
+            print(f"note: {', '.join(c.split(':')[0] for c in changes)} changed since the run began: it goes on "
+                  f"from its last checkpoint, but not as it would have gone on uninterrupted", file=sys.stderr)
     summary = train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
     return summary["exit_code"]   # 0, or 128 + the signal that stopped it (130 for Ctrl-C, 143 for SIGTERM)
 

@@ -149,7 +149,7 @@ CASES = [
 ] + [
     (f"resume, {kind} checkpoint", train_cli, lambda e, kind=kind: in_out_dir(e, damaged(e["trained"], e["tmp"], kind)), message)
     for kind, message in [("empty", "checkpoint is empty"), ("truncated", "not a readable checkpoint: truncated"),
-                          ("random", "not a readable checkpoint"), ("version", "format version 99, this code reads version 1"),
+                          ("random", "not a readable checkpoint"), ("version", "format version 99, this code reads versions 1 and 2"),
                           ("foreign", "not a checkpoint of this project"), ("evil", "was refused"),
                           ("deflated", "(compressed members)"), ("flipped", "does not match its checksum")]
 ] + [   # a damaged latest checkpoint names the intact one before it

@@ -16,7 +16,7 @@ import train as train_cli
 from common import CheckpointError, RunError
 from model.gpt import GPT
 from tests.conftest import TEXT, Evil, mkdir, poison, prepare_text, run_limited, run_tool, settled, tiny_overrides, tree, write
-from training.checkpoint import (FORMAT, clean_key, clean_state_dict, list_checkpoints,
+from training.checkpoint import (FORMAT, VERSION, clean_key, clean_state_dict, list_checkpoints,
                                  load_checkpoint)
 from training.config import build_config
 from training.step import NonFiniteGuard
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op
 
 def test_checkpoint_holds_everything_a_resume_needs(trained):
     ckpt = load_checkpoint(trained / "ckpt_0000004.pt")
-    assert ckpt["format"] == FORMAT and ckpt["version"] == 1 and ckpt["step"] == 4
+    assert ckpt["format"] == FORMAT and ckpt["version"] == VERSION and ckpt["step"] == 4 and ckpt["tokens"] == 4 * 8 * 32
     assert ckpt["config"]["model"]["vocab_size"] == len(set(TEXT)), "the resolved config, not the requested one"
     assert ckpt["tokenizer"] == {"kind": "char", "chars": "".join(sorted(set(TEXT)))}
     assert set(ckpt["rng_ranks"][0]) >= {"python", "numpy", "torch", "cuda"} and "generator" in ckpt["loader"]

@@ -87,3 +87,32 @@ def test_an_out_dir_holding_only_best_pt_is_resumed_as_the_refusal_says(tmp_path
     rc, stdout, err = run_tool(train_cli, [*tiny_overrides(tmp_path, text_file, **{"train.max_steps": 6}), "--resume"], capsys)
     assert rc == 0 and f"# resuming {out / 'best.pt'} at step 4" in stdout, err
     assert load_checkpoint(out / "ckpt_0000006.pt")["step"] == 6
+
+
+def test_resume_continues_the_run_s_own_settings_naming_each_change(tmp_path, text_file, capsys):
+    """A bare --resume is the run that was started (not the defaults); a changed setting is named, and
+    one that changes what is computed says the run will not go on as it would have."""
+    first = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 12, "train.lr": 3e-3, "train.min_lr": 3e-4})
+    rc, _, err = run_tool(train_cli, [*first, "--train.eval_interval=6"], capsys)
+    assert rc == 0, err
+    bare = [f"--data={text_file}", f"--out_dir={tmp_path / 'out'}", f"--data.prepared_dir={tmp_path / 'prepared'}"]
+    rc, stdout, err = run_tool(train_cli, [*bare, "--resume"], capsys)   # max_steps would be 2000 by default
+    assert rc == 0 and "# done: step 12" in stdout and "# resuming with" not in stdout and "note:" not in err, stdout
+    rc, stdout, err = run_tool(train_cli, [*bare, "--resume", "--train.max_steps=16", "--train.log_interval=4"], capsys)
+    assert rc == 0 and "# resuming with train.max_steps: 12 -> 16" in stdout and "train.log_interval: 1 -> 4" in stdout
+    assert err.startswith("note: train.max_steps, train.log_interval changed since the run began"), err
+    ckpt = load_checkpoint(tmp_path / "out" / "ckpt_0000016.pt")
+    assert ckpt["config"]["train"]["lr"] == 3e-3 and ckpt["config"]["model"]["n_embd"] == 32, "not the defaults"
+    assert ckpt["tokens"] == 16 * 8 * 32
+    rc, _, err = run_tool(train_cli, [*bare, "--resume", "--train.max_steps=18", "--train.batch_size=4"], capsys)
+    assert rc == 0 and load_checkpoint(tmp_path / "out" / "ckpt_0000018.pt")["tokens"] == 16 * 8 * 32 + 2 * 4 * 32
+
+
+def test_a_version_1_checkpoint_still_resumes_counting_its_tokens_from_its_config(tiny_cfg):
+    cfg = tiny_cfg()
+    train(cfg, quiet=True, stop_at=10)
+    path = f"{cfg.out_dir}/ckpt_0000010.pt"
+    old = {k: v for k, v in torch.load(path, weights_only=True).items() if k != "tokens"}
+    torch.save({**old, "version": 1}, path)   # as written before checkpoints counted their tokens
+    assert train(cfg, quiet=True, resume=True)["step"] == 20
+    assert load_checkpoint(f"{cfg.out_dir}/ckpt_0000020.pt")["tokens"] == 20 * 8 * 32

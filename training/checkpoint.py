@@ -29,7 +29,7 @@ from model.config import ModelConfig
 from model.gpt import GPT
 from training.config import coerce
 
-FORMAT, VERSION = "gpt-checkpoint", 1
+FORMAT, VERSION = "gpt-checkpoint", 2   # version 1 lacked "tokens"
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 WRAPPERS = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}   # torch.compile, FSDP, checkpointing
 
@@ -48,6 +48,7 @@ FOR_RESUMING = {
     "rng_ranks": list,              # every rank's random generators (dropout draws)
     "best_val_loss": float,
     "elapsed": float,               # seconds of training before this checkpoint
+    "tokens": int,                  # tokens trained on before this checkpoint (batch shapes may change on resume)
     "skipped_steps": int,           # updates dropped for a non-finite loss or gradient
     "is_best": bool,                # best.pt should be this file
 }
@@ -237,9 +238,13 @@ def load_checkpoint(path: Path, map_location="cpu") -> dict:
                               f"{_earlier_hint(path)}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint of this project")
-    if ckpt.get("version") != VERSION:
+    if ckpt.get("version") not in (1, VERSION):
         raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')!r}, "
-                              f"this code reads version {VERSION}")
+                              f"this code reads versions 1 and {VERSION}")
+    if ckpt["version"] == 1 and "rng_ranks" in ckpt:   # every step had the batch shape of its config
+        t, processes = ckpt["config"].get("train", {}), len(ckpt["rng_ranks"])
+        ckpt["tokens"] = ckpt["step"] * t.get("batch_size", 0) * t.get("grad_accum", 0) * processes * \
+            ckpt["config"]["model"].get("block_size", 0)
     problem = type_problem(ckpt, {**FOR_SAMPLING, "config": {"model": dict}})
     if problem:
         raise CheckpointError(f"{path} is damaged: {problem}")

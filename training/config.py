@@ -196,9 +196,11 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def build_config(config_file: str | None, overrides: list[str]) -> Config:
-    """Defaults, then the TOML file, then the command line; validated, with out_dir resolved."""
+def build_config(config_file: str | None, overrides: list[str], base: dict | None = None) -> Config:
+    """Defaults (or base: a resumed run's stored config), then the TOML file, then the command line;
+    validated, with out_dir resolved."""
     cfg = Config()
+    apply_dict(cfg, base or {}, where="the run's config.toml: ")
     from_file = load_toml(Path(config_file)) if config_file else {}
     apply_dict(cfg, from_file, where=f"{config_file}: ")
     pairs = parse_overrides(overrides)
@@ -207,12 +209,27 @@ def build_config(config_file: str | None, overrides: list[str]) -> Config:
     if not cfg.out_dir:   # named after the config file, else the data file (or the folder of a glob)
         named = Path(config_file or cfg.data.path)
         cfg.out_dir = str(Path("out") / (named.parent.name if glob.has_magic(str(named)) else named.stem))
-    if cfg.train.init_from:   # the model section comes from the pretrained checkpoint
+    if cfg.train.init_from and base is None:   # the model section comes from the pretrained checkpoint
         from hf.hub import resolve_init_from   # the optional Hugging Face room
         explicit = {key for key, _ in pairs} | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v}
         resolve_init_from(cfg, explicit)
     cfg.validate()
     return cfg
+
+
+# keys whose change leaves a resumed run computing what it would have computed uninterrupted
+SAME_RUN_KEYS = {"out_dir", "data.prepared_dir", "train.device", "train.compile", "train.cuda_graph", "train.eval_interval",
+                 "train.eval_iters", "train.log_interval", "train.keep_checkpoints", "train.on_nonfinite"}
+
+
+def resumed_config(config_file: str | None, overrides: list[str], stored: dict) -> tuple[Config, list[str], bool]:
+    """The config that continues a run whose stored config is `stored`: it, with what the config file and
+    the command line set (never the defaults). Returns the config, each change as 'key: old -> new',
+    and whether a change breaks exact continuation (anything but SAME_RUN_KEYS and log.*)."""
+    cfg, before = build_config(config_file, overrides, base=stored), build_config(None, [], base=stored)
+    changed = [k for k in all_keys() if get_key(before, k) != get_key(cfg, k)]
+    notes = [f"{k}: {fmt(get_key(before, k))} -> {fmt(get_key(cfg, k))}" for k in changed]
+    return cfg, notes, any(k not in SAME_RUN_KEYS and not k.startswith("log.") for k in changed)
 
 
 FIELD_RE = re.compile(r"^    (\w+): [^=]+=.*?(?:#\s*(.*))?$")

@@ -25,7 +25,7 @@ except ImportError:   # not on Windows
 
 from common import ConfigError, RunError, atomic_write
 from training.checkpoint import CKPT_RE, latest_checkpoint, remove_partial_saves
-from training.config import Config
+from training.config import Config, load_toml
 
 ASIDE = ".replaced"   # an earlier run's files while a new run has no checkpoint yet
 
@@ -131,6 +131,13 @@ class OutDir:
         if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
             raise RunError(f"cannot create the out dir {self.path}: {parent} is not a writable directory")
         return None
+
+    def stored_config(self) -> dict | None:
+        """The config.toml of the run this out dir holds (of the run set aside, when a run that replaced it
+        was stopped before its first checkpoint), as a dict; None where there is none."""
+        aside = self.path / ASIDE / "config.toml"
+        path = aside if aside.is_file() and latest_checkpoint(self.path) is None else self.path / "config.toml"
+        return load_toml(path) if path.is_file() else None
 
     def open(self) -> None:
         """Create the out dir and lock it (the run's first writes). A new run moves the files a run

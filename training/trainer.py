@@ -63,6 +63,7 @@ class Run:
     train_step: object = None       # the next optimizer step (training/step.py, speed/cuda_graph.py)
     step: int = 0                   # optimizer steps done
     best_val: float = math.inf
+    tokens: int = 0                 # tokens trained on, the runs this one continues included
     seconds_before: float = 0.0     # training time of the runs this one continues
     started: float = 0.0            # perf_counter at this process's first step
     metrics: object = field(default_factory=NoMetrics)
@@ -174,6 +175,7 @@ def restore(run: Run, ckpt: dict) -> None:
     if len(rngs) != world.size and world.rank:   # another world size: new dropout streams per rank
         torch.manual_seed(run.cfg.train.seed + 1000 * ckpt["step"] + world.rank)
     run.step, run.best_val, run.seconds_before = ckpt["step"], ckpt["best_val_loss"], ckpt["elapsed"]
+    run.tokens = ckpt["tokens"]
     run.guard.start_at(run.step, ckpt["skipped_steps"])
     run.guard.saved_step = run.step
     run.relink_best = ckpt["is_best"]
@@ -295,8 +297,8 @@ def save(run: Run, is_best: bool) -> None:
         config=run.cfg.to_dict(), tokenizer=run.meta["tokenizer"], model=clean_state_dict(model_state),
         step=run.step, dataset=run.meta, optimizer=optimizer_state,
         scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None, loader=run.loader.state_dict(),
-        rng_ranks=rngs, best_val_loss=run.best_val, elapsed=run.elapsed(), skipped_steps=run.guard.skipped,
-        is_best=is_best)
+        rng_ranks=rngs, best_val_loss=run.best_val, elapsed=run.elapsed(), tokens=run.tokens,
+        skipped_steps=run.guard.skipped, is_best=is_best)
     save_checkpoint(ckpt, run.out.path, keep=run.cfg.train.keep_checkpoints)
     run.out.committed()   # the run has a checkpoint: what it replaced in the out dir can go
     run.guard.saved_step = run.step
@@ -335,6 +337,7 @@ def run_steps(run: Run, stop_at: int | None, on_step) -> dict:
                 set_lr(run.optimizer, lr / t.lr if t.lr > 0 else 0.0)
                 loss, grad_norm, applied = run.train_step()
                 run.step += 1
+                run.tokens += run.tokens_per_step
                 interval_steps += 1
                 if not applied:
                     run.print(f"step {run.step:6d} | non-finite {run.guard.last}: update skipped "
@@ -384,7 +387,7 @@ def finish(run: Run, losses: dict, last_eval: dict | None, stopping: bool, exit_
     if run.step >= run.cfg.train.max_steps:
         skipped = f", {run.guard.skipped} non-finite steps skipped" if run.guard.skipped else ""
         run.print(f"# done: step {run.step}, best val loss {run.best_val:.4f}, {duration(total)} "
-                  f"({total:.1f} s), {run.step * run.tokens_per_step:,} tokens{skipped}")
+                  f"({total:.1f} s), {run.tokens:,} tokens{skipped}")
     return {"step": run.step, "val_loss": last_eval["val"] if last_eval else None, "best_val_loss": run.best_val,
             "elapsed_s": total, "losses": losses, "skipped_steps": run.guard.skipped,
             "interrupted": stopping, "exit_code": exit_code}
