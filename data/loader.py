@@ -31,6 +31,35 @@ def consecutive_windows(tokens: np.ndarray, block_size: int) -> torch.Tensor:
     return torch.from_numpy(tokens[np.arange(n)[:, None] * block_size + np.arange(block_size + 1)].astype(np.int64))
 
 
+def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
+    """(x, y) int64 host tensors of at most batch_size windows each, in which every token after the
+    first is a scored target exactly once (y = -1 marks a target that is context only).
+
+    Window k holds tokens[k * stride : k * stride + block_size + 1]: x its first block_size tokens,
+    y the same shifted by one. The first window scores all its targets; each later one only the
+    targets after the previous window's last, which are its last `stride` targets: so every token
+    scored after the first window has at least block_size - stride + 1 tokens of context. The
+    windows go on until one reaches the last token; that one is cut short where the tokens end (its
+    targets after the previous window's, at most `stride`, are scored) and yielded in a batch of its
+    own. With stride = block_size no target is context only: the windows are consecutive_windows'
+    and, where tokens are left after them, one shorter window for those."""
+    n, context = len(tokens), block_size - stride   # context: targets at the start of a later window not scored
+    last = max(0, -(-(n - 1 - block_size) // stride))   # the index of the window that reaches the last token
+    starts = np.arange(last + 1) * stride
+    full = starts[starts + block_size < n]             # the windows with all block_size + 1 tokens
+    for i in range(0, len(full), batch_size):
+        begin = full[i:i + batch_size]
+        w = torch.from_numpy(tokens[begin[:, None] + np.arange(block_size + 1)].astype(np.int64))
+        y = w[:, 1:].clone()
+        y[torch.from_numpy(begin > 0), :context] = -1
+        yield w[:, :-1], y
+    if len(full) < len(starts):                        # the last window, shorter than block_size
+        w = torch.from_numpy(tokens[starts[-1]:].astype(np.int64))[None]
+        y = w[:, 1:].clone()
+        y[:, :context if starts[-1] > 0 else 0] = -1
+        yield w[:, :-1], y
+
+
 class BatchLoader:
     def __init__(self, dataset_dir: Path, block_size: int, batch_size: int, seed: int = 0, device="cpu",
                  grad_accum: int = 1, rank: int = 0, world: int = 1):

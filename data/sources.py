@@ -10,6 +10,7 @@ from common import DataError
 
 READ_BYTES = 1 << 20        # bytes read at a time
 PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
+REPLACE_HINT = "set --data.encoding_errors=replace to replace such bytes"   # what training says of a non-UTF-8 byte
 
 def special_kind(path: Path) -> str | None:
     """What path is when it exists but is neither a regular file nor a directory (found with stat,
@@ -86,9 +87,10 @@ def _utf8_cut(buf: bytes) -> int:
     return i if n - i < need else n
 
 
-def iter_text(path: Path, errors: str = "strict", progress=None):
+def iter_text(path: Path, errors: str = "strict", progress=None, hint: str | None = REPLACE_HINT):
     """The file as str chunks of about READ_BYTES bytes each, never splitting a character.
-    A non-UTF-8 byte is a DataError naming its offset in the file (or U+FFFD with errors='replace')."""
+    A non-UTF-8 byte is a DataError naming its offset in the file, followed by hint if any (or
+    U+FFFD with errors='replace')."""
     offset, carry = 0, b""
     with _open(path) as f:
         while True:
@@ -101,20 +103,20 @@ def iter_text(path: Path, errors: str = "strict", progress=None):
             try:
                 yield buf.decode("utf-8", errors=errors)
             except UnicodeDecodeError as e:
-                raise DataError(f"{path} is not UTF-8: byte 0x{buf[e.start]:02x} at offset {offset + e.start}; "
-                                f"set --data.encoding_errors=replace to replace such bytes") from None
+                raise DataError(f"{path} is not UTF-8: byte 0x{buf[e.start]:02x} at offset {offset + e.start}"
+                                + (f"; {hint}" if hint else "")) from None
             offset += len(buf)
             progress and progress.advance(len(buf))
 
 
-def read_text(path: Path, errors: str = "strict") -> str:
+def read_text(path: Path, errors: str = "strict", hint: str | None = REPLACE_HINT) -> str:
     """A whole (small) file as text, with the same checks as preparing: missing, not a regular
-    file, empty, not UTF-8."""
+    file, empty, not UTF-8 (the message ends with hint, if any)."""
     path = Path(path)
     if not path.is_file():
         kind = "directory" if path.is_dir() else special_kind(path)
         raise DataError(f"data path {path} is a {kind}, not a regular file" if kind else f"data file not found: {path}")
-    text = "".join(iter_text(path, errors))
+    text = "".join(iter_text(path, errors, hint=hint))
     if not text.strip():
         raise DataError(f"data file is empty: {path}")
     return text

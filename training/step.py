@@ -1,4 +1,4 @@
-"""One optimizer step, the guard against non-finite numbers, and the evaluation loss.
+"""One optimizer step, the guard against non-finite numbers, the evaluation loss, and scoring a text.
 
 The step runs eagerly: PyTorch launches each kernel as Python reaches it. On a single CUDA GPU the
 same step can be recorded once as a CUDA graph and replayed (train.cuda_graph, speed/cuda_graph.py):
@@ -9,8 +9,10 @@ import math
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 
 from common import RunError
+from data.loader import strided_windows
 
 MAX_SKIPS_IN_A_ROW = 10   # on_nonfinite = "skip" still stops a run that has plainly diverged
 
@@ -165,3 +167,26 @@ def mean_loss(model, batches, autocast=nullcontext()) -> torch.Tensor:
         total, count = total + loss.float() * scored, count + scored
     model.train(was_training)
     return total / count
+
+
+@torch.no_grad()
+def score_tokens(model, tokens, block_size: int, stride: int, batch_size: int, autocast=nullcontext(),
+                 on_batch=None) -> tuple[float, int]:
+    """(total next-token loss in nats, tokens scored) of the model on the token ids (a 1-d numpy
+    array), in the windows of data.loader.strided_windows: every token after the first is scored
+    once. Eval mode (the model's mode is restored after); the sum is kept in float64 on the host, so
+    a long text loses no precision. on_batch(tokens scored so far) is called after each batch."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in strided_windows(tokens, block_size, stride, batch_size):
+        x, y = x.to(device), y.to(device)
+        with autocast:
+            logits, _ = model(x, all_logits=True)
+        nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+        total, count = total + nats.item(), count + int((y >= 0).sum())
+        if on_batch is not None:
+            on_batch(count)
+    model.train(was_training)
+    return total, count

@@ -1,0 +1,171 @@
+"""Score a model on any text: loss per token, bits per byte and perplexity, over every token.
+
+    python eval.py out/tinyshakespeare data/tinyshakespeare.txt
+    python eval.py gpt2 'books/*.txt' --stride 512 --json
+    python eval.py out/run/ckpt_0002000.pt notes.txt --device cpu --batch-size 2
+
+MODEL is a run's out dir (its best.pt, else its latest checkpoint), a checkpoint file, or a Hugging
+Face GPT-2 (a directory with config.json, or a name such as gpt2). Each FILE is a file, a directory
+(the files under it) or a glob; every file is its own text, tokenized whole with the model's
+tokenizer and scored with no context from any other file.
+
+Which tokens are scored: every token of a text after the first, each exactly once, predicted from
+the tokens before it in its window of the model's context (B = block_size tokens). By default the
+windows do not overlap: window k feeds tokens kB .. kB+B-1 and scores the token after each, so its
+last target is the next window's first input, and the tokens after the last whole window are scored
+in one shorter window. With --stride S the windows start S tokens apart: the first scores all its
+targets, each later one only its last S (the targets before those are context only), so every token
+after the first window is predicted from at least B - S + 1 tokens. S = B is the default; S = 1
+gives every token its full B tokens of context, for B times the compute. (data/loader.py's
+strided_windows makes the windows, training/step.py's score_tokens scores them.)
+
+The figures, per file and in total (the total is over all scored tokens: a token-weighted mean):
+  loss        the mean cross-entropy, nats per scored token
+  bits/byte   the total loss in bits over the UTF-8 bytes of the scored tokens: the text's bytes
+              less the first token's, which is only context (comparable across tokenizers)
+  perplexity  exp(loss)
+
+On CUDA the model runs under bf16 autocast, as in training; on the CPU in fp32. Every file is read
+and tokenized before any is scored, so a bad file stops the command at once. While scoring, a
+progress line goes to stderr (redrawn on a terminal, a line every 10 s into a log); the results go
+to stdout as a table, or with --json as one JSON object.
+"""
+import json
+import math
+import sys
+import time
+
+from common import ArgumentParser, duration, run_cli
+
+
+def parse_args(argv):
+    p = ArgumentParser(description="Loss, bits per byte and perplexity of a model on text files, over every token.")
+    p.add_argument("model", metavar="MODEL",
+                   help="a run's out dir, a checkpoint file, or a Hugging Face GPT-2 (directory or name)")
+    p.add_argument("files", nargs="+", metavar="FILE", help="a text file, a directory or a glob (quote it)")
+    p.add_argument("--stride", type=int, default=None, metavar="S",
+                   help="start a window every S tokens and score only its last S (1 <= S <= the model's context; "
+                        "default: the context, i.e. windows that do not overlap)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="windows per forward pass (lower it if memory is short)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of a table")
+    args = p.parse_args(argv)
+    if args.stride is not None and args.stride < 1:
+        p.error(f"--stride must be >= 1, got {args.stride}")
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    return args
+
+
+def main(argv) -> int:
+    args = parse_args(argv)
+    from common import ConfigError
+    from data.sources import find_sources
+    from training.checkpoint import load_model
+    from training.runtime import autocast, dtype_name, pick_device, pick_dtype, use_fast_matmuls
+
+    files = list(dict.fromkeys(path for pattern in args.files for path in find_sources(pattern)))
+    device = pick_device(args.device, setting="--device")
+    use_fast_matmuls(device)
+    loaded = load_model(args.model, device)
+    block_size = loaded.model.cfg.block_size
+    stride = args.stride or block_size
+    if stride > block_size:
+        raise ConfigError(f"--stride must be at most the model's context of {block_size} tokens, got {stride}")
+    texts = [read_tokens(path, loaded.tokenizer) for path in files]   # every file checked before any is scored
+    dtype = pick_dtype(device)
+    print(f"# {loaded.description}", file=sys.stderr)
+    print(f"# windows of {block_size} tokens, stride {stride}{' (no overlap)' if stride == block_size else ''}, "
+          f"batch {args.batch_size}, {device} {dtype_name(dtype)}", file=sys.stderr)
+    rows = score_files(loaded.model, files, texts, block_size, stride, args.batch_size, autocast(device, dtype))
+    total = figures("total", sum(r["tokens"] for r in rows), sum(r["bytes"] for r in rows),
+                    sum(r["nats"] for r in rows))
+    if args.json:
+        print(json.dumps({"model": str(loaded.path), "block_size": block_size, "stride": stride,
+                          "files": rows, "total": total}, indent=1))
+    else:
+        print(table(rows + [total] if len(rows) > 1 else rows))
+    return 0
+
+
+def read_tokens(path, tokenizer):
+    """(token ids, UTF-8 bytes of the tokens after the first) of a text file; a file that cannot be
+    scored (missing, empty, not UTF-8, a character the tokenizer lacks, under 2 tokens) is a one-line error."""
+    from common import DataError, TokenizerError
+    from data.sources import read_text
+    text = read_text(path, hint=None)
+    try:
+        ids = tokenizer.encode_array(text)
+    except TokenizerError as e:
+        raise TokenizerError(f"{path} has {e}") from None
+    if len(ids) < 2:
+        raise DataError(f"{path} has {len(ids)} token(s): scoring needs at least 2 "
+                        f"(one to predict from, one to predict)")
+    return ids, len(text.encode("utf-8")) - len(tokenizer.decode_bytes([int(ids[0])]))
+
+
+def score_files(model, files, texts, block_size, stride, batch_size, autocast) -> list[dict]:
+    """One row of figures per file, with a progress line on stderr over all of them."""
+    from training.step import score_tokens
+    progress = Progress(sum(len(ids) - 1 for ids, _ in texts))
+    rows = []
+    try:
+        for i, (path, (ids, nbytes)) in enumerate(zip(files, texts)):
+            label = f"{path}" + (f" ({i + 1}/{len(files)})" if len(files) > 1 else "")
+            nats, tokens = score_tokens(model, ids, block_size, stride, batch_size, autocast,
+                                        on_batch=lambda n: progress.show(n, label))
+            progress.file_done(tokens)
+            rows.append(figures(str(path), tokens, nbytes, nats))
+    finally:
+        progress.close()
+    return rows
+
+
+def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
+    """A result row: tokens scored, their bytes, total nats, and loss, bits per byte and perplexity."""
+    loss = nats / tokens
+    return {"file": name, "tokens": tokens, "bytes": nbytes, "nats": nats, "loss": loss,
+            "bits_per_byte": nats / math.log(2) / nbytes if nbytes else math.nan,
+            "perplexity": math.exp(loss) if loss < 700 else math.inf}   # exp overflows a float past ~709
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as aligned columns under a header."""
+    width = max(len("file"), *(len(r["file"]) for r in rows))
+    lines = [f"{'file':<{width}}  {'tokens':>12}  {'loss':>8}  {'bits/byte':>9}  {'perplexity':>11}"]
+    lines += [f"{r['file']:<{width}}  {r['tokens']:>12,}  {r['loss']:>8.4f}  {r['bits_per_byte']:>9.4f}  "
+              f"{r['perplexity']:>11.3f}" for r in rows]
+    return "\n".join(lines)
+
+
+class Progress:
+    """One line on stderr while scoring: on a terminal redrawn at most 5 times a second (and erased at
+    the end), otherwise one line every 10 s, so a log gets a few lines and a short job none."""
+
+    def __init__(self, total: int):
+        self.total, self.before, self.drawn = total, 0, False
+        self.start = self.last = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def show(self, scored_in_file: int, label: str) -> None:
+        now = time.perf_counter()
+        if now - self.last < (0.2 if self.tty else 10.0):
+            return
+        self.last, self.drawn = now, True
+        done = self.before + scored_in_file
+        rate = done / max(now - self.start, 1e-9)
+        line = (f"scoring {label}: {done:,} / {self.total:,} tokens, {rate:,.0f} tokens/s, "
+                f"ETA {duration((self.total - done) / max(rate, 1e-9))}")
+        print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def file_done(self, scored: int) -> None:
+        self.before += scored
+
+    def close(self) -> None:
+        if self.drawn and self.tty:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, sys.argv[1:]))
