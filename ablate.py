@@ -10,9 +10,11 @@ finished runs and resumes an unfinished one from its last checkpoint; Ctrl-C sto
 step of the current run (with a checkpoint).
 """
 import shlex
+import signal
 import sys
 
-from common import RunError, run_cli
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
+from common import RunError, run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

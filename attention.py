@@ -14,10 +14,12 @@ and prints their paths. The weights are the model's own, by its variant's math (
 A prompt longer than the model's block_size is cut to its last block_size tokens.
 """
 import math
+import signal
 import sys
 from pathlib import Path
 
-from common import ArgumentParser, ConfigError, TokenizerError, run_cli
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
+from common import ArgumentParser, ConfigError, TokenizerError, run_cli  # noqa: E402
 
 VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
 SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself",

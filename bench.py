@@ -12,6 +12,7 @@ times drift on a shared machine).
 """
 import argparse
 import os
+import signal
 import sys
 
 # OpenMP's wait policy matters on CPU: spinning threads are fastest on an idle machine but take the
@@ -19,8 +20,8 @@ import sys
 # whatever the environment says, and print it with the load, so a figure says how it was taken.
 if os.environ.get("OMP_WAIT_POLICY") == "":
     del os.environ["OMP_WAIT_POLICY"]
-
-from common import ArgumentParser, run_cli
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
+from common import ArgumentParser, run_cli  # noqa: E402
 
 RACES = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
          "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}

@@ -79,30 +79,55 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def run_cli(main, argv: list[str]) -> int:
-    """Run main(argv); turn what a user can cause into one line on stderr and a non-zero exit."""
+    """Run main(argv); turn what a user can cause into one line on stderr and a non-zero exit.
+
+    Ctrl-C: a command's script gives SIGINT its default action at its first line, so that a Ctrl-C
+    ends it at once and quietly, wherever it is (a KeyboardInterrupt raised inside `import torch`
+    aborts in native code instead of unwinding). Jobs that must stop cleanly take the signal
+    themselves with on_stop_signals: training finishes its step and saves, preparing data removes
+    its temporary files, a sweep stops its run."""
+    message = None
     try:
-        return main(argv)
+        code = main(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        code, message = 2, f"error: {e}"
     except Interrupted as e:
-        print(f"interrupted: {e}", file=sys.stderr)
-        return e.exit_code
+        code, message = e.exit_code, f"interrupted: {e}"
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        code, message = 130, "interrupted"
     except BrokenPipeError:   # e.g. `python sample.py ... | head`
-        return 0
+        code = 0
     except OSError as e:      # the machine's fault, not the code's: a full disk, a vanished file system
-        where = f" ({e.filename})" if e.filename else ""
-        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
-        return 2
+        code, message = 2, f"error: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
     except (MemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
-        print(f"error: out of memory ({first_line(e, 100)}); try a smaller batch, block size, model or number "
-              f"of samples (checkpoints already written are kept)", file=sys.stderr)
-        return 3
+        code, message = 3, (f"error: out of memory ({first_line(e, 100)}); try a smaller batch, block size, model "
+                            f"or number of samples (checkpoints already written are kept)")
+    if message:
+        print(message, file=sys.stderr)
+    return code
+
+
+class Printer:
+    """print() for a job's progress, flushed at once, which a lost stdout never stops: when a pipe's
+    reader has ended or the terminal has gone, .lost is set and later lines go nowhere (the job decides
+    what losing its output means). Printer(False) prints nothing (quiet runs, ranks other than 0)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.lost = enabled, False
+
+    def __call__(self, *args, **kwargs) -> None:
+        if not self.enabled or self.lost:
+            return
+        try:
+            print(*args, **kwargs, flush=True)
+        except (OSError, ValueError, AttributeError):   # a broken pipe, EIO, a closed (or no) stdout
+            self.lost = True
+            try:   # what is still buffered, and Python's flush at exit, go nowhere instead of failing
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError, AttributeError):
+                pass
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -32,10 +32,12 @@ to stdout as a table, or with --json as one JSON object.
 """
 import json
 import math
+import signal
 import sys
 import time
 
-from common import ArgumentParser, duration, run_cli
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
+from common import ArgumentParser, duration, run_cli  # noqa: E402
 
 
 def parse_args(argv):

@@ -11,10 +11,12 @@ multi-head attention, no qk_norm); any other setting is an error that names it (
 A run trained with the gpt2 tokenizer pairs with transformers' "gpt2" tokenizer; any other
 tokenizer (char, cl100k_base, ...) is not written: the directory then holds the weights only.
 """
+import signal
 import sys
 from pathlib import Path
 
-from common import ArgumentParser, RunError, run_cli
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
+from common import ArgumentParser, RunError, run_cli  # noqa: E402
 
 
 def parse_args(argv):

@@ -8,9 +8,11 @@ the first is streamed token by token, the others are printed when they are done.
 """
 import codecs
 import math
+import signal
 import sys
 
-from common import ArgumentParser, run_cli
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
+from common import ArgumentParser, run_cli  # noqa: E402
 
 
 def parse_args(argv):

@@ -11,9 +11,11 @@ Options: a config file (TOML), --section.key=value overrides (listed below, and 
 of that run: only what the config file and the command line set changes them, each change named),
 --overwrite (start over in an out dir that holds an earlier run's checkpoints).
 """
+import signal
 import sys
 
-from common import run_cli
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
+from common import run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -19,13 +19,14 @@ import functools
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from common import (CheckpointError, ConfigError, RunError, StopRequest, duration, first_line,
+from common import (CheckpointError, ConfigError, Interrupted, Printer, RunError, StopRequest, duration, first_line,
                     is_out_of_memory, on_stop_signals)
 from data.cache import bits_per_byte, load_meta
 from data.loader import BatchLoader
@@ -48,7 +49,7 @@ class Run:
     """A training run between steps."""
     cfg: Config
     world: World                    # this process among the run's processes; world.device computes
-    print: object                   # print() on the main process unless quiet, a no-op elsewhere
+    print: Printer                  # prints on the main process unless quiet; .lost once stdout is gone
     dtype: torch.dtype              # the number format of the matmuls (under autocast)
     dataset: Path                   # the prepared dataset's directory
     meta: dict                      # its meta.json
@@ -88,15 +89,19 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     as an interruption would; the schedule still runs to train.max_steps on resume.
     on_step: called as on_step(step, model) after every optimizer step (bench.py's race evaluates there)."""
     world = join_world(pick_device(cfg.train.device))   # one process, or this process's rank under torchrun
+    # SIGINT, SIGTERM, SIGHUP: finish the step, save, stop (a second one exits at once; checkpoints are
+    # written atomically, so a save cut short leaves only a temporary file, which the next run removes)
+    stop = StopRequest("finishing this step and saving a checkpoint")
     finished = False
     try:
         run, ckpt = set_up(cfg, world, resume, overwrite, quiet)
-        if ckpt is not None:
-            restore(run, ckpt)
-        del ckpt   # its tensors now live in the model and optimizer
-        build_step(run)
-        start_writing(run)
-        summary = run_steps(run, stop_at, on_step)
+        with on_stop_signals(stop):
+            if ckpt is not None:
+                restore(run, ckpt)
+            del ckpt   # its tensors now live in the model and optimizer
+            build_step(run)
+            start_writing(run)
+            summary = run_steps(run, stop, stop_at, on_step)
         finished = True
         return summary
     finally:
@@ -153,8 +158,7 @@ def set_up(cfg: Config, world: World, resume: bool, overwrite: bool, quiet: bool
     optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
                                 weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
     guard = NonFiniteGuard(t.on_nonfinite, device, check_grad=not scaler.is_enabled())
-    say = print if world.is_main and not quiet else (lambda *args, **kwargs: None)
-    run = Run(cfg, world, say, dtype, dataset, meta, loader, model, wrapped, optimizer, scaler, guard, out)
+    run = Run(cfg, world, Printer(world.is_main and not quiet), dtype, dataset, meta, loader, model, wrapped, optimizer, scaler, guard, out)
     return run, ckpt
 
 
@@ -319,46 +323,46 @@ def log_progress(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, lr: floa
     return record
 
 
-def run_steps(run: Run, stop_at: int | None, on_step) -> dict:
-    """The optimizer steps up to train.max_steps (or stop_at), with their log lines and evaluations."""
+def run_steps(run: Run, stop: StopRequest, stop_at: int | None, on_step) -> dict:
+    """The optimizer steps up to train.max_steps (or stop_at), with their log lines and evaluations,
+    until a signal (stop) or the loss of stdout asks the run to stop."""
     t = run.cfg.train
     end = min(t.max_steps, stop_at or t.max_steps)
     schedule = functools.partial(lr_at, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                                  max_steps=t.max_steps, schedule=t.schedule, warmdown_frac=t.warmdown_frac)
     losses, last_eval, stopping = {}, None, False
-    stop = StopRequest("finishing this step and saving a checkpoint")   # a second signal exits at once
-    # (checkpoints are written atomically: a save cut short leaves a temporary file the next run removes)
     run.started = interval_start = time.perf_counter()
     interval_steps = 0
     try:
-        with on_stop_signals(stop):
-            while run.step < end:
-                lr = schedule(run.step)
-                set_lr(run.optimizer, lr / t.lr if t.lr > 0 else 0.0)
-                loss, grad_norm, applied = run.train_step()
-                run.step += 1
-                run.tokens += run.tokens_per_step
-                interval_steps += 1
-                if not applied:
-                    run.print(f"step {run.step:6d} | non-finite {run.guard.last}: update skipped "
-                              f"({run.guard.skipped} so far)")
-                if on_step is not None:
-                    on_step(run.step, run.model)
-                stopping = run.world.agree_to_stop(stop.signal is not None)   # all ranks stop at the same step
-                logged = run.step % t.log_interval == 0 or run.step == t.max_steps
-                if logged:
-                    losses[run.step] = log_progress(run, loss, grad_norm, lr, interval_steps,
-                                                    time.perf_counter() - interval_start)["loss"]
-                if run.step % t.eval_interval == 0 or run.step in (t.max_steps, stop_at) or stopping:
-                    last_eval = evaluate_and_save(run)
-                    logged = True
-                if logged:
-                    interval_start, interval_steps = time.perf_counter(), 0   # evaluations are not billed to steps
-                if stopping:
-                    run.print(f"stopped by {stop.signal or 'a signal to another rank'} at step {run.step}, checkpoint "
-                              f"saved in {run.out.path}; to continue, run the same command with --resume")
-                    break
-    except Exception as e:
+        if stop.signal:   # before the first step: nothing of this run is worth a checkpoint
+            raise Interrupted(signal.Signals[stop.signal], f"stopped by {stop.signal} before its first step")
+        while run.step < end:
+            lr = schedule(run.step)
+            set_lr(run.optimizer, lr / t.lr if t.lr > 0 else 0.0)
+            loss, grad_norm, applied = run.train_step()
+            run.step += 1
+            run.tokens += run.tokens_per_step
+            interval_steps += 1
+            if not applied:
+                run.print(f"step {run.step:6d} | non-finite {run.guard.last}: update skipped "
+                          f"({run.guard.skipped} so far)")
+            if on_step is not None:
+                on_step(run.step, run.model)
+            stopping = run.world.agree_to_stop(stop.signal is not None or run.print.lost)   # all ranks alike
+            logged = run.step % t.log_interval == 0 or run.step == t.max_steps
+            if logged:
+                losses[run.step] = log_progress(run, loss, grad_norm, lr, interval_steps,
+                                                time.perf_counter() - interval_start)["loss"]
+            if run.step % t.eval_interval == 0 or run.step in (t.max_steps, stop_at) or stopping:
+                last_eval = evaluate_and_save(run)
+                logged = True
+            if logged:
+                interval_start, interval_steps = time.perf_counter(), 0   # evaluations are not billed to steps
+            if stopping:
+                say_stopped(run, stop.signal or ("the loss of stdout (the end of a pipe's reader?)" if run.print.lost
+                                                 else "a signal to another rank"))
+                break
+    except BaseException as e:
         if run.guard.saved_step is None:   # a run that never got to a checkpoint leaves the out dir as it found it
             run.metrics.close()
             run.out.forget()
@@ -368,8 +372,24 @@ def run_steps(run: Run, stop_at: int | None, on_step) -> dict:
     finally:
         run.metrics.close()
         run.out.close()
-    exit_code = 128 + signal.Signals[stop.signal] if stop.signal else (130 if stopping else 0)
-    return finish(run, losses, last_eval, stopping, exit_code)
+    return finish(run, losses, last_eval, stopping, exit_code(stop.signal, run.print.lost, stopping))
+
+
+def say_stopped(run: Run, why: str) -> None:
+    """How a stopped run ends: where its checkpoint is and how to continue (on stderr too when stdout is gone)."""
+    text = (f"stopped by {why} at step {run.step}, checkpoint saved in {run.out.path}; to continue, run the same "
+            f"command with --resume")
+    run.print(text)
+    if run.print.lost:
+        Printer()(text, file=sys.stderr)
+
+
+def exit_code(signal_name: str | None, output_lost: bool, stopped: bool) -> int:
+    """The shell's code of how the run ended: 128 + the signal that stopped it, 141 (128 + SIGPIPE) when
+    it stopped because its stdout went away, 130 when another rank's signal stopped it, else 0."""
+    if signal_name:
+        return 128 + signal.Signals[signal_name]
+    return 141 if output_lost else 130 if stopped else 0
 
 
 def out_of_memory(run: Run, error: BaseException) -> RunError:

@@ -1,0 +1,86 @@
+"""Stopping a run as users do, with real processes: Ctrl-C while the output goes through a pipe, a pipe
+whose reader ends, a closed terminal (SIGHUP), and Ctrl-C at any moment from the first instant on:
+the run saves and says so, or (before it began) ends quietly, never with a traceback."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, tiny_overrides
+from training.checkpoint import latest_checkpoint, load_checkpoint
+
+
+def start(script, args, **kw):
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, script, *map(str, args)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def read_until_step(proc, n):
+    for line in proc.stdout:
+        if line.startswith("step ") and int(line.split()[1]) >= n:
+            return
+    raise AssertionError(f"the run ended first: {proc.stderr.read()}")
+
+
+@pytest.fixture
+def endless(tmp_path, text_file):
+    """A run that would go on for a long time, logging every step, with no checkpoint before it stops."""
+    return tiny_overrides(tmp_path, text_file, **{"train.max_steps": 100_000, "train.eval_interval": 100_000})
+
+
+@pytest.mark.parametrize("ctrl_c", [True, False], ids=["Ctrl-C with the output piped", "the pipe's reader ends"])
+def test_a_run_whose_stdout_goes_away_stops_saves_and_says_so_on_stderr(ctrl_c, endless, tmp_path):
+    proc = start("train.py", endless)
+    read_until_step(proc, 3)
+    proc.stdout.close()                  # `| head`, or tee killed by the same Ctrl-C: the reader is gone
+    if ctrl_c:
+        proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    rc = proc.wait(timeout=120)
+    assert rc == (130 if ctrl_c else 141), (rc, err)
+    assert "Traceback" not in err and "stopped by " in err and "--resume" in err, err
+    ckpt = latest_checkpoint(tmp_path / "out")
+    assert ckpt is not None and load_checkpoint(ckpt)["step"] >= 3, "the stop saved no checkpoint"
+
+
+def test_a_closed_terminal_sighup_stops_like_ctrl_c(endless, tmp_path):
+    proc = start("train.py", endless)
+    read_until_step(proc, 2)
+    proc.send_signal(signal.SIGHUP)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 129 and "SIGHUP: finishing this step and saving a checkpoint" in err, err
+    stopped = [l for l in out.splitlines() if l.startswith("stopped by SIGHUP")]
+    assert stopped and latest_checkpoint(tmp_path / "out") is not None, out[-500:]
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_ctrl_c_in_the_first_instants_ends_quietly(script, trained, tmp_path, text_file):
+    """While Python and torch import (the first second or so), Ctrl-C ends the command at once."""
+    args = tiny_overrides(tmp_path, text_file) if script == "train.py" else [trained, "--max-new-tokens", 5]
+    for delay in (0.0, 0.02, 0.05, 0.1, 0.2, 0.3):
+        proc = start(script, args)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode in (-signal.SIGINT, 130), (delay, proc.returncode, err)
+        assert "Traceback" not in err and "what()" not in err, (delay, err)
+
+
+def test_ctrl_c_at_random_moments_of_a_run_then_resume_never_a_traceback(tmp_path, text_file):
+    rng = random.Random()
+    args = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 60, "train.eval_interval": 7})
+    for attempt in range(4):
+        proc = start("train.py", args + (["--resume"] if latest_checkpoint(tmp_path / "out") else []))
+        time.sleep(rng.uniform(0.5, 4.0))
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode in (0, 130, -signal.SIGINT), (attempt, proc.returncode, err)
+        assert "Traceback" not in err, err
+    proc = start("train.py", args + (["--resume"] if latest_checkpoint(tmp_path / "out") else []))
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0 and "# done: step 60" in out, err
