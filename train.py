@@ -19,7 +19,7 @@ from common import run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    from training.config import build_config, help_text, resumed_config
+    from training.config import build_config, help_text
     from training.outdir import OutDir
     from training.trainer import train
 
@@ -31,12 +31,8 @@ def main(argv: list[str]) -> int:
     config_file = rest.pop(0) if rest and not rest[0].startswith("--") else None
     cfg = build_config(config_file, rest)
     if "--resume" in flags and (stored := OutDir(cfg.out_dir).stored_config()) is not None:
-        cfg, changes, inexact = resumed_config(config_file, rest, {**stored, "out_dir": cfg.out_dir})
-        for change in changes:
-            print(f"# resuming with {change}")
-        if inexact:
-            print(f"note: {', '.join(c.split(':')[0] for c in changes)} changed since the run began: it goes on "
-                  f"from its last checkpoint, but not as it would have gone on uninterrupted", file=sys.stderr)
+        # the run the out dir holds goes on: only what the config file and the command line set changes it
+        cfg = build_config(config_file, rest, base={**stored, "out_dir": cfg.out_dir})
     summary = train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
     return summary["exit_code"]   # 0, or 128 + the signal that stopped it (130 for Ctrl-C, 143 for SIGTERM)
 

@@ -222,14 +222,13 @@ SAME_RUN_KEYS = {"out_dir", "data.prepared_dir", "train.device", "train.compile"
                  "train.eval_iters", "train.log_interval", "train.keep_checkpoints", "train.on_nonfinite"}
 
 
-def resumed_config(config_file: str | None, overrides: list[str], stored: dict) -> tuple[Config, list[str], bool]:
-    """The config that continues a run whose stored config is `stored`: it, with what the config file and
-    the command line set (never the defaults). Returns the config, each change as 'key: old -> new',
-    and whether a change breaks exact continuation (anything but SAME_RUN_KEYS and log.*)."""
-    cfg, before = build_config(config_file, overrides, base=stored), build_config(None, [], base=stored)
+def changes_since(stored: dict, cfg: Config) -> tuple[list[str], bool]:
+    """What a resumed run changes of the config it was started with (`stored`): each change as
+    'key: old -> new', and whether one breaks exact continuation (anything but SAME_RUN_KEYS and log.*)."""
+    before = build_config(None, [], base={**stored, "out_dir": cfg.out_dir})
     changed = [k for k in all_keys() if get_key(before, k) != get_key(cfg, k)]
     notes = [f"{k}: {fmt(get_key(before, k))} -> {fmt(get_key(cfg, k))}" for k in changed]
-    return cfg, notes, any(k not in SAME_RUN_KEYS and not k.startswith("log.") for k in changed)
+    return notes, any(k not in SAME_RUN_KEYS and not k.startswith("log.") for k in changed)
 
 
 FIELD_RE = re.compile(r"^    (\w+): [^=]+=.*?(?:#\s*(.*))?$")

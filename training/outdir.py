@@ -100,6 +100,7 @@ class OutDir:
         self.path = Path(path)
         self.lock = OutDirLock(self.path)
         self.resume_from = None   # the checkpoint a resumed run continues (set by the trainer from check())
+        self.stored = None        # a resumed run's config.toml as it was, to say what the resumed run changes
         self.created = []         # what this run created (the directory, .lock, config.toml, ...), to undo
         self.opened = False       # this run holds the lock and may have written
 
@@ -115,6 +116,7 @@ class OutDir:
         self.restore_aside("a run that was stopped before its first checkpoint")
         latest, best = latest_checkpoint(self.path), self.path / "best.pt"
         if resume:
+            self.stored = self.stored_config()
             if latest is None and best.is_file():
                 return best   # the step checkpoints are gone; best.pt holds a whole training state too
             if latest is None:

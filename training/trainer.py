@@ -34,7 +34,7 @@ from data.prepare import prepare
 from model.gpt import GPT
 from training.checkpoint import (check_resumable, check_same_run, clean_state_dict, load_checkpoint, new_checkpoint,
                                  repair_best, save_checkpoint)
-from training.config import Config, describe
+from training.config import Config, changes_since, describe
 from training.optim import build_optimizer, lr_at, set_lr
 from training.outdir import Metrics, NoMetrics, OutDir
 from training.runtime import (World, autocast, dtype_name, pick_device, pick_dtype, rng_state, seed_everything,
@@ -261,6 +261,14 @@ def say_what_runs(run: Run) -> None:
         run.print("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
     resumed = run.out.resume_from
     run.print(f"# resuming {resumed} at step {run.step}" if resumed else f"# out dir {run.out.path}")
+    if resumed and run.out.stored is not None:
+        changes, inexact = changes_since(run.out.stored, run.cfg)
+        for change in changes:
+            run.print(f"# resuming with {change}")
+        if inexact:
+            Printer(world.is_main)(f"note: {', '.join(c.split(':')[0] for c in changes)} changed since the run began: "
+                                   f"it goes on from its last checkpoint, but not as it would have gone on "
+                                   f"uninterrupted", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- evaluate and save
