@@ -65,7 +65,7 @@ def is_cuda_skip(node: ast.AST) -> bool:
 def cuda_only_tests(tests: Path = ROOT / "tests") -> list[str]:
     """Pytest ids (path::function) of the test functions marked skipif(not torch.cuda.is_available(),
     ...), directly or through a module-level name bound to such a mark; read from the source, so a new
-    CUDA test is found without a list to keep. Paths are relative to the repository root."""
+    CUDA test is found without a list to keep. Paths are relative to the folder above `tests`."""
     ids = []
     for path in sorted(tests.glob("test_*.py")):
         tree = ast.parse(path.read_text(), str(path))
@@ -74,7 +74,7 @@ def cuda_only_tests(tests: Path = ROOT / "tests") -> list[str]:
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test") and any(
                     is_cuda_skip(d) or (isinstance(d, ast.Name) and d.id in marks) for d in node.decorator_list):
-                ids.append(f"{path.resolve().relative_to(ROOT)}::{node.name}")
+                ids.append(f"{path.relative_to(tests.parent)}::{node.name}")
     return ids
 
 
