@@ -202,12 +202,12 @@ def bench_gpu(argv: list[str], out: str | None = None, quick: bool = False, grad
         check("--grad-accum-124m", grad_accum, at_least=1)
     commit = git("rev-parse", "--short=12", "HEAD")
     env = environment(commit, bool(git("status", "--porcelain", "--untracked-files=no")), argv)
+    parts = plan(torch.cuda.is_available(), quick, grad_accum, list(overrides))   # checks the overrides
+    todo, results = [p for p in parts if not p.skip], {}
     out_dir = Path(out) if out else default_out_dir(commit)
     if (out_dir / "report.md").exists():
         raise RunError(f"{out_dir} already holds a report.md; give another --out (or delete it)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    parts = plan(torch.cuda.is_available(), quick, grad_accum, list(overrides))
-    todo, results = [p for p in parts if not p.skip], {}
 
     def write(stopped: str = "") -> None:
         atomic_write(out_dir / "report.md", render(env, parts, results, out_dir, quick, stopped))
@@ -216,6 +216,7 @@ def bench_gpu(argv: list[str], out: str | None = None, quick: bool = False, grad
         raise Interrupted(signum)
 
     say(f"# {env['GPU']} | report in {out_dir} | {len(todo)} parts to run, {len(parts) - len(todo)} skipped")
+    write()                                   # every part 'not run' yet: what a killed run leaves
     with on_stop_signals(interrupt):
         for i, part in enumerate(todo, 1):
             say(f"[{i}/{len(todo)}] {part.name}: {part.command()} (at most {part.limit_s:.0f} s)")

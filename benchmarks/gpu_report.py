@@ -7,6 +7,7 @@ of guessing.
 """
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def environment(commit: str, dirty: bool, argv: list[str]) -> dict:
             "commit": (f"{commit} ({'dirty: tracked files differ from it' if dirty else 'clean tree'})"
                        if commit else "unknown (not a git checkout)"),
             "machine": machine(), "Python": f"{platform.python_version()} ({sys.executable})",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["python", *argv])}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": shlex.join(["python", *argv])}
 
 
 TRAIN_ROW = re.compile(r"^(eager|compiled|graph|compiled\+graph|trainer|plain) +([\d.]+) +([\d,]+) +([\d.]+)% +(.*)$",
@@ -60,10 +61,11 @@ PYTEST_SUMMARY = re.compile(r"(\b\d+ (passed|failed|skipped|errors?|deselected)\
 
 
 def table(head: list[str], rows, align: str = "") -> list[str]:
-    """Markdown table lines; align: a letter per column, l(eft) or r(ight) (default: the first l, the rest r)."""
+    """Markdown table lines (a | in a cell escaped); align: a letter per column, l(eft) or r(ight);
+    by default the first l, the rest r."""
     align = align or "l" + "r" * (len(head) - 1)
     return [f"| {' | '.join(head)} |", "|" + "".join(" ---: |" if a == "r" else " --- |" for a in align),
-            *(f"| {' | '.join(map(str, row))} |" for row in rows), ""]
+            *("| " + " | ".join(str(cell).replace("|", "\\|") for cell in row) + " |" for row in rows), ""]
 
 
 def train_figures(text: str) -> list[str]:
