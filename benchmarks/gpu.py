@@ -104,6 +104,7 @@ def gpt2_part(quick: bool, grad_accum: int | None, overrides: list[str], skip: s
     part = train_part("train-124m", GPT2, 1, 1 if quick else 3, extra, 480,
                       f"GPT-2 small's shape (124M parameters, {shape(GPT2, extra)[0]}), on tinyshakespeare with "
                       f"the gpt2 tokenizer: eager, compiled, CUDA graph, compiled + graph, and plain PyTorch", skip)
+    part.notes.append("the gpt2 tokenizer is tiktoken's: offline it needs TIKTOKEN_CACHE_DIR to hold its files")
     if accum != full:
         part.notes.append(f"grad_accum {accum} instead of the shape's {full}: every step counts the same FLOPs per "
                           f"token, but the optimizer update and gradient clipping, paid once per step, are shared "

@@ -126,7 +126,7 @@ def section(part, result: dict, out_dir: Path) -> list[str]:
     log = out_dir / f"{part.name}.log"
     figures = part.figures(log.read_text(errors="replace")) if part.figures and log.exists() else []
     code = "" if result["exit_code"] is None else f", exit code {result['exit_code']}"
-    lines = [f"## {part.name}: {result['status']}", "", f"{part.what}.", "",
+    lines = [f"## {part.name}: {result['status']}", "", f"{part.what[:1].upper()}{part.what[1:]}.", "",
              f"- command: `{part.command()}`",
              f"- time: {result['seconds']:.1f} s (limit {part.limit_s:.0f} s){code}; log: [{log.name}]({log.name})",
              *(f"- {note}" for note in part.notes), ""]
