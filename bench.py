@@ -9,8 +9,8 @@ times drift on a shared machine).
     python bench.py scaling                        step time vs block size and width; sampling time vs samples
     python bench.py tokenizers [--seconds 120]     char vs gpt2 vs bpe:4096 in bits per byte at equal training time
     python bench.py prepare                        data preparation speed and memory (benchmarks/prepare.py)
-    python bench.py gpu [--out DIR] [--quick]      all of the above a GPU user compares, and the CUDA-only tests, in
-                                                   one report with raw logs (benchmarks/gpu.py)
+    python bench.py gpu [--out DIR] [--quick]      on a GPU: the CUDA-only tests, train (classic config, 124M shape),
+                                                   sample and race, in one report with raw logs (benchmarks/gpu.py)
 """
 import argparse
 import os
