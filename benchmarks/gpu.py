@@ -6,7 +6,7 @@ recorded with its exit code and the end of its log, and the next part runs. repo
 (benchmarks/gpu_report.py) is rewritten after every part, so a run stopped halfway still leaves a
 report of what it measured.
 
-With a CUDA GPU (about 10 minutes on an H100, much of it compiling):
+With a CUDA GPU (minutes each, much of it torch.compile compiling):
   tests          the CUDA-only tests: those marked skipif(not torch.cuda.is_available(), ...)
   train-classic  bench.py train configs/shakespeare_char.toml: eager, compiled, graph, both; plain PyTorch
   train-124m     bench.py train configs/gpt2_124m.toml: GPT-2 small's shape, 0.5M tokens per step
