@@ -9,6 +9,8 @@ times drift on a shared machine).
     python bench.py scaling                        step time vs block size and width; sampling time vs samples
     python bench.py tokenizers [--seconds 120]     char vs gpt2 vs bpe:4096 in bits per byte at equal training time
     python bench.py prepare                        data preparation speed and memory (benchmarks/prepare.py)
+    python bench.py gpu [--out DIR] [--quick]      on a GPU: the CUDA-only tests, train (classic config, 124M shape),
+                                                   sample and race, in one report with raw logs (benchmarks/gpu.py)
 """
 import argparse
 import os
@@ -22,9 +24,6 @@ if os.environ.get("OMP_WAIT_POLICY") == "":
     del os.environ["OMP_WAIT_POLICY"]
 signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
 from common import ArgumentParser, run_cli  # noqa: E402
-
-RACES = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
-         "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}
 
 
 def main(argv: list[str]) -> int:
@@ -46,6 +45,11 @@ def main(argv: list[str]) -> int:
     k.add_argument("--config", default="configs/shakespeare_char_cpu.toml")
     k.add_argument("--seconds", type=float, default=120.0, help="training time per tokenizer")
     sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole")
+    g = sub.add_parser("gpu", help="the CUDA tests, train, sample and race on a GPU: one report, raw logs")
+    g.add_argument("--out", help="report directory (default out/bench_gpu/<date>-<time>-<commit>)")
+    g.add_argument("--quick", action="store_true", help="small settings: checks the command, not for figures")
+    g.add_argument("--grad-accum-124m", type=int, help="train.grad_accum of the 124M shape (default its 32; "
+                   "--quick: 1)")
     args, overrides = p.parse_known_args(argv)
     from benchmarks.machine import cpu_name
     print(f"# {cpu_name()} x {os.cpu_count()} | OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
@@ -53,8 +57,8 @@ def main(argv: list[str]) -> int:
 
     if args.command == "race":
         import torch
-        from benchmarks.race import race
-        classic, fast = RACES["cuda" if torch.cuda.is_available() else "cpu"]
+        from benchmarks.race import PAIRS, race
+        classic, fast = PAIRS["cuda" if torch.cuda.is_available() else "cpu"]
         race(args.classic or classic, args.fast or fast, overrides, evals=args.evals)
     elif args.command == "train":
         from benchmarks.step import bench_train
@@ -74,6 +78,9 @@ def main(argv: list[str]) -> int:
         import runpy
         sys.argv = ["benchmarks/prepare.py", *overrides]
         runpy.run_module("benchmarks.prepare", run_name="__main__")
+    elif args.command == "gpu":
+        from benchmarks.gpu import bench_gpu
+        return bench_gpu(["bench.py", *argv], args.out, args.quick, args.grad_accum_124m, overrides)
     return 0
 
 

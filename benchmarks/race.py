@@ -23,6 +23,10 @@ from training.config import build_config
 from training.step import mean_loss
 from training.trainer import train
 
+# (classic, fast) by the kind of machine: `bench.py race` on a GPU races the GPU pair.
+PAIRS = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
+         "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}
+
 
 def val_windows(dataset: Path, block_size: int) -> torch.Tensor:
     """(N, block_size + 1) int64: the val split as consecutive windows."""

@@ -52,16 +52,19 @@ def flops_per_token(model: GPT) -> tuple[float, float]:
 
 
 def plain_step(cfg, device):
-    """A training step as plain PyTorch writes it: eager, fp32, torch.optim.AdamW's defaults. The
-    reference every measured step is compared with."""
+    """A training step as plain PyTorch writes it: eager, fp32, torch.optim.AdamW's defaults, over as
+    many micro-batches as the config's (train.grad_accum), so that it handles the same tokens per step.
+    The reference every measured step is compared with."""
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.block_size), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    accum = cfg.train.grad_accum
 
     def step():
-        _, loss = model(x, x)
-        loss.backward()
+        for _ in range(accum):
+            _, loss = model(x, x)
+            (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

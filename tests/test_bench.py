@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from benchmarks.race import first_reaching, race, val_loss, val_windows
-from benchmarks.step import flops_per_token
+from benchmarks.step import flops_per_token, plain_step
 from data.cache import load_meta
 from model.config import ModelConfig
 from model.gpt import GPT
@@ -51,6 +51,16 @@ def test_flops_per_token_counts_every_matmul_weight_and_causal_attention():
     assert dense == 6 * (2 * per_layer + 50 * 32)    # + the LM head (tied: it is a matmul all the same)
     assert attn == 6 * 2 * 16 * 32
 
+
+def test_the_plain_step_handles_every_micro_batch_of_a_step():
+    """bench_train counts batch x grad_accum x block tokens per step for every row, plain PyTorch's too."""
+    cfg = build_config(None, ["--model.vocab_size=50", "--model.n_layer=1", "--model.n_embd=16", "--model.n_head=1",
+                              "--model.block_size=8", "--train.batch_size=2", "--train.grad_accum=3"])
+    model, step = plain_step(cfg, torch.device("cpu"))
+    forwards = []
+    model.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape))
+    step()
+    assert forwards == [torch.Size([2, 8])] * 3
 
 def test_the_fast_recipe_is_judged_on_the_classic_context_length():
     classic = build_config("configs/shakespeare_char_cpu.toml", [])
