@@ -150,7 +150,8 @@ def test_out_of_memory_names_the_fix_and_keeps_the_checkpoint(tmp_path, text_fil
 
 
 @pytest.mark.parametrize("tool, argv, code, message", [
-    ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text, **{"train.batch_size": 300_000_000,
+    ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text, **{"train.batch_size": 300_000_000,   # past the
+                                                                      "train.check_memory": "false",   # estimate
                                                                       "train.device": "cpu"}), 2,
      "error: out of memory on cpu at step 1"),
     ("sample.py", lambda tmp, text, ckpt: [ckpt, "--num-samples", 10_000_000, "--max-new-tokens", 5, "--device", "cpu"], 3,
@@ -266,3 +267,38 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_the_out_dir_as_it_w
     assert rc == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, (rc, err)
     assert re.search(pattern, err) and "checkpoint is kept" not in err, err
     assert settled(tree(tmp_path)) == settled(before), "the failed run left files behind"
+
+
+# ---------------------------------------------------------------- memory
+
+def test_a_run_that_cannot_fit_in_memory_is_refused_before_it_allocates(tmp_path):
+    """A block of 100,000 tokens on tinyshakespeare needs tens of GB a step: refused at once, in one line, with
+    nothing written (a real process, its address space limited to 2 GB: were it to start, it would fail)."""
+    args = ["train.py", "--model.block_size=100000", f"--data.prepared_dir={tmp_path / 'p'}", f"--out_dir={tmp_path / 'out'}"]
+    rc, out, err, peak = run_limited(args)
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: one training step needs about "), err
+    assert "GB free on cpu" in err and "--model.block_size" in err and "--train.check_memory=false" in err, err
+    assert not (tmp_path / "out").exists() and peak < 1 << 30
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures peak memory through Linux's /proc")
+def test_the_memory_estimate_is_the_measured_peak_within_a_factor_of_two(tiny_cfg):
+    """One real step's peak resident memory against step_memory's estimate, fp32 on CPU."""
+    from model.gpt import GPT
+    from training.runtime import step_memory
+
+    def peak_rss():
+        return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
+    cfg = tiny_cfg(**{"model.n_embd": 128, "model.n_head": 2, "model.block_size": 256, "train.batch_size": 32})
+    cfg.model.vocab_size = 65
+    model = GPT(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    x = torch.randint(0, 65, (32, 256))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")   # reset the high-water mark to what is resident now
+    before = peak_rss()
+    model(x, x)[1].backward()
+    optimizer.step()
+    measured = peak_rss() - before
+    state, activations = step_memory(cfg, sum(p.numel() for p in model.parameters()), torch.float32)
+    assert measured / 2 < state + activations < measured * 2, (measured, state, activations)

@@ -52,6 +52,7 @@ class TrainConfig:
     fsdp: bool = False            # under torchrun: shard parameters, gradients and optimizer state (FSDP) instead of DDP
     onednn: bool = False          # CPU, fp32: Linear matmuls in oneDNN (faster on some CPUs, slower on others)
     init_from: str = ""           # "" = random init | gpt2, gpt2-medium, ... | a Hugging Face GPT-2 dir
+    check_memory: bool = True     # refuse a run whose step is estimated to need more memory than the device has free
 
     def validate(self) -> None:
         """A ConfigError naming the first training setting that cannot be used."""

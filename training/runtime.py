@@ -7,6 +7,7 @@
              rounding is far below what training notices.
     world    the run's processes: one (World), or under torchrun one per device (training/distributed.py)
 """
+import os
 import random
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -57,6 +58,41 @@ def use_fast_matmuls(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+
+def step_memory(cfg, params: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the training state, bytes of one micro-batch's activations), roughly, at a step's peak.
+
+    state        fp32 weights, their gradients and AdamW's two moments: 16 bytes a parameter
+    activations  what backward keeps, about 22 numbers of n_embd per token per layer (measured on CPU
+                 in fp32 with the fused attention: 76-88 bytes x n_embd), fewer bytes in bf16/fp16;
+                 the (B, nh, T, T) scores and weights where attention materializes them (naive); the
+                 logits, their fp32 copy for the loss and its gradient
+    Gradient accumulation frees each micro-batch's activations, so they count once."""
+    m, t = cfg.model, cfg.train
+    tokens, low = t.batch_size * m.block_size, dtype != torch.float32
+    layers = m.n_layer * tokens * m.n_embd * (56 if low else 88)
+    scores = m.n_layer * t.batch_size * m.n_head * m.block_size ** 2 * 9 if m.attention == "naive" else 0
+    logits = tokens * m.vocab_size * (8 if low else 12)
+    return params * 16, layers + scores + logits
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes a run can still allocate on device: the GPU's free memory, or the machine's available
+    memory for the CPU; None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):   # not on macOS or Windows
+        return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -37,8 +37,8 @@ from training.checkpoint import (check_resumable, check_same_run, clean_state_di
 from training.config import Config, changes_since, describe
 from training.optim import build_optimizer, lr_at, set_lr
 from training.outdir import Metrics, NoMetrics, OutDir
-from training.runtime import (World, autocast, dtype_name, pick_device, pick_dtype, rng_state, seed_everything,
-                              set_rng_state, use_fast_matmuls)
+from training.runtime import (World, autocast, dtype_name, free_memory, pick_device, pick_dtype, rng_state,
+                              seed_everything, set_rng_state, step_memory, use_fast_matmuls)
 from training.step import NonFiniteGuard, Step, graph_blockers, mean_loss
 
 EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the training seed
@@ -60,6 +60,7 @@ class Run:
     scaler: torch.amp.GradScaler    # fp16 loss scaling (disabled in bf16 and fp32)
     guard: NonFiniteGuard
     out: OutDir
+    memory: str                     # the step's estimated memory, for the banner
     relink_best: bool = False       # the resumed checkpoint is the best: best.pt must be it
     train_step: object = None       # the next optimizer step (training/step.py, speed/cuda_graph.py)
     step: int = 0                   # optimizer steps done
@@ -139,6 +140,7 @@ def set_up(cfg: Config, world: World, resume: bool, overwrite: bool, quiet: bool
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {meta['vocab_size']}")
     if ckpt is not None:
         check_same_run(ckpt, resume_from, cfg.to_dict()["model"], meta["tokenizer"], cfg.data.path)
+    memory = check_memory(cfg, device, dtype)
     loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,
                          grad_accum=t.grad_accum, rank=world.rank, world=world.size)   # checks the split sizes
 
@@ -158,8 +160,27 @@ def set_up(cfg: Config, world: World, resume: bool, overwrite: bool, quiet: bool
     optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
                                 weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
     guard = NonFiniteGuard(t.on_nonfinite, device, check_grad=not scaler.is_enabled())
-    run = Run(cfg, world, Printer(world.is_main and not quiet), dtype, dataset, meta, loader, model, wrapped, optimizer, scaler, guard, out)
+    run = Run(cfg, world, Printer(world.is_main and not quiet), dtype, dataset, meta, loader, model, wrapped, optimizer,
+              scaler, guard, out, memory)
     return run, ckpt
+
+
+def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype) -> str:
+    """Refuse, before anything is allocated, a run whose step would need more memory than the device has
+    free (train.check_memory = false tries anyway); return the estimate in words, for the banner."""
+    with torch.device("meta"):   # shapes only: no memory
+        params = sum(p.numel() for p in GPT(cfg.model).parameters())
+    state, activations = step_memory(cfg, params, dtype)
+    free = free_memory(device)
+    size = lambda n: f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"   # noqa: E731
+    need = f"about {size(state + activations)} (activations {size(activations)}, weights and optimizer {size(state)})"
+    if cfg.train.check_memory and free is not None and state + activations > free:
+        m, t = cfg.model, cfg.train
+        raise RunError(f"one training step needs {need} for batch {t.batch_size} x block {m.block_size} x {m.n_layer} "
+                       f"layers, more than the {size(free)} free on {device}: make --train.batch_size (with a larger "
+                       f"--train.grad_accum to keep the tokens per step), --model.block_size or the model smaller, or "
+                       f"set --train.check_memory=false to try anyway")
+    return f"a step needs {need}" + (f", {size(free)} free" if free is not None else "")
 
 
 # ---------------------------------------------------------------- restore
@@ -257,6 +278,7 @@ def say_what_runs(run: Run) -> None:
     how = ("CUDA graph" if run.train_step.kind == "graph" else "eager") + (", compiled" if t.compile else "")
     run.print(f"# {run.model.num_params() / 1e6:.2f}M parameters | {world.device}, {dtype_name(run.dtype)}, {how}"
               f"{procs} | {run.tokens_per_step:,} tokens/step | data {run.dataset}")
+    run.print(f"# memory: {run.memory}")
     if t.fsdp and world.size == 1:
         run.print("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
     resumed = run.out.resume_from
