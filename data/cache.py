@@ -51,6 +51,7 @@ def token_dtype(vocab_size: int):
 def entry_name(stem: str, tokenizer: str, sha256: str, val_fraction: float, encoding_errors: str) -> str:
     """The entry's directory name: everything that changes the token files is in it."""
     label = re.sub(r"[^A-Za-z0-9_.]", "", tokenizer)   # bpe:4096 -> bpe4096
+    stem = stem[:64]   # a long file name must not make a name too long for the file system (255 bytes)
     return f"{stem}-{label}-{sha256[:12]}-val{val_fraction:g}" + ("-replace" if encoding_errors == "replace" else "")
 
 

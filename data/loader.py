@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import DataError
 from data.cache import check_split_sizes, load_meta
 
 
@@ -65,6 +66,7 @@ class BatchLoader:
                  grad_accum: int = 1, rank: int = 0, world: int = 1):
         meta = load_meta(dataset_dir)   # checked: a damaged dataset is a DataError naming it
         check_split_sizes(meta["tokens"], block_size)
+        self.dataset_dir, self.vocab_size = Path(dataset_dir), meta["vocab_size"]
         self.block_size, self.batch_size, self.device = block_size, batch_size, torch.device(device)
         self.grad_accum, self.rank, self.world = grad_accum, rank, world
         self.splits = {}
@@ -79,7 +81,16 @@ class BatchLoader:
 
     def _windows(self, split: str, starts: np.ndarray) -> torch.Tensor:
         """The windows of block_size + 1 tokens at starts (any shape S), as a host tensor (*S, T + 1)."""
-        return torch.from_numpy(self.splits[split][starts[..., None] + self.offsets].astype(np.int64))
+        return self._checked(split, torch.from_numpy(self.splits[split][starts[..., None] + self.offsets].astype(np.int64)))
+
+    def _checked(self, split: str, windows: torch.Tensor) -> torch.Tensor:
+        """windows, unless a token id is outside the vocabulary: the files were damaged after they were
+        checked (the cache's checks read only meta.json and file sizes), and the embedding would fail."""
+        if windows.numel() and int(windows.max()) >= self.vocab_size:
+            raise DataError(f"the prepared dataset {self.dataset_dir} holds token id {int(windows.max())} in {split}.bin, "
+                            f"outside its vocabulary of {self.vocab_size}: it is damaged; delete it and prepare the "
+                            f"data again")
+        return windows
 
     def step_windows(self) -> torch.Tensor:
         """This rank's training windows of the next optimizer step, (grad_accum, B, T + 1) on the host,
@@ -97,7 +108,7 @@ class BatchLoader:
     def every_window(self, split: str):
         """(x, y) batches on the device of this rank's share of the split's consecutive windows: with
         every rank's, every token of the split after the first is scored once."""
-        windows = consecutive_windows(self.splits[split], self.block_size)[self.rank::self.world]
+        windows = self._checked(split, consecutive_windows(self.splits[split], self.block_size)[self.rank::self.world])
         for w in windows.split(self.batch_size):
             w = w.to(self.device)
             yield w[:, :-1], w[:, 1:]

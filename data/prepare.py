@@ -25,6 +25,7 @@ SIGINT, SIGTERM and SIGHUP during preparation remove it and raise Interrupted; a
 (Over 300 lines on purpose: one streaming pipeline, its passes in the order they run.)
 """
 import glob
+import hashlib
 import json
 import os
 import re
@@ -39,10 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-from common import ArgumentParser, DataError, Interrupted, check, duration, on_stop_signals, run_cli
+from common import (ArgumentParser, DataError, Interrupted, TokenizerError, atomic_write, check, duration,
+                    on_stop_signals, run_cli)
 from data.cache import (FORMAT, check_split_sizes, entry_name, make_temp_dir, publish, read_entry,
                         remove_stale_temp_dirs, token_dtype)
-from data.sources import find_sources, iter_text, sources_sha256
+from data.sources import combined_sha256, find_sources, iter_text, sources_sha256
 from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer, check_encoding_name, load_tokenizer,
                              train_bpe)
 
@@ -152,18 +154,23 @@ def _cut(buffer: str, piece_chars: int, bpe: bool, final: bool) -> tuple[list[st
     return out, rest
 
 
-def pieces(files, counts, errors: str, split_at: int, bpe: bool, piece_chars: int):
+def pieces(files, counts, errors: str, split_at: int, bpe: bool, piece_chars: int, shas=None):
     """The text as (split, piece) pairs in order: the first split_at characters in "train", the rest
     in "val". Between documents: a newline (char) or (split, None), the end-of-text token (bpe).
-    BPE text is cut only at document ends, the split point, and safe_cut points."""
+    BPE text is cut only at document ends, the split point, and safe_cut points. shas: a hashlib
+    object per file, given every byte read."""
     def documents():
         first = True
-        for path, count in zip(files, counts):
-            if count:   # a blank document is skipped
-                if not first:
-                    yield None if bpe else "\n"
-                first = False
-                yield from iter_text(path, errors)
+        for i, (path, count) in enumerate(zip(files, counts)):
+            texts = iter_text(path, errors, sha=shas[i] if shas else None)
+            if not count:   # a blank document is read (for its hash) and skipped
+                for _ in texts:
+                    pass
+                continue
+            if not first:
+                yield None if bpe else "\n"
+            first = False
+            yield from texts
 
     split, pos, buffer = "train", 0, ""
     for text in documents():
@@ -201,15 +208,16 @@ class TokenWriter:
     def __init__(self, encode, dtype, out_dir: Path, workers: int, progress, bytes_per_char: float):
         self.encode, self.dtype, self.progress, self.bytes_per_char = encode, dtype, progress, bytes_per_char
         self.files = {s: open(out_dir / f"{s}.bin", "wb") for s in ("train", "val")}
-        self.tokens, self.bytes, self.max_token = {"train": 0, "val": 0}, {"train": 0, "val": 0}, -1
+        self.tokens, self.bytes = {"train": 0, "val": 0}, {"train": 0, "val": 0}
+        self.min_token, self.max_token = np.inf, -1
         self.pool = ThreadPoolExecutor(workers)
         self.pending, self.limit = deque(), 2 * workers
 
     def _encode(self, text: str):
         ids = self.encode(text)
-        top = int(ids.max()) if len(ids) else -1   # before the cast, which would wrap an id too large for it
+        low, top = (int(ids.min()), int(ids.max())) if len(ids) else (np.inf, -1)   # before the cast, which could wrap
         nbytes = len(text) if text.isascii() else len(text.encode("utf-8"))
-        return ids.astype(self.dtype, copy=False), len(text), nbytes, top
+        return ids.astype(self.dtype, copy=False), len(text), nbytes, low, top
 
     def text(self, split: str, text: str) -> None:
         self.pending.append((split, self.pool.submit(self._encode, text)))
@@ -217,17 +225,17 @@ class TokenWriter:
 
     def token(self, split: str, token: int) -> None:
         done = Future()   # queued behind the pieces before it, without waiting for them
-        done.set_result((np.array([token], dtype=self.dtype), 0, 0, token))
+        done.set_result((np.array([token], dtype=self.dtype), 0, 0, token, token))
         self.pending.append((split, done))
 
     def _drain(self, keep: int) -> None:
         while len(self.pending) > keep:
             split, future = self.pending.popleft()
-            ids, nchars, nbytes, top = future.result()
+            ids, nchars, nbytes, low, top = future.result()
             ids.tofile(self.files[split])
             self.tokens[split] += len(ids)
             self.bytes[split] += nbytes
-            self.max_token = max(self.max_token, top)
+            self.min_token, self.max_token = min(self.min_token, low), max(self.max_token, top)
             self.progress.advance(nchars * self.bytes_per_char)
 
     def close(self, ok: bool) -> None:
@@ -259,7 +267,8 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
 
 
 def _prepare(files, source, tokenizer, val_fraction, root, encoding_errors, block_size) -> Path:
-    total = sum(p.stat().st_size for p in files)
+    stats = [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    total = sum(size for size, _ in stats)
     show = total >= PROGRESS_MIN_BYTES
     progress = Progress("hashing", total, show)
     sha = sources_sha256(files, progress)
@@ -276,6 +285,21 @@ def _prepare(files, source, tokenizer, val_fraction, root, encoding_errors, bloc
     if problem:
         print(f"notice: {out} {problem}; preparing it again", file=sys.stderr)
 
+    try:
+        return _prepare_anew(files, source, root, out, expect, block_size)
+    except (DataError, TokenizerError):   # a file that changed meanwhile is the reason, whatever failed
+        if [(p.stat().st_size, p.stat().st_mtime_ns) for p in files] != stats:
+            raise DataError(f"{source} changed while it was being prepared; nothing was kept: prepare it again once "
+                            f"it no longer changes") from None
+        raise
+
+
+def _prepare_anew(files, source, root: Path, out: Path, expect: dict, block_size) -> Path:
+    """Scan, tokenize and encode files into a new cache entry at out (published when complete); expect:
+    the settings and the sha256 the entry is named after."""
+    tokenizer, val_fraction, encoding_errors = expect["tokenizer_spec"], expect["val_fraction"], expect["encoding_errors"]
+    total = sum(p.stat().st_size for p in files)
+    show = total >= PROGRESS_MIN_BYTES
     progress = Progress("scanning", total, show)
     counts, chars = scan(files, encoding_errors, tokenizer == "char", progress)
     progress.close()
@@ -290,14 +314,15 @@ def _prepare(files, source, tokenizer, val_fraction, root, encoding_errors, bloc
         try:
             tok = _tokenizer(tokenizer, chars, files, counts, encoding_errors, split_at, piece_chars, workers,
                              Progress("training", int(total * split_at / max(1, n_chars)), show))
-            meta = _encode(files, counts, tok, encoding_errors, split_at, piece_chars, workers, tmp, total, show)
+            meta = _encode(files, counts, tok, encoding_errors, split_at, piece_chars, workers, tmp, total, show,
+                           expect["sha256"])
             src = Path(source)
-            meta.update({"source": str(src.resolve() if src.exists() else src.absolute()), "sha256": sha,
+            meta.update({"source": str(src.resolve() if src.exists() else src.absolute()), "sha256": expect["sha256"],
                          "files": len(files), "tokenizer_spec": tokenizer, "encoding_errors": encoding_errors,
                          "split": {"val_fraction": val_fraction, "train_chars": split_at,
                                    "val_chars": n_chars - split_at}})
             check_split_sizes(meta["tokens"], block_size)   # before publishing: a refused text leaves nothing
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
             publish(tmp, out, expect)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -329,7 +354,7 @@ def _tokenizer(spec, chars, files, counts, errors, split_at, piece_chars, worker
     return tok
 
 
-def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, total, show) -> dict:
+def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, total, show, sha) -> dict:
     """Write tmp/train.bin and tmp/val.bin; the meta entries that describe them."""
     eot = tok.enc.eot_token if hasattr(tok, "enc") else None
     dtype = token_dtype(tok.vocab_size)
@@ -337,14 +362,20 @@ def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, tot
     progress = Progress("encoding", total, show)
     n_chars = sum(counts)
     writer = TokenWriter(tok.encode_array, dtype, tmp, workers, progress, total / max(1, n_chars))
-    ok = False
+    shas, ok = [hashlib.sha256() for _ in files], False
     try:
-        for split, piece in pieces(files, counts, errors, split_at, eot is not None, piece_chars):
+        for split, piece in pieces(files, counts, errors, split_at, eot is not None, piece_chars, shas):
             writer.text(split, piece) if piece is not None else writer.token(split, eot)
         ok = True
     finally:
         writer.close(ok)
     progress.close()
+    if combined_sha256(files, [h.hexdigest() for h in shas]) != sha:   # an entry holds exactly the bytes it is named after
+        raise DataError(f"{files[0] if len(files) == 1 else 'a data file'} changed while it was being prepared; "
+                        f"nothing was kept: prepare it again once it no longer changes")
+    if writer.min_token == writer.max_token:
+        raise DataError(f"the text holds a single distinct token (id {writer.max_token}, {tok.decode([writer.max_token])!r}):"
+                        f" there is nothing to learn to predict")
     return {"format": FORMAT, "tokenizer": tok.meta(), "vocab_size": tok.vocab_size,
             "dtype": np.dtype(dtype).name, "max_token": writer.max_token,
             "tokens": dict(writer.tokens), "bytes": dict(writer.bytes)}

@@ -67,6 +67,11 @@ def sources_sha256(files: list[Path], progress=None) -> str:
                 h.update(chunk)
                 progress and progress.advance(len(chunk))
         shas.append(h.hexdigest())
+    return combined_sha256(files, shas)
+
+
+def combined_sha256(files: list[Path], shas: list[str]) -> str:
+    """The dataset's sha256 from its files' own: the file's for one, else that of their names and digests."""
     if len(files) == 1:
         return shas[0]
     base = os.path.commonpath([str(p.resolve()) for p in files])
@@ -87,14 +92,15 @@ def _utf8_cut(buf: bytes) -> int:
     return i if n - i < need else n
 
 
-def iter_text(path: Path, errors: str = "strict", progress=None, hint: str | None = REPLACE_HINT):
+def iter_text(path: Path, errors: str = "strict", progress=None, hint: str | None = REPLACE_HINT, sha=None):
     """The file as str chunks of about READ_BYTES bytes each, never splitting a character.
     A non-UTF-8 byte is a DataError naming its offset in the file, followed by hint if any (or
-    U+FFFD with errors='replace')."""
+    U+FFFD with errors='replace'). sha: a hashlib object given every byte read."""
     offset, carry = 0, b""
     with _open(path) as f:
         while True:
             raw = f.read(READ_BYTES)
+            sha and sha.update(raw)
             buf = carry + raw
             cut = _utf8_cut(buf) if raw else len(buf)
             buf, carry = buf[:cut], buf[cut:]

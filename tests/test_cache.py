@@ -184,3 +184,33 @@ def test_temporary_dirs_of_stopped_preparations_are_removed_and_live_ones_kept(t
     assert left == {name for name, (_, removed) in dirs.items() if not removed}
     notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice: removed")]
     assert len(notices) == 3 and any(f"by process {dead.pid}, which is gone" in n for n in notices), notices
+
+
+def test_token_ids_past_the_vocabulary_in_a_file_of_the_right_size_are_one_line(tmp_path, text_file, capsys):
+    """The cache's checks read meta.json and file sizes; a train.bin damaged in place is caught where its
+    windows are read, before the embedding would fail on them."""
+    import train as train_cli
+    from tests.conftest import run_tool, tiny_overrides
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prepared")
+    tokens = np.fromfile(out / "train.bin", dtype=np.uint16)
+    tokens[::7] = 60_000   # far past the 48 characters, same size, same dtype
+    tokens.tofile(out / "train.bin")
+    rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)
+    assert rc == 2 and err.count("\n") == 1 and f"{out} holds token id 60000 in train.bin" in err, err
+    assert "delete it and prepare the data again" in err
+
+
+def test_a_text_of_one_distinct_token_is_refused(tmp_path):
+    """A file of NUL bytes (or any one character over and over) would train to a loss of 0 on nothing."""
+    path = tmp_path / "zeros.txt"
+    path.write_bytes(b"\0" * 5000)
+    for tokenizer in ("char", "gpt2"):
+        with pytest.raises(DataError, match=r"a single distinct token \(id \d+, '\\x00'\): there is nothing to learn"):
+            prepare_text(path, tokenizer, 0.1, tmp_path / "prep")
+    assert not list((tmp_path / "prep").glob("zeros*")), "nothing was kept"
+
+
+def test_a_file_name_too_long_for_a_cache_entry_is_prepared(tmp_path):
+    path = tmp_path / ("n" * 240 + ".txt")   # with the tokenizer, hash and split it would pass 255 bytes
+    path.write_text(TEXT)
+    assert load_meta(prepare_text(path, "char", 0.1, tmp_path / "prep"))["tokens"]["train"] > 0

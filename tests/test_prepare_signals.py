@@ -65,3 +65,22 @@ def test_a_signal_stops_train_py_while_it_prepares(tmp_path, big_text):
     rc, err = signal_when_ready(argv, root, signal.SIGTERM, "train.bin")
     assert rc == 143 and err == f"interrupted: preparing {big_text} stopped by SIGTERM; nothing was kept\n", (rc, err)
     assert os.listdir(root) == []
+
+
+@pytest.mark.parametrize("more", ["more of the same text\n", "€ and a character the text had not\n"])
+def test_a_text_that_grows_while_it_is_prepared_is_not_kept_under_the_old_bytes_name(tmp_path, big_text, more):
+    """The cache names an entry after the sha256 of its text: an entry must hold exactly those bytes. A
+    real preparation, and text appended to its file while it encodes."""
+    path, root = tmp_path / "notes.txt", tmp_path / "prep"
+    path.write_bytes(big_text.read_bytes())
+    proc = subprocess.Popen([sys.executable, "-m", "data.prepare", path, "--root", root], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    while not any((t / "train.bin").exists() for t in root.glob(".*.tmp-*")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.005)
+    with open(path, "a") as f:
+        f.write(more)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and f"{path} changed while it was being prepared; nothing was kept" in err, err
+    assert os.listdir(root) == []
