@@ -9,15 +9,16 @@ called beyond the noise (about 95% confidence for one comparison).
 """
 import csv
 import datetime
-import json
+import io
 import math
 import statistics
 from pathlib import Path
 
 import numpy as np
 
-from ablation.sweep import Sweep, flat
+from ablation.sweep import Sweep, flat, read_json
 from benchmarks.machine import machine
+from common import atomic_write
 from training.outdir import read_records
 
 NOISE_Z = 2.0
@@ -28,9 +29,9 @@ def read_run(run) -> dict:
     records = read_records(run.dir / "metrics.jsonl")
     evals = [r for r in records if r.get("kind") == "eval"]
     speeds = [r["tokens_per_s"] for r in records if r.get("kind") == "train" and "tokens_per_s" in r]
-    result = json.loads((run.dir / "result.json").read_text()) if (run.dir / "result.json").exists() else {}
-    attempts = json.loads((run.dir / "run.json").read_text())["attempts"] if (run.dir / "run.json").exists() else []
-    rss = [a["peak_rss_bytes"] for a in attempts if a.get("peak_rss_bytes")]
+    result = read_json(run.dir / "result.json")
+    attempts = read_json(run.dir / "run.json").get("attempts", [])
+    rss = [a["peak_rss_bytes"] for a in attempts if isinstance(a, dict) and isinstance(a.get("peak_rss_bytes"), int)]
     return {
         "variant": run.variant, "seed": run.seed, "done": bool(result.get("done")),
         "steps": [r["step"] for r in evals], "val": [r["val_loss"] for r in evals],
@@ -92,17 +93,16 @@ def rounded(row: dict) -> dict:
     return {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()}
 
 
-def write_csv(rows: list[dict], runs: list[dict], out: Path) -> None:
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rounded(r) for r in rows)
-    with open(out / "runs.csv", "w", newline="") as f:
-        cols = ["variant", "seed", "done", "final_val", "final_bpb", "best_val", "tokens_per_s", "wall_s", "params",
-                "peak_mem_bytes", "kv_bytes_per_token"]
-        w = csv.DictWriter(f, cols, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rounded(r) for r in runs)
+RUN_COLUMNS = ["variant", "seed", "done", "final_val", "final_bpb", "best_val", "tokens_per_s", "wall_s", "params",
+               "peak_mem_bytes", "kv_bytes_per_token"]
+
+
+def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, columns, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rounded(r) for r in rows)
+    atomic_write(path, text.getvalue())
 
 
 def fmt(x, digits=4, std=None) -> str:
@@ -157,7 +157,7 @@ def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:
         "linear attention's is a constant-size state: theirs is that size divided by the block.",
         "", "Per-run numbers: runs.csv; every run's log, metrics and checkpoints: <variant>/seed<seed>/.",
     ]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    atomic_write(out / "results.md", "\n".join(lines) + "\n")
 
 
 def plot(sweep: Sweep, runs: list[dict], out: Path) -> None:
@@ -202,7 +202,8 @@ def write_report(sweep: Sweep, command: str) -> list[dict]:
     runs = [read_run(r) for r in sweep.runs]
     rows = summarize(sweep, runs)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, runs, sweep.out_dir)
+    write_csv(sweep.out_dir / "results.csv", CSV_COLUMNS, rows)
+    write_csv(sweep.out_dir / "runs.csv", RUN_COLUMNS, runs)
     write_md(sweep, rows, sweep.out_dir, command)
     plot(sweep, runs, sweep.out_dir)
     return rows

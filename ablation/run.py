@@ -2,13 +2,19 @@
 
 Trains (or resumes) the run whose config the sweep wrote to RUN_DIR/sweep_run.toml, then writes
 RUN_DIR/result.json: whether it finished, its final and best val loss, its parameter count, the
-bytes its KV cache holds per token, and its peak GPU memory.
+bytes its KV cache holds per token, and its peak GPU memory. If the sweep that started it dies (a
+kill -9 that its own signal handling cannot see), the run stops as for SIGTERM: it saves and ends
+rather than running on unseen with its out dir locked.
 """
 import json
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
-from common import run_cli
+from common import atomic_write, run_cli
 
 
 def run(run_dir: Path) -> int:
@@ -20,6 +26,7 @@ def run(run_dir: Path) -> int:
     from training.runtime import dtype_name, pick_device, pick_dtype
     from training.trainer import train
 
+    stop_when_orphaned()
     cfg = build_config(str(run_dir / "sweep_run.toml"), [])
     resume = latest_checkpoint(run_dir) is not None
     summary = train(cfg, resume=resume, overwrite=not resume)
@@ -38,8 +45,20 @@ def run(run_dir: Path) -> int:
         "device": str(device),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
-    (run_dir / "result.json").write_text(json.dumps(result, indent=1))
-    return 130 if summary["interrupted"] else 0
+    atomic_write(run_dir / "result.json", json.dumps(result, indent=1))
+    return summary["exit_code"]
+
+
+def stop_when_orphaned(every: float = 0.5) -> None:
+    """Send this process SIGTERM once its parent is gone (the system then gives it another parent).
+    Windows gives orphans no new parent: there a sweep killed outright leaves its run to finish."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def main(argv: list[str]) -> int:

@@ -34,16 +34,17 @@ import sys
 import time
 from pathlib import Path
 
-from common import ConfigError, on_stop_signals
+from common import ConfigError, atomic_write, on_stop_signals, type_problem
 from data.prepare import prepare
 from training.config import Config, apply_dict, describe, get_key, load_toml, parse_overrides, set_key
 
-SWEEP_KEYS = {"base", "out_dir", "seeds", "overrides", "variants", "name"}
+SWEEP_KEYS = {"base": str, "out_dir": str, "seeds": list, "overrides": dict, "variants": list, "name": str}
 # keys a variant must not change: the data, its order and the token budget, and how runs are scored
 SHARED_KEYS = ["data.path", "data.tokenizer", "data.val_fraction", "train.seed", "train.max_steps",
                "train.batch_size", "train.grad_accum", "model.block_size", "train.eval_interval", "train.eval_iters"]
-# keys that may differ between a run's start and its resumption (they do not change what is computed)
-RESUMABLE_KEYS = {"train.device", "train.compile", "log.wandb", "log.wandb_project"}
+# keys that may differ between a run's start and its resumption (they do not change what is computed; log.*
+# are labels too: a copy of a sweep under another name may continue its runs)
+RESUMABLE_KEYS = {"train.device", "train.compile", "train.cuda_graph"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
@@ -83,10 +84,13 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
     path = Path(path)
     spec = load_toml(path)
     where = f"{path}: "
-    unknown = set(spec) - SWEEP_KEYS
+    unknown = set(spec) - set(SWEEP_KEYS)
     if unknown:
         raise ConfigError(f"{where}unknown sweep key(s) {', '.join(sorted(unknown))} "
                           f"(a sweep has {', '.join(sorted(SWEEP_KEYS))})")
+    problem = type_problem(spec, {k: kind for k, kind in SWEEP_KEYS.items() if k in spec})
+    if problem:
+        raise ConfigError(f"{where}{problem.replace(' an object', ' a table')}")
     seeds = spec.get("seeds", [1337])
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)) \
             or len(set(seeds)) != len(seeds):
@@ -137,9 +141,18 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
     return Sweep(path, sweep_name, out_dir, seeds, named, runs)
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object the sweep wrote ({} where it is missing, or was cut or damaged: what it recorded is
+    then done again)."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def is_done(run: Run) -> bool:
-    path = run.dir / "result.json"
-    return path.exists() and json.loads(path.read_text()).get("done", False)
+    return read_json(run.dir / "result.json").get("done") is True
 
 
 def check_not_stale(run: Run) -> None:
@@ -150,7 +163,7 @@ def check_not_stale(run: Run) -> None:
     saved = flat(load_toml(saved_path))
     now = flat(run.cfg.to_dict())
     diff = [f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in now.items()
-            if saved.get(k) != v and k not in RESUMABLE_KEYS]
+            if saved.get(k) != v and k not in RESUMABLE_KEYS and not k.startswith("log.")]
     if diff:
         raise ConfigError(f"{run.dir} holds a run with another config ({'; '.join(diff[:3])}); "
                           f"delete it, or give the sweep another out_dir")
@@ -171,7 +184,7 @@ def execute(run: Run) -> tuple[int, int | None, bool]:
     The child runs in its own session: a Ctrl-C (or SIGTERM, SIGHUP) reaches this process, which passes
     it on, so the child saves a checkpoint and stops; a second one makes it exit at once."""
     run.dir.mkdir(parents=True, exist_ok=True)
-    (run.dir / "sweep_run.toml").write_text(describe(run.cfg))
+    atomic_write(run.dir / "sweep_run.toml", describe(run.cfg))
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -197,10 +210,10 @@ def execute(run: Run) -> tuple[int, int | None, bool]:
 
 def record_attempt(run: Run, code: int, rss: int | None, seconds: float) -> None:
     """run.json: every process that worked on the run, so resumed runs report their largest peak."""
-    path = run.dir / "run.json"
-    info = json.loads(path.read_text()) if path.exists() else {"attempts": []}
-    info["attempts"].append({"exit_code": code, "peak_rss_bytes": rss, "seconds": round(seconds, 2)})
-    path.write_text(json.dumps(info, indent=1))
+    attempts = read_json(run.dir / "run.json").get("attempts")
+    attempts = (attempts if isinstance(attempts, list) else []) + [
+        {"exit_code": code, "peak_rss_bytes": rss, "seconds": round(seconds, 2)}]
+    atomic_write(run.dir / "run.json", json.dumps({"attempts": attempts}, indent=1))
 
 
 def last_line(path: Path) -> str:
@@ -231,7 +244,7 @@ def run_sweep(sweep: Sweep, say=print) -> dict:
             failed.append((run, last_line(run.dir / "train.log")))
             say(f"    failed (exit code {code}): {failed[-1][1]}")
         else:
-            result = json.loads((run.dir / "result.json").read_text())
+            result = read_json(run.dir / "result.json")
             say(f"    val loss {result['val_loss']:.4f} (best {result['best_val_loss']:.4f}) "
                 f"in {time.perf_counter() - start:.0f} s")
     return {"failed": failed, "interrupted": False}

@@ -1,8 +1,11 @@
 """ablate.py: a tiny sweep runs, reports one row per variant, skips finished runs and resumes partial ones."""
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -143,3 +146,78 @@ def test_fast_recipe_sweep_turns_off_one_lever_per_variant(monkeypatch):
                    for key, value in getattr(run.cfg, section).__dict__.items()
                    if getattr(base, section).__dict__[key] != value and key != "seed"}
         assert len(changed) == (0 if run.variant == "fast" else 1), (run.variant, changed)
+
+
+ONE_RUN = '[[variants]]\nname = "sdpa"\n'
+
+
+def test_cut_or_damaged_records_of_a_sweep_are_done_again_not_a_traceback(tmp_path, text_file, capsys):
+    from ablate import main
+    path = write_sweep(tmp_path, text_file, ONE_RUN)
+    path.write_text(path.read_text().replace("seeds = [1, 2]", "seeds = [1]").replace("max_steps = 10", "max_steps = 4"))
+    assert main([str(path)]) == 0
+    run_dir = tmp_path / "sweep" / "sdpa" / "seed1"
+    for name in ("result.json", "run.json"):
+        (run_dir / name).write_text((run_dir / name).read_text()[:9])   # cut by a kill, or a full disk
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "kind": "ev')
+    capsys.readouterr()
+    assert main([str(path)]) == 0
+    assert "done before, skipped" not in capsys.readouterr().out, "a cut result.json is not a finished run"
+    assert json.loads((run_dir / "result.json").read_text())["done"] is True
+    assert len(json.loads((run_dir / "run.json").read_text())["attempts"]) == 1, "the cut record starts over"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("overrides", "3", "overrides is not a table"), ("name", "5", "name is not a string"),
+    ("variants", '"sdpa"', "variants is not a list"), ("base", "7", "base is not a string"),
+    ("seeds", "4", "seeds is not a list"),
+])
+def test_a_sweep_field_of_the_wrong_kind_is_one_line(tmp_path, field, value, message):
+    path = tmp_path / "sweep.toml"
+    path.write_text(f"{field} = {value}\n" + ("" if field == "variants" else ONE_RUN))
+    r = subprocess.run([sys.executable, "ablate.py", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_a_sweep_copied_under_another_name_continues_its_runs(tmp_path, text_file, capsys):
+    """Only labels change (the wandb group is the sweep's name): what the runs compute is the same."""
+    from ablate import main
+    path = write_sweep(tmp_path, text_file, ONE_RUN)
+    path.write_text(path.read_text().replace("max_steps = 10", "max_steps = 2"))
+    assert main([str(path)]) == 0
+    copy = tmp_path / "another_name.toml"
+    copy.write_text(path.read_text())
+    capsys.readouterr()
+    assert main([str(copy)]) == 0 and capsys.readouterr().out.count("done before, skipped") == 2, "both seeds"
+
+
+def test_a_run_whose_sweep_is_killed_stops_saves_and_frees_its_out_dir(tmp_path, text_file):
+    """kill -9 of ablate.py: its run (a child in a session of its own) stops as for SIGTERM."""
+    from training.checkpoint import latest_checkpoint
+    from training.outdir import OutDirLock
+    path = write_sweep(tmp_path, text_file, ONE_RUN)
+    path.write_text(path.read_text().replace("max_steps = 10", "max_steps = 100000").replace("eval_interval = 5",
+                                                                                             "eval_interval = 100000"))
+    sweep = subprocess.Popen([sys.executable, "ablate.py", str(path)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**os.environ, "WANDB_MODE": "disabled"})
+    run_dir = tmp_path / "sweep" / "sdpa" / "seed1"
+    deadline = time.monotonic() + 120
+    while "step " not in ((run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""):
+        assert time.monotonic() < deadline and sweep.poll() is None, "the run never started"
+        time.sleep(0.1)
+    child = int((run_dir / ".lock").read_text())
+    sweep.kill()
+    sweep.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the run went on after its sweep was killed")
+    assert latest_checkpoint(run_dir) is not None and "stopped by SIGTERM" in (run_dir / "train.log").read_text()
+    OutDirLock(run_dir).check_free()
