@@ -1,0 +1,202 @@
+"""attention.py --html: the page's stored weights round-trip within half a quantization step, the page
+inlines everything and loads nothing, and in a real headless browser (Debian's chromium driven by
+playwright) it loads without errors, a chosen token changes what is highlighted, and the weights and
+scores it shows are the model's. The browser tests skip, saying why, where chromium or playwright is
+missing; with REQUIRE_BROWSER=1 (CI) they fail instead."""
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import save_char_model
+from viz.attention_page import PLACEHOLDER, TEMPLATE, attention_page, decode_weights, encode_weights
+
+PROMPT = "ROMEO:\nTo be, or not?\nJULIET:\nAy, me."
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def softmax_rows(n_heads, T, window=0, seed=0):
+    """Random causal attention (n_heads, T, T) with exact zeros above the diagonal (and outside a window)."""
+    scores = torch.randn(n_heads, T, T, generator=torch.Generator().manual_seed(seed)) * 3
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    hidden = (j > i) | ((i - j >= window) if window else torch.zeros(T, T, dtype=torch.bool))
+    return scores.masked_fill(hidden, float("-inf")).softmax(-1).numpy()
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_the_stored_weights_round_trip_within_half_a_step(signed):
+    layers = [softmax_rows(3, 17, window=4, seed=0), softmax_rows(3, 17, seed=1)]
+    if signed:                                            # as linear attention with rope: any sign, rows not summing to 1
+        layers[1] = layers[1] * np.random.default_rng(0).uniform(-2, 2, size=layers[1].shape)
+    encoded = encode_weights(layers)
+    back = decode_weights(encoded, n_heads=3, T=17)
+    assert encoded["signed"] == [False, signed]
+    assert encoded["step"][0] == 1 / 255, "a softmax layer's step"
+    for original, decoded, step in zip(layers, back, encoded["step"]):
+        assert np.abs(decoded - original).max() <= step / 2 + 1e-12
+        assert np.all(decoded[original == 0] == 0), "zeros (the future, outside a window) stay exactly zero"
+    assert np.abs(back[1] - layers[1]).max() > 1e-4, "one byte each: not lossless, so the bound above is the claim"
+
+
+def inlined_data(html: str) -> dict:
+    return json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', html, re.S).group(1))
+
+
+def test_the_page_inlines_its_data_and_refers_to_nothing_outside():
+    texts = ["</script><script>alert(1)</script>", " a", "\n", "b"]
+    scores = [{"previous": np.array([0.5, 0.25]), "first": np.array([0.1, np.nan]), "self": np.zeros(2),
+               "newline": np.full(2, np.nan), "line_up": np.full(2, np.nan), "distance": np.array([1.0, 2.0])}]
+    html = attention_page(texts, [softmax_rows(2, 4)], scores, "a <b>title</b>", layers=[3], heads=[0, 5])
+    assert PLACEHOLDER not in html and html.count("</script>") == 2, "the token's text cannot end the data"
+    assert not re.search(r"https?:|//[a-z]|\b(src|href)=|<link|@import|url\(", html), "nothing to fetch"
+    assert "default-src 'none'" in html, "the browser refuses any request the page might make"
+    data = inlined_data(html)
+    assert data["tokens"] == texts and data["title"] == "a <b>title</b>" and data["layers"] == [3]
+    assert list(data["summary"]["values"]) == ["previous", "first", "self", "distance"], "all-NaN scores left out"
+    assert data["summary"]["values"]["first"] == [0.1, None], "one NaN: null, shown blank"
+    assert TEMPLATE.read_text().count(PLACEHOLDER) == 1
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two random character models with sharp, distinct heads: softmax weights, and signed ones."""
+    root = tmp_path_factory.mktemp("runs")
+    model = dict(block_size=48, n_layer=2, n_head=3, n_embd=24, sharpen=40.0)
+    return {"sdpa": save_char_model(root / "sdpa", **model),
+            "linear": save_char_model(root / "linear", attention="linear", pos="rope", **model)}
+
+
+def write_page(run_dir, path, *options):
+    from attention import main
+    assert main([str(run_dir), "--prompt", PROMPT, "--html", str(path), *options]) == 0
+    return path
+
+
+def test_the_command_writes_the_page_instead_of_the_pngs_or_both_with_out(checkpoints, tmp_path, capsys):
+    page = write_page(checkpoints["sdpa"], tmp_path / "deep" / "page.html")
+    assert capsys.readouterr().out.split() == [str(page)]
+    assert not (checkpoints["sdpa"] / "attention").exists(), "no PNGs unless --out asks for them"
+    data = inlined_data(page.read_text(encoding="utf-8"))
+    assert "".join(data["tokens"]) == PROMPT and data["layers"] == [0, 1] and data["heads"] == [0, 1, 2]
+    write_page(checkpoints["sdpa"], tmp_path / "page.html", "--out", str(tmp_path / "maps"), "--layers", "1")
+    assert capsys.readouterr().out.split() == [str(tmp_path / "maps" / n) for n in
+                                               ("attention_layer1.png", "attention_summary.png")] + [str(tmp_path / "page.html")]
+
+
+@pytest.mark.parametrize("where, message", [
+    ("folder", "error: --html {tmp}/folder is a folder: give a file name"),
+    ("file/page.html", "error: --html {tmp}/file/page.html: {tmp}/file is a file, not a folder"),
+])
+def test_a_bad_html_path_is_one_line_and_exit_2(checkpoints, tmp_path, capsys, where, message):
+    from attention import main
+    from common import run_cli
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("")
+    assert run_cli(main, [str(checkpoints["sdpa"]), "--prompt", PROMPT, "--html", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(tmp=tmp_path)) and err.count("\n") == 1, err
+
+
+# --- in a browser ---
+
+def browser_or_skip():
+    """Why there is no browser here, or None: pytest.skip with it, or fail where CI asks for one."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install -r requirements-dev.txt)"
+    if not shutil.which("chromium"):
+        return "no chromium (Debian: apt-get install chromium)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    missing = browser_or_skip()
+    if missing:
+        (pytest.fail if os.environ.get("REQUIRE_BROWSER") == "1" else pytest.skip)(f"no browser test: {missing}")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=shutil.which("chromium"), headless=True, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def open_page(browser):
+    """open_page(path) -> a playwright Page with the file loaded (its data decoded and drawn) and
+    .problems, a list of every console error, page error and request for anything but the file."""
+    pages = []
+
+    def open_(path):
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+        page.problems = []
+        url = path.resolve().as_uri()
+        page.on("console", lambda m: m.type == "error" and page.problems.append(f"console: {m.text}"))
+        page.on("pageerror", lambda e: page.problems.append(f"page error: {e}"))
+        page.on("request", lambda r: r.url != url and page.problems.append(f"request: {r.url}"))
+        page.goto(url)
+        page.wait_for_selector("body[data-ready]", state="attached", timeout=10_000)
+        pages.append(page)
+        return page
+    yield open_
+    for page in pages:
+        page.close()
+
+
+def shown(page) -> list:
+    """Per token: (the weight the page shows for it or None, its background, whether it is the query)."""
+    return page.eval_on_selector_all("#strip .tok", "spans => spans.map(s => "
+                                     "[s.dataset.weight ?? null, s.style.background, s.classList.contains('query')])")
+
+
+def test_the_page_loads_without_errors_and_a_chosen_token_changes_the_highlight(checkpoints, tmp_path, open_page):
+    page = open_page(write_page(checkpoints["sdpa"], tmp_path / "page.html"))
+    assert page.problems == []
+    T = len(PROMPT)
+    assert page.locator("#strip .tok").count() == T and page.locator("#overview canvas").count() == 6
+    page.hover("#strip .tok >> nth=10")
+    at_10 = shown(page)
+    assert [q for _, _, q in at_10].index(True) == 10
+    assert [w is not None for w, _, _ in at_10] == [j <= 10 for j in range(T)], "only the past is weighted"
+    page.click("#strip .tok >> nth=25")                  # kept: hovering elsewhere no longer moves it
+    page.hover("#strip .tok >> nth=3")
+    at_25 = shown(page)
+    assert [q for _, _, q in at_25].index(True) == 25 and at_25 != at_10
+    assert {bg for _, bg, _ in at_25[:26]} != {bg for _, bg, _ in at_10[:11]}, "the shading itself changes"
+    page.click("#overview .cell[data-layer='1'][data-head='2']")
+    assert (page.input_value("#layer"), page.input_value("#head")) == ("1", "2") and shown(page) != at_25
+    assert page.problems == []
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "linear"])
+def test_the_weights_and_scores_shown_are_the_models(checkpoints, tmp_path, open_page, kind):
+    from model.inspect import attention_maps, head_scores
+    from training.checkpoint import load_model
+    loaded = load_model(checkpoints[kind])
+    ids = loaded.tokenizer.encode(PROMPT)
+    _, maps = attention_maps(loaded.model, torch.tensor([ids]))
+    page_file = write_page(checkpoints[kind], tmp_path / "page.html")
+    step = inlined_data(page_file.read_text(encoding="utf-8"))["step"]
+    page = open_page(page_file)
+    assert (min(float(w.min()) for w in maps) < 0) == (kind == "linear"), "signed weights are what is tested"
+    for layer, head, query in [(1, 2, len(ids) - 1), (0, 1, 17)]:
+        page.select_option("#layer", str(layer))
+        page.select_option("#head", str(head))
+        page.click(f"#strip .tok >> nth={query}")
+        weights = [float(w) for w, _, _ in shown(page)[:query + 1]]
+        expected = maps[layer][0, head, query, :query + 1].double().numpy()
+        assert np.abs(np.array(weights) - expected).max() <= step[layer] / 2 + 1e-9
+        for other in [h for h in range(3) if h != head]:   # so a page showing the wrong head would fail
+            assert np.abs(maps[layer][0, other, query, :query + 1].numpy() - weights).max() > step[layer]
+    table = page.eval_on_selector_all("#summary tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+    scores = head_scores(maps[1][0], list(PROMPT))
+    row = table[3 + 2]                                      # layer 1, head 2
+    assert row[:2] == ["1", "2"] and float(row[2]) == pytest.approx(scores["previous"][2].item(), abs=0.005)
+    assert float(row[-1]) == pytest.approx(scores["distance"][2].item(), abs=0.05)
+    assert page.problems == []
