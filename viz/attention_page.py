@@ -7,13 +7,19 @@ The page needs nothing but itself: the data is inlined as JSON in attention_page
 beside this file, vanilla JS), and its Content-Security-Policy forbids every network request.
 
 How the weights are stored. A query i sees keys j <= i only, so each head keeps its lower triangle,
-row by row (T(T+1)/2 numbers), quantized to one byte: w = (code - zero) * step, per layer.
-    softmax layers   zero = 0, step = max(1, the layer's largest weight) / 255: in practice 1/255
-    signed layers    zero = 128, step = m / 127, m the layer's largest |weight| (linear attention
-                     with rope: rows need not sum to 1 and weights can be negative)
-so every weight the page shows is within step / 2 of the model's (0.002 for softmax layers), and a
-weight of exactly 0 stays exactly 0. The bytes of all layers are zlib-compressed and base64-encoded;
-the page inflates them with the browser's own DecompressionStream. decode_weights() reads them back.
+row by row (T(T+1)/2 numbers), in one byte each on a square-root scale: per layer,
+    w = ±scale · ((code - zero) / levels)²
+    softmax layers   zero = 0, levels = 255, scale = max(1, the layer's largest weight): in practice 1
+    signed layers    zero = 128, levels = 127, scale = the layer's largest |weight| (linear attention
+                     with rope: rows need not sum to 1, and weights can be negative)
+Rounding the root to 1/(2·levels) puts every weight the page shows within
+    scale · (√(|w| / scale) / levels + 1 / (4·levels²))      (error_bound)
+of the model's: for softmax layers 0.0039 at w = 1, 0.0020 at 0.25, 0.0004 at 0.01, 0.000004 at 0.
+(A byte on a linear scale would be off by up to 0.002 everywhere: all of a weight of 1/500, common
+with a long prompt.) Zero stays exactly zero, and the page's shade, on a square-root scale as the
+PNGs' for softmax layers (signed ones too), is linear in the code. The bytes of all layers are
+zlib-compressed and base64-encoded; the page inflates them with the browser's DecompressionStream.
+decode_weights() reads them back as the page does.
 """
 import base64
 import json
@@ -50,42 +56,45 @@ def attention_page(texts: list[str], weights: list[np.ndarray], scores: list[dic
 
 
 def encode_weights(weights: list[np.ndarray]) -> dict:
-    """Per-layer (nh, T, T) arrays -> {"signed", "zero", "step", "scale": one per layer, "weights":
+    """Per-layer (nh, T, T) arrays -> {"signed", "zero", "levels", "scale": one per layer, "weights":
     base64 of the zlib-compressed codes (layer, head, row i, key j <= i), one byte each}."""
     T = weights[0].shape[-1]
     rows, cols = np.tril_indices(T)                                  # row-major: (0,0), (1,0), (1,1), ...
     coded = [quantize(w[:, rows, cols].astype(np.float64)) for w in weights]
-    codes = np.stack([c for c, _, _, _ in coded])                    # (layers, heads, T(T+1)/2) uint8
-    return {"signed": [s for _, s, _, _ in coded], "zero": [z for _, _, z, _ in coded],
-            "step": [st for _, _, _, st in coded],
-            "scale": [st * (127 if s else 255) for _, s, _, st in coded],   # the largest |weight| codes reach
-            "weights": base64.b64encode(zlib.compress(codes.tobytes(), 9)).decode("ascii")}
+    codes = np.stack([c for c, _ in coded])                          # (layers, heads, T(T+1)/2) uint8
+    data = {key: [q[key] for _, q in coded] for key in ("signed", "zero", "levels", "scale")}
+    return {**data, "weights": base64.b64encode(zlib.compress(codes.tobytes(), 9)).decode("ascii")}
 
 
-def quantize(values: np.ndarray) -> tuple[np.ndarray, bool, int, float]:
-    """One layer's stored weights -> (uint8 codes, signed, zero, step) with values ≈ (codes - zero) * step
-    to within step / 2 (see the top)."""
+def quantize(values: np.ndarray) -> tuple[np.ndarray, dict]:
+    """One layer's stored weights -> (uint8 codes, {"signed", "zero", "levels", "scale"}), the codes the
+    rounded square roots (see the top)."""
     signed = bool((values < 0).any())
-    if signed:
-        zero, step = 128, float(np.abs(values).max()) / 127
-    else:
-        zero, step = 0, max(1.0, float(values.max())) / 255
-    codes = np.clip(np.rint(values / step) + zero, 0, 255).astype(np.uint8)
-    return codes, signed, zero, step
+    zero, levels = (128, 127) if signed else (0, 255)
+    scale = float(np.abs(values).max()) if signed else max(1.0, float(values.max()))
+    root = np.sign(values) * np.sqrt(np.abs(values) / scale)          # in [-1, 1]
+    codes = np.clip(np.rint(root * levels) + zero, 0, 255).astype(np.uint8)
+    return codes, {"signed": signed, "zero": zero, "levels": levels, "scale": scale}
 
 
 def decode_weights(data: dict, n_heads: int, T: int) -> list[np.ndarray]:
     """The inverse of encode_weights, as the page computes it: per layer (n_heads, T, T), zero above
     the diagonal."""
     codes = np.frombuffer(zlib.decompress(base64.b64decode(data["weights"])), dtype=np.uint8)
-    codes = codes.reshape(len(data["step"]), n_heads, T * (T + 1) // 2)
+    codes = codes.reshape(len(data["scale"]), n_heads, T * (T + 1) // 2)
     rows, cols = np.tril_indices(T)
     layers = []
-    for layer_codes, zero, step in zip(codes, data["zero"], data["step"]):
+    for layer_codes, zero, levels, scale in zip(codes, data["zero"], data["levels"], data["scale"]):
+        root = (layer_codes.astype(np.float64) - zero) / levels
         w = np.zeros((n_heads, T, T))
-        w[:, rows, cols] = (layer_codes.astype(np.float64) - zero) * step
+        w[:, rows, cols] = np.sign(root) * root ** 2 * scale
         layers.append(w)
     return layers
+
+
+def error_bound(w, scale: float, levels: int):
+    """How far a stored weight can be from w (a number or an array) in a layer of this scale and levels."""
+    return scale * (np.sqrt(np.abs(w) / scale) / levels + 1 / (4 * levels ** 2))
 
 
 def summary(scores: list[dict]) -> dict:
