@@ -177,30 +177,51 @@ def test_the_page_loads_without_errors_and_a_chosen_token_changes_the_highlight(
     assert page.problems == []
 
 
+def model_maps(run_dir):
+    """The model's own weights for PROMPT: per layer (1, nh, T, T)."""
+    from model.inspect import attention_maps
+    from training.checkpoint import load_model
+    loaded = load_model(run_dir)
+    return attention_maps(loaded.model, torch.tensor([loaded.tokenizer.encode(PROMPT)]))[1]
+
+
+def assert_shows_the_models_row(page, data, maps, layer, head, query):
+    """Pick layer and head (the model's numbers) and click token `query`: the weights the page shows
+    are the model's within error_bound, and another head's would not be."""
+    page.select_option("#layer", value=str(layer))
+    page.select_option("#head", value=str(head))
+    page.click(f"#strip .tok >> nth={query}")
+    weights = np.array([float(w) for w, _, _ in shown(page)[:query + 1]])
+    k = data["layers"].index(layer)
+    bound = partial(error_bound, scale=data["scale"][k], levels=data["levels"][k])
+    rows = maps[layer][0, :, query, :query + 1].double().numpy()      # every head's, this query's
+    assert np.all(np.abs(weights - rows[head]) <= bound(rows[head]) + 1e-9)
+    for other in [h for h in range(len(rows)) if h != head]:          # so that showing the wrong head fails
+        assert np.any(np.abs(weights - rows[other]) > bound(rows[other]))
+
+
 @pytest.mark.parametrize("kind", ["sdpa", "linear"])
 def test_the_weights_and_scores_shown_are_the_models(checkpoints, tmp_path, open_page, kind):
-    from model.inspect import attention_maps, head_scores
-    from training.checkpoint import load_model
-    loaded = load_model(checkpoints[kind])
-    ids = loaded.tokenizer.encode(PROMPT)
-    _, maps = attention_maps(loaded.model, torch.tensor([ids]))
-    page_file = write_page(checkpoints[kind], tmp_path / "page.html")
-    data = inlined_data(page_file.read_text(encoding="utf-8"))
-    page = open_page(page_file)
+    from model.inspect import head_scores
+    maps = model_maps(checkpoints[kind])
     assert (min(float(w.min()) for w in maps) < 0) == (kind == "linear"), "signed weights are what is tested"
-    for layer, head, query in [(1, 2, len(ids) - 1), (0, 1, 17)]:
-        page.select_option("#layer", str(layer))
-        page.select_option("#head", str(head))
-        page.click(f"#strip .tok >> nth={query}")
-        weights = np.array([float(w) for w, _, _ in shown(page)[:query + 1]])
-        bound = partial(error_bound, scale=data["scale"][layer], levels=data["levels"][layer])
-        rows = maps[layer][0, :, query, :query + 1].double().numpy()      # every head's, this query's
-        assert np.all(np.abs(weights - rows[head]) <= bound(rows[head]) + 1e-9)
-        for other in [h for h in range(3) if h != head]:   # so that a page showing the wrong head would fail
-            assert np.any(np.abs(weights - rows[other]) > bound(rows[other]))
+    page_file = write_page(checkpoints[kind], tmp_path / "page.html")
+    page = open_page(page_file)
+    data = inlined_data(page_file.read_text(encoding="utf-8"))
+    for layer, head, query in [(1, 2, len(PROMPT) - 1), (0, 1, 17)]:
+        assert_shows_the_models_row(page, data, maps, layer, head, query)
     table = page.eval_on_selector_all("#summary tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
     scores = head_scores(maps[1][0], list(PROMPT))
     row = table[3 + 2]                                      # layer 1, head 2
     assert row[:2] == ["1", "2"] and float(row[2]) == pytest.approx(scores["previous"][2].item(), abs=0.005)
     assert float(row[-1]) == pytest.approx(scores["distance"][2].item(), abs=0.05)
+    assert page.problems == []
+
+
+def test_a_page_of_some_layers_and_heads_shows_them_by_the_models_numbers(checkpoints, tmp_path, open_page):
+    page_file = write_page(checkpoints["sdpa"], tmp_path / "page.html", "--layers", "1", "--heads", "0,2")
+    page = open_page(page_file)
+    assert page.eval_on_selector_all("#head option", "options => options.map(o => o.textContent)") == ["0", "2"]
+    assert_shows_the_models_row(page, inlined_data(page_file.read_text(encoding="utf-8")),
+                                model_maps(checkpoints["sdpa"]), layer=1, head=2, query=30)
     assert page.problems == []
