@@ -166,17 +166,17 @@ def draw_pngs(out_dir: Path, weights: list, scores: dict, texts: list[str], laye
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    labels = [visible(t) for t in texts]
-    figures = [(f"attention_layer{layer}.png", plot_layer(w, labels, heads, f"layer {layer} ({kind}): row = query "
-                                                          f"token, column = the token it attends to", dpi))
-               for layer, w in zip(layers, weights)]
-    if summary:
-        figures.append(("attention_summary.png", plot_summary(rows, scores, dpi)))
-    written = []
-    for name, fig in figures:
+    labels, written = [visible(t) for t in texts], []
+
+    def save(name, fig):                  # one figure at a time: a large model's would not all fit at once
         written.append(out_dir / name)
         fig.savefig(written[-1])
         plt.close(fig)
+    for layer, w in zip(layers, weights):
+        save(f"attention_layer{layer}.png", plot_layer(w, labels, heads, f"layer {layer} ({kind}): row = query "
+                                                       f"token, column = the token it attends to", dpi))
+    if summary:
+        save("attention_summary.png", plot_summary(rows, scores, dpi))
     return written
 
 
