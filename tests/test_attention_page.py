@@ -69,7 +69,7 @@ def test_the_page_inlines_its_data_and_refers_to_nothing_outside():
 def checkpoints(tmp_path_factory):
     """Two random character models with sharp, distinct heads: softmax weights, and signed ones."""
     root = tmp_path_factory.mktemp("runs")
-    model = dict(block_size=48, n_layer=2, n_head=3, n_embd=24, sharpen=40.0)
+    model = dict(block_size=48, n_layer=2, n_head=3, n_embd=24, sharpen=10.0)
     return {"sdpa": save_char_model(root / "sdpa", **model),
             "linear": save_char_model(root / "linear", attention="linear", pos="rope", **model)}
 
@@ -174,6 +174,10 @@ def test_the_page_loads_without_errors_and_a_chosen_token_changes_the_highlight(
     assert {bg for _, bg, _ in at_25[:26]} != {bg for _, bg, _ in at_10[:11]}, "the shading itself changes"
     page.click("#overview .cell[data-layer='1'][data-head='2']")
     assert (page.input_value("#layer"), page.input_value("#head")) == ("1", "2") and shown(page) != at_25
+    page.check("#relative")                               # darkest: this token's largest weight
+    weights = [float(w) for w, _, _ in shown(page)[:26]]
+    top = max(range(26), key=lambda j: weights[j])
+    assert shown(page)[top][1] == "rgb(8, 81, 156)" and max(weights) < 0.99, "full colour at less than 1"
     assert page.problems == []
 
 
@@ -208,7 +212,12 @@ def test_the_weights_and_scores_shown_are_the_models(checkpoints, tmp_path, open
     page_file = write_page(checkpoints[kind], tmp_path / "page.html")
     page = open_page(page_file)
     data = inlined_data(page_file.read_text(encoding="utf-8"))
-    for layer, head, query in [(1, 2, len(PROMPT) - 1), (0, 1, 17)]:
+    cases = [(1, 2, len(PROMPT) - 1), (0, 1, 17)]
+    if kind == "linear":                                   # and the row of the most negative weight
+        stacked = torch.stack([w[0] for w in maps])         # (layers, heads, T, T)
+        cases.append(tuple(int(n) for n in np.unravel_index(int(stacked.argmin()), stacked.shape)[:3]))
+        assert stacked.min() < -0.01, "a negative weight ten times the bound there: a lost sign would show"
+    for layer, head, query in cases:
         assert_shows_the_models_row(page, data, maps, layer, head, query)
     table = page.eval_on_selector_all("#summary tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
     scores = head_scores(maps[1][0], list(PROMPT))
