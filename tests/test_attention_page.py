@@ -3,6 +3,7 @@ inlines everything and loads nothing, and in a real headless browser (Debian's c
 playwright) it loads without errors, a chosen token changes what is highlighted, and the weights and
 scores it shows are the model's. The browser tests skip, saying why, where chromium or playwright is
 missing; with REQUIRE_BROWSER=1 (CI) they fail instead."""
+import importlib.util
 import json
 import os
 import re
@@ -32,7 +33,7 @@ def softmax_rows(n_heads, T, window=0, seed=0):
 @pytest.mark.parametrize("signed", [False, True])
 def test_the_stored_weights_round_trip_within_the_bound(signed):
     layers = [softmax_rows(3, 17, window=4, seed=0), softmax_rows(3, 17, seed=1)]
-    if signed:                                            # as linear attention with rope: any sign, rows not summing to 1
+    if signed:                        # as linear attention with rope: any sign, rows not summing to 1
         layers[1] = layers[1] * np.random.default_rng(0).uniform(-2, 2, size=layers[1].shape)
     encoded = encode_weights(layers)
     back = decode_weights(encoded, n_heads=3, T=17)
@@ -43,7 +44,7 @@ def test_the_stored_weights_round_trip_within_the_bound(signed):
         assert error.max() > bound.max() / 4, "one byte each, not lossless: the bound is the claim"
         assert np.all(decoded[original == 0] == 0), "zeros (the future, outside a window) stay exactly zero"
     small = (layers[0] > 0) & (layers[0] < 0.01)
-    assert small.any() and np.all(np.abs(back[0] - layers[0])[small] <= 0.0004 + 4e-6), "small weights keep their digits"
+    assert small.any() and np.all(np.abs(back[0] - layers[0])[small] <= 0.0004 + 4e-6), "small weights keep digits"
 
 
 def inlined_data(html: str) -> dict:
@@ -87,8 +88,8 @@ def test_the_command_writes_the_page_instead_of_the_pngs_or_both_with_out(checkp
     data = inlined_data(page.read_text(encoding="utf-8"))
     assert "".join(data["tokens"]) == PROMPT and data["layers"] == [0, 1] and data["heads"] == [0, 1, 2]
     write_page(checkpoints["sdpa"], tmp_path / "page.html", "--out", str(tmp_path / "maps"), "--layers", "1")
-    assert capsys.readouterr().out.split() == [str(tmp_path / "maps" / n) for n in
-                                               ("attention_layer1.png", "attention_summary.png")] + [str(tmp_path / "page.html")]
+    pngs = [tmp_path / "maps" / n for n in ("attention_layer1.png", "attention_summary.png")]
+    assert capsys.readouterr().out.split() == [str(p) for p in (*pngs, tmp_path / "page.html")]
 
 
 @pytest.mark.parametrize("where, message", [
@@ -107,11 +108,9 @@ def test_a_bad_html_path_is_one_line_and_exit_2(checkpoints, tmp_path, capsys, w
 
 # --- in a browser ---
 
-def browser_or_skip():
-    """Why there is no browser here, or None: pytest.skip with it, or fail where CI asks for one."""
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
+def missing_browser() -> str | None:
+    """Why the browser tests cannot run here, or None."""
+    if importlib.util.find_spec("playwright") is None:
         return "playwright is not installed (pip install -r requirements-dev.txt)"
     if not shutil.which("chromium"):
         return "no chromium (Debian: apt-get install chromium)"
@@ -120,8 +119,8 @@ def browser_or_skip():
 
 @pytest.fixture(scope="module")
 def browser():
-    missing = browser_or_skip()
-    if missing:
+    missing = missing_browser()
+    if missing:                       # skip, or fail where CI asks for a browser
         (pytest.fail if os.environ.get("REQUIRE_BROWSER") == "1" else pytest.skip)(f"no browser test: {missing}")
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
@@ -219,7 +218,8 @@ def test_the_weights_and_scores_shown_are_the_models(checkpoints, tmp_path, open
         assert stacked.min() < -0.01, "a negative weight ten times the bound there: a lost sign would show"
     for layer, head, query in cases:
         assert_shows_the_models_row(page, data, maps, layer, head, query)
-    table = page.eval_on_selector_all("#summary tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+    table = page.eval_on_selector_all("#summary tbody tr",
+                                      "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
     scores = head_scores(maps[1][0], list(PROMPT))
     row = table[3 + 2]                                      # layer 1, head 2
     assert row[:2] == ["1", "2"] and float(row[2]) == pytest.approx(scores["previous"][2].item(), abs=0.005)
