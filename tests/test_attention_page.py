@@ -1,4 +1,4 @@
-"""attention.py --html: the page's stored weights round-trip within half a quantization step, the page
+"""attention.py --html: the page's stored weights round-trip within their stated precision, the page
 inlines everything and loads nothing, and in a real headless browser (Debian's chromium driven by
 playwright) it loads without errors, a chosen token changes what is highlighted, and the weights and
 scores it shows are the model's. The browser tests skip, saying why, where chromium or playwright is
@@ -104,6 +104,18 @@ def test_a_bad_html_path_is_one_line_and_exit_2(checkpoints, tmp_path, capsys, w
     assert run_cli(main, [str(checkpoints["sdpa"]), "--prompt", PROMPT, "--html", str(tmp_path / where)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message.format(tmp=tmp_path)) and err.count("\n") == 1, err
+
+
+def test_a_page_that_cannot_be_written_is_one_line_and_exit_2(checkpoints, tmp_path, capsys, monkeypatch):
+    import attention
+    from common import run_cli
+
+    def full_disk(path, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(attention, "atomic_write", full_disk)
+    path = tmp_path / "page.html"
+    assert run_cli(attention.main, [str(checkpoints["sdpa"]), "--prompt", PROMPT, "--html", str(path)]) == 2
+    assert capsys.readouterr().err == f"error: cannot write the page {path}: No space left on device\n"
 
 
 # --- in a browser ---
