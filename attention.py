@@ -2,6 +2,7 @@
 
     python attention.py out/shakespeare_char_cpu --prompt $'ROMEO:\\nBut soft, what light?\\n'
     python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 --out maps/
+    python attention.py out/shakespeare_char_cpu --prompt @scene.txt --html attention.html
 
 writes, into --out (default: <run dir>/attention/),
     attention_layer<i>.png   one panel per head: row i is query token i, column j the token it looks
@@ -10,7 +11,11 @@ writes, into --out (default: <run dir>/attention/),
     attention_summary.png    per head: the share of attention on the previous token, the first token,
                              itself, the newline that began its line, the same column one line up
                              (character models), and the mean distance looked back, in tokens
-and prints their paths. The weights are the model's own, by its variant's math (model/inspect.py).
+and prints their paths. With --html FILE it writes instead one self-contained page (viz/attention_page.py)
+where hovering or clicking a token shows where it looks, for every chosen layer and head, with an
+overview of all heads and the same summary; it suits long prompts (hundreds of tokens), where the
+PNGs' labels would not fit. Give --out as well to have both.
+The weights are the model's own, by its variant's math (model/inspect.py).
 A prompt longer than the model's block_size is cut to its last block_size tokens.
 """
 import math
@@ -19,7 +24,7 @@ import sys
 from pathlib import Path
 
 signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
-from common import ArgumentParser, ConfigError, TokenizerError, run_cli  # noqa: E402
+from common import ArgumentParser, ConfigError, RunError, TokenizerError, atomic_write, run_cli  # noqa: E402
 
 VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
 SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself",
@@ -33,6 +38,8 @@ def parse_args(argv):
     p.add_argument("--out", default="", help="folder for the PNGs (default: <run dir>/attention/)")
     p.add_argument("--layers", default="", help="comma-separated layer numbers from 0 (default: all)")
     p.add_argument("--heads", default="", help="comma-separated head numbers from 0 (default: all)")
+    p.add_argument("--html", default="", metavar="FILE",
+                   help="write the interactive page to FILE instead of the PNGs (give --out as well for both)")
     p.add_argument("--no-summary", action="store_true", help="skip attention_summary.png")
     p.add_argument("--dpi", type=int, default=100)
     return p.parse_args(argv)
@@ -141,11 +148,66 @@ def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
     return fig
 
 
-def main(argv) -> int:
-    args = parse_args(argv)
+def page_path(spec: str) -> Path:
+    """--html's file, checked before the model runs: not a folder, and not below a file."""
+    path = Path(spec)
+    if path.is_dir():
+        raise ConfigError(f"--html {path} is a folder: give a file name, such as {path / 'attention.html'}")
+    parent = next(p for p in path.absolute().parents if p.exists())     # the nearest that exists
+    if not parent.is_dir():
+        raise ConfigError(f"--html {path}: {parent} is a file, not a folder")
+    return path
+
+
+def draw_pngs(out_dir: Path, weights: list, scores: dict, texts: list[str], layers: list[int], heads: list[int],
+              rows: list[str], kind: str, summary: bool, dpi: int) -> list[Path]:
+    """attention_layer<i>.png per layer (weights: (heads, T, T) each) and attention_summary.png (scores:
+    {name: (len(rows),)}) into out_dir; their paths."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    labels, written = [visible(t) for t in texts], []
+
+    def save(name, fig):                  # one figure at a time: a large model's would not all fit at once
+        written.append(out_dir / name)
+        fig.savefig(written[-1])
+        plt.close(fig)
+    for layer, w in zip(layers, weights):
+        save(f"attention_layer{layer}.png", plot_layer(w, labels, heads, f"layer {layer} ({kind}): row = query "
+                                                       f"token, column = the token it attends to", dpi))
+    if summary:
+        save("attention_summary.png", plot_summary(rows, scores, dpi))
+    return written
+
+
+def write_page(path: Path, texts: list[str], weights: list, scores: list[dict], title: str, layers: list[int],
+               heads: list[int]) -> Path:
+    """The interactive page (viz/attention_page.py) at path, written whole or not at all."""
+    from viz.attention_page import attention_page
+    html = attention_page(texts, weights, scores, title, layers, heads)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, html)
+    except OSError as e:
+        raise RunError(f"cannot write the page {path}: {e.strerror or e}") from None
+    return path
+
+
+def say_best(rows: list[str], scores: dict) -> None:
+    """On stderr, the head with the largest share of each kind."""
+    import numpy as np
+    for name in SCORE_NAMES:
+        if not np.isnan(scores[name]).all():
+            best = int(np.nanargmax(scores[name]))
+            print(f"# most on {SCORE_NAMES[name].replace(chr(10), ' ')}: {rows[best]} ({scores[name][best]:.2f})",
+                  file=sys.stderr)
+
+
+def main(argv) -> int:
+    args = parse_args(argv)
+    html = page_path(args.html) if args.html else None
     import numpy as np
     import torch
 
@@ -158,35 +220,22 @@ def main(argv) -> int:
     cfg = model.cfg
     ids = encode_prompt(tokenizer, read_prompt(args.prompt), cfg.block_size)
     layers, heads = pick(args.layers, cfg.n_layer, "--layers"), pick(args.heads, cfg.n_head, "--heads")
-    out_dir = Path(args.out) if args.out else path.parent / "attention"
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     _, maps = attention_maps(model, torch.tensor([ids]))
     texts = token_texts(tokenizer, ids)
-    labels = [visible(t) for t in texts]
+    weights = [maps[layer][0, heads].numpy() for layer in layers]                # each (heads, T, T)
+    scores = [{name: s.numpy() for name, s in head_scores(maps[layer][0, heads], texts).items()} for layer in layers]
+    merged = {name: np.concatenate([s[name] for s in scores]) for name in scores[0]}
+    rows = [f"layer {layer} head {h}" for layer in layers for h in heads]
     kind = f"{cfg.attention}, pos={cfg.pos}"
-    written, rows, scores = [], [], []
-    for layer in layers:
-        weights = maps[layer][0, heads].numpy()                          # (heads, T, T)
-        fig = plot_layer(weights, labels, heads, f"layer {layer} ({kind}): row = query token, "
-                         f"column = the token it attends to", args.dpi)
-        written.append(out_dir / f"attention_layer{layer}.png")
-        fig.savefig(written[-1])
-        plt.close(fig)
-        layer_scores = head_scores(maps[layer][0, heads], texts)
-        rows += [f"layer {layer} head {h}" for h in heads]
-        scores.append({name: s.numpy() for name, s in layer_scores.items()})
+    written = []
+    if html is None or args.out:
+        out_dir = Path(args.out) if args.out else path.parent / "attention"
+        written += draw_pngs(out_dir, weights, merged, texts, layers, heads, rows, kind, not args.no_summary, args.dpi)
+    if html is not None:
+        written.append(write_page(html, texts, weights, scores, f"{loaded.description}: {kind}", layers, heads))
     if not args.no_summary:
-        merged = {name: np.concatenate([s[name] for s in scores]) for name in scores[0]}
-        fig = plot_summary(rows, merged, args.dpi)
-        written.append(out_dir / "attention_summary.png")
-        fig.savefig(written[-1])
-        plt.close(fig)
-        for name in SCORE_NAMES:
-            if not np.isnan(merged[name]).all():
-                best = int(np.nanargmax(merged[name]))
-                print(f"# most on {SCORE_NAMES[name].replace(chr(10), ' ')}: {rows[best]} ({merged[name][best]:.2f})",
-                      file=sys.stderr)
+        say_best(rows, merged)
     for p in written:
         print(p)
     return 0

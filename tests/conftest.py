@@ -284,3 +284,25 @@ def small_disk(tmp_path):
     for disk in mounted:
         if subprocess.run(["umount", str(disk)]).returncode:
             subprocess.run(["umount", "-l", str(disk)])
+
+def save_char_model(out, sharpen: float = 1.0, seed: int = 0, **model) -> Path:
+    """A random (untrained) character model with these ModelConfig values, saved in out as a run's best
+    checkpoint with what loading it needs; out. sharpen scales its query and key weights: at the
+    default initialization every head attends almost evenly, and heads hardly differ."""
+    from data.tokenizers import CharTokenizer
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    from training.checkpoint import FORMAT, VERSION, save_checkpoint
+    from training.config import Config
+    Path(out).mkdir(parents=True, exist_ok=True)
+    cfg = Config(out_dir=str(out))
+    tokenizer = CharTokenizer("\n !:,.?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+    cfg.model = ModelConfig(vocab_size=tokenizer.vocab_size, **model)
+    torch.manual_seed(seed)
+    state = GPT(cfg.model).state_dict()
+    for name, value in state.items():
+        if name.endswith(("attn.query.weight", "attn.key.weight")):
+            value.mul_(sharpen)
+    save_checkpoint({"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "tokenizer": tokenizer.meta(),
+                     "model": state, "step": 0, "is_best": True}, out, keep=1)   # what sampling needs, no more
+    return Path(out)

@@ -14,7 +14,7 @@ from model.gpt import GPT
 from model.inspect import attention_maps, head_scores, line_up_positions, newline_positions
 from model.positions import rope_tables
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, save_char_model
 
 OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
        "linear": {}, "mla": {"kv_latent_dim": 12}}
@@ -140,18 +140,7 @@ def test_one_line_up_is_the_same_column_of_the_line_above():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A random tiny character model saved as a checkpoint (training is not what is tested here)."""
-    from data.tokenizers import CharTokenizer
-    from training.checkpoint import FORMAT, VERSION, save_checkpoint
-    from training.config import Config
-    out = tmp_path_factory.mktemp("run")
-    cfg = Config(out_dir=str(out))
-    tokenizer = CharTokenizer("\n !:,.?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-    cfg.model = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=24, n_layer=2, n_head=3, n_embd=24)
-    torch.manual_seed(0)
-    state = {"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "tokenizer": tokenizer.meta(),
-             "model": GPT(cfg.model).state_dict(), "step": 0, "is_best": True}   # what sampling needs, no more
-    save_checkpoint(state, out, keep=1)
-    return out
+    return save_char_model(tmp_path_factory.mktemp("run"), block_size=24, n_layer=2, n_head=3, n_embd=24)
 
 
 def image_panels(fig):
