@@ -41,8 +41,11 @@ def parse_args(argv):
     p.add_argument("--html", default="", metavar="FILE",
                    help="write the interactive page to FILE instead of the PNGs (give --out as well for both)")
     p.add_argument("--no-summary", action="store_true", help="skip attention_summary.png")
-    p.add_argument("--dpi", type=int, default=100)
-    return p.parse_args(argv)
+    p.add_argument("--dpi", type=int, default=100, help="pixels per inch of the PNGs (1 to 1000)")
+    args = p.parse_args(argv)
+    if not 1 <= args.dpi <= 1000:
+        p.error(f"--dpi must be in [1, 1000], got {args.dpi}")
+    return args
 
 
 def encode_prompt(tokenizer, text: str, block_size: int) -> list[int]:

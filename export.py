@@ -36,6 +36,8 @@ def main(argv) -> int:
     out = Path(args.out_dir)
     if out.exists() and not out.is_dir():
         raise RunError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.glob("*.pt")):
+        raise RunError(f"{out} holds checkpoints of a run: export into a directory of its own")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise RunError(f"{out} is not empty; pass --force to write config.json and model.safetensors into it")
     loaded = load_model(args.checkpoint)

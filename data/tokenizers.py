@@ -95,8 +95,8 @@ class TiktokenTokenizer:
         try:
             enc = tiktoken.get_encoding(name)
         except Exception as e:   # the BPE files are downloaded on first use
-            raise TokenizerError(f"could not load the tiktoken encoding {name!r} ({type(e).__name__}: {e}); "
-                                 "with no network, set TIKTOKEN_CACHE_DIR to a folder holding its files") from None
+            raise TokenizerError(f"could not load tiktoken's {name!r} files ({type(e).__name__}); without a network, "
+                                 f"set TIKTOKEN_CACHE_DIR to a folder that holds them") from None
         return cls(enc, {"kind": "tiktoken", "name": name})
 
     @property
@@ -220,7 +220,7 @@ def bpe_vocab_size(spec: str) -> int | None:
     if spec != "bpe" and not spec.startswith("bpe:"):
         return None
     n = spec[4:]
-    if not n.isdigit() or not MIN_VOCAB <= int(n) <= MAX_VOCAB:
+    if not (n.isascii() and n.isdigit()) or not MIN_VOCAB <= int(n) <= MAX_VOCAB:   # ('²' is a digit to isdigit)
         raise TokenizerError(f"tokenizer {spec!r}: write bpe:N with N the vocabulary size, "
                              f"{MIN_VOCAB} to {MAX_VOCAB:,} (e.g. bpe:4096)")
     return int(n)

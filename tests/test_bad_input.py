@@ -12,6 +12,8 @@ import zipfile
 import pytest
 import torch
 
+import attention as attention_cli
+import export as export_cli
 import sample as sample_cli
 import train as train_cli
 from common import DataError
@@ -182,6 +184,20 @@ CASES = [
     ("endless prompt file", sample_cli, lambda e: [e["ckpt"], "--prompt", "@/dev/zero"], "/dev/zero is larger than 1 MB"),
     ("absent GPU", sample_cli, lambda e: [e["ckpt"], "--device", "cuda:7"], "error: --device='cuda:7'"),
     ("unknown device", sample_cli, lambda e: [e["ckpt"], "--device", "tpu"], "error: --device='tpu' is not a device"),
+    ("a non-ASCII digit in bpe:N", train_cli, lambda e: e["base"](**{"data.tokenizer": "bpe:²57"}),
+     "write bpe:N with N the vocabulary size"),
+    ("attention, dpi 0", attention_cli, lambda e: [e["ckpt"], "--prompt", "First", "--dpi", "0"],
+     "--dpi must be in [1, 1000], got 0"),
+    ("attention, a layer out of range", attention_cli, lambda e: [e["ckpt"], "--prompt", "First", "--layers", "9"],
+     "--layers: 9 is out of range, the model has 2"),
+    ("attention, a one-token prompt", attention_cli, lambda e: [e["ckpt"], "--prompt", "F"], "the prompt has 1 token"),
+    ("attention, missing prompt file", attention_cli, lambda e: [e["ckpt"], "--prompt", f"@{e['tmp'] / 'p.txt'}"],
+     "prompt file not found"),
+    ("export into a run's dir", export_cli, lambda e: [e["trained"], e["trained"], "--force"],
+     "holds checkpoints of a run: export into a directory of its own"),
+    ("export into a dir that is not empty", export_cli,
+     lambda e: [e["ckpt"], write(mkdir(e["tmp"] / "notes") / "a.txt", "x").parent], "is not empty; pass --force"),
+    ("export, missing checkpoint", export_cli, lambda e: [e["tmp"] / "gone.pt", e["tmp"] / "hf"], "checkpoint not found"),
 ]
 
 
@@ -242,3 +258,53 @@ def test_a_preparation_cut_short_leaves_nothing_behind(failure, tmp_path, text_f
     assert list((tmp_path / "prepared").iterdir()) == []
     monkeypatch.setattr(json, "dumps", real_dumps)
     assert (prepare_text(text_file, "char", 0.1, tmp_path / "prepared") / "meta.json").exists()
+
+
+def test_a_config_file_with_a_byte_order_mark_loads(tmp_path, tiny_cfg):
+    """Windows' Notepad saves UTF-8 with a BOM; TOML itself does not allow one."""
+    from training.config import build_config
+    path = tmp_path / "notepad.toml"
+    path.write_bytes("\ufeff[model]\nn_layer = 3\n".encode("utf-8"))
+    assert build_config(str(path), []).model.n_layer == 3
+
+
+def test_a_run_dir_holding_a_stray_config_json_is_still_the_run(tmp_path, trained, capsys):
+    """A Hugging Face export once written into a run's dir must not make it look like a Hugging Face model."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    (run / "config.json").write_text('{"model_type": "gpt2"}')
+    rc, out, err = run_tool(sample_cli, [run, "--prompt", "First", "--max-new-tokens", 3], capsys)
+    assert rc == 0 and out.startswith("First") and "best.pt" in err, err
+
+
+def test_missing_gpt2_files_are_said_as_such_not_blamed_on_the_checkpoint(tmp_path, trained, monkeypatch, capsys):
+    """A checkpoint trained with GPT-2's tokenizer, on a machine where tiktoken cannot get its files."""
+    import tiktoken
+    ckpt = torch.load(trained / "ckpt_0000004.pt", weights_only=True)
+    ckpt["tokenizer"] = {"kind": "tiktoken", "name": "gpt2"}
+    ckpt["config"]["model"]["vocab_size"] = 50257
+    torch.save(ckpt, tmp_path / "gpt2.pt")
+
+    def offline(name):
+        raise ConnectionError("no route to host")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    rc, _, err = run_tool(sample_cli, [tmp_path / "gpt2.pt"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "does not hold a usable tokenizer" not in err, err
+    assert "could not load tiktoken's 'gpt2' files (ConnectionError)" in err and "set TIKTOKEN_CACHE_DIR" in err, err
+
+
+def test_wandb_that_cannot_start_is_one_line(tmp_path, text_file, monkeypatch, capsys):
+    """log.wandb = true without `wandb login`: wandb raises its own error from init."""
+    import types
+
+    class UsageError(Exception):
+        pass
+
+    def init(**kwargs):
+        raise UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    prepare_text(text_file, "char", 0.1, tmp_path / "prepared")
+    before = tree(tmp_path)
+    rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file, **{"log.wandb": "true"}), capsys)
+    assert rc == 2 and err.count("\n") == 1 and "wandb did not start (UsageError: api_key not configured" in err, err
+    assert "wandb login" in err and tree(tmp_path) == before

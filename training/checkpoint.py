@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common import CheckpointError, ConfigError, atomic_write, first_line, type_problem
+from common import CheckpointError, ConfigError, TokenizerError, atomic_write, first_line, type_problem
 from data.tokenizers import load_tokenizer
 from model.config import ModelConfig
 from model.gpt import GPT
@@ -325,7 +325,8 @@ def load_model(path, device: torch.device = torch.device("cpu")) -> LoadedModel:
     tokenizer. Everything is checked before the model is built: the archive, the config, the
     tokenizer, each weight's shape, and that no weight is NaN or infinite."""
     source, path = str(path), Path(path)
-    if (path / "config.json").is_file() or (not path.exists() and "/" not in source and os.sep not in source):
+    is_run = path.is_dir() and (latest_checkpoint(path) is not None or (path / "best.pt").is_file())
+    if (path / "config.json").is_file() and not is_run or (not path.exists() and "/" not in source and os.sep not in source):
         from hf.hub import load_gpt2   # a Hugging Face directory or hub name: the optional hf/ room
         model, tokenizer, description = load_gpt2(source)
         return LoadedModel(model.to(device), tokenizer, source, description)
@@ -334,7 +335,9 @@ def load_model(path, device: torch.device = torch.device("cpu")) -> LoadedModel:
     cfg = model_config(ckpt["config"]["model"], path)
     try:
         tokenizer = load_tokenizer(ckpt["tokenizer"])
-    except (KeyError, TypeError, ValueError) as e:   # TokenizerError too
+    except TokenizerError as e:
+        if ckpt["tokenizer"].get("kind") == "tiktoken":   # a named encoding whose files are missing: not the file's fault
+            raise
         raise CheckpointError(f"{path} does not hold a usable tokenizer: {first_line(e)}") from None
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{path} is damaged: its tokenizer has {tokenizer.vocab_size} tokens, "

@@ -167,16 +167,18 @@ def apply_dict(cfg: Config, values: dict, where: str = "") -> None:
 
 
 def load_toml(path: Path) -> dict:
+    """A TOML file as a dict; a UTF-8 byte order mark (which Windows' Notepad writes) is skipped."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        return tomllib.loads(path.read_bytes().decode("utf-8").removeprefix("\ufeff"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: TOML syntax error: {e}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the config file {path}: {e.strerror or e}") from None
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ try:
 except ImportError:   # not on Windows
     fcntl = None
 
-from common import ConfigError, RunError, atomic_write
+from common import ConfigError, RunError, atomic_write, first_line
 from training.checkpoint import CKPT_RE, latest_checkpoint, remove_partial_saves
 from training.config import Config, load_toml
 
@@ -249,6 +249,10 @@ class Metrics:
                 self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or out.path.name,
                                         group=cfg.log.wandb_group or None, config=cfg.to_dict(),
                                         dir=str(out.path), resume="allow")
+            except Exception as e:   # no login, no network, a bad project: wandb's own errors
+                self.file.close()
+                raise ConfigError(f"log.wandb = true but wandb did not start ({type(e).__name__}: {first_line(e, 100)}); "
+                                  f"run `wandb login`, set WANDB_MODE=offline, or leave log.wandb off") from None
             except BaseException:
                 self.file.close()
                 raise
