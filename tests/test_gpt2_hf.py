@@ -302,6 +302,10 @@ def test_export_py_end_to_end(tmp_path, text_file, tiny_cfg):
     assert r.returncode == 0, r.stderr
     assert "weights only" in r.stdout   # a char-level run: transformers has no such tokenizer
     assert GPT2LMHeadModel.from_pretrained(out).config.vocab_size == cfg.model.vocab_size
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json"):   # readable as any file the user writes
+        assert os.stat(out / name).st_mode & 0o777 == 0o666 & ~umask, name
     r = run("export.py", cfg.out_dir, str(out))
     assert r.returncode == 2 and r.stderr.startswith("error:") and "--force" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
