@@ -64,8 +64,9 @@ class Interrupted(KeyboardInterrupt):
 def first_line(error: BaseException, limit: int = 160) -> str:
     """What a one-line message can quote of an exception: the first line of its message, at most
     `limit` characters (its type's name when it has no message). torch's run over many lines, and
-    its allocator puts a C++ source location first ('[enforce fail at alloc_cpu.cpp:127] err == 0.')."""
-    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", str(error).strip())
+    some put a C++ source location first ('[enforce fail at alloc_cpu.cpp:127] err == 0.', gloo's
+    '[.../pair.cc:537] Read error ...'): it is left out."""
+    text = re.sub(r"^\[[^\]]*\]\s*(err == 0\.\s*)?", "", str(error).strip())
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
 

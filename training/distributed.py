@@ -18,6 +18,7 @@ Backends: nccl between GPUs, gloo between CPU processes (what the tests use).
 """
 import gc
 import os
+import socket
 from contextlib import nullcontext
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import ConfigError
+from common import ConfigError, first_line
 from training.runtime import World
 
 
@@ -51,7 +52,22 @@ class ProcessGroup(World):
         # the stop vote runs on the CPU (gloo) beside the GPUs' collectives, so it never waits for them
         group.vote_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         group.pending_vote = None
+        group.peers = group.gather((socket.gethostname(), os.getpid()))   # to name a rank that dies
         return group
+
+    def peer_failure(self, error: BaseException) -> str | None:
+        """When a collective failed because another process of the run ended, which one, in one line;
+        None for any other error. A rank on this machine is named; one elsewhere cannot be looked at."""
+        if not isinstance(error, RuntimeError):
+            return None
+        host = socket.gethostname()
+        gone = [r for r, (h, pid) in enumerate(self.peers) if r != self.rank and h == host and not alive(pid)]
+        if gone:
+            return (f"rank {gone[0]} of this run (PID {self.peers[gone[0]][1]}) ended, so rank {self.rank} stops "
+                    f"too; torchrun's report says why it ended")
+        if any(s in str(error).lower() for s in ("connection reset", "connection closed", "broken pipe")):
+            return f"another process of this run ended ({first_line(error, 80)}), so rank {self.rank} stops too"
+        return None
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
@@ -163,6 +179,20 @@ class ProcessGroup(World):
             gc.collect()
             dist.barrier()
         dist.destroy_process_group()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)   # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:       # it exists, owned by someone else
+        pass
+    try:   # an ended process that torchrun has not yet reaped (a zombie) still exists
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):   # no /proc (not Linux): taken as alive
+        return True
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

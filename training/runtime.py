@@ -180,6 +180,10 @@ class World:
         """Whether the run stops after this step: on every rank at the same step."""
         return requested
 
+    def peer_failure(self, error: BaseException) -> str | None:
+        """Whether error is the death of another process of the run, said in one line (None: it is not)."""
+        return None
+
     def leave(self, finished: bool) -> None:
         """Leave the process group before the process ends."""
 

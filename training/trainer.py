@@ -105,6 +105,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             summary = run_steps(run, stop, stop_at, on_step)
         finished = True
         return summary
+    except Exception as e:
+        if (peer := world.peer_failure(e)) is None:
+            raise
+        raise RunError(peer) from None
     finally:
         world.leave(finished)
 
