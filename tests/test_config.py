@@ -20,8 +20,23 @@ def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path):
     cfg = build_config(str(path), ["--model.n_layer=5", "--train.batch_size", "7", "--data", "x.txt"])
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.train.lr, cfg.train.batch_size) == (5, 64, 0.01, 7)
     assert cfg.data.path == "x.txt"
-    assert cfg.out_dir == "out/c", "out dir from the config file's name"
-    assert build_config(None, ["--data", "notes/my_notes.txt"]).out_dir == "out/my_notes"
+
+
+def test_runs_on_other_data_or_tokens_never_share_an_out_dir_by_surprise(tmp_path):
+    """The README's commands each get their own out dir; a config file's out_dir holds only for its own data."""
+    def out_dir(*args):
+        config = [a for a in args if a.endswith(".toml")]
+        return build_config(config[0] if config else None, [a for a in args if not a.endswith(".toml")]).out_dir
+    assert out_dir() == "out/tinyshakespeare"
+    assert out_dir("--data", "notes/my_notes.txt") == "out/my_notes"
+    assert out_dir("--data", "my_notes.txt", "--data.tokenizer=bpe:4096") == "out/my_notes-bpe4096"
+    assert out_dir("--data", "books/*.txt", "--data.tokenizer=gpt2") == "out/books-gpt2"
+    fast = "configs/shakespeare_char_cpu_fast.toml"
+    assert out_dir(fast) == "out/shakespeare_char_cpu_fast"
+    assert out_dir(fast, "--data", "prose.txt") == "out/shakespeare_char_cpu_fast-prose"
+    assert out_dir(fast, "--data.tokenizer=gpt2") == "out/shakespeare_char_cpu_fast-tinyshakespeare-gpt2"
+    assert out_dir(fast, "--data", "prose.txt", "--out_dir=mine") == "mine"
+    assert out_dir(str(write(tmp_path, "[model]\nn_layer = 3\n"))) == "out/c", "a config without out_dir: its name"
 
 
 def test_values_are_coerced_to_field_types():

@@ -15,7 +15,8 @@ def test_train_then_sample(tmp_path, text_file):
     out = tmp_path / "out"
     r = run("train.py", *tiny_overrides(tmp_path, text_file, **{"train.max_steps": 30, "train.log_interval": 10}))
     assert r.returncode == 0, r.stderr
-    assert "step     30 | loss" in r.stdout and "parameters" in r.stdout and "[model]" in r.stdout
+    assert f"\n# {out}: a new run" in r.stdout and "step     30 | loss" in r.stdout and "parameters" in r.stdout
+    assert "# not the defaults: model.n_layer = 2; model.n_head = 2; model.n_embd = 32; model.block_size = 32" in r.stdout
     assert (out / "best.pt").exists() and (out / "metrics.jsonl").exists() and (out / "config.toml").exists()
 
     r = run("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40", "--seed", "3")

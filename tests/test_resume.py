@@ -85,7 +85,7 @@ def test_an_out_dir_holding_only_best_pt_is_resumed_as_the_refusal_says(tmp_path
     rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)
     assert rc == 2 and "already holds best.pt of a run: continue it with --resume" in err, err
     rc, stdout, err = run_tool(train_cli, [*tiny_overrides(tmp_path, text_file, **{"train.max_steps": 6}), "--resume"], capsys)
-    assert rc == 0 and f"# resuming {out / 'best.pt'} at step 4" in stdout, err
+    assert rc == 0 and f"resuming {out / 'best.pt'} at step 4" in stdout, err
     assert load_checkpoint(out / "ckpt_0000006.pt")["step"] == 6
 
 

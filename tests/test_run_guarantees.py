@@ -7,13 +7,13 @@ import json
 import os
 import re
 import signal
+import time
 
 import pytest
 
 import train as train_cli
 from common import RunError
-from tests.conftest import ROOT, TEXT, tiny_overrides
-from tests.conftest import run_tool, tree
+from tests.conftest import ROOT, TEXT, num_threads, run_tool, tiny_overrides, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import latest_checkpoint, load_checkpoint
 from training import outdir
@@ -161,3 +161,31 @@ def test_the_final_line_gives_the_whole_run_s_time_and_tokens(tiny_cfg, capsys):
     assert abs(seconds(m.group(2)) - rest["elapsed_s"]) <= 0.5
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
     assert int(m.group(4).replace(",", "")) == 20 * tokens_per_step, "every step's tokens, the resumed ones too"
+
+
+# ---------------------------------------------------------------- a busy CPU
+
+def test_a_cpu_busy_with_other_work_is_said_at_the_start(tiny_cfg, monkeypatch, capsys):
+    """Two threads that wait for each other on two cores another job also uses: many times slower."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with num_threads(2):
+        train(tiny_cfg(**{"train.max_steps": 2}))
+    err = capsys.readouterr().err
+    assert "note: other work keeps the CPU busy" in err and "OMP_NUM_THREADS=1" in err, err
+
+
+def test_steps_that_become_much_slower_are_said_once(tiny_cfg, monkeypatch, capsys):
+    import model.gpt
+    real, calls = model.gpt.GPT.forward, []
+
+    def slower_after_six(self, idx, targets=None, **kw):
+        if self.training:
+            calls.append(1)
+            if len(calls) > 6:
+                time.sleep(0.05)   # as if another job took the cores
+        return real(self, idx, targets, **kw)
+    monkeypatch.setattr(model.gpt.GPT, "forward", slower_after_six)
+    train(tiny_cfg(**{"train.max_steps": 12}))
+    notes = [l for l in capsys.readouterr().err.splitlines() if l.startswith("note: steps have become")]
+    assert len(notes) == 1 and "OMP_NUM_THREADS=1" in notes[0], notes

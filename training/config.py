@@ -84,7 +84,9 @@ class LogConfig:
 
 @dataclass
 class Config:
-    out_dir: str = ""             # "" = out/<config file's or data file's name>
+    out_dir: str = ""             # "" = named after what it trains: the config file, else the data, and the
+                                  # tokenizer unless char (out/notes-bpe4096); a config file's out_dir holds
+                                  # while the command line changes neither data.path nor data.tokenizer
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -209,15 +211,28 @@ def build_config(config_file: str | None, overrides: list[str], base: dict | Non
     pairs = parse_overrides(overrides)
     for key, value in pairs:
         set_key(cfg, key, value)
-    if not cfg.out_dir:   # named after the config file, else the data file (or the folder of a glob)
-        named = Path(config_file or cfg.data.path)
-        cfg.out_dir = str(Path("out") / (named.parent.name if glob.has_magic(str(named)) else named.stem))
+    data_changed = any(key in ("data.path", "data.tokenizer") for key, _ in pairs)
+    if not any(key == "out_dir" for key, _ in pairs) and (data_changed or not from_file.get("out_dir")) and not base:
+        cfg.out_dir = default_out_dir(config_file, cfg.data, data_changed)
     if cfg.train.init_from and base is None:   # the model section comes from the pretrained checkpoint
         from hf.hub import resolve_init_from   # the optional Hugging Face room
         explicit = {key for key, _ in pairs} | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v}
         resolve_init_from(cfg, explicit)
     cfg.validate()
     return cfg
+
+
+def default_out_dir(config_file: str | None, data, data_changed: bool) -> str:
+    """out/<name>: the config file's name, with the data's (a file's stem, a glob's folder) when the
+    command line changed it, or the data's alone; then the tokenizer's unless char. Runs on other data
+    or tokens never meet in one out dir by surprise."""
+    path = Path(data.path)
+    parts = [Path(config_file).stem] if config_file else []
+    if data_changed or not config_file:
+        parts.append(path.parent.name if glob.has_magic(data.path) else path.stem)
+    if data.tokenizer != "char" and (data_changed or not config_file):
+        parts.append(re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer))
+    return str(Path("out") / "-".join(parts))
 
 
 # keys whose change leaves a resumed run computing what it would have computed uninterrupted
@@ -293,6 +308,12 @@ def fmt(v) -> str:
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return repr(v)
+
+
+def changes_from_defaults(cfg: Config) -> list[str]:
+    """Every setting of cfg that is not its default, as 'key = value' (TOML)."""
+    default = Config()
+    return [f"{k} = {fmt(get_key(cfg, k))}" for k in all_keys() if k != "out_dir" and get_key(cfg, k) != get_key(default, k)]
 
 
 def describe(cfg: Config) -> str:

@@ -34,7 +34,7 @@ from data.prepare import prepare
 from model.gpt import GPT
 from training.checkpoint import (check_resumable, check_same_run, clean_state_dict, load_checkpoint, new_checkpoint,
                                  repair_best, save_checkpoint)
-from training.config import Config, changes_since, describe
+from training.config import Config, changes_from_defaults, changes_since, describe
 from training.optim import build_optimizer, lr_at, set_lr
 from training.outdir import Metrics, NoMetrics, OutDir
 from training.runtime import (World, autocast, dtype_name, free_memory, pick_device, pick_dtype, rng_state,
@@ -42,6 +42,7 @@ from training.runtime import (World, autocast, dtype_name, free_memory, pick_dev
 from training.step import NonFiniteGuard, Step, graph_blockers, mean_loss
 
 EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the training seed
+STARTED = time.perf_counter()   # about when this process started (for its share of the load average)
 
 
 @dataclass
@@ -69,6 +70,8 @@ class Run:
     seconds_before: float = 0.0     # training time of the runs this one continues
     started: float = 0.0            # perf_counter at this process's first step
     metrics: object = field(default_factory=NoMetrics)
+    fastest_ms: float = math.inf    # the fastest ms/step of a log interval so far, and whether a slowdown was said
+    slow_noted: bool = False
 
     @property
     def autocast(self):
@@ -275,9 +278,14 @@ def open_out_dir(run: Run) -> None:
 
 
 def say_what_runs(run: Run) -> None:
-    """The config, then one line: size, device, dtype, step kind, processes, tokens per step, data."""
+    """Where the run goes, its settings that are not the defaults, then one line: size, device, dtype,
+    step kind, processes, tokens per step, data; and the memory a step needs."""
     world, t = run.world, run.cfg.train
-    run.print(describe(run.cfg), end="")
+    resumed = run.out.resume_from
+    run.print(f"# {run.out.path}: " + (f"resuming {resumed} at step {run.step}" if resumed else "a new run")
+              + f" (every setting: {run.out.path / 'config.toml'})")
+    changes = changes_from_defaults(run.cfg)
+    run.print("# not the defaults: " + ("; ".join(changes) if changes else "none"))
     procs = f" x {world.size} processes ({world.kind})" if world.size > 1 else ""
     how = ("CUDA graph" if run.train_step.kind == "graph" else "eager") + (", compiled" if t.compile else "")
     run.print(f"# {run.model.num_params() / 1e6:.2f}M parameters | {world.device}, {dtype_name(run.dtype)}, {how}"
@@ -285,16 +293,42 @@ def say_what_runs(run: Run) -> None:
     run.print(f"# memory: {run.memory}")
     if t.fsdp and world.size == 1:
         run.print("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
-    resumed = run.out.resume_from
-    run.print(f"# resuming {resumed} at step {run.step}" if resumed else f"# out dir {run.out.path}")
+    warn_if_busy(run)
     if resumed and run.out.stored is not None:
         changes, inexact = changes_since(run.out.stored, run.cfg)
         for change in changes:
             run.print(f"# resuming with {change}")
         if inexact:
-            Printer(world.is_main)(f"note: {', '.join(c.split(':')[0] for c in changes)} changed since the run began: "
-                                   f"it goes on from its last checkpoint, but not as it would have gone on "
-                                   f"uninterrupted", file=sys.stderr)
+            note(run, f"note: {', '.join(c.split(':')[0] for c in changes)} changed since the run began: it goes on "
+                      f"from its last checkpoint, but not as it would have gone on uninterrupted")
+
+
+def warn_if_busy(run: Run) -> None:
+    """On CPU, threads that wait for each other at every step need the cores to themselves: when other
+    work already uses them (the load average, less this process's own share), say what to do."""
+    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+    if run.world.device.type != "cpu" or threads < 2 or not hasattr(os, "getloadavg"):
+        return
+    own = sum(os.times()[:2]) / max(1e-9, time.perf_counter() - STARTED)   # this process's cores, on average
+    others = os.getloadavg()[0] - min(own, threads)
+    if others >= 1 and others + threads > cores:
+        note(run, f"note: other work keeps the CPU busy (load {others:.1f} besides this run, {cores} cores) and "
+                  f"this run's {threads} threads wait for each other at every step, which can make it many times "
+                  f"slower: OMP_NUM_THREADS=1 lets it share the cores")
+
+
+def note_slowdown(run: Run, ms: float) -> None:
+    """Once, on CPU: steps have become much slower than the fastest so far (other work took the cores)."""
+    if run.world.device.type == "cpu" and not run.slow_noted and ms > 4 * run.fastest_ms and ms - run.fastest_ms > 20:
+        run.slow_noted = True
+        note(run, f"note: steps have become {ms / run.fastest_ms:.1f}x slower ({run.fastest_ms:.0f} -> {ms:.0f} ms): "
+                  f"if other work now uses the CPU cores, OMP_NUM_THREADS=1 (and --resume) lets this run share them")
+    run.fastest_ms = min(run.fastest_ms, ms)
+
+
+def note(run: Run, text: str) -> None:
+    """A line on stderr from the main process of a run that is not quiet."""
+    Printer(run.print.enabled)(text, file=sys.stderr)
 
 
 # ---------------------------------------------------------------- evaluate and save
@@ -348,6 +382,7 @@ def log_progress(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, lr: floa
     """One log line and metrics record for the last `steps` steps (this reads the loss: a sync)."""
     run.guard.check()
     ms = seconds * 1000 / steps
+    note_slowdown(run, ms)
     record = {"step": run.step, "kind": "train", "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
               "ms_per_step": ms, "tokens_per_s": run.tokens_per_step * 1000 / ms, "skipped_steps": run.guard.skipped}
     eta = duration((run.cfg.train.max_steps - run.step) * ms / 1000)
