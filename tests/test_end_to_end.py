@@ -16,7 +16,8 @@ def test_train_then_sample(tmp_path, text_file):
     r = run("train.py", *tiny_overrides(tmp_path, text_file, **{"train.max_steps": 30, "train.log_interval": 10}))
     assert r.returncode == 0, r.stderr
     assert f"\n# {out}: a new run" in r.stdout and "step     30 | loss" in r.stdout and "parameters" in r.stdout
-    assert "# not the defaults: model.n_layer = 2; model.n_head = 2; model.n_embd = 32; model.block_size = 32" in r.stdout
+    changed = next(l for l in r.stdout.splitlines() if l.startswith("# not the defaults: "))
+    assert "model.n_layer = 2; model.n_head = 2; model.n_embd = 32; model.block_size = 32" in changed, changed
     assert (out / "best.pt").exists() and (out / "metrics.jsonl").exists() and (out / "config.toml").exists()
 
     r = run("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40", "--seed", "3")
