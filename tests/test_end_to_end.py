@@ -17,7 +17,8 @@ def test_train_then_sample(tmp_path, text_file):
     assert r.returncode == 0, r.stderr
     assert f"\n# {out}: a new run" in r.stdout and "step     30 | loss" in r.stdout and "parameters" in r.stdout
     changed = next(l for l in r.stdout.splitlines() if l.startswith("# not the defaults: "))
-    assert "model.n_layer = 2; model.n_head = 2; model.n_embd = 32; model.block_size = 32" in changed, changed
+    assert all(f"model.{k}" in changed for k in ("n_layer = 2", "n_head = 2", "n_embd = 32", "block_size = 32")), changed
+    assert "model.dropout" not in changed and "train.lr" not in changed, "a default is not a change"
     assert (out / "best.pt").exists() and (out / "metrics.jsonl").exists() and (out / "config.toml").exists()
 
     r = run("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40", "--seed", "3")
