@@ -19,7 +19,7 @@ from model.gpt import GPT
 from speed.onednn import onednn_linear, onednn_works
 from training.config import build_config
 from training.runtime import pick_device, pick_dtype, sync, use_fast_matmuls
-from training.trainer import build_step, join_world, set_up
+from training.run import build_step, join_world, set_up
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:

@@ -4,7 +4,7 @@ exactly, and a compile failure costs a warning line, not the run."""
 import pytest
 import torch
 
-import training.trainer as trainer
+import training.run as run_module
 from training.runtime import pick_device
 from training.step import graph_blockers
 from training.trainer import train
@@ -13,7 +13,7 @@ from training.trainer import train
 @pytest.fixture
 def graph_on_cpu(monkeypatch):
     """Let the trainer choose the graph step on the CPU (where it runs without recording a graph)."""
-    monkeypatch.setattr(trainer, "graph_blockers", lambda *a: [])
+    monkeypatch.setattr(run_module, "graph_blockers", lambda *a: [])
 
 
 @pytest.mark.parametrize("extra", [
@@ -23,7 +23,7 @@ def graph_on_cpu(monkeypatch):
 ], ids=["adamw", "dropout-accum", "muon"])
 def test_the_graph_step_trains_exactly_as_the_eager_step(extra, tiny_cfg, tmp_path, monkeypatch):
     eager = train(tiny_cfg(**extra, out_dir=tmp_path / "eager"), quiet=True)
-    monkeypatch.setattr(trainer, "graph_blockers", lambda *a: [])
+    monkeypatch.setattr(run_module, "graph_blockers", lambda *a: [])
     graph = train(tiny_cfg(**extra, out_dir=tmp_path / "graph"), quiet=True)
     assert sorted(graph["losses"]) == list(range(1, 21))
     for step, loss in eager["losses"].items():
@@ -103,7 +103,7 @@ def test_on_cuda_the_default_device_is_the_gpu_with_bf16():
 def test_a_graph_run_checkpoints_float_learning_rates_and_resumes_eagerly(tiny_cfg, tmp_path, monkeypatch):
     """The graph step holds the lr in a device tensor; a checkpoint must not (it loads anywhere)."""
     from training.checkpoint import load_checkpoint
-    monkeypatch.setattr(trainer, "graph_blockers", lambda *a: [])
+    monkeypatch.setattr(run_module, "graph_blockers", lambda *a: [])
     cfg = tiny_cfg(**{"train.optimizer": "muon"})
     train(cfg, quiet=True, stop_at=10)
     states = load_checkpoint(f"{cfg.out_dir}/ckpt_0000010.pt")["optimizer"]["optimizers"]
