@@ -16,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ablation.sweep import Sweep, flat, read_json
+from ablation.sweep import Sweep, read_json
 from benchmarks.machine import machine
+from training.config import flat
 from common import atomic_write
+from viz.curves import Line, Panel, draw
 from training.outdir import read_records
 
 NOISE_Z = 2.0
@@ -161,40 +163,21 @@ def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:
 
 
 def plot(sweep: Sweep, runs: list[dict], out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    colors = plt.get_cmap("tab10" if len(sweep.variants) <= 10 else "tab20").colors
-    finals, highs = [], []
+    """loss_curves.png: each variant's val loss by step and by wall-clock time, the mean over its seeds
+    with the band from the lowest to the highest seed."""
+    by_step = Panel("val loss by step", "step", "val loss", focus_end=True)
+    by_time = Panel("val loss by wall-clock time", "wall-clock seconds (training + evals)", "val loss", focus_end=True)
     for i, (name, _) in enumerate(sweep.variants):
         done = [r for r in runs if r["variant"] == name and r["done"] and r["steps"]]
         if not done:
             continue
         n = min(len(r["steps"]) for r in done)
-        steps = np.array(done[0]["steps"][:n])
         val = np.array([r["val"][:n] for r in done])                          # (seeds, evals)
         secs = np.array([r["elapsed"][:n] for r in done]).mean(axis=0)
-        mean = val.mean(axis=0)
-        style = {"color": "black", "lw": 2.2} if i == 0 else {"color": colors[i % len(colors)], "lw": 1.4}
-        for ax, x in ((by_step, steps), (by_time, secs)):
-            ax.plot(x, mean, label=name, **style)
-            ax.fill_between(x, val.min(axis=0), val.max(axis=0), color=style["color"], alpha=0.15, lw=0)
-        finals.append(mean[-1])
-        highs.append(val.max())
-    if finals:   # the end of training is where variants differ: do not let the first evals flatten it
-        by_step.set_ylim(min(finals) - 0.05, min(max(highs), max(finals) + 0.6) + 0.02)
-    by_step.set(xlabel="step", ylabel="val loss", title="val loss by step")
-    by_time.set(xlabel="wall-clock seconds (training + evals)", title="val loss by wall-clock time")
-    for ax in (by_step, by_time):
-        ax.grid(alpha=0.3)
-    if finals:
-        by_time.legend(fontsize=8, loc="upper right")
-    fig.suptitle(f"{sweep.name}: mean over {len(sweep.seeds)} seeds, shaded min to max")
-    fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=110)
-    plt.close(fig)
+        for panel, x in ((by_step, done[0]["steps"][:n]), (by_time, secs)):
+            panel.lines.append(Line(name, x, val.mean(axis=0), val.min(axis=0), val.max(axis=0), emphasis=i == 0))
+    title = f"{sweep.name}: mean over {len(sweep.seeds)} seeds, shaded min to max"
+    atomic_write(out / "loss_curves.png", draw([by_step, by_time], title, legend_below=True))
 
 
 def write_report(sweep: Sweep, command: str) -> list[dict]:

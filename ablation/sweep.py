@@ -36,7 +36,7 @@ from pathlib import Path
 
 from common import ConfigError, atomic_write, on_stop_signals, type_problem
 from data.prepare import prepare
-from training.config import Config, apply_dict, describe, get_key, load_toml, parse_overrides, set_key
+from training.config import Config, apply_dict, describe, flat, get_key, load_toml, parse_overrides, set_key
 
 SWEEP_KEYS = {"base": str, "out_dir": str, "seeds": list, "overrides": dict, "variants": list, "name": str}
 # keys a variant must not change: the data, its order and the token budget, and how runs are scored
@@ -68,14 +68,6 @@ class Sweep:
     seeds: list[int]
     variants: list[tuple[str, dict]]    # (name, overrides as a nested dict), the baseline first
     runs: list[Run]
-
-
-def flat(values: dict, prefix: str = "") -> dict:
-    """{'model': {'n_head': 4}} -> {'model.n_head': 4}"""
-    out = {}
-    for k, v in values.items():
-        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:

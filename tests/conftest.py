@@ -120,7 +120,7 @@ def tiny_overrides(tmp_path, text_file, **extra) -> list[str]:
     values = {"data.path": text_file, "data.prepared_dir": tmp_path / "prepared", "out_dir": tmp_path / "out",
               "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 32,
               "train.batch_size": 8, "train.max_steps": 20, "train.warmup_steps": 5, "train.eval_interval": 10,
-              "train.eval_iters": 2, "train.log_interval": 1}
+              "train.eval_iters": 2, "train.log_interval": 1, "log.curves": "false"}   # (curves: their own tests)
     values.update(extra)
     return [f"--{k}={v}" for k, v in values.items()]
 

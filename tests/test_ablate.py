@@ -46,6 +46,7 @@ train.warmup_steps = 2
 train.eval_interval = 5
 train.eval_iters = 2
 train.log_interval = 5
+log.curves = false
 {extra}
 {variants}""")
     return path

@@ -39,6 +39,9 @@ class TrainConfig:
     beta2: float = 0.99           # AdamW's second-moment decay
     grad_clip: float = 1.0        # max global gradient norm (0 = off)
     eval_interval: int = 250      # evaluate (and checkpoint) every this many steps
+    sample_every: int = 0         # every this many steps (and at the last), print and record a short sample (0 = none)
+    sample_prompt: str = ""       # what those samples continue ("" = the tokenizer's start: a newline, end-of-text)
+    sample_tokens: int = 200      # new tokens per sample (the same seed every time: samples compare across steps)
     eval_iters: int = 100         # batches per split in each evaluation (the same batches every time; 0 = every
                                   # token of each split, in consecutive windows: exact, slower on a large text)
     log_interval: int = 50        # print and record the training loss every this many steps
@@ -58,7 +61,8 @@ class TrainConfig:
         """A ConfigError naming the first training setting that cannot be used."""
         for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "log_interval", "keep_checkpoints"):
             check(f"train.{name}", getattr(self, name), above=0)
-        for name in ("lr", "min_lr", "muon_lr", "weight_decay", "grad_clip", "warmup_steps", "eval_iters"):
+        check("train.sample_tokens", self.sample_tokens, above=0)
+        for name in ("lr", "min_lr", "muon_lr", "weight_decay", "grad_clip", "warmup_steps", "eval_iters", "sample_every"):
             check(f"train.{name}", getattr(self, name), at_least=0)
         for name in ("beta1", "beta2", "muon_momentum"):
             check(f"train.{name}", getattr(self, name), at_least=0, below=1)
@@ -72,6 +76,9 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}")
         if self.optimizer == "muon" and self.fsdp:
             raise ConfigError("train.optimizer=muon needs whole matrices, train.fsdp shards them: use one of the two")
+        if self.sample_every and self.fsdp:
+            raise ConfigError("train.sample_every samples on one process, train.fsdp shards the model over all of "
+                              "them: use one of the two")
 
 
 @dataclass
@@ -80,6 +87,7 @@ class LogConfig:
     wandb_project: str = "gpt"    # the wandb project the runs go to
     wandb_run_name: str = ""      # "" = the out dir's name
     wandb_group: str = ""         # runs with the same group overlay in the wandb UI (ablate.py sets the sweep's name)
+    curves: bool = True           # redraw curves.png in the out dir at each evaluation (loss, val bits per byte)
 
 
 @dataclass
@@ -100,6 +108,14 @@ class Config:
         self.model.validate()
         self.data.validate()
         self.train.validate()
+
+
+def flat(values: dict, prefix: str = "") -> dict:
+    """{'model': {'n_head': 4}} -> {'model.n_head': 4}"""
+    out = {}
+    for k, v in values.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def get_key(cfg: "Config", key: str):

@@ -2,7 +2,8 @@
 
     ckpt_<step>.pt, best.pt   checkpoints (training/checkpoint.py)
     config.toml               the run's resolved config
-    metrics.jsonl             one JSON record per log line and per evaluation (and wandb, when on)
+    metrics.jsonl             one JSON record per log line, evaluation and sample (and wandb, when on)
+    curves.png                the loss curves so far, redrawn at each evaluation (log.curves)
     .lock                     held while a run writes into the directory
 
 Nothing is lost: the out dir is checked before anything is written; a run that replaces files
@@ -85,11 +86,13 @@ class OutDirLock:
             self.fd = None
 
 
+RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the checkpoints
+
+
 def run_files(directory: Path) -> list[Path]:
-    """The files of a run in directory: checkpoints, best.pt, config.toml, metrics.jsonl."""
+    """The files of a run in directory: checkpoints, best.pt, config.toml, metrics.jsonl, curves.png."""
     names = os.listdir(directory) if Path(directory).is_dir() else []
-    return [Path(directory) / n for n in sorted(names)
-            if CKPT_RE.match(n) or n in ("best.pt", "config.toml", "metrics.jsonl")]
+    return [Path(directory) / n for n in sorted(names) if CKPT_RE.match(n) or n in RUN_FILES]
 
 
 class OutDir:
@@ -161,13 +164,13 @@ class OutDir:
         except OSError as e:
             raise RunError(f"cannot write to the out dir {self.path}: {e.strerror or e}") from None
 
-    def write(self, name: str, text: str) -> None:
+    def write(self, name: str, data: str | bytes) -> None:
         """A file of this run, written whole."""
         path = self.path / name
         if not path.exists():
             self.created.insert(0, path)
         try:
-            atomic_write(path, text)
+            atomic_write(path, data)
         except OSError as e:
             raise RunError(f"could not write {path}: {e.strerror or e}") from None
 

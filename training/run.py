@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from common import CheckpointError, ConfigError, Printer, RunError, first_line
+from common import CheckpointError, ConfigError, Printer, RunError, TokenizerError, first_line
 from data.cache import load_meta
 from data.loader import BatchLoader
 from data.prepare import prepare
+from data.tokenizers import load_tokenizer
 from model.gpt import GPT
 from training.checkpoint import check_resumable, check_same_run, clean_state_dict, load_checkpoint, repair_best
 from training.config import Config, changes_from_defaults, changes_since, describe
@@ -52,6 +53,7 @@ class Run:
     guard: NonFiniteGuard
     out: OutDir
     memory: str                     # the step's estimated memory, for the banner
+    tokenizer: object               # the dataset's (samples while training encode and decode with it)
     relink_best: bool = False       # the resumed checkpoint is the best: best.pt must be it
     train_step: object = None       # the next optimizer step (training/step.py, speed/cuda_graph.py)
     step: int = 0                   # optimizer steps done
@@ -127,8 +129,14 @@ def set_up(cfg: Config, world: World, resume: bool, overwrite: bool, quiet: bool
     optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
                                 weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
     guard = NonFiniteGuard(t.on_nonfinite, device, check_grad=not scaler.is_enabled())
+    tokenizer = load_tokenizer(meta["tokenizer"])
+    if t.sample_prompt:
+        try:   # a character the text never had is refused now, not at the first sample
+            tokenizer.encode(t.sample_prompt)
+        except TokenizerError as e:
+            raise ConfigError(f"train.sample_prompt has {e}") from None
     run = Run(cfg, world, Printer(world.is_main and not quiet), dtype, dataset, meta, loader, model, wrapped, optimizer,
-              scaler, guard, out, memory)
+              scaler, guard, out, memory, tokenizer)
     return run, ckpt
 
 

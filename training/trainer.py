@@ -21,10 +21,14 @@ from training.checkpoint import clean_state_dict, new_checkpoint, save_checkpoin
 from training.config import Config
 from training.optim import lr_at, set_lr
 from training.run import Run, build_step, join_world, note, restore, set_up, start_writing
+from training.outdir import read_records
 from training.runtime import pick_device, rng_state
+from model.sampling import Decoding, generate
 from training.step import mean_loss
+from viz.curves import draw, run_panels
 
-EVAL_SEED = 4242   # evaluation draws the same batches every time, whatever the training seed
+EVAL_SEED = 4242     # evaluation draws the same batches every time, whatever the training seed
+SAMPLE_SEED = 1337   # and samples while training the same draws
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
@@ -82,8 +86,32 @@ def evaluate_and_save(run: Run) -> dict:
               f"{' (best)' if is_best else ''}")
     run.metrics.log({"step": run.step, "kind": "eval", "train_loss": ev["train"], "val_loss": ev["val"],
                      "train_bpb": bpb["train"], "val_bpb": bpb["val"], "elapsed_s": run.elapsed()})
+    if run.cfg.log.curves and run.world.is_main:   # (matplotlib is imported on first use, by viz/curves.py)
+        records = read_records(run.out.path / "metrics.jsonl", warn=False)
+        run.out.write("curves.png", draw(run_panels(records), f"{run.out.path.name}: step {run.step}"))
     save(run, is_best)
     return ev
+
+
+def record_sample(run: Run) -> None:
+    """A short sample of the model as it is now, printed and recorded: the same prompt and seed every
+    time, so that samples compare across steps. Its own generator and eval mode leave the training's
+    random draws and every later loss as they would have been without it."""
+    if not run.world.is_main:
+        return
+    t, tokenizer, device = run.cfg.train, run.tokenizer, run.world.device
+    ids = tokenizer.encode(t.sample_prompt) if t.sample_prompt else [tokenizer.start_token]
+    generator = torch.Generator(device=device).manual_seed(SAMPLE_SEED)
+    was_training = run.model.training
+    run.model.eval()
+    with run.autocast:
+        new = torch.cat(list(generate(run.model, torch.tensor([ids], device=device), t.sample_tokens, 0.8,
+                                      generator=generator, vocab_limit=tokenizer.vocab_size,
+                                      decoding=Decoding(compile=False))), dim=1)[0].tolist()
+    run.model.train(was_training)
+    text = t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")
+    run.print(f"sample {run.step:4d} | " + text.replace("\n", "\n" + " " * 14))
+    run.metrics.log({"step": run.step, "kind": "sample", "text": text})
 
 
 def save(run: Run, is_best: bool) -> None:
@@ -151,8 +179,11 @@ def run_steps(run: Run, stop: StopRequest, stop_at: int | None, on_step) -> dict
             if run.step % t.eval_interval == 0 or run.step in (t.max_steps, stop_at) or stopping:
                 last_eval = evaluate_and_save(run)
                 logged = True
-            if logged:
-                interval_start, interval_steps = time.perf_counter(), 0   # evaluations are not billed to steps
+            if t.sample_every and (run.step % t.sample_every == 0 or run.step == t.max_steps):
+                record_sample(run)
+                logged = True
+            if logged:   # evaluations and samples are not billed to steps
+                interval_start, interval_steps = time.perf_counter(), 0
             if stopping:
                 say_stopped(run, stop.signal or ("the loss of stdout (the end of a pipe's reader?)" if run.print.lost
                                                  else "a signal to another rank"))

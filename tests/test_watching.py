@@ -1,0 +1,85 @@
+"""Watching a run as it learns: samples while training (which change no loss), every run's loss
+curves, and plot.py overlaying several runs."""
+import json
+
+import pytest
+
+import plot as plot_cli
+import training.trainer as trainer
+from tests.conftest import run_tool
+from training.trainer import train
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def records(out_dir, kind):
+    return [r for r in map(json.loads, open(f"{out_dir}/metrics.jsonl")) if r["kind"] == kind]
+
+
+def test_samples_while_training_change_no_loss_bit_for_bit(tiny_cfg, tmp_path):
+    extra = {"model.dropout": 0.1, "train.eval_interval": 5}   # dropout: the random draws are untouched too
+    plain = train(tiny_cfg(**extra, out_dir=tmp_path / "plain"), quiet=True)
+    sampled = train(tiny_cfg(**extra, out_dir=tmp_path / "sampled", **{"train.sample_every": 5,
+                                                                        "train.sample_prompt": "First",
+                                                                        "train.sample_tokens": 30}), quiet=True)
+    assert sampled["losses"] == plain["losses"] and sampled["val_loss"] == plain["val_loss"]
+    samples = records(tmp_path / "sampled", "sample")
+    assert [s["step"] for s in samples] == [5, 10, 15, 20]
+    assert all(s["text"].startswith("First") and len(s["text"]) == len("First") + 30 for s in samples)
+
+
+def test_the_same_weights_give_the_same_sample(tiny_cfg, tmp_path):
+    """A fixed seed: two runs that trained alike sample alike, so a change in a sample is the model's."""
+    texts = []
+    for name in ("a", "b"):
+        train(tiny_cfg(out_dir=tmp_path / name, **{"train.sample_every": 10, "train.max_steps": 10}), quiet=True)
+        texts.append(records(tmp_path / name, "sample")[0]["text"])
+    assert texts[0] == texts[1]
+
+
+def test_sampling_time_is_not_billed_to_the_steps(tiny_cfg, monkeypatch):
+    import time
+    real = trainer.generate
+
+    def slow_generate(*args, **kwargs):
+        time.sleep(0.3)   # as a long sample would take
+        yield from real(*args, **kwargs)
+    monkeypatch.setattr(trainer, "generate", slow_generate)
+    cfg = tiny_cfg(**{"train.sample_every": 2, "train.log_interval": 2, "train.max_steps": 10})
+    train(cfg, quiet=True)
+    assert all(r["ms_per_step"] < 100 for r in records(cfg.out_dir, "train")), records(cfg.out_dir, "train")
+
+
+def test_a_sample_prompt_the_text_cannot_encode_is_refused_at_once(tiny_cfg):
+    from common import ConfigError
+    with pytest.raises(ConfigError, match="train.sample_prompt has 1 character"):
+        train(tiny_cfg(**{"train.sample_every": 5, "train.sample_prompt": "☃"}), quiet=True)
+
+
+def test_every_run_draws_its_curves_at_each_evaluation(tiny_cfg):
+    cfg = tiny_cfg(**{"log.curves": "true"})
+    train(cfg, quiet=True, stop_at=10)
+    first = (cfg.out_dir and open(f"{cfg.out_dir}/curves.png", "rb").read())
+    train(cfg, quiet=True, resume=True)
+    second = open(f"{cfg.out_dir}/curves.png", "rb").read()
+    assert first.startswith(PNG) and second.startswith(PNG) and first != second, "redrawn at the second evaluation"
+
+
+def test_plot_py_overlays_runs_named_by_what_differs(tiny_cfg, tmp_path, capsys):
+    for name, lr in (("slow", 1e-4), ("quick", 1e-2)):
+        train(tiny_cfg(out_dir=tmp_path / name, **{"train.lr": lr, "train.min_lr": lr / 10}), quiet=True)
+    out = tmp_path / "both.png"
+    rc, stdout, err = run_tool(plot_cli, [tmp_path / "slow", tmp_path / "quick", "--out", out], capsys)
+    assert rc == 0 and stdout.strip() == str(out) and out.read_bytes().startswith(PNG), err
+    from training.config import flat, load_toml
+    labels = plot_cli.differences([flat(load_toml(tmp_path / n / "config.toml")) for n in ("slow", "quick")])
+    assert labels == ["train.lr=0.0001, train.min_lr=1e-05", "train.lr=0.01, train.min_lr=0.001"], labels
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: [tmp / "nothing"], "holds no run (no metrics.jsonl)"),
+    (lambda tmp: [tmp, "--bpb", "--bpb", "--nope"], "unrecognized arguments: --nope"),
+])
+def test_plot_py_mistakes_are_one_line(make, message, tmp_path, capsys):
+    rc, _, err = run_tool(plot_cli, make(tmp_path), capsys)
+    assert rc == 2 and err.count("\n") == 1 and message in err, err

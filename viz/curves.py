@@ -1,0 +1,77 @@
+"""Loss curves, drawn one way for every use: a run's own curves.png (train.py, at each evaluation),
+several runs overlaid (plot.py), a sweep's variants over their seeds (ablate.py's loss_curves.png).
+
+A figure is a row of panels; a panel holds lines; a line is (label, x, y) with an optional band
+(low, high) around it, e.g. the spread of several seeds. Where focus_end is set, the y axis is cut
+to the end of training, where lines differ, so that the first evaluations do not flatten them.
+"""
+import io
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Line:
+    label: str
+    x: list
+    y: list
+    low: list | None = None       # a band around y (e.g. the lowest and highest seed)
+    high: list | None = None
+    emphasis: bool = False        # drawn thicker and in black (a sweep's baseline)
+
+
+@dataclass
+class Panel:
+    title: str
+    xlabel: str
+    ylabel: str
+    lines: list[Line] = field(default_factory=list)
+    focus_end: bool = False
+
+
+def draw(panels: list[Panel], title: str, legend_below: bool = False) -> bytes:
+    """The panels side by side as one PNG's bytes; legend_below: one legend under them (the first
+    panel's lines, for panels that draw the same lines), instead of one in each panel."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    below = len(panels[0].lines) if legend_below else 0
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5 + 0.25 * below), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for ax, panel in zip(axes[0], panels):
+        for i, line in enumerate(panel.lines):
+            style = {"color": "black", "lw": 2.2} if line.emphasis else {"color": colors[i % 10], "lw": 1.4}
+            ax.plot(line.x, line.y, label=line.label, marker="o" if len(line.x) < 3 else None, **style)
+            if line.low is not None:
+                ax.fill_between(line.x, line.low, line.high, color=style["color"], alpha=0.15, lw=0)
+        ends = [line.y[-1] for line in panel.lines if len(line.y)]
+        if panel.focus_end and ends:
+            highs = [max(line.high if line.high is not None else line.y) for line in panel.lines if len(line.y)]
+            ax.set_ylim(min(ends) - 0.05, min(max(highs), max(ends) + 0.6) + 0.02)
+        ax.set(title=panel.title, xlabel=panel.xlabel, ylabel=panel.ylabel)
+        ax.grid(alpha=0.3)
+        if ends and not legend_below:
+            ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.25 * below / (5 + 0.25 * below), 1, 1))
+    if below:
+        fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower left", fontsize=8, frameon=False)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    return png.getvalue()
+
+
+def run_panels(records: list[dict]) -> list[Panel]:
+    """One run's metrics records -> its train and val loss by step, and its val bits per byte."""
+    train = [r for r in records if r["kind"] == "train" and isinstance(r.get("loss"), (int, float))]
+    evals = [r for r in records if r["kind"] == "eval" and isinstance(r.get("val_loss"), (int, float))]
+    loss = Panel("loss by step", "step", "loss (nats per token)", [
+        Line("train (logged steps)", [r["step"] for r in train], [r["loss"] for r in train]),
+        Line("train (evaluation)", [r["step"] for r in evals], [r.get("train_loss", np.nan) for r in evals]),
+        Line("val", [r["step"] for r in evals], [r["val_loss"] for r in evals])])
+    bpb = Panel("val bits per byte by step", "step", "bits per byte",
+                [Line("val", [r["step"] for r in evals], [r.get("val_bpb", np.nan) for r in evals])])
+    return [loss, bpb]
