@@ -1,15 +1,28 @@
 """The benchmarks measure what they say: the race's val set is the whole val split, the race finds
 the first evaluation at the classic's loss, the FLOP count is the model's."""
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+
+import bench
 
 from benchmarks.race import first_reaching, race, val_loss, val_windows
 from benchmarks.step import flops_per_token, plain_step
 from data.cache import load_meta
 from model.config import ModelConfig
 from model.gpt import GPT
-from tests.conftest import tiny_overrides
+from common import RunError, on_stop_signals
+from tests.conftest import ROOT, mkdir, run_tool, tiny_overrides, tree, write
 from training.config import build_config
 from data.prepare import prepare
 
@@ -77,3 +90,42 @@ def test_eval_iters_0_scores_every_token_of_the_split_as_the_race_does(tiny_cfg)
     summary = train(cfg, quiet=True)
     windows = val_windows(prepare(cfg.data), cfg.model.block_size)
     assert summary["val_loss"] == pytest.approx(val_loss(load_model(cfg.out_dir).model, windows, chunk=3), abs=1e-6)
+
+
+# ---------------------------------------------------------------- bench.py tokenizers: the time budget
+
+def test_on_step_can_end_a_run_as_stop_at_does(tiny_cfg):
+    """What the tokenizers' time budget relies on: on_step returning True ends the run after that step,
+    with its evaluation and checkpoint, not as an interruption."""
+    from training.checkpoint import load_model
+    from training.trainer import train
+    cfg = tiny_cfg(**{"train.max_steps": 20, "train.eval_interval": 20})
+    summary = train(cfg, quiet=True, on_step=lambda step, model: step == 3)
+    assert summary["step"] == 3 and not summary["interrupted"] and summary["exit_code"] == 0
+    assert summary["val_loss"] is not None and load_model(cfg.out_dir).step == 3
+
+
+def test_each_tokenizer_trains_within_its_budget_when_steps_slow_down_after_the_probe(tmp_path, text_file,
+                                                                                     monkeypatch):
+    """The probe plans the steps; a machine that slows down after it (here 50 ms more per step) must not
+    stretch the run: it ends near the budget, and the table says how many steps it trained."""
+    from benchmarks import tokenizers
+    real_train = tokenizers.train
+
+    def slower_after_the_probe(cfg, on_step=None, **kw):
+        if Path(cfg.out_dir).name == "probe":
+            return real_train(cfg, on_step=on_step, **kw)
+
+        def slow(step, model):
+            time.sleep(0.05)
+            return on_step(step, model) if on_step else None
+        return real_train(cfg, on_step=slow, **kw)
+    monkeypatch.setattr(tokenizers, "train", slower_after_the_probe)
+    lines, seconds = [], 1.0
+    rows = tokenizers.bench_tokenizers(None, tiny_overrides(tmp_path, text_file), seconds=seconds,
+                                       tokenizers=("char",), say=lines.append)
+    row = rows["char"]
+    assert row["seconds"] < 1.25 * seconds + 0.5, row                  # the margin, one step, the final evaluation
+    assert row["planned"] * 0.05 > 2 * seconds, "the slowed run would have taken far longer than its budget"
+    assert 0 < row["steps"] < row["planned"], row
+    assert f"{row['steps']} of {row['planned']} steps" in lines[0], lines
