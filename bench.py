@@ -51,9 +51,8 @@ def main(argv: list[str]) -> int:
     g.add_argument("--grad-accum-124m", type=int, help="train.grad_accum of the 124M shape (default its 32; "
                    "--quick: 1)")
     args, overrides = p.parse_known_args(argv)
-    from benchmarks.machine import cpu_name
-    print(f"# {cpu_name()} x {os.cpu_count()} | OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
-          f"load average {os.getloadavg()[0]:.2f} (other jobs slow every figure)")
+    from benchmarks.machine import header
+    print(header(), flush=True)
 
     if args.command == "race":
         import torch

@@ -92,6 +92,21 @@ def test_eval_iters_0_scores_every_token_of_the_split_as_the_race_does(tiny_cfg)
     assert summary["val_loss"] == pytest.approx(val_loss(load_model(cfg.out_dir).model, windows, chunk=3), abs=1e-6)
 
 
+# ---------------------------------------------------------------- bench.py as a command
+
+def test_bench_starts_where_the_system_has_no_load_average(monkeypatch, capsys):
+    """os.getloadavg is missing on Windows: the header says the load where it can, and the command runs."""
+    from benchmarks import sampling, step
+    monkeypatch.setattr(step, "bench_scaling", lambda: print("scaling ran"))
+    monkeypatch.setattr(sampling, "bench_samples_scaling", lambda: None)
+    rc, out, err = run_tool(bench, ["scaling"], capsys)
+    assert rc == 0 and re.search(r"load average \d+\.\d\d", out) and "scaling ran" in out, (out, err)
+    monkeypatch.delattr(os, "getloadavg")
+    rc, out, err = run_tool(bench, ["scaling"], capsys)
+    assert rc == 0 and not err and "scaling ran" in out, (out, err)
+    assert "load average unknown" in out.splitlines()[0], out
+
+
 # ---------------------------------------------------------------- bench.py tokenizers: the time budget
 
 def test_on_step_can_end_a_run_as_stop_at_does(tiny_cfg):
