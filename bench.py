@@ -1,16 +1,20 @@
 """Benchmarks: each prints its figures, measured in one run on this machine (ratios travel, absolute
 times drift on a shared machine).
 
-    python bench.py race [--data FILE]             classic config vs the fast recipe: time to the classic's best val loss
+    python bench.py race [--data FILE]             classic config vs fast recipe: time to the classic's best val loss
                                                    (the CPU pair, or on a GPU the GPU pair)
     python bench.py train CONFIG [--key=value ...] matmul peak, step time, tokens/s, MFU; with vs without the levers
     python bench.py sample [--device cuda]         tokens/s with and without the KV cache, ms/token by position
                                                    (CUDA: batch 1 and 16, with and without the compiled step)
     python bench.py scaling                        step time vs block size and width; sampling time vs samples
     python bench.py tokenizers [--seconds 120]     char vs gpt2 vs bpe:4096 in bits per byte at equal training time
-    python bench.py prepare                        data preparation speed and memory (benchmarks/prepare.py)
+    python bench.py prepare [--mb 1000]            data preparation speed and memory; writes a 1 GB text file (--mb)
+                                                   in the temp dir and removes it afterwards (benchmarks/prepare.py)
     python bench.py gpu [--out DIR] [--quick]      on a GPU: the CUDA-only tests, train (classic config, 124M shape),
                                                    sample and race, in one report with raw logs (benchmarks/gpu.py)
+
+Every bad argument is refused before any work, in one line (exit 2); race, train, tokenizers and gpu
+also take config overrides (--section.key=value), which are checked as train.py checks them.
 """
 import argparse
 import os
@@ -23,10 +27,14 @@ import sys
 if os.environ.get("OMP_WAIT_POLICY") == "":
     del os.environ["OMP_WAIT_POLICY"]
 signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
-from common import ArgumentParser, run_cli  # noqa: E402
+from common import ArgumentParser, ConfigError, check, run_cli  # noqa: E402
+
+TAKE_OVERRIDES = ("race", "train", "tokenizers", "gpu")   # the rest refuse what they do not know
 
 
-def main(argv: list[str]) -> int:
+def parser() -> tuple[ArgumentParser, dict]:
+    """The command's parser, and each subcommand's by name (their errors are common.ArgumentParser's line)."""
+    from benchmarks.prepare import add_options
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("race", help="classic vs fast recipe: wall time to the classic's best val loss")
@@ -39,27 +47,75 @@ def main(argv: list[str]) -> int:
     t.add_argument("--rounds", type=int, default=3, help="alternating rounds with and without the levers")
     s = sub.add_parser("sample", help="sampling with and without the KV cache")
     s.add_argument("--new-tokens", type=int, default=500)
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     sub.add_parser("scaling", help="how step and sampling time grow with block size, width and samples")
     k = sub.add_parser("tokenizers", help="bits per byte of char, gpt2 and bpe:4096 at equal training time")
     k.add_argument("--config", default="configs/shakespeare_char_cpu.toml")
-    k.add_argument("--seconds", type=float, default=120.0, help="training time per tokenizer")
-    sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole")
+    k.add_argument("--seconds", type=float, default=120.0, help="training time per tokenizer (a run ends by 1.25x it)")
+    add_options(sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole; "
+                                               "writes a 1 GB text file (--mb) and removes it afterwards"))
     g = sub.add_parser("gpu", help="the CUDA tests, train, sample and race on a GPU: one report, raw logs")
     g.add_argument("--out", help="report directory (default out/bench_gpu/<date>-<time>-<commit>)")
     g.add_argument("--quick", action="store_true", help="small settings: checks the command, not for figures")
     g.add_argument("--grad-accum-124m", type=int, help="train.grad_accum of the 124M shape (default its 32; "
                    "--quick: 1)")
-    args, overrides = p.parse_known_args(argv)
-    from benchmarks.machine import cpu_name
-    print(f"# {cpu_name()} x {os.cpu_count()} | OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
-          f"load average {os.getloadavg()[0]:.2f} (other jobs slow every figure)")
+    return p, sub.choices
 
+
+def config_file(option: str, path: str) -> str:
+    """path, or a ConfigError naming the option whose config file it is not."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{option}: no config file {path}")
+    return path
+
+
+def check_args(args, overrides: list[str], parsers: dict) -> None:
+    """Refuse, before any work, what the command cannot use, in one line naming the option; settle the
+    defaults that depend on the machine (race's configs, sample's device)."""
+    from training.config import build_config
+    if overrides and args.command not in TAKE_OVERRIDES:
+        parsers[args.command].error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.command == "race":
         import torch
-        from benchmarks.race import PAIRS, race
+        from benchmarks.race import PAIRS
+        check("--evals", args.evals, at_least=1)
         classic, fast = PAIRS["cuda" if torch.cuda.is_available() else "cpu"]
-        race(args.classic or classic, args.fast or fast, overrides, evals=args.evals)
+        args.classic = config_file("--classic", args.classic or classic)
+        args.fast = config_file("--fast", args.fast or fast)
+        for path in (args.classic, args.fast):
+            build_config(path, overrides)
+    elif args.command == "train":
+        check("--steps", args.steps, at_least=1)
+        check("--rounds", args.rounds, at_least=1)
+        build_config(config_file("CONFIG", args.config), overrides)
+    elif args.command == "sample":
+        from training.runtime import pick_device
+        check("--new-tokens", args.new_tokens, at_least=1)
+        args.device = pick_device(args.device, setting="--device")
+    elif args.command == "tokenizers":
+        check("--seconds", args.seconds, above=0)
+        build_config(config_file("--config", args.config), overrides)
+    elif args.command == "prepare":
+        from benchmarks.prepare import checked
+        args.prepare = checked(args)
+    elif args.command == "gpu" and args.grad_accum_124m is not None:
+        check("--grad-accum-124m", args.grad_accum_124m, at_least=1)
+
+
+def main(argv: list[str]) -> int:
+    p, parsers = parser()
+    args, overrides = p.parse_known_args(argv)
+    check_args(args, overrides, parsers)
+    from benchmarks.machine import header
+    print(header(), flush=True)
+    return run(args, overrides, argv)
+
+
+def run(args, overrides: list[str], argv: list[str]) -> int:
+    """The subcommand, its arguments checked; argv: the command's, as a report quotes it."""
+    if args.command == "race":
+        from benchmarks.race import race
+        race(args.classic, args.fast, overrides, evals=args.evals)
     elif args.command == "train":
         from benchmarks.step import bench_train
         bench_train(args.config, overrides, steps=args.steps, rounds=args.rounds)
@@ -75,9 +131,8 @@ def main(argv: list[str]) -> int:
         from benchmarks.tokenizers import bench_tokenizers
         bench_tokenizers(args.config, overrides, seconds=args.seconds)
     elif args.command == "prepare":
-        import runpy
-        sys.argv = ["benchmarks/prepare.py", *overrides]
-        runpy.run_module("benchmarks.prepare", run_name="__main__")
+        from benchmarks.prepare import bench_prepare
+        bench_prepare(**args.prepare)
     elif args.command == "gpu":
         from benchmarks.gpu import bench_gpu
         return bench_gpu(["bench.py", *argv], args.out, args.quick, args.grad_accum_124m, overrides)

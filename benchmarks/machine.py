@@ -28,3 +28,19 @@ def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{platform.system()} {platform.machine()}, {cpu_name()} x {os.cpu_count()} cores, {gpu}, "
             f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def load_average() -> float | None:
+    """The system's load average over the last minute; None where the system does not tell it (Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def header() -> str:
+    """What every benchmark prints first: the CPU, the OpenMP wait policy and the load, which slow or
+    speed every figure."""
+    load = load_average()
+    return (f"# {cpu_name()} x {os.cpu_count()} | OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+            f"load average {'unknown here' if load is None else f'{load:.2f}'} (other jobs slow every figure)")

@@ -54,7 +54,8 @@ def run(cfg, windows: torch.Tensor, eval_every: int, label: str, say=print) -> l
         point = {"step": step, "tokens": step * tokens_per_step, "seconds": now - start - paused,
                  "val": val_loss(model, windows)}
         curve.append(point)
-        say(f"{label:8s} step {step:5d} | {point['tokens']:>10,} tokens | {point['seconds']:6.1f} s | val {point['val']:.4f}")
+        say(f"{label:8s} step {step:5d} | {point['tokens']:>10,} tokens | {point['seconds']:6.1f} s | "
+            f"val {point['val']:.4f}")
         paused += time.perf_counter() - now
 
     start = time.perf_counter()

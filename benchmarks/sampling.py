@@ -62,7 +62,7 @@ def ms_per_token_by_position(model, positions, use_cache: bool, reps: int = 3) -
     return {pos: sec * 1e3 for pos, sec in best.items()}
 
 
-def bench_sample(new_tokens: int = 500, device: str = "cpu", say=print) -> dict:
+def bench_sample(new_tokens: int = 500, device: str | torch.device = "cpu", say=print) -> dict:
     """tokens/s with and without the cache: on CPU for each thread count up to the current one
     (decoding one token is bound by reading the weights from memory, recomputing by FLOPs: threads
     help only the latter), then ms per token by position, then what compiling the decoding step

@@ -118,7 +118,8 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
             t0 = time.perf_counter()
             model, step, kind = trainer_step(cfg, tmp / name, compile, graph)
             cfg.model.vocab_size = cfg.model.vocab_size or model.cfg.vocab_size   # as the data gave it
-            runs[name] = (model, step, f"{kind}{', compiled' if compile else ''}, setup {time.perf_counter() - t0:.1f} s")
+            setup = f"{kind}{', compiled' if compile else ''}, setup {time.perf_counter() - t0:.1f} s"
+            runs[name] = (model, step, setup)
             if device.type == "cuda":   # one variant at a time on the GPU (memory), timed at once
                 step()
                 times[name] = sorted(time_step(step, device, steps) for _ in range(rounds))

@@ -3,8 +3,10 @@
 A loss per token cannot be compared across tokenizers (a GPT-2 token carries about four characters,
 a char token one), so each run is scored in bits per byte of the whole val split: its mean loss
 over every val token, times the split's tokens per UTF-8 byte, over ln 2. Every tokenizer trains the
-same model shape (a config's) for the same wall-clock budget: a short timed run measures its step
-time, the budget sets its step count, then it trains that many steps with its own LR schedule.
+same model shape (a config's) for the same wall-clock budget: a short timed run (the probe) measures
+its step time, which plans the run's step count (so its LR schedule ends with it); a run that the
+machine slows down after the probe still ends once BUDGET_MARGIN times its budget has gone by, and
+the table gives the steps it trained.
 """
 import shutil
 import tempfile
@@ -19,6 +21,7 @@ from training.config import build_config
 from training.trainer import train
 
 TOKENIZERS = ("char", "gpt2", "bpe:4096")
+BUDGET_MARGIN = 1.25   # a run ends after this many times its budget of wall time, whatever the probe planned
 
 
 def step_seconds(cfg, out: Path, steps: int = 30) -> float:
@@ -33,6 +36,36 @@ def step_seconds(cfg, out: Path, steps: int = 30) -> float:
     return (times[-1] - times[4]) / (len(times) - 5)
 
 
+def train_within(cfg, seconds: float, per_step: float) -> tuple[int, int, float]:
+    """Train cfg for about `seconds` of wall time: its steps planned from the probe's per_step, its run
+    ended (as stop_at ends one) once BUDGET_MARGIN x seconds have gone by; (steps trained, steps planned,
+    seconds it took)."""
+    planned = max(10, int(seconds / per_step))
+    cfg.train.max_steps = planned
+    cfg.train.warmup_steps = min(cfg.train.warmup_steps, planned // 10)
+    cfg.train.eval_interval, cfg.train.eval_iters = planned, 1   # scored on the whole val split afterwards
+    t0 = time.perf_counter()
+    deadline = t0 + BUDGET_MARGIN * seconds
+    summary = train(cfg, overwrite=True, quiet=True, on_step=lambda step, model: time.perf_counter() > deadline)
+    return summary["step"], planned, time.perf_counter() - t0
+
+
+def score(cfg, steps: int) -> dict:
+    """The figures of a trained run: its size, the text it saw, its loss and bits per byte on the val split."""
+    dataset = prepare(cfg.data, cfg.model.block_size)
+    meta = load_meta(dataset)
+    model = load_model(cfg.out_dir).model
+    windows = val_windows(dataset, cfg.model.block_size)
+    loss = val_loss(model, windows)
+    scored = windows.numel() - len(windows)                      # the val tokens the windows predict
+    scored_bytes = meta["bytes"]["val"] * scored / meta["tokens"]["val"]
+    tokens_seen = steps * cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
+    return {"vocab": meta["vocab_size"], "params": model.num_params(), "loss": loss,
+            "bpb": bits_per_byte(loss, scored, scored_bytes),
+            "tokens_per_byte": meta["tokens"]["val"] / meta["bytes"]["val"],
+            "bytes_seen": tokens_seen * meta["bytes"]["train"] / meta["tokens"]["train"]}
+
+
 def bench_tokenizers(config: str, overrides: list[str], seconds: float = 120.0, tokenizers=TOKENIZERS,
                      say=print) -> dict:
     out = Path(tempfile.mkdtemp(prefix="bench_tokenizers_"))
@@ -41,34 +74,16 @@ def bench_tokenizers(config: str, overrides: list[str], seconds: float = 120.0, 
         for tok in tokenizers:
             def make(name):
                 return build_config(config, overrides + [f"--data.tokenizer={tok}", f"--out_dir={out / name}"])
-            cfg = make("probe")
-            per_step = step_seconds(cfg, out / "probe")
+            per_step = step_seconds(make("probe"), out / "probe")
             cfg = make(tok.replace(":", "_"))
-            steps = max(10, int(seconds / per_step))
-            cfg.train.max_steps = steps
-            cfg.train.warmup_steps = min(cfg.train.warmup_steps, steps // 10)
-            cfg.train.eval_interval, cfg.train.eval_iters = steps, 1   # scored below on the whole val split
-            t0 = time.perf_counter()
-            train(cfg, overwrite=True, quiet=True)
-            took = time.perf_counter() - t0
-            dataset = prepare(cfg.data, cfg.model.block_size)
-            meta = load_meta(dataset)
-            model = load_model(out / tok.replace(":", "_")).model
-            windows = val_windows(dataset, cfg.model.block_size)
-            loss = val_loss(model, windows)
-            scored = windows.numel() - len(windows)                      # the val tokens the windows predict
-            scored_bytes = meta["bytes"]["val"] * scored / meta["tokens"]["val"]
-            rows[tok] = {"vocab": meta["vocab_size"], "params": model.num_params(), "steps": steps,
-                         "seconds": took, "loss": loss, "bpb": bits_per_byte(loss, scored, scored_bytes),
-                         "tokens_per_byte": meta["tokens"]["val"] / meta["bytes"]["val"],
-                         "bytes_seen": steps * cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
-                         * meta["bytes"]["train"] / meta["tokens"]["train"]}
-            r = rows[tok]
-            say(f"{tok:9s} vocab {r['vocab']:6,} | {r['params'] / 1e6:5.2f}M params | {steps:5d} steps in "
-                f"{took:5.1f} s | {r['bytes_seen'] / 1e6:5.2f} MB of text seen | val {loss:.4f} nats/token "
-                f"| {r['bpb']:.4f} bits/byte")
+            steps, planned, took = train_within(cfg, seconds, per_step)
+            r = rows[tok] = {"steps": steps, "planned": planned, "seconds": took, **score(cfg, steps)}
+            cut = " (the budget ran out)" if steps < planned else ""
+            say(f"{tok:9s} vocab {r['vocab']:6,} | {r['params'] / 1e6:5.2f}M params | {steps} of {planned} steps in "
+                f"{took:5.1f} s{cut} | {r['bytes_seen'] / 1e6:5.2f} MB of text seen | val {r['loss']:.4f} "
+                f"nats/token | {r['bpb']:.4f} bits/byte")
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    say(f"(each trained for about {seconds:.0f} s of steps on {config}; val scored on every token of the val split)")
+    say(f"(each trained for about {seconds:g} s of steps, at most {BUDGET_MARGIN:g}x that, on {config}; val scored "
+        f"on every token of the val split)")
     return rows
-

@@ -36,7 +36,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     """Run (or continue) the training that cfg describes; return a summary of how it ended.
     stop_at: end this process's part of the run after that step (with an evaluation and a checkpoint),
     as an interruption would; the schedule still runs to train.max_steps on resume.
-    on_step: called as on_step(step, model) after every optimizer step (bench.py's race evaluates there)."""
+    on_step: called as on_step(step, model) after every optimizer step (bench.py's race evaluates there); when
+    it returns True the run ends after that step as with stop_at (bench.py tokenizers: a time budget; under
+    torchrun every rank must answer alike)."""
     world = join_world(pick_device(cfg.train.device))   # one process, or this process's rank under torchrun
     # SIGINT, SIGTERM, SIGHUP: finish the step, save, stop (a second one exits at once; checkpoints are
     # written atomically, so a save cut short leaves only a temporary file, which the next run removes)
@@ -169,14 +171,14 @@ def run_steps(run: Run, stop: StopRequest, stop_at: int | None, on_step) -> dict
             if not applied:
                 run.print(f"step {run.step:6d} | non-finite {run.guard.last}: update skipped "
                           f"({run.guard.skipped} so far)")
-            if on_step is not None:
-                on_step(run.step, run.model)
+            if on_step is not None and on_step(run.step, run.model):
+                end = run.step   # asked to end here: the last step, as stop_at's would be
             stopping = run.world.agree_to_stop(stop.signal is not None or run.print.lost)   # all ranks alike
             logged = run.step % t.log_interval == 0 or run.step == t.max_steps
             if logged:
                 losses[run.step] = log_progress(run, loss, grad_norm, lr, interval_steps,
                                                 time.perf_counter() - interval_start)["loss"]
-            if run.step % t.eval_interval == 0 or run.step in (t.max_steps, stop_at) or stopping:
+            if run.step % t.eval_interval == 0 or run.step == end or stopping:   # end: max_steps, stop_at or on_step's
                 last_eval = evaluate_and_save(run)
                 logged = True
             if t.sample_every and (run.step % t.sample_every == 0 or run.step == t.max_steps):
