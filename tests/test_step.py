@@ -10,10 +10,22 @@ from training.step import graph_blockers
 from training.trainer import train
 
 
+GRAPH = {"train.cuda_graph": True}
+
+
 @pytest.fixture
 def graph_on_cpu(monkeypatch):
-    """Let the trainer choose the graph step on the CPU (where it runs without recording a graph)."""
+    """Let the trainer choose the graph step on the CPU (where it runs without recording a graph);
+    the list it yields holds each graph step built, so a test can see that one ran."""
+    import speed.cuda_graph
+    built, real = [], speed.cuda_graph.GraphStep.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        built.append(self)
     monkeypatch.setattr(run_module, "graph_blockers", lambda *a: [])
+    monkeypatch.setattr(speed.cuda_graph.GraphStep, "__init__", init)
+    return built
 
 
 @pytest.mark.parametrize("extra", [
@@ -21,10 +33,11 @@ def graph_on_cpu(monkeypatch):
     {"model.dropout": 0.1, "train.grad_accum": 2},
     {"train.optimizer": "muon", "train.schedule": "wsd"},
 ], ids=["adamw", "dropout-accum", "muon"])
-def test_the_graph_step_trains_exactly_as_the_eager_step(extra, tiny_cfg, tmp_path, monkeypatch):
+def test_the_graph_step_trains_exactly_as_the_eager_step(extra, tiny_cfg, tmp_path, graph_on_cpu):
     eager = train(tiny_cfg(**extra, out_dir=tmp_path / "eager"), quiet=True)
-    monkeypatch.setattr(run_module, "graph_blockers", lambda *a: [])
-    graph = train(tiny_cfg(**extra, out_dir=tmp_path / "graph"), quiet=True)
+    assert not graph_on_cpu, "the step is eager by default"
+    graph = train(tiny_cfg(**extra, **GRAPH, out_dir=tmp_path / "graph"), quiet=True)
+    assert len(graph_on_cpu) == 1
     assert sorted(graph["losses"]) == list(range(1, 21))
     for step, loss in eager["losses"].items():
         assert graph["losses"][step] == pytest.approx(loss, abs=1e-6), step
@@ -32,12 +45,13 @@ def test_the_graph_step_trains_exactly_as_the_eager_step(extra, tiny_cfg, tmp_pa
 
 
 def test_the_graph_step_resumes_exactly(tiny_cfg, tmp_path, graph_on_cpu):
-    extra = {"model.dropout": 0.1}
+    extra = {"model.dropout": 0.1, **GRAPH}
     whole = train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
     train(tiny_cfg(**extra, out_dir=tmp_path / "split"), quiet=True, stop_at=7)
     rest = train(tiny_cfg(**extra, out_dir=tmp_path / "split"), quiet=True, resume=True)
     for step in range(8, 21):
         assert rest["losses"][step] == pytest.approx(whole["losses"][step], abs=1e-6), step
+    assert len(graph_on_cpu) == 3
 
 
 def test_the_graph_step_records_the_first_non_finite_step(tiny_cfg, graph_on_cpu, monkeypatch):
@@ -51,7 +65,8 @@ def test_the_graph_step_records_the_first_non_finite_step(tiny_cfg, graph_on_cpu
         return loss * float("nan") if len(calls) == 3 + 6 else loss   # 3 warm-up steps, then step 6
     monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned)
     with pytest.raises(RunError, match="non-finite loss at step 6; stopped, no checkpoint had been written yet"):
-        train(tiny_cfg(), quiet=True)
+        train(tiny_cfg(**GRAPH), quiet=True)
+    assert len(graph_on_cpu) == 1
 
 
 @pytest.mark.parametrize("kw, reason", [
@@ -86,7 +101,7 @@ def test_on_cuda_the_graph_step_follows_the_eager_step(tiny_cfg, tmp_path, monke
     """bf16 on a GPU: the graph replays the same kernels, so the losses agree to bf16 rounding."""
     cfg = dict(**{"train.device": "cuda", "train.compile": compile, "train.max_steps": 30, "model.dropout": 0.0})
     eager = train(tiny_cfg(**cfg, **{"train.cuda_graph": False}, out_dir=tmp_path / "eager"), quiet=True)
-    graph = train(tiny_cfg(**cfg, out_dir=tmp_path / "graph"), quiet=True)
+    graph = train(tiny_cfg(**cfg, **GRAPH, out_dir=tmp_path / "graph"), quiet=True)
     assert sorted(graph["losses"]) == list(range(1, 31))
     for step in (1, 10, 30):
         assert graph["losses"][step] == pytest.approx(eager["losses"][step], abs=2e-2), step
@@ -104,7 +119,7 @@ def test_a_graph_run_checkpoints_float_learning_rates_and_resumes_eagerly(tiny_c
     """The graph step holds the lr in a device tensor; a checkpoint must not (it loads anywhere)."""
     from training.checkpoint import load_checkpoint
     monkeypatch.setattr(run_module, "graph_blockers", lambda *a: [])
-    cfg = tiny_cfg(**{"train.optimizer": "muon"})
+    cfg = tiny_cfg(**{"train.optimizer": "muon", **GRAPH})
     train(cfg, quiet=True, stop_at=10)
     states = load_checkpoint(f"{cfg.out_dir}/ckpt_0000010.pt")["optimizer"]["optimizers"]
     assert len(states) == 2 and all(type(g["lr"]) is float for s in states for g in s["param_groups"])   # Muon, AdamW

@@ -49,7 +49,7 @@ class TrainConfig:
     device: str = "auto"          # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
     dtype: str = "auto"           # auto (bf16 on CUDA, fp16 where bf16 is missing, fp32 elsewhere) | float32 | bfloat16 | float16
     compile: bool = False         # torch.compile the model (fused kernels; compiling takes seconds to minutes)
-    cuda_graph: bool = True       # CUDA: record the whole step once as a CUDA graph and replay it (training/step.py)
+    cuda_graph: bool = False      # CUDA: record the step once as a CUDA graph, replay it (opt-in: not yet timed on a GPU)
     keep_checkpoints: int = 2     # ckpt_<step>.pt files kept (the newest); best.pt is kept besides
     on_nonfinite: str = "stop"    # stop | skip: what a NaN/inf loss or gradient does
     fsdp: bool = False            # under torchrun: shard parameters, gradients and optimizer state (FSDP) instead of DDP
