@@ -123,14 +123,19 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
             except ConfigError as e:
                 raise ConfigError(f"{where}variant {name!r}: {e}") from None
             runs.append(Run(name, seed, run_dir, cfg))
-    baseline = {r.seed: r for r in runs if r.variant == named[0][0]}
+    check_shared(runs, named[0][0], where)
+    return Sweep(path, sweep_name, out_dir, seeds, named, runs)
+
+
+def check_shared(runs: list[Run], baseline_name: str, where: str) -> None:
+    """Every variant sees the same data and token budget as the baseline of its seed."""
+    baseline = {r.seed: r for r in runs if r.variant == baseline_name}
     for run in runs:
         for key in SHARED_KEYS:
             if get_key(run.cfg, key) != get_key(baseline[run.seed].cfg, key):
                 raise ConfigError(f"{where}variant {run.variant!r} changes {key} ({get_key(run.cfg, key)!r}, the "
                                   f"baseline has {get_key(baseline[run.seed].cfg, key)!r}): every variant must see the "
                                   f"same data and token budget; set it in [overrides] instead")
-    return Sweep(path, sweep_name, out_dir, seeds, named, runs)
 
 
 def read_json(path: Path) -> dict:
