@@ -4,7 +4,9 @@ torch nor any other module of the project:
   errors   a mistake a user can make (or a fault of the machine) is a UserError; run_cli turns it
            into one line on stderr and a non-zero exit, never a traceback
   files    a file is written whole or not at all (atomic_write)
-  signals  SIGINT, SIGTERM and SIGHUP go to one handler while a job runs (on_stop_signals)
+  signals  SIGINT, SIGTERM and SIGHUP (SIGBREAK on Windows) go to one handler while a job runs
+           (on_stop_signals)
+  output   a character stdout's encoding lacks is written as '?', never a failure (run_cli)
   checks   a config value out of range or not among its choices is a ConfigError naming it
 
 Exit codes: 2 for a usable message (bad config, data, checkpoint, prompt, out dir; a run that cannot
@@ -12,6 +14,7 @@ go on), 3 for out of memory outside the training loop, 128 + the signal's number
 stopped the job (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
 """
 import argparse
+import codecs
 import math
 import os
 import re
@@ -87,7 +90,8 @@ def run_cli(main, argv: list[str]) -> int:
     aborts in native code instead of unwinding). Jobs that must stop cleanly take the signal
     themselves with on_stop_signals: training finishes its step and saves, preparing data removes
     its temporary files, a sweep stops its run."""
-    message = None
+    message, unshown = None, Unshown.count
+    tolerant_stdout()
     try:
         code = main(argv)
     except UserError as e:
@@ -105,9 +109,45 @@ def run_cli(main, argv: list[str]) -> int:
             raise
         code, message = 3, (f"error: out of memory ({first_line(e, 100)}); try a smaller batch, block size, model "
                             f"or number of samples (checkpoints already written are kept)")
+    if Unshown.count > unshown:
+        print(f"note: stdout's encoding ({sys.stdout.encoding}) lacks {Unshown.count - unshown} of the characters "
+              f"written, shown as '?' (set PYTHONIOENCODING=utf-8 to write UTF-8)", file=sys.stderr)
     if message:
         print(message, file=sys.stderr)
     return code
+
+
+class Unshown:
+    """How many characters went to stdout as '?' because its encoding lacks them (tolerant_stdout)."""
+    count = 0
+
+
+def _as_question_marks(error: UnicodeError):
+    """The codec error handler "unshown": each character the encoding lacks becomes '?', and is counted."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    Unshown.count += error.end - error.start
+    return "?" * (error.end - error.start), error.end
+
+
+codecs.register_error("unshown", _as_question_marks)
+
+
+def tolerant_stdout() -> None:
+    """Make sys.stdout write a character its encoding lacks as '?' instead of failing midway. A Windows
+    console takes UTF-8, but output redirected to a file or pipe there is in the ANSI code page (cp1252
+    in most Western setups), which lacks Δ, √ and most of the world's scripts. (Writing UTF-8 bytes
+    instead would turn every non-ASCII character into two or three wrong ones for a reader that expects
+    that code page.) A stream that encodes everything (UTF-8), has a lenient error handler already, or
+    cannot be reconfigured (not a TextIOWrapper, or none at all: a closed stdout) stays as it is."""
+    out = sys.stdout
+    if getattr(out, "errors", None) != "strict" or not hasattr(out, "reconfigure"):
+        return
+    try:
+        if not codecs.lookup(out.encoding).name.startswith("utf"):
+            out.reconfigure(errors="unshown")
+    except (LookupError, OSError, TypeError, ValueError):   # an unknown codec name, a closed stream
+        pass
 
 
 class Printer:
@@ -169,19 +209,29 @@ def atomic_write(path: Path, data) -> None:
 
 # ---------------------------------------------------------------- signals
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+def stop_signals() -> list[int]:
+    """The signals that ask a job to stop, of those this system has: SIGINT (Ctrl-C), SIGTERM, SIGHUP
+    (a closed terminal; not on Windows) and SIGBREAK (Windows only: Ctrl-Break, a closed console window,
+    and what a sweep sends its run there, where SIGINT cannot be sent to another process)."""
+    return [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGBREAK") if hasattr(signal, name)]
 
 
 @contextmanager
 def on_stop_signals(handler):
-    """While inside, SIGINT, SIGTERM and SIGHUP call handler(signum) instead of ending the process.
-    A signal the shell ignores (nohup) stays ignored; the previous handlers come back afterwards.
-    Python sets handlers in the main thread only: elsewhere nothing changes."""
+    """While inside, the stop signals (above) call handler(signum) instead of ending the process.
+    A signal the shell ignores (nohup) stays ignored, one this process may not take is left as it is,
+    and the previous handlers come back afterwards. Python sets handlers in the main thread only:
+    elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.signal(s, lambda signum, frame: handler(signum))
-                for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    previous = {}
+    for s in stop_signals():
+        try:
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                previous[s] = signal.signal(s, lambda signum, frame: handler(signum))
+        except (OSError, ValueError):   # a signal the system refuses a handler for
+            pass
     try:
         yield
     finally:

@@ -4,7 +4,9 @@
     python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0 # greedy
 
 A run dir means its best.pt (else its latest checkpoint). All samples are generated as one batch;
-the first is streamed token by token, the others are printed when they are done.
+the first is streamed token by token, the others are printed when they are done. Where stdout's
+encoding lacks a character of the text (output redirected on Windows: cp1252), it is written as '?'
+(common.tolerant_stdout).
 """
 import codecs
 import math
@@ -12,7 +14,7 @@ import signal
 import sys
 
 signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
-from common import ArgumentParser, run_cli  # noqa: E402
+from common import ArgumentParser, RunError, run_cli  # noqa: E402
 
 
 def parse_args(argv):
@@ -45,9 +47,11 @@ def parse_args(argv):
 
 def main(argv) -> int:
     args = parse_args(argv)
+    if sys.stdout is None:   # `python sample.py ... >&-`: Python found no stdout at its start
+        raise RunError("stdout is closed: there is nowhere to write the samples to")
     import torch
 
-    from common import RunError, SamplingError, TokenizerError
+    from common import SamplingError, TokenizerError
     from data.sources import read_prompt
     from model.sampling import Decoding, generate
     from training.checkpoint import load_model

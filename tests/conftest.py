@@ -285,10 +285,13 @@ def small_disk(tmp_path):
         if subprocess.run(["umount", str(disk)]).returncode:
             subprocess.run(["umount", "-l", str(disk)])
 
-def save_char_model(out, sharpen: float = 1.0, seed: int = 0, **model) -> Path:
-    """A random (untrained) character model with these ModelConfig values, saved in out as a run's best
-    checkpoint with what loading it needs; out. sharpen scales its query and key weights: at the
-    default initialization every head attends almost evenly, and heads hardly differ."""
+CHARS = "\n !:,.?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def save_char_model(out, sharpen: float = 1.0, seed: int = 0, chars: str = CHARS, **model) -> Path:
+    """A random (untrained) character model of these characters with these ModelConfig values, saved in
+    out as a run's best checkpoint with what loading it needs; out. sharpen scales its query and key
+    weights: at the default initialization every head attends almost evenly, and heads hardly differ."""
     from data.tokenizers import CharTokenizer
     from model.config import ModelConfig
     from model.gpt import GPT
@@ -296,7 +299,7 @@ def save_char_model(out, sharpen: float = 1.0, seed: int = 0, **model) -> Path:
     from training.config import Config
     Path(out).mkdir(parents=True, exist_ok=True)
     cfg = Config(out_dir=str(out))
-    tokenizer = CharTokenizer("\n !:,.?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+    tokenizer = CharTokenizer(chars)
     cfg.model = ModelConfig(vocab_size=tokenizer.vocab_size, **model)
     torch.manual_seed(seed)
     state = GPT(cfg.model).state_dict()
