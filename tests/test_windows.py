@@ -55,3 +55,110 @@ def test_sample_with_stdout_closed_is_one_error_line(trained):
     lines = [l for l in r.stderr.splitlines() if not l.startswith("# ")]
     assert r.returncode == 2 and lines == ["error: stdout is closed: there is nowhere to write the samples to"], \
         r.stderr
+
+
+# ---------------------------------------------------------------- the out dir's lock through msvcrt
+
+class FakeMsvcrt:
+    """msvcrt.locking as Windows' C runtime does it: nbytes locked from the file's current position (past
+    its end too), for the handle that locked them; another handle's attempt fails with EACCES, and so does
+    unlocking bytes that are not locked."""
+    LK_UNLCK, LK_LOCK, LK_NBLCK, LK_RLCK, LK_NBRLCK = range(5)
+
+    def __init__(self):
+        self.held = {}      # (file, offset) -> fd
+        self.offsets = []   # every offset locked
+
+    def locking(self, fd, mode, nbytes):
+        assert nbytes == 1 and mode in (self.LK_NBLCK, self.LK_UNLCK)
+        key = (os.fstat(fd).st_ino, os.lseek(fd, 0, os.SEEK_CUR))
+        if mode == self.LK_UNLCK:
+            if self.held.get(key) != fd:
+                raise OSError(errno.EACCES, "Permission denied")
+            del self.held[key]
+        elif key in self.held:
+            raise OSError(errno.EACCES, "Permission denied")
+        else:
+            self.held[key] = fd
+            self.offsets.append(key[1])
+
+
+@pytest.fixture
+def windows_locks(monkeypatch):
+    from training import outdir
+    fake = FakeMsvcrt()
+    monkeypatch.setattr(outdir, "fcntl", None)
+    monkeypatch.setattr(outdir, "msvcrt", fake, raising=False)   # (main had none)
+    return fake
+
+
+def test_without_fcntl_the_out_dir_is_locked_through_msvcrt(tmp_path, windows_locks):
+    from training.outdir import OutDirLock
+    first, second = OutDirLock(tmp_path), OutDirLock(tmp_path)
+    second.check_free()   # no .lock yet: free
+    first.acquire()
+    pid = (tmp_path / ".lock").read_text()
+    assert pid == f"{os.getpid()}\n"
+    for attempt in (second.check_free, second.acquire):
+        with pytest.raises(RunError, match=rf"^{tmp_path} is in use by another run \(PID {os.getpid()}\); "):
+            attempt()
+    assert (tmp_path / ".lock").read_text() == pid, "a refused run leaves the holder's PID"
+    assert min(windows_locks.offsets) >= len(pid), "Windows' locks are mandatory: the PID must stay readable"
+    first.release()
+    second.check_free()
+    second.acquire()
+    second.release()
+    assert windows_locks.held == {}, "every lock released at once, the probe's too"
+
+
+def test_a_run_into_an_out_dir_locked_through_msvcrt_is_refused_and_writes_nothing(tiny_cfg, windows_locks):
+    from tests.conftest import tree
+    from training.outdir import OutDirLock
+    from training.trainer import train
+    cfg = tiny_cfg(**{"train.max_steps": 2})
+    train(cfg, quiet=True)
+    other = OutDirLock(cfg.out_dir)   # another run's, as Windows would see it
+    other.acquire()
+    try:
+        before = tree(other.path.parent)
+        for flags in ({"overwrite": True}, {"resume": True}):
+            with pytest.raises(RunError, match=rf"is in use by another run \(PID {os.getpid()}\)"):
+                train(cfg, quiet=True, **flags)
+            assert tree(other.path.parent) == before
+    finally:
+        other.release()
+    cfg.train.max_steps = 3
+    assert train(cfg, quiet=True, resume=True)["step"] == 3, "the lock released, the out dir is free again"
+
+
+HOLDER = """
+import sys, time
+from training.outdir import OutDirLock
+OutDirLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_out_dir_lock_holds_across_processes_and_goes_with_its_holder(tmp_path):
+    """The real lock of this system (flock, or msvcrt on Windows), held by another process."""
+    from training.outdir import OutDirLock
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        lock = OutDirLock(tmp_path)
+        with pytest.raises(RunError, match=rf"in use by another run \(PID {holder.pid}\)"):
+            lock.acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    deadline = time.monotonic() + 10   # (Windows frees a dead process's locks soon, not at once)
+    while True:
+        try:
+            lock.acquire()
+            break
+        except RunError:
+            assert time.monotonic() < deadline, "the lock outlived its holder"
+            time.sleep(0.2)
+    lock.release()
