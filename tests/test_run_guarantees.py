@@ -16,7 +16,7 @@ from common import RunError
 from tests.conftest import ROOT, TEXT, num_threads, run_tool, tiny_overrides, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import latest_checkpoint, load_checkpoint
-from training import outdir
+from training import lock
 from training.config import Config, build_config
 from training.trainer import train
 
@@ -57,7 +57,7 @@ def test_only_a_held_lock_makes_an_out_dir_busy(code, busy, tiny_cfg, monkeypatc
     def flock(fd, operation):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(outdir.fcntl, "flock", flock)
+    monkeypatch.setattr(lock.fcntl, "flock", flock)
     if busy:
         with pytest.raises(RunError, match="is in use by another run"):
             train(cfg, quiet=True, overwrite=True)

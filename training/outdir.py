@@ -12,124 +12,18 @@ moves them into .replaced/ and deletes them only once its own first checkpoint i
 that fails before that removes what it created and moves them back. A run killed outright leaves
 .replaced/ behind, and the next run into the out dir moves it back first.
 """
-import errno
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:   # Windows
-    fcntl = None
-try:
-    import msvcrt
-except ImportError:   # not Windows
-    msvcrt = None
-
 from common import ConfigError, RunError, atomic_write, first_line
 from training.checkpoint import CKPT_RE, latest_checkpoint, remove_partial_saves
 from training.config import Config, load_toml
+from training.lock import OutDirLock
 
 ASIDE = ".replaced"   # an earlier run's files while a new run has no checkpoint yet
-# Windows' locks are byte ranges, and mandatory: no other process can read a locked byte. The lock is
-# on one byte far past the PID that .lock holds (a lock may lie past the end of a file), so that a
-# refused run can still read whose lock it is.
-WINDOWS_LOCKED_BYTE = 1 << 16
-
-
-def flock_nowait(fd: int) -> bool:
-    """POSIX: take an exclusive lock on the whole file without waiting; False where another process
-    holds it. A file system that cannot lock (e.g. NFS without its lock daemon: ENOLCK) is not a
-    busy out dir: no lock there. Closing the file releases it."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        return e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
-    return True
-
-
-def lock_byte_nowait(fd: int) -> bool:
-    """Windows: lock WINDOWS_LOCKED_BYTE without waiting (msvcrt locks from the file's current position);
-    False where another process holds it (EACCES). Any other failure (a file system that cannot lock)
-    means no lock, as above."""
-    os.lseek(fd, WINDOWS_LOCKED_BYTE, os.SEEK_SET)
-    try:
-        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-    except OSError as e:
-        return e.errno not in (errno.EACCES, errno.EDEADLOCK)
-    finally:
-        os.lseek(fd, 0, os.SEEK_SET)
-    return True
-
-
-def unlock_byte(fd: int) -> None:
-    """Windows: release lock_byte_nowait's lock now (Windows releases the locks of a closed file only
-    after a while, and a probe's lock must not turn away the run that follows it)."""
-    os.lseek(fd, WINDOWS_LOCKED_BYTE, os.SEEK_SET)
-    try:
-        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
-    except OSError:   # not locked (the file system could not lock)
-        pass
-
-
-class OutDirLock:
-    """An OS file lock on <out_dir>/.lock, held for the whole run, so that two runs never write into
-    one out dir: flock on POSIX, a byte-range lock through msvcrt on Windows. The operating system
-    releases it when the process ends, however it ends: a crash or kill -9 leaves no stale lock behind."""
-
-    def __init__(self, out_dir: Path):
-        self.path = Path(out_dir) / ".lock"
-        self.fd = None
-
-    def _busy(self) -> RunError:
-        try:
-            pid = self.path.read_text(encoding="utf-8").strip() or "unknown"
-        except (OSError, UnicodeDecodeError):
-            pid = "unknown"
-        return RunError(f"{self.path.parent} is in use by another run (PID {pid}); wait for it to end, "
-                        f"or choose another --out_dir")
-
-    @staticmethod
-    def _lock(fd: int) -> bool:
-        """Take the lock without waiting: False where another process holds it (True where this system
-        has no file locks at all)."""
-        if fcntl is not None:
-            return flock_nowait(fd)
-        return lock_byte_nowait(fd) if msvcrt is not None else True
-
-    @staticmethod
-    def _unlock(fd: int) -> None:
-        if fcntl is None and msvcrt is not None:   # (flock's lock goes with the file's closing)
-            unlock_byte(fd)
-
-    def check_free(self) -> None:
-        """Raise if another process holds the lock; creates nothing."""
-        if not self.path.is_file():
-            return
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            if not self._lock(fd):
-                raise self._busy()
-            self._unlock(fd)
-        finally:
-            os.close(fd)
-
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        if not self._lock(fd):
-            os.close(fd)
-            raise self._busy()
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            self._unlock(self.fd)
-            os.close(self.fd)
-            self.fd = None
 
 
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the checkpoints
