@@ -162,3 +162,30 @@ def test_the_out_dir_lock_holds_across_processes_and_goes_with_its_holder(tmp_pa
             assert time.monotonic() < deadline, "the lock outlived its holder"
             time.sleep(0.2)
     lock.release()
+
+
+# ---------------------------------------------------------------- a resumed checkpoint stays free
+
+def test_the_checkpoint_a_run_resumed_from_is_neither_mapped_nor_held_while_it_trains(tiny_cfg, tmp_path):
+    """Windows can neither replace nor delete a file that a process maps, and a run replaces best.pt and
+    deletes old checkpoints as it goes. While a resumed run trains, the file it resumed from is not in
+    this process's memory maps (where /proc shows them), and it can be replaced and deleted."""
+    import shutil
+    from pathlib import Path
+
+    from training.trainer import train
+    cfg = tiny_cfg(**{"train.max_steps": 4, "train.eval_interval": 4, "train.optimizer": "adamw"})
+    train(cfg, quiet=True)
+    resumed, maps = Path(cfg.out_dir) / "ckpt_0000004.pt", Path("/proc/self/maps")
+    mapped = []
+
+    def meanwhile(step, model):
+        if step == 6:
+            mapped.extend(l for l in (maps.read_text().splitlines() if maps.exists() else []) if str(resumed) in l)
+            shutil.copy(resumed, tmp_path / "copy.pt")
+            os.replace(tmp_path / "copy.pt", resumed)
+            os.remove(resumed)
+
+    cfg.train.max_steps = 8
+    assert train(cfg, quiet=True, resume=True, on_step=meanwhile)["step"] == 8
+    assert mapped == [], mapped

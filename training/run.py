@@ -94,7 +94,9 @@ def set_up(cfg: Config, world: World, resume: bool, overwrite: bool, quiet: bool
     t, device = cfg.train, world.device
     out = OutDir(cfg.out_dir)
     out.resume_from = resume_from = world.on_main(lambda: out.check(resume, overwrite))
-    ckpt = load_checkpoint(resume_from) if resume_from else None
+    # read whole, not mapped: the optimizer keeps the very tensors it is given (where device and dtype
+    # match), and the run replaces best.pt and deletes old checkpoints, which Windows refuses for a mapped file
+    ckpt = load_checkpoint(resume_from, mmap=False) if resume_from else None
     if ckpt is not None:
         check_resumable(ckpt, resume_from)
     dtype = pick_dtype(device, t.dtype)
