@@ -46,6 +46,7 @@ SHARED_KEYS = ["data.path", "data.tokenizer", "data.val_fraction", "train.seed",
 # are labels too: a copy of a sweep under another name may continue its runs)
 RESUMABLE_KEYS = {"train.device", "train.compile", "train.cuda_graph"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+WINDOWS = os.name == "nt"   # (no sessions and no signals between processes: see pass_stop_on)
 
 
 @dataclasses.dataclass
@@ -175,24 +176,48 @@ def peak_rss_bytes(rusage) -> int:
     return rusage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)   # bytes on macOS, KiB on Linux
 
 
+def start_child(run: Run, log, env: dict) -> subprocess.Popen:
+    """The run's process, in a session (POSIX) or a process group (Windows) of its own: a Ctrl-C in
+    the terminal reaches the sweep alone, which passes it on (pass_stop_on)."""
+    if WINDOWS:
+        return subprocess.Popen(child_command(run), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                creationflags=subprocess.CREATE_NEW_PROCESS_GROUP)
+    return subprocess.Popen(child_command(run), stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def pass_stop_on(proc: subprocess.Popen, signum: int) -> None:
+    """Ask the run to save a checkpoint and stop. POSIX: with SIGINT for a SIGINT, else SIGTERM.
+    Windows sends no signal to another process (Popen.send_signal refuses SIGINT, and its SIGTERM is
+    TerminateProcess): a CTRL_BREAK_EVENT to the run's process group, which its Python takes as
+    SIGBREAK; where the sweep has no console to send it through, the run is terminated (it resumes from
+    its last checkpoint)."""
+    if not WINDOWS:
+        proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+        return
+    try:
+        proc.send_signal(signal.CTRL_BREAK_EVENT)
+    except OSError:
+        proc.terminate()
+
+
 def execute(run: Run) -> tuple[int, int | None, bool]:
     """Run one training subprocess (its output appended to train.log); return its exit code, its peak
     resident memory in bytes (None where os.wait4 is missing) and whether a stop was requested.
-    The child runs in its own session: a Ctrl-C (or SIGTERM, SIGHUP) reaches this process, which passes
-    it on, so the child saves a checkpoint and stops; a second one makes it exit at once."""
+    A Ctrl-C (or SIGTERM, SIGHUP) reaches this process, which passes it on, so the child saves a
+    checkpoint and stops; a second one makes it exit at once."""
     run.dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run.dir / "sweep_run.toml", describe(run.cfg))
     root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8",   # train.log is UTF-8 everywhere
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     stops = []
     with open(run.dir / "train.log", "a") as log:
-        proc = subprocess.Popen(child_command(run), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = start_child(run, log, env)
 
         def forward(signum):
             stops.append(signum)
-            proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+            pass_stop_on(proc, signum)
 
         with on_stop_signals(forward):
             if hasattr(os, "wait4"):
@@ -214,7 +239,8 @@ def record_attempt(run: Run, code: int, rss: int | None, seconds: float) -> None
 
 
 def last_line(path: Path) -> str:
-    lines = [l for l in path.read_text(errors="replace").splitlines() if l.strip()] if path.exists() else []
+    lines = [l for l in path.read_text(encoding="utf-8", errors="replace").splitlines() if l.strip()] \
+        if path.exists() else []
     return lines[-1] if lines else "(no output)"
 
 

@@ -189,3 +189,55 @@ def test_the_checkpoint_a_run_resumed_from_is_neither_mapped_nor_held_while_it_t
     cfg.train.max_steps = 8
     assert train(cfg, quiet=True, resume=True, on_step=meanwhile)["step"] == 8
     assert mapped == [], mapped
+
+
+# ---------------------------------------------------------------- a sweep's stop, passed on to its run
+
+class FakePopen:
+    """A run's process that the user stops (the signal reaches the sweep while it waits), sending signals
+    as Popen does on Windows (SIGTERM = terminate(); CTRL_C_EVENT and CTRL_BREAK_EVENT to a process group
+    of its own; any other signal is a ValueError) or on POSIX (any signal)."""
+    windows, stop_with, started = False, signal.SIGINT, []
+
+    def __init__(self, argv, **kwargs):
+        self.kwargs, self.sent, self.pid, self.returncode = kwargs, [], 12345, None
+        FakePopen.started.append(self)
+
+    def send_signal(self, sig):
+        if self.windows and sig not in (signal.SIGTERM, signal.CTRL_C_EVENT, signal.CTRL_BREAK_EVENT):
+            raise ValueError(f"Unsupported signal: {sig}")
+        self.sent.append(sig)
+
+    def terminate(self):
+        self.sent.append("terminate")
+
+    def wait(self, timeout=None):
+        signal.getsignal(self.stop_with)(self.stop_with, None)   # the user's Ctrl-C (or SIGTERM) meanwhile
+        self.returncode = 130
+        return self.returncode
+
+
+@pytest.mark.parametrize("windows", [True, False], ids=["Windows", "POSIX"])
+@pytest.mark.parametrize("stop_with", ["SIGINT", "SIGTERM"])
+def test_a_sweep_passes_a_stop_on_to_its_run_as_the_system_allows(windows, stop_with, tmp_path, text_file,
+                                                                   monkeypatch):
+    from ablation import sweep
+    from tests.test_ablate import ONE_RUN, write_sweep
+    run = sweep.load_sweep(str(write_sweep(tmp_path, text_file, ONE_RUN))).runs[0]
+    monkeypatch.setattr(sweep, "WINDOWS", windows, raising=False)
+    monkeypatch.setattr(signal, "CTRL_C_EVENT", 0, raising=False)       # (they exist on Windows only)
+    monkeypatch.setattr(signal, "CTRL_BREAK_EVENT", 1, raising=False)
+    monkeypatch.setattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0x200, raising=False)
+    monkeypatch.setattr(FakePopen, "windows", windows)
+    monkeypatch.setattr(FakePopen, "stop_with", getattr(signal, stop_with))
+    monkeypatch.setattr(FakePopen, "started", [])
+    monkeypatch.setattr(sweep.subprocess, "Popen", FakePopen)
+    monkeypatch.delattr(os, "wait4", raising=False)   # (none on Windows)
+    assert sweep.execute(run) == (130, None, True)
+    proc, = FakePopen.started
+    if windows:   # a process group of its own, and Ctrl-Break: the run's Python takes it as SIGBREAK
+        assert proc.kwargs.get("creationflags") == 0x200 and not proc.kwargs.get("start_new_session")
+        assert proc.sent == [signal.CTRL_BREAK_EVENT]
+    else:
+        assert proc.kwargs.get("start_new_session") is True and "creationflags" not in proc.kwargs
+        assert proc.sent == [getattr(signal, stop_with)]
