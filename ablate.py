@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
           f"{len(sweep.runs)} runs -> {sweep.out_dir}")
     outcome = {"failed": [], "interrupted": False} if report_only else run_sweep(sweep)
     write_report(sweep, "python ablate.py " + shlex.join(argv))
-    print((sweep.out_dir / "results.md").read_text())
+    print((sweep.out_dir / "results.md").read_text(encoding="utf-8"))
     if outcome["interrupted"]:
         return 130
     if outcome["failed"]:

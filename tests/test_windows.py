@@ -6,6 +6,7 @@ on every system (a lock held by another process), it does."""
 import builtins
 import errno
 import io
+import locale
 import os
 import signal
 import subprocess
@@ -241,3 +242,52 @@ def test_a_sweep_passes_a_stop_on_to_its_run_as_the_system_allows(windows, stop_
     else:
         assert proc.kwargs.get("start_new_session") is True and "creationflags" not in proc.kwargs
         assert proc.sent == [getattr(signal, stop_with)]
+
+
+# ---------------------------------------------------------------- results.md in a code page's world
+
+@pytest.fixture
+def cp1252_files(monkeypatch):
+    """Text files opened without an encoding are cp1252, as on a Western Windows. (Python 3.11's open()
+    asks the C runtime for that default, not the locale module: open itself is wrapped.)"""
+    import matplotlib.pyplot   # noqa: F401  (imported as usual, before its files would be opened as cp1252)
+    real = builtins.open
+
+    def open_in_cp1252(file, mode="r", buffering=-1, encoding=None, *args, **kwargs):
+        if "b" not in mode and encoding in (None, "locale"):
+            encoding = "cp1252"
+        return real(file, mode, buffering, encoding, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", open_in_cp1252)
+    monkeypatch.setattr(io, "open", open_in_cp1252)
+    monkeypatch.setattr(locale, "getpreferredencoding", lambda do_setlocale=True: "cp1252")
+
+
+def test_a_sweep_report_is_utf8_and_printed_whole_whatever_the_locale_s_encoding(tmp_path, text_file, cp1252_files,
+                                                                              capsys):
+    from ablate import main
+    from tests.test_ablate import write_sweep
+    path = write_sweep(tmp_path, text_file)
+    assert run_cli(main, [str(path), "--report"]) == 0
+    md = (tmp_path / "sweep" / "results.md").read_bytes().decode("utf-8")
+    assert "| Δ final vs sdpa |" in md and "SE = σ·√(1/n + 1/n_baseline)" in md
+    assert "| Δ final vs sdpa |" in capsys.readouterr().out, "printed as written, not as cp1252 would read it"
+
+
+def test_a_report_that_cannot_be_written_leaves_the_earlier_one_or_none(tmp_path, text_file, monkeypatch):
+    from ablation.report import summarize, write_md
+    from ablation.sweep import load_sweep
+    from tests.test_ablate import write_sweep
+    sweep = load_sweep(str(write_sweep(tmp_path, text_file)))
+    rows, out = summarize(sweep, []), tmp_path / "sweep"
+    out.mkdir()
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", disk_full)
+    for earlier in (None, "an earlier report\n"):
+        if earlier:
+            (out / "results.md").write_text(earlier)
+        with pytest.raises(OSError, match="No space left"):
+            write_md(sweep, rows, out, "python ablate.py sweep.toml")
+        assert os.listdir(out) == ([] if earlier is None else ["results.md"]), "no empty or partial file"
+        assert earlier is None or (out / "results.md").read_text() == earlier
