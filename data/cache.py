@@ -12,8 +12,9 @@ file sizes. An entry that fails them is prepared again from its text (or, where 
 hand, named in a DataError that says to delete it).
 
 A temporary directory is named .<entry>.tmp-<pid>@<host>-<random>. The next preparation in the same
-root removes those whose process has died on this host, and any (another host's, an unnamed one)
-untouched for STALE_SECONDS; a live process's directory is never touched.
+root removes those whose process has died on this host, and any (another host's, an unnamed one, and
+on Windows, where a process cannot be asked whether it lives, any) untouched for STALE_SECONDS; a live
+process's directory is never touched.
 """
 import json
 import math
@@ -143,6 +144,9 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 
 
+# Windows' os.kill(pid, 0) does not ask whether a process exists, it ends it: there this host's
+# temporary directories are judged by their age, as other hosts' are
+WINDOWS = os.name == "nt"
 _TEMP = re.compile(r"\..+\.tmp-(?:(\d+)@([A-Za-z0-9._]+)-)?[A-Za-z0-9_]+")
 
 
@@ -187,7 +191,7 @@ def remove_stale_temp_dirs(root: Path) -> list[Path]:
             continue
         pid, host = match.groups()
         try:
-            if pid and host == _host():
+            if pid and host == _host() and not WINDOWS:
                 stale = not _alive(int(pid))
             else:
                 stale = time.time() - _last_change(path) > STALE_SECONDS
@@ -196,7 +200,8 @@ def remove_stale_temp_dirs(root: Path) -> list[Path]:
         if stale:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-            owner = f"by process {pid}, which is gone" if pid and host == _host() else "untouched for a day"
+            owner = f"by process {pid}, which is gone" if pid and host == _host() and not WINDOWS \
+                else "untouched for a day"
             print(f"notice: removed {path}, left {owner} by a preparation that was stopped", file=sys.stderr)
     return removed
 
