@@ -46,7 +46,7 @@ class TrainConfig:
                                   # token of each split, in consecutive windows: exact, slower on a large text)
     log_interval: int = 50        # print and record the training loss every this many steps
     seed: int = 1337              # initial weights, data order and dropout: the same seed, the same run
-    device: str = "auto"          # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
+    device: str = "auto"          # auto (cuda > cpu) | cpu | cuda | cuda:N | mps (untested: only when named)
     dtype: str = "auto"           # auto (bf16 on CUDA, fp16 where bf16 is missing, fp32 elsewhere) | float32 | bfloat16 | float16
     compile: bool = False         # torch.compile the model (fused kernels; compiling takes seconds to minutes)
     cuda_graph: bool = False      # CUDA: record the step once as a CUDA graph, replay it (opt-in: not yet timed on a GPU)

@@ -56,6 +56,7 @@ class Run:
     tokenizer: object               # the dataset's (samples while training encode and decode with it)
     relink_best: bool = False       # the resumed checkpoint is the best: best.pt must be it
     train_step: object = None       # the next optimizer step (training/step.py, speed/cuda_graph.py)
+    compiled: bool = False          # wrapped is torch.compile'd (train.compile, where compiling worked)
     step: int = 0                   # optimizer steps done
     best_val: float = math.inf
     tokens: int = 0                 # tokens trained on, the runs this one continues included
@@ -193,9 +194,13 @@ def build_step(run: Run) -> None:
     """torch.compile the model (train.compile), then the step: eager, or recorded as a CUDA graph where
     one can hold it (train.cuda_graph). After restore: a graph holds the addresses of the restored state."""
     t = run.cfg.train
-    if t.compile:
+    if t.compile and run.world.device.type == "mps":   # not tried where nothing is tested: said, not attempted
+        Printer(run.world.is_main)("note: train.compile is not tried on MPS: training eagerly", file=sys.stderr)
+    elif t.compile:
         from speed.compile import compiled_or_eager   # the optional speed room
+        eager = run.wrapped
         run.wrapped = compiled_or_eager(run.wrapped, functools.partial(compile_trial, run), "training")
+        run.compiled = run.wrapped is not eager
     step = Step(run.wrapped, run.model, run.optimizer, run.scaler, run.autocast, run.guard, run.world, run.loader,
                 t.grad_clip)
     run.train_step = step
@@ -257,7 +262,7 @@ def say_what_runs(run: Run) -> None:
     changes = changes_from_defaults(run.cfg)
     run.print("# not the defaults: " + ("; ".join(changes) if changes else "none"))
     procs = f" x {world.size} processes ({world.kind})" if world.size > 1 else ""
-    how = ("CUDA graph" if run.train_step.kind == "graph" else "eager") + (", compiled" if t.compile else "")
+    how = ("CUDA graph" if run.train_step.kind == "graph" else "eager") + (", compiled" if run.compiled else "")
     run.print(f"# {run.model.num_params() / 1e6:.2f}M parameters | {world.device}, {dtype_name(run.dtype)}, {how}"
               f"{procs} | {run.tokens_per_step:,} tokens/step | data {run.dataset}")
     run.print(f"# memory: {run.memory}")

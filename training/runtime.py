@@ -1,14 +1,16 @@
 """Where and how a run computes: the device, the number format, random seeds, and its processes.
 
-    device   auto = cuda > mps > cpu
-    dtype    auto = bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere. Lower precision runs
-             under autocast: weights and optimizer state stay fp32, matmuls run in the low format.
+    device   auto = cuda > cpu; mps (Apple's GPU) only when named, with a note: untested there
+    dtype    auto = bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere (MPS: bf16 when asked
+             and supported, never fp16). Lower precision runs under autocast: weights and optimizer
+             state stay fp32, matmuls run in the low format.
     TF32     on CUDA, fp32 matmuls may use TF32 tensor cores (10-bit mantissa): much faster, and the
              rounding is far below what training notices.
     world    the run's processes: one (World), or under torchrun one per device (training/distributed.py)
 """
 import os
 import random
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -18,13 +20,36 @@ import torch
 from common import ConfigError
 
 
+def mps_available() -> bool:
+    """Whether this machine has Apple's GPU (MPS) for torch."""
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps and mps.is_available())
+
+
+def mps_has_bf16() -> bool:
+    """Whether MPS computes in bfloat16 (macOS 14 and newer)."""
+    try:
+        torch.ones(1, dtype=torch.bfloat16, device="mps").add_(1)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+_noted = set()
+
+
+def note_once(text: str) -> None:
+    """A note on stderr, said once per process however often the choice it explains is made."""
+    if text not in _noted:
+        _noted.add(text)
+        print(f"note: {text}", file=sys.stderr, flush=True)
+
+
 def pick_device(name: str, setting: str = "train.device") -> torch.device:
+    """auto: CUDA where there is a GPU, else the CPU. MPS (Apple's GPU) only when named: nothing of this
+    project is tested or measured there, and it says so."""
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -33,19 +58,30 @@ def pick_device(name: str, setting: str = "train.device") -> torch.device:
         raise ConfigError(f"{setting}={name!r} but CUDA is not available here")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(f"{setting}={name!r} but this machine has {torch.cuda.device_count()} GPU(s)")
-    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+    if device.type == "mps" and not mps_available():
         raise ConfigError(f"{setting}={name!r} but MPS is not available here")
     if device.type not in ("cpu", "cuda", "mps"):
         raise ConfigError(f"{setting}={name!r}: this project runs on cpu, cuda or mps")
+    if device.type == "mps":
+        note_once("MPS (Apple's GPU) runs this project untested and unmeasured: float32 unless bfloat16 is "
+                  "asked for, no torch.compile, and no test checks that its results match the CPU's")
     return device
 
 
-def pick_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
+def pick_dtype(device: torch.device, name: str = "auto", setting: str = "train.dtype") -> torch.dtype:
+    """auto: bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere, MPS included. On MPS bf16
+    only where it is supported, and no fp16 (its loss scaling is not tried there)."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    return getattr(torch, name)
+    dtype = getattr(torch, name)
+    if device.type == "mps" and dtype == torch.float16:
+        raise ConfigError(f"{setting}=float16 is not supported on MPS here: use bfloat16 (macOS 14 or newer) "
+                          f"or float32")
+    if device.type == "mps" and dtype == torch.bfloat16 and not mps_has_bf16():
+        raise ConfigError(f"{setting}=bfloat16 but this Mac's MPS lacks it (macOS 14 or newer has it): use float32")
+    return dtype
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -113,20 +149,25 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    """Every generator's state as plain data and tensors (what a checkpoint can hold)."""
+    """Every generator's state as plain data and tensors (what a checkpoint can hold): Python's, numpy's,
+    torch's CPU one, every GPU's, and MPS's (dropout on MPS draws from it)."""
     np_state = np.random.get_state()
     return {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
             "numpy": np_state[1].tolist(), "numpy_pos": int(np_state[2]),
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "mps": torch.mps.get_rng_state() if mps_available() else None}
 
 
 def set_rng_state(s: dict) -> None:
+    """Put back what rng_state() returned (a checkpoint written before MPS's was saved has none)."""
     random.setstate((s["python_version"], tuple(s["python"]), None))
     np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
     torch.set_rng_state(s["torch"])
     if s["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
+    if s.get("mps") is not None and mps_available():
+        torch.mps.set_rng_state(s["mps"])
 
 
 @dataclass
