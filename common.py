@@ -11,7 +11,9 @@ torch nor any other module of the project:
 
 Exit codes: 2 for a usable message (bad config, data, checkpoint, prompt, out dir; a run that cannot
 go on), 3 for out of memory outside the training loop, 128 + the signal's number when a signal
-stopped the job (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
+stopped the job (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, 149 for Windows' SIGBREAK).
+
+(Over 300 lines on purpose: the one leaf module every command imports; its promises stay together.)
 """
 import argparse
 import codecs
