@@ -291,3 +291,14 @@ def test_a_report_that_cannot_be_written_leaves_the_earlier_one_or_none(tmp_path
             write_md(sweep, rows, out, "python ablate.py sweep.toml")
         assert os.listdir(out) == ([] if earlier is None else ["results.md"]), "no empty or partial file"
         assert earlier is None or (out / "results.md").read_text() == earlier
+
+
+def test_a_run_s_default_out_dir_is_written_with_forward_slashes_on_windows_too(monkeypatch):
+    """out/notes-bpe4096, as the README and every message write it (Windows takes / as well)."""
+    from pathlib import PureWindowsPath
+    from types import SimpleNamespace
+
+    from training import config
+    monkeypatch.setattr(config, "Path", PureWindowsPath)
+    data = SimpleNamespace(path="books\\notes.txt", tokenizer="bpe:4096")
+    assert config.default_out_dir(None, data, data_changed=True) == "out/notes-bpe4096"

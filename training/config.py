@@ -248,7 +248,7 @@ def default_out_dir(config_file: str | None, data, data_changed: bool) -> str:
         parts.append(path.parent.name if glob.has_magic(data.path) else path.stem)
     if data.tokenizer != "char" and (data_changed or not config_file):
         parts.append(re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer))
-    return str(Path("out") / "-".join(parts))
+    return (Path("out") / "-".join(parts)).as_posix()   # out/..., as the README writes it, on Windows too
 
 
 # keys whose change leaves a resumed run computing what it would have computed uninterrupted
