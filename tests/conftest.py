@@ -2,7 +2,6 @@
 command as a user would (run_tool in-process, run_limited as a memory-limited subprocess), and snapshots
 of a directory tree (tree, settled) for the promise that a failed command writes nothing."""
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -108,6 +107,29 @@ def at_most_two_threads():
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def text_files_as_written():
+    """On Windows, Path.write_text and read_text in UTF-8 and with the newlines as written: there they
+    would use the ANSI code page (no 日本語, é as one byte) and write \\n as \\r\\n. A test's text stands
+    for a user's file of exactly those bytes. The commands never rely on these defaults (they read
+    bytes, or name UTF-8), and tests/test_windows.py simulates them. Elsewhere nothing changes."""
+    if os.name != "nt":
+        yield
+        return
+    write, read = Path.write_text, Path.read_text
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "write_text", lambda self, data, encoding="utf-8", errors=None, newline="\n":
+                      write(self, data, encoding, errors, newline))
+        patch.setattr(Path, "read_text", lambda self, encoding="utf-8", errors=None: read(self, encoding, errors))
+        yield
+
+
+# What a test needs of the system, where not every system has it.
+LINUX = sys.platform.startswith("linux")
+posix_signals = pytest.mark.skipif(os.name == "nt", reason="sends another process POSIX signals (kill -9, SIGTERM, "
+                                   "SIGINT, SIGHUP, SIGSTOP): Windows can only end a process outright")
+
+
 @pytest.fixture
 def text_file(tmp_path):
     path = tmp_path / "tiny.txt"
@@ -165,7 +187,12 @@ def run_tool(tool, argv, capsys):
 def run_limited(argv, memory=2 << 30, timeout=120):
     """(exit code, stdout, stderr, peak resident bytes) of `python ARGV` run as a user runs it, with
     its address space limited to `memory` bytes: an allocation beyond that fails at once, as on a
-    machine without that much memory, instead of taking this machine's memory from everyone else."""
+    machine without that much memory, instead of taking this machine's memory from everyone else.
+    Skips off Linux: macOS does not enforce RLIMIT_AS, and Windows has neither it nor os.wait4."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("needs a limit on a process's address space (RLIMIT_AS), which Linux alone enforces")
+    import resource
+
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
@@ -268,10 +295,12 @@ def poison(monkeypatch, bad_steps, kind="loss"):
 @pytest.fixture
 def small_disk(tmp_path):
     """small_disk(size) mounts a file system of that size (e.g. "600k") under tmp_path and returns its
-    path; it is unmounted after the test. Skips where mounting is not allowed (it needs root)."""
+    path; it is unmounted after the test. Skips where mounting is not allowed (it needs root and Linux)."""
     mounted = []
 
     def mount(size: str) -> Path:
+        if not sys.platform.startswith("linux"):
+            pytest.skip("mounts a small tmpfs, which needs Linux (and root)")
         disk = tmp_path / f"disk{len(mounted)}"
         disk.mkdir()
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True,

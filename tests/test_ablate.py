@@ -75,7 +75,9 @@ def test_a_sweep_runs_reports_skips_finished_runs_and_resumes_partial_ones(tmp_p
     assert float(mqa["kv_bytes_per_token"]) * 2 == float(sdpa["kv_bytes_per_token"]) == 1 * 2 * 16 * itemsize
     assert sdpa["beyond_noise"] == "baseline" and mqa["beyond_noise"] in ("yes", "no")
     assert float(mqa["delta"]) == pytest.approx(float(mqa["final_val"]) - float(sdpa["final_val"]), abs=1e-5)
-    assert float(sdpa["peak_mem_bytes"]) > 10e6 and float(sdpa["tokens_per_s"]) > 0
+    assert float(sdpa["tokens_per_s"]) > 0
+    if hasattr(os, "wait4"):   # a run's peak memory (Windows has no os.wait4 to tell it)
+        assert float(sdpa["peak_mem_bytes"]) > 10e6
     with open(out / "runs.csv") as f:
         assert len(list(csv.DictReader(f))) == 4
     md = (out / "results.md").read_text()
@@ -193,6 +195,8 @@ def test_a_sweep_copied_under_another_name_continues_its_runs(tmp_path, text_fil
     assert main([str(copy)]) == 0 and capsys.readouterr().out.count("done before, skipped") == 2, "both seeds"
 
 
+@pytest.mark.skipif(os.name == "nt", reason="Windows gives an orphan no new parent, so a run whose sweep is killed "
+                    "outright goes on (ablation/run.py); and os.kill(pid, 0) would end the run there")
 def test_a_run_whose_sweep_is_killed_stops_saves_and_frees_its_out_dir(tmp_path, text_file):
     """kill -9 of ablate.py: its run (a child in a session of its own) stops as for SIGTERM."""
     from training.checkpoint import latest_checkpoint

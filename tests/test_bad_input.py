@@ -204,6 +204,8 @@ CASES = [
 @pytest.mark.parametrize("name, tool, make_argv, message", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_a_non_zero_exit_and_writes_nothing(name, tool, make_argv, message, tmp_path,
                                                                    trained, capsys):
+    if "/dev/zero" in message and not os.path.exists("/dev/zero"):
+        pytest.skip("reads /dev/zero, an endless file Windows does not have")
     text = write(tmp_path / "tiny.txt", TEXT)
     short = write(tmp_path / "short.txt", "abcdefghij" * 3)
     for path in (text, short):   # a complete preparation may be cached; it is made here, before the snapshot

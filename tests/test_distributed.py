@@ -24,6 +24,8 @@ from training.config import build_config
 from training.trainer import train
 from tests.conftest import ROOT, TEXT, tiny_overrides
 
+pytestmark = pytest.mark.skipif(os.name == "nt" or not torch.distributed.is_available(),
+                                reason="torchrun and gloo as this project uses them: Linux and macOS (not tried on Windows)")
 STEPS = 6
 
 

@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, tiny_overrides
+from tests.conftest import ROOT, posix_signals, tiny_overrides
 from training.checkpoint import latest_checkpoint, load_checkpoint
+
+pytestmark = posix_signals
 
 
 def start(script, args, **kw):

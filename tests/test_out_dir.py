@@ -8,7 +8,7 @@ import signal
 import pytest
 
 import train as train_cli
-from tests.conftest import poison, run_tool, tiny_overrides, tree
+from tests.conftest import poison, posix_signals, run_tool, tiny_overrides, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import list_checkpoints, load_checkpoint
 from training.outdir import ASIDE
@@ -38,6 +38,7 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(tmp_
     assert load_checkpoint(out / "ckpt_0000020.pt")["config"]["train"]["max_steps"] == 30, "the new run's"
 
 
+@posix_signals
 def test_an_overwrite_killed_before_its_first_checkpoint_gives_the_earlier_run_back(tmp_path, text_file, capsys):
     out, args = tmp_path / "out", tiny_overrides(tmp_path, text_file, **{"train.max_steps": 4, "train.eval_interval": 4})
     assert run_tool(train_cli, args, capsys)[0] == 0

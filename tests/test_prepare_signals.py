@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, TEXT
+from tests.conftest import ROOT, TEXT, posix_signals
 
 
 @pytest.fixture(scope="module")
@@ -43,22 +43,23 @@ def signal_when_ready(argv, root, sig, ready_file):
     return proc.returncode, err
 
 
-@pytest.mark.parametrize("sig, tokenizer, ready_file", [
-    (signal.SIGTERM, "char", "train.bin"),   # while encoding on the thread pool
-    (signal.SIGINT, "char", "train.bin"),
-    (signal.SIGHUP, "char", "train.bin"),
-    (signal.SIGTERM, "bpe:4096", None),      # while the BPE is being trained
+@posix_signals
+@pytest.mark.parametrize("name, tokenizer, ready_file", [
+    ("SIGTERM", "char", "train.bin"),   # while encoding on the thread pool
+    ("SIGINT", "char", "train.bin"),
+    ("SIGHUP", "char", "train.bin"),
+    ("SIGTERM", "bpe:4096", None),      # while the BPE is being trained
 ], ids=["SIGTERM", "SIGINT", "SIGHUP", "SIGTERM-bpe"])
-def test_a_signal_stops_data_prepare_cleanly(tmp_path, big_text, sig, tokenizer, ready_file):
-    root = tmp_path / "prep"
+def test_a_signal_stops_data_prepare_cleanly(tmp_path, big_text, name, tokenizer, ready_file):
+    root, sig = tmp_path / "prep", getattr(signal, name)
     rc, err = signal_when_ready(["-m", "data.prepare", big_text, "--tokenizer", tokenizer, "--root", root],
                                 root, sig, ready_file)
-    name = signal.Signals(sig).name
     assert rc == 128 + sig, (rc, err)
     assert err == f"interrupted: preparing {big_text} stopped by {name}; nothing was kept\n", err
     assert os.listdir(root) == [], "no temporary dir and no entry"
 
 
+@posix_signals
 def test_a_signal_stops_train_py_while_it_prepares(tmp_path, big_text):
     root = tmp_path / "prep"
     argv = ["train.py", "--data", big_text, "--data.prepared_dir", root, "--out_dir", tmp_path / "out"]

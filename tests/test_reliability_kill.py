@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, num_threads, tiny_overrides
+from tests.conftest import ROOT, num_threads, posix_signals, tiny_overrides
 from training.checkpoint import list_checkpoints, load_checkpoint
 from training.config import build_config
 from training.trainer import train
@@ -87,8 +87,9 @@ class Child:
             self.seen.append(line)
         return rc
 
-    def kill(self, sig=signal.SIGKILL) -> int:
-        self.proc.send_signal(sig)
+    def kill(self, sig=None) -> int:
+        """Send sig (default: kill -9, or TerminateProcess on Windows) and wait for the end; the exit code."""
+        self.proc.kill() if sig is None else self.proc.send_signal(sig)
         return self.end()
 
 
@@ -109,6 +110,7 @@ def args(tmp_path, text_file):
                                                   "out_dir": tmp_path / "run"})
 
 
+@posix_signals
 def test_kill_9_and_sigterm_at_random_moments_then_resume_is_the_uninterrupted_run(tmp_path, args):
     seed = random.randrange(10**6)
     rng = random.Random(seed)

@@ -13,7 +13,7 @@ import pytest
 
 import train as train_cli
 from common import RunError
-from tests.conftest import ROOT, TEXT, num_threads, run_tool, tiny_overrides, tree
+from tests.conftest import ROOT, TEXT, num_threads, posix_signals, run_tool, tiny_overrides, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import latest_checkpoint, load_checkpoint
 from training import lock
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op
 # ---------------------------------------------------------------- one run per out dir
 
 
+@posix_signals
 def test_a_second_run_into_a_busy_out_dir_is_refused_and_writes_nothing(tmp_path, text_file, capsys):
     out = tmp_path / "out"
     first = Child(tiny_overrides(tmp_path, text_file, **{"train.max_steps": 100_000, "train.eval_interval": 5}))
@@ -47,6 +48,7 @@ def test_a_second_run_into_a_busy_out_dir_is_refused_and_writes_nothing(tmp_path
     assert train(cfg, resume=True, quiet=True)["step"] == resumed_at + 2, "a killed run's lock went stale"
 
 
+@pytest.mark.skipif(lock.fcntl is None, reason="flock's errors (POSIX); Windows' lock: tests/test_windows.py")
 @pytest.mark.parametrize("code, busy", [(errno.EWOULDBLOCK, True), (errno.ENOLCK, False)], ids=["held", "no locks"])
 def test_only_a_held_lock_makes_an_out_dir_busy(code, busy, tiny_cfg, monkeypatch):
     """A file system that cannot lock at all (NFS without its lock daemon) runs unguarded, as it would
@@ -167,7 +169,7 @@ def test_the_final_line_gives_the_whole_run_s_time_and_tokens(tiny_cfg, capsys):
 
 def test_a_cpu_busy_with_other_work_is_said_at_the_start(tiny_cfg, monkeypatch, capsys):
     """Two threads that wait for each other on two cores another job also uses: many times slower."""
-    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0), raising=False)   # (Windows has none)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     with num_threads(2):
         train(tiny_cfg(**{"train.max_steps": 2}))
