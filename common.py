@@ -213,8 +213,9 @@ def atomic_write(path: Path, data) -> None:
 
 def stop_signals() -> list[int]:
     """The signals that ask a job to stop, of those this system has: SIGINT (Ctrl-C), SIGTERM, SIGHUP
-    (a closed terminal; not on Windows) and SIGBREAK (Windows only: Ctrl-Break, a closed console window,
-    and what a sweep sends its run there, where SIGINT cannot be sent to another process)."""
+    (a closed terminal; not on Windows) and SIGBREAK (Windows only: Ctrl-Break, what a sweep sends its
+    run there, where SIGINT cannot be sent to another process, and a closed console window, after which
+    Windows allows the process only a few seconds)."""
     return [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGBREAK") if hasattr(signal, name)]
 
 
