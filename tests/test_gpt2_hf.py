@@ -15,7 +15,7 @@ from model.gpt import GPT
 from common import CheckpointError, ConfigError
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
 from hf.hub import load_pretrained, save_pretrained
-from tests.conftest import ROOT
+from tests.conftest import ROOT, gpt2_or_skip
 from training.config import build_config
 from data.prepare import prepare
 
@@ -248,6 +248,7 @@ def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_
     """The first training loss is transformers' loss on the same batch (with the position table
     cropped to block_size 8); a resumed run continues its own checkpoint, not the pretrained weights."""
     from transformers import GPT2LMHeadModel
+    gpt2_or_skip()   # the run's tokenizer
 
     from data.loader import BatchLoader
     from training.trainer import train
@@ -276,8 +277,7 @@ def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_
 def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_does(gpt2_dir):
     from transformers import GPT2LMHeadModel
 
-    from data.tokenizers import TiktokenTokenizer
-    tok = TiktokenTokenizer.named("gpt2")
+    tok = gpt2_or_skip()
     prompt = "First Citizen:"
     ids = torch.tensor([tok.encode(prompt)])
     with torch.no_grad():
