@@ -32,6 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common import ConfigError, first_line
 from training.runtime import World
 
+WINDOWS = os.name == "nt"   # (os.kill(pid, 0) ends a process there: see alive)
+
 
 class ProcessGroup(World):
     """This process's place among WORLD_SIZE processes joined by torchrun."""
@@ -182,6 +184,10 @@ class ProcessGroup(World):
 
 
 def alive(pid: int) -> bool:
+    """Whether process pid (of this host) still runs. On Windows os.kill(pid, 0) would end it, not ask:
+    there every process is taken as alive."""
+    if WINDOWS:
+        return True
     try:
         os.kill(pid, 0)   # signal 0: only asks whether the process exists
     except ProcessLookupError:
