@@ -13,7 +13,7 @@ from data.loader import BatchLoader
 from common import ConfigError, DataError
 from benchmarks.prepare import measure
 from data.tokenizers import CharTokenizer, load_tokenizer
-from tests.conftest import LINUX, TEXT, prepare_text
+from tests.conftest import TEXT, prepare_text
 from tests.conftest import gpt2_or_skip
 
 TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
@@ -128,8 +128,8 @@ def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, c
 AS_IF_32_CORES = "import sys, data.prepare as p; p.available_cpus = lambda: 32; sys.exit(p.main(sys.argv[1:]))"
 
 
-@pytest.mark.skipif(not LINUX, reason="peak memory as Linux's ru_maxrss gives it, in KiB (macOS gives bytes, "
-                    "Windows has no resource module)")
+@pytest.mark.skipif(os.name == "nt", reason="a child's peak memory comes from /proc or the resource module, "
+                    "which Windows lacks")
 def test_memory_does_not_grow_with_the_file(tmp_path):
     """The bound: preparing 30 MB takes less than 40 MB more peak memory than preparing 3 MB, on any
     number of cores (here as if there were 32). At most IN_FLIGHT_CHARS = 4M characters are being
