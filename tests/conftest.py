@@ -189,7 +189,7 @@ def run_limited(argv, memory=2 << 30, timeout=120):
     its address space limited to `memory` bytes: an allocation beyond that fails at once, as on a
     machine without that much memory, instead of taking this machine's memory from everyone else.
     Skips off Linux: macOS does not enforce RLIMIT_AS, and Windows has neither it nor os.wait4."""
-    if not sys.platform.startswith("linux"):
+    if not LINUX:
         pytest.skip("needs a limit on a process's address space (RLIMIT_AS), which Linux alone enforces")
     import resource
 
@@ -299,7 +299,7 @@ def small_disk(tmp_path):
     mounted = []
 
     def mount(size: str) -> Path:
-        if not sys.platform.startswith("linux"):
+        if not LINUX:
             pytest.skip("mounts a small tmpfs, which needs Linux (and root)")
         disk = tmp_path / f"disk{len(mounted)}"
         disk.mkdir()
