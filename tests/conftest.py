@@ -1,6 +1,9 @@
 """The suite's shared text, fixtures and helpers: tiny runs (tiny_cfg, tiny_overrides, trained), running a
 command as a user would (run_tool in-process, run_limited as a memory-limited subprocess), and snapshots
-of a directory tree (tree, settled) for the promise that a failed command writes nothing."""
+of a directory tree (tree, settled) for the promise that a failed command writes nothing; what a test
+needs of the system (LINUX, posix_signals) where not every system has it.
+
+(Over 300 lines on purpose: what several test files share lives where pytest finds it.)"""
 import os
 import subprocess
 import sys
