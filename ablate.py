@@ -9,11 +9,15 @@ The sweep file format is described in ablation/sweep.py (each run: ablation/run.
 finished runs and resumes an unfinished one from its last checkpoint; Ctrl-C stops after the current
 step of the current run (with a checkpoint).
 """
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
+
 import shlex
-import signal
 import sys
 
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
 from common import RunError, run_cli  # noqa: E402
 
 

@@ -18,12 +18,16 @@ PNGs' labels would not fit. Give --out as well to have both.
 The weights are the model's own, by its variant's math (model/inspect.py).
 A prompt longer than the model's block_size is cut to its last block_size tokens.
 """
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
+
 import math
-import signal
 import sys
 from pathlib import Path
 
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
 from common import ArgumentParser, ConfigError, RunError, TokenizerError, atomic_write, run_cli  # noqa: E402
 
 VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}

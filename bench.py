@@ -16,9 +16,14 @@ times drift on a shared machine).
 Every bad argument is refused before any work, in one line (exit 2); race, train, tokenizers and gpu
 also take config overrides (--section.key=value), which are checked as train.py checks them.
 """
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
+
 import argparse
 import os
-import signal
 import sys
 
 # OpenMP's wait policy matters on CPU: spinning threads are fastest on an idle machine but take the
@@ -26,7 +31,6 @@ import sys
 # whatever the environment says, and print it with the load, so a figure says how it was taken.
 if os.environ.get("OMP_WAIT_POLICY") == "":
     del os.environ["OMP_WAIT_POLICY"]
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
 from common import ArgumentParser, ConfigError, check, run_cli  # noqa: E402
 
 TAKE_OVERRIDES = ("race", "train", "tokenizers", "gpu")   # the rest refuse what they do not know

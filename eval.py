@@ -30,13 +30,17 @@ and tokenized before any is scored, so a bad file stops the command at once. Whi
 progress line goes to stderr (redrawn on a terminal, a line every 10 s into a log); the results go
 to stdout as a table, or with --json as one JSON object.
 """
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
+
 import json
 import math
-import signal
 import sys
 import time
 
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
 from common import ArgumentParser, duration, run_cli  # noqa: E402
 
 

@@ -11,11 +11,15 @@ multi-head attention, no qk_norm); any other setting is an error that names it (
 A run trained with the gpt2 tokenizer pairs with transformers' "gpt2" tokenizer; any other
 tokenizer (char, cl100k_base, ...) is not written: the directory then holds the weights only.
 """
-import signal
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
+
 import sys
 from pathlib import Path
 
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
 from common import ArgumentParser, RunError, run_cli  # noqa: E402
 
 

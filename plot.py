@@ -7,15 +7,20 @@ named by the settings in which the runs' configs differ.
 Each RUN is a run's out dir (its metrics.jsonl and config.toml); the picture goes to --out (default
 runs.png) and its path is printed. A run's own curves are in its out dir, as curves.png.
 """
-import signal
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
+
 import sys
 from pathlib import Path
 
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
 from common import ArgumentParser, ConfigError, RunError, atomic_write, run_cli  # noqa: E402
 
 # settings that name a run without changing what it computes: left out of the legend
-UNNAMING = ("out_dir", "data.prepared_dir", "train.device", "train.log_interval", "train.keep_checkpoints")
+UNNAMING = ("out_dir", "data.prepared_dir", "train.device", "train.log_interval", "train.keep_checkpoints",
+            "train.sample_every", "train.sample_prompt", "train.sample_tokens")
 
 
 def parse_args(argv):

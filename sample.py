@@ -8,12 +8,16 @@ the first is streamed token by token, the others are printed when they are done.
 encoding lacks a character of the text (output redirected on Windows: cp1252), it is written as '?'
 (common.tolerant_stdout).
 """
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
+
 import codecs
 import math
-import signal
 import sys
 
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
 from common import ArgumentParser, RunError, run_cli  # noqa: E402
 
 

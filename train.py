@@ -11,10 +11,14 @@ Options: a config file (TOML), --section.key=value overrides (listed below, and 
 of that run: only what the config file and the command line set changes them, each change named),
 --overwrite (start over in an out dir that holds an earlier run's checkpoints).
 """
-import signal
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
+
 import sys
 
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once, quietly (see common.run_cli)
 from common import run_cli  # noqa: E402
 
 

@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "data"
 os.environ.setdefault("WANDB_MODE", "disabled")
+# the commands the tests start run tiny models: one thread each (and no note that the CPU is busy)
+os.environ["OMP_NUM_THREADS"] = "1"
 if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
 

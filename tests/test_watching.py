@@ -74,6 +74,8 @@ def test_plot_py_overlays_runs_named_by_what_differs(tiny_cfg, tmp_path, capsys)
     from training.config import flat, load_toml
     labels = plot_cli.differences([flat(load_toml(tmp_path / n / "config.toml")) for n in ("slow", "quick")])
     assert labels == ["train.lr=0.0001, train.min_lr=1e-05", "train.lr=0.01, train.min_lr=0.001"], labels
+    watched = plot_cli.differences([{"train.lr": 0.1, "train.sample_every": 5, "log.curves": False}, {"train.lr": 0.2}])
+    assert watched == ["train.lr=0.1", "train.lr=0.2"], "watching a run does not name it"
 
 
 @pytest.mark.parametrize("make, message", [
