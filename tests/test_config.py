@@ -34,7 +34,9 @@ def test_runs_on_other_data_or_tokens_never_share_an_out_dir_by_surprise(tmp_pat
     fast = "configs/shakespeare_char_cpu_fast.toml"
     assert out_dir(fast) == "out/shakespeare_char_cpu_fast"
     assert out_dir(fast, "--data", "prose.txt") == "out/shakespeare_char_cpu_fast-prose"
-    assert out_dir(fast, "--data.tokenizer=gpt2") == "out/shakespeare_char_cpu_fast-tinyshakespeare-gpt2"
+    assert out_dir(fast, "--data.tokenizer=gpt2") == "out/shakespeare_char_cpu_fast-gpt2"
+    assert out_dir("configs/shakespeare_gpt2bpe.toml", "--data", "prose.txt") == "out/shakespeare_gpt2bpe-prose", \
+        "the config's own tokenizer is in its name already"
     assert out_dir(fast, "--data", "prose.txt", "--out_dir=mine") == "mine"
     assert out_dir(str(write(tmp_path, "[model]\nn_layer = 3\n"))) == "out/c", "a config without out_dir: its name"
 

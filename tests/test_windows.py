@@ -296,4 +296,4 @@ def test_a_run_s_default_out_dir_is_written_with_forward_slashes_on_windows_too(
     from training import config
     monkeypatch.setattr(config, "Path", PureWindowsPath)
     data = SimpleNamespace(path="books\\notes.txt", tokenizer="bpe:4096")
-    assert config.default_out_dir(None, data, data_changed=True) == "out/notes-bpe4096"
+    assert config.default_out_dir(None, data, {"data.path", "data.tokenizer"}) == "out/notes-bpe4096"

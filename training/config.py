@@ -92,9 +92,9 @@ class LogConfig:
 
 @dataclass
 class Config:
-    out_dir: str = ""             # "" = named after what it trains: the config file, else the data, and the
-                                  # tokenizer unless char (out/notes-bpe4096); a config file's out_dir holds
-                                  # while the command line changes neither data.path nor data.tokenizer
+    out_dir: str = ""             # "" = named after what it trains: the config file, the data and the
+                                  # tokenizer the command line sets (out/notes-bpe4096); a config file's
+                                  # out_dir holds while the command line sets neither data.path nor data.tokenizer
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -227,9 +227,9 @@ def build_config(config_file: str | None, overrides: list[str], base: dict | Non
     pairs = parse_overrides(overrides)
     for key, value in pairs:
         set_key(cfg, key, value)
-    data_changed = any(key in ("data.path", "data.tokenizer") for key, _ in pairs)
-    if not any(key == "out_dir" for key, _ in pairs) and (data_changed or not from_file.get("out_dir")) and not base:
-        cfg.out_dir = default_out_dir(config_file, cfg.data, data_changed)
+    changed = {key for key, _ in pairs if key in ("data.path", "data.tokenizer")}
+    if not any(key == "out_dir" for key, _ in pairs) and (changed or not from_file.get("out_dir")) and not base:
+        cfg.out_dir = default_out_dir(config_file, cfg.data, changed)
     if cfg.train.init_from and base is None:   # the model section comes from the pretrained checkpoint
         from hf.hub import resolve_init_from   # the optional Hugging Face room
         explicit = {key for key, _ in pairs} | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v}
@@ -238,15 +238,15 @@ def build_config(config_file: str | None, overrides: list[str], base: dict | Non
     return cfg
 
 
-def default_out_dir(config_file: str | None, data, data_changed: bool) -> str:
-    """out/<name>: the config file's name, with the data's (a file's stem, a glob's folder) when the
-    command line changed it, or the data's alone; then the tokenizer's unless char. Runs on other data
-    or tokens never meet in one out dir by surprise."""
-    path = Path(data.path)
+def default_out_dir(config_file: str | None, data, changed: set[str]) -> str:
+    """out/<name>: the config file's name, then the data's (a file's stem, a glob's folder) where the
+    command line set it or no config file names it, then the tokenizer's where the command line set it
+    or, without a config file, it is not char. Runs on other data or tokens never meet in one out dir
+    by surprise."""
     parts = [Path(config_file).stem] if config_file else []
-    if data_changed or not config_file:
-        parts.append(path.parent.name if glob.has_magic(data.path) else path.stem)
-    if data.tokenizer != "char" and (data_changed or not config_file):
+    if "data.path" in changed or not config_file:
+        parts.append(Path(data.path).parent.name if glob.has_magic(data.path) else Path(data.path).stem)
+    if "data.tokenizer" in changed or (not config_file and data.tokenizer != "char"):
         parts.append(re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer))
     return (Path("out") / "-".join(parts)).as_posix()   # out/..., as the README writes it, on Windows too
 
