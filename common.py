@@ -258,6 +258,28 @@ class StopRequest:
         say_now(f"\n{name}: {self.doing} (again to exit at once)\n")
 
 
+WINDOWS = os.name == "nt"
+
+
+def alive(pid: int) -> bool:
+    """Whether process pid (of this host) still runs. An ended process its parent has not yet reaped
+    (a zombie) counts as ended. On Windows os.kill(pid, 0) would end the process, not ask: there
+    every process is taken as alive."""
+    if pid <= 0 or WINDOWS:
+        return pid > 0
+    try:
+        os.kill(pid, 0)   # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:       # it exists, owned by someone else
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):   # no /proc (not Linux): taken as alive
+        return True
+
+
 def say_now(text: str) -> None:
     """Write to stderr from a signal handler: print() could land inside a print() that the signal
     interrupted, which Python's buffered streams refuse with an exception."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import DataError, TokenizerError, type_problem
+from common import WINDOWS, DataError, TokenizerError, alive, type_problem
 from data.tokenizers import load_tokenizer
 
 FORMAT = 2
@@ -144,27 +144,12 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 
 
-# Windows' os.kill(pid, 0) does not ask whether a process exists, it ends it: there this host's
-# temporary directories are judged by their age, as other hosts' are
-WINDOWS = os.name == "nt"
 _TEMP = re.compile(r"\..+\.tmp-(?:(\d+)@([A-Za-z0-9._]+)-)?[A-Za-z0-9_]+")
 
 
 def make_temp_dir(out: Path) -> Path:
     """A new hidden directory beside out, named after this process and host."""
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}@{_host()}-", dir=out.parent))
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)   # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:       # it exists, owned by someone else
-        return True
-    return True
 
 
 def _last_change(path: Path) -> float:
@@ -191,8 +176,8 @@ def remove_stale_temp_dirs(root: Path) -> list[Path]:
             continue
         pid, host = match.groups()
         try:
-            if pid and host == _host() and not WINDOWS:
-                stale = not _alive(int(pid))
+            if pid and host == _host() and not WINDOWS:   # (Windows cannot ask: judged by age there)
+                stale = not alive(int(pid))
             else:
                 stale = time.time() - _last_change(path) > STALE_SECONDS
         except OSError:   # removed meanwhile

@@ -73,6 +73,7 @@ def test_a_peer_rank_is_not_probed_with_os_kill_on_windows(monkeypatch):
 
     def terminate(pid, sig):
         raise AssertionError(f"os.kill({pid}, {sig}) would end process {pid} on Windows")
-    monkeypatch.setattr(distributed, "WINDOWS", True, raising=False)
+    import common
+    monkeypatch.setattr(common, "WINDOWS", True)
     monkeypatch.setattr(distributed.os, "kill", terminate)
     assert distributed.alive(os.getpid()) is True

@@ -29,10 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import ConfigError, first_line
+from common import ConfigError, alive, first_line
 from training.runtime import World
-
-WINDOWS = os.name == "nt"   # (os.kill(pid, 0) ends a process there: see alive)
 
 
 class ProcessGroup(World):
@@ -181,24 +179,6 @@ class ProcessGroup(World):
             gc.collect()
             dist.barrier()
         dist.destroy_process_group()
-
-
-def alive(pid: int) -> bool:
-    """Whether process pid (of this host) still runs. On Windows os.kill(pid, 0) would end it, not ask:
-    there every process is taken as alive."""
-    if WINDOWS:
-        return True
-    try:
-        os.kill(pid, 0)   # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:       # it exists, owned by someone else
-        pass
-    try:   # an ended process that torchrun has not yet reaped (a zombie) still exists
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):   # no /proc (not Linux): taken as alive
-        return True
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
