@@ -23,7 +23,7 @@ from common import run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    from training.config import build_config, help_text
+    from training.config import build_config, check_resume_keeps, help_text
     from training.outdir import OutDir
     from training.trainer import train
 
@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
     if "--resume" in flags and (stored := OutDir(cfg.out_dir).stored_config()) is not None:
         # the run the out dir holds goes on: only what the config file and the command line set changes it
         cfg = build_config(config_file, rest, base={**stored, "out_dir": cfg.out_dir})
+        check_resume_keeps(stored, cfg)
     summary = train(cfg, resume="--resume" in flags, overwrite="--overwrite" in flags)
     return summary["exit_code"]   # 0, or 128 + the signal that stopped it (130 for Ctrl-C, 143 for SIGTERM)
 

@@ -116,3 +116,21 @@ def test_a_version_1_checkpoint_still_resumes_counting_its_tokens_from_its_confi
     torch.save({**old, "version": 1}, path)   # as written before checkpoints counted their tokens
     assert train(cfg, quiet=True, resume=True)["step"] == 20
     assert load_checkpoint(f"{cfg.out_dir}/ckpt_0000020.pt")["tokens"] == 20 * 8 * 32
+
+
+@pytest.mark.parametrize("change, message", [
+    ("--data.tokenizer=bpe:300", 'data.tokenizer: "char" in the run, "bpe:300" now'),
+    ("--model.n_layer=3", "model.n_layer: 2 in the run, 3 now"),
+], ids=["tokenizer", "model"])
+def test_resume_with_another_tokenizer_or_model_is_refused_before_any_text_is_prepared(change, message, tmp_path,
+                                                                                       text_file, capsys):
+    """A mistake that --resume can tell from the run's config.toml is one line, and writes nothing: not
+    even the preparation of the text for the changed setting."""
+    args = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 2})
+    assert run_tool(train_cli, args, capsys)[0] == 0
+    from tests.conftest import tree
+    before = tree(tmp_path)
+    rc, _, err = run_tool(train_cli, [*args, "--data.prepared_dir=" + str(tmp_path / "fresh"), change, "--resume"],
+                          capsys)
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: " + message), err
+    assert tree(tmp_path) == before

@@ -56,13 +56,23 @@ def test_a_sample_prompt_the_text_cannot_encode_is_refused_at_once(tiny_cfg):
         train(tiny_cfg(**{"train.sample_every": 5, "train.sample_prompt": "☃"}), quiet=True)
 
 
-def test_every_run_draws_its_curves_at_each_evaluation(tiny_cfg):
-    cfg = tiny_cfg(**{"log.curves": "true"})
+def test_every_run_draws_its_curves_at_each_evaluation(tiny_cfg, monkeypatch):
+    import training.trainer
+    titles, draw = [], training.trainer.draw
+
+    def counted(panels, title, **kw):
+        titles.append(title)
+        return draw(panels, title, **kw)
+    monkeypatch.setattr(training.trainer, "draw", counted)
+    cfg = tiny_cfg(**{"log.curves": "true"})   # evaluations at steps 10 and 20
     train(cfg, quiet=True, stop_at=10)
-    first = (cfg.out_dir and open(f"{cfg.out_dir}/curves.png", "rb").read())
+    first = open(f"{cfg.out_dir}/curves.png", "rb").read()
     train(cfg, quiet=True, resume=True)
     second = open(f"{cfg.out_dir}/curves.png", "rb").read()
+    assert [t.split(": ")[1] for t in titles] == ["step 10", "step 20"], titles
     assert first.startswith(PNG) and second.startswith(PNG) and first != second, "redrawn at the second evaluation"
+    monkeypatch.setattr(training.trainer, "draw", lambda *a, **kw: pytest.fail("log.curves=false draws nothing"))
+    train(tiny_cfg(**{"log.curves": "false", "train.max_steps": 10}, out_dir=f"{cfg.out_dir}-off"), quiet=True)
 
 
 def test_plot_py_overlays_runs_named_by_what_differs(tiny_cfg, tmp_path, capsys):
@@ -71,6 +81,8 @@ def test_plot_py_overlays_runs_named_by_what_differs(tiny_cfg, tmp_path, capsys)
     out = tmp_path / "both.png"
     rc, stdout, err = run_tool(plot_cli, [tmp_path / "slow", tmp_path / "quick", "--out", out], capsys)
     assert rc == 0 and stdout.strip() == str(out) and out.read_bytes().startswith(PNG), err
+    rc, _, err = run_tool(plot_cli, [tmp_path / "slow", tmp_path / "quick", "--out", out, "--bpb"], capsys)
+    assert rc == 0 and out.read_bytes().startswith(PNG), err
     from training.config import flat, load_toml
     labels = plot_cli.differences([flat(load_toml(tmp_path / n / "config.toml")) for n in ("slow", "quick")])
     assert labels == ["train.lr=0.0001, train.min_lr=1e-05", "train.lr=0.01, train.min_lr=0.001"], labels

@@ -256,6 +256,16 @@ SAME_RUN_KEYS = {"out_dir", "data.prepared_dir", "train.device", "train.compile"
                  "train.eval_iters", "train.log_interval", "train.keep_checkpoints", "train.on_nonfinite"}
 
 
+def check_resume_keeps(stored: dict, cfg: Config) -> None:
+    """--resume goes on with the run's own model and tokenizer: a change to either is refused here,
+    before any text is prepared for it (the checkpoint is checked against the model again on loading)."""
+    before = build_config(None, [], base={**stored, "out_dir": cfg.out_dir})
+    for key in all_keys():
+        if (key.startswith("model.") or key == "data.tokenizer") and get_key(before, key) != get_key(cfg, key):
+            raise ConfigError(f"{key}: {fmt(get_key(before, key))} in the run, {fmt(get_key(cfg, key))} now: --resume "
+                              f"goes on with the run's own model and tokenizer (another --out_dir starts a new run)")
+
+
 def changes_since(stored: dict, cfg: Config) -> tuple[list[str], bool]:
     """What a resumed run changes of the config it was started with (`stored`): each change as
     'key: old -> new', and whether one breaks exact continuation (anything but SAME_RUN_KEYS and log.*)."""
