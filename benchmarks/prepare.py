@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from common import ConfigError, Interrupted, Printer, RunError, TokenizerError, check, on_stop_signals
+from data.tokenizers import bpe_vocab_size, check_encoding_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_BYTES = 2   # at most about this many bytes of prepared tokens per byte of text (char ids are uint16)
@@ -108,7 +109,6 @@ def checked(args) -> dict:
 
 def check_tokenizer(name: str) -> None:
     """A ConfigError naming --tokenizers unless name is a tokenizer data.prepare knows."""
-    from data.tokenizers import bpe_vocab_size, check_encoding_name
     try:
         if name != "char" and bpe_vocab_size(name) is None:
             check_encoding_name(name)
