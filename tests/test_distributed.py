@@ -168,3 +168,5 @@ def test_a_rank_that_dies_is_one_line_on_the_others(tmp_path, text_file):
     assert "Traceback" not in rank0, rank0[-3000:]
     errors = [line for line in rank0.splitlines() if line.startswith("error: ")]
     assert errors and errors[-1].startswith("error: rank 1 of this run (PID "), rank0[-3000:]
+    root_cause = r.stderr.split("Root Cause", 1)[-1]
+    assert "rank      : 1" in root_cause.split("=====")[0], "torchrun's report still blames the rank that died"

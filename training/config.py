@@ -337,9 +337,11 @@ def fmt(v) -> str:
 
 
 def changes_from_defaults(cfg: Config) -> list[str]:
-    """Every setting of cfg that is not its default, as 'key = value' (TOML)."""
+    """Every setting of cfg that is not its default, as 'key = value' (TOML); not out_dir or
+    model.vocab_size, which follow from the data (the banner names both)."""
     default = Config()
-    return [f"{k} = {fmt(get_key(cfg, k))}" for k in all_keys() if k != "out_dir" and get_key(cfg, k) != get_key(default, k)]
+    return [f"{k} = {fmt(get_key(cfg, k))}" for k in all_keys()
+            if k not in ("out_dir", "model.vocab_size") and get_key(cfg, k) != get_key(default, k)]
 
 
 def describe(cfg: Config) -> str:

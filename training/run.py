@@ -263,8 +263,8 @@ def say_what_runs(run: Run) -> None:
     run.print("# not the defaults: " + ("; ".join(changes) if changes else "none"))
     procs = f" x {world.size} processes ({world.kind})" if world.size > 1 else ""
     how = ("CUDA graph" if run.train_step.kind == "graph" else "eager") + (", compiled" if run.compiled else "")
-    run.print(f"# {run.model.num_params() / 1e6:.2f}M parameters | {world.device}, {dtype_name(run.dtype)}, {how}"
-              f"{procs} | {run.tokens_per_step:,} tokens/step | data {run.dataset}")
+    run.print(f"# {run.model.num_params() / 1e6:.2f}M parameters, vocab {run.cfg.model.vocab_size:,} | {world.device}, "
+              f"{dtype_name(run.dtype)}, {how}{procs} | {run.tokens_per_step:,} tokens/step | data {run.dataset}")
     run.print(f"# memory: {run.memory}")
     if t.fsdp and world.size == 1:
         run.print("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")

@@ -9,13 +9,15 @@ Exact resume: the model, the optimizer, the LR schedule, the data order and ever
 continue where the checkpoint left them.
 """
 import functools
+import os
 import signal
 import sys
 import time
 
 import torch
 
-from common import Interrupted, Printer, RunError, StopRequest, duration, first_line, is_out_of_memory, on_stop_signals
+from common import (Interrupted, Printer, RunError, StopRequest, duration, first_line, is_out_of_memory,
+                    on_stop_signals, say_now)
 from data.cache import bits_per_byte
 from training.checkpoint import clean_state_dict, new_checkpoint, save_checkpoint
 from training.config import Config
@@ -58,9 +60,26 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     except Exception as e:
         if (peer := world.peer_failure(e)) is None:
             raise
-        raise RunError(peer) from None
+        # a group that lost a process cannot be left: destroying it may wait for that process for ever, and
+        # ending without destroying it may abort in gloo's threads; checkpoints are whole, so end here
+        end_after_peer(f"error: {peer}")
     finally:
         world.leave(finished)
+
+
+def end_after_peer(message: str, wait_s: float = 2.0) -> None:
+    """Say message as the last line on stderr, then end with exit 2, after torchrun has had time to see
+    that the other process ended first (its report names the first end it sees as the root cause): its
+    SIGTERM ends this process in the wait, or the wait runs out."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # until the line is out
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    say_now(message + "\n")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(wait_s)
+    os._exit(2)
 
 
 # ---------------------------------------------------------------- evaluate and save
