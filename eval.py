@@ -25,7 +25,8 @@ The figures, per file and in total (the total is over all scored tokens: a token
               less the first token's, which is only context (comparable across tokenizers)
   perplexity  exp(loss)
 
-On CUDA the model runs under bf16 autocast, as in training; on the CPU in fp32. Every file is read
+On CUDA the model runs under bf16 autocast (fp16 where the GPU lacks bf16), as in training; on the
+CPU in fp32. Every file is read
 and tokenized before any is scored, so a bad file stops the command at once. While scoring, a
 progress line goes to stderr (redrawn on a terminal, a line every 10 s into a log); the results go
 to stdout as a table, or with --json as one JSON object.
@@ -41,7 +42,7 @@ import math
 import sys
 import time
 
-from common import ArgumentParser, duration, run_cli  # noqa: E402
+from common import ArgumentParser, ConfigError, DataError, TokenizerError, duration, run_cli  # noqa: E402
 
 
 def parse_args(argv):
@@ -66,7 +67,6 @@ def parse_args(argv):
 
 def main(argv) -> int:
     args = parse_args(argv)
-    from common import ConfigError
     from data.sources import find_sources
     from training.checkpoint import load_model
     from training.runtime import autocast, dtype_name, pick_device, pick_dtype, use_fast_matmuls
@@ -89,7 +89,7 @@ def main(argv) -> int:
                     sum(r["nats"] for r in rows))
     if args.json:
         print(json.dumps({"model": str(loaded.path), "block_size": block_size, "stride": stride,
-                          "files": rows, "total": total}, indent=1))
+                          "files": rows, "total": total}, indent=1, allow_nan=False))
     else:
         print(table(rows + [total] if len(rows) > 1 else rows))
     return 0
@@ -98,7 +98,6 @@ def main(argv) -> int:
 def read_tokens(path, tokenizer):
     """(token ids, UTF-8 bytes of the tokens after the first) of a text file; a file that cannot be
     scored (missing, empty, not UTF-8, a character the tokenizer lacks, under 2 tokens) is a one-line error."""
-    from common import DataError, TokenizerError
     from data.sources import read_text
     text = read_text(path, hint=None)
     try:
@@ -129,19 +128,23 @@ def score_files(model, files, texts, block_size, stride, batch_size, autocast) -
 
 
 def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
-    """A result row: tokens scored, their bytes, total nats, and loss, bits per byte and perplexity."""
+    """A result row: tokens scored, their bytes, total nats, and loss, bits per byte and perplexity
+    (None where it is not a finite number: no bytes, or a loss whose exp overflows a float)."""
+    from data.cache import bits_per_byte
     loss = nats / tokens
     return {"file": name, "tokens": tokens, "bytes": nbytes, "nats": nats, "loss": loss,
-            "bits_per_byte": nats / math.log(2) / nbytes if nbytes else math.nan,
-            "perplexity": math.exp(loss) if loss < 700 else math.inf}   # exp overflows a float past ~709
+            "bits_per_byte": bits_per_byte(loss, tokens, nbytes) if nbytes else None,
+            "perplexity": math.exp(loss) if loss < 700 else None}
 
 
 def table(rows: list[dict]) -> str:
     """The rows as aligned columns under a header."""
     width = max(len("file"), *(len(r["file"]) for r in rows))
     lines = [f"{'file':<{width}}  {'tokens':>12}  {'loss':>8}  {'bits/byte':>9}  {'perplexity':>11}"]
-    lines += [f"{r['file']:<{width}}  {r['tokens']:>12,}  {r['loss']:>8.4f}  {r['bits_per_byte']:>9.4f}  "
-              f"{r['perplexity']:>11.3f}" for r in rows]
+    def number(value, width, digits):
+        return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+    lines += [f"{r['file']:<{width}}  {r['tokens']:>12,}  {r['loss']:>8.4f}  {number(r['bits_per_byte'], 9, 4)}  "
+              f"{number(r['perplexity'], 11, 3)}" for r in rows]
     return "\n".join(lines)
 
 

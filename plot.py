@@ -18,9 +18,6 @@ from pathlib import Path
 
 from common import ArgumentParser, ConfigError, RunError, atomic_write, run_cli  # noqa: E402
 
-# settings that name a run without changing what it computes: left out of the legend
-UNNAMING = ("out_dir", "data.prepared_dir", "train.device", "train.log_interval", "train.keep_checkpoints",
-            "train.sample_every", "train.sample_prompt", "train.sample_tokens")
 
 
 def parse_args(argv):
@@ -34,9 +31,9 @@ def parse_args(argv):
 def differences(configs: list[dict], most: int = 4) -> list[str]:
     """For each config (flattened; a setting it lacks counts as its default), the settings that not
     every config shares, as 'key=value, ...' (at most `most` of them, then how many more)."""
-    from training.config import Config, flat
+    from training.config import WATCHING_KEYS, Config, flat
     configs = [{**flat(Config().to_dict()), **c} for c in configs]
-    keys = sorted({k for c in configs for k in c if k not in UNNAMING and not k.startswith("log.")})
+    keys = sorted({k for c in configs for k in c if k not in WATCHING_KEYS and not k.startswith("log.")})
     differing = [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
     more = f" and {len(differing) - most} more" if len(differing) > most else ""
     return [", ".join(f"{k}={c.get(k)}" for k in differing[:most]) + more for c in configs]
@@ -46,30 +43,29 @@ def read_run(path: Path) -> tuple[list[dict], dict]:
     """(eval records, flattened config) of a run's out dir; a one-line error if it has none."""
     from training.config import flat, load_toml
     from training.outdir import read_records
-    if not (path / "metrics.jsonl").is_file():
-        raise RunError(f"{path} holds no run (no metrics.jsonl)")
+    if not (path / "metrics.jsonl").is_file() or not (path / "config.toml").is_file():
+        raise RunError(f"{path} holds no run (no metrics.jsonl and config.toml)")
     evals = [r for r in read_records(path / "metrics.jsonl") if r["kind"] == "eval"]
     if not evals:
         raise RunError(f"{path} has no evaluation yet to draw")
-    return evals, flat(load_toml(path / "config.toml")) if (path / "config.toml").is_file() else {}
+    return evals, flat(load_toml(path / "config.toml"))
 
 
 def main(argv) -> int:
     args = parse_args(argv)
-    from viz.curves import Line, Panel, draw
+    from viz.curves import Line, Panel, draw, points
 
     paths = [Path(p) for p in args.runs]
-    if len(set(paths)) != len(paths):
+    if len({p.resolve() for p in paths}) != len(paths):
         raise ConfigError("a run is named twice")
     runs = [read_run(p) for p in paths]
     metric, name = ("val_bpb", "val bits per byte") if args.bpb else ("val_loss", "val loss")
     panels = [Panel(f"{name} by step", "step", name, focus_end=True),
               Panel(f"{name} by wall-clock time", "wall-clock seconds (training + evals)", name, focus_end=True)]
     for path, (evals, _), diff in zip(paths, runs, differences([config for _, config in runs])):
-        label = f"{path.name}: {diff}" if diff else path.name
-        y = [r.get(metric, float("nan")) for r in evals]
-        panels[0].lines.append(Line(label, [r["step"] for r in evals], y))
-        panels[1].lines.append(Line(label, [r.get("elapsed_s", float("nan")) for r in evals], y))
+        label = f"{path}: {diff}" if diff else str(path)
+        panels[0].lines.append(Line(label, *points(evals, "step", metric)))
+        panels[1].lines.append(Line(label, *points(evals, "elapsed_s", metric)))
     out = Path(args.out)
     try:
         atomic_write(out, draw(panels, f"{len(runs)} runs", legend_below=True))

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ConfigError, atomic_write, on_stop_signals, type_problem
+from common import WINDOWS, ConfigError, atomic_write, on_stop_signals, type_problem
 from data.prepare import prepare
 from training.config import Config, apply_dict, describe, flat, get_key, load_toml, parse_overrides, set_key
 
@@ -46,7 +46,6 @@ SHARED_KEYS = ["data.path", "data.tokenizer", "data.val_fraction", "train.seed",
 # are labels too: a copy of a sweep under another name may continue its runs)
 RESUMABLE_KEYS = {"train.device", "train.compile", "train.cuda_graph"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-WINDOWS = os.name == "nt"   # (no sessions and no signals between processes: see pass_stop_on)
 
 
 @dataclasses.dataclass

@@ -31,7 +31,7 @@ import torch
 from benchmarks.gpu_report import (environment, race_figures, render, sample_figures, tests_figures,
                                    train_figures)
 from benchmarks.race import PAIRS
-from common import Interrupted, RunError, atomic_write, check, on_stop_signals
+from common import WINDOWS, Interrupted, RunError, atomic_write, check, on_stop_signals
 from training.config import build_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,12 @@ def plan(cuda: bool, quick: bool, grad_accum: int | None, overrides: list[str]) 
 
 def stop(proc: subprocess.Popen) -> None:
     """End a child and everything it started (it leads its own session: compile workers too): SIGTERM
-    first, so it can clean up; SIGKILL to whatever is left after 10 s."""
+    first, so it can clean up; SIGKILL to whatever is left after 10 s. Windows has neither sessions
+    nor those signals: there the child alone is ended."""
+    if WINDOWS:
+        proc.kill()
+        proc.wait()
+        return
     for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
         try:
             os.killpg(proc.pid, sig)

@@ -175,8 +175,9 @@ def remove_stale_temp_dirs(root: Path) -> list[Path]:
         if not match or path.is_symlink() or not path.is_dir():
             continue
         pid, host = match.groups()
+        ask = pid and host == _host() and not WINDOWS   # whether its process can be asked about (not on Windows)
         try:
-            if pid and host == _host() and not WINDOWS:   # (Windows cannot ask: judged by age there)
+            if ask:
                 stale = not alive(int(pid))
             else:
                 stale = time.time() - _last_change(path) > STALE_SECONDS
@@ -185,8 +186,7 @@ def remove_stale_temp_dirs(root: Path) -> list[Path]:
         if stale:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-            owner = f"by process {pid}, which is gone" if pid and host == _host() and not WINDOWS \
-                else "untouched for a day"
+            owner = f"by process {pid}, which is gone" if ask else "untouched for a day"
             print(f"notice: removed {path}, left {owner} by a preparation that was stopped", file=sys.stderr)
     return removed
 

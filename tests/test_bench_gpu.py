@@ -4,6 +4,7 @@ benchmarks really print."""
 import math
 import re
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -133,3 +134,12 @@ def test_the_race_figure_is_the_ratio_race_prints(tmp_path, text_file):
                   say=lines.append)
     head = race_figures("\n".join(lines))[0]
     assert ("never reached" in head) if math.isinf(result["ratio"]) else (f"**{result['ratio']:.3f}**" in head)
+
+
+def test_a_part_is_stopped_without_process_groups_where_windows_has_none(monkeypatch):
+    """Windows lacks os.killpg and SIGKILL: there the child itself is ended."""
+    monkeypatch.setattr(gpu, "WINDOWS", True)
+    monkeypatch.delattr(gpu.os, "killpg")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gpu.stop(proc)
+    assert proc.returncode is not None

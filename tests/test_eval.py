@@ -219,3 +219,11 @@ def test_a_bad_model_is_one_line(tmp_path, capsys, model, message):
     rc, out, err = run_tool(eval_cli, [model(tmp_path), write(tmp_path / "t.txt", TEXT[:100]), "--device", "cpu"],
                             capsys)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_a_figure_that_is_not_a_finite_number_is_shown_as_such_and_is_valid_json():
+    """A loss past ~709 nats overflows exp(): its perplexity is no number, in the table and in --json."""
+    row = eval_cli.figures("diverged.txt", tokens=10, nbytes=40, nats=10 * 800.0)
+    assert row["perplexity"] is None and row["bits_per_byte"] == pytest.approx(800 * 10 / 40 / math.log(2))
+    assert json.loads(json.dumps(row, allow_nan=False))["perplexity"] is None
+    assert eval_cli.table([row]).splitlines()[1].split()[-1] == "-"

@@ -43,8 +43,8 @@ def test_on_mps_the_dtype_is_float32_unless_bfloat16_is_asked_for_and_supported(
     monkeypatch.setattr(runtime, "mps_has_bf16", lambda: False)
     with pytest.raises(ConfigError, match=r"^train.dtype=bfloat16 but this Mac's MPS lacks it .*: use float32$"):
         pick_dtype(MPS, "bfloat16")
-    with pytest.raises(ConfigError, match=r"^--dtype=float16 is not supported on MPS"):
-        pick_dtype(MPS, "float16", setting="--dtype")
+    with pytest.raises(ConfigError, match=r"^train.dtype=float16 is not supported on MPS"):
+        pick_dtype(MPS, "float16")
     assert pick_dtype(torch.device("cpu"), "bfloat16") == torch.bfloat16, "the CPU as before"
 
 
@@ -56,11 +56,14 @@ def test_train_compile_on_mps_is_a_note_not_an_attempt(a_mac, tiny_cfg, monkeypa
         raise AssertionError("torch.compile was tried on MPS")
     monkeypatch.setattr(speed.compile, "compiled_or_eager", attempt)
     run, _ = set_up(tiny_cfg(**{"train.compile": "true", "train.device": "cpu"}), World(torch.device("cpu")),
-                    resume=False, overwrite=False, quiet=True)
+                    resume=False, overwrite=False, quiet=False)
     run.world = World(MPS)   # (the model stays on the CPU: nothing runs here)
     capsys.readouterr()
     build_step(run)
     assert capsys.readouterr().err == "note: train.compile is not tried on MPS: training eagerly\n"
+    run.print.enabled = False   # quiet: said nowhere
+    build_step(run)
+    assert capsys.readouterr().err == ""
     assert run.wrapped is run.model and not run.compiled
 
 

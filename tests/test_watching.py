@@ -28,6 +28,14 @@ def test_samples_while_training_change_no_loss_bit_for_bit(tiny_cfg, tmp_path):
     assert all(s["text"].startswith("First") and len(s["text"]) == len("First") + 30 for s in samples)
 
 
+def test_sampling_from_a_resumed_run_is_named_but_not_called_a_different_run(tiny_cfg, capsys):
+    train(tiny_cfg(), quiet=True, stop_at=10)
+    train(tiny_cfg(**{"train.sample_every": 5, "train.sample_tokens": 5}), resume=True)
+    out, err = capsys.readouterr()
+    assert "# resuming with train.sample_every: 0 -> 5" in out
+    assert "not as it would have gone on uninterrupted" not in err, err
+
+
 def test_the_same_weights_give_the_same_sample(tiny_cfg, tmp_path):
     """A fixed seed: two runs that trained alike sample alike, so a change in a sample is the model's."""
     texts = []
@@ -88,10 +96,17 @@ def test_plot_py_overlays_runs_named_by_what_differs(tiny_cfg, tmp_path, capsys)
     assert labels == ["train.lr=0.0001, train.min_lr=1e-05", "train.lr=0.01, train.min_lr=0.001"], labels
     watched = plot_cli.differences([{"train.lr": 0.1, "train.sample_every": 5, "log.curves": False}, {"train.lr": 0.2}])
     assert watched == ["train.lr=0.1", "train.lr=0.2"], "watching a run does not name it"
+    with open(tmp_path / "slow" / "metrics.jsonl", "a") as f:   # a diverged evaluation, one without bits per byte
+        f.write('{"step": 30, "kind": "eval", "val_loss": NaN, "val_bpb": NaN, "elapsed_s": 9}\n'
+                '{"step": 40, "kind": "eval", "val_loss": 2.5, "elapsed_s": 10}\n')
+    for runs in ([tmp_path / "slow", tmp_path / "quick"], [tmp_path / "quick", tmp_path / "slow"]):
+        for bpb in ([], ["--bpb"]):
+            rc, _, err = run_tool(plot_cli, [*runs, "--out", out, *bpb], capsys)
+            assert rc == 0 and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda tmp: [tmp / "nothing"], "holds no run (no metrics.jsonl)"),
+    (lambda tmp: [tmp / "nothing"], "holds no run (no metrics.jsonl and config.toml)"),
     (lambda tmp: [tmp, "--bpb", "--bpb", "--nope"], "unrecognized arguments: --nope"),
 ])
 def test_plot_py_mistakes_are_one_line(make, message, tmp_path, capsys):

@@ -49,7 +49,7 @@ class TrainConfig:
     device: str = "auto"          # auto (cuda > cpu) | cpu | cuda | cuda:N | mps (untested: only when named)
     dtype: str = "auto"           # auto (bf16 on CUDA, fp16 where bf16 is missing, fp32 elsewhere) | float32 | bfloat16 | float16
     compile: bool = False         # torch.compile the model (fused kernels; compiling takes seconds to minutes)
-    cuda_graph: bool = False      # CUDA: record the step once as a CUDA graph, replay it (opt-in: not yet timed on a GPU)
+    cuda_graph: bool = False      # CUDA: record the step as a CUDA graph, replay it (off until timed faster on a GPU)
     keep_checkpoints: int = 2     # ckpt_<step>.pt files kept (the newest); best.pt is kept besides
     on_nonfinite: str = "stop"    # stop | skip: what a NaN/inf loss or gradient does
     fsdp: bool = False            # under torchrun: shard parameters, gradients and optimizer state (FSDP) instead of DDP
@@ -251,15 +251,23 @@ def default_out_dir(config_file: str | None, data, changed: set[str]) -> str:
     return (Path("out") / "-".join(parts)).as_posix()   # out/..., as the README writes it, on Windows too
 
 
+# what is shown or kept of a run, not what it computes or how fast: left out of plot.py's legend
+WATCHING_KEYS = {"out_dir", "data.prepared_dir", "train.log_interval", "train.keep_checkpoints",
+                 "train.sample_every", "train.sample_prompt", "train.sample_tokens"}
 # keys whose change leaves a resumed run computing what it would have computed uninterrupted
-SAME_RUN_KEYS = {"out_dir", "data.prepared_dir", "train.device", "train.compile", "train.cuda_graph", "train.eval_interval",
-                 "train.eval_iters", "train.log_interval", "train.keep_checkpoints", "train.on_nonfinite"}
+SAME_RUN_KEYS = WATCHING_KEYS | {"train.device", "train.compile", "train.cuda_graph", "train.eval_interval",
+                                 "train.eval_iters", "train.on_nonfinite"}
+
+
+def as_started(stored: dict, cfg: Config) -> Config:
+    """The config a run started with (stored: its config.toml), in the out dir it goes on in."""
+    return build_config(None, [], base={**stored, "out_dir": cfg.out_dir})
 
 
 def check_resume_keeps(stored: dict, cfg: Config) -> None:
     """--resume goes on with the run's own model and tokenizer: a change to either is refused here,
     before any text is prepared for it (the checkpoint is checked against the model again on loading)."""
-    before = build_config(None, [], base={**stored, "out_dir": cfg.out_dir})
+    before = as_started(stored, cfg)
     for key in all_keys():
         if (key.startswith("model.") or key == "data.tokenizer") and get_key(before, key) != get_key(cfg, key):
             raise ConfigError(f"{key}: {fmt(get_key(before, key))} in the run, {fmt(get_key(cfg, key))} now: --resume "
@@ -269,7 +277,7 @@ def check_resume_keeps(stored: dict, cfg: Config) -> None:
 def changes_since(stored: dict, cfg: Config) -> tuple[list[str], bool]:
     """What a resumed run changes of the config it was started with (`stored`): each change as
     'key: old -> new', and whether one breaks exact continuation (anything but SAME_RUN_KEYS and log.*)."""
-    before = build_config(None, [], base={**stored, "out_dir": cfg.out_dir})
+    before = as_started(stored, cfg)
     changed = [k for k in all_keys() if get_key(before, k) != get_key(cfg, k)]
     notes = [f"{k}: {fmt(get_key(before, k))} -> {fmt(get_key(cfg, k))}" for k in changed]
     return notes, any(k not in SAME_RUN_KEYS and not k.startswith("log.") for k in changed)

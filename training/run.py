@@ -195,7 +195,7 @@ def build_step(run: Run) -> None:
     one can hold it (train.cuda_graph). After restore: a graph holds the addresses of the restored state."""
     t = run.cfg.train
     if t.compile and run.world.device.type == "mps":   # not tried where nothing is tested: said, not attempted
-        Printer(run.world.is_main)("note: train.compile is not tried on MPS: training eagerly", file=sys.stderr)
+        note(run, "note: train.compile is not tried on MPS: training eagerly")
     elif t.compile:
         from speed.compile import compiled_or_eager   # the optional speed room
         eager = run.wrapped

@@ -68,7 +68,7 @@ def pick_device(name: str, setting: str = "train.device") -> torch.device:
     return device
 
 
-def pick_dtype(device: torch.device, name: str = "auto", setting: str = "train.dtype") -> torch.dtype:
+def pick_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
     """auto: bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere, MPS included. On MPS bf16
     only where it is supported, and no fp16 (its loss scaling is not tried there)."""
     if name == "auto":
@@ -77,10 +77,10 @@ def pick_dtype(device: torch.device, name: str = "auto", setting: str = "train.d
         return torch.float32
     dtype = getattr(torch, name)
     if device.type == "mps" and dtype == torch.float16:
-        raise ConfigError(f"{setting}=float16 is not supported on MPS here: use bfloat16 (macOS 14 or newer) "
-                          f"or float32")
+        raise ConfigError("train.dtype=float16 is not supported on MPS here: use bfloat16 (macOS 14 or newer) "
+                          "or float32")
     if device.type == "mps" and dtype == torch.bfloat16 and not mps_has_bf16():
-        raise ConfigError(f"{setting}=bfloat16 but this Mac's MPS lacks it (macOS 14 or newer has it): use float32")
+        raise ConfigError("train.dtype=bfloat16 but this Mac's MPS lacks it (macOS 14 or newer has it): use float32")
     return dtype
 
 
@@ -160,7 +160,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(s: dict) -> None:
-    """Put back what rng_state() returned (a checkpoint written before MPS's was saved has none)."""
+    """Put back what rng_state() returned (a checkpoint may lack the 'mps' entry)."""
     random.setstate((s["python_version"], tuple(s["python"]), None))
     np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
     torch.set_rng_state(s["torch"])

@@ -3,7 +3,7 @@
     set_up, restore, build_step, start_writing    a run built and its out dir opened (training/run.py)
     run_steps         the optimizer steps; every log_interval steps a log line; every eval_interval
                       steps (and at the end, or when a signal or a lost stdout asks to stop)
-                      evaluate_and_save; then how the run ended
+                      evaluate_and_save; every sample_every steps record_sample; then how the run ended
 
 Exact resume: the model, the optimizer, the LR schedule, the data order and every random generator
 continue where the checkpoint left them.
@@ -31,6 +31,7 @@ from viz.curves import draw, run_panels
 
 EVAL_SEED = 4242     # evaluation draws the same batches every time, whatever the training seed
 SAMPLE_SEED = 1337   # and samples while training the same draws
+SAMPLE_TEMPERATURE = 0.8   # a little below 1: the likelier tokens, without greedy decoding's loops
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
@@ -97,7 +98,8 @@ def evaluate(run: Run) -> dict:
 
 
 def evaluate_and_save(run: Run) -> dict:
-    """Train and val loss on fixed batches, one metrics record, a checkpoint (best.pt if best)."""
+    """Train and val loss on fixed batches, one metrics record, a checkpoint (best.pt if best), then
+    curves.png redrawn (log.curves)."""
     run.guard.check()   # never checkpoint weights that a non-finite step touched
     ev = evaluate(run)
     is_best = ev["val"] < run.best_val
@@ -107,10 +109,10 @@ def evaluate_and_save(run: Run) -> dict:
               f"{' (best)' if is_best else ''}")
     run.metrics.log({"step": run.step, "kind": "eval", "train_loss": ev["train"], "val_loss": ev["val"],
                      "train_bpb": bpb["train"], "val_bpb": bpb["val"], "elapsed_s": run.elapsed()})
+    save(run, is_best)
     if run.cfg.log.curves and run.world.is_main:   # (matplotlib is imported on first use, by viz/curves.py)
         records = read_records(run.out.path / "metrics.jsonl", warn=False)
         run.out.write("curves.png", draw(run_panels(records), f"{run.out.path.name}: step {run.step}"))
-    save(run, is_best)
     return ev
 
 
@@ -126,8 +128,8 @@ def record_sample(run: Run) -> None:
     was_training = run.model.training
     run.model.eval()
     with run.autocast:
-        new = torch.cat(list(generate(run.model, torch.tensor([ids], device=device), t.sample_tokens, 0.8,
-                                      generator=generator, vocab_limit=tokenizer.vocab_size,
+        new = torch.cat(list(generate(run.model, torch.tensor([ids], device=device), t.sample_tokens,
+                                      SAMPLE_TEMPERATURE, generator=generator, vocab_limit=tokenizer.vocab_size,
                                       decoding=Decoding(compile=False))), dim=1)[0].tolist()
     run.model.train(was_training)
     text = t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")

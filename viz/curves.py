@@ -6,9 +6,8 @@ A figure is a row of panels; a panel holds lines; a line is (label, x, y) with a
 to the end of training, where lines differ, so that the first evaluations do not flatten them.
 """
 import io
+import math
 from dataclasses import dataclass, field
-
-import numpy as np
 
 
 @dataclass
@@ -39,10 +38,11 @@ def draw(panels: list[Panel], title: str, legend_below: bool = False) -> bytes:
 
     below = len(panels[0].lines) if legend_below else 0
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5 + 0.25 * below), squeeze=False)
-    colors = plt.get_cmap("tab10").colors
+    most = max(len(panel.lines) for panel in panels)
+    colors = plt.get_cmap("tab10" if most <= 10 else "tab20").colors
     for ax, panel in zip(axes[0], panels):
         for i, line in enumerate(panel.lines):
-            style = {"color": "black", "lw": 2.2} if line.emphasis else {"color": colors[i % 10], "lw": 1.4}
+            style = {"color": "black", "lw": 2.2} if line.emphasis else {"color": colors[i % len(colors)], "lw": 1.4}
             ax.plot(line.x, line.y, label=line.label, marker="o" if len(line.x) < 3 else None, **style)
             if line.low is not None:
                 ax.fill_between(line.x, line.low, line.high, color=style["color"], alpha=0.15, lw=0)
@@ -64,14 +64,22 @@ def draw(panels: list[Panel], title: str, legend_below: bool = False) -> bytes:
     return png.getvalue()
 
 
+def points(records: list[dict], x: str, y: str) -> tuple[list, list]:
+    """(x values, y values) of the records where both are finite numbers: a log may hold a damaged or
+    missing value, or a diverged run's NaN, none of which can be drawn."""
+    def finite(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    kept = [r for r in records if finite(r.get(x)) and finite(r.get(y))]
+    return [r[x] for r in kept], [r[y] for r in kept]
+
+
 def run_panels(records: list[dict]) -> list[Panel]:
     """One run's metrics records -> its train and val loss by step, and its val bits per byte."""
-    train = [r for r in records if r["kind"] == "train" and isinstance(r.get("loss"), (int, float))]
-    evals = [r for r in records if r["kind"] == "eval" and isinstance(r.get("val_loss"), (int, float))]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
     loss = Panel("loss by step", "step", "loss (nats per token)", [
-        Line("train (logged steps)", [r["step"] for r in train], [r["loss"] for r in train]),
-        Line("train (evaluation)", [r["step"] for r in evals], [r.get("train_loss", np.nan) for r in evals]),
-        Line("val", [r["step"] for r in evals], [r["val_loss"] for r in evals])])
-    bpb = Panel("val bits per byte by step", "step", "bits per byte",
-                [Line("val", [r["step"] for r in evals], [r.get("val_bpb", np.nan) for r in evals])])
+        Line("train (logged steps)", *points(train, "step", "loss")),
+        Line("train (evaluation)", *points(evals, "step", "train_loss")),
+        Line("val", *points(evals, "step", "val_loss"))])
+    bpb = Panel("val bits per byte by step", "step", "bits per byte", [Line("val", *points(evals, "step", "val_bpb"))])
     return [loss, bpb]
