@@ -31,11 +31,13 @@ import torch
 from benchmarks.gpu_report import (environment, race_figures, render, sample_figures, tests_figures,
                                    train_figures)
 from benchmarks.race import PAIRS
+from benchmarks.sampling import SHAPE
 from common import WINDOWS, Interrupted, RunError, atomic_write, check, on_stop_signals
 from training.config import build_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CLASSIC, GPT2 = "configs/shakespeare_char.toml", "configs/gpt2_124m.toml"
+CLASSIC, GPT2 = PAIRS["cuda"][0], "configs/gpt2_124m.toml"
+SAMPLED = f"{SHAPE['n_layer']} x {SHAPE['n_embd']}, block {SHAPE['block_size']}"   # bench.py sample's model
 NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False here)"
 # The CPU stand-ins: the classic config's data and code path at a size a CPU does in seconds.
 TINY = ["--train.device=cpu", "--train.compile=false", "--model.n_layer=1", "--model.n_head=1",
@@ -78,12 +80,15 @@ def cuda_only_tests(tests: Path = ROOT / "tests") -> list[str]:
     return ids
 
 
-def shape(config: str, overrides: list[str]) -> tuple[str, object]:
-    """(what one training step of config computes, in words; the config), with the overrides."""
-    cfg = build_config(str(ROOT / config), overrides)
+def build(config: str, overrides: list[str]):
+    return build_config(str(ROOT / config), overrides)
+
+
+def describe(cfg) -> str:
+    """What one training step of cfg computes, in words."""
     m, t = cfg.model, cfg.train
     return (f"{m.n_layer} x {m.n_embd}, block {m.block_size}, batch {t.batch_size} x grad_accum {t.grad_accum} "
-            f"= {t.batch_size * t.grad_accum * m.block_size:,} tokens/step"), cfg
+            f"= {t.batch_size * t.grad_accum * m.block_size:,} tokens/step")
 
 
 def train_part(name: str, config: str, steps: int, rounds: int, extra: list[str], limit_s: float,
@@ -98,11 +103,11 @@ def train_part(name: str, config: str, steps: int, rounds: int, extra: list[str]
 
 def gpt2_part(quick: bool, grad_accum: int | None, overrides: list[str], skip: str) -> Part:
     """bench.py train on GPT-2 small's shape; a few steps suffice, each is 0.5M tokens at the full shape."""
-    full = shape(GPT2, overrides)[1].train.grad_accum
+    full = build(GPT2, overrides).train.grad_accum
     accum = grad_accum if grad_accum is not None else 1 if quick else full
     extra = [f"--train.grad_accum={accum}", *overrides]
     part = train_part("train-124m", GPT2, 1, 1 if quick else 3, extra, 480,
-                      f"GPT-2 small's shape (124M parameters, {shape(GPT2, extra)[0]}), on tinyshakespeare with "
+                      f"GPT-2 small's shape (124M parameters, {describe(build(GPT2, extra))}), on tinyshakespeare with "
                       f"the gpt2 tokenizer: eager, compiled, CUDA graph, compiled + graph, and plain PyTorch", skip)
     part.notes.append("the gpt2 tokenizer is tiktoken's: offline it needs TIKTOKEN_CACHE_DIR to hold its files")
     if accum != full:
@@ -116,9 +121,9 @@ def gpt2_part(quick: bool, grad_accum: int | None, overrides: list[str], skip: s
 def cpu_parts(overrides: list[str]) -> list[Part]:
     """Without a GPU: tiny CPU runs of train and sample that check the plumbing (no figure worth keeping)."""
     return [train_part("train-cpu-quick", CLASSIC, 1, 1, [*TINY, *overrides], 120,
-                       f"CPU plumbing check: the classic GPU config at {shape(CLASSIC, [*TINY, *overrides])[0]}, "
+                       f"CPU plumbing check: the classic GPU config at {describe(build(CLASSIC, [*TINY, *overrides]))}, "
                        f"the trainer's step and plain PyTorch"),
-            Part("sample-cpu-quick", "CPU plumbing check: sampling 4 new tokens (6 x 384) with and without the "
+            Part("sample-cpu-quick", f"CPU plumbing check: sampling 4 new tokens ({SAMPLED}) with and without the "
                  "KV cache, and compiled", ["bench.py", "sample", "--new-tokens", "4"], 180, figures=sample_figures)]
 
 
@@ -131,16 +136,16 @@ def plan(cuda: bool, quick: bool, grad_accum: int | None, overrides: list[str]) 
                   ["-m", "pytest", "-q", "-rfEs", *tests], 480, figures=tests_figures,
                   skip="" if tests else "no test is marked skipif(not torch.cuda.is_available(), ...)")]
     parts.append(train_part("train-classic", CLASSIC, 2 if quick else 20, 1 if quick else 3, overrides, 420,
-                            f"the classic GPU config's training step ({shape(CLASSIC, overrides)[0]}): eager, "
+                            f"the classic GPU config's training step ({describe(build(CLASSIC, overrides))}): eager, "
                             f"compiled, CUDA graph, compiled + graph, and plain PyTorch", gpu_skip))
     parts.append(gpt2_part(quick, grad_accum, overrides, gpu_skip))
     tokens = 50 if quick else 500
-    parts.append(Part("sample", f"sampling {tokens} new tokens at batch 1 and 16 (6 x 384, block 256, fp32): the "
+    parts.append(Part("sample", f"sampling {tokens} new tokens at batch 1 and 16 ({SAMPLED}, fp32): the "
                       f"compiled decoding step as a CUDA graph, eager with the KV cache, and recomputing the context; "
                       f"best of 3", ["bench.py", "sample", "--device", "cuda", "--new-tokens", str(tokens)], 300,
                       gpu_skip, sample_figures))
     classic, fast = PAIRS["cuda"]
-    steps = [shape(config, overrides)[1].train.max_steps for config in (classic, fast)]
+    steps = [build(config, overrides).train.max_steps for config in (classic, fast)]
     parts.append(Part("race", f"wall time of the fast GPU recipe ({fast}) to the best val loss of the classic GPU "
                       f"config ({classic}), each trained to its end ({steps[0]} and {steps[1]} steps), evaluated 20 "
                       f"times", ["bench.py", "race", "--classic", classic, "--fast", fast, *overrides], 600,

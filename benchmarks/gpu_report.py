@@ -40,9 +40,10 @@ def driver_version() -> str:
 def environment(commit: str, dirty: bool, argv: list[str]) -> dict:
     """What the measurements were taken on and with: the report's first table."""
     cuda = torch.cuda.is_available()
-    gpu = (f"{torch.cuda.get_device_name(0)} (GPU 0 of {torch.cuda.device_count()}: every part uses it)"
+    name = torch.cuda.get_device_name(0) if cuda else ""
+    gpu = (f"{name} (GPU 0 of {torch.cuda.device_count()}: every part uses it)"
            if cuda else "none: torch.cuda.is_available() is False")
-    return {"cuda": cuda, "GPU": gpu, "driver": driver_version(), "PyTorch": torch.__version__,
+    return {"cuda": cuda, "name": name, "GPU": gpu, "driver": driver_version(), "PyTorch": torch.__version__,
             "CUDA": torch.version.cuda or "none (a CPU build of PyTorch)",
             "commit": (f"{commit} ({'dirty: tracked files differ from it' if dirty else 'clean tree'})"
                        if commit else "unknown (not a git checkout)"),
@@ -158,7 +159,7 @@ def overview(parts, results: dict, stopped: str) -> list[str]:
 
 def render(env: dict, parts, results: dict, out_dir: Path, quick: bool, stopped: str = "") -> str:
     """report.md: the environment, the parts' overview, one section per part that ran, the skipped."""
-    lines = [f"# GPU benchmark: {env['GPU'].split(' (')[0] if env['cuda'] else 'no GPU'}", ""]
+    lines = [f"# GPU benchmark: {env['name'] or 'no GPU'}", ""]
     if not env["cuda"]:
         lines += ["**No GPU figure was measured**: this machine has no CUDA GPU, so every GPU part was skipped "
                   "(last section). What ran checks the command's plumbing on tiny CPU settings; its figures say "
