@@ -192,12 +192,12 @@ def test_the_page_loads_without_errors_and_a_chosen_token_changes_the_highlight(
     assert page.problems == []
 
 
-def model_maps(run_dir):
-    """The model's own weights for PROMPT: per layer (1, nh, T, T)."""
+def model_maps(run_dir, prompt=PROMPT):
+    """The model's own weights for prompt: per layer (1, nh, T, T)."""
     from model.inspect import attention_maps
     from training.checkpoint import load_model
     loaded = load_model(run_dir)
-    return attention_maps(loaded.model, torch.tensor([loaded.tokenizer.encode(PROMPT)]))[1]
+    return attention_maps(loaded.model, torch.tensor([loaded.tokenizer.encode(prompt)]))[1]
 
 
 def assert_shows_the_models_row(page, data, maps, layer, head, query):
@@ -234,8 +234,11 @@ def test_the_weights_and_scores_shown_are_the_models(checkpoints, tmp_path, open
                                       "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
     scores = head_scores(maps[1][0], list(PROMPT))
     row = table[3 + 2]                                      # layer 1, head 2
-    assert row[:2] == ["1", "2"] and float(row[2]) == pytest.approx(scores["previous"][2].item(), abs=0.005)
-    assert float(row[-1]) == pytest.approx(scores["distance"][2].item(), abs=0.05)
+    names = list(data["summary"]["values"])                 # the columns after layer and head, in order
+    assert {"previous", "first", "newline", "distance"} <= set(names), "previous token, start of line, distance"
+    assert row[:2] == ["1", "2"] and len(row) == 2 + len(names)
+    for name, cell in zip(names, row[2:]):                  # shown to 2 decimals (distance: 1)
+        assert float(cell) == pytest.approx(scores[name][2].item(), abs=0.05 if name == "distance" else 0.005), name
     assert page.problems == []
 
 
@@ -245,4 +248,22 @@ def test_a_page_of_some_layers_and_heads_shows_them_by_the_models_numbers(checkp
     assert page.eval_on_selector_all("#head option", "options => options.map(o => o.textContent)") == ["0", "2"]
     assert_shows_the_models_row(page, inlined_data(page_file.read_text(encoding="utf-8")),
                                 model_maps(checkpoints["sdpa"]), layer=1, head=2, query=30)
+    assert page.problems == []
+
+
+def test_a_500_token_prompt_loads_quickly_and_shows_the_models_weights(tmp_path, open_page):
+    import time
+    from attention import main
+    run_dir = save_char_model(tmp_path / "long", block_size=512, n_layer=2, n_head=3, n_embd=24, sharpen=10.0)
+    prompt = ((PROMPT + "\n") * 14)[:500]
+    page_file = tmp_path / "page.html"
+    assert main([str(run_dir), "--prompt", prompt, "--html", str(page_file)]) == 0
+    start = time.perf_counter()
+    page = open_page(page_file)                             # decoded and drawn
+    seconds = time.perf_counter() - start
+    assert page.locator("#strip .tok").count() == 500 and page.locator("#overview canvas").count() == 6
+    assert seconds < 5, f"the page took {seconds:.1f} s to load and draw"
+    maps, data = model_maps(run_dir, prompt), inlined_data(page_file.read_text(encoding="utf-8"))
+    for layer, head, query in [(1, 2, 499), (0, 0, 250)]:
+        assert_shows_the_models_row(page, data, maps, layer, head, query)
     assert page.problems == []

@@ -94,6 +94,19 @@ def test_eval_py_scores_every_token_of_a_file_but_the_first(trained, tmp_path, c
     assert result["total"]["loss"] == row["loss"]
 
 
+def test_a_long_scoring_says_how_far_it_is_on_stderr(trained, tmp_path, capsys, monkeypatch):
+    """Into a log (not a terminal) a progress line every 10 s: here the clock moves 11 s a reading."""
+    clock = iter(range(0, 10**7, 11))
+    monkeypatch.setattr(eval_cli.time, "perf_counter", lambda: next(clock))
+    a, b = write(tmp_path / "a.txt", TEXT[:301]), write(tmp_path / "b.txt", TEXT[301:602])
+    rc, _, err = run_tool(eval_cli, [trained, a, b, "--device", "cpu", "--batch-size", "2"], capsys)
+    done = [(m[1], int(m[2].replace(",", "")), int(m[3].replace(",", "")))
+            for m in re.finditer(r"scoring (\S+) \(\d/2\): ([\d,]+) / ([\d,]+) tokens, [\d,]+ tokens/s, ETA", err)]
+    assert rc == 0 and len(done) >= 4, err
+    assert [n for _, n, _ in done] == sorted(n for _, n, _ in done) and done[-1][1:] == (600, 600), done
+    assert {name for name, _, _ in done} == {str(a), str(b)}, "each line names the file being scored"
+
+
 # ---------------------------------------------------------------- the same numbers as the trainer and transformers
 
 def test_equals_the_trainers_val_loss_on_the_val_split(tiny_cfg, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Watching a run as it learns: samples while training (which change no loss), every run's loss
 curves, and plot.py overlaying several runs."""
 import json
+import re
 
 import pytest
 
@@ -112,3 +113,83 @@ def test_plot_py_overlays_runs_named_by_what_differs(tiny_cfg, tmp_path, capsys)
 def test_plot_py_mistakes_are_one_line(make, message, tmp_path, capsys):
     rc, _, err = run_tool(plot_cli, make(tmp_path), capsys)
     assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_every_sample_draws_with_the_same_seed_and_is_printed(tiny_cfg, capsys):
+    """Weights that do not move (lr 0) sample the same text at every step: the generator is seeded
+    anew for each sample, not once per run. Each sample is printed with its step."""
+    cfg = tiny_cfg(**{"train.lr": 0.0, "train.min_lr": 0.0, "train.sample_every": 5, "train.sample_tokens": 20,
+                      "train.sample_prompt": "First"})
+    train(cfg)
+    texts = [s["text"] for s in records(cfg.out_dir, "sample")]
+    assert len(texts) == 4 and len(set(texts)) == 1, texts
+    out = capsys.readouterr().out
+    for step in (5, 10, 15, 20):
+        assert f"sample {step:4d} | {texts[0].splitlines()[0]}" in out, out
+
+
+def test_a_run_s_curves_are_its_losses_and_bits_per_byte(tiny_cfg):
+    from training.outdir import read_records
+    from viz.curves import run_panels
+    cfg = tiny_cfg(**{"train.log_interval": 5})
+    train(cfg, quiet=True)
+    logged, evals = records(cfg.out_dir, "train"), records(cfg.out_dir, "eval")
+    loss, bpb = run_panels(read_records(f"{cfg.out_dir}/metrics.jsonl"))
+    drawn = {line.label: (line.x, line.y) for line in loss.lines}
+    assert drawn["train (logged steps)"] == ([r["step"] for r in logged], [r["loss"] for r in logged])
+    assert drawn["train (evaluation)"] == ([r["step"] for r in evals], [r["train_loss"] for r in evals])
+    assert drawn["val"] == ([r["step"] for r in evals], [r["val_loss"] for r in evals])
+    assert [(line.x, line.y) for line in bpb.lines] == [([r["step"] for r in evals], [r["val_bpb"] for r in evals])]
+
+
+def test_plot_py_draws_each_run_s_val_curve_by_step_and_by_wall_time(tiny_cfg, tmp_path, capsys, monkeypatch):
+    import viz.curves
+    drawn = []
+    monkeypatch.setattr(viz.curves, "draw", lambda panels, title, **kw: drawn.append(panels) or PNG)
+    for name in ("a", "b"):
+        train(tiny_cfg(out_dir=tmp_path / name, **{"train.seed": 1 + "ab".index(name)}), quiet=True)
+    for flag, key in (([], "val_loss"), (["--bpb"], "val_bpb")):
+        rc, _, err = run_tool(plot_cli, [tmp_path / "a", tmp_path / "b", "--out", tmp_path / "p.png", *flag], capsys)
+        by_step, by_time = drawn.pop()
+        assert rc == 0, err
+        for name, step_line, time_line in zip("ab", by_step.lines, by_time.lines):
+            evals = records(tmp_path / name, "eval")
+            assert step_line.label.startswith(str(tmp_path / name)) and time_line.label == step_line.label
+            assert (step_line.x, step_line.y) == ([r["step"] for r in evals], [r[key] for r in evals])
+            assert (time_line.x, time_line.y) == ([r["elapsed_s"] for r in evals], [r[key] for r in evals])
+
+
+def test_samples_curves_scoring_and_the_page_on_a_text_that_is_not_shakespeare(tiny_cfg, tmp_path, capsys):
+    """Watching a run end to end on Python source (argparse.py): samples of its characters, its curves,
+    eval.py's score of the val split equal to the run's val loss, and its attention page."""
+    import argparse
+
+    import numpy as np
+
+    import attention as attention_cli
+    import eval as eval_cli
+    from data.cache import load_meta
+    from data.prepare import prepare
+    from training.checkpoint import load_model
+    source = open(argparse.__file__, encoding="utf-8").read()[:30_000]
+    text_file = tmp_path / "argparse.txt"
+    text_file.write_bytes(source.encode("utf-8"))
+    cfg = tiny_cfg(**{"data.path": text_file, "train.sample_every": 10, "train.sample_prompt": "def ",
+                      "train.sample_tokens": 40, "log.curves": "true", "train.eval_iters": 0, "model.block_size": 16})
+    summary = train(cfg, quiet=True)
+    samples = records(cfg.out_dir, "sample")
+    assert [s["step"] for s in samples] == [10, 20] and all(set(s["text"]) <= set(source) for s in samples)
+    assert open(f"{cfg.out_dir}/curves.png", "rb").read().startswith(PNG)
+
+    dataset = prepare(cfg.data)
+    val = np.fromfile(dataset / "val.bin", dtype=load_meta(dataset)["dtype"])
+    windowed = (len(val) - 1) // 16 * 16 + 1            # the tokens of the evaluation's whole windows
+    scored = tmp_path / "val.txt"
+    scored.write_bytes(load_model(cfg.out_dir).tokenizer.decode(val[:windowed].tolist()).encode("utf-8"))
+    rc, out, err = run_tool(eval_cli, [f"{cfg.out_dir}/ckpt_0000020.pt", scored, "--device", "cpu", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["total"]["loss"] == pytest.approx(summary["val_loss"], abs=1e-6), err
+
+    page, prompt = tmp_path / "page.html", source[:16]
+    rc, _, err = run_tool(attention_cli, [cfg.out_dir, "--prompt", prompt, "--html", page], capsys)
+    inlined = re.search(r'<script id="data" type="application/json">(.*?)</script>', page.read_text("utf-8"), re.S)
+    assert rc == 0 and "".join(json.loads(inlined[1])["tokens"]) == prompt, err
