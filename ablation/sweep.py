@@ -157,8 +157,7 @@ def check_not_stale(run: Run) -> None:
     if not saved_path.exists():
         return
     saved = flat(load_toml(saved_path))
-    now = flat(run.cfg.to_dict())
-    diff = [f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in now.items()
+    diff = [f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in flat(run.cfg.to_dict()).items()
             if saved.get(k) != v and k not in RESUMABLE_KEYS and not k.startswith("log.")]
     if diff:
         raise ConfigError(f"{run.dir} holds a run with another config ({'; '.join(diff[:3])}); "
