@@ -44,7 +44,6 @@ def read_run(run) -> dict:
         "tokens_per_s": statistics.median(speeds) if speeds else math.nan,
         "wall_s": last.get("elapsed_s", math.nan),
         "params": result.get("params"), "kv_bytes_per_token": result.get("kv_cache_bytes_per_token"),
-        "kv_dtype": result.get("kv_cache_dtype"),
         "peak_mem_bytes": result.get("peak_gpu_bytes") or (max(rss) if rss else None),
         "peak_mem_kind": "GPU allocated" if result.get("peak_gpu_bytes") else "process RSS",
     }
