@@ -5,9 +5,9 @@ compare them (results.md, results.csv, loss_curves.png in the sweep's out dir).
     python ablate.py configs/ablations/attention.toml --train.device=cuda:1   # applies to every run
     python ablate.py SWEEP.toml --report                                      # only rewrite the results
 
-The sweep file format is described in ablation/sweep.py (each run: ablation/run.py). Running the same command again skips the
-finished runs and resumes an unfinished one from its last checkpoint; Ctrl-C stops after the current
-step of the current run (with a checkpoint).
+The sweep file format is described in ablation/sweep.py (each run: ablation/run.py). Running the same
+command again skips the finished runs and resumes an unfinished one from its last checkpoint; Ctrl-C
+stops after the current step of the current run (with a checkpoint).
 """
 try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
     import signal

@@ -4,19 +4,18 @@
     python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 --out maps/
     python attention.py out/shakespeare_char_cpu --prompt @scene.txt --html attention.html
 
-writes, into --out (default: <run dir>/attention/),
+writes, into --out (default: <run dir>/attention/), and prints the paths of
     attention_layer<i>.png   one panel per head: row i is query token i, column j the token it looks
                              at, the colour the weight a_ij; the prompt's tokens label both axes
                              (spaces as ␣, newlines as ⏎)
     attention_summary.png    per head: the share of attention on the previous token, the first token,
                              itself, the newline that began its line, the same column one line up
                              (character models), and the mean distance looked back, in tokens
-and prints their paths. With --html FILE it writes instead one self-contained page (viz/attention_page.py)
-where hovering or clicking a token shows where it looks, for every chosen layer and head, with an
-overview of all heads and the same summary; it suits long prompts (hundreds of tokens), where the
-PNGs' labels would not fit. Give --out as well to have both.
-The weights are the model's own, by its variant's math (model/inspect.py).
-A prompt longer than the model's block_size is cut to its last block_size tokens.
+With --html FILE it writes instead one self-contained page (viz/attention_page.py) where hovering or
+clicking a token shows where it looks, for every chosen layer and head, with an overview of all heads
+and the same summary; it suits long prompts (hundreds of tokens), where the PNGs' labels would not
+fit. Give --out as well to have both. The weights are the model's own, by its variant's math
+(model/inspect.py). A prompt longer than the model's block_size is cut to its last block_size tokens.
 """
 try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
     import signal
@@ -189,19 +188,6 @@ def draw_pngs(out_dir: Path, weights: list, scores: dict, texts: list[str], laye
     return written
 
 
-def write_page(path: Path, texts: list[str], weights: list, scores: list[dict], title: str, layers: list[int],
-               heads: list[int]) -> Path:
-    """The interactive page (viz/attention_page.py) at path, written whole or not at all."""
-    from viz.attention_page import attention_page
-    html = attention_page(texts, weights, scores, title, layers, heads)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, html)
-    except OSError as e:
-        raise RunError(f"cannot write the page {path}: {e.strerror or e}") from None
-    return path
-
-
 def say_best(rows: list[str], scores: dict) -> None:
     """On stderr, the head with the largest share of each kind."""
     import numpy as np
@@ -221,15 +207,15 @@ def main(argv) -> int:
     from data.sources import read_prompt
     from model.inspect import attention_maps, head_scores
     from training.checkpoint import load_model
+    from viz.attention_page import attention_page
 
     loaded = load_model(args.checkpoint)
-    model, tokenizer, path = loaded.model, loaded.tokenizer, Path(loaded.path)
-    cfg = model.cfg
-    ids = encode_prompt(tokenizer, read_prompt(args.prompt), cfg.block_size)
+    cfg = loaded.model.cfg
+    ids = encode_prompt(loaded.tokenizer, read_prompt(args.prompt), cfg.block_size)
     layers, heads = pick(args.layers, cfg.n_layer, "--layers"), pick(args.heads, cfg.n_head, "--heads")
 
-    _, maps = attention_maps(model, torch.tensor([ids]))
-    texts = token_texts(tokenizer, ids)
+    _, maps = attention_maps(loaded.model, torch.tensor([ids]))
+    texts = token_texts(loaded.tokenizer, ids)
     weights = [maps[layer][0, heads].numpy() for layer in layers]                # each (heads, T, T)
     scores = [{name: s.numpy() for name, s in head_scores(maps[layer][0, heads], texts).items()} for layer in layers]
     merged = {name: np.concatenate([s[name] for s in scores]) for name in scores[0]}
@@ -237,10 +223,16 @@ def main(argv) -> int:
     kind = f"{cfg.attention}, pos={cfg.pos}"
     written = []
     if html is None or args.out:
-        out_dir = Path(args.out) if args.out else path.parent / "attention"
+        out_dir = Path(args.out) if args.out else Path(loaded.path).parent / "attention"
         written += draw_pngs(out_dir, weights, merged, texts, layers, heads, rows, kind, not args.no_summary, args.dpi)
-    if html is not None:
-        written.append(write_page(html, texts, weights, scores, f"{loaded.description}: {kind}", layers, heads))
+    if html is not None:   # the page is written whole or not at all
+        page = attention_page(texts, weights, scores, f"{loaded.description}: {kind}", layers, heads)
+        try:
+            html.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(html, page)
+        except OSError as e:
+            raise RunError(f"cannot write the page {html}: {e.strerror or e}") from None
+        written.append(html)
     if not args.no_summary:
         say_best(rows, merged)
     for p in written:

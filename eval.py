@@ -26,10 +26,9 @@ The figures, per file and in total (the total is over all scored tokens: a token
   perplexity  exp(loss)
 
 On CUDA the model runs under bf16 autocast (fp16 where the GPU lacks bf16), as in training; on the
-CPU in fp32. Every file is read
-and tokenized before any is scored, so a bad file stops the command at once. While scoring, a
-progress line goes to stderr (redrawn on a terminal, a line every 10 s into a log); the results go
-to stdout as a table, or with --json as one JSON object.
+CPU in fp32. Every file is read and tokenized before any is scored, so a bad file stops the command
+at once. While scoring, a progress line goes to stderr (redrawn on a terminal, a line every 10 s into
+a log); the results go to stdout as a table, or with --json as one JSON object.
 """
 try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
     import signal
@@ -113,14 +112,13 @@ def read_tokens(path, tokenizer):
 def score_files(model, files, texts, block_size, stride, batch_size, autocast) -> list[dict]:
     """One row of figures per file, with a progress line on stderr over all of them."""
     from training.step import score_tokens
-    progress = Progress(sum(len(ids) - 1 for ids, _ in texts))
-    rows = []
+    progress, done, rows = Progress(sum(len(ids) - 1 for ids, _ in texts)), 0, []
     try:
         for i, (path, (ids, nbytes)) in enumerate(zip(files, texts)):
             label = f"{path}" + (f" ({i + 1}/{len(files)})" if len(files) > 1 else "")
             nats, tokens = score_tokens(model, ids, block_size, stride, batch_size, autocast,
-                                        on_batch=lambda n: progress.show(n, label))
-            progress.file_done(tokens)
+                                        on_batch=lambda n: progress.show(done + n, label))
+            done += tokens
             rows.append(figures(str(path), tokens, nbytes, nats))
     finally:
         progress.close()
@@ -153,23 +151,19 @@ class Progress:
     the end), otherwise one line every 10 s, so a log gets a few lines and a short job none."""
 
     def __init__(self, total: int):
-        self.total, self.before, self.drawn = total, 0, False
+        self.total, self.drawn = total, False
         self.start = self.last = time.perf_counter()
         self.tty = sys.stderr.isatty()
 
-    def show(self, scored_in_file: int, label: str) -> None:
+    def show(self, done: int, label: str) -> None:
         now = time.perf_counter()
         if now - self.last < (0.2 if self.tty else 10.0):
             return
         self.last, self.drawn = now, True
-        done = self.before + scored_in_file
         rate = done / max(now - self.start, 1e-9)
         line = (f"scoring {label}: {done:,} / {self.total:,} tokens, {rate:,.0f} tokens/s, "
                 f"ETA {duration((self.total - done) / max(rate, 1e-9))}")
         print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def file_done(self, scored: int) -> None:
-        self.before += scored
 
     def close(self) -> None:
         if self.drawn and self.tty:

@@ -45,12 +45,11 @@ def main(argv) -> int:
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise RunError(f"{out} is not empty; pass --force to write config.json and model.safetensors into it")
     loaded = load_model(args.checkpoint)
-    path, model, tokenizer = loaded.path, loaded.model, loaded.tokenizer.meta()
-    cfg = model.cfg
+    cfg, tokenizer = loaded.model.cfg, loaded.tokenizer.meta()
     check_exportable(cfg)   # before anything is written
     gpt2_tokens = tokenizer.get("kind") == "tiktoken" and tokenizer.get("name") == "gpt2"
-    save_pretrained(out, cfg, model.state_dict(), eos_token_id=50256 if gpt2_tokens else None)
-    print(f"# {path} -> {out} (GPT2LMHeadModel: {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
+    save_pretrained(out, cfg, loaded.model.state_dict(), eos_token_id=50256 if gpt2_tokens else None)
+    print(f"# {loaded.path} -> {out} (GPT2LMHeadModel: {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
           f"context {cfg.block_size}, vocab {cfg.vocab_size})")
     if gpt2_tokens:
         padded = f"; rows 50257..{cfg.vocab_size - 1} are padding it never produces" if cfg.vocab_size > 50257 else ""

@@ -19,7 +19,6 @@ from pathlib import Path
 from common import ArgumentParser, ConfigError, RunError, atomic_write, run_cli  # noqa: E402
 
 
-
 def parse_args(argv):
     p = ArgumentParser(description="Overlay the loss curves of several runs, by step and by wall-clock time.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run's out dir (with metrics.jsonl and config.toml)")

@@ -30,10 +30,12 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=500)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with this much probability")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of tokens with this much probability")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto")
-    p.add_argument("--no-cache", action="store_true", help="recompute the whole context for every token (slow; for comparison)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole context for every token (slow; for comparison)")
     p.add_argument("--compile", action="store_true", help="compile the decoding step, on CUDA replayed as a CUDA "
                    "graph: many more tokens/s on a GPU once compiled (compiling takes a while: pays for long samples)")
     args = p.parse_args(argv)
@@ -63,8 +65,7 @@ def main(argv) -> int:
 
     device = pick_device(args.device, setting="--device")
     loaded = load_model(args.checkpoint, device)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    dtype = pick_dtype(device, "auto")
+    tokenizer, dtype = loaded.tokenizer, pick_dtype(device)
 
     text = read_prompt(args.prompt)
     try:
@@ -77,26 +78,23 @@ def main(argv) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     stream = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    out = sys.stdout
-    out.write(("" if args.num_samples == 1 else "--- sample 1 ---\n") + text)
-    out.flush()
+    print(("" if args.num_samples == 1 else "--- sample 1 ---\n") + text, end="", flush=True)
     columns = []
     try:
         with autocast(device, dtype):   # the finite flags are read with each token, read for streaming anyway
             decoding = Decoding(use_cache=not args.no_cache, cache_dtype=dtype, compile=args.compile, check_every=1)
-            for col in generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+            for col in generate(loaded.model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                                 generator, vocab_limit=tokenizer.vocab_size, decoding=decoding):
                 columns.append(col)
-                out.write(stream.decode(tokenizer.decode_bytes([col[0, 0].item()])))
-                out.flush()
+                print(stream.decode(tokenizer.decode_bytes([col[0, 0].item()])), end="", flush=True)
     except SamplingError as e:
-        out.write("\n")
+        print()
         raise RunError(f"{loaded.path}: {e}") from None
-    out.write(stream.decode(b"", final=True) + "\n")
+    print(stream.decode(b"", final=True), flush=True)
     new = torch.cat(columns, dim=1).tolist() if columns else [[] for _ in range(args.num_samples)]
     for i in range(1, args.num_samples):
-        out.write(f"--- sample {i + 1} ---\n{text}{tokenizer.decode_bytes(new[i]).decode('utf-8', errors='replace')}\n")
-    out.flush()
+        print(f"--- sample {i + 1} ---\n{text}{tokenizer.decode_bytes(new[i]).decode('utf-8', errors='replace')}",
+              flush=True)
     return 0
 
 

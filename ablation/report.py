@@ -34,17 +34,16 @@ def read_run(run) -> dict:
     result = read_json(run.dir / "result.json")
     attempts = read_json(run.dir / "run.json").get("attempts", [])
     rss = [a["peak_rss_bytes"] for a in attempts if isinstance(a, dict) and isinstance(a.get("peak_rss_bytes"), int)]
+    last = evals[-1] if evals else {}
     return {
         "variant": run.variant, "seed": run.seed, "done": bool(result.get("done")),
         "steps": [r["step"] for r in evals], "val": [r["val_loss"] for r in evals],
         "elapsed": [r.get("elapsed_s", math.nan) for r in evals],
-        "final_val": evals[-1]["val_loss"] if evals else math.nan,
-        "final_bpb": evals[-1].get("val_bpb", math.nan) if evals else math.nan,
+        "final_val": last.get("val_loss", math.nan), "final_bpb": last.get("val_bpb", math.nan),
         "best_val": min((r["val_loss"] for r in evals), default=math.nan),
         "tokens_per_s": statistics.median(speeds) if speeds else math.nan,
-        "wall_s": evals[-1].get("elapsed_s", math.nan) if evals else math.nan,
+        "wall_s": last.get("elapsed_s", math.nan),
         "params": result.get("params"), "kv_bytes_per_token": result.get("kv_cache_bytes_per_token"),
-        "kv_dtype": result.get("kv_cache_dtype"),
         "peak_mem_bytes": result.get("peak_gpu_bytes") or (max(rss) if rss else None),
         "peak_mem_kind": "GPU allocated" if result.get("peak_gpu_bytes") else "process RSS",
     }
@@ -64,7 +63,8 @@ def summarize(sweep: Sweep, runs: list[dict]) -> list[dict]:
         row = {"variant": name, "changes": " ".join(f"{k}={v}" for k, v in flat(overrides).items()) or "(baseline)",
                "seeds_done": len(done), "seeds": len(sweep.seeds),
                "params": done[0]["params"] if done else None}
-        for key in ("final_val", "final_bpb", "best_val", "tokens_per_s", "wall_s", "peak_mem_bytes", "kv_bytes_per_token"):
+        for key in ("final_val", "final_bpb", "best_val", "tokens_per_s", "wall_s", "peak_mem_bytes",
+                    "kv_bytes_per_token"):
             row[key], row[key + "_std"] = mean_std([r[key] for r in done])
         row["peak_mem_kind"] = done[0]["peak_mem_kind"] if done else ""
         row["_final"] = [r["final_val"] for r in done]
@@ -86,15 +86,9 @@ def summarize(sweep: Sweep, runs: list[dict]) -> list[dict]:
     return rows
 
 
-CSV_COLUMNS = ["variant", "changes", "seeds_done", "seeds", "params", "final_val", "final_val_std", "final_bpb", "best_val",
-               "best_val_std", "delta", "noise_se", "beyond_noise", "tokens_per_s", "wall_s", "peak_mem_bytes",
-               "peak_mem_kind", "kv_bytes_per_token"]
-
-
-def rounded(row: dict) -> dict:
-    return {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()}
-
-
+CSV_COLUMNS = ["variant", "changes", "seeds_done", "seeds", "params", "final_val", "final_val_std", "final_bpb",
+               "best_val", "best_val_std", "delta", "noise_se", "beyond_noise", "tokens_per_s", "wall_s",
+               "peak_mem_bytes", "peak_mem_kind", "kv_bytes_per_token"]
 RUN_COLUMNS = ["variant", "seed", "done", "final_val", "final_bpb", "best_val", "tokens_per_s", "wall_s", "params",
                "peak_mem_bytes", "kv_bytes_per_token"]
 
@@ -103,7 +97,7 @@ def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
     text = io.StringIO(newline="")
     w = csv.DictWriter(text, columns, extrasaction="ignore")
     w.writeheader()
-    w.writerows(rounded(r) for r in rows)
+    w.writerows({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in r.items()} for r in rows)
     atomic_write(path, text.getvalue())
 
 
@@ -121,23 +115,27 @@ def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:
     sigma = rows[0]["seed_sigma"]
     lines = [
         f"# Ablation: {sweep.name}", "",
-        f"`{command}`: {len(sweep.variants)} variants x {len(sweep.seeds)} seeds ({', '.join(map(str, sweep.seeds))}), "
+        f"`{command}`: {len(sweep.variants)} variants x {len(sweep.seeds)} seeds "
+        f"({', '.join(map(str, sweep.seeds))}), "
         f"{t.max_steps} steps of {t.batch_size * t.grad_accum} x {base_cfg.model.block_size} tokens "
         f"({tokens:,} tokens per run), val loss on the same {t.eval_iters} batches every {t.eval_interval} steps. "
         f"Machine: {machine()}. Written {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}.", "",
-        f"| variant | changes | params | final val loss | val bits/byte | best val loss | Δ final vs {rows[0]['variant']} "
-        f"| beyond noise? | tokens/s | wall s | peak mem MB | KV cache B/token |",
+        "| variant | changes | params | final val loss | val bits/byte | best val loss "
+        f"| Δ final vs {rows[0]['variant']} | beyond noise? | tokens/s | wall s | peak mem MB | KV cache B/token |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
+        if r["params"] is None:
+            lines.append(f"| {r['variant']} | {r['changes']} | no finished run | | | | | | | | | |")
+            continue
         status = "" if r["seeds_done"] == r["seeds"] else f" ({r['seeds_done']}/{r['seeds']} seeds done)"
-        mem = r["peak_mem_bytes"] / 2**20 if r["peak_mem_bytes"] == r["peak_mem_bytes"] else math.nan
-        lines.append(
-            f"| {r['variant']}{status} | {r['changes']} | {r['params']:,} | {fmt(r['final_val'], 4, r['final_val_std'])} "
-            f"| {fmt(r['final_bpb'], 4)} | {fmt(r['best_val'], 4, r['best_val_std'])} | {'' if r['beyond_noise'] == 'baseline' else fmt(r['delta'], 4)} "
-            f"| {'' if r['beyond_noise'] == 'baseline' else r['beyond_noise']} | {fmt(r['tokens_per_s'], 0)} "
-            f"| {fmt(r['wall_s'], 0)} | {fmt(mem, 0)} | {fmt(r['kv_bytes_per_token'], 0)} |"
-            if r["params"] is not None else f"| {r['variant']} | {r['changes']} | no finished run | | | | | | | | | |")
+        baseline = r["beyond_noise"] == "baseline"
+        cells = [f"{r['variant']}{status}", r["changes"], f"{r['params']:,}",
+                 fmt(r["final_val"], 4, r["final_val_std"]), fmt(r["final_bpb"], 4),
+                 fmt(r["best_val"], 4, r["best_val_std"]), "" if baseline else fmt(r["delta"], 4),
+                 "" if baseline else r["beyond_noise"], fmt(r["tokens_per_s"], 0), fmt(r["wall_s"], 0),
+                 fmt(r["peak_mem_bytes"] / 2**20, 0), fmt(r["kv_bytes_per_token"], 0)]
+        lines.append(f"| {' | '.join(cells)} |")
     lines += [
         "", "![val loss curves](loss_curves.png)", "",
         "How to read it:", "",

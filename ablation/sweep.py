@@ -62,7 +62,6 @@ class Run:
 
 @dataclasses.dataclass
 class Sweep:
-    path: Path
     name: str
     out_dir: Path
     seeds: list[int]
@@ -84,11 +83,10 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
     if problem:
         raise ConfigError(f"{where}{problem.replace(' an object', ' a table')}")
     seeds = spec.get("seeds", [1337])
-    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)) \
-            or len(set(seeds)) != len(seeds):
+    if not seeds or any(type(s) is not int for s in seeds) or len(set(seeds)) != len(seeds):   # (a bool is no seed)
         raise ConfigError(f"{where}seeds must be a non-empty list of distinct integers, got {seeds!r}")
     variants = spec.get("variants")
-    if not isinstance(variants, list) or not variants or not all(isinstance(v, dict) for v in variants):
+    if not variants or not all(isinstance(v, dict) for v in variants):
         raise ConfigError(f"{where}needs at least one [[variants]] table (the first is the baseline)")
     named = []
     for i, v in enumerate(variants):
@@ -124,18 +122,19 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
                 raise ConfigError(f"{where}variant {name!r}: {e}") from None
             runs.append(Run(name, seed, run_dir, cfg))
     check_shared(runs, named[0][0], where)
-    return Sweep(path, sweep_name, out_dir, seeds, named, runs)
+    return Sweep(sweep_name, out_dir, seeds, named, runs)
 
 
 def check_shared(runs: list[Run], baseline_name: str, where: str) -> None:
     """Every variant sees the same data and token budget as the baseline of its seed."""
-    baseline = {r.seed: r for r in runs if r.variant == baseline_name}
+    baseline = {r.seed: r.cfg for r in runs if r.variant == baseline_name}
     for run in runs:
         for key in SHARED_KEYS:
-            if get_key(run.cfg, key) != get_key(baseline[run.seed].cfg, key):
-                raise ConfigError(f"{where}variant {run.variant!r} changes {key} ({get_key(run.cfg, key)!r}, the "
-                                  f"baseline has {get_key(baseline[run.seed].cfg, key)!r}): every variant must see the "
-                                  f"same data and token budget; set it in [overrides] instead")
+            mine, theirs = get_key(run.cfg, key), get_key(baseline[run.seed], key)
+            if mine != theirs:
+                raise ConfigError(f"{where}variant {run.variant!r} changes {key} ({mine!r}, the baseline has "
+                                  f"{theirs!r}): every variant must see the same data and token budget; "
+                                  f"set it in [overrides] instead")
 
 
 def read_json(path: Path) -> dict:
@@ -158,31 +157,11 @@ def check_not_stale(run: Run) -> None:
     if not saved_path.exists():
         return
     saved = flat(load_toml(saved_path))
-    now = flat(run.cfg.to_dict())
-    diff = [f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in now.items()
+    diff = [f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in flat(run.cfg.to_dict()).items()
             if saved.get(k) != v and k not in RESUMABLE_KEYS and not k.startswith("log.")]
     if diff:
         raise ConfigError(f"{run.dir} holds a run with another config ({'; '.join(diff[:3])}); "
                           f"delete it, or give the sweep another out_dir")
-
-
-def child_command(run: Run) -> list[str]:
-    """`python -m ablation.run RUN_DIR`, from the repository root whatever the working directory."""
-    return [sys.executable, "-m", "ablation.run", str(run.dir)]
-
-
-def peak_rss_bytes(rusage) -> int:
-    return rusage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)   # bytes on macOS, KiB on Linux
-
-
-def start_child(run: Run, log, env: dict) -> subprocess.Popen:
-    """The run's process, in a session (POSIX) or a process group (Windows) of its own: a Ctrl-C in
-    the terminal reaches the sweep alone, which passes it on (pass_stop_on)."""
-    if WINDOWS:
-        return subprocess.Popen(child_command(run), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                creationflags=subprocess.CREATE_NEW_PROCESS_GROUP)
-    return subprocess.Popen(child_command(run), stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
 
 
 def pass_stop_on(proc: subprocess.Popen, signum: int) -> None:
@@ -211,8 +190,12 @@ def execute(run: Run) -> tuple[int, int | None, bool]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8",   # train.log is UTF-8 everywhere
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     stops = []
+    # the run's process is in a session (POSIX) or a process group (Windows) of its own: a Ctrl-C in the
+    # terminal reaches the sweep alone, which passes it on (pass_stop_on)
+    group = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP} if WINDOWS else {"start_new_session": True}
     with open(run.dir / "train.log", "a") as log:
-        proc = start_child(run, log, env)
+        proc = subprocess.Popen([sys.executable, "-m", "ablation.run", str(run.dir)], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, **group)
 
         def forward(signum):
             stops.append(signum)
@@ -222,7 +205,7 @@ def execute(run: Run) -> tuple[int, int | None, bool]:
             if hasattr(os, "wait4"):
                 _, status, rusage = os.wait4(proc.pid, 0)   # (retried by Python when a signal interrupts it)
                 proc.returncode = os.waitstatus_to_exitcode(status)
-                rss = peak_rss_bytes(rusage)
+                rss = rusage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)   # bytes on macOS, KiB on Linux
             else:
                 proc.wait()
                 rss = None
@@ -238,35 +221,34 @@ def record_attempt(run: Run, code: int, rss: int | None, seconds: float) -> None
 
 
 def last_line(path: Path) -> str:
-    lines = [l for l in path.read_text(encoding="utf-8", errors="replace").splitlines() if l.strip()] \
-        if path.exists() else []
-    return lines[-1] if lines else "(no output)"
+    text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+    return next((line for line in reversed(text.splitlines()) if line.strip()), "(no output)")
 
 
-def run_sweep(sweep: Sweep, say=print) -> dict:
-    """Run every unfinished run in order; return {'done': [...], 'failed': [...], 'interrupted': bool}."""
+def run_sweep(sweep: Sweep) -> dict:
+    """Run every unfinished run in order; return {'failed': [(run, its log's last line)], 'interrupted': bool}."""
     for run in sweep.runs:
         check_not_stale(run)
     prepare(sweep.runs[0].cfg.data)    # a data problem is reported once, before any run starts
     failed, total = [], len(sweep.runs)
     for i, run in enumerate(sweep.runs, 1):
         if is_done(run):
-            say(f"[{i}/{total}] {run.label}: done before, skipped")
+            print(f"[{i}/{total}] {run.label}: done before, skipped")
             continue
         resuming = any(run.dir.glob("ckpt_*.pt"))
-        say(f"[{i}/{total}] {run.label}: {'resuming' if resuming else 'training'} -> {run.dir}/train.log", flush=True)
+        print(f"[{i}/{total}] {run.label}: {'resuming' if resuming else 'training'} -> {run.dir}/train.log", flush=True)
         start = time.perf_counter()
         code, rss, stopped = execute(run)
         record_attempt(run, code, rss, time.perf_counter() - start)
         if stopped or code == 130:
-            say(f"interrupted during {run.label}; run the same command again to continue "
+            print(f"interrupted during {run.label}; run the same command again to continue "
                 f"(finished runs are skipped, this one resumes from its last checkpoint)")
             return {"failed": failed, "interrupted": True}
         if code != 0 or not is_done(run):
             failed.append((run, last_line(run.dir / "train.log")))
-            say(f"    failed (exit code {code}): {failed[-1][1]}")
+            print(f"    failed (exit code {code}): {failed[-1][1]}")
         else:
             result = read_json(run.dir / "result.json")
-            say(f"    val loss {result['val_loss']:.4f} (best {result['best_val_loss']:.4f}) "
+            print(f"    val loss {result['val_loss']:.4f} (best {result['best_val_loss']:.4f}) "
                 f"in {time.perf_counter() - start:.0f} s")
     return {"failed": failed, "interrupted": False}
