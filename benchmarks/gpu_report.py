@@ -118,14 +118,11 @@ def tests_figures(text: str) -> list[str]:
     return [f"- pytest: **{summary[-1]}**", *(["", "```", *said[:30], "```"] if said else []), ""]
 
 
-def log_tail(path: Path, n: int = TAIL_LINES) -> list[str]:
-    return path.read_text(errors="replace").splitlines()[-n:] if path.exists() else ["(no log)"]
-
-
 def section(part, result: dict, out_dir: Path) -> list[str]:
     """One part's section: what, command, time, status, figures (or where to look), a failure's tail."""
     log = out_dir / f"{part.name}.log"
-    figures = part.figures(log.read_text(errors="replace")) if part.figures and log.exists() else []
+    text = log.read_text(errors="replace") if log.exists() else None
+    figures = part.figures(text) if part.figures and text is not None else []
     code = "" if result["exit_code"] is None else f", exit code {result['exit_code']}"
     lines = [f"## {part.name}: {result['status']}", "", f"{part.what[:1].upper()}{part.what[1:]}.", "",
              f"- command: `{part.command()}`",
@@ -133,8 +130,8 @@ def section(part, result: dict, out_dir: Path) -> list[str]:
              *(f"- {note}" for note in part.notes), ""]
     lines += figures or [f"No figures recognized in its log: see {log.name}.", ""]
     if result["status"] != "ok":
-        lines += [f"**{result['status']}**{code}; the last lines of {log.name}:", "", "```",
-                  *log_tail(log), "```", ""]
+        tail = text.splitlines()[-TAIL_LINES:] if text is not None else ["(no log)"]
+        lines += [f"**{result['status']}**{code}; the last lines of {log.name}:", "", "```", *tail, "```", ""]
     return lines
 
 
