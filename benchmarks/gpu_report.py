@@ -8,7 +8,6 @@ of guessing.
 import platform
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -24,16 +23,16 @@ TAIL_LINES = 20   # of a failed part's log, in the report
 
 def driver_version() -> str:
     """The NVIDIA driver's version from nvidia-smi; where it cannot say, what PyTorch was built for."""
-    why = "no nvidia-smi"
-    if shutil.which("nvidia-smi"):
-        try:
-            done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=30)
-            if done.returncode == 0 and done.stdout.strip():
-                return f"{done.stdout.split()[0]} (nvidia-smi)"
-            why = f"nvidia-smi exited with {done.returncode}"
-        except (OSError, subprocess.TimeoutExpired) as e:
-            why = f"nvidia-smi failed: {type(e).__name__}"
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode == 0 and done.stdout.strip():
+            return f"{done.stdout.split()[0]} (nvidia-smi)"
+        why = f"nvidia-smi exited with {done.returncode}"
+    except FileNotFoundError:
+        why = "no nvidia-smi"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = f"nvidia-smi failed: {type(e).__name__}"
     return f"driver unknown ({why}); PyTorch's CUDA: {torch.version.cuda or 'none (a CPU build)'}"
 
 

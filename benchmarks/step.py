@@ -24,7 +24,7 @@ from training.run import build_step, join_world, set_up
 def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:
     """Best FLOP/s of n x n matmuls over a few sizes, per implementation: torch.mm (MKL on CPU, cuBLAS
     on CUDA) and, on CPU, oneDNN. The best of them is the peak that MFU divides by."""
-    impls = {"torch.mm": lambda a, b: torch.mm(a, b)}
+    impls = {"torch.mm": torch.mm}
     if device.type == "cpu" and onednn_works():
         impls["oneDNN"] = lambda a, b: onednn_linear(a, b, None)     # a @ bᵀ: the same FLOPs
     best = {name: 0.0 for name in impls}
@@ -33,13 +33,8 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) 
         reps = max(2, int(seconds * 1e11 / (2 * n ** 3))) if device.type == "cpu" else 20
         for _ in range(3):
             for name, mm in impls.items():
-                mm(a, b)
-                sync(device)
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    mm(a, b)
-                sync(device)
-                best[name] = max(best[name], 2 * n ** 3 * reps / (time.perf_counter() - t0))
+                mm(a, b)   # warm up
+                best[name] = max(best[name], 2 * n ** 3 / time_step(lambda: mm(a, b), device, reps))
     return best
 
 
@@ -77,7 +72,7 @@ def trainer_step(cfg, out_dir, compile: bool, graph: bool):
     cfg.train.compile, cfg.train.cuda_graph, cfg.out_dir = compile, graph, str(out_dir)
     run, _ = set_up(cfg, join_world(pick_device(cfg.train.device)), resume=False, overwrite=True, quiet=True)
     build_step(run)
-    return run.model, run.train_step, run.train_step.kind
+    return run.model, run.train_step
 
 
 def variants_for(cfg, device) -> dict:
@@ -113,9 +108,9 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
     with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
         for name, (compile, graph) in variants_for(cfg, device).items():
             t0 = time.perf_counter()
-            model, step, kind = trainer_step(cfg, Path(tmp) / name, compile, graph)
+            model, step = trainer_step(cfg, Path(tmp) / name, compile, graph)
             cfg.model.vocab_size = cfg.model.vocab_size or model.cfg.vocab_size   # as the data gave it
-            hows[name] = f"{kind}{', compiled' if compile else ''}, setup {time.perf_counter() - t0:.1f} s"
+            hows[name] = f"{step.kind}{', compiled' if compile else ''}, setup {time.perf_counter() - t0:.1f} s"
             if device.type == "cuda":   # one variant at a time on the GPU (memory), timed at once
                 step()
                 times[name] = [time_step(step, device, steps) for _ in range(rounds)]
@@ -157,7 +152,7 @@ def bench_scaling(device: str = "cpu", say=print) -> None:
         cfg = build_config(None, [f"--model.block_size={block}", f"--train.batch_size={batch}",
                                   "--train.device=" + device.type] + [f"--model.{k}={v}" for k, v in model_kw.items()])
         with tempfile.TemporaryDirectory(prefix="bench_scaling_", ignore_cleanup_errors=True) as tmp:
-            model, step, _ = trainer_step(cfg, tmp, compile=False, graph=False)
+            model, step = trainer_step(cfg, tmp, compile=False, graph=False)
             step()
             dense, attn = flops_per_token(model)
             sec = min(time_step(step, device, 2) for _ in range(2))
