@@ -74,7 +74,6 @@ for part, piece in (("train", text[:split]), ("val", text[split:])):
 
 
 def add_options(p) -> None:
-    """`bench.py prepare`'s options."""
     p.add_argument("--mb", type=int, default=1000, help="MB of the large text file, prepared by streaming only "
                    "(default 1000: a 1 GB file, written to --dir and removed afterwards)")
     p.add_argument("--plain-mb", type=int, default=64, help="MB of the smaller file, prepared both ways (default 64; "
