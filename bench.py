@@ -36,8 +36,8 @@ from common import ArgumentParser, ConfigError, check, run_cli  # noqa: E402
 TAKE_OVERRIDES = ("race", "train", "tokenizers", "gpu")   # the rest refuse what they do not know
 
 
-def parser() -> tuple[ArgumentParser, dict]:
-    """The command's parser, and each subcommand's by name (their errors are common.ArgumentParser's line)."""
+def parser() -> ArgumentParser:
+    """The command's parser (its subcommands' errors are common.ArgumentParser's one line too)."""
     from benchmarks.prepare import add_options
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -63,7 +63,7 @@ def parser() -> tuple[ArgumentParser, dict]:
     g.add_argument("--quick", action="store_true", help="small settings: checks the command, not for figures")
     g.add_argument("--grad-accum-124m", type=int, help="train.grad_accum of the 124M shape (default its 32; "
                    "--quick: 1)")
-    return p, sub.choices
+    return p
 
 
 def config_file(option: str, path: str) -> str:
@@ -73,12 +73,12 @@ def config_file(option: str, path: str) -> str:
     return path
 
 
-def check_args(args, overrides: list[str], parsers: dict) -> None:
+def check_args(p: ArgumentParser, args, overrides: list[str]) -> None:
     """Refuse, before any work, what the command cannot use, in one line naming the option; settle the
     defaults that depend on the machine (race's configs, sample's device)."""
     from training.config import build_config
     if overrides and args.command not in TAKE_OVERRIDES:
-        parsers[args.command].error(f"unrecognized arguments: {' '.join(overrides)}")
+        p.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.command == "race":
         import torch
         from benchmarks.race import PAIRS
@@ -107,16 +107,11 @@ def check_args(args, overrides: list[str], parsers: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p, parsers = parser()
+    p = parser()
     args, overrides = p.parse_known_args(argv)
-    check_args(args, overrides, parsers)
+    check_args(p, args, overrides)
     from benchmarks.machine import header
     print(header(), flush=True)
-    return run(args, overrides, argv)
-
-
-def run(args, overrides: list[str], argv: list[str]) -> int:
-    """The subcommand, its arguments checked; argv: the command's, as a report quotes it."""
     if args.command == "race":
         from benchmarks.race import race
         race(args.classic, args.fast, overrides, evals=args.evals)

@@ -32,7 +32,7 @@ from benchmarks.gpu_report import (environment, race_figures, render, sample_fig
                                    train_figures)
 from benchmarks.race import PAIRS
 from benchmarks.sampling import SHAPE
-from common import WINDOWS, Interrupted, RunError, atomic_write, check, on_stop_signals
+from common import WINDOWS, Interrupted, RunError, atomic_write, on_stop_signals
 from training.config import build_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,9 +120,9 @@ def gpt2_part(quick: bool, grad_accum: int | None, overrides: list[str], skip: s
 
 def cpu_parts(overrides: list[str]) -> list[Part]:
     """Without a GPU: tiny CPU runs of train and sample that check the plumbing (no figure worth keeping)."""
-    return [train_part("train-cpu-quick", CLASSIC, 1, 1, [*TINY, *overrides], 120,
-                       f"CPU plumbing check: the classic GPU config at {describe(build(CLASSIC, [*TINY, *overrides]))}, "
-                       f"the trainer's step and plain PyTorch"),
+    tiny = [*TINY, *overrides]
+    return [train_part("train-cpu-quick", CLASSIC, 1, 1, tiny, 120, f"CPU plumbing check: the classic GPU config at "
+                       f"{describe(build(CLASSIC, tiny))}, the trainer's step and plain PyTorch"),
             Part("sample-cpu-quick", f"CPU plumbing check: sampling 4 new tokens ({SAMPLED}) with and without the "
                  "KV cache, and compiled", ["bench.py", "sample", "--new-tokens", "4"], 180, figures=sample_figures)]
 
@@ -209,8 +209,6 @@ def bench_gpu(argv: list[str], out: str | None = None, quick: bool = False, grad
               overrides: list[str] = (), say=print) -> int:
     """Run every part that can run here, writing report.md after each; 0 if all of them passed, 1 if
     any failed or ran out of time. argv: this command's, as the report quotes it."""
-    if grad_accum is not None:
-        check("--grad-accum-124m", grad_accum, at_least=1)
     commit = git("rev-parse", "--short=12", "HEAD")
     env = environment(commit, bool(git("status", "--porcelain", "--untracked-files=no")), argv)
     parts = plan(torch.cuda.is_available(), quick, grad_accum, list(overrides))   # checks the overrides

@@ -8,7 +8,6 @@ of guessing.
 import platform
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -24,16 +23,16 @@ TAIL_LINES = 20   # of a failed part's log, in the report
 
 def driver_version() -> str:
     """The NVIDIA driver's version from nvidia-smi; where it cannot say, what PyTorch was built for."""
-    why = "no nvidia-smi"
-    if shutil.which("nvidia-smi"):
-        try:
-            done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=30)
-            if done.returncode == 0 and done.stdout.strip():
-                return f"{done.stdout.split()[0]} (nvidia-smi)"
-            why = f"nvidia-smi exited with {done.returncode}"
-        except (OSError, subprocess.TimeoutExpired) as e:
-            why = f"nvidia-smi failed: {type(e).__name__}"
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode == 0 and done.stdout.strip():
+            return f"{done.stdout.split()[0]} (nvidia-smi)"
+        why = f"nvidia-smi exited with {done.returncode}"
+    except FileNotFoundError:
+        why = "no nvidia-smi"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = f"nvidia-smi failed: {type(e).__name__}"
     return f"driver unknown ({why}); PyTorch's CUDA: {torch.version.cuda or 'none (a CPU build)'}"
 
 
@@ -118,14 +117,11 @@ def tests_figures(text: str) -> list[str]:
     return [f"- pytest: **{summary[-1]}**", *(["", "```", *said[:30], "```"] if said else []), ""]
 
 
-def log_tail(path: Path, n: int = TAIL_LINES) -> list[str]:
-    return path.read_text(errors="replace").splitlines()[-n:] if path.exists() else ["(no log)"]
-
-
 def section(part, result: dict, out_dir: Path) -> list[str]:
     """One part's section: what, command, time, status, figures (or where to look), a failure's tail."""
     log = out_dir / f"{part.name}.log"
-    figures = part.figures(log.read_text(errors="replace")) if part.figures and log.exists() else []
+    text = log.read_text(errors="replace") if log.exists() else None
+    figures = part.figures(text) if part.figures and text is not None else []
     code = "" if result["exit_code"] is None else f", exit code {result['exit_code']}"
     lines = [f"## {part.name}: {result['status']}", "", f"{part.what[:1].upper()}{part.what[1:]}.", "",
              f"- command: `{part.command()}`",
@@ -133,8 +129,8 @@ def section(part, result: dict, out_dir: Path) -> list[str]:
              *(f"- {note}" for note in part.notes), ""]
     lines += figures or [f"No figures recognized in its log: see {log.name}.", ""]
     if result["status"] != "ok":
-        lines += [f"**{result['status']}**{code}; the last lines of {log.name}:", "", "```",
-                  *log_tail(log), "```", ""]
+        tail = text.splitlines()[-TAIL_LINES:] if text is not None else ["(no log)"]
+        lines += [f"**{result['status']}**{code}; the last lines of {log.name}:", "", "```", *tail, "```", ""]
     return lines
 
 

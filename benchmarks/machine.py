@@ -5,22 +5,17 @@ import platform
 import torch
 
 
-def cpuinfo(field: str, path: str = "/proc/cpuinfo") -> str:
-    """A field of the first processor in /proc/cpuinfo ('model name' -> the processor's name); '' where
-    there is no such file (not Linux) or field."""
+def cpu_name() -> str:
+    """The processor's name: /proc/cpuinfo's first 'model name' on Linux, else what platform says."""
     try:
-        with open(path) as f:
+        with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == field:
+                if key.strip() == "model name" and value.strip():
                     return value.strip()
     except OSError:
         pass
-    return ""
-
-
-def cpu_name() -> str:
-    return cpuinfo("model name") or platform.processor() or platform.machine()
+    return platform.processor() or platform.machine()
 
 
 def machine() -> str:
@@ -30,17 +25,12 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
-def load_average() -> float | None:
-    """The system's load average over the last minute; None where the system does not tell it (Windows)."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-
-
 def header() -> str:
     """What every benchmark prints first: the CPU, the OpenMP wait policy and the load, which slow or
     speed every figure."""
-    load = load_average()
+    try:
+        load = f"{os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):   # no load average (Windows)
+        load = "unknown here"
     return (f"# {cpu_name()} x {os.cpu_count()} | OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
-            f"load average {'unknown here' if load is None else f'{load:.2f}'} (other jobs slow every figure)")
+            f"load average {load} (other jobs slow every figure)")

@@ -74,7 +74,6 @@ for part, piece in (("train", text[:split]), ("val", text[split:])):
 
 
 def add_options(p) -> None:
-    """`bench.py prepare`'s options."""
     p.add_argument("--mb", type=int, default=1000, help="MB of the large text file, prepared by streaming only "
                    "(default 1000: a 1 GB file, written to --dir and removed afterwards)")
     p.add_argument("--plain-mb", type=int, default=64, help="MB of the smaller file, prepared both ways (default 64; "
@@ -95,7 +94,11 @@ def checked(args) -> dict:
                           f"the smaller file)")
     tokenizers = args.tokenizers.split(",")
     for name in tokenizers:
-        check_tokenizer(name)
+        try:
+            if name != "char" and bpe_vocab_size(name) is None:
+                check_encoding_name(name)
+        except TokenizerError as e:
+            raise ConfigError(f"--tokenizers: {e}") from None
     parent = args.dir or Path(tempfile.gettempdir())
     if not parent.is_dir():
         raise ConfigError(f"--dir {parent} is not a directory")
@@ -105,15 +108,6 @@ def checked(args) -> dict:
                        f"(make --mb smaller, or give another --dir)")
     return {"mb": args.mb, "plain_mb": args.plain_mb, "tokenizers": tokenizers, "lines": source_lines(args.source),
             "parent": parent}
-
-
-def check_tokenizer(name: str) -> None:
-    """A ConfigError naming --tokenizers unless name is a tokenizer data.prepare knows."""
-    try:
-        if name != "char" and bpe_vocab_size(name) is None:
-            check_encoding_name(name)
-    except TokenizerError as e:
-        raise ConfigError(f"--tokenizers: {e}") from None
 
 
 def source_lines(path: Path | None) -> list[str]:
@@ -172,10 +166,10 @@ def make_text(path: Path, mb: int, lines: list[str], seed: int = 0) -> None:
 
 
 def bench_prepare(mb: int, plain_mb: int, tokenizers: list[str], lines: list[str], parent: Path,
-                  say=None) -> list[tuple]:
+                  say=None) -> None:
     """Write the text files in a new directory under parent, time each preparation of them, and remove
     it all: when done, on an error, or at SIGINT, SIGTERM or SIGHUP (raised as Interrupted once it is
-    removed). Print the rows (MB, tokenizer, approach, MB/s, peak MB) and return them."""
+    removed). Print the rows (MB, tokenizer, approach, MB/s, peak MB) and the comparison."""
     say = say or Printer()
     stopped = []
 
@@ -195,7 +189,6 @@ def bench_prepare(mb: int, plain_mb: int, tokenizers: list[str], lines: list[str
         finally:
             shutil.rmtree(work, ignore_errors=True)
     compare(rows, plain_mb, mb, tokenizers, say)
-    return rows
 
 
 def measure_all(work: Path, sizes: list[int], plain_mb: int, tokenizers: list[str], lines: list[str],

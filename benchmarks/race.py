@@ -8,7 +8,6 @@ setup included, the race's evaluations and the trainer's final checkpoint exclud
 the classic run's best val loss, and its time is the time it first got there.
 """
 import math
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -69,11 +68,10 @@ def first_reaching(curve: list[dict], target: float) -> dict | None:
 
 def race(classic: str, fast: str, overrides: list[str], evals: int = 20, say=print) -> dict:
     """Train `classic` then `fast`; print and return the figures of the race."""
-    out = Path(tempfile.mkdtemp(prefix="race_"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="race_", ignore_cleanup_errors=True) as out:
         cfgs = {}
         for label, path in (("classic", classic), ("fast", fast)):
-            cfg = build_config(path, overrides + [f"--out_dir={out / label}"])
+            cfg = build_config(path, overrides + [f"--out_dir={Path(out) / label}"])
             cfg.train.eval_interval = cfg.train.max_steps   # the race evaluates; the trainer only at the end
             cfg.train.eval_iters = 1
             cfgs[label] = cfg
@@ -82,8 +80,6 @@ def race(classic: str, fast: str, overrides: list[str], evals: int = 20, say=pri
             f"{windows.size(1) - 1}, the same for both runs; times exclude these evaluations")
         curves = {label: run(cfg, windows, max(1, cfg.train.max_steps // evals), label, say)
                   for label, cfg in cfgs.items()}
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
 
     end = min(curves["classic"], key=lambda p: p["val"])   # its best val: a long run may overfit after it
     target = end["val"]

@@ -62,7 +62,7 @@ def ms_per_token_by_position(model, positions, use_cache: bool, reps: int = 3) -
     return {pos: sec * 1e3 for pos, sec in best.items()}
 
 
-def bench_sample(new_tokens: int = 500, device: str | torch.device = "cpu", say=print) -> dict:
+def bench_sample(new_tokens: int = 500, device: str | torch.device = "cpu", say=print) -> None:
     """tokens/s with and without the cache: on CPU for each thread count up to the current one
     (decoding one token is bound by reading the weights from memory, recomputing by FLOPs: threads
     help only the latter), then ms per token by position, then what compiling the decoding step
@@ -75,25 +75,20 @@ def bench_sample(new_tokens: int = 500, device: str | torch.device = "cpu", say=
     say(f"# sampling {new_tokens} new tokens, {c.n_layer} layers x {c.n_embd}, block {c.block_size}, batch 1, "
         f"{device}, fp32, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     say(f"{'threads':>7s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'speedup':>8s}")
-    rates = {}
     for n in range(1, threads + 1):
         torch.set_num_threads(n)
         tokens_per_s(model, 20, True)                            # warm up
         cached, full = tokens_per_s(model, new_tokens, True), tokens_per_s(model, new_tokens, False)
-        rates[n] = (cached, full)
         say(f"{n:7d} {cached:13.1f} {full:17.1f} {cached / full:7.1f}x")
-    torch.set_num_threads(threads)
     say(f"{'position':>8s} {'ms/token cached':>16s} {'ms/token recomputed':>20s}   ({threads} threads)")
     positions = (10, 100, 250)
-    cached, full = (ms_per_token_by_position(model, positions, use_cache) for use_cache in (True, False))
-    per_pos = {pos: (cached[pos], full[pos]) for pos in positions}
+    cached_ms, full_ms = (ms_per_token_by_position(model, positions, use_cache) for use_cache in (True, False))
     for pos in positions:
-        say(f"{pos:8d} {cached[pos]:16.2f} {full[pos]:20.2f}")
-    compiled = bench_compiled_cpu(model, new_tokens, rates[threads][0], say)
-    return {"rates": rates, "per_position": per_pos, "compiled": compiled}
+        say(f"{pos:8d} {cached_ms[pos]:16.2f} {full_ms[pos]:20.2f}")
+    bench_compiled_cpu(model, new_tokens, cached, say)   # eager: the cached rate at the current thread count
 
 
-def bench_compiled_cpu(model, new_tokens: int, eager_rate: float, say=print) -> dict:
+def bench_compiled_cpu(model, new_tokens: int, eager_rate: float, say=print) -> None:
     """Whether compiling the decoding step pays on CPU: its compile time against the time it saves
     over a sample of new_tokens (sample.py decodes eagerly on CPU unless this says otherwise)."""
     t0 = time.perf_counter()
@@ -103,10 +98,9 @@ def bench_compiled_cpu(model, new_tokens: int, eager_rate: float, say=print) -> 
     eager_s, compiled_s = new_tokens / eager_rate, compile_s + new_tokens / rate
     say(f"compiled decoding step: {compile_s:.1f} s to compile, then {rate:.1f} tok/s ({rate / eager_rate:.2f}x "
         f"eager); a {new_tokens}-token sample takes {compiled_s:.1f} s with it, {eager_s:.1f} s without")
-    return {"compile_s": compile_s, "rate": rate}
 
 
-def bench_sample_cuda(new_tokens: int, device: str, say=print, reps: int = 3) -> dict:
+def bench_sample_cuda(new_tokens: int, device: str, say=print, reps: int = 3) -> None:
     """tokens/s at batch 1 and 16: the compiled decoding step replayed as a CUDA graph, the same
     step eager, and recomputing the context; best of reps runs each (other work only slows a run
     down). Compiling and recording the graph happen in a warm-up run before the timed ones."""
@@ -116,7 +110,6 @@ def bench_sample_cuda(new_tokens: int, device: str, say=print, reps: int = 3) ->
         f"{torch.cuda.get_device_name(device)}, fp32, torch {torch.__version__}, best of {reps}")
     say(f"{'batch':>5s} {'compiled tok/s':>15s} {'eager tok/s':>12s} {'recomputed tok/s':>17s} "
         f"{'compiled/eager':>15s} {'compiled/recomputed':>20s} {'compile s':>10s}")
-    rows = {}
     for batch in (1, 16):
         t0 = time.perf_counter()
         tokens_per_s(model, new_tokens, True, batch, compile=True)   # warm up: compile
@@ -126,10 +119,8 @@ def bench_sample_cuda(new_tokens: int, device: str, say=print, reps: int = 3) ->
         compiled, eager, full = (max(tokens_per_s(model, new_tokens, use_cache, batch, compile=compile)
                                      for _ in range(reps))
                                  for use_cache, compile in ((True, True), (True, False), (False, False)))
-        rows[batch] = (compiled, eager, full)
         say(f"{batch:5d} {compiled:15.0f} {eager:12.0f} {full:17.0f} {compiled / eager:14.1f}x "
             f"{compiled / full:19.1f}x {compile_s:10.1f}")
-    return {"rows": rows}
 
 
 def bench_samples_scaling(device: str = "cpu", new_tokens: int = 100, say=print) -> None:

@@ -8,7 +8,6 @@ plus 6 L T C for causal attention (the scores and the weighted sum, each 2 C FLO
 positions, over T/2 visible positions on average, times 3 for forward and backward).
 """
 import copy
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from training.run import build_step, join_world, set_up
 def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:
     """Best FLOP/s of n x n matmuls over a few sizes, per implementation: torch.mm (MKL on CPU, cuBLAS
     on CUDA) and, on CPU, oneDNN. The best of them is the peak that MFU divides by."""
-    impls = {"torch.mm": lambda a, b: torch.mm(a, b)}
+    impls = {"torch.mm": torch.mm}
     if device.type == "cpu" and onednn_works():
         impls["oneDNN"] = lambda a, b: onednn_linear(a, b, None)     # a @ bᵀ: the same FLOPs
     best = {name: 0.0 for name in impls}
@@ -34,13 +33,8 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) 
         reps = max(2, int(seconds * 1e11 / (2 * n ** 3))) if device.type == "cpu" else 20
         for _ in range(3):
             for name, mm in impls.items():
-                mm(a, b)
-                sync(device)
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    mm(a, b)
-                sync(device)
-                best[name] = max(best[name], 2 * n ** 3 * reps / (time.perf_counter() - t0))
+                mm(a, b)   # warm up
+                best[name] = max(best[name], 2 * n ** 3 / time_step(lambda: mm(a, b), device, reps))
     return best
 
 
@@ -78,7 +72,7 @@ def trainer_step(cfg, out_dir, compile: bool, graph: bool):
     cfg.train.compile, cfg.train.cuda_graph, cfg.out_dir = compile, graph, str(out_dir)
     run, _ = set_up(cfg, join_world(pick_device(cfg.train.device)), resume=False, overwrite=True, quiet=True)
     build_step(run)
-    return run.model, run.train_step, run.train_step.kind
+    return run.model, run.train_step
 
 
 def variants_for(cfg, device) -> dict:
@@ -110,44 +104,39 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
     peak = max(peaks.values())
     say(f"# {device}, {torch.get_num_threads()} threads | matmul peak ({str(dtype).removeprefix('torch.')}, "
         f"measured now): " + ", ".join(f"{k} {v / 1e9:,.1f} GFLOP/s" for k, v in peaks.items()))
-    tmp = Path(tempfile.mkdtemp(prefix="bench_train_"))
-    results, times = {}, {}
-    try:
-        runs = {}
+    results, times, hows, pending = {}, {}, {}, {}
+    with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
         for name, (compile, graph) in variants_for(cfg, device).items():
             t0 = time.perf_counter()
-            model, step, kind = trainer_step(cfg, tmp / name, compile, graph)
+            model, step = trainer_step(cfg, Path(tmp) / name, compile, graph)
             cfg.model.vocab_size = cfg.model.vocab_size or model.cfg.vocab_size   # as the data gave it
-            setup = f"{kind}{', compiled' if compile else ''}, setup {time.perf_counter() - t0:.1f} s"
-            runs[name] = (model, step, setup)
+            hows[name] = f"{step.kind}{', compiled' if compile else ''}, setup {time.perf_counter() - t0:.1f} s"
             if device.type == "cuda":   # one variant at a time on the GPU (memory), timed at once
                 step()
-                times[name] = sorted(time_step(step, device, steps) for _ in range(rounds))
-                runs[name] = (model, None, runs[name][2])
+                times[name] = [time_step(step, device, steps) for _ in range(rounds)]
                 del model, step
                 torch.cuda.empty_cache()
-        plain_model, plain = plain_step(cfg, device)
-        runs["plain"] = (plain_model, plain, "eager, fp32, default AdamW")
+            else:
+                pending[name] = step
+        plain_model, pending["plain"] = plain_step(cfg, device)
+        hows["plain"] = "eager, fp32, default AdamW"
         dense, attn = flops_per_token(plain_model)
         m, t = cfg.model, cfg.train
         tokens = t.batch_size * t.grad_accum * m.block_size
         say(f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, batch {t.batch_size} x "
             f"{t.grad_accum} ({tokens:,} tokens/step) | FLOPs/token 6N + attention = {dense / 1e6:.1f}M + "
             f"{attn / 1e6:.1f}M")
-        pending = {name: step for name, (_, step, _) in runs.items() if step is not None}
         for step in pending.values():
             step()                                            # warm up (allocations, autotuning)
         for _ in range(rounds):                               # alternate, so drift hits all alike
             for name, step in pending.items():
                 times.setdefault(name, []).append(time_step(step, device, steps))
-        say(f"{'step':15s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
-        for name, (_, _, how) in runs.items():
-            sec = sorted(times[name])[len(times[name]) // 2]   # the median round
-            achieved = (dense + attn) * tokens / sec
-            results[name] = {"ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec, "mfu": achieved / peak}
-            say(f"{name:15s} {sec * 1e3:9.2f} {tokens / sec:10,.0f} {achieved / peak:6.1%}  {how}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"{'step':15s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
+    for name, how in hows.items():
+        sec = sorted(times[name])[len(times[name]) // 2]   # the median round
+        achieved = (dense + attn) * tokens / sec
+        results[name] = {"ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec, "mfu": achieved / peak}
+        say(f"{name:15s} {sec * 1e3:9.2f} {tokens / sec:10,.0f} {achieved / peak:6.1%}  {how}")
     best = min((n for n in results if n != "plain"), key=lambda n: results[n]["ms_per_step"])
     say(f"fastest: {best}, {results['plain']['ms_per_step'] / results[best]['ms_per_step']:.2f}x plain PyTorch "
         f"(median of {rounds} rounds of {steps} steps)")
@@ -162,14 +151,11 @@ def bench_scaling(device: str = "cpu", say=print) -> None:
         block, batch = model_kw.pop("block_size"), model_kw.pop("batch_size")
         cfg = build_config(None, [f"--model.block_size={block}", f"--train.batch_size={batch}",
                                   "--train.device=" + device.type] + [f"--model.{k}={v}" for k, v in model_kw.items()])
-        tmp = Path(tempfile.mkdtemp(prefix="bench_scaling_"))
-        try:
-            model, step, _ = trainer_step(cfg, tmp, compile=False, graph=False)
+        with tempfile.TemporaryDirectory(prefix="bench_scaling_", ignore_cleanup_errors=True) as tmp:
+            model, step = trainer_step(cfg, tmp, compile=False, graph=False)
             step()
             dense, attn = flops_per_token(model)
             sec = min(time_step(step, device, 2) for _ in range(2))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return sec * 1e3, attn / (dense + attn), (dense + attn) * block * batch / sec / 1e9
 
     say("step time vs block size (4 layers x 128, 8,192 tokens/step: the quadratic part grows with T)")

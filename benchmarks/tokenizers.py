@@ -8,7 +8,6 @@ its step time, which plans the run's step count (so its LR schedule ends with it
 machine slows down after the probe still ends once BUDGET_MARGIN times its budget has gone by, and
 the table gives the steps it trained.
 """
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -24,15 +23,11 @@ TOKENIZERS = ("char", "gpt2", "bpe:4096")
 BUDGET_MARGIN = 1.25   # a run ends after this many times its budget of wall time, whatever the probe planned
 
 
-def step_seconds(cfg, out: Path, steps: int = 30) -> float:
+def step_seconds(cfg, steps: int = 30) -> float:
     """Seconds per optimizer step of cfg, over `steps` steps after 5 of warm-up."""
     times = []
     cfg.train.max_steps, cfg.train.eval_interval, cfg.train.eval_iters = steps + 5, steps + 5, 1
-    cfg.out_dir = str(out)
-
-    def on_step(step, model):
-        times.append(time.perf_counter())
-    train(cfg, overwrite=True, quiet=True, on_step=on_step)
+    train(cfg, overwrite=True, quiet=True, on_step=lambda step, model: times.append(time.perf_counter()))
     return (times[-1] - times[4]) / (len(times) - 5)
 
 
@@ -68,13 +63,12 @@ def score(cfg, steps: int) -> dict:
 
 def bench_tokenizers(config: str, overrides: list[str], seconds: float = 120.0, tokenizers=TOKENIZERS,
                      say=print) -> dict:
-    out = Path(tempfile.mkdtemp(prefix="bench_tokenizers_"))
     rows = {}
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_tokenizers_", ignore_cleanup_errors=True) as tmp:
         for tok in tokenizers:
             def make(name):
-                return build_config(config, overrides + [f"--data.tokenizer={tok}", f"--out_dir={out / name}"])
-            per_step = step_seconds(make("probe"), out / "probe")
+                return build_config(config, overrides + [f"--data.tokenizer={tok}", f"--out_dir={Path(tmp) / name}"])
+            per_step = step_seconds(make("probe"))
             cfg = make(tok.replace(":", "_"))
             steps, planned, took = train_within(cfg, seconds, per_step)
             r = rows[tok] = {"steps": steps, "planned": planned, "seconds": took, **score(cfg, steps)}
@@ -82,8 +76,6 @@ def bench_tokenizers(config: str, overrides: list[str], seconds: float = 120.0, 
             say(f"{tok:9s} vocab {r['vocab']:6,} | {r['params'] / 1e6:5.2f}M params | {steps} of {planned} steps in "
                 f"{took:5.1f} s{cut} | {r['bytes_seen'] / 1e6:5.2f} MB of text seen | val {r['loss']:.4f} "
                 f"nats/token | {r['bpb']:.4f} bits/byte")
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
     say(f"(each trained for about {seconds:g} s of steps, at most {BUDGET_MARGIN:g}x that, on {config}; val scored "
         f"on every token of the val split)")
     return rows
