@@ -132,10 +132,7 @@ def _closest(key: str, options) -> str:
 
 
 def all_keys() -> list[str]:
-    keys = ["out_dir"]
-    for name, cls in SECTIONS.items():
-        keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
-    return keys
+    return ["out_dir"] + [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 
 def coerce(key: str, value, typ):
@@ -158,18 +155,12 @@ def coerce(key: str, value, typ):
 def set_key(cfg: Config, key: str, value) -> None:
     """Set a dotted key ('train.lr' or 'out_dir') on cfg, coercing value to the field's type."""
     section, _, name = key.rpartition(".")
-    if not section:
-        if key != "out_dir":
-            raise ConfigError(f"unknown config key {key!r}{_closest(key, all_keys())}")
-        cfg.out_dir = coerce(key, value, str)
-        return
-    if section not in SECTIONS:
+    if section and section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r} in {key!r}{_closest(key, all_keys())}")
-    obj = getattr(cfg, section)
-    fields = {f.name: f.type for f in dataclasses.fields(obj)}
-    if name not in fields:
+    if key not in all_keys():
         raise ConfigError(f"unknown config key {key!r}{_closest(key, all_keys())}")
-    setattr(obj, name, coerce(key, value, fields[name]))
+    obj = getattr(cfg, section) if section else cfg
+    setattr(obj, name, coerce(key, value, {f.name: f.type for f in dataclasses.fields(obj)}[name]))
 
 
 def apply_dict(cfg: Config, values: dict, where: str = "") -> None:
@@ -259,28 +250,28 @@ SAME_RUN_KEYS = WATCHING_KEYS | {"train.device", "train.compile", "train.cuda_gr
                                  "train.eval_iters", "train.on_nonfinite"}
 
 
-def as_started(stored: dict, cfg: Config) -> Config:
-    """The config a run started with (stored: its config.toml), in the out dir it goes on in."""
-    return build_config(None, [], base={**stored, "out_dir": cfg.out_dir})
+def _changed(stored: dict, cfg: Config) -> list[tuple[str, object, object]]:
+    """(key, value as the run started, value now) of each setting a resumed run changes; stored: the
+    run's config.toml, whose run goes on in cfg's out dir."""
+    before = build_config(None, [], base={**stored, "out_dir": cfg.out_dir})
+    return [(k, get_key(before, k), get_key(cfg, k)) for k in all_keys() if get_key(before, k) != get_key(cfg, k)]
 
 
 def check_resume_keeps(stored: dict, cfg: Config) -> None:
     """--resume goes on with the run's own model and tokenizer: a change to either is refused here,
     before any text is prepared for it (the checkpoint is checked against the model again on loading)."""
-    before = as_started(stored, cfg)
-    for key in all_keys():
-        if (key.startswith("model.") or key == "data.tokenizer") and get_key(before, key) != get_key(cfg, key):
-            raise ConfigError(f"{key}: {fmt(get_key(before, key))} in the run, {fmt(get_key(cfg, key))} now: --resume "
-                              f"goes on with the run's own model and tokenizer (another --out_dir starts a new run)")
+    for key, before, now in _changed(stored, cfg):
+        if key.startswith("model.") or key == "data.tokenizer":
+            raise ConfigError(f"{key}: {fmt(before)} in the run, {fmt(now)} now: --resume goes on with the "
+                              f"run's own model and tokenizer (another --out_dir starts a new run)")
 
 
 def changes_since(stored: dict, cfg: Config) -> tuple[list[str], bool]:
     """What a resumed run changes of the config it was started with (`stored`): each change as
     'key: old -> new', and whether one breaks exact continuation (anything but SAME_RUN_KEYS and log.*)."""
-    before = as_started(stored, cfg)
-    changed = [k for k in all_keys() if get_key(before, k) != get_key(cfg, k)]
-    notes = [f"{k}: {fmt(get_key(before, k))} -> {fmt(get_key(cfg, k))}" for k in changed]
-    return notes, any(k not in SAME_RUN_KEYS and not k.startswith("log.") for k in changed)
+    changed = _changed(stored, cfg)
+    notes = [f"{k}: {fmt(before)} -> {fmt(now)}" for k, before, now in changed]
+    return notes, any(k not in SAME_RUN_KEYS and not k.startswith("log.") for k, _, _ in changed)
 
 
 FIELD_RE = re.compile(r"^    (\w+): [^=]+=.*?(?:#\s*(.*))?$")
