@@ -3,9 +3,8 @@
 An out dir holds ckpt_<step>.pt (the last `keep` of them) and best.pt (lowest val loss so far).
 A checkpoint is a dict of tensors and plain values; SCHEMA below is the one place that says which.
 
-Saving writes a temporary file in the same directory, fsyncs it and renames it over the target, so
-a reader (or a run killed mid-save) sees the old checkpoint or the new one, never half of one; old
-checkpoints are deleted only after the new one is complete. Loading checks the zip archive (every
+Saving is atomic (common.atomic_write): a reader, or a run killed mid-save, sees the old checkpoint
+or the new one, never half of one; old checkpoints are deleted only after the new one is complete. Loading checks the zip archive (every
 member's CRC, no compressed members), then uses torch.load(weights_only=True): unpickling is
 restricted to tensors and plain containers, so a malicious file cannot execute code.
 
@@ -53,7 +52,6 @@ FOR_RESUMING = {
     "is_best": bool,                # best.pt should be this file
 }
 SCHEMA = {**FOR_SAMPLING, **FOR_RESUMING}
-OWN_TEMP_FILES = re.compile(r"^\.(ckpt_\d+\.pt|best\.pt|metrics\.jsonl|config\.toml)\.tmp$")
 
 
 def clean_key(name: str) -> str:
@@ -61,7 +59,7 @@ def clean_key(name: str) -> str:
     torch.compile, FSDP and activation checkpointing insert anywhere, and DDP's leading 'module.'."""
     parts = [p for p in name.split(".") if p not in WRAPPERS]
     while len(parts) > 1 and parts[0] == "module":
-        parts = [p for p in parts[1:] if p not in WRAPPERS]
+        parts = parts[1:]
     return ".".join(parts)
 
 
@@ -72,21 +70,11 @@ def clean_state_dict(state: dict) -> dict:
 
 # ---------------------------------------------------------------- writing
 
-def remove_partial_saves(out_dir: Path) -> None:
-    """Delete the temporary files of this project's saves that a kill interrupted (.ckpt_<step>.pt.tmp,
-    .best.pt.tmp, ...); other hidden files in the out dir are the user's and stay."""
-    for name in os.listdir(out_dir) if Path(out_dir).is_dir() else []:
-        if OWN_TEMP_FILES.match(name):
-            (Path(out_dir) / name).unlink(missing_ok=True)
-
-
 def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     """(step, path) of the step checkpoints in out_dir, oldest first."""
     out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), out_dir / name) for name in os.listdir(out_dir) if (m := CKPT_RE.match(name))]
-    return sorted(found)
+    names = os.listdir(out_dir) if out_dir.is_dir() else []
+    return sorted((int(m.group(1)), out_dir / name) for name in names if (m := CKPT_RE.match(name)))
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -169,14 +157,12 @@ def resolve_path(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
-    if path.is_dir():
-        if (path / "best.pt").is_file():
-            return path / "best.pt"
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
-        return latest
-    return path
+    if not path.is_dir():
+        return path
+    found = path / "best.pt" if (path / "best.pt").is_file() else latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
+    return found
 
 
 def refused_global(error: Exception) -> str:

@@ -19,20 +19,21 @@ import sys
 from pathlib import Path
 
 from common import ConfigError, RunError, atomic_write, first_line
-from training.checkpoint import CKPT_RE, latest_checkpoint, remove_partial_saves
+from training.checkpoint import CKPT_RE, latest_checkpoint
 from training.config import Config, load_toml
 from training.lock import OutDirLock
 
 ASIDE = ".replaced"   # an earlier run's files while a new run has no checkpoint yet
-
-
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the checkpoints
 
 
+def is_run_file(name: str) -> bool:
+    return bool(CKPT_RE.match(name)) or name in RUN_FILES
+
+
 def run_files(directory: Path) -> list[Path]:
-    """The files of a run in directory: checkpoints, best.pt, config.toml, metrics.jsonl, curves.png."""
     names = os.listdir(directory) if Path(directory).is_dir() else []
-    return [Path(directory) / n for n in sorted(names) if CKPT_RE.match(n) or n in RUN_FILES]
+    return [Path(directory) / n for n in sorted(names) if is_run_file(n)]
 
 
 class OutDir:
@@ -95,7 +96,9 @@ class OutDir:
                 self.created.insert(0, self.lock.path)
             self.lock.acquire()
             self.opened = True
-            remove_partial_saves(self.path)
+            for tmp in self.path.glob(".*.tmp"):   # a save that a kill interrupted; other hidden files are the user's
+                if is_run_file(tmp.name.removeprefix(".").removesuffix(".tmp")):
+                    tmp.unlink(missing_ok=True)
             replaced = run_files(self.path) if self.resume_from is None else []
             if replaced:
                 (self.path / ASIDE).mkdir()
