@@ -64,7 +64,6 @@ def clean_key(name: str) -> str:
 
 
 def clean_state_dict(state: dict) -> dict:
-    """A model state dict with wrapper prefixes removed from its keys (see clean_key)."""
     return {clean_key(k): v for k, v in state.items()}
 
 
@@ -233,19 +232,16 @@ def load_checkpoint(path: Path, map_location="cpu", mmap: bool = True) -> dict:
         t, processes = ckpt["config"].get("train", {}), len(ckpt["rng_ranks"])
         ckpt["tokens"] = ckpt["step"] * t.get("batch_size", 0) * t.get("grad_accum", 0) * processes * \
             ckpt["config"]["model"].get("block_size", 0)
-    problem = type_problem(ckpt, {**FOR_SAMPLING, "config": {"model": dict}})
-    if problem:
+    if problem := type_problem(ckpt, {**FOR_SAMPLING, "config": {"model": dict}}):
         raise CheckpointError(f"{path} is damaged: {problem}")
     return ckpt
 
 
 def check_resumable(ckpt: dict, path: Path) -> None:
     """A checkpoint to resume from must hold the whole training state, not only the weights."""
-    missing = [k for k in FOR_RESUMING if k not in ckpt]
-    if missing:
+    if missing := [k for k in FOR_RESUMING if k not in ckpt]:
         raise CheckpointError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
-    problem = type_problem(ckpt, FOR_RESUMING)
-    if problem:
+    if problem := type_problem(ckpt, FOR_RESUMING):
         raise CheckpointError(f"{path} is damaged: {problem}")
 
 
