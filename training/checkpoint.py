@@ -196,12 +196,10 @@ def check_archive(path: Path) -> None:
         raise CheckpointError(f"{path} is damaged: {bad} does not match its checksum{_earlier_hint(path)}")
 
 
-def load_checkpoint(path: Path, map_location="cpu", mmap: bool = True) -> dict:
+def load_checkpoint(path: Path, mmap: bool = True) -> dict:
     """Load and check a checkpoint file (the entries sampling needs); any problem is a CheckpointError
-    naming the file. Only tensors and plain data are unpickled: nothing in the file is executed.
-    mmap: tensors are memory-mapped, not read into memory, until they are used; the file then stays
-    mapped as long as one of them lives (and Windows can neither replace nor delete a mapped file).
-    Without it, the file is read whole and closed."""
+    naming the file. mmap: tensors are memory-mapped, not read, until they are used; the file then stays
+    mapped as long as one of them lives (Windows can neither replace nor delete a mapped file)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
@@ -216,7 +214,7 @@ def load_checkpoint(path: Path, map_location="cpu", mmap: bool = True) -> dict:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path} was refused: it holds objects other than tensors and plain data, "
                               f"which could run code when loaded ({refused_global(e)})") from None

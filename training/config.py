@@ -215,15 +215,16 @@ def build_config(config_file: str | None, overrides: list[str], base: dict | Non
     apply_dict(cfg, base or {}, where="the run's config.toml: ")
     from_file = load_toml(Path(config_file)) if config_file else {}
     apply_dict(cfg, from_file, where=f"{config_file}: ")
-    pairs = parse_overrides(overrides)
-    for key, value in pairs:
+    given = set()   # the keys the command line sets
+    for key, value in parse_overrides(overrides):
         set_key(cfg, key, value)
-    changed = {key for key, _ in pairs if key in ("data.path", "data.tokenizer")}
-    if not any(key == "out_dir" for key, _ in pairs) and (changed or not from_file.get("out_dir")) and not base:
+        given.add(key)
+    changed = given & {"data.path", "data.tokenizer"}
+    if "out_dir" not in given and (changed or not from_file.get("out_dir")) and not base:
         cfg.out_dir = default_out_dir(config_file, cfg.data, changed)
     if cfg.train.init_from and base is None:   # the model section comes from the pretrained checkpoint
         from hf.hub import resolve_init_from   # the optional Hugging Face room
-        explicit = {key for key, _ in pairs} | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v}
+        explicit = given | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v}
         resolve_init_from(cfg, explicit)
     cfg.validate()
     return cfg
