@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import ConfigError, check
+from common import ConfigError, check, type_problem
 from data.prepare import DataConfig
 from model.config import ModelConfig
 
@@ -137,19 +137,16 @@ def all_keys() -> list[str]:
 
 def coerce(key: str, value, typ):
     """value (from TOML, or a command-line string) as typ, or a ConfigError naming key."""
-    bad = ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
     if isinstance(value, str) and typ is not str:   # command-line text
         words = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
         text = value.strip().lower()
         try:
             return words[text] if typ is bool else float(text) if typ is float else int(text)
         except (KeyError, ValueError):
-            raise bad from None
-    if isinstance(value, typ) and (typ is bool or not isinstance(value, bool)):
-        return value
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    raise bad
+            pass
+    elif type_problem({key: value}, {key: typ}) is None:   # (an int is never a bool; a float may hold an int)
+        return float(value) if typ is float else value
+    raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
 
 
 def set_key(cfg: Config, key: str, value) -> None:
