@@ -165,7 +165,8 @@ def apply_dict(cfg: Config, values: dict, where: str = "") -> None:
     for key, value in values.items():
         if isinstance(value, dict) and key not in SECTIONS:
             raise ConfigError(f"{where}unknown config section [{key}]{_closest(key, SECTIONS)}")
-        for dotted, v in ([(f"{key}.{k}", v) for k, v in value.items()] if isinstance(value, dict) else [(key, value)]):
+        pairs = {f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value}
+        for dotted, v in pairs.items():
             try:
                 set_key(cfg, dotted, v)
             except ConfigError as e:
