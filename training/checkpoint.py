@@ -4,9 +4,10 @@ An out dir holds ckpt_<step>.pt (the last `keep` of them) and best.pt (lowest va
 A checkpoint is a dict of tensors and plain values; SCHEMA below is the one place that says which.
 
 Saving is atomic (common.atomic_write): a reader, or a run killed mid-save, sees the old checkpoint
-or the new one, never half of one; old checkpoints are deleted only after the new one is complete. Loading checks the zip archive (every
-member's CRC, no compressed members), then uses torch.load(weights_only=True): unpickling is
-restricted to tensors and plain containers, so a malicious file cannot execute code.
+or the new one, never half of one; old checkpoints are deleted only after the new one is complete.
+Loading checks the zip archive (every member's CRC, no compressed members), then uses
+torch.load(weights_only=True): unpickling is restricted to tensors and plain containers, so a
+malicious file cannot execute code.
 
 (Over 300 lines on purpose: the file a user's hours of training live in; what it holds, how it is
 written and every check of reading it stay together.)
