@@ -3,11 +3,11 @@
 An out dir holds ckpt_<step>.pt (the last `keep` of them) and best.pt (lowest val loss so far).
 A checkpoint is a dict of tensors and plain values; SCHEMA below is the one place that says which.
 
-Saving writes a temporary file in the same directory, fsyncs it and renames it over the target, so
-a reader (or a run killed mid-save) sees the old checkpoint or the new one, never half of one; old
-checkpoints are deleted only after the new one is complete. Loading checks the zip archive (every
-member's CRC, no compressed members), then uses torch.load(weights_only=True): unpickling is
-restricted to tensors and plain containers, so a malicious file cannot execute code.
+Saving is atomic (common.atomic_write): a reader, or a run killed mid-save, sees the old checkpoint
+or the new one, never half of one; old checkpoints are deleted only after the new one is complete.
+Loading checks the zip archive (every member's CRC, no compressed members), then uses
+torch.load(weights_only=True): unpickling is restricted to tensors and plain containers, so a
+malicious file cannot execute code.
 
 (Over 300 lines on purpose: the file a user's hours of training live in; what it holds, how it is
 written and every check of reading it stay together.)
@@ -53,7 +53,6 @@ FOR_RESUMING = {
     "is_best": bool,                # best.pt should be this file
 }
 SCHEMA = {**FOR_SAMPLING, **FOR_RESUMING}
-OWN_TEMP_FILES = re.compile(r"^\.(ckpt_\d+\.pt|best\.pt|metrics\.jsonl|config\.toml)\.tmp$")
 
 
 def clean_key(name: str) -> str:
@@ -61,32 +60,21 @@ def clean_key(name: str) -> str:
     torch.compile, FSDP and activation checkpointing insert anywhere, and DDP's leading 'module.'."""
     parts = [p for p in name.split(".") if p not in WRAPPERS]
     while len(parts) > 1 and parts[0] == "module":
-        parts = [p for p in parts[1:] if p not in WRAPPERS]
+        parts = parts[1:]
     return ".".join(parts)
 
 
 def clean_state_dict(state: dict) -> dict:
-    """A model state dict with wrapper prefixes removed from its keys (see clean_key)."""
     return {clean_key(k): v for k, v in state.items()}
 
 
 # ---------------------------------------------------------------- writing
 
-def remove_partial_saves(out_dir: Path) -> None:
-    """Delete the temporary files of this project's saves that a kill interrupted (.ckpt_<step>.pt.tmp,
-    .best.pt.tmp, ...); other hidden files in the out dir are the user's and stay."""
-    for name in os.listdir(out_dir) if Path(out_dir).is_dir() else []:
-        if OWN_TEMP_FILES.match(name):
-            (Path(out_dir) / name).unlink(missing_ok=True)
-
-
 def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
     """(step, path) of the step checkpoints in out_dir, oldest first."""
     out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), out_dir / name) for name in os.listdir(out_dir) if (m := CKPT_RE.match(name))]
-    return sorted(found)
+    names = os.listdir(out_dir) if out_dir.is_dir() else []
+    return sorted((int(m.group(1)), out_dir / name) for name in names if (m := CKPT_RE.match(name)))
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -169,14 +157,12 @@ def resolve_path(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
-    if path.is_dir():
-        if (path / "best.pt").is_file():
-            return path / "best.pt"
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
-        return latest
-    return path
+    if not path.is_dir():
+        return path
+    found = path / "best.pt" if (path / "best.pt").is_file() else latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
+    return found
 
 
 def refused_global(error: Exception) -> str:
@@ -211,12 +197,10 @@ def check_archive(path: Path) -> None:
         raise CheckpointError(f"{path} is damaged: {bad} does not match its checksum{_earlier_hint(path)}")
 
 
-def load_checkpoint(path: Path, map_location="cpu", mmap: bool = True) -> dict:
+def load_checkpoint(path: Path, mmap: bool = True) -> dict:
     """Load and check a checkpoint file (the entries sampling needs); any problem is a CheckpointError
-    naming the file. Only tensors and plain data are unpickled: nothing in the file is executed.
-    mmap: tensors are memory-mapped, not read into memory, until they are used; the file then stays
-    mapped as long as one of them lives (and Windows can neither replace nor delete a mapped file).
-    Without it, the file is read whole and closed."""
+    naming the file. mmap: tensors are memory-mapped, not read, until they are used; the file then stays
+    mapped as long as one of them lives (Windows can neither replace nor delete a mapped file)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
@@ -231,7 +215,7 @@ def load_checkpoint(path: Path, map_location="cpu", mmap: bool = True) -> dict:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path} was refused: it holds objects other than tensors and plain data, "
                               f"which could run code when loaded ({refused_global(e)})") from None
@@ -247,19 +231,16 @@ def load_checkpoint(path: Path, map_location="cpu", mmap: bool = True) -> dict:
         t, processes = ckpt["config"].get("train", {}), len(ckpt["rng_ranks"])
         ckpt["tokens"] = ckpt["step"] * t.get("batch_size", 0) * t.get("grad_accum", 0) * processes * \
             ckpt["config"]["model"].get("block_size", 0)
-    problem = type_problem(ckpt, {**FOR_SAMPLING, "config": {"model": dict}})
-    if problem:
+    if problem := type_problem(ckpt, {**FOR_SAMPLING, "config": {"model": dict}}):
         raise CheckpointError(f"{path} is damaged: {problem}")
     return ckpt
 
 
 def check_resumable(ckpt: dict, path: Path) -> None:
     """A checkpoint to resume from must hold the whole training state, not only the weights."""
-    missing = [k for k in FOR_RESUMING if k not in ckpt]
-    if missing:
+    if missing := [k for k in FOR_RESUMING if k not in ckpt]:
         raise CheckpointError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
-    problem = type_problem(ckpt, FOR_RESUMING)
-    if problem:
+    if problem := type_problem(ckpt, FOR_RESUMING):
         raise CheckpointError(f"{path} is damaged: {problem}")
 
 

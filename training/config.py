@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import ConfigError, check
+from common import ConfigError, check, type_problem
 from data.prepare import DataConfig
 from model.config import ModelConfig
 
@@ -132,44 +132,32 @@ def _closest(key: str, options) -> str:
 
 
 def all_keys() -> list[str]:
-    keys = ["out_dir"]
-    for name, cls in SECTIONS.items():
-        keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
-    return keys
+    return ["out_dir"] + [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 
 def coerce(key: str, value, typ):
     """value (from TOML, or a command-line string) as typ, or a ConfigError naming key."""
-    bad = ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
     if isinstance(value, str) and typ is not str:   # command-line text
         words = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
         text = value.strip().lower()
         try:
             return words[text] if typ is bool else float(text) if typ is float else int(text)
         except (KeyError, ValueError):
-            raise bad from None
-    if isinstance(value, typ) and (typ is bool or not isinstance(value, bool)):
-        return value
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    raise bad
+            pass
+    elif type_problem({key: value}, {key: typ}) is None:   # (an int is never a bool; a float may hold an int)
+        return float(value) if typ is float else value
+    raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
 
 
 def set_key(cfg: Config, key: str, value) -> None:
     """Set a dotted key ('train.lr' or 'out_dir') on cfg, coercing value to the field's type."""
     section, _, name = key.rpartition(".")
-    if not section:
-        if key != "out_dir":
-            raise ConfigError(f"unknown config key {key!r}{_closest(key, all_keys())}")
-        cfg.out_dir = coerce(key, value, str)
-        return
-    if section not in SECTIONS:
+    if section and section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r} in {key!r}{_closest(key, all_keys())}")
-    obj = getattr(cfg, section)
-    fields = {f.name: f.type for f in dataclasses.fields(obj)}
-    if name not in fields:
+    if key not in all_keys():
         raise ConfigError(f"unknown config key {key!r}{_closest(key, all_keys())}")
-    setattr(obj, name, coerce(key, value, fields[name]))
+    obj = getattr(cfg, section) if section else cfg
+    setattr(obj, name, coerce(key, value, {f.name: f.type for f in dataclasses.fields(obj)}[name]))
 
 
 def apply_dict(cfg: Config, values: dict, where: str = "") -> None:
@@ -177,7 +165,8 @@ def apply_dict(cfg: Config, values: dict, where: str = "") -> None:
     for key, value in values.items():
         if isinstance(value, dict) and key not in SECTIONS:
             raise ConfigError(f"{where}unknown config section [{key}]{_closest(key, SECTIONS)}")
-        for dotted, v in ([(f"{key}.{k}", v) for k, v in value.items()] if isinstance(value, dict) else [(key, value)]):
+        pairs = {f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value}
+        for dotted, v in pairs.items():
             try:
                 set_key(cfg, dotted, v)
             except ConfigError as e:
@@ -224,15 +213,16 @@ def build_config(config_file: str | None, overrides: list[str], base: dict | Non
     apply_dict(cfg, base or {}, where="the run's config.toml: ")
     from_file = load_toml(Path(config_file)) if config_file else {}
     apply_dict(cfg, from_file, where=f"{config_file}: ")
-    pairs = parse_overrides(overrides)
-    for key, value in pairs:
+    given = set()   # the keys the command line sets
+    for key, value in parse_overrides(overrides):
         set_key(cfg, key, value)
-    changed = {key for key, _ in pairs if key in ("data.path", "data.tokenizer")}
-    if not any(key == "out_dir" for key, _ in pairs) and (changed or not from_file.get("out_dir")) and not base:
+        given.add(key)
+    changed = given & {"data.path", "data.tokenizer"}
+    if "out_dir" not in given and (changed or not from_file.get("out_dir")) and not base:
         cfg.out_dir = default_out_dir(config_file, cfg.data, changed)
     if cfg.train.init_from and base is None:   # the model section comes from the pretrained checkpoint
         from hf.hub import resolve_init_from   # the optional Hugging Face room
-        explicit = {key for key, _ in pairs} | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v}
+        explicit = given | {f"{s}.{k}" for s, v in from_file.items() if isinstance(v, dict) for k in v}
         resolve_init_from(cfg, explicit)
     cfg.validate()
     return cfg
@@ -259,28 +249,28 @@ SAME_RUN_KEYS = WATCHING_KEYS | {"train.device", "train.compile", "train.cuda_gr
                                  "train.eval_iters", "train.on_nonfinite"}
 
 
-def as_started(stored: dict, cfg: Config) -> Config:
-    """The config a run started with (stored: its config.toml), in the out dir it goes on in."""
-    return build_config(None, [], base={**stored, "out_dir": cfg.out_dir})
+def _changed(stored: dict, cfg: Config) -> list[tuple[str, object, object]]:
+    """(key, value as the run started, value now) of each setting a resumed run changes; stored: the
+    run's config.toml, whose run goes on in cfg's out dir."""
+    before = build_config(None, [], base={**stored, "out_dir": cfg.out_dir})
+    return [(k, get_key(before, k), get_key(cfg, k)) for k in all_keys() if get_key(before, k) != get_key(cfg, k)]
 
 
 def check_resume_keeps(stored: dict, cfg: Config) -> None:
     """--resume goes on with the run's own model and tokenizer: a change to either is refused here,
     before any text is prepared for it (the checkpoint is checked against the model again on loading)."""
-    before = as_started(stored, cfg)
-    for key in all_keys():
-        if (key.startswith("model.") or key == "data.tokenizer") and get_key(before, key) != get_key(cfg, key):
-            raise ConfigError(f"{key}: {fmt(get_key(before, key))} in the run, {fmt(get_key(cfg, key))} now: --resume "
-                              f"goes on with the run's own model and tokenizer (another --out_dir starts a new run)")
+    for key, before, now in _changed(stored, cfg):
+        if key.startswith("model.") or key == "data.tokenizer":
+            raise ConfigError(f"{key}: {fmt(before)} in the run, {fmt(now)} now: --resume goes on with the "
+                              f"run's own model and tokenizer (another --out_dir starts a new run)")
 
 
 def changes_since(stored: dict, cfg: Config) -> tuple[list[str], bool]:
     """What a resumed run changes of the config it was started with (`stored`): each change as
     'key: old -> new', and whether one breaks exact continuation (anything but SAME_RUN_KEYS and log.*)."""
-    before = as_started(stored, cfg)
-    changed = [k for k in all_keys() if get_key(before, k) != get_key(cfg, k)]
-    notes = [f"{k}: {fmt(get_key(before, k))} -> {fmt(get_key(cfg, k))}" for k in changed]
-    return notes, any(k not in SAME_RUN_KEYS and not k.startswith("log.") for k in changed)
+    changed = _changed(stored, cfg)
+    notes = [f"{k}: {fmt(before)} -> {fmt(now)}" for k, before, now in changed]
+    return notes, any(k not in SAME_RUN_KEYS and not k.startswith("log.") for k, _, _ in changed)
 
 
 FIELD_RE = re.compile(r"^    (\w+): [^=]+=.*?(?:#\s*(.*))?$")

@@ -38,7 +38,6 @@ class ProcessGroup(World):
 
     @classmethod
     def join(cls, device: torch.device) -> "ProcessGroup":
-        """Join the process group that torchrun describes in the environment."""
         rank, local_rank, size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
         if device.type == "cuda":
             device = torch.device("cuda", local_rank)   # one GPU per process

@@ -1,6 +1,6 @@
 """The out dir's lock (<out_dir>/.lock): one run at a time writes into an out dir. The file holds the
 holder's PID, for the message that turns a second run away; the lock itself is the operating system's,
-so that it goes with its process however the process ends.
+so that it goes with its process however the process ends (a crash or kill -9 leaves no stale lock).
 
     POSIX     flock on the whole file
     Windows   msvcrt.locking on one byte (there is no fcntl)
@@ -26,45 +26,39 @@ from common import RunError
 WINDOWS_LOCKED_BYTE = 1 << 16
 
 
-def flock_nowait(fd: int) -> bool:
-    """POSIX: take an exclusive lock on the whole file without waiting; False where another process
-    holds it. A file system that cannot lock (e.g. NFS without its lock daemon: ENOLCK) is not a
-    busy out dir: no lock there. Closing the file releases it."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        return e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+def _lock(fd: int) -> bool:
+    """Take the lock without waiting: False where another process holds it. A file system that cannot
+    lock (e.g. NFS without its lock daemon: ENOLCK), or a system without file locks, is not a busy out
+    dir: no lock there."""
+    if fcntl is not None:   # released when the file is closed
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            return e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+    elif msvcrt is not None:   # msvcrt locks from the file's current position
+        os.lseek(fd, WINDOWS_LOCKED_BYTE, os.SEEK_SET)
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError as e:
+            return e.errno not in (errno.EACCES, errno.EDEADLOCK)
+        finally:
+            os.lseek(fd, 0, os.SEEK_SET)
     return True
 
 
-def lock_byte_nowait(fd: int) -> bool:
-    """Windows: lock WINDOWS_LOCKED_BYTE without waiting (msvcrt locks from the file's current position);
-    False where another process holds it (EACCES). Any other failure (a file system that cannot lock)
-    means no lock, as above."""
-    os.lseek(fd, WINDOWS_LOCKED_BYTE, os.SEEK_SET)
-    try:
-        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-    except OSError as e:
-        return e.errno not in (errno.EACCES, errno.EDEADLOCK)
-    finally:
-        os.lseek(fd, 0, os.SEEK_SET)
-    return True
-
-
-def unlock_byte(fd: int) -> None:
-    """Windows: release lock_byte_nowait's lock now (Windows releases the locks of a closed file only
-    after a while, and a probe's lock must not turn away the run that follows it)."""
-    os.lseek(fd, WINDOWS_LOCKED_BYTE, os.SEEK_SET)
-    try:
-        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
-    except OSError:   # not locked (the file system could not lock)
-        pass
+def _unlock(fd: int) -> None:
+    """Windows: release the lock now (Windows releases the locks of a closed file only after a while,
+    and a probe's lock must not turn away the run that follows it). flock's goes with the file's closing."""
+    if fcntl is None and msvcrt is not None:
+        os.lseek(fd, WINDOWS_LOCKED_BYTE, os.SEEK_SET)
+        try:
+            msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+        except OSError:   # not locked (the file system could not lock)
+            pass
 
 
 class OutDirLock:
-    """An OS file lock on <out_dir>/.lock, held for the whole run, so that two runs never write into
-    one out dir: flock on POSIX, a byte-range lock through msvcrt on Windows. The operating system
-    releases it when the process ends, however it ends: a crash or kill -9 leaves no stale lock behind."""
+    """The lock on <out_dir>/.lock, held for the whole run."""
 
     def __init__(self, out_dir: Path):
         self.path = Path(out_dir) / ".lock"
@@ -78,34 +72,21 @@ class OutDirLock:
         return RunError(f"{self.path.parent} is in use by another run (PID {pid}); wait for it to end, "
                         f"or choose another --out_dir")
 
-    @staticmethod
-    def _lock(fd: int) -> bool:
-        """Take the lock without waiting: False where another process holds it (True where this system
-        has no file locks at all)."""
-        if fcntl is not None:
-            return flock_nowait(fd)
-        return lock_byte_nowait(fd) if msvcrt is not None else True
-
-    @staticmethod
-    def _unlock(fd: int) -> None:
-        if fcntl is None and msvcrt is not None:   # (flock's lock goes with the file's closing)
-            unlock_byte(fd)
-
     def check_free(self) -> None:
         """Raise if another process holds the lock; creates nothing."""
         if not self.path.is_file():
             return
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            if not self._lock(fd):
+            if not _lock(fd):
                 raise self._busy()
-            self._unlock(fd)
+            _unlock(fd)
         finally:
             os.close(fd)
 
     def acquire(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        if not self._lock(fd):
+        if not _lock(fd):
             os.close(fd)
             raise self._busy()
         os.ftruncate(fd, 0)
@@ -114,6 +95,6 @@ class OutDirLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            self._unlock(self.fd)
+            _unlock(self.fd)
             os.close(self.fd)
             self.fd = None

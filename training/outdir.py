@@ -19,20 +19,21 @@ import sys
 from pathlib import Path
 
 from common import ConfigError, RunError, atomic_write, first_line
-from training.checkpoint import CKPT_RE, latest_checkpoint, remove_partial_saves
+from training.checkpoint import CKPT_RE, latest_checkpoint
 from training.config import Config, load_toml
 from training.lock import OutDirLock
 
 ASIDE = ".replaced"   # an earlier run's files while a new run has no checkpoint yet
-
-
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the checkpoints
 
 
+def is_run_file(name: str) -> bool:
+    return bool(CKPT_RE.match(name)) or name in RUN_FILES
+
+
 def run_files(directory: Path) -> list[Path]:
-    """The files of a run in directory: checkpoints, best.pt, config.toml, metrics.jsonl, curves.png."""
     names = os.listdir(directory) if Path(directory).is_dir() else []
-    return [Path(directory) / n for n in sorted(names) if CKPT_RE.match(n) or n in RUN_FILES]
+    return [Path(directory) / n for n in sorted(names) if is_run_file(n)]
 
 
 class OutDir:
@@ -60,12 +61,10 @@ class OutDir:
         latest, best = latest_checkpoint(self.path), self.path / "best.pt"
         if resume:
             self.stored = self.stored_config()
-            if latest is None and best.is_file():
-                return best   # the step checkpoints are gone; best.pt holds a whole training state too
-            if latest is None:
+            if latest is None and not best.is_file():
                 raise RunError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {self.path} to resume from; "
                                f"leave out --resume to start a new run")
-            return latest
+            return latest or best   # without step checkpoints, best.pt holds a whole training state too
         if (latest is not None or best.exists()) and not overwrite:
             which = "checkpoints" if latest is not None else "best.pt"
             raise RunError(f"{self.path} already holds {which} of a run: continue it with --resume, "
@@ -95,7 +94,9 @@ class OutDir:
                 self.created.insert(0, self.lock.path)
             self.lock.acquire()
             self.opened = True
-            remove_partial_saves(self.path)
+            for tmp in self.path.glob(".*.tmp"):   # a save that a kill interrupted; other hidden files are the user's
+                if is_run_file(tmp.name.removeprefix(".").removesuffix(".tmp")):
+                    tmp.unlink(missing_ok=True)
             replaced = run_files(self.path) if self.resume_from is None else []
             if replaced:
                 (self.path / ASIDE).mkdir()
@@ -185,7 +186,6 @@ class Metrics:
         self.path = out.path / "metrics.jsonl"
         kept = [r for r in read_records(self.path) if r["step"] <= resume_step] if resume_step is not None else []
         out.write(self.path.name, "".join(json.dumps(r) + "\n" for r in kept))
-        self.file = open(self.path, "a", encoding="utf-8")
         self.wandb = None
         if cfg.log.wandb:
             try:
@@ -193,12 +193,9 @@ class Metrics:
                                         group=cfg.log.wandb_group or None, config=cfg.to_dict(),
                                         dir=str(out.path), resume="allow")
             except Exception as e:   # no login, no network, a bad project: wandb's own errors
-                self.file.close()
                 raise ConfigError(f"log.wandb = true but wandb did not start ({type(e).__name__}: {first_line(e, 100)}); "
                                   f"run `wandb login`, set WANDB_MODE=offline, or leave log.wandb off") from None
-            except BaseException:
-                self.file.close()
-                raise
+        self.file = open(self.path, "a", encoding="utf-8")   # once wandb runs: a failure above leaves nothing open
 
     def log(self, record: dict) -> None:
         try:
