@@ -119,20 +119,16 @@ def scan(files: list[Path], errors: str, want_chars: bool, progress) -> tuple[li
     return counts, chars
 
 
-# Cutting BPE input at these points gives the same tokens as encoding the whole text: no token of
-# the gpt2 / cl100k / o200k pre-tokenizers (nor data/bpe.py's) runs across "x\n|y" or "x| y" (x, y not whitespace).
-_SAFE_CUT = re.compile(r"\S\n(?=\S)|\S(?= \S)")
+# Cutting BPE input at these points gives the same tokens as encoding the whole text: no token of the
+# gpt2 / cl100k / o200k pre-tokenizers (nor bpe:N's) runs across "x\n|y" or "x| y" (x, y not whitespace).
+# The greedy .* makes a match end at the last such point.
+_LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
 def safe_cut(text: str) -> int:
     """The last index (> 0) at which text can be cut without changing its BPE tokens; 0 if none."""
-    for start in (max(0, len(text) - 4096), 0):
-        m = None
-        for m in _SAFE_CUT.finditer(text, start):
-            pass
-        if m:
-            return m.end()
-    return 0
+    m = _LAST_SAFE_CUT.match(text)
+    return m.end() if m else 0
 
 
 def _cut(buffer: str, piece_chars: int, bpe: bool, final: bool) -> tuple[list[str], str]:
