@@ -47,6 +47,10 @@ ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_
                "gelu_python_tanh": "gelu_tanh", "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
 EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")   # old checkpoints' causal-mask buffers
+# A block's tensors besides q, k, v: (ours, theirs, a Conv1D's (in, out) weight shape in units of C, or None
+# for a norm's (C,)). A Conv1D's weight is the transpose of the nn.Linear's (out, in).
+BLOCK_TENSORS = [("norm1", "ln_1", None), ("attn.proj", "attn.c_proj", (1, 1)), ("norm2", "ln_2", None),
+                 ("mlp.up", "mlp.c_fc", (1, 4)), ("mlp.proj", "mlp.c_proj", (4, 1))]
 
 
 # ----------------------------------------------------------------------------- configs
@@ -145,12 +149,11 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
         qkv_b = take(h + "attn.c_attn.bias", (3 * C,))
         for name, w, bias in zip(("query", "key", "value"), qkv_w.split(C), qkv_b.split(C)):
             out[f"{b}attn.{name}.weight"], out[f"{b}attn.{name}.bias"] = w.contiguous(), bias.clone()
-        pairs = [("norm1", "ln_1", None), ("attn.proj", "attn.c_proj", (C, C)), ("norm2", "ln_2", None),
-                 ("mlp.up", "mlp.c_fc", (C, 4 * C)), ("mlp.proj", "mlp.c_proj", (4 * C, C))]
-        for ours, theirs, conv_shape in pairs:   # conv_shape: a Conv1D's (in, out) weight, else a norm's (C,)
-            weight = take(h + theirs + ".weight", conv_shape or (C,))
-            out[b + ours + ".weight"] = weight.t().contiguous() if conv_shape else weight
-            out[b + ours + ".bias"] = take(h + theirs + ".bias", (conv_shape[1] if conv_shape else C,))
+        for ours, theirs, conv in BLOCK_TENSORS:
+            shape = (conv[0] * C, conv[1] * C) if conv else (C,)
+            weight = take(h + theirs + ".weight", shape)
+            out[b + ours + ".weight"] = weight.t().contiguous() if conv else weight
+            out[b + ours + ".bias"] = take(h + theirs + ".bias", shape[-1:])
     out["norm_f.weight"], out["norm_f.bias"] = take("ln_f.weight", (C,)), take("ln_f.bias", (C,))
     out["lm_head.weight"] = (out["tok_emb.weight"] if cfg.tie_embeddings
                              else take("lm_head.weight", (cfg.vocab_size, C)))
@@ -177,11 +180,9 @@ def to_hf(cfg: ModelConfig, state_dict: dict, eos_token_id: int | None = None) -
         qkv = [sd[f"{b}attn.{name}.weight"] for name in ("query", "key", "value")]   # 3 x (C, C)
         out[h + "attn.c_attn.weight"] = torch.cat(qkv).t().contiguous()               # (C, 3C)
         out[h + "attn.c_attn.bias"] = torch.cat([bias(f"{b}attn.{n}.bias", C) for n in ("query", "key", "value")])
-        pairs = [("norm1", "ln_1", False), ("attn.proj", "attn.c_proj", True), ("norm2", "ln_2", False),
-                 ("mlp.up", "mlp.c_fc", True), ("mlp.proj", "mlp.c_proj", True)]
-        for ours, theirs, is_linear in pairs:   # a Linear's (out, in) weight becomes a Conv1D's (in, out)
+        for ours, theirs, conv in BLOCK_TENSORS:
             weight = sd[b + ours + ".weight"]
-            out[h + theirs + ".weight"] = weight.t().contiguous() if is_linear else weight.clone()
+            out[h + theirs + ".weight"] = weight.t().contiguous() if conv else weight.clone()
             out[h + theirs + ".bias"] = bias(b + ours + ".bias", weight.size(0))
     out["ln_f.weight"], out["ln_f.bias"] = sd["norm_f.weight"].clone(), bias("norm_f.bias", C)
     out = {"transformer." + k: v for k, v in out.items()}
