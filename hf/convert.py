@@ -47,8 +47,7 @@ ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_
                "gelu_python_tanh": "gelu_tanh", "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
 EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")   # old checkpoints' causal-mask buffers
-# A block's tensors besides q, k, v: (ours, theirs, a Conv1D's (in, out) weight shape in units of C, or None
-# for a norm's (C,)). A Conv1D's weight is the transpose of the nn.Linear's (out, in).
+# A block's tensors besides q, k, v: (ours, theirs, a Conv1D weight's (in, out) in units of C; None: a norm's (C,))
 BLOCK_TENSORS = [("norm1", "ln_1", None), ("attn.proj", "attn.c_proj", (1, 1)), ("norm2", "ln_2", None),
                  ("mlp.up", "mlp.c_fc", (1, 4)), ("mlp.proj", "mlp.c_proj", (4, 1))]
 
