@@ -41,8 +41,8 @@ from common import (ArgumentParser, DataError, Interrupted, TokenizerError, atom
 from data.cache import (FORMAT, check_split_sizes, entry_name, make_temp_dir, publish, read_entry,
                         remove_stale_temp_dirs, token_dtype)
 from data.sources import combined_sha256, find_sources, iter_text, sources_sha256
-from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer, check_encoding_name, load_tokenizer,
-                             train_bpe)
+from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer, check_encoding_name, code_points,
+                             load_tokenizer, train_bpe)
 
 PIECE_CHARS = 1 << 20       # characters per encoding task (fewer where many cores share IN_FLIGHT_CHARS)
 IN_FLIGHT_CHARS = 4 << 20   # characters being encoded or waiting to be written, whatever the core count
@@ -108,8 +108,7 @@ def scan(files: list[Path], errors: str, want_chars: bool, progress) -> tuple[li
             n += len(text)
             blank = blank and not text.strip()
             if want_chars:
-                enc = ("ascii", np.uint8) if text.isascii() else ("utf-32-le", np.uint32)
-                seen[np.frombuffer(text.encode(enc[0]), dtype=enc[1])] = True
+                seen[code_points(text)] = True
         if blank and len(files) == 1:
             raise DataError(f"data file is empty: {path}")
         counts.append(0 if blank else n)   # a blank document in a directory is skipped
