@@ -139,10 +139,7 @@ def _cut(buffer: str, piece_chars: int, bpe: bool, final: bool) -> tuple[list[st
         out.append(window[:cut])
         start += cut
     rest = buffer[start:]
-    if final and rest:
-        out.append(rest)
-        rest = ""
-    return out, rest
+    return (out + [rest], "") if final and rest else (out, rest)
 
 
 def pieces(files, counts, errors: str, split_at: int, bpe: bool, piece_chars: int, shas=None):
@@ -181,15 +178,6 @@ def pieces(files, counts, errors: str, split_at: int, bpe: bool, piece_chars: in
         yield from ((split, p) for p in done)
     done, _ = _cut(buffer, piece_chars, bpe, final=True)
     yield from ((split, p) for p in done)
-
-
-def train_texts(files, counts, errors: str, split_at: int, piece_chars: int):
-    """The training split's text in pieces (what a BPE is learned from); reading stops at the split."""
-    for split, piece in pieces(files, counts, errors, split_at, True, piece_chars):
-        if split != "train":
-            return
-        if piece:
-            yield piece
 
 
 class TokenWriter:
@@ -333,10 +321,13 @@ def _tokenizer(spec, chars, files, counts, errors, split_at, piece_chars, worker
     if vocab_size is None:
         return build_tokenizer(spec)
 
-    def texts():
-        for text in train_texts(files, counts, errors, split_at, piece_chars):
-            progress.advance(len(text) * progress.total / max(1, split_at))
-            yield text
+    def texts():   # the training split's text, read up to the split
+        for split, text in pieces(files, counts, errors, split_at, True, piece_chars):
+            if split != "train":
+                return
+            if text:
+                progress.advance(len(text) * progress.total / max(1, split_at))
+                yield text
     tok_meta, took = train_bpe(texts(), vocab_size, batch=2 * workers)
     progress.close()
     tok = load_tokenizer(tok_meta)

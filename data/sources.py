@@ -13,6 +13,7 @@ READ_BYTES = 1 << 20        # bytes read at a time
 PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
 REPLACE_HINT = "set --data.encoding_errors=replace to replace such bytes"   # what training says of a non-UTF-8 byte
 
+
 def special_kind(path: Path) -> str | None:
     """What path is when it exists but is neither a regular file nor a directory (found with stat,
     which never opens it, so a FIFO cannot block); None otherwise."""
