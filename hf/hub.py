@@ -146,9 +146,8 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
     if pretrained.vocab_size < GPT2_VOCAB:
         raise ConfigError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, fewer than "
                           f"GPT-2's {GPT2_VOCAB}: its tokenizer is not GPT-2's, which fine-tuning uses")
-    user = cfg.model
     for key in sorted(k.removeprefix("model.") for k in explicit if k.startswith("model.")):
-        mine, theirs = getattr(user, key), getattr(pretrained, key)
+        mine, theirs = getattr(cfg.model, key), getattr(pretrained, key)
         free = (key == "dropout" or (key == "attention" and mine in ("naive", "sdpa"))
                 or (key == "block_size" and 0 < mine <= theirs))
         if mine != theirs and not free:
