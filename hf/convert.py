@@ -39,13 +39,20 @@ import math
 
 import torch
 
-from common import CheckpointError, ConfigError
+from common import CheckpointError, ConfigError, type_problem
 from model.config import ModelConfig
 
 # GPT-2's activation names (transformers' ACT2FN) -> model.mlp
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu_python_tanh": "gelu_tanh", "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
 EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
+# The config.json keys read, their types, and GPT-2's defaults for those a config may leave out
+HF_TYPES = {"vocab_size": int, "n_positions": int, "n_layer": int, "n_head": int, "n_embd": int,
+            "resid_pdrop": float, "layer_norm_epsilon": float, "scale_attn_weights": bool,
+            "tie_word_embeddings": bool, "scale_attn_by_inverse_layer_idx": bool, "add_cross_attention": bool}
+HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop": 0.1, "layer_norm_epsilon": 1e-5,
+               "scale_attn_weights": True, "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
+               "add_cross_attention": False}
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")   # old checkpoints' causal-mask buffers
 # A block's tensors besides q, k, v: (ours, theirs, a Conv1D weight's (in, out) in units of C; None: a norm's (C,))
 BLOCK_TENSORS = [("norm1", "ln_1", None), ("attn.proj", "attn.c_proj", (1, 1)), ("norm2", "ln_2", None),
@@ -56,39 +63,31 @@ BLOCK_TENSORS = [("norm1", "ln_1", None), ("attn.proj", "attn.c_proj", (1, 1)), 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """A GPT-2 config.json (as a dict) -> ModelConfig; a CheckpointError names what does not map."""
-    def get(key, default=None, kind=int):
-        value = hf.get(key, default)
-        ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
-        if not ok:
-            raise CheckpointError(f"{where}: {key} is missing or not a {getattr(kind, '__name__', 'number')} "
-                                  f"(got {value!r})")
-        return value
-
     def refuse(setting: str, why: str):
         raise CheckpointError(f"{where}: {setting} is not supported ({why})")
 
     if hf.get("model_type", "gpt2") != "gpt2":
         refuse(f"model_type={hf['model_type']!r}", "only GPT-2 checkpoints map onto this repo's GPT")
-    n_embd = get("n_embd")
-    activation = hf.get("activation_function", "gelu_new")
+    hf = {**HF_DEFAULTS, "n_positions": hf.get("n_ctx"), **hf}
+    problem = type_problem(hf, HF_TYPES)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+    n_embd, activation, eps = hf["n_embd"], hf["activation_function"], hf["layer_norm_epsilon"]
     if activation not in ACTIVATIONS:
         refuse(f"activation_function={activation!r}", f"this GPT has {', '.join(sorted(ACTIVATIONS))}")
-    if hf.get("n_inner") not in (None, 4 * n_embd):
+    if hf["n_inner"] not in (None, 4 * n_embd):
         refuse(f"n_inner={hf['n_inner']}", f"this GPT's MLP is 4 x n_embd = {4 * n_embd} wide")
-    if get("scale_attn_by_inverse_layer_idx", False, bool):
+    if hf["scale_attn_by_inverse_layer_idx"]:
         refuse("scale_attn_by_inverse_layer_idx=true", "this GPT scales every layer's scores alike")
-    if get("add_cross_attention", False, bool):
+    if hf["add_cross_attention"]:
         refuse("add_cross_attention=true", "this GPT is decoder-only")
-    eps = get("layer_norm_epsilon", 1e-5, (int, float))
     if not math.isclose(eps, 1e-5, rel_tol=1e-3):
         refuse(f"layer_norm_epsilon={eps}", "this GPT's LayerNorm uses 1e-5")
     # reorder_and_upcast_attn only changes the precision of the scores under autocast, not the math: accepted
-    cfg = ModelConfig(vocab_size=get("vocab_size"), block_size=get("n_positions", hf.get("n_ctx")),
-                      n_layer=get("n_layer"), n_head=get("n_head"), n_embd=n_embd,
-                      dropout=float(get("resid_pdrop", 0.1, (int, float))), bias=True, attention="sdpa",
-                      pos="learned", norm="layernorm", mlp=ACTIVATIONS[activation],
-                      attn_scale=get("scale_attn_weights", True, bool),
-                      tie_embeddings=get("tie_word_embeddings", True, bool))
+    cfg = ModelConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
+                      n_head=hf["n_head"], n_embd=n_embd, dropout=float(hf["resid_pdrop"]), bias=True,
+                      attention="sdpa", pos="learned", norm="layernorm", mlp=ACTIVATIONS[activation],
+                      attn_scale=hf["scale_attn_weights"], tie_embeddings=hf["tie_word_embeddings"])
     try:
         cfg.validate()
     except ConfigError as e:
