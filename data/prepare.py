@@ -169,7 +169,6 @@ def pieces(files, counts, errors: str, split_at: int, bpe: bool, piece_chars: in
             continue
         if split == "train" and pos + len(text) >= split_at:
             head, text = text[:split_at - pos], text[split_at - pos:]
-            pos += len(head)
             done, buffer = _cut(buffer + head, piece_chars, bpe, final=True)
             yield from ((split, p) for p in done)
             split = "val"
