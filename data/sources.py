@@ -5,6 +5,7 @@ import glob
 import hashlib
 import os
 import stat
+from itertools import chain
 from pathlib import Path
 
 from common import DataError
@@ -51,11 +52,14 @@ def find_sources(source) -> list[Path]:
     raise DataError(f"data file not found: {source}")
 
 
-def _open(path: Path):
+def _chunks(path: Path):
+    """The file's bytes, READ_BYTES at a time."""
     try:
-        return open(path, "rb")
+        f = open(path, "rb")
     except OSError as e:   # removed or made unreadable since it was found
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    with f:
+        yield from iter(lambda: f.read(READ_BYTES), b"")
 
 
 def sources_sha256(files: list[Path], progress=None) -> str:
@@ -64,10 +68,9 @@ def sources_sha256(files: list[Path], progress=None) -> str:
     shas = []
     for path in files:
         h = hashlib.sha256()
-        with _open(path) as f:
-            for chunk in iter(lambda: f.read(READ_BYTES), b""):
-                h.update(chunk)
-                progress and progress.advance(len(chunk))
+        for chunk in _chunks(path):
+            h.update(chunk)
+            progress and progress.advance(len(chunk))
         shas.append(h.hexdigest())
     return combined_sha256(files, shas)
 
@@ -86,23 +89,19 @@ def iter_text(path: Path, errors: str = "strict", progress=None, hint: str | Non
     A non-UTF-8 byte is a DataError naming its offset in the file, followed by hint if any (or
     U+FFFD with errors='replace'). sha: a hashlib object given every byte read."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors)   # holds a character cut at a read's end
-    offset = 0   # bytes read before this read
-    with _open(path) as f:
-        while True:
-            raw = f.read(READ_BYTES)
-            sha and sha.update(raw)
-            held = len(decoder.getstate()[0])
-            try:
-                text = decoder.decode(raw, final=not raw)
-            except UnicodeDecodeError as e:   # e.object: the held bytes, then raw
-                raise DataError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset "
-                                f"{offset - held + e.start}" + (f"; {hint}" if hint else "")) from None
-            if text:
-                yield text
-            if not raw:
-                return
-            offset += len(raw)
-            progress and progress.advance(len(raw))
+    offset = 0   # bytes read before raw
+    for raw in chain(_chunks(path), [b""]):   # b"": the end, where a character cut short is an error
+        sha and sha.update(raw)
+        held = len(decoder.getstate()[0])
+        try:
+            text = decoder.decode(raw, final=not raw)
+        except UnicodeDecodeError as e:   # e.object: the held bytes, then raw
+            raise DataError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset "
+                            f"{offset - held + e.start}" + (f"; {hint}" if hint else "")) from None
+        if text:
+            yield text
+        offset += len(raw)
+        progress and progress.advance(len(raw))
 
 
 def read_text(path: Path, errors: str = "strict", hint: str | None = REPLACE_HINT) -> str:
