@@ -25,11 +25,10 @@ Choices:
     never pytorch_model.bin, a pickle that can run code when loaded
   - import: the "transformer." prefix is optional (the original OpenAI checkpoints lack it); the
     attn.bias / attn.masked_bias buffers of old checkpoints (the causal mask) are ignored; weights
-    stored as fp16/bf16 become fp32; activation "gelu_new" (and its aliases) -> model.mlp = "gelu_tanh"
-  - export: model.mlp gelu -> "gelu", gelu_tanh -> "gelu_new", relu2 -> "relu2"; model.bias = false
-    -> zero biases (GPT-2 always has them: the same function); vocab_size as it is, also when padded
-    (e.g. 50304 = 50257 rounded up): the extra rows are tokens the tokenizer never produces, never
-    targets, so training has pushed their logits down
+    stored as fp16/bf16 become fp32; activations map as ACTIVATIONS and EXPORT_ACTIVATION say
+  - export: model.bias = false -> zero biases (GPT-2 always has them: the same function); vocab_size
+    as it is, also when padded (e.g. 50304 = 50257 rounded up): the extra rows are tokens the
+    tokenizer never produces, never targets, so training has pushed their logits down
   - a setting GPT-2 cannot express (rotary positions, RMSNorm, another attention, ...) is a
     CheckpointError that names it; so is an HF config that this GPT cannot express
 
