@@ -295,10 +295,10 @@ def _prepare_anew(files, data: DataConfig, out: Path, expect: dict, block_size, 
             meta = _encode(files, counts, tok, data.encoding_errors, split_at, piece_chars, workers, tmp,
                            Progress("encoding", total, show), expect["sha256"])
             source = Path(data.path)
+            split = {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}
             meta.update({"source": str(source.resolve() if source.exists() else source.absolute()),
                          "sha256": expect["sha256"], "files": len(files), "tokenizer_spec": data.tokenizer,
-                         "encoding_errors": data.encoding_errors, "split": {
-                             "val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}})
+                         "encoding_errors": data.encoding_errors, "split": split})
             check_split_sizes(meta["tokens"], block_size)   # before publishing: a refused text leaves nothing
             atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
             publish(tmp, out, expect)
@@ -349,11 +349,12 @@ def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, pro
     finally:
         writer.close(ok)
     progress.close()
-    if combined_sha256(files, [h.hexdigest() for h in shas]) != sha:   # an entry holds exactly the bytes it is named after
+    # an entry holds exactly the bytes it is named after
+    if combined_sha256(files, [h.hexdigest() for h in shas]) != sha:
         raise _changed(files[0] if len(files) == 1 else "a data file")
     if writer.min_token == writer.max_token:
-        raise DataError(f"the text holds a single distinct token (id {writer.max_token}, {tok.decode([writer.max_token])!r}):"
-                        f" there is nothing to learn to predict")
+        raise DataError(f"the text holds a single distinct token (id {writer.max_token}, "
+                        f"{tok.decode([writer.max_token])!r}): there is nothing to learn to predict")
     return {"format": FORMAT, "tokenizer": tok.meta(), "vocab_size": tok.vocab_size,
             "dtype": np.dtype(dtype).name, "max_token": writer.max_token,
             "tokens": dict(writer.tokens), "bytes": dict(writer.bytes)}
@@ -368,7 +369,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--encoding-errors", default="strict", help="strict | replace")
     p.add_argument("--block-size", type=int, default=None, help="refuse splits shorter than block_size + 1 tokens")
     args = p.parse_args(argv)
-    prepare(DataConfig(args.source, args.tokenizer, args.val_fraction, args.root, args.encoding_errors), args.block_size)
+    data = DataConfig(args.source, args.tokenizer, args.val_fraction, args.root, args.encoding_errors)
+    prepare(data, args.block_size)
     return 0
 
 
