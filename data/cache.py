@@ -25,6 +25,7 @@ import socket
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -117,8 +118,8 @@ def load_meta(entry: Path) -> dict:
     """The checked meta.json of a prepared dataset; a damaged entry is a DataError naming it."""
     meta, problem = read_entry(entry)
     if meta is None:
-        problem = problem or "does not exist"
-        raise DataError(f"the prepared dataset {entry} {problem}: delete it and prepare the data again")
+        raise DataError(f"the prepared dataset {entry} {problem or 'does not exist'}: delete it and prepare the "
+                        f"data again")
     return meta
 
 
@@ -155,10 +156,8 @@ def make_temp_dir(out: Path) -> Path:
 def _last_change(path: Path) -> float:
     times = [path.stat().st_mtime]
     for child in path.iterdir():
-        try:
+        with suppress(OSError):   # removed meanwhile
             times.append(child.stat().st_mtime)
-        except OSError:
-            pass
     return max(times)
 
 
@@ -177,10 +176,7 @@ def remove_stale_temp_dirs(root: Path) -> list[Path]:
         pid, host = match.groups()
         ask = pid and host == _host() and not WINDOWS   # whether its process can be asked about (not on Windows)
         try:
-            if ask:
-                stale = not alive(int(pid))
-            else:
-                stale = time.time() - _last_change(path) > STALE_SECONDS
+            stale = not alive(int(pid)) if ask else time.time() - _last_change(path) > STALE_SECONDS
         except OSError:   # removed meanwhile
             continue
         if stale:

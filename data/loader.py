@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from common import DataError
-from data.cache import check_split_sizes, load_meta
+from data.cache import SPLITS, check_split_sizes, load_meta
 
 
 def consecutive_windows(tokens: np.ndarray, block_size: int) -> torch.Tensor:
@@ -69,40 +69,37 @@ class BatchLoader:
         self.dataset_dir, self.vocab_size = Path(dataset_dir), meta["vocab_size"]
         self.block_size, self.batch_size, self.device = block_size, batch_size, torch.device(device)
         self.grad_accum, self.rank, self.world = grad_accum, rank, world
-        self.splits = {}
-        for split in ("train", "val"):
-            n = meta["tokens"][split]
-            self.splits[split] = np.memmap(Path(dataset_dir) / f"{split}.bin", dtype=meta["dtype"], mode="r", shape=(n,))
+        self.splits = {split: np.memmap(self.dataset_dir / f"{split}.bin", dtype=meta["dtype"], mode="r",
+                                        shape=(meta["tokens"][split],)) for split in SPLITS}
         self.offsets = np.arange(block_size + 1)
         self.generator = torch.Generator().manual_seed(seed)   # the training data order
 
-    def _starts(self, split: str, n: int, generator: torch.Generator) -> np.ndarray:
-        return torch.randint(len(self.splits[split]) - self.block_size, (n,), generator=generator).numpy()
-
-    def _windows(self, split: str, starts: np.ndarray) -> torch.Tensor:
-        """The windows of block_size + 1 tokens at starts (any shape S), as a host tensor (*S, T + 1)."""
-        return self._checked(split, torch.from_numpy(self.splits[split][starts[..., None] + self.offsets].astype(np.int64)))
+    def _draw(self, split: str, generator: torch.Generator, *lead: int) -> torch.Tensor:
+        """This rank's B of (*lead, world, B) windows of block_size + 1 tokens at offsets drawn from
+        generator: a host tensor (*lead, B, T + 1)."""
+        shape = (*lead, self.world, self.batch_size)
+        starts = torch.randint(len(self.splits[split]) - self.block_size, shape, generator=generator).numpy()
+        tokens = self.splits[split][starts[..., self.rank, :, None] + self.offsets]
+        return self._checked(split, torch.from_numpy(tokens.astype(np.int64)))
 
     def _checked(self, split: str, windows: torch.Tensor) -> torch.Tensor:
         """windows, unless a token id is outside the vocabulary: the files were damaged after they were
         checked (the cache's checks read only meta.json and file sizes), and the embedding would fail."""
         if windows.numel() and int(windows.max()) >= self.vocab_size:
-            raise DataError(f"the prepared dataset {self.dataset_dir} holds token id {int(windows.max())} in {split}.bin, "
-                            f"outside its vocabulary of {self.vocab_size}: it is damaged; delete it and prepare the "
-                            f"data again")
+            raise DataError(f"the prepared dataset {self.dataset_dir} holds token id {int(windows.max())} in "
+                            f"{split}.bin, outside its vocabulary of {self.vocab_size}: it is damaged; delete it "
+                            f"and prepare the data again")
         return windows
 
     def step_windows(self) -> torch.Tensor:
         """This rank's training windows of the next optimizer step, (grad_accum, B, T + 1) on the host,
         pinned on CUDA so that copying them to the device does not wait."""
-        starts = self._starts("train", self.grad_accum * self.world * self.batch_size, self.generator)
-        windows = self._windows("train", starts.reshape(self.grad_accum, self.world, self.batch_size)[:, self.rank])
+        windows = self._draw("train", self.generator, self.grad_accum)
         return windows.pin_memory() if self.device.type == "cuda" else windows
 
     def batch(self, split: str, generator: torch.Generator):
         """(x, y) on the device: this rank's B of world x B windows drawn from generator."""
-        starts = self._starts(split, self.world * self.batch_size, generator)
-        windows = self._windows(split, starts.reshape(self.world, self.batch_size)[self.rank]).to(self.device)
+        windows = self._draw(split, generator).to(self.device)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def every_window(self, split: str):

@@ -1,24 +1,20 @@
-"""Turn text (a file, a directory of files, or a glob) into train/val token files plus a meta.json.
-
-A prepared dataset is a directory of the cache (data/cache.py: its layout and checks):
-    train.bin, val.bin   raw token ids (uint16, or uint32 when the vocabulary needs it)
-    meta.json            tokenizer, dtype, tokens and bytes per split, sha256 of the source text, ...
-Preparing the same text with the same settings again reuses it, once its checks pass.
+"""Turn text (a file, a directory of files, or a glob) into train/val token files plus a meta.json: an
+entry of the cache (data/cache.py: its layout and checks), reused when the same text is prepared with
+the same settings again.
 
 The text is streamed, never held whole, so memory stays bounded (a few hundred MB at most) whatever
 its size and the number of cores. The passes over the bytes:
   1. hash      sha256 of the bytes: the cache key (a cache hit costs only this pass)
   2. scan      decode UTF-8 (a bad byte is an error naming its offset), count the characters (the
                split point is a character index), and for `char` collect the vocabulary
-  3. train     for `bpe:N` only: learn the BPE from the training split (data/bpe.py)
+  3. train     for `bpe:N` only: learn the BPE from the training split (data/tokenizers.py)
   4. encode    pieces of text are tokenized on a thread pool (tiktoken and the numpy lookup of the
                char tokenizer release the GIL, so all cores work) and written in order; at most
                IN_FLIGHT_CHARS characters are in flight, split into more, smaller pieces on more cores
 The last val_fraction of the characters is the validation split. Several files are one text, in
 sorted path order, with the end-of-text token between documents (BPE) or a newline (char).
-Everything is written to a hidden temporary directory that is renamed into place when complete.
-SIGINT, SIGTERM and SIGHUP during preparation remove it and raise Interrupted; a run killed outright
-(SIGKILL) leaves it to the next preparation in the same root, which removes it.
+SIGINT, SIGTERM and SIGHUP during preparation remove the entry's temporary directory and raise
+Interrupted; one a killed run leaves is removed by the next preparation in the same root.
 
     python -m data.prepare FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096] [--val-fraction 0.1] [--root data/prepared]
 
@@ -45,8 +41,8 @@ from common import (ArgumentParser, DataError, Interrupted, TokenizerError, atom
 from data.cache import (FORMAT, check_split_sizes, entry_name, make_temp_dir, publish, read_entry,
                         remove_stale_temp_dirs, token_dtype)
 from data.sources import combined_sha256, find_sources, iter_text, sources_sha256
-from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer, check_encoding_name, load_tokenizer,
-                             train_bpe)
+from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer, check_encoding_name, code_points,
+                             load_tokenizer, train_bpe)
 
 PIECE_CHARS = 1 << 20       # characters per encoding task (fewer where many cores share IN_FLIGHT_CHARS)
 IN_FLIGHT_CHARS = 4 << 20   # characters being encoded or waiting to be written, whatever the core count
@@ -112,8 +108,7 @@ def scan(files: list[Path], errors: str, want_chars: bool, progress) -> tuple[li
             n += len(text)
             blank = blank and not text.strip()
             if want_chars:
-                enc = ("ascii", np.uint8) if text.isascii() else ("utf-32-le", np.uint32)
-                seen[np.frombuffer(text.encode(enc[0]), dtype=enc[1])] = True
+                seen[code_points(text)] = True
         if blank and len(files) == 1:
             raise DataError(f"data file is empty: {path}")
         counts.append(0 if blank else n)   # a blank document in a directory is skipped
@@ -123,20 +118,16 @@ def scan(files: list[Path], errors: str, want_chars: bool, progress) -> tuple[li
     return counts, chars
 
 
-# Cutting BPE input at these points gives the same tokens as encoding the whole text: no token of
-# the gpt2 / cl100k / o200k pre-tokenizers (nor data/bpe.py's) runs across "x\n|y" or "x| y" (x, y not whitespace).
-_SAFE_CUT = re.compile(r"\S\n(?=\S)|\S(?= \S)")
+# Cutting BPE input at these points gives the same tokens as encoding the whole text: no token of the
+# gpt2 / cl100k / o200k pre-tokenizers (nor bpe:N's) runs across "x\n|y" or "x| y" (x, y not whitespace).
+# The greedy .* makes a match end at the last such point.
+_LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
 def safe_cut(text: str) -> int:
     """The last index (> 0) at which text can be cut without changing its BPE tokens; 0 if none."""
-    for start in (max(0, len(text) - 4096), 0):
-        m = None
-        for m in _SAFE_CUT.finditer(text, start):
-            pass
-        if m:
-            return m.end()
-    return 0
+    m = _LAST_SAFE_CUT.match(text)
+    return m.end() if m else 0
 
 
 def _cut(buffer: str, piece_chars: int, bpe: bool, final: bool) -> tuple[list[str], str]:
@@ -148,10 +139,7 @@ def _cut(buffer: str, piece_chars: int, bpe: bool, final: bool) -> tuple[list[st
         out.append(window[:cut])
         start += cut
     rest = buffer[start:]
-    if final and rest:
-        out.append(rest)
-        rest = ""
-    return out, rest
+    return (out + [rest], "") if final and rest else (out, rest)
 
 
 def pieces(files, counts, errors: str, split_at: int, bpe: bool, piece_chars: int, shas=None):
@@ -181,7 +169,6 @@ def pieces(files, counts, errors: str, split_at: int, bpe: bool, piece_chars: in
             continue
         if split == "train" and pos + len(text) >= split_at:
             head, text = text[:split_at - pos], text[split_at - pos:]
-            pos += len(head)
             done, buffer = _cut(buffer + head, piece_chars, bpe, final=True)
             yield from ((split, p) for p in done)
             split = "val"
@@ -190,15 +177,6 @@ def pieces(files, counts, errors: str, split_at: int, bpe: bool, piece_chars: in
         yield from ((split, p) for p in done)
     done, _ = _cut(buffer, piece_chars, bpe, final=True)
     yield from ((split, p) for p in done)
-
-
-def train_texts(files, counts, errors: str, split_at: int, piece_chars: int):
-    """The training split's text in pieces (what a BPE is learned from); reading stops at the split."""
-    for split, piece in pieces(files, counts, errors, split_at, True, piece_chars):
-        if split != "train":
-            return
-        if piece:
-            yield piece
 
 
 class TokenWriter:
@@ -262,65 +240,65 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
             raise Interrupted(signum, f"preparing {data.path} stopped by {signal.Signals(signum).name}; "
                                       f"nothing was kept")
     with on_stop_signals(stop):
-        return _prepare(files, data.path, data.tokenizer, data.val_fraction, Path(data.prepared_dir),
-                        data.encoding_errors, block_size)
+        return _prepare(files, data, block_size)
 
 
-def _prepare(files, source, tokenizer, val_fraction, root, encoding_errors, block_size) -> Path:
+def _changed(what) -> DataError:
+    return DataError(f"{what} changed while it was being prepared; nothing was kept: prepare it again once it no "
+                     f"longer changes")
+
+
+def _prepare(files: list[Path], data: DataConfig, block_size) -> Path:
     stats = [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     total = sum(size for size, _ in stats)
-    show = total >= PROGRESS_MIN_BYTES
-    progress = Progress("hashing", total, show)
+    progress = Progress("hashing", total, total >= PROGRESS_MIN_BYTES)
     sha = sources_sha256(files, progress)
     progress.close()
-    stem = Path(source).parent.name if glob.has_magic(str(source)) else Path(source).stem
-    out = root / entry_name(stem, tokenizer, sha, val_fraction, encoding_errors)
+    root, source = Path(data.prepared_dir), Path(data.path)
+    stem = source.parent.name if glob.has_magic(str(data.path)) else source.stem
+    out = root / entry_name(stem, data.tokenizer, sha, data.val_fraction, data.encoding_errors)
     remove_stale_temp_dirs(root)
-    expect = {"sha256": sha, "tokenizer_spec": tokenizer, "val_fraction": val_fraction,
-              "encoding_errors": encoding_errors}
+    expect = {"sha256": sha, "tokenizer_spec": data.tokenizer, "val_fraction": data.val_fraction,
+              "encoding_errors": data.encoding_errors}
     meta, problem = read_entry(out, expect)
     if meta is not None:
         check_split_sizes(meta["tokens"], block_size)
         return out
     if problem:
         print(f"notice: {out} {problem}; preparing it again", file=sys.stderr)
-
     try:
-        return _prepare_anew(files, source, root, out, expect, block_size)
+        return _prepare_anew(files, data, out, expect, block_size, total)
     except (DataError, TokenizerError):   # a file that changed meanwhile is the reason, whatever failed
         if [(p.stat().st_size, p.stat().st_mtime_ns) for p in files] != stats:
-            raise DataError(f"{source} changed while it was being prepared; nothing was kept: prepare it again once "
-                            f"it no longer changes") from None
+            raise _changed(data.path) from None
         raise
 
 
-def _prepare_anew(files, source, root: Path, out: Path, expect: dict, block_size) -> Path:
-    """Scan, tokenize and encode files into a new cache entry at out (published when complete); expect:
-    the settings and the sha256 the entry is named after."""
-    tokenizer, val_fraction, encoding_errors = expect["tokenizer_spec"], expect["val_fraction"], expect["encoding_errors"]
-    total = sum(p.stat().st_size for p in files)
+def _prepare_anew(files, data: DataConfig, out: Path, expect: dict, block_size, total: int) -> Path:
+    """Scan, tokenize and encode files (total bytes) into a new cache entry at out (published when
+    complete); expect: the settings and the sha256 the entry is named after."""
     show = total >= PROGRESS_MIN_BYTES
     progress = Progress("scanning", total, show)
-    counts, chars = scan(files, encoding_errors, tokenizer == "char", progress)
+    counts, chars = scan(files, data.encoding_errors, data.tokenizer == "char", progress)
     progress.close()
-    n_chars = sum(counts) + (sum(1 for c in counts if c) - 1 if tokenizer == "char" else 0)   # + newlines between
-    split_at = int(n_chars * (1.0 - val_fraction))
+    n_chars = sum(counts) + (sum(1 for c in counts if c) - 1 if data.tokenizer == "char" else 0)   # + newlines between
+    split_at = int(n_chars * (1.0 - data.val_fraction))
     workers = min(MAX_WORKERS, available_cpus())
     piece_chars = min(PIECE_CHARS, IN_FLIGHT_CHARS // (2 * workers))
-
+    root = out.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = make_temp_dir(out)
         try:
-            tok = _tokenizer(tokenizer, chars, files, counts, encoding_errors, split_at, piece_chars, workers,
-                             Progress("training", int(total * split_at / max(1, n_chars)), show))
-            meta = _encode(files, counts, tok, encoding_errors, split_at, piece_chars, workers, tmp, total, show,
-                           expect["sha256"])
-            src = Path(source)
-            meta.update({"source": str(src.resolve() if src.exists() else src.absolute()), "sha256": expect["sha256"],
-                         "files": len(files), "tokenizer_spec": tokenizer, "encoding_errors": encoding_errors,
-                         "split": {"val_fraction": val_fraction, "train_chars": split_at,
-                                   "val_chars": n_chars - split_at}})
+            tok = _tokenizer(data.tokenizer, chars, files, counts, data.encoding_errors, split_at, piece_chars,
+                             workers, Progress("training", int(total * split_at / max(1, n_chars)), show))
+            meta = _encode(files, counts, tok, data.encoding_errors, split_at, piece_chars, workers, tmp,
+                           Progress("encoding", total, show), expect["sha256"])
+            source = Path(data.path)
+            split = {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}
+            meta.update({"source": str(source.resolve() if source.exists() else source.absolute()),
+                         "sha256": expect["sha256"], "files": len(files), "tokenizer_spec": data.tokenizer,
+                         "encoding_errors": data.encoding_errors, "split": split})
             check_split_sizes(meta["tokens"], block_size)   # before publishing: a refused text leaves nothing
             atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
             publish(tmp, out, expect)
@@ -328,7 +306,7 @@ def _prepare_anew(files, source, root: Path, out: Path, expect: dict, block_size
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:   # a full disk, a read-only or misplaced data.prepared_dir
         raise DataError(f"cannot write the prepared data to {root}: {e.strerror or e}") from None
-    print(f"prepared {source} with tokenizer {tokenizer}: {meta['tokens']['train']:,} train and "
+    print(f"prepared {data.path} with tokenizer {data.tokenizer}: {meta['tokens']['train']:,} train and "
           f"{meta['tokens']['val']:,} val tokens (vocab {tok.vocab_size:,}) -> {out}")
     return out
 
@@ -342,10 +320,13 @@ def _tokenizer(spec, chars, files, counts, errors, split_at, piece_chars, worker
     if vocab_size is None:
         return build_tokenizer(spec)
 
-    def texts():
-        for text in train_texts(files, counts, errors, split_at, piece_chars):
-            progress.advance(len(text) * progress.total / max(1, split_at))
-            yield text
+    def texts():   # the training split's text, read up to the split
+        for split, text in pieces(files, counts, errors, split_at, True, piece_chars):
+            if split != "train":
+                return
+            if text:
+                progress.advance(len(text) * progress.total / max(1, split_at))
+                yield text
     tok_meta, took = train_bpe(texts(), vocab_size, batch=2 * workers)
     progress.close()
     tok = load_tokenizer(tok_meta)
@@ -354,14 +335,12 @@ def _tokenizer(spec, chars, files, counts, errors, split_at, piece_chars, worker
     return tok
 
 
-def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, total, show, sha) -> dict:
+def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, progress, sha) -> dict:
     """Write tmp/train.bin and tmp/val.bin; the meta entries that describe them."""
     eot = tok.enc.eot_token if hasattr(tok, "enc") else None
     dtype = token_dtype(tok.vocab_size)
     tok.encode_array("")   # build any lookup table before the threads share the tokenizer
-    progress = Progress("encoding", total, show)
-    n_chars = sum(counts)
-    writer = TokenWriter(tok.encode_array, dtype, tmp, workers, progress, total / max(1, n_chars))
+    writer = TokenWriter(tok.encode_array, dtype, tmp, workers, progress, progress.total / max(1, sum(counts)))
     shas, ok = [hashlib.sha256() for _ in files], False
     try:
         for split, piece in pieces(files, counts, errors, split_at, eot is not None, piece_chars, shas):
@@ -370,12 +349,12 @@ def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, tot
     finally:
         writer.close(ok)
     progress.close()
-    if combined_sha256(files, [h.hexdigest() for h in shas]) != sha:   # an entry holds exactly the bytes it is named after
-        raise DataError(f"{files[0] if len(files) == 1 else 'a data file'} changed while it was being prepared; "
-                        f"nothing was kept: prepare it again once it no longer changes")
+    # an entry holds exactly the bytes it is named after
+    if combined_sha256(files, [h.hexdigest() for h in shas]) != sha:
+        raise _changed(files[0] if len(files) == 1 else "a data file")
     if writer.min_token == writer.max_token:
-        raise DataError(f"the text holds a single distinct token (id {writer.max_token}, {tok.decode([writer.max_token])!r}):"
-                        f" there is nothing to learn to predict")
+        raise DataError(f"the text holds a single distinct token (id {writer.max_token}, "
+                        f"{tok.decode([writer.max_token])!r}): there is nothing to learn to predict")
     return {"format": FORMAT, "tokenizer": tok.meta(), "vocab_size": tok.vocab_size,
             "dtype": np.dtype(dtype).name, "max_token": writer.max_token,
             "tokens": dict(writer.tokens), "bytes": dict(writer.bytes)}
@@ -390,7 +369,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--encoding-errors", default="strict", help="strict | replace")
     p.add_argument("--block-size", type=int, default=None, help="refuse splits shorter than block_size + 1 tokens")
     args = p.parse_args(argv)
-    prepare(DataConfig(args.source, args.tokenizer, args.val_fraction, args.root, args.encoding_errors), args.block_size)
+    data = DataConfig(args.source, args.tokenizer, args.val_fraction, args.root, args.encoding_errors)
+    prepare(data, args.block_size)
     return 0
 
 

@@ -1,9 +1,11 @@
 """The text to prepare: which files a data path names, their sha256, and their text as a stream of
 str chunks that never splits a character. Nothing here holds a whole file in memory."""
+import codecs
 import glob
 import hashlib
 import os
 import stat
+from itertools import chain
 from pathlib import Path
 
 from common import DataError
@@ -11,6 +13,7 @@ from common import DataError
 READ_BYTES = 1 << 20        # bytes read at a time
 PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
 REPLACE_HINT = "set --data.encoding_errors=replace to replace such bytes"   # what training says of a non-UTF-8 byte
+
 
 def special_kind(path: Path) -> str | None:
     """What path is when it exists but is neither a regular file nor a directory (found with stat,
@@ -49,11 +52,14 @@ def find_sources(source) -> list[Path]:
     raise DataError(f"data file not found: {source}")
 
 
-def _open(path: Path):
+def _chunks(path: Path):
+    """The file's bytes, READ_BYTES at a time."""
     try:
-        return open(path, "rb")
+        f = open(path, "rb")
     except OSError as e:   # removed or made unreadable since it was found
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    with f:
+        yield from iter(lambda: f.read(READ_BYTES), b"")
 
 
 def sources_sha256(files: list[Path], progress=None) -> str:
@@ -62,10 +68,9 @@ def sources_sha256(files: list[Path], progress=None) -> str:
     shas = []
     for path in files:
         h = hashlib.sha256()
-        with _open(path) as f:
-            for chunk in iter(lambda: f.read(READ_BYTES), b""):
-                h.update(chunk)
-                progress and progress.advance(len(chunk))
+        for chunk in _chunks(path):
+            h.update(chunk)
+            progress and progress.advance(len(chunk))
         shas.append(h.hexdigest())
     return combined_sha256(files, shas)
 
@@ -79,40 +84,24 @@ def combined_sha256(files: list[Path], shas: list[str]) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
-def _utf8_cut(buf: bytes) -> int:
-    """The length of buf without a UTF-8 sequence cut off at its end (carried over to the next read)."""
-    n = len(buf)
-    i = n - 1
-    while i >= 0 and n - i <= 4 and buf[i] & 0xC0 == 0x80:   # continuation bytes 10xxxxxx
-        i -= 1
-    if i < 0 or n - i > 4:
-        return n
-    lead = buf[i]
-    need = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
-    return i if n - i < need else n
-
-
 def iter_text(path: Path, errors: str = "strict", progress=None, hint: str | None = REPLACE_HINT, sha=None):
     """The file as str chunks of about READ_BYTES bytes each, never splitting a character.
     A non-UTF-8 byte is a DataError naming its offset in the file, followed by hint if any (or
     U+FFFD with errors='replace'). sha: a hashlib object given every byte read."""
-    offset, carry = 0, b""
-    with _open(path) as f:
-        while True:
-            raw = f.read(READ_BYTES)
-            sha and sha.update(raw)
-            buf = carry + raw
-            cut = _utf8_cut(buf) if raw else len(buf)
-            buf, carry = buf[:cut], buf[cut:]
-            if not raw and not buf:
-                return
-            try:
-                yield buf.decode("utf-8", errors=errors)
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path} is not UTF-8: byte 0x{buf[e.start]:02x} at offset {offset + e.start}"
-                                + (f"; {hint}" if hint else "")) from None
-            offset += len(buf)
-            progress and progress.advance(len(buf))
+    decoder = codecs.getincrementaldecoder("utf-8")(errors)   # holds a character cut at a read's end
+    offset = 0   # bytes read before raw
+    for raw in chain(_chunks(path), [b""]):   # b"": the end, where a character cut short is an error
+        sha and sha.update(raw)
+        held = len(decoder.getstate()[0])
+        try:
+            text = decoder.decode(raw, final=not raw)
+        except UnicodeDecodeError as e:   # e.object: the held bytes, then raw
+            raise DataError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset "
+                            f"{offset - held + e.start}" + (f"; {hint}" if hint else "")) from None
+        if text:
+            yield text
+        offset += len(raw)
+        progress and progress.advance(len(raw))
 
 
 def read_text(path: Path, errors: str = "strict", hint: str | None = REPLACE_HINT) -> str:

@@ -21,6 +21,13 @@ from common import TokenizerError
 EOT = "<|endoftext|>"   # the end-of-text token between documents (gpt2's name for it)
 
 
+def code_points(text: str) -> np.ndarray:
+    """The text's code points as an array: uint8 for ASCII text (1 byte a character), else uint32."""
+    if text.isascii():
+        return np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
 class CharTokenizer:
     name = "char"
 
@@ -55,11 +62,7 @@ class CharTokenizer:
         if not hasattr(self, "_table"):
             self._table = np.full(0x110000, -1, dtype=np.int32)
             self._table[[ord(c) for c in self.chars]] = np.arange(len(self.chars), dtype=np.int32)
-        if text.isascii():   # 1 byte per character: no need for the 4-byte form
-            points = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
-        else:
-            points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        ids = self._table[points]
+        ids = self._table[code_points(text)]
         if len(ids) and ids.min() < 0:
             self.encode(text)   # raises the error that names the unknown characters
         return ids

@@ -25,11 +25,10 @@ Choices:
     never pytorch_model.bin, a pickle that can run code when loaded
   - import: the "transformer." prefix is optional (the original OpenAI checkpoints lack it); the
     attn.bias / attn.masked_bias buffers of old checkpoints (the causal mask) are ignored; weights
-    stored as fp16/bf16 become fp32; activation "gelu_new" (and its aliases) -> model.mlp = "gelu_tanh"
-  - export: model.mlp gelu -> "gelu", gelu_tanh -> "gelu_new", relu2 -> "relu2"; model.bias = false
-    -> zero biases (GPT-2 always has them: the same function); vocab_size as it is, also when padded
-    (e.g. 50304 = 50257 rounded up): the extra rows are tokens the tokenizer never produces, never
-    targets, so training has pushed their logits down
+    stored as fp16/bf16 become fp32; activations map as ACTIVATIONS and EXPORT_ACTIVATION say
+  - export: model.bias = false -> zero biases (GPT-2 always has them: the same function); vocab_size
+    as it is, also when padded (e.g. 50304 = 50257 rounded up): the extra rows are tokens the
+    tokenizer never produces, never targets, so training has pushed their logits down
   - a setting GPT-2 cannot express (rotary positions, RMSNorm, another attention, ...) is a
     CheckpointError that names it; so is an HF config that this GPT cannot express
 
@@ -39,53 +38,55 @@ import math
 
 import torch
 
-from common import CheckpointError, ConfigError
+from common import CheckpointError, ConfigError, type_problem
 from model.config import ModelConfig
 
 # GPT-2's activation names (transformers' ACT2FN) -> model.mlp
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu_python_tanh": "gelu_tanh", "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
 EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
+# The config.json keys read, their types, and GPT-2's defaults for those a config may leave out
+HF_TYPES = {"vocab_size": int, "n_positions": int, "n_layer": int, "n_head": int, "n_embd": int,
+            "resid_pdrop": float, "layer_norm_epsilon": float, "scale_attn_weights": bool,
+            "tie_word_embeddings": bool, "scale_attn_by_inverse_layer_idx": bool, "add_cross_attention": bool}
+HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop": 0.1, "layer_norm_epsilon": 1e-5,
+               "scale_attn_weights": True, "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
+               "add_cross_attention": False}
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")   # old checkpoints' causal-mask buffers
+# A block's tensors besides q, k, v: (ours, theirs, a Conv1D weight's (in, out) in units of C; None: a norm's (C,))
+BLOCK_TENSORS = [("norm1", "ln_1", None), ("attn.proj", "attn.c_proj", (1, 1)), ("norm2", "ln_2", None),
+                 ("mlp.up", "mlp.c_fc", (1, 4)), ("mlp.proj", "mlp.c_proj", (4, 1))]
 
 
 # ----------------------------------------------------------------------------- configs
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """A GPT-2 config.json (as a dict) -> ModelConfig; a CheckpointError names what does not map."""
-    def get(key, default=None, kind=int):
-        value = hf.get(key, default)
-        ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
-        if not ok:
-            raise CheckpointError(f"{where}: {key} is missing or not a {getattr(kind, '__name__', 'number')} "
-                                  f"(got {value!r})")
-        return value
-
     def refuse(setting: str, why: str):
         raise CheckpointError(f"{where}: {setting} is not supported ({why})")
 
     if hf.get("model_type", "gpt2") != "gpt2":
         refuse(f"model_type={hf['model_type']!r}", "only GPT-2 checkpoints map onto this repo's GPT")
-    n_embd = get("n_embd")
-    activation = hf.get("activation_function", "gelu_new")
+    hf = {**HF_DEFAULTS, "n_positions": hf.get("n_ctx"), **hf}
+    problem = type_problem(hf, HF_TYPES)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+    n_embd, activation, eps = hf["n_embd"], hf["activation_function"], hf["layer_norm_epsilon"]
     if activation not in ACTIVATIONS:
         refuse(f"activation_function={activation!r}", f"this GPT has {', '.join(sorted(ACTIVATIONS))}")
-    if hf.get("n_inner") not in (None, 4 * n_embd):
+    if hf["n_inner"] not in (None, 4 * n_embd):
         refuse(f"n_inner={hf['n_inner']}", f"this GPT's MLP is 4 x n_embd = {4 * n_embd} wide")
-    if get("scale_attn_by_inverse_layer_idx", False, bool):
+    if hf["scale_attn_by_inverse_layer_idx"]:
         refuse("scale_attn_by_inverse_layer_idx=true", "this GPT scales every layer's scores alike")
-    if get("add_cross_attention", False, bool):
+    if hf["add_cross_attention"]:
         refuse("add_cross_attention=true", "this GPT is decoder-only")
-    eps = get("layer_norm_epsilon", 1e-5, (int, float))
     if not math.isclose(eps, 1e-5, rel_tol=1e-3):
         refuse(f"layer_norm_epsilon={eps}", "this GPT's LayerNorm uses 1e-5")
     # reorder_and_upcast_attn only changes the precision of the scores under autocast, not the math: accepted
-    cfg = ModelConfig(vocab_size=get("vocab_size"), block_size=get("n_positions", hf.get("n_ctx")),
-                      n_layer=get("n_layer"), n_head=get("n_head"), n_embd=n_embd,
-                      dropout=float(get("resid_pdrop", 0.1, (int, float))), bias=True, attention="sdpa",
-                      pos="learned", norm="layernorm", mlp=ACTIVATIONS[activation],
-                      attn_scale=get("scale_attn_weights", True, bool),
-                      tie_embeddings=get("tie_word_embeddings", True, bool))
+    cfg = ModelConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
+                      n_head=hf["n_head"], n_embd=n_embd, dropout=float(hf["resid_pdrop"]), bias=True,
+                      attention="sdpa", pos="learned", norm="layernorm", mlp=ACTIVATIONS[activation],
+                      attn_scale=hf["scale_attn_weights"], tie_embeddings=hf["tie_word_embeddings"])
     try:
         cfg.validate()
     except ConfigError as e:
@@ -145,12 +146,11 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
         qkv_b = take(h + "attn.c_attn.bias", (3 * C,))
         for name, w, bias in zip(("query", "key", "value"), qkv_w.split(C), qkv_b.split(C)):
             out[f"{b}attn.{name}.weight"], out[f"{b}attn.{name}.bias"] = w.contiguous(), bias.clone()
-        pairs = [("norm1", "ln_1", None), ("attn.proj", "attn.c_proj", (C, C)), ("norm2", "ln_2", None),
-                 ("mlp.up", "mlp.c_fc", (C, 4 * C)), ("mlp.proj", "mlp.c_proj", (4 * C, C))]
-        for ours, theirs, conv_shape in pairs:   # conv_shape: a Conv1D's (in, out) weight, else a norm's (C,)
-            weight = take(h + theirs + ".weight", conv_shape or (C,))
-            out[b + ours + ".weight"] = weight.t().contiguous() if conv_shape else weight
-            out[b + ours + ".bias"] = take(h + theirs + ".bias", (conv_shape[1] if conv_shape else C,))
+        for ours, theirs, conv in BLOCK_TENSORS:
+            shape = (conv[0] * C, conv[1] * C) if conv else (C,)
+            weight = take(h + theirs + ".weight", shape)
+            out[b + ours + ".weight"] = weight.t().contiguous() if conv else weight
+            out[b + ours + ".bias"] = take(h + theirs + ".bias", shape[-1:])
     out["norm_f.weight"], out["norm_f.bias"] = take("ln_f.weight", (C,)), take("ln_f.bias", (C,))
     out["lm_head.weight"] = (out["tok_emb.weight"] if cfg.tie_embeddings
                              else take("lm_head.weight", (cfg.vocab_size, C)))
@@ -177,11 +177,9 @@ def to_hf(cfg: ModelConfig, state_dict: dict, eos_token_id: int | None = None) -
         qkv = [sd[f"{b}attn.{name}.weight"] for name in ("query", "key", "value")]   # 3 x (C, C)
         out[h + "attn.c_attn.weight"] = torch.cat(qkv).t().contiguous()               # (C, 3C)
         out[h + "attn.c_attn.bias"] = torch.cat([bias(f"{b}attn.{n}.bias", C) for n in ("query", "key", "value")])
-        pairs = [("norm1", "ln_1", False), ("attn.proj", "attn.c_proj", True), ("norm2", "ln_2", False),
-                 ("mlp.up", "mlp.c_fc", True), ("mlp.proj", "mlp.c_proj", True)]
-        for ours, theirs, is_linear in pairs:   # a Linear's (out, in) weight becomes a Conv1D's (in, out)
+        for ours, theirs, conv in BLOCK_TENSORS:
             weight = sd[b + ours + ".weight"]
-            out[h + theirs + ".weight"] = weight.t().contiguous() if is_linear else weight.clone()
+            out[h + theirs + ".weight"] = weight.t().contiguous() if conv else weight.clone()
             out[h + theirs + ".bias"] = bias(b + ours + ".bias", weight.size(0))
     out["ln_f.weight"], out["ln_f.bias"] = sd["norm_f.weight"].clone(), bias("norm_f.bias", C)
     out = {"transformer." + k: v for k, v in out.items()}

@@ -15,9 +15,8 @@ fine-tuning on short contexts is cheaper). The tokenizer is tiktoken's gpt2, whi
 vocabulary is. init_from is a train.* key, not a model.* one: where the first weights come from is
 a choice of the run, like its seed; a resumed run loads its own checkpoint, never these weights.
 
-Files: config.json and model.safetensors (or the shards model.safetensors.index.json names), never
-pytorch_model.bin, a pickle that can run code when loaded. safetensors, and huggingface_hub to
-download by name, are imported only when used.
+Which files are read and written: hf/convert.py. safetensors, and huggingface_hub to download by
+name, are imported only when used.
 """
 import json
 from pathlib import Path
@@ -67,7 +66,8 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
                               f"pass a local directory") from None
 
 
-def read_config(directory: Path) -> dict:
+def read_config(directory: Path, name: str) -> ModelConfig:
+    """The ModelConfig of the config.json in directory (of the checkpoint called name)."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{directory} has no config.json: not a Hugging Face checkpoint directory")
@@ -77,7 +77,7 @@ def read_config(directory: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path} is not a JSON object")
-    return hf
+    return config_from_hf(hf, where=f"{name}: config.json")
 
 
 def read_tensors(directory: Path) -> dict:
@@ -112,14 +112,13 @@ def pretrained_config(name_or_dir: str) -> ModelConfig:
         _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
         return config_from_hf({"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
                                "n_embd": n_embd}, where=name_or_dir)
-    directory = resolve_source(name_or_dir, weights=False)
-    return config_from_hf(read_config(directory), where=f"{name_or_dir}: config.json")
+    return read_config(resolve_source(name_or_dir, weights=False), name_or_dir)
 
 
 def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
     """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict)."""
     directory = resolve_source(name_or_dir)
-    cfg = config_from_hf(read_config(directory), where=f"{name_or_dir}: config.json")
+    cfg = read_config(directory, name_or_dir)
     return cfg, state_dict_from_hf(read_tensors(directory), cfg, where=f"{name_or_dir}: weights")
 
 
@@ -147,9 +146,8 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
     if pretrained.vocab_size < GPT2_VOCAB:
         raise ConfigError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, fewer than "
                           f"GPT-2's {GPT2_VOCAB}: its tokenizer is not GPT-2's, which fine-tuning uses")
-    user = cfg.model
     for key in sorted(k.removeprefix("model.") for k in explicit if k.startswith("model.")):
-        mine, theirs = getattr(user, key), getattr(pretrained, key)
+        mine, theirs = getattr(cfg.model, key), getattr(pretrained, key)
         free = (key == "dropout" or (key == "attention" and mine in ("naive", "sdpa"))
                 or (key == "block_size" and 0 < mine <= theirs))
         if mine != theirs and not free:
