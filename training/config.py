@@ -6,6 +6,9 @@ Each section is a dataclass that lives with the code it configures (ModelConfig 
 DataConfig in data/prepare.py; TrainConfig and LogConfig here) and checks itself in validate().
 Values are coerced to each field's type; an unknown key or a bad value is a ConfigError that names
 it (and the closest valid key). TOML is read with the standard library: a config is data, never code.
+
+(Over 300 lines on purpose: the train and log sections with the comments --help shows, and every rule
+of reading, overriding, resuming and describing a config, kept beside the settings they apply to.)
 """
 import dataclasses
 import difflib
