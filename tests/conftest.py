@@ -189,6 +189,17 @@ def run_tool(tool, argv, capsys):
     return rc, out, err
 
 
+def assert_refused(tool, argv, capsys, root, named: str) -> None:
+    """tool refuses argv as every command refuses a mistake: exit 2, one `error:` line naming what is
+    wrong, and nothing under root written or changed."""
+    before = tree(root)
+    rc, out, err = run_tool(tool, argv, capsys)
+    assert rc == 2, (rc, out, err)
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert named in err, err
+    assert tree(root) == before, "a refused command wrote or changed a file"
+
+
 def run_limited(argv, memory=2 << 30, timeout=120):
     """(exit code, stdout, stderr, peak resident bytes) of `python ARGV` run as a user runs it, with
     its address space limited to `memory` bytes: an allocation beyond that fails at once, as on a

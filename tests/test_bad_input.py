@@ -17,7 +17,7 @@ import export as export_cli
 import sample as sample_cli
 import train as train_cli
 from common import DataError
-from tests.conftest import ROOT, TEXT, Evil, mkdir, prepare_text, run_tool, tiny_overrides, tree, write
+from tests.conftest import ROOT, TEXT, Evil, assert_refused, mkdir, prepare_text, run_tool, tiny_overrides, tree, write
 from training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
@@ -214,13 +214,7 @@ def test_bad_input_is_one_line_a_non_zero_exit_and_writes_nothing(name, tool, ma
     shutil.copy(trained / "ckpt_0000004.pt", ckpt)
     env = {"tmp": tmp_path, "short": short, "ckpt": ckpt, "trained": trained,
            "base": lambda **kw: tiny_overrides(tmp_path, text, **kw)}
-    argv = make_argv(env)
-    before = tree(tmp_path)
-    rc, out, err = run_tool(tool, argv, capsys)
-    assert rc == 2, (rc, out, err)
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
-    assert message in err, err
-    assert tree(tmp_path) == before, "a failed run wrote or changed a file"
+    assert_refused(tool, make_argv(env), capsys, tmp_path, message)
     assert not (tmp_path / "pwned").exists()
 
 

@@ -24,7 +24,7 @@ from data.cache import load_meta
 from data.prepare import prepare
 from model.config import ModelConfig
 from model.gpt import GPT
-from tests.conftest import ROOT, mkdir, run_tool, tiny_overrides, tree, write
+from tests.conftest import ROOT, assert_refused, mkdir, run_tool, tiny_overrides, write
 from training.config import build_config
 
 
@@ -138,13 +138,7 @@ REFUSALS = [
 def test_every_bad_argument_of_bench_is_one_line_and_exit_2(make_argv, named, tmp_path, text_file, capsys):
     """As train.py's refusals: exit 2, one `error:` line naming the option, before any work (nothing written)."""
     env = {"tmp": tmp_path, "work": mkdir(tmp_path / "work"), "tiny": tiny_overrides(tmp_path, text_file)}
-    argv = make_argv(env)
-    before = tree(tmp_path)
-    rc, out, err = run_tool(bench, argv, capsys)
-    assert rc == 2, (rc, out, err)
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
-    assert named in err, err
-    assert tree(tmp_path) == before, "a refused command wrote or changed a file"
+    assert_refused(bench, make_argv(env), capsys, tmp_path, named)
 
 
 def test_bench_starts_where_the_system_has_no_load_average(monkeypatch, capsys):
