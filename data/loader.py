@@ -24,12 +24,17 @@ from common import DataError
 from data.cache import SPLITS, check_split_sizes, load_meta
 
 
+def consecutive_starts(n_tokens: int, block_size: int) -> np.ndarray:
+    """Where the consecutive windows of block_size + 1 tokens start: each window's last target is the
+    next one's first input, so that every token after the first is predicted exactly once (the tokens
+    after the last whole window are left out)."""
+    return np.arange((n_tokens - 1) // block_size) * block_size
+
+
 def consecutive_windows(tokens: np.ndarray, block_size: int) -> torch.Tensor:
-    """(N, block_size + 1) int64 on the host: tokens cut into consecutive windows, each window's last
-    target the next one's first input, so that every token after the first is predicted exactly once
-    (the tokens after the last whole window are left out)."""
-    n = (len(tokens) - 1) // block_size
-    return torch.from_numpy(tokens[np.arange(n)[:, None] * block_size + np.arange(block_size + 1)].astype(np.int64))
+    """(N, block_size + 1) int64 on the host: tokens cut into the consecutive windows above."""
+    starts = consecutive_starts(len(tokens), block_size)
+    return torch.from_numpy(tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64))
 
 
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
@@ -99,16 +104,25 @@ class BatchLoader:
 
     def batch(self, split: str, generator: torch.Generator):
         """(x, y) on the device: this rank's B of world x B windows drawn from generator."""
-        windows = self._draw(split, generator).to(self.device)
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        windows = self._on_device(self._draw(split, generator))
+        return windows[:, :-1], windows[:, 1:]
 
     def every_window(self, split: str):
         """(x, y) batches on the device of this rank's share of the split's consecutive windows: with
         every rank's, every token of the split after the first is scored once."""
-        windows = self._checked(split, consecutive_windows(self.splits[split], self.block_size)[self.rank::self.world])
-        for w in windows.split(self.batch_size):
-            w = w.to(self.device)
+        tokens = self.splits[split]
+        starts = consecutive_starts(len(tokens), self.block_size)[self.rank::self.world]
+        for i in range(0, len(starts), self.batch_size):   # a batch at a time: a split may not fit in memory
+            windows = tokens[starts[i:i + self.batch_size, None] + self.offsets].astype(np.int64)
+            w = self._on_device(self._checked(split, torch.from_numpy(windows)))
             yield w[:, :-1], w[:, 1:]
+
+    def _on_device(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows copied to the device; on CUDA from pinned memory, so that the copy does not wait for
+        the work already queued on the GPU."""
+        if self.device.type == "cuda":
+            return windows.pin_memory().to(self.device, non_blocking=True)
+        return windows.to(self.device)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

@@ -78,6 +78,11 @@ class Run:
     def elapsed(self) -> float:
         return self.seconds_before + time.perf_counter() - self.started
 
+    def abandon(self) -> None:
+        """End a run that has no checkpoint yet: the out dir goes back to how it was found."""
+        self.metrics.close()
+        self.out.forget()
+
 
 # ---------------------------------------------------------------- set up
 
@@ -222,10 +227,12 @@ def compile_trial(run: Run, compiled) -> None:
     """One forward and backward of the compiled model on a batch of the training shape (compiling
     the graphs the step reuses), leaving no trace: no gradients, the random generators as they were."""
     device, t = run.world.device, run.cfg.train
-    x = torch.randint(0, run.cfg.model.vocab_size, (t.batch_size, run.cfg.model.block_size), device=device)
+    # inputs and targets as the step passes them (views of one (B, T + 1) batch), or the compiled graph
+    # would not match the step's tensors and be compiled again at the first step
+    w = torch.randint(0, run.cfg.model.vocab_size, (t.batch_size, run.cfg.model.block_size + 1), device=device)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), run.autocast:
-            compiled(x, x)[1].backward()
+            compiled(w[:, :-1], w[:, 1:])[1].backward()
     finally:
         run.model.zero_grad(set_to_none=True)
 
@@ -239,8 +246,7 @@ def start_writing(run: Run) -> None:
         run.world.on_main(lambda: open_out_dir(run))
         say_what_runs(run)
     except BaseException:
-        run.metrics.close()
-        run.out.forget()
+        run.abandon()
         raise
 
 

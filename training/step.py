@@ -181,11 +181,12 @@ def score_tokens(model, tokens, block_size: int, stride: int, batch_size: int, a
     model.eval()
     total, count = 0.0, 0
     for x, y in strided_windows(tokens, block_size, stride, batch_size):
+        scored = int((y >= 0).sum())   # counted on the host: one wait for the device per batch, for nats
         x, y = x.to(device), y.to(device)
         with autocast:
             logits, _ = model(x, all_logits=True)
         nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
-        total, count = total + nats.item(), count + int((y >= 0).sum())
+        total, count = total + nats.item(), count + scored
         if on_batch is not None:
             on_batch(count)
     model.train(was_training)

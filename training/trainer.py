@@ -213,8 +213,7 @@ def run_steps(run: Run, stop: StopRequest, stop_at: int | None, on_step) -> dict
                 break
     except BaseException as e:
         if run.guard.saved_step is None:   # a run that never got to a checkpoint leaves the out dir as it found it
-            run.metrics.close()
-            run.out.forget()
+            run.abandon()
         if not is_out_of_memory(e):
             raise
         raise out_of_memory(run, e) from None
