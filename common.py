@@ -258,6 +258,18 @@ class StopRequest:
         say_now(f"\n{name}: {self.doing} (again to exit at once)\n")
 
 
+def unwind_on_stop(message=None):
+    """A handler for on_stop_signals where a job cleans up as it unwinds (its finally blocks): the first
+    signal raises Interrupted (message(signum) its text, if given); later ones wait for the cleanup."""
+    stopped = []
+
+    def handler(signum: int) -> None:
+        if not stopped:
+            stopped.append(signum)
+            raise Interrupted(signum, message(signum) if message else "")
+    return handler
+
+
 WINDOWS = os.name == "nt"
 
 

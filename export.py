@@ -33,8 +33,7 @@ def parse_args(argv):
 
 def main(argv) -> int:
     args = parse_args(argv)
-    from hf.convert import check_exportable
-    from hf.hub import save_pretrained
+    from hf.hub import GPT2_VOCAB, save_pretrained
     from training.checkpoint import load_model
 
     out = Path(args.out_dir)
@@ -46,13 +45,13 @@ def main(argv) -> int:
         raise RunError(f"{out} is not empty; pass --force to write config.json and model.safetensors into it")
     loaded = load_model(args.checkpoint)
     cfg, tokenizer = loaded.model.cfg, loaded.tokenizer.meta()
-    check_exportable(cfg)   # before anything is written
     gpt2_tokens = tokenizer.get("kind") == "tiktoken" and tokenizer.get("name") == "gpt2"
-    save_pretrained(out, cfg, loaded.model.state_dict(), eos_token_id=50256 if gpt2_tokens else None)
+    save_pretrained(out, cfg, loaded.model.state_dict(), eos_token_id=GPT2_VOCAB - 1 if gpt2_tokens else None)
     print(f"# {loaded.path} -> {out} (GPT2LMHeadModel: {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
           f"context {cfg.block_size}, vocab {cfg.vocab_size})")
     if gpt2_tokens:
-        padded = f"; rows 50257..{cfg.vocab_size - 1} are padding it never produces" if cfg.vocab_size > 50257 else ""
+        padded = f"; rows {GPT2_VOCAB}..{cfg.vocab_size - 1} are padding it never produces" \
+            if cfg.vocab_size > GPT2_VOCAB else ""
         print(f"# tokenizer: gpt2, the same as transformers' AutoTokenizer.from_pretrained('gpt2'){padded}")
     else:
         name = tokenizer.get("name", tokenizer.get("kind"))

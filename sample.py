@@ -18,7 +18,7 @@ import codecs
 import math
 import sys
 
-from common import ArgumentParser, RunError, run_cli  # noqa: E402
+from common import ArgumentParser, RunError, SamplingError, TokenizerError, run_cli  # noqa: E402
 
 
 def parse_args(argv):
@@ -57,7 +57,6 @@ def main(argv) -> int:
         raise RunError("stdout is closed: there is nowhere to write the samples to")
     import torch
 
-    from common import SamplingError, TokenizerError
     from data.sources import read_prompt
     from model.sampling import Decoding, generate
     from training.checkpoint import load_model

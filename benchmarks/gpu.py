@@ -32,7 +32,7 @@ from benchmarks.gpu_report import (environment, race_figures, render, sample_fig
                                    train_figures)
 from benchmarks.race import PAIRS
 from benchmarks.sampling import SHAPE
-from common import WINDOWS, Interrupted, RunError, atomic_write, on_stop_signals
+from common import WINDOWS, RunError, atomic_write, on_stop_signals, unwind_on_stop
 from training.config import build_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,12 +221,9 @@ def bench_gpu(argv: list[str], out: str | None = None, quick: bool = False, grad
     def write(stopped: str = "") -> None:
         atomic_write(out_dir / "report.md", render(env, parts, results, out_dir, quick, stopped))
 
-    def interrupt(signum: int):
-        raise Interrupted(signum)
-
     say(f"# {env['GPU']} | report in {out_dir} | {len(todo)} parts to run, {len(parts) - len(todo)} skipped")
     write()                                   # every part 'not run' yet: what a killed run leaves
-    with on_stop_signals(interrupt):
+    with on_stop_signals(unwind_on_stop()):
         for i, part in enumerate(todo, 1):
             say(f"[{i}/{len(todo)}] {part.name}: {part.command()} (at most {part.limit_s:.0f} s)")
             t0 = time.perf_counter()

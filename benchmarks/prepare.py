@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import ConfigError, Interrupted, Printer, RunError, TokenizerError, check, on_stop_signals
-from data.tokenizers import bpe_vocab_size, check_encoding_name
+from common import ConfigError, Printer, RunError, TokenizerError, check, on_stop_signals, unwind_on_stop
+from data.tokenizers import check_tokenizer_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_BYTES = 2   # at most about this many bytes of prepared tokens per byte of text (char ids are uint16)
@@ -95,8 +95,7 @@ def checked(args) -> dict:
     tokenizers = args.tokenizers.split(",")
     for name in tokenizers:
         try:
-            if name != "char" and bpe_vocab_size(name) is None:
-                check_encoding_name(name)
+            check_tokenizer_spec(name)
         except TokenizerError as e:
             raise ConfigError(f"--tokenizers: {e}") from None
     parent = args.dir or Path(tempfile.gettempdir())
@@ -171,12 +170,7 @@ def bench_prepare(mb: int, plain_mb: int, tokenizers: list[str], lines: list[str
     it all: when done, on an error, or at SIGINT, SIGTERM or SIGHUP (raised as Interrupted once it is
     removed). Print the rows (MB, tokenizer, approach, MB/s, peak MB) and the comparison."""
     say = say or Printer()
-    stopped = []
-
-    def stop(signum: int):   # the first signal unwinds the work (which removes its files); later ones wait
-        if not stopped:
-            stopped.append(signum)
-            raise Interrupted(signum)
+    stop = unwind_on_stop()   # the work is removed as the first signal unwinds it
     sizes = sorted({plain_mb, mb})
     work = parent / f"bench_prepare_{uuid.uuid4().hex[:12]}"   # named first: removed whatever point a signal stops
     with on_stop_signals(stop):

@@ -36,12 +36,12 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (ArgumentParser, DataError, Interrupted, TokenizerError, atomic_write, check, duration,
-                    on_stop_signals, run_cli)
+from common import (ArgumentParser, DataError, TokenizerError, atomic_write, check, duration,
+                    on_stop_signals, run_cli, unwind_on_stop)
 from data.cache import (FORMAT, check_split_sizes, entry_name, make_temp_dir, publish, read_entry,
                         remove_stale_temp_dirs, token_dtype)
 from data.sources import combined_sha256, find_sources, iter_text, sources_sha256
-from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer, check_encoding_name, code_points,
+from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer, check_tokenizer_spec, code_points,
                              load_tokenizer, train_bpe)
 
 PIECE_CHARS = 1 << 20       # characters per encoding task (fewer where many cores share IN_FLIGHT_CHARS)
@@ -64,8 +64,7 @@ class DataConfig:
         itself is checked as it is prepared."""
         check("data.val_fraction", self.val_fraction, above=0.0, below=1.0)
         check("data.encoding_errors", self.encoding_errors, one_of=("strict", "replace"))
-        if self.tokenizer != "char" and bpe_vocab_size(self.tokenizer) is None:
-            check_encoding_name(self.tokenizer)
+        check_tokenizer_spec(self.tokenizer)
 
 
 def available_cpus() -> int:
@@ -232,15 +231,15 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
     block_size + 1 tokens (one training window), checked before anything is published."""
     data.validate()
     files = find_sources(data.path)
-    stopped = []
-
-    def stop(signum: int):   # the first signal unwinds the preparation (which cleans up); later ones wait
-        if not stopped:
-            stopped.append(signum)
-            raise Interrupted(signum, f"preparing {data.path} stopped by {signal.Signals(signum).name}; "
-                                      f"nothing was kept")
+    stop = unwind_on_stop(lambda signum: f"preparing {data.path} stopped by {signal.Signals(signum).name}; "
+                                         f"nothing was kept")
     with on_stop_signals(stop):
         return _prepare(files, data, block_size)
+
+
+def file_stats(files: list[Path]) -> list[tuple[int, int]]:
+    """(size, modification time) of each file: what tells that a file changed meanwhile."""
+    return [(st.st_size, st.st_mtime_ns) for st in map(Path.stat, files)]
 
 
 def _changed(what) -> DataError:
@@ -249,7 +248,7 @@ def _changed(what) -> DataError:
 
 
 def _prepare(files: list[Path], data: DataConfig, block_size) -> Path:
-    stats = [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    stats = file_stats(files)
     total = sum(size for size, _ in stats)
     progress = Progress("hashing", total, total >= PROGRESS_MIN_BYTES)
     sha = sources_sha256(files, progress)
@@ -269,7 +268,7 @@ def _prepare(files: list[Path], data: DataConfig, block_size) -> Path:
     try:
         return _prepare_anew(files, data, out, expect, block_size, total)
     except (DataError, TokenizerError):   # a file that changed meanwhile is the reason, whatever failed
-        if [(p.stat().st_size, p.stat().st_mtime_ns) for p in files] != stats:
+        if file_stats(files) != stats:
             raise _changed(data.path) from None
         raise
 

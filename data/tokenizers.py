@@ -229,6 +229,12 @@ def bpe_vocab_size(spec: str) -> int | None:
     return int(n)
 
 
+def check_tokenizer_spec(spec: str) -> None:
+    """A TokenizerError unless spec is char, bpe:N or a tiktoken encoding this machine can load."""
+    if spec != "char" and bpe_vocab_size(spec) is None:
+        check_encoding_name(spec)
+
+
 def capped(texts, max_chars: int):
     """texts, stopping once max_chars characters have gone by (whole pieces: up to one piece more)."""
     seen = 0
