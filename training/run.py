@@ -78,8 +78,7 @@ class Run:
     def elapsed(self) -> float:
         return self.seconds_before + time.perf_counter() - self.started
 
-    def abandon(self) -> None:
-        """End a run that has no checkpoint yet: the out dir goes back to how it was found."""
+    def abandon(self) -> None:   # a run with no checkpoint yet: the out dir goes back to how it was found
         self.metrics.close()
         self.out.forget()
 
@@ -224,11 +223,10 @@ def build_step(run: Run) -> None:
 
 
 def compile_trial(run: Run, compiled) -> None:
-    """One forward and backward of the compiled model on a batch of the training shape (compiling
-    the graphs the step reuses), leaving no trace: no gradients, the random generators as they were."""
+    """One forward and backward of the compiled model on a batch laid out as the step's (inputs and
+    targets are views of one (B, T + 1) batch: other strides would make the step compile again),
+    leaving no trace: no gradients, the random generators as they were."""
     device, t = run.world.device, run.cfg.train
-    # inputs and targets as the step passes them (views of one (B, T + 1) batch), or the compiled graph
-    # would not match the step's tensors and be compiled again at the first step
     w = torch.randint(0, run.cfg.model.vocab_size, (t.batch_size, run.cfg.model.block_size + 1), device=device)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), run.autocast:
