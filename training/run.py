@@ -6,7 +6,6 @@
     build_step        how one optimizer step runs: eager (training/step.py), maybe compiled, or
                       replayed as a CUDA graph (speed/).
     start_writing     lock and create the out dir, write config.toml, open metrics.jsonl, print the banner.
-
 training/trainer.py runs it.
 """
 import functools
