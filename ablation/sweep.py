@@ -36,15 +36,17 @@ from pathlib import Path
 
 from common import WINDOWS, ConfigError, atomic_write, on_stop_signals, type_problem
 from data.prepare import prepare
-from training.config import Config, apply_dict, describe, flat, get_key, load_toml, parse_overrides, set_key
+from training.config import (WATCHING_KEYS, Config, apply_dict, describe, flat, get_key, load_toml, parse_overrides,
+                             set_key)
 
 SWEEP_KEYS = {"base": str, "out_dir": str, "seeds": list, "overrides": dict, "variants": list, "name": str}
 # keys a variant must not change: the data, its order and the token budget, and how runs are scored
 SHARED_KEYS = ["data.path", "data.tokenizer", "data.val_fraction", "train.seed", "train.max_steps",
                "train.batch_size", "train.grad_accum", "model.block_size", "train.eval_interval", "train.eval_iters"]
-# keys that may differ between a run's start and its resumption (they do not change what is computed; log.*
-# are labels too: a copy of a sweep under another name may continue its runs)
-RESUMABLE_KEYS = {"train.device", "train.compile", "train.cuda_graph"}
+# keys that may differ between a run's start and its resumption: what is watched or kept of a run (a sweep
+# moved to another out_dir continues its runs), and how fast it computes; log.* are labels too (a copy
+# of a sweep under another name continues its runs). Not the evaluation: it scores the runs.
+RESUMABLE_KEYS = WATCHING_KEYS | {"train.device", "train.compile", "train.cuda_graph"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 

@@ -183,8 +183,9 @@ def test_a_sweep_field_of_the_wrong_kind_is_one_line(tmp_path, field, value, mes
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
 
 
-def test_a_sweep_copied_under_another_name_continues_its_runs(tmp_path, text_file, capsys):
-    """Only labels change (the wandb group is the sweep's name): what the runs compute is the same."""
+def test_a_sweep_copied_under_another_name_or_moved_continues_its_runs(tmp_path, text_file, capsys):
+    """Only labels and what is watched change (the wandb group is the sweep's name, the out dir, the log
+    interval): what the runs compute is the same. Another step count is another sweep."""
     from ablate import main
     path = write_sweep(tmp_path, text_file, ONE_RUN)
     path.write_text(path.read_text().replace("max_steps = 10", "max_steps = 2"))
@@ -193,6 +194,12 @@ def test_a_sweep_copied_under_another_name_continues_its_runs(tmp_path, text_fil
     copy.write_text(path.read_text())
     capsys.readouterr()
     assert main([str(copy)]) == 0 and capsys.readouterr().out.count("done before, skipped") == 2, "both seeds"
+    os.rename(tmp_path / "sweep", tmp_path / "moved")
+    copy.write_text(path.read_text().replace('sweep"', 'moved"').replace("log_interval = 5", "log_interval = 1"))
+    assert main([str(copy)]) == 0 and capsys.readouterr().out.count("done before, skipped") == 2, "moved"
+    copy.write_text(copy.read_text().replace("max_steps = 2", "max_steps = 3"))
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        main([str(copy)])
 
 
 @pytest.mark.skipif(os.name == "nt", reason="Windows gives an orphan no new parent, so a run whose sweep is killed "
