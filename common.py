@@ -6,7 +6,8 @@ torch nor any other module of the project:
   files    a file is written whole or not at all (atomic_write)
   signals  SIGINT, SIGTERM and SIGHUP (SIGBREAK on Windows) go to one handler while a job runs
            (on_stop_signals)
-  output   a character stdout's encoding lacks is written as '?', never a failure (run_cli)
+  output   a character stdout's encoding lacks is written as '?', never a failure (run_cli); a long
+           job says how far it is on stderr (Progress)
   checks   a config value out of range or not among its choices is a ConfigError naming it
 
 Exit codes: 2 for a usable message (bad config, data, checkpoint, prompt, out dir; a run that cannot
@@ -23,6 +24,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -307,6 +309,38 @@ def duration(seconds: float) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Progress:
+    """How far a long job is, on stderr: 'label: done / total unit, rate unit/s, ETA', amount(n) writing
+    a number of units. On a terminal the line is redrawn at most 5 times a second; into a log a line is written
+    every 10 s, so that a log gets a few lines and a short job none. quiet: nothing at all."""
+
+    def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}", quiet: bool = False):
+        self.label, self.total, self.unit, self.amount, self.quiet = label, total, unit, amount, quiet
+        self.done, self.drawn = 0, False
+        self.start = self.last = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def advance(self, n: float) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.quiet or now - self.last < (0.2 if self.tty else 10.0):
+            return
+        self.last, self.drawn = now, True
+        rate = self.done / max(now - self.start, 1e-9)
+        line = (f"{self.label}: {self.amount(self.done)} / {self.amount(self.total)} {self.unit}, "
+                f"{self.amount(rate)} {self.unit}/s, ETA {duration((self.total - self.done) / max(rate, 1e-9))}")
+        print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self, say_total: bool = False) -> None:
+        """Erase the line from a terminal; say_total: then say how much the job did, and how fast."""
+        if self.drawn and self.tty:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+        if say_total and not self.quiet:
+            took = time.perf_counter() - self.start
+            print(f"{self.label}: {self.amount(self.total)} {self.unit} in {took:.1f} s "
+                  f"({self.amount(self.total / max(took, 1e-9))} {self.unit}/s)", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- checks

@@ -39,9 +39,8 @@ except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
 import json
 import math
 import sys
-import time
 
-from common import ArgumentParser, ConfigError, DataError, TokenizerError, duration, run_cli  # noqa: E402
+from common import ArgumentParser, ConfigError, DataError, Progress, TokenizerError, run_cli  # noqa: E402
 
 
 def parse_args(argv):
@@ -112,13 +111,11 @@ def read_tokens(path, tokenizer):
 def score_files(model, files, texts, block_size, stride, batch_size, autocast) -> list[dict]:
     """One row of figures per file, with a progress line on stderr over all of them."""
     from training.step import score_tokens
-    progress, done, rows = Progress(sum(len(ids) - 1 for ids, _ in texts)), 0, []
+    progress, rows = Progress("scoring", sum(len(ids) - 1 for ids, _ in texts), "tokens"), []
     try:
         for i, (path, (ids, nbytes)) in enumerate(zip(files, texts)):
-            label = f"{path}" + (f" ({i + 1}/{len(files)})" if len(files) > 1 else "")
-            nats, tokens = score_tokens(model, ids, block_size, stride, batch_size, autocast,
-                                        on_batch=lambda n: progress.show(done + n, label))
-            done += tokens
+            progress.label = f"scoring {path}" + (f" ({i + 1}/{len(files)})" if len(files) > 1 else "")
+            nats, tokens = score_tokens(model, ids, block_size, stride, batch_size, autocast, progress.advance)
             rows.append(figures(str(path), tokens, nbytes, nats))
     finally:
         progress.close()
@@ -144,30 +141,6 @@ def table(rows: list[dict]) -> str:
     lines += [f"{r['file']:<{width}}  {r['tokens']:>12,}  {r['loss']:>8.4f}  {number(r['bits_per_byte'], 9, 4)}  "
               f"{number(r['perplexity'], 11, 3)}" for r in rows]
     return "\n".join(lines)
-
-
-class Progress:
-    """One line on stderr while scoring: on a terminal redrawn at most 5 times a second (and erased at
-    the end), otherwise one line every 10 s, so a log gets a few lines and a short job none."""
-
-    def __init__(self, total: int):
-        self.total, self.drawn = total, False
-        self.start = self.last = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def show(self, done: int, label: str) -> None:
-        now = time.perf_counter()
-        if now - self.last < (0.2 if self.tty else 10.0):
-            return
-        self.last, self.drawn = now, True
-        rate = done / max(now - self.start, 1e-9)
-        line = (f"scoring {label}: {done:,} / {self.total:,} tokens, {rate:,.0f} tokens/s, "
-                f"ETA {duration((self.total - done) / max(rate, 1e-9))}")
-        print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.drawn and self.tty:
-            print("\r\033[K", end="", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

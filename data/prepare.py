@@ -28,7 +28,6 @@ import re
 import shutil
 import signal
 import sys
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (ArgumentParser, DataError, TokenizerError, atomic_write, check, duration,
-                    on_stop_signals, run_cli, unwind_on_stop)
+from common import (ArgumentParser, DataError, Progress, TokenizerError, atomic_write, check, on_stop_signals,
+                    run_cli, unwind_on_stop)
 from data.cache import (FORMAT, check_split_sizes, entry_name, make_temp_dir, publish, read_entry,
                         remove_stale_temp_dirs, token_dtype)
 from data.sources import combined_sha256, find_sources, iter_text, sources_sha256
@@ -48,6 +47,11 @@ PIECE_CHARS = 1 << 20       # characters per encoding task (fewer where many cor
 IN_FLIGHT_CHARS = 4 << 20   # characters being encoded or waiting to be written, whatever the core count
 MAX_WORKERS = 32
 PROGRESS_MIN_BYTES = 64 << 20   # show a progress bar for inputs at least this large
+
+
+def mb_progress(label: str, total: float, input_bytes: int) -> Progress:
+    """A progress line in MB, for an input of at least PROGRESS_MIN_BYTES (a smaller one takes a moment)."""
+    return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=input_bytes < PROGRESS_MIN_BYTES)
 
 
 @dataclass
@@ -69,32 +73,6 @@ class DataConfig:
 
 def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-class Progress:
-    """One line on stderr, redrawn at most 5 times a second: done/total MB, MB/s, ETA."""
-
-    def __init__(self, label: str, total: int, show: bool):
-        self.label, self.total, self.show, self.done = label, total, show, 0
-        self.start = self.last = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        now = time.perf_counter()
-        if self.show and now - self.last >= (0.2 if self.tty else 10.0):
-            self.last = now
-            rate = self.done / max(now - self.start, 1e-9)
-            eta = (self.total - self.done) / max(rate, 1e-9)
-            line = (f"{self.label:8s} {self.done / 1e6:9.1f} / {self.total / 1e6:.1f} MB  "
-                    f"{rate / 1e6:6.1f} MB/s  ETA {duration(eta)}")
-            print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.show:
-            took = time.perf_counter() - self.start
-            print(f"{chr(13) if self.tty else ''}{self.label:8s} {self.total / 1e6:9.1f} MB in {took:.1f} s "
-                  f"({self.total / 1e6 / max(took, 1e-9):.1f} MB/s)" + " " * 20, file=sys.stderr, flush=True)
 
 
 def scan(files: list[Path], errors: str, want_chars: bool, progress) -> tuple[list[int], str | None]:
@@ -250,9 +228,9 @@ def _changed(what) -> DataError:
 def _prepare(files: list[Path], data: DataConfig, block_size) -> Path:
     stats = file_stats(files)
     total = sum(size for size, _ in stats)
-    progress = Progress("hashing", total, total >= PROGRESS_MIN_BYTES)
+    progress = mb_progress("hashing", total, total)
     sha = sources_sha256(files, progress)
-    progress.close()
+    progress.close(say_total=True)
     root, source = Path(data.prepared_dir), Path(data.path)
     stem = source.parent.name if glob.has_magic(str(data.path)) else source.stem
     out = root / entry_name(stem, data.tokenizer, sha, data.val_fraction, data.encoding_errors)
@@ -276,10 +254,9 @@ def _prepare(files: list[Path], data: DataConfig, block_size) -> Path:
 def _prepare_anew(files, data: DataConfig, out: Path, expect: dict, block_size, total: int) -> Path:
     """Scan, tokenize and encode files (total bytes) into a new cache entry at out (published when
     complete); expect: the settings and the sha256 the entry is named after."""
-    show = total >= PROGRESS_MIN_BYTES
-    progress = Progress("scanning", total, show)
+    progress = mb_progress("scanning", total, total)
     counts, chars = scan(files, data.encoding_errors, data.tokenizer == "char", progress)
-    progress.close()
+    progress.close(say_total=True)
     n_chars = sum(counts) + (sum(1 for c in counts if c) - 1 if data.tokenizer == "char" else 0)   # + newlines between
     split_at = int(n_chars * (1.0 - data.val_fraction))
     workers = min(MAX_WORKERS, available_cpus())
@@ -290,9 +267,9 @@ def _prepare_anew(files, data: DataConfig, out: Path, expect: dict, block_size, 
         tmp = make_temp_dir(out)
         try:
             tok = _tokenizer(data.tokenizer, chars, files, counts, data.encoding_errors, split_at, piece_chars,
-                             workers, Progress("training", int(total * split_at / max(1, n_chars)), show))
+                             workers, mb_progress("training", int(total * split_at / max(1, n_chars)), total))
             meta = _encode(files, counts, tok, data.encoding_errors, split_at, piece_chars, workers, tmp,
-                           Progress("encoding", total, show), expect["sha256"])
+                           mb_progress("encoding", total, total), expect["sha256"])
             source = Path(data.path)
             split = {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}
             meta.update({"source": str(source.resolve() if source.exists() else source.absolute()),
@@ -327,7 +304,7 @@ def _tokenizer(spec, chars, files, counts, errors, split_at, piece_chars, worker
                 progress.advance(len(text) * progress.total / max(1, split_at))
                 yield text
     tok_meta, took = train_bpe(texts(), vocab_size, batch=2 * workers)
-    progress.close()
+    progress.close(say_total=True)
     tok = load_tokenizer(tok_meta)
     short = "" if tok.vocab_size == vocab_size else " (the text has too few distinct pairs for more)"
     print(f"trained {spec} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens{short}")
@@ -347,7 +324,7 @@ def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, pro
         ok = True
     finally:
         writer.close(ok)
-    progress.close()
+    progress.close(say_total=True)
     # an entry holds exactly the bytes it is named after
     if combined_sha256(files, [h.hexdigest() for h in shas]) != sha:
         raise _changed(files[0] if len(files) == 1 else "a data file")

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +98,7 @@ def test_eval_py_scores_every_token_of_a_file_but_the_first(trained, tmp_path, c
 def test_a_long_scoring_says_how_far_it_is_on_stderr(trained, tmp_path, capsys, monkeypatch):
     """Into a log (not a terminal) a progress line every 10 s: here the clock moves 11 s a reading."""
     clock = iter(range(0, 10**7, 11))
-    monkeypatch.setattr(eval_cli.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     a, b = write(tmp_path / "a.txt", TEXT[:301]), write(tmp_path / "b.txt", TEXT[301:602])
     rc, _, err = run_tool(eval_cli, [trained, a, b, "--device", "cpu", "--batch-size", "2"], capsys)
     done = [(m[1], int(m[2].replace(",", "")), int(m[3].replace(",", "")))

@@ -175,7 +175,7 @@ def score_tokens(model, tokens, block_size: int, stride: int, batch_size: int, a
     """(total next-token loss in nats, tokens scored) of the model on the token ids (a 1-d numpy
     array), in the windows of data.loader.strided_windows: every token after the first is scored
     once. Eval mode (the model's mode is restored after); the sum is kept in float64 on the host, so
-    a long text loses no precision. on_batch(tokens scored so far) is called after each batch."""
+    a long text loses no precision. on_batch(tokens scored) is called after each batch."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -188,6 +188,6 @@ def score_tokens(model, tokens, block_size: int, stride: int, batch_size: int, a
         nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
         total, count = total + nats.item(), count + scored
         if on_batch is not None:
-            on_batch(count)
+            on_batch(scored)
     model.train(was_training)
     return total, count
