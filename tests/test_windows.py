@@ -87,7 +87,7 @@ class FakeMsvcrt:
 
 @pytest.fixture
 def windows_locks(monkeypatch):
-    from training import lock
+    from training import outdir as lock
     fake = FakeMsvcrt()
     monkeypatch.setattr(lock, "fcntl", None)
     monkeypatch.setattr(lock, "msvcrt", fake)
@@ -95,7 +95,7 @@ def windows_locks(monkeypatch):
 
 
 def test_without_fcntl_the_out_dir_is_locked_through_msvcrt(tmp_path, windows_locks):
-    from training.lock import OutDirLock
+    from training.outdir import OutDirLock
     first, second = OutDirLock(tmp_path), OutDirLock(tmp_path)
     second.check_free()   # no .lock yet: free
     first.acquire()
@@ -115,7 +115,7 @@ def test_without_fcntl_the_out_dir_is_locked_through_msvcrt(tmp_path, windows_lo
 
 def test_a_run_into_an_out_dir_locked_through_msvcrt_is_refused_and_writes_nothing(tiny_cfg, windows_locks):
     from tests.conftest import tree
-    from training.lock import OutDirLock
+    from training.outdir import OutDirLock
     from training.trainer import train
     cfg = tiny_cfg(**{"train.max_steps": 2})
     train(cfg, quiet=True)
@@ -135,7 +135,7 @@ def test_a_run_into_an_out_dir_locked_through_msvcrt_is_refused_and_writes_nothi
 
 HOLDER = """
 import sys, time
-from training.lock import OutDirLock
+from training.outdir import OutDirLock
 OutDirLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(300)
@@ -144,7 +144,7 @@ time.sleep(300)
 
 def test_the_out_dir_lock_holds_across_processes_and_goes_with_its_holder(tmp_path):
     """The real lock of this system (flock, or msvcrt on Windows), held by another process."""
-    from training.lock import OutDirLock
+    from training.outdir import OutDirLock
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
