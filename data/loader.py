@@ -71,7 +71,7 @@ class BatchLoader:
                  grad_accum: int = 1, rank: int = 0, world: int = 1):
         meta = load_meta(dataset_dir)   # checked: a damaged dataset is a DataError naming it
         check_split_sizes(meta["tokens"], block_size)
-        self.dataset_dir, self.vocab_size = Path(dataset_dir), meta["vocab_size"]
+        self.dataset_dir, self.meta, self.vocab_size = Path(dataset_dir), meta, meta["vocab_size"]
         self.block_size, self.batch_size, self.device = block_size, batch_size, torch.device(device)
         self.grad_accum, self.rank, self.world = grad_accum, rank, world
         self.splits = {split: np.memmap(self.dataset_dir / f"{split}.bin", dtype=meta["dtype"], mode="r",

@@ -1,6 +1,7 @@
 """Resuming: exactly from any step, after a kill's leftovers, only with the whole training state
 and the same tokenizer, and from an out dir that holds only best.pt."""
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def test_resume_cleans_up_after_a_kill(tiny_cfg):
         f.write('{"step": 11, "kind": "tra')
     (out_path / "best.pt").unlink()
     assert load_checkpoint(out_path / "ckpt_0000010.pt")["is_best"]
+    train(cfg, quiet=True, resume=True, stop_at=10)   # no step: what resuming alone repairs
+    assert os.path.samefile(out_path / "best.pt", out_path / "ckpt_0000010.pt"), "best.pt is the best again"
     summary = train(cfg, quiet=True, resume=True)
     assert summary["step"] == 20 and not list(out_path.glob(".*.tmp"))
     steps = [json.loads(l)["step"] for l in (out_path / "metrics.jsonl").read_text().splitlines()]

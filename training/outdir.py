@@ -31,7 +31,7 @@ except ImportError:   # not Windows
     msvcrt = None
 
 from common import ConfigError, RunError, atomic_write, first_line
-from training.checkpoint import CKPT_RE, latest_checkpoint
+from training.checkpoint import CKPT_RE, latest_checkpoint, repair_best
 from training.config import Config, load_toml
 
 ASIDE = ".replaced"   # an earlier run's files while a new run has no checkpoint yet
@@ -140,6 +140,7 @@ class OutDir:
         self.path = Path(path)
         self.lock = OutDirLock(self.path)
         self.resume_from = None   # the checkpoint a resumed run continues (set by the trainer from check())
+        self.resumes_best = False  # it is the run's best: best.pt must be it (a kill may have cut its relinking)
         self.stored = None        # a resumed run's config.toml as it was, to say what the resumed run changes
         self.created = []         # what this run created (the directory, .lock, config.toml, ...), to undo
         self.opened = False       # this run holds the lock and may have written
@@ -198,6 +199,8 @@ class OutDir:
                 (self.path / ASIDE).mkdir()
                 for p in replaced:
                     os.replace(p, self.path / ASIDE / p.name)
+            if self.resumes_best:
+                repair_best(self.resume_from)
         except OSError as e:
             raise RunError(f"cannot write to the out dir {self.path}: {e.strerror or e}") from None
 

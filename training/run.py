@@ -14,7 +14,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -24,7 +23,7 @@ from data.loader import BatchLoader
 from data.prepare import prepare
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT
-from training.checkpoint import check_resumable, check_same_run, clean_state_dict, load_checkpoint, repair_best
+from training.checkpoint import check_resumable, check_same_run, clean_state_dict, load_checkpoint
 from training.config import Config, changes_from_defaults, changes_since, describe
 from training.optim import build_optimizer
 from training.outdir import Metrics, NoMetrics, OutDir
@@ -42,9 +41,7 @@ class Run:
     world: World                    # this process among the run's processes; world.device computes
     print: Printer                  # prints on the main process unless quiet; .lost once stdout is gone
     dtype: torch.dtype              # the number format of the matmuls (under autocast)
-    dataset: Path                   # the prepared dataset's directory
-    meta: dict                      # its meta.json
-    loader: BatchLoader
+    loader: BatchLoader             # the prepared dataset (loader.meta: its meta.json) and its data order
     model: GPT                      # what is saved; its parameters are the optimizer's
     wrapped: torch.nn.Module        # what the step and evaluation call: model, DDP or FSDP, maybe compiled
     optimizer: object
@@ -53,7 +50,6 @@ class Run:
     out: OutDir
     memory: str                     # the step's estimated memory, for the banner
     tokenizer: object               # the dataset's (samples while training encode and decode with it)
-    relink_best: bool = False       # the resumed checkpoint is the best: best.pt must be it
     train_step: object = None       # the next optimizer step (training/step.py, speed/cuda_graph.py)
     compiled: bool = False          # wrapped is torch.compile'd (train.compile, where compiling worked)
     step: int = 0                   # optimizer steps done
@@ -62,8 +58,6 @@ class Run:
     seconds_before: float = 0.0     # training time of the runs this one continues
     started: float = 0.0            # perf_counter at this process's first step
     metrics: object = field(default_factory=NoMetrics)
-    fastest_ms: float = math.inf    # the fastest ms/step of a log interval so far, and whether a slowdown was said
-    slow_noted: bool = False
 
     @property
     def autocast(self):
@@ -141,8 +135,8 @@ def set_up(cfg: Config, world: World, resume: bool, overwrite: bool, quiet: bool
             tokenizer.encode(t.sample_prompt)
         except TokenizerError as e:
             raise ConfigError(f"train.sample_prompt has {e}") from None
-    run = Run(cfg, world, Printer(world.is_main and not quiet), dtype, dataset, meta, loader, model, wrapped, optimizer,
-              scaler, guard, out, memory, tokenizer)
+    run = Run(cfg, world, Printer(world.is_main and not quiet), dtype, loader, model, wrapped, optimizer, scaler, guard,
+              out, memory, tokenizer)
     return run, ckpt
 
 
@@ -184,8 +178,8 @@ def restore(run: Run, ckpt: dict) -> None:
     run.tokens = ckpt["tokens"]
     run.guard.start_at(run.step, ckpt["skipped_steps"])
     run.guard.saved_step = run.step
-    run.relink_best = ckpt["is_best"]
-    was, now = ckpt["dataset"].get("sha256"), run.meta.get("sha256")
+    run.out.resumes_best = ckpt["is_best"]
+    was, now = ckpt["dataset"].get("sha256"), run.loader.meta.get("sha256")
     if was and now and was != now:
         run.print(f"warning: the training text changed since this checkpoint (sha256 {was[:12]}... then, "
                   f"{now[:12]}... now); training goes on with the new text")
@@ -249,8 +243,6 @@ def start_writing(run: Run) -> None:
 
 def open_out_dir(run: Run) -> None:
     run.out.open()
-    if run.relink_best:
-        repair_best(run.out.resume_from)
     run.out.write("config.toml", describe(run.cfg))
     run.metrics = Metrics(run.cfg, run.out, run.step if run.out.resume_from else None)
 
@@ -267,7 +259,7 @@ def say_what_runs(run: Run) -> None:
     procs = f" x {world.size} processes ({world.kind})" if world.size > 1 else ""
     how = ("CUDA graph" if run.train_step.kind == "graph" else "eager") + (", compiled" if run.compiled else "")
     run.print(f"# {run.model.num_params() / 1e6:.2f}M parameters, vocab {run.cfg.model.vocab_size:,} | {world.device}, "
-              f"{dtype_name(run.dtype)}, {how}{procs} | {run.tokens_per_step:,} tokens/step | data {run.dataset}")
+              f"{dtype_name(run.dtype)}, {how}{procs} | {run.tokens_per_step:,} tokens/step | data {run.loader.dataset_dir}")
     run.print(f"# memory: {run.memory}")
     if t.fsdp and world.size == 1:
         run.print("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")

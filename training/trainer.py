@@ -9,6 +9,7 @@ Exact resume: the model, the optimizer, the LR schedule, the data order and ever
 continue where the checkpoint left them.
 """
 import functools
+import math
 import os
 import signal
 import sys
@@ -104,7 +105,8 @@ def evaluate_and_save(run: Run) -> dict:
     ev = evaluate(run)
     is_best = ev["val"] < run.best_val
     run.best_val = min(run.best_val, ev["val"])
-    bpb = {s: bits_per_byte(ev[s], run.meta["tokens"][s], run.meta["bytes"][s]) for s in ("train", "val")}
+    meta = run.loader.meta
+    bpb = {s: bits_per_byte(ev[s], meta["tokens"][s], meta["bytes"][s]) for s in ("train", "val")}
     run.print(f"eval {run.step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f} | val {bpb['val']:.4f} bits/byte"
               f"{' (best)' if is_best else ''}")
     run.metrics.log({"step": run.step, "kind": "eval", "train_loss": ev["train"], "val_loss": ev["val"],
@@ -143,8 +145,8 @@ def save(run: Run, is_best: bool) -> None:
     if not run.world.is_main:
         return
     ckpt = new_checkpoint(
-        config=run.cfg.to_dict(), tokenizer=run.meta["tokenizer"], model=clean_state_dict(model_state),
-        step=run.step, dataset=run.meta, optimizer=optimizer_state,
+        config=run.cfg.to_dict(), tokenizer=run.loader.meta["tokenizer"], model=clean_state_dict(model_state),
+        step=run.step, dataset=run.loader.meta, optimizer=optimizer_state,
         scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None, loader=run.loader.state_dict(),
         rng_ranks=rngs, best_val_loss=run.best_val, elapsed=run.elapsed(), tokens=run.tokens,
         skipped_steps=run.guard.skipped, is_best=is_best)
@@ -159,7 +161,6 @@ def log_progress(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, lr: floa
     """One log line and metrics record for the last `steps` steps (this reads the loss: a sync)."""
     run.guard.check()
     ms = seconds * 1000 / steps
-    note_slowdown(run, ms)
     record = {"step": run.step, "kind": "train", "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
               "ms_per_step": ms, "tokens_per_s": run.tokens_per_step * 1000 / ms, "skipped_steps": run.guard.skipped}
     eta = duration((run.cfg.train.max_steps - run.step) * ms / 1000)
@@ -176,7 +177,7 @@ def run_steps(run: Run, stop: StopRequest, stop_at: int | None, on_step) -> dict
     end = min(t.max_steps, stop_at or t.max_steps)
     schedule = functools.partial(lr_at, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                                  max_steps=t.max_steps, schedule=t.schedule, warmdown_frac=t.warmdown_frac)
-    losses, last_eval, stopping = {}, None, False
+    losses, last_eval, stopping, note_slowdown = {}, None, False, SlowdownNote(run)
     run.started = interval_start = time.perf_counter()
     interval_steps = 0
     try:
@@ -197,8 +198,9 @@ def run_steps(run: Run, stop: StopRequest, stop_at: int | None, on_step) -> dict
             stopping = run.world.agree_to_stop(stop.signal is not None or run.print.lost)   # all ranks alike
             logged = run.step % t.log_interval == 0 or run.step == t.max_steps
             if logged:
-                losses[run.step] = log_progress(run, loss, grad_norm, lr, interval_steps,
-                                                time.perf_counter() - interval_start)["loss"]
+                record = log_progress(run, loss, grad_norm, lr, interval_steps, time.perf_counter() - interval_start)
+                losses[run.step] = record["loss"]
+                note_slowdown(record["ms_per_step"])
             if run.step % t.eval_interval == 0 or run.step == end or stopping:   # end: max_steps, stop_at or on_step's
                 last_eval = evaluate_and_save(run)
                 logged = True
@@ -261,10 +263,16 @@ def finish(run: Run, losses: dict, last_eval: dict | None, stopping: bool, exit_
             "interrupted": stopping, "exit_code": exit_code}
 
 
-def note_slowdown(run: Run, ms: float) -> None:
-    """Once, on CPU: steps have become much slower than the fastest so far (other work took the cores)."""
-    if run.world.device.type == "cpu" and not run.slow_noted and ms > 4 * run.fastest_ms and ms - run.fastest_ms > 20:
-        run.slow_noted = True
-        note(run, f"note: steps have become {ms / run.fastest_ms:.1f}x slower ({run.fastest_ms:.0f} -> {ms:.0f} ms): "
-                  f"if other work now uses the CPU cores, OMP_NUM_THREADS=1 (and --resume) lets this run share them")
-    run.fastest_ms = min(run.fastest_ms, ms)
+class SlowdownNote:
+    """Says once, on CPU, that steps have become much slower than the fastest so far (other work took the cores)."""
+
+    def __init__(self, run: Run):
+        self.run, self.fastest_ms, self.said = run, math.inf, run.world.device.type != "cpu"
+
+    def __call__(self, ms: float) -> None:
+        if not self.said and ms > 4 * self.fastest_ms and ms - self.fastest_ms > 20:
+            self.said = True
+            note(self.run, f"note: steps have become {ms / self.fastest_ms:.1f}x slower ({self.fastest_ms:.0f} -> "
+                           f"{ms:.0f} ms): if other work now uses the CPU cores, OMP_NUM_THREADS=1 (and --resume) "
+                           f"lets this run share them")
+        self.fastest_ms = min(self.fastest_ms, ms)
