@@ -11,7 +11,8 @@ writes, into --out (default: <run dir>/attention/), and prints the paths of
     attention_summary.png    per head: the share of attention on the previous token, the first token,
                              itself, the newline that began its line, the same column one line up
                              (character models), and the mean distance looked back, in tokens
-With --html FILE it writes instead one self-contained page (viz/attention_page.py) where hovering or
+The figures are drawn by viz/attention_maps.py. With --html FILE it writes instead one self-contained
+page (viz/attention_page.py) where hovering or
 clicking a token shows where it looks, for every chosen layer and head, with an overview of all heads
 and the same summary; it suits long prompts (hundreds of tokens), where the PNGs' labels would not
 fit. Give --out as well to have both. The weights are the model's own, by its variant's math
@@ -23,16 +24,10 @@ try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_c
 except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
     raise SystemExit(130)
 
-import math
 import sys
 from pathlib import Path
 
 from common import ArgumentParser, ConfigError, RunError, TokenizerError, atomic_write, run_cli  # noqa: E402
-
-VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
-SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself",
-               "newline": "newline that\nbegan its line", "line_up": "same column\none line up"}
-
 
 def parse_args(argv):
     p = ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
@@ -85,75 +80,6 @@ def token_texts(tokenizer, ids: list[int]) -> list[str]:
     return [tokenizer.decode_bytes([i]).decode("utf-8", errors="replace") for i in ids]
 
 
-def visible(text: str) -> str:
-    """A label that shows whitespace: 'to be' -> 'to␣be', '\\n' -> '⏎'."""
-    return "".join(VISIBLE.get(ch, ch) for ch in text)
-
-
-def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: int = 100):
-    """weights (len(heads), T, T) as a numpy array -> a Figure with one heatmap panel per head (and a
-    colour bar). Softmax weights are drawn on [0, 1] with a square-root scale, so that a weight of
-    0.05 is still visible; signed weights (linear attention with rope) on a diverging scale around 0."""
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import Normalize, PowerNorm
-
-    n, T = len(heads), weights.shape[-1]
-    cols = math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
-    size = min(8.0, max(2.5, 0.13 * T))                                  # inches per panel
-    font = min(9.0, max(3.0, 0.7 * size * 72 / T))                      # points: a label per token must fit
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * size + 1.2, rows * size + 0.6), dpi=dpi,
-                             squeeze=False, layout="constrained")
-    signed = bool((weights < 0).any())
-    if signed:
-        m = float(abs(weights).max())
-        norm, cmap = Normalize(-m, m), "RdBu_r"
-    else:
-        norm, cmap = PowerNorm(0.5, vmin=0.0, vmax=max(1.0, float(weights.max()))), "Blues"
-    for ax, h, w in zip(axes.flat, heads, weights):
-        image = ax.imshow(w, cmap=cmap, norm=norm, interpolation="nearest")
-        ax.set_title(f"head {h}", fontsize=10)
-        ax.set_xticks(range(T), labels, fontsize=font, rotation=90)
-        ax.set_yticks(range(T), labels, fontsize=font)
-        ax.tick_params(length=0, pad=1)
-        ax.set_xlabel("key: the token attended to", fontsize=8)
-        ax.set_ylabel("query: the token attending", fontsize=8)
-    for ax in axes.flat[n:]:
-        fig.delaxes(ax)
-    label = "weight (signed: not a distribution)" if signed else "weight (square-root scale)"
-    fig.colorbar(image, ax=axes.flat[:n], shrink=0.6, label=label)
-    fig.suptitle(title, fontsize=11)
-    return fig
-
-
-def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
-    """rows: a name per head ('layer 0 head 1'); scores: {name: (len(rows),) numpy} from
-    model.inspect.head_scores -> a Figure of two annotated heatmaps, shares and mean distance."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
-    shares = np.stack([scores[s] for s in names], axis=1)                # (heads, patterns)
-    distance = scores["distance"][:, None]                               # (heads, 1)
-    height = 1.2 + 0.28 * len(rows)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(2.2 + 1.0 * len(names) + 1.6, height), dpi=dpi,
-                                      width_ratios=[len(names), 1.3], layout="constrained")
-    panels = ((left, shares, [SCORE_NAMES[s] for s in names], "Blues", (0.0, 1.0), "{:.2f}"),
-              (right, distance, ["mean\ndistance"], "Oranges", (0.0, max(1.0, float(np.nanmax(distance)))), "{:.1f}"))
-    for ax, values, columns, cmap, (lo, hi), fmt in panels:
-        ax.imshow(values, cmap=cmap, vmin=lo, vmax=hi, aspect="auto", interpolation="nearest")
-        ax.set_xticks(range(len(columns)), columns, fontsize=8)
-        ax.xaxis.tick_top()
-        ax.set_yticks(range(len(rows)), rows if ax is left else [], fontsize=8)
-        ax.tick_params(length=0)
-        for (r, c), v in np.ndenumerate(values):
-            dark = (v - lo) / (hi - lo) > 0.6
-            ax.text(c, r, fmt.format(v), ha="center", va="center", fontsize=7, color="white" if dark else "black")
-    left.set_title("share of each head's attention on ...", fontsize=9)
-    right.set_title("tokens back", fontsize=9)
-    return fig
-
-
 def page_path(spec: str) -> Path:
     """--html's file, checked before the model runs: not a folder, and not below a file."""
     path = Path(spec)
@@ -173,6 +99,8 @@ def draw_pngs(out_dir: Path, weights: list, scores: dict, texts: list[str], laye
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from viz.attention_maps import plot_layer, plot_summary, visible
+
     out_dir.mkdir(parents=True, exist_ok=True)
     labels, written = [visible(t) for t in texts], []
 
@@ -191,6 +119,8 @@ def draw_pngs(out_dir: Path, weights: list, scores: dict, texts: list[str], laye
 def say_best(rows: list[str], scores: dict) -> None:
     """On stderr, the head with the largest share of each kind."""
     import numpy as np
+
+    from viz.attention_maps import SCORE_NAMES
     for name in SCORE_NAMES:
         if not np.isnan(scores[name]).all():
             best = int(np.nanargmax(scores[name]))

@@ -150,7 +150,7 @@ def image_panels(fig):
 def test_a_layer_figure_has_a_labelled_panel_per_head():
     import matplotlib
     matplotlib.use("Agg")
-    from attention import plot_layer, visible
+    from viz.attention_maps import plot_layer, visible
     labels = [visible(c) for c in "To be\nor"]
     fig = plot_layer(torch.rand(3, 8, 8).numpy(), labels, heads=[0, 2, 3], title="layer 0")
     panels = image_panels(fig)
@@ -160,7 +160,8 @@ def test_a_layer_figure_has_a_labelled_panel_per_head():
 
 
 def test_bpe_tokens_are_labelled_with_their_text_and_visible_whitespace():
-    from attention import token_texts, visible
+    from attention import token_texts
+    from viz.attention_maps import visible
     from common import TokenizerError
     from data.tokenizers import build_tokenizer
     try:
@@ -185,12 +186,13 @@ def test_the_command_writes_a_png_per_layer_and_a_summary(run_dir, tmp_path):
 
 def test_the_command_draws_the_chosen_heads_and_cuts_a_long_prompt(run_dir, capsys, monkeypatch):
     import attention
-    drawn, draw = [], attention.plot_layer
+    import viz.attention_maps
+    drawn, draw = [], viz.attention_maps.plot_layer
 
     def spy(weights, labels, heads, *rest):
         drawn.append((weights.shape, len(labels), heads, draw(weights, labels, heads, *rest)))
         return drawn[-1][-1]
-    monkeypatch.setattr(attention, "plot_layer", spy)
+    monkeypatch.setattr(viz.attention_maps, "plot_layer", spy)
     assert attention.main([str(run_dir), "--prompt", "a" * 30, "--layers", "1", "--heads", "0,2"]) == 0
     (shape, n_labels, heads, fig), = drawn
     assert shape == (2, 24, 24) and n_labels == 24 and heads == [0, 2] and len(image_panels(fig)) == 2

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from viz.attention_maps import SCORE_NAMES as SHARE_NAMES
+
 TEMPLATE = Path(__file__).with_name("attention_page.html")
 PLACEHOLDER = "/*ATTENTION_DATA*/"
-SCORE_NAMES = {"previous": "previous token", "first": "first token", "self": "itself",
-               "newline": "newline that began its line", "line_up": "same column one line up",
+SCORE_NAMES = {**{name: title.replace("\n", " ") for name, title in SHARE_NAMES.items()},
                "distance": "mean distance (tokens back)"}
 
 

@@ -1,0 +1,82 @@
+"""Attention weights as PNG figures: a heatmap panel per head for one layer (plot_layer), and the
+per-head summary of model/inspect.py's head_scores as two annotated heatmaps (plot_summary). Each
+returns a matplotlib Figure; attention.py saves them.
+
+    fig = plot_layer(weights, [visible(t) for t in texts], heads, "layer 0")   # weights (heads, T, T)
+"""
+import math
+
+import numpy as np
+
+VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
+# what head_scores measures, as column titles (broken where a narrow column needs it)
+SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself",
+               "newline": "newline that\nbegan its line", "line_up": "same column\none line up"}
+
+
+def visible(text: str) -> str:
+    """A label that shows whitespace: 'to be' -> 'to␣be', '\\n' -> '⏎'."""
+    return "".join(VISIBLE.get(ch, ch) for ch in text)
+
+
+def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: int = 100):
+    """weights (len(heads), T, T) as a numpy array -> a Figure with one heatmap panel per head (and a
+    colour bar). Softmax weights are drawn on [0, 1] with a square-root scale, so that a weight of
+    0.05 is still visible; signed weights (linear attention with rope) on a diverging scale around 0."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import Normalize, PowerNorm
+
+    n, T = len(heads), weights.shape[-1]
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    size = min(8.0, max(2.5, 0.13 * T))                                  # inches per panel
+    font = min(9.0, max(3.0, 0.7 * size * 72 / T))                      # points: a label per token must fit
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * size + 1.2, rows * size + 0.6), dpi=dpi,
+                             squeeze=False, layout="constrained")
+    signed = bool((weights < 0).any())
+    if signed:
+        m = float(abs(weights).max())
+        norm, cmap = Normalize(-m, m), "RdBu_r"
+    else:
+        norm, cmap = PowerNorm(0.5, vmin=0.0, vmax=max(1.0, float(weights.max()))), "Blues"
+    for ax, h, w in zip(axes.flat, heads, weights):
+        image = ax.imshow(w, cmap=cmap, norm=norm, interpolation="nearest")
+        ax.set_title(f"head {h}", fontsize=10)
+        ax.set_xticks(range(T), labels, fontsize=font, rotation=90)
+        ax.set_yticks(range(T), labels, fontsize=font)
+        ax.tick_params(length=0, pad=1)
+        ax.set_xlabel("key: the token attended to", fontsize=8)
+        ax.set_ylabel("query: the token attending", fontsize=8)
+    for ax in axes.flat[n:]:
+        fig.delaxes(ax)
+    label = "weight (signed: not a distribution)" if signed else "weight (square-root scale)"
+    fig.colorbar(image, ax=axes.flat[:n], shrink=0.6, label=label)
+    fig.suptitle(title, fontsize=11)
+    return fig
+
+
+def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
+    """rows: a name per head ('layer 0 head 1'); scores: {name: (len(rows),) numpy} from
+    model.inspect.head_scores -> a Figure of two annotated heatmaps, shares and mean distance."""
+    import matplotlib.pyplot as plt
+
+    names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
+    shares = np.stack([scores[s] for s in names], axis=1)                # (heads, patterns)
+    distance = scores["distance"][:, None]                               # (heads, 1)
+    height = 1.2 + 0.28 * len(rows)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(2.2 + 1.0 * len(names) + 1.6, height), dpi=dpi,
+                                      width_ratios=[len(names), 1.3], layout="constrained")
+    panels = ((left, shares, [SCORE_NAMES[s] for s in names], "Blues", (0.0, 1.0), "{:.2f}"),
+              (right, distance, ["mean\ndistance"], "Oranges", (0.0, max(1.0, float(np.nanmax(distance)))), "{:.1f}"))
+    for ax, values, columns, cmap, (lo, hi), fmt in panels:
+        ax.imshow(values, cmap=cmap, vmin=lo, vmax=hi, aspect="auto", interpolation="nearest")
+        ax.set_xticks(range(len(columns)), columns, fontsize=8)
+        ax.xaxis.tick_top()
+        ax.set_yticks(range(len(rows)), rows if ax is left else [], fontsize=8)
+        ax.tick_params(length=0)
+        for (r, c), v in np.ndenumerate(values):
+            dark = (v - lo) / (hi - lo) > 0.6
+            ax.text(c, r, fmt.format(v), ha="center", va="center", fontsize=7, color="white" if dark else "black")
+    left.set_title("share of each head's attention on ...", fontsize=9)
+    right.set_title("tokens back", fontsize=9)
+    return fig
