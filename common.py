@@ -313,8 +313,8 @@ def duration(seconds: float) -> str:
 
 class Progress:
     """How far a long job is, on stderr: 'label: done / total unit, rate unit/s, ETA', amount(n) writing
-    a number of units. On a terminal the line is redrawn at most 5 times a second; into a log a line is written
-    every 10 s, so that a log gets a few lines and a short job none. quiet: nothing at all."""
+    a number of units. On a terminal the line is redrawn at most 5 times a second; into a log a line is
+    written every 10 s, so that a log gets a few lines and a short job none. quiet: nothing at all."""
 
     def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}", quiet: bool = False):
         self.label, self.total, self.unit, self.amount, self.quiet = label, total, unit, amount, quiet

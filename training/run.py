@@ -135,8 +135,8 @@ def set_up(cfg: Config, world: World, resume: bool, overwrite: bool, quiet: bool
             tokenizer.encode(t.sample_prompt)
         except TokenizerError as e:
             raise ConfigError(f"train.sample_prompt has {e}") from None
-    run = Run(cfg, world, Printer(world.is_main and not quiet), dtype, loader, model, wrapped, optimizer, scaler, guard,
-              out, memory, tokenizer)
+    run = Run(cfg, world, Printer(world.is_main and not quiet), dtype, loader, model, wrapped, optimizer, scaler,
+              guard, out, memory, tokenizer)
     return run, ckpt
 
 
@@ -259,7 +259,8 @@ def say_what_runs(run: Run) -> None:
     procs = f" x {world.size} processes ({world.kind})" if world.size > 1 else ""
     how = ("CUDA graph" if run.train_step.kind == "graph" else "eager") + (", compiled" if run.compiled else "")
     run.print(f"# {run.model.num_params() / 1e6:.2f}M parameters, vocab {run.cfg.model.vocab_size:,} | {world.device}, "
-              f"{dtype_name(run.dtype)}, {how}{procs} | {run.tokens_per_step:,} tokens/step | data {run.loader.dataset_dir}")
+              f"{dtype_name(run.dtype)}, {how}{procs} | {run.tokens_per_step:,} tokens/step | "
+              f"data {run.loader.dataset_dir}")
     run.print(f"# memory: {run.memory}")
     if t.fsdp and world.size == 1:
         run.print("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
