@@ -42,7 +42,6 @@ RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and th
 # The file holds the holder's PID, for the message that turns a second run away; the lock itself is the
 # operating system's, so that it goes with its process however the process ends (a crash or kill -9
 # leaves no stale lock). POSIX: flock on the whole file. Windows (no fcntl): msvcrt.locking on one byte.
-
 # Windows' locks are byte ranges, and mandatory: no other process can read a locked byte. The lock is
 # on one byte far past the PID that .lock holds (a lock may lie past the end of a file), so that a
 # refused run can still read whose lock it is.

@@ -267,7 +267,8 @@ class SlowdownNote:
     """Says once, on CPU, that steps have become much slower than the fastest so far (other work took the cores)."""
 
     def __init__(self, run: Run):
-        self.run, self.fastest_ms, self.said = run, math.inf, run.world.device.type != "cpu"
+        self.run, self.fastest_ms = run, math.inf
+        self.said = run.world.device.type != "cpu"   # off the CPU there is nothing to say
 
     def __call__(self, ms: float) -> None:
         if not self.said and ms > 4 * self.fastest_ms and ms - self.fastest_ms > 20:
