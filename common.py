@@ -1,23 +1,19 @@
-"""What every command of this repository keeps to, imported by all of them and importing neither
-torch nor any other module of the project:
+"""What every command of this repository keeps to; imports neither torch nor the rest of the project.
 
-  errors   a mistake a user can make (or a fault of the machine) is a UserError; run_cli turns it
-           into one line on stderr and a non-zero exit, never a traceback
-  files    a file is written whole or not at all (atomic_write)
-  signals  SIGINT, SIGTERM and SIGHUP (SIGBREAK on Windows) go to one handler while a job runs
-           (on_stop_signals)
-  output   a character stdout's encoding lacks is written as '?', never a failure (run_cli); a long
-           job says how far it is on stderr (Progress)
-  checks   a config value out of range or not among its choices is a ConfigError naming it
+  errors    a mistake a user can make (or a fault of the machine) is a UserError; run_cli turns it, and
+            an OSError, into one line on stderr and a non-zero exit, never a traceback
+  settings  a config field is setting(default, "what it does"): --help and docs/config.md read the text
+  files     a file is written whole or not at all (atomic_write)
+  signals   SIGINT, SIGTERM and SIGHUP (SIGBREAK on Windows) go to one handler while a job runs
+  output    a long job says how far it is on stderr (Progress); a lost stdout ends nothing (Printer)
 
 Exit codes: 2 for a usable message (bad config, data, checkpoint, prompt, out dir; a run that cannot
-go on), 3 for out of memory outside the training loop, 128 + the signal's number when a signal
-stopped the job (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, 149 for Windows' SIGBREAK).
-
-(Over 300 lines on purpose: the one leaf module every command imports; its promises stay together.)
+go on), 3 for out of memory outside the training loop, 128 + the signal's number when a signal stopped
+the job (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
 """
 import argparse
-import codecs
+import dataclasses
+import errno
 import math
 import os
 import re
@@ -28,12 +24,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+WINDOWS = os.name == "nt"
 
-# ---------------------------------------------------------------- errors
 
 class UserError(Exception):
-    """Something the user can fix (or the machine's fault), said in one line: which file, key or
-    value, and why."""
+    """Something the user can fix (or the machine's fault), said in one line."""
 
 
 class ConfigError(UserError, ValueError):
@@ -65,37 +60,42 @@ class Interrupted(KeyboardInterrupt):
 
     def __init__(self, signum: int, message: str = ""):
         super().__init__(message or f"stopped by {signal.Signals(signum).name}")
-        self.signum, self.exit_code = signum, 128 + signum
+        self.exit_code = 128 + signum
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
-    """What a one-line message can quote of an exception: the first line of its message, at most
-    `limit` characters (its type's name when it has no message). torch's run over many lines, and
-    some put a C++ source location first ('[enforce fail at alloc_cpu.cpp:127] err == 0.', gloo's
-    '[.../pair.cc:537] Read error ...'): it is left out."""
+    """The first line of an exception's message (torch's run over many lines, some behind a C++
+    source location such as '[enforce fail at alloc_cpu.cpp:127] err == 0.', which is left out)."""
     text = re.sub(r"^\[[^\]]*\]\s*(err == 0\.\s*)?", "", str(error).strip())
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Any allocation failure: torch's (CUDA or CPU allocator), numpy's, Python's."""
-    if isinstance(error, MemoryError):   # numpy's _ArrayMemoryError too
-        return True
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and (type(error).__name__ == "OutOfMemoryError" or any(
-        s in text for s in ("can't allocate memory", "out of memory", "not enough memory")))
+    return isinstance(error, MemoryError) or isinstance(error, RuntimeError) and (
+        type(error).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "out of memory" in text)
+
+
+# what the user can do about the errors the system reports for a path
+OS_ADVICE = {errno.ENOSPC: "the disk is full: free some space", errno.EROFS: "choose a writable place",
+             errno.EACCES: "check its permissions, or choose another place", errno.EEXIST: "remove it, or choose "
+             "another name", errno.ENOTDIR: "a file stands where a directory is needed", errno.EISDIR: "it is a "
+             "directory, a file is needed", errno.ENAMETOOLONG: "choose a shorter name"}
+
+
+def os_error(e: OSError) -> str:
+    """An OSError in words: what failed, where, and what to do (not errno's bare text)."""
+    where = f" ({e.filename})" if e.filename else ""
+    return f"{e.strerror or e}{where}" + (f": {OS_ADVICE[e.errno]}" if e.errno in OS_ADVICE else "")
 
 
 def run_cli(main, argv: list[str]) -> int:
-    """Run main(argv); turn what a user can cause into one line on stderr and a non-zero exit.
-
-    Ctrl-C: a command's script gives SIGINT its default action at its first line, so that a Ctrl-C
-    ends it at once and quietly, wherever it is (a KeyboardInterrupt raised inside `import torch`
-    aborts in native code instead of unwinding). Jobs that must stop cleanly take the signal
-    themselves with on_stop_signals: training finishes its step and saves, preparing data removes
-    its temporary files, a sweep stops its run."""
-    message, unshown = None, Unshown.count
-    tolerant_stdout()
+    """Run main(argv); turn what a user can cause into one line on stderr and a non-zero exit. A
+    character stdout's encoding lacks is written as '?' (output redirected in a Windows code page)."""
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
+    message = None
     try:
         code = main(argv)
     except UserError as e:
@@ -106,58 +106,35 @@ def run_cli(main, argv: list[str]) -> int:
         code, message = 130, "interrupted"
     except BrokenPipeError:   # e.g. `python sample.py ... | head`
         code = 0
-    except OSError as e:      # the machine's fault, not the code's: a full disk, a vanished file system
-        code, message = 2, f"error: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+    except OSError as e:      # the machine's, not the code's: a full disk, a read-only file system
+        code, message = 2, f"error: {os_error(e)}"
     except (MemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
         code, message = 3, (f"error: out of memory ({first_line(e, 100)}); try a smaller batch, block size, model "
                             f"or number of samples (checkpoints already written are kept)")
-    if Unshown.count > unshown:
-        print(f"note: stdout's encoding ({sys.stdout.encoding}) lacks {Unshown.count - unshown} of the characters "
-              f"written, shown as '?' (set PYTHONIOENCODING=utf-8 to write UTF-8)", file=sys.stderr)
     if message:
         print(message, file=sys.stderr)
     return code
 
 
-class Unshown:
-    """How many characters went to stdout as '?' because its encoding lacks them (tolerant_stdout)."""
-    count = 0
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, whose errors are one line like every other refusal: 'error: ... (see --help)'."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
 
 
-def _as_question_marks(error: UnicodeError):
-    """The codec error handler "unshown": each character the encoding lacks becomes '?', and is counted."""
-    if not isinstance(error, UnicodeEncodeError):
-        raise error
-    Unshown.count += error.end - error.start
-    return "?" * (error.end - error.start), error.end
-
-
-codecs.register_error("unshown", _as_question_marks)
-
-
-def tolerant_stdout() -> None:
-    """Make sys.stdout write a character its encoding lacks as '?' instead of failing midway. A Windows
-    console takes UTF-8, but output redirected to a file or pipe there is in the ANSI code page (cp1252
-    in most Western setups), which lacks Δ, √ and most of the world's scripts. (Writing UTF-8 bytes
-    instead would turn every non-ASCII character into two or three wrong ones for a reader that expects
-    that code page.) A stream that encodes everything (UTF-8), has a lenient error handler already, or
-    cannot be reconfigured (not a TextIOWrapper, or none at all: a closed stdout) stays as it is."""
-    out = sys.stdout
-    if getattr(out, "errors", None) != "strict" or not hasattr(out, "reconfigure"):
-        return
-    try:
-        if not codecs.lookup(out.encoding).name.startswith("utf"):
-            out.reconfigure(errors="unshown")
-    except (LookupError, OSError, TypeError, ValueError):   # an unknown codec name, a closed stream
-        pass
+def setting(default, help: str):
+    """A config dataclass field with what it does, for --help and docs/config.md."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 class Printer:
-    """print() for a job's progress, flushed at once, which a lost stdout never stops: when a pipe's
-    reader has ended or the terminal has gone, .lost is set and later lines go nowhere (the job decides
-    what losing its output means). Printer(False) prints nothing (quiet runs, ranks other than 0)."""
+    """print(), flushed at once, which a lost stdout (a pipe's reader gone, a closed terminal) never
+    stops: .lost is set and later lines go nowhere. Printer(False) prints nothing (quiet runs, ranks
+    other than 0)."""
 
     def __init__(self, enabled: bool = True):
         self.enabled, self.lost = enabled, False
@@ -175,20 +152,10 @@ class Printer:
                 pass
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, whose errors are one line like every other refusal: 'error: ... (see --help)'."""
-
-    def error(self, message: str):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-# ---------------------------------------------------------------- files
-
-def atomic_write(path: Path, data) -> None:
-    """Write data (str, bytes, or a function that writes to a binary file) to a temporary file beside
-    path, fsync it and rename it over path: a reader, or a process killed meanwhile, finds the old
-    file or the new one, never part of one. The temporary file is .<name>.tmp."""
+def atomic_write(path, data) -> None:
+    """Write data (str, bytes, or a function that writes to a binary file) to .<name>.tmp beside path,
+    fsync it and rename it over path: a reader, or a process killed meanwhile, finds the old file or
+    the new one, never part of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     write = data if callable(data) else (lambda f: f.write(data.encode("utf-8") if isinstance(data, str) else data))
@@ -201,42 +168,29 @@ def atomic_write(path: Path, data) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    try:   # the rename itself is durable once the directory is synced (not every system can)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 # ---------------------------------------------------------------- signals
 
 def stop_signals() -> list[int]:
-    """The signals that ask a job to stop, of those this system has: SIGINT (Ctrl-C), SIGTERM, SIGHUP
-    (a closed terminal; not on Windows) and SIGBREAK (Windows only: Ctrl-Break, what a sweep sends its
-    run there, where SIGINT cannot be sent to another process, and a closed console window, after which
-    Windows allows the process only a few seconds)."""
+    """The signals that ask a job to stop, of those this system has: SIGINT (Ctrl-C), SIGTERM, SIGHUP (a
+    closed terminal; not on Windows) and SIGBREAK (Windows: Ctrl-Break, a closed console, a sweep's stop)."""
     return [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGBREAK") if hasattr(signal, name)]
 
 
 @contextmanager
 def on_stop_signals(handler):
-    """While inside, the stop signals (above) call handler(signum) instead of ending the process.
-    A signal the shell ignores (nohup) stays ignored, one this process may not take is left as it is,
-    and the previous handlers come back afterwards. Python sets handlers in the main thread only:
-    elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    """While inside, the stop signals call handler(signum). A signal the shell ignores (nohup) stays
+    ignored, one the system refuses a handler for is left as it is, and the previous handlers come back
+    afterwards. (Python sets handlers in the main thread only: elsewhere nothing changes.)"""
     previous = {}
-    for s in stop_signals():
-        try:
-            if signal.getsignal(s) is not signal.SIG_IGN:
-                previous[s] = signal.signal(s, lambda signum, frame: handler(signum))
-        except (OSError, ValueError):   # a signal the system refuses a handler for
-            pass
+    if threading.current_thread() is threading.main_thread():
+        for s in stop_signals():
+            try:
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    previous[s] = signal.signal(s, lambda signum, frame: handler(signum))
+            except (OSError, ValueError):
+                pass
     try:
         yield
     finally:
@@ -246,18 +200,23 @@ def on_stop_signals(handler):
 
 class StopRequest:
     """A handler for on_stop_signals where a job stops at a safe point: the first signal is recorded
-    (the job reads .signal, its name) and said; a second one ends the process at once."""
+    (.signal, its name) and said; a second one ends the process at once. (os.write: a print() here could
+    land inside the print() the signal interrupted.)"""
 
     def __init__(self, doing: str):
         self.doing, self.signal = doing, None
 
     def __call__(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        if self.signal is not None:
-            say_now(f"\n{name} again: exiting now\n")
+        again = self.signal is not None
+        self.signal = self.signal or name
+        try:
+            os.write(2, f"\n{name}{' again: exiting now' if again else f': {self.doing} (again to exit at once)'}\n"
+                     .encode())
+        except OSError:
+            pass
+        if again:
             os._exit(128 + signum)
-        self.signal = name
-        say_now(f"\n{name}: {self.doing} (again to exit at once)\n")
 
 
 def unwind_on_stop(message=None):
@@ -272,55 +231,22 @@ def unwind_on_stop(message=None):
     return handler
 
 
-WINDOWS = os.name == "nt"
-
-
-def alive(pid: int) -> bool:
-    """Whether process pid (of this host) still runs. An ended process its parent has not yet reaped
-    (a zombie) counts as ended. On Windows os.kill(pid, 0) would end the process, not ask: there
-    every process is taken as alive."""
-    if pid <= 0 or WINDOWS:
-        return pid > 0
-    try:
-        os.kill(pid, 0)   # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:       # it exists, owned by someone else
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):   # no /proc (not Linux): taken as alive
-        return True
-
-
-def say_now(text: str) -> None:
-    """Write to stderr from a signal handler: print() could land inside a print() that the signal
-    interrupted, which Python's buffered streams refuse with an exception."""
-    try:
-        os.write(sys.stderr.fileno(), text.encode())
-    except (OSError, ValueError):   # no file descriptor (e.g. captured by pytest), or a closed one
-        pass
-
+# ---------------------------------------------------------------- progress and checks
 
 def duration(seconds: float) -> str:
     """3725 -> '1:02:05', 65 -> '1:05'."""
-    seconds = max(0, int(round(seconds)))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+    h, rest = divmod(max(0, int(round(seconds))), 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
 class Progress:
-    """How far a long job is, on stderr: 'label: done / total unit, rate unit/s, ETA', amount(n) writing
-    a number of units. On a terminal the line is redrawn at most 5 times a second; into a log a line is
-    written every 10 s, so that a log gets a few lines and a short job none. quiet: nothing at all."""
+    """How far a long job is, on stderr: 'label: done / total unit, rate unit/s, ETA'. On a terminal the
+    line is redrawn at most 5 times a second; into a log a line is written every 10 s. quiet: nothing."""
 
     def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}", quiet: bool = False):
         self.label, self.total, self.unit, self.amount, self.quiet = label, total, unit, amount, quiet
-        self.done, self.drawn = 0, False
+        self.done, self.drawn, self.tty = 0, False, sys.stderr.isatty()
         self.start = self.last = time.perf_counter()
-        self.tty = sys.stderr.isatty()
 
     def advance(self, n: float) -> None:
         self.done += n
@@ -333,42 +259,9 @@ class Progress:
                 f"{self.amount(rate)} {self.unit}/s, ETA {duration((self.total - self.done) / max(rate, 1e-9))}")
         print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
-    def close(self, say_total: bool = False) -> None:
-        """Erase the line from a terminal; say_total: then say how much the job did, and how fast."""
+    def close(self) -> None:
         if self.drawn and self.tty:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
-        if say_total and not self.quiet:
-            took = time.perf_counter() - self.start
-            print(f"{self.label}: {self.amount(self.total)} {self.unit} in {took:.1f} s "
-                  f"({self.amount(self.total / max(took, 1e-9))} {self.unit}/s)", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------- checks
-
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", dict: "an object", list: "a list",
-               bool: "true or false", type(None): "empty"}
-
-
-def type_problem(values: dict, schema: dict, where: str = "") -> str | None:
-    """What is wrong with a dict read from a file against schema ({key: type, tuple of types, or a
-    nested schema}), as 'tokens.train is not an integer', or None. A float may hold an int; an int
-    is never a bool (JSON and pickles both tell them apart)."""
-    for key, kind in schema.items():
-        if key not in values:
-            return f"{where}{key} is missing"
-        value = values[key]
-        if isinstance(kind, dict):
-            problem = type_problem(value, kind, f"{where}{key}.") if isinstance(value, dict) else \
-                f"{where}{key} is not an object"
-            if problem:
-                return problem
-            continue
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        ok = any(isinstance(value, k) and (k is bool or not isinstance(value, bool)) for k in kinds) or \
-            (float in kinds and isinstance(value, int) and not isinstance(value, bool))
-        if not ok:
-            return f"{where}{key} is not {' or '.join(_TYPE_NAMES[k] for k in kinds)}"
-    return None
 
 
 def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None, one_of=None) -> None:
@@ -380,11 +273,10 @@ def check(key: str, value, *, above=None, at_least=None, below=None, at_most=Non
         return
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key} must be a finite number, got {value}")
-    low, high = (above, at_least)[above is None], (below, at_most)[below is None]
-    ok = ((above is None or value > above) and (at_least is None or value >= at_least)
-          and (below is None or value < below) and (at_most is None or value <= at_most))
-    if ok:
+    if ((above is None or value > above) and (at_least is None or value >= at_least)
+            and (below is None or value < below) and (at_most is None or value <= at_most)):
         return
+    low, high = (above, at_least)[above is None], (below, at_most)[below is None]
     if high is None:
         bounds = f"> {above}" if above is not None else f">= {at_least}"
     elif low is None:
@@ -392,3 +284,20 @@ def check(key: str, value, *, above=None, at_least=None, below=None, at_most=Non
     else:
         bounds = f"in {'(' if above is not None else '['}{low}, {high}{')' if below is not None else ']'}"
     raise ConfigError(f"{key} must be {bounds}, got {value}")
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", dict: "an object", list: "a list",
+               bool: "true or false", type(None): "empty"}
+
+
+def type_problem(values: dict, schema: dict, where: str = "") -> str | None:
+    """What is wrong with a dict read from a file against schema ({key: type or tuple of types}), as
+    'tokens is not an integer', or None. A float may hold an int; an int is never a bool."""
+    for key, kind in schema.items():
+        if key not in values:
+            return f"{where}{key} is missing"
+        value, kinds = values[key], kind if isinstance(kind, tuple) else (kind,)
+        if not (any(isinstance(value, k) and (k is bool or not isinstance(value, bool)) for k in kinds)
+                or float in kinds and isinstance(value, int) and not isinstance(value, bool)):
+            return f"{where}{key} is not {' or '.join(_TYPE_NAMES[k] for k in kinds)}"
+    return None
