@@ -17,7 +17,9 @@ in one shorter window. With --stride S the windows start S tokens apart: the fir
 targets, each later one only its last S (the targets before those are context only), so every token
 after the first window is predicted from at least B - S + 1 tokens. S = B is the default; S = 1
 gives every token its full B tokens of context, for B times the compute. (data/loader.py's
-strided_windows makes the windows, training/step.py's score_tokens scores them.)
+strided_windows makes the windows; model/gpt.py's score, which the trainer's evaluations share, scores them.)
+--max-tokens N scores each file's first N tokens only; --skip-unknown leaves out the characters a
+character model never saw (and says how many), instead of refusing the file.
 
 The figures, per file and in total (the total is over all scored tokens: a token-weighted mean):
   loss        the mean cross-entropy, nats per scored token
@@ -28,19 +30,18 @@ The figures, per file and in total (the total is over all scored tokens: a token
 On CUDA the model runs under bf16 autocast (fp16 where the GPU lacks bf16), as in training; on the
 CPU in fp32. Every file is read and tokenized before any is scored, so a bad file stops the command
 at once. While scoring, a progress line goes to stderr (redrawn on a terminal, a line every 10 s into
-a log); the results go to stdout as a table, or with --json as one JSON object.
+a log); the results go to stdout as a table, or with --json as one JSON object. Ctrl-C (or SIGTERM)
+stops the scoring and prints the figures of the tokens scored so far, then exits 128 + the signal.
 """
-try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
-    raise SystemExit(130)
+import signal
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once until the scoring takes it
 
 import json
 import math
 import sys
 
-from common import ArgumentParser, ConfigError, DataError, Progress, TokenizerError, run_cli  # noqa: E402
+from common import (ArgumentParser, ConfigError, DataError, Interrupted, Progress, TokenizerError,  # noqa: E402
+                    on_stop_signals, run_cli, unwind_on_stop)
 
 
 def parse_args(argv):
@@ -54,8 +55,13 @@ def parse_args(argv):
     p.add_argument("--batch-size", type=int, default=8, metavar="N",
                    help="windows per forward pass (lower it if memory is short)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score each file's first N tokens only")
+    p.add_argument("--skip-unknown", action="store_true",
+                   help="leave out the characters a character model never saw (default: refuse such a file)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of a table")
     args = p.parse_args(argv)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.stride is not None and args.stride < 1:
         p.error(f"--stride must be >= 1, got {args.stride}")
     if args.batch_size < 1:
@@ -67,69 +73,92 @@ def main(argv) -> int:
     args = parse_args(argv)
     from data.sources import find_sources
     from training.checkpoint import load_model
-    from training.runtime import autocast, dtype_name, pick_device, pick_dtype, use_fast_matmuls
+    from training.device import autocast, pick_device, pick_dtype
 
     files = list(dict.fromkeys(path for pattern in args.files for path in find_sources(pattern)))
     device = pick_device(args.device, setting="--device")
-    use_fast_matmuls(device)
     loaded = load_model(args.model, device)
     block_size = loaded.model.cfg.block_size
     stride = args.stride or block_size
     if stride > block_size:
         raise ConfigError(f"--stride must be at most the model's context of {block_size} tokens, got {stride}")
-    texts = [read_tokens(path, loaded.tokenizer) for path in files]   # every file checked before any is scored
+    texts = [read_tokens(path, loaded.tokenizer, args.skip_unknown, args.max_tokens) for path in files]   # all first
     dtype = pick_dtype(device)
     print(f"# {loaded.description}", file=sys.stderr)
     print(f"# windows of {block_size} tokens, stride {stride}{' (no overlap)' if stride == block_size else ''}, "
-          f"batch {args.batch_size}, {device} {dtype_name(dtype)}", file=sys.stderr)
-    rows = score_files(loaded.model, files, texts, block_size, stride, args.batch_size, autocast(device, dtype))
-    total = figures("total", sum(r["tokens"] for r in rows), sum(r["bytes"] for r in rows),
-                    sum(r["nats"] for r in rows))
+          f"batch {args.batch_size}, {device} {str(dtype).removeprefix('torch.')}", file=sys.stderr)
+    rows, stopped = [], None
+    try:
+        with on_stop_signals(unwind_on_stop()):
+            score_files(loaded.model, loaded.tokenizer, files, texts, stride, args.batch_size, autocast(device, dtype),
+                        rows)
+    except Interrupted as e:   # the figures of what was scored, then the signal's exit code
+        stopped = e
+    total = figures("total", *(sum(r[k] for r in rows) for k in ("tokens", "bytes", "nats")))
     if args.json:
-        print(json.dumps({"model": str(loaded.path), "block_size": block_size, "stride": stride,
-                          "files": rows, "total": total}, indent=1, allow_nan=False))
-    else:
+        print(json.dumps({"model": str(loaded.path), "block_size": block_size, "stride": stride, "files": rows,
+                          "total": total, "interrupted": stopped is not None}, indent=1, allow_nan=False))
+    elif rows:
         print(table(rows + [total] if len(rows) > 1 else rows))
-    return 0
+    if stopped is None:
+        return 0
+    print(f"interrupted: {stopped}; the figures are those of the {total['tokens']:,} tokens scored before it",
+          file=sys.stderr)
+    return stopped.exit_code
 
 
-def read_tokens(path, tokenizer):
+def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | None = None):
     """(token ids, UTF-8 bytes of the tokens after the first) of a text file; a file that cannot be
-    scored (missing, empty, not UTF-8, a character the tokenizer lacks, under 2 tokens) is a one-line error."""
+    scored (missing, empty, not UTF-8, a character the tokenizer lacks, under 2 tokens) is one line."""
     from data.sources import read_text
     text = read_text(path, hint=None)
+    if skip_unknown and hasattr(tokenizer, "stoi"):   # a character model: leave out what it never saw
+        kept = "".join(c for c in text if c in tokenizer.stoi)
+        if len(kept) < len(text):
+            print(f"# {path}: left out {len(text) - len(kept):,} characters the model never saw", file=sys.stderr)
+        text = kept
     try:
-        ids = tokenizer.encode_array(text)
+        ids = tokenizer.encode_array(text)[:None if max_tokens is None else max_tokens + 1]
     except TokenizerError as e:
-        raise TokenizerError(f"{path} has {e}") from None
+        raise TokenizerError(f"{path} has {e} (--skip-unknown leaves them out)") from None
     if len(ids) < 2:
         raise DataError(f"{path} has {len(ids)} token(s): scoring needs at least 2 "
                         f"(one to predict from, one to predict)")
-    return ids, len(text.encode("utf-8")) - len(tokenizer.decode_bytes([int(ids[0])]))
+    return ids, len(tokenizer.decode_bytes(ids[1:].tolist()))
 
 
-def score_files(model, files, texts, block_size, stride, batch_size, autocast) -> list[dict]:
-    """One row of figures per file, with a progress line on stderr over all of them."""
-    from training.step import score_tokens
-    progress, rows = Progress("scoring", sum(len(ids) - 1 for ids, _ in texts), "tokens"), []
+def score_files(model, tokenizer, files, texts, stride, batch_size, autocast, rows: list) -> None:
+    """A row of figures per file, appended to rows (a stopped scoring keeps the part it scored), with a
+    progress line on stderr over all of them."""
+    from data.loader import strided_windows
+    from model.gpt import score
+    progress, device = Progress("scoring", sum(len(ids) - 1 for ids, _ in texts), "tokens"), \
+        next(model.parameters()).device
     try:
         for i, (path, (ids, nbytes)) in enumerate(zip(files, texts)):
             progress.label = f"scoring {path}" + (f" ({i + 1}/{len(files)})" if len(files) > 1 else "")
-            nats, tokens = score_tokens(model, ids, block_size, stride, batch_size, autocast, progress.advance)
-            rows.append(figures(str(path), tokens, nbytes, nats))
+            nats, tokens = 0.0, 0
+            try:
+                for x, y in strided_windows(ids, model.cfg.block_size, stride, batch_size):
+                    n, c = score(model, [(x.to(device), y.to(device))], autocast)
+                    nats, tokens = nats + n, tokens + c
+                    progress.advance(c)
+            finally:   # the scored targets are the tokens after the first, in order
+                if tokens:
+                    done = nbytes if tokens == len(ids) - 1 else len(tokenizer.decode_bytes(ids[1:tokens + 1].tolist()))
+                    rows.append(figures(str(path), tokens, done, nats))
     finally:
         progress.close()
-    return rows
 
 
 def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
     """A result row: tokens scored, their bytes, total nats, and loss, bits per byte and perplexity
     (None where it is not a finite number: no bytes, or a loss whose exp overflows a float)."""
     from data.cache import bits_per_byte
-    loss = nats / tokens
+    loss = nats / tokens if tokens else None
     return {"file": name, "tokens": tokens, "bytes": nbytes, "nats": nats, "loss": loss,
-            "bits_per_byte": bits_per_byte(loss, tokens, nbytes) if nbytes else None,
-            "perplexity": math.exp(loss) if loss < 700 else None}
+            "bits_per_byte": bits_per_byte(loss, tokens, nbytes) if loss is not None and nbytes else None,
+            "perplexity": math.exp(loss) if loss is not None and loss < 700 else None}
 
 
 def table(rows: list[dict]) -> str:
@@ -138,7 +167,7 @@ def table(rows: list[dict]) -> str:
     lines = [f"{'file':<{width}}  {'tokens':>12}  {'loss':>8}  {'bits/byte':>9}  {'perplexity':>11}"]
     def number(value, width, digits):
         return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
-    lines += [f"{r['file']:<{width}}  {r['tokens']:>12,}  {r['loss']:>8.4f}  {number(r['bits_per_byte'], 9, 4)}  "
+    lines += [f"{r['file']:<{width}}  {r['tokens']:>12,}  {number(r['loss'], 8, 4)}  {number(r['bits_per_byte'], 9, 4)}  "
               f"{number(r['perplexity'], 11, 3)}" for r in rows]
     return "\n".join(lines)
 

@@ -4,21 +4,21 @@
     python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0 # greedy
 
 A run dir means its best.pt (else its latest checkpoint). All samples are generated as one batch;
-the first is streamed token by token, the others are printed when they are done. Where stdout's
-encoding lacks a character of the text (output redirected on Windows: cp1252), it is written as '?'
-(common.tolerant_stdout).
+the first is streamed token by token, the others are printed when they are done. A sample ends at
+--max-new-tokens, at the end-of-text token (tokenizers that have one: gpt2, bpe:N), or just before a
+--stop string. Where stdout's encoding lacks a character (output redirected on Windows), it is '?'.
 """
-try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
-    raise SystemExit(130)
+import signal
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once
 
 import codecs
 import math
 import sys
 
 from common import ArgumentParser, RunError, SamplingError, TokenizerError, run_cli  # noqa: E402
+
+NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, more than it saves on a sample "
+                    "(bench.py sample measures both): leave out --compile")
 
 
 def parse_args(argv):
@@ -32,6 +32,8 @@ def parse_args(argv):
     p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: the smallest set of tokens with this much probability")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a sample just before this text (may be given several times)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-cache", action="store_true",
@@ -44,7 +46,8 @@ def parse_args(argv):
               (0 <= args.temperature < math.inf, "--temperature must be a finite number >= 0"),
               (args.top_k >= 0, "--top-k must be >= 0"),
               (0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
-              (0 <= args.seed < 2**63, "--seed must be in [0, 2^63)")]
+              (0 <= args.seed < 2**63, "--seed must be in [0, 2^63)"),
+              (all(args.stop), "--stop needs a non-empty text")]
     for ok, message in checks:
         if not ok:
             p.error(message)
@@ -60,40 +63,50 @@ def main(argv) -> int:
     from data.sources import read_prompt
     from model.sampling import Decoding, generate
     from training.checkpoint import load_model
-    from training.runtime import autocast, pick_device, pick_dtype
+    from training.device import autocast, pick_device, pick_dtype
 
     device = pick_device(args.device, setting="--device")
     loaded = load_model(args.checkpoint, device)
     tokenizer, dtype = loaded.tokenizer, pick_dtype(device)
-
     text = read_prompt(args.prompt)
     try:
         ids = tokenizer.encode(text) if text else [tokenizer.start_token]
     except TokenizerError as e:
         raise TokenizerError(f"the prompt has {e}") from None
     print(f"# {loaded.description}", file=sys.stderr)
+    if args.compile and device.type == "cpu":
+        print(NOTE_CPU_COMPILE, file=sys.stderr)
 
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
-    stream = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    eot = getattr(getattr(tokenizer, "enc", None), "eot_token", None)   # gpt2's and bpe:N's end-of-text
+    hold = max(map(len, args.stop), default=1) - 1   # what could still become a stop string is not shown yet
+    streams = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(args.num_samples)]
+    new, done, shown = [""] * args.num_samples, [False] * args.num_samples, 0
     print(("" if args.num_samples == 1 else "--- sample 1 ---\n") + text, end="", flush=True)
-    columns = []
     try:
         with autocast(device, dtype):   # the finite flags are read with each token, read for streaming anyway
             decoding = Decoding(use_cache=not args.no_cache, cache_dtype=dtype, compile=args.compile, check_every=1)
             for col in generate(loaded.model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                                 generator, vocab_limit=tokenizer.vocab_size, decoding=decoding):
-                columns.append(col)
-                print(stream.decode(tokenizer.decode_bytes([col[0, 0].item()])), end="", flush=True)
+                for i, token in enumerate(col[:, 0].tolist()):
+                    if not done[i]:
+                        done[i] = token == eot
+                        new[i] += "" if done[i] else streams[i].decode(tokenizer.decode_bytes([token]))
+                        if cut := [new[i].index(s) for s in args.stop if s in new[i]]:
+                            new[i], done[i] = new[i][:min(cut)], True
+                show = len(new[0]) if done[0] else max(shown, len(new[0]) - hold)
+                print(new[0][shown:show], end="", flush=True)
+                shown = show
+                if all(done):
+                    break
     except SamplingError as e:
         print()
         raise RunError(f"{loaded.path}: {e}") from None
-    print(stream.decode(b"", final=True), flush=True)
-    new = torch.cat(columns, dim=1).tolist() if columns else [[] for _ in range(args.num_samples)]
+    print(new[0][shown:] + ("" if done[0] else streams[0].decode(b"", final=True)), flush=True)
     for i in range(1, args.num_samples):
-        print(f"--- sample {i + 1} ---\n{text}{tokenizer.decode_bytes(new[i]).decode('utf-8', errors='replace')}",
-              flush=True)
+        print(f"--- sample {i + 1} ---\n{text}{new[i]}", flush=True)
     return 0
 
 

@@ -24,19 +24,6 @@ from common import DataError
 from data.cache import SPLITS, check_split_sizes, load_meta
 
 
-def consecutive_starts(n_tokens: int, block_size: int) -> np.ndarray:
-    """Where the consecutive windows of block_size + 1 tokens start: each window's last target is the
-    next one's first input, so that every token after the first is predicted exactly once (the tokens
-    after the last whole window are left out)."""
-    return np.arange((n_tokens - 1) // block_size) * block_size
-
-
-def consecutive_windows(tokens: np.ndarray, block_size: int) -> torch.Tensor:
-    """(N, block_size + 1) int64 on the host: tokens cut into the consecutive windows above."""
-    starts = consecutive_starts(len(tokens), block_size)
-    return torch.from_numpy(tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64))
-
-
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
     """(x, y) int64 host tensors of at most batch_size windows each, in which every token after the
     first is a scored target exactly once (y = -1 marks a target that is context only).
@@ -106,16 +93,6 @@ class BatchLoader:
         """(x, y) on the device: this rank's B of world x B windows drawn from generator."""
         windows = self._on_device(self._draw(split, generator))
         return windows[:, :-1], windows[:, 1:]
-
-    def every_window(self, split: str):
-        """(x, y) batches on the device of this rank's share of the split's consecutive windows: with
-        every rank's, every token of the split after the first is scored once."""
-        tokens = self.splits[split]
-        starts = consecutive_starts(len(tokens), self.block_size)[self.rank::self.world]
-        for i in range(0, len(starts), self.batch_size):   # a batch at a time: a split may not fit in memory
-            windows = tokens[starts[i:i + self.batch_size, None] + self.offsets].astype(np.int64)
-            w = self._on_device(self._checked(split, torch.from_numpy(windows)))
-            yield w[:, :-1], w[:, 1:]
 
     def _on_device(self, windows: torch.Tensor) -> torch.Tensor:
         """windows copied to the device; on CUDA from pinned memory, so that the copy does not wait for

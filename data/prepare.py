@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (ArgumentParser, DataError, Progress, TokenizerError, atomic_write, check, on_stop_signals,
+from common import (setting, ArgumentParser, DataError, Progress, TokenizerError, atomic_write, check, on_stop_signals,
                     run_cli, unwind_on_stop)
 from data.cache import (FORMAT, check_split_sizes, entry_name, make_temp_dir, publish, read_entry,
                         remove_stale_temp_dirs, token_dtype)
@@ -56,12 +56,11 @@ def mb_progress(label: str, total: float, input_bytes: int) -> Progress:
 
 @dataclass
 class DataConfig:
-    path: str = "data/tinyshakespeare.txt"   # the text to train on: a file, a directory or a glob (the default
-                                             # ships with the repo: data/README.md says where it comes from)
-    tokenizer: str = "char"                  # char | bpe:N (N tokens, trained on the data) | a tiktoken name (gpt2, ...)
-    val_fraction: float = 0.1                # the last 10% of the text is the validation split
-    prepared_dir: str = "data/prepared"      # where prepared token files are cached
-    encoding_errors: str = "strict"          # strict | replace: what to do with non-UTF-8 bytes
+    path: str = setting("data/tinyshakespeare.txt", "the text to train on: a file, a directory or a glob (the default ships with the repo: data/README.md says where it comes from)")
+    tokenizer: str = setting("char", "char | bpe:N (N tokens, trained on the data) | a tiktoken name (gpt2, ...)")
+    val_fraction: float = setting(0.1, "the last 10% of the text is the validation split")
+    prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
+    encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes")
 
     def validate(self) -> None:
         """A ConfigError (or TokenizerError) naming the data setting that cannot be used; the text
@@ -230,7 +229,7 @@ def _prepare(files: list[Path], data: DataConfig, block_size) -> Path:
     total = sum(size for size, _ in stats)
     progress = mb_progress("hashing", total, total)
     sha = sources_sha256(files, progress)
-    progress.close(say_total=True)
+    progress.close()
     root, source = Path(data.prepared_dir), Path(data.path)
     stem = source.parent.name if glob.has_magic(str(data.path)) else source.stem
     out = root / entry_name(stem, data.tokenizer, sha, data.val_fraction, data.encoding_errors)
@@ -256,7 +255,7 @@ def _prepare_anew(files, data: DataConfig, out: Path, expect: dict, block_size, 
     complete); expect: the settings and the sha256 the entry is named after."""
     progress = mb_progress("scanning", total, total)
     counts, chars = scan(files, data.encoding_errors, data.tokenizer == "char", progress)
-    progress.close(say_total=True)
+    progress.close()
     n_chars = sum(counts) + (sum(1 for c in counts if c) - 1 if data.tokenizer == "char" else 0)   # + newlines between
     split_at = int(n_chars * (1.0 - data.val_fraction))
     workers = min(MAX_WORKERS, available_cpus())
@@ -304,7 +303,7 @@ def _tokenizer(spec, chars, files, counts, errors, split_at, piece_chars, worker
                 progress.advance(len(text) * progress.total / max(1, split_at))
                 yield text
     tok_meta, took = train_bpe(texts(), vocab_size, batch=2 * workers)
-    progress.close(say_total=True)
+    progress.close()
     tok = load_tokenizer(tok_meta)
     short = "" if tok.vocab_size == vocab_size else " (the text has too few distinct pairs for more)"
     print(f"trained {spec} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens{short}")
@@ -324,7 +323,7 @@ def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, pro
         ok = True
     finally:
         writer.close(ok)
-    progress.close(say_total=True)
+    progress.close()
     # an entry holds exactly the bytes it is named after
     if combined_sha256(files, [h.hexdigest() for h in shas]) != sha:
         raise _changed(files[0] if len(files) == 1 else "a data file")

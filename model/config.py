@@ -1,7 +1,7 @@
 """The model's one config dataclass: every architectural choice is a field here."""
 from dataclasses import dataclass
 
-from common import ConfigError, check
+from common import ConfigError, check, setting
 
 # model/attention/__init__.py maps each name to its module (and checks that the two lists agree)
 ATTENTIONS = ("naive", "sdpa", "gqa", "sliding_window", "linear", "mla")
@@ -10,25 +10,25 @@ POSITIONS, NORMS, MLPS = ("learned", "rope", "alibi", "none"), ("layernorm", "rm
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 0          # 0 = taken from the prepared dataset
-    block_size: int = 64         # longest context the model sees (T)
-    n_layer: int = 4             # transformer blocks
-    n_head: int = 4              # attention heads per block (head size = n_embd / n_head)
-    n_embd: int = 128            # width of the residual stream (C)
-    dropout: float = 0.0         # dropout on embeddings, attention weights and residual branches
-    bias: bool = True            # biases in Linear layers and LayerNorms
-    attention: str = "sdpa"      # naive | sdpa | gqa | sliding_window | linear | mla (model/attention/)
-    n_kv_head: int = 0           # gqa: key/value heads, a divisor of n_head (1 = multi-query)
-    window: int = 0              # sliding_window: tokens each token sees, itself included
-    kv_latent_dim: int = 0       # mla: size of the cached key/value latent per token
-    pos: str = "learned"         # learned | rope | alibi | none (model/positions.py)
-    qk_norm: bool = False        # normalize q and k per head before the scores
-    attn_scale: bool = True      # scale scores by 1/sqrt(head_dim)
-    norm: str = "layernorm"      # layernorm | rmsnorm
-    mlp: str = "gelu"            # gelu | gelu_tanh (GPT-2's tanh approximation) | relu2
-    tie_embeddings: bool = True  # LM head shares the token embedding matrix
-    zero_init_proj: bool = False  # residual output projections start at zero
-    rope_base: float = 10000.0   # rope: the base of its wavelengths (longest ~ 2π·base positions)
+    vocab_size: int = setting(0, "0 = taken from the prepared dataset")
+    block_size: int = setting(64, "longest context the model sees (T)")
+    n_layer: int = setting(4, "transformer blocks")
+    n_head: int = setting(4, "attention heads per block (head size = n_embd / n_head)")
+    n_embd: int = setting(128, "width of the residual stream (C)")
+    dropout: float = setting(0.0, "dropout on embeddings, attention weights and residual branches")
+    bias: bool = setting(True, "biases in Linear layers and LayerNorms")
+    attention: str = setting("sdpa", "naive | sdpa | gqa | sliding_window | linear | mla (model/attention/)")
+    n_kv_head: int = setting(0, "gqa: key/value heads, a divisor of n_head (1 = multi-query)")
+    window: int = setting(0, "sliding_window: tokens each token sees, itself included")
+    kv_latent_dim: int = setting(0, "mla: size of the cached key/value latent per token")
+    pos: str = setting("learned", "learned | rope | alibi | none (model/positions.py)")
+    qk_norm: bool = setting(False, "normalize q and k per head before the scores")
+    attn_scale: bool = setting(True, "scale scores by 1/sqrt(head_dim)")
+    norm: str = setting("layernorm", "layernorm | rmsnorm")
+    mlp: str = setting("gelu", "gelu | gelu_tanh (GPT-2's tanh approximation) | relu2")
+    tie_embeddings: bool = setting(True, "LM head shares the token embedding matrix")
+    zero_init_proj: bool = setting(False, "residual output projections start at zero")
+    rope_base: float = setting(10000.0, "rope: the base of its wavelengths (longest ~ 2π·base positions)")
 
     @property
     def head_dim(self) -> int:

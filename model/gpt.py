@@ -10,6 +10,7 @@ Architecture (the defaults are GPT-2's; each switch is a field of ModelConfig):
     (or zero: `zero_init_proj`), so the residual stream's variance does not grow with depth
 """
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -164,3 +165,21 @@ class GPT(nn.Module):
         logits = self.lm_head(x)                                          # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+
+@torch.no_grad()
+def score(model, batches, autocast=nullcontext()) -> tuple[float, int]:
+    """(total next-token loss in nats, targets scored) of model (a GPT, or one wrapped or compiled) over
+    (x, y) batches on its device, targets of -1 being context only: the one loss over a text that the
+    trainer's evaluations, bench.py's race and eval.py share. In eval mode (the model's mode is restored
+    after); the total is summed in float64 on the host, so that a long text loses no precision."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        with autocast:
+            _, loss = model(x, y)                     # the mean over the scored targets
+        scored = int((y >= 0).sum())
+        total, count = total + loss.float().item() * scored, count + scored
+    model.train(was_training)
+    return total, count

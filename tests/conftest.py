@@ -146,8 +146,9 @@ def tiny_overrides(tmp_path, text_file, **extra) -> list[str]:
     """Command-line overrides for a tiny, fast run on text_file."""
     values = {"data.path": text_file, "data.prepared_dir": tmp_path / "prepared", "out_dir": tmp_path / "out",
               "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 32,
-              "train.batch_size": 8, "train.max_steps": 20, "train.warmup_steps": 5, "train.eval_interval": 10,
-              "train.eval_iters": 2, "train.log_interval": 1, "log.curves": "false"}   # (curves: their own tests)
+              "train.batch_size": 8, "train.max_steps": 20, "train.warmup_steps": 1, "train.eval_interval": 10,
+              "train.eval_iters": 2, "train.log_interval": 1, "log.curves": "false",   # (curves: their own tests)
+              "train.device": "cpu"}   # what these tests check is the same on a GPU; their exact figures are the CPU's
     values.update(extra)
     return [f"--{k}={v}" for k, v in values.items()]
 
@@ -200,14 +201,23 @@ def assert_refused(tool, argv, capsys, root, named: str) -> None:
     assert tree(root) == before, "a refused command wrote or changed a file"
 
 
+def torch_address_space() -> int:
+    """Bytes of address space that a Python which has imported torch holds: the CUDA build maps
+    gigabytes of libraries it never reads, which a limit on the address space must leave room for."""
+    code = "import re, torch; print(re.search(r'VmPeak:\\s+(\\d+)', open('/proc/self/status').read())[1])"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout) * 1024
+
+
 def run_limited(argv, memory=2 << 30, timeout=120):
     """(exit code, stdout, stderr, peak resident bytes) of `python ARGV` run as a user runs it, with
-    its address space limited to `memory` bytes: an allocation beyond that fails at once, as on a
-    machine without that much memory, instead of taking this machine's memory from everyone else.
-    Skips off Linux: macOS does not enforce RLIMIT_AS, and Windows has neither it nor os.wait4."""
+    its address space limited to `memory` bytes beyond what importing torch takes: an allocation beyond
+    that fails at once, as on a machine without that much memory, instead of taking this machine's
+    memory from everyone else. Skips off Linux: macOS does not enforce RLIMIT_AS, and Windows has
+    neither it nor os.wait4."""
     if not LINUX:
         pytest.skip("needs a limit on a process's address space (RLIMIT_AS), which Linux alone enforces")
     import resource
+    memory += torch_address_space()
 
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))

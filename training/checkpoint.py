@@ -1,339 +1,308 @@
-"""Checkpoints: what they hold, writing them atomically, and reading them without running their code.
+"""Checkpoints and the out dir they live in: writing them, reading them, and one run at a time.
 
-An out dir holds ckpt_<step>.pt (the last `keep` of them) and best.pt (lowest val loss so far).
-A checkpoint is a dict of tensors and plain values; SCHEMA below is the one place that says which.
+An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (the lowest val loss: a
+hard link to one of them, or a copy), config.toml, metrics.jsonl, curves.png and .lock.
 
-Saving is atomic (common.atomic_write): a reader, or a run killed mid-save, sees the old checkpoint
-or the new one, never half of one; old checkpoints are deleted only after the new one is complete.
-Loading checks the zip archive (every member's CRC, no compressed members), then uses
-torch.load(weights_only=True): unpickling is restricted to tensors and plain containers, so a
-malicious file cannot execute code.
-
-(Over 300 lines on purpose: the file a user's hours of training live in; what it holds, how it is
-written and every check of reading it stay together.)
+Choices:
+  whole files   a checkpoint is written to a temporary file and renamed (common.atomic_write): a reader,
+                or a run killed mid-save, finds the old checkpoint or the new one, never part of one
+  safe reading  torch.load(weights_only=True): tensors and plain data only, so a file cannot run code;
+                the weights are loaded strictly into the model their config describes
+  one run       the operating system's lock on .lock (flock; msvcrt on Windows), which goes with its
+                process however it ends; .lock holds the PID, to name the run that holds it
+  never lost    a new run refuses an out dir holding a run's files (a run's, or the user's own of those
+                names); --overwrite moves them to .replaced/ until its own first checkpoint, and a run
+                that ends before that (an error, or a kill: the next run sees it) puts them back
 """
 import dataclasses
+import errno
 import os
 import pickle
 import re
 import shutil
-import warnings
-import zipfile
+import sys
 from pathlib import Path
 
 import torch
 
-from common import CheckpointError, ConfigError, TokenizerError, atomic_write, first_line, type_problem
+from common import CheckpointError, RunError, TokenizerError, atomic_write, first_line, os_error, type_problem
 from data.tokenizers import load_tokenizer
 from model.config import ModelConfig
 from model.gpt import GPT
-from training.config import coerce
 
-FORMAT, VERSION = "gpt-checkpoint", 2   # version 1 lacked "tokens"
+try:
+    import fcntl
+    msvcrt = None
+except ImportError:   # Windows
+    import msvcrt
+    fcntl = None
+
+FORMAT, VERSION = "gpt-checkpoint", 2
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
-WRAPPERS = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}   # torch.compile, FSDP, checkpointing
-
-# What a checkpoint holds, with each entry's type. Sampling needs the first group, resuming all of them.
-FOR_SAMPLING = {
-    "config": dict,                 # the run's resolved config (training.config.Config.to_dict())
-    "tokenizer": dict,              # the tokenizer's meta: a model always comes with its tokenizer
-    "model": dict,                  # parameter name -> tensor, without wrapper prefixes
-    "step": int,                    # optimizer steps taken
-}
-FOR_RESUMING = {
-    "dataset": dict,                # the prepared data's meta.json (source sha256, split, counts)
-    "optimizer": dict,              # optimizer state, keyed by parameter index
-    "scaler": (dict, type(None)),   # fp16 loss scaler, None when not used
-    "loader": dict,                 # the data order's generator
-    "rng_ranks": list,              # every rank's random generators (dropout draws)
-    "best_val_loss": float,
-    "elapsed": float,               # seconds of training before this checkpoint
-    "tokens": int,                  # tokens trained on before this checkpoint (batch shapes may change on resume)
-    "skipped_steps": int,           # updates dropped for a non-finite loss or gradient
-    "is_best": bool,                # best.pt should be this file
-}
-SCHEMA = {**FOR_SAMPLING, **FOR_RESUMING}
+RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
+ASIDE = ".replaced"
+FOR_RESUMING = ("dataset", "optimizer", "scaler", "loader", "rng_ranks", "best_val_loss", "elapsed", "tokens",
+                "skipped_steps", "is_best")   # besides what sampling needs: config, tokenizer, model, step
 
 
-def clean_key(name: str) -> str:
-    """'module._orig_mod.blocks.0.attn.weight' -> 'blocks.0.attn.weight': drop the names that
-    torch.compile, FSDP and activation checkpointing insert anywhere, and DDP's leading 'module.'."""
-    parts = [p for p in name.split(".") if p not in WRAPPERS]
-    while len(parts) > 1 and parts[0] == "module":
-        parts = parts[1:]
-    return ".".join(parts)
-
-
-def clean_state_dict(state: dict) -> dict:
-    return {clean_key(k): v for k, v in state.items()}
-
-
-# ---------------------------------------------------------------- writing
-
-def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
+def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
     """(step, path) of the step checkpoints in out_dir, oldest first."""
-    out_dir = Path(out_dir)
-    names = os.listdir(out_dir) if out_dir.is_dir() else []
-    return sorted((int(m.group(1)), out_dir / name) for name in names if (m := CKPT_RE.match(name)))
+    names = os.listdir(out_dir) if Path(out_dir).is_dir() else []
+    return sorted((int(m.group(1)), Path(out_dir) / n) for n in names if (m := CKPT_RE.match(n)))
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    ckpts = list_checkpoints(out_dir)
-    return ckpts[-1][1] if ckpts else None
+def latest_checkpoint(out_dir) -> Path | None:
+    return (list_checkpoints(out_dir) or [(0, None)])[-1][1]
 
 
 def link_best(path: Path) -> None:
-    """Make best.pt the checkpoint at path: a hard link (no space, no time; it keeps the data when
-    ckpt_* is rotated out), or a copy where the file system has no hard links."""
+    """best.pt becomes the checkpoint at path: a hard link (no space; it keeps the data when ckpt_* is
+    rotated out), or a copy where the file system has none."""
     best, tmp = path.parent / "best.pt", path.parent / ".best.pt.tmp"
     tmp.unlink(missing_ok=True)
     try:
         os.link(path, tmp)
+        os.replace(tmp, best)
     except OSError:
         with open(path, "rb") as src:
             atomic_write(best, lambda f: shutil.copyfileobj(src, f))
-        return
-    os.replace(tmp, best)
 
 
-def new_checkpoint(**entries) -> dict:
-    """The dict a checkpoint file holds: exactly SCHEMA's entries, plus the format tag and version.
-    Learning rates are plain floats (a CUDA graph step holds them in device tensors), so that a
-    checkpoint loads anywhere and resumes with either kind of step."""
-    if set(entries) != set(SCHEMA):
-        raise ValueError(f"a checkpoint holds {sorted(SCHEMA)}; got {sorted(entries)}")
-    return {"format": FORMAT, "version": VERSION, **entries, "optimizer": float_lrs(entries["optimizer"])}
-
-
-def float_lrs(optimizer_state: dict) -> dict:
-    """An optimizer state dict (or training/optim.py's Optimizers' list of them) with every lr a float."""
-    if "optimizers" in optimizer_state:
-        return {**optimizer_state, "optimizers": [float_lrs(s) for s in optimizer_state["optimizers"]]}
-    groups = [{**g, "lr": float(g["lr"])} for g in optimizer_state.get("param_groups", [])]
-    return {**optimizer_state, "param_groups": groups}
-
-
-def save_failure(path: Path, error: BaseException) -> CheckpointError:
-    """Any failure to write a checkpoint, said in one line: torch.save reports a full disk as a
-    RuntimeError from its zip writer, os calls as an OSError."""
-    reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error, 120)
-    try:
-        free = shutil.disk_usage(path.parent).free
-        if free < 64 << 20:
-            reason += f"; {free / 2**20:.0f} MB left on the device (is the disk full?)"
-    except OSError:
-        pass
-    return CheckpointError(f"could not write the checkpoint {path}: {reason}; the checkpoints written before are kept")
-
-
-def save_checkpoint(ckpt: dict, out_dir: Path, keep: int) -> Path:
-    """Write ckpt_<step>.pt, point best.pt at it if it is the best, then delete all but the last
-    `keep`. Any failure is a CheckpointError and leaves the earlier checkpoints as they were."""
-    out_dir = Path(out_dir)
-    path = out_dir / f"ckpt_{ckpt['step']:07d}.pt"
+def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
+    """Write ckpt_<step>.pt, make it best.pt if it is the best, then delete all but the newest `keep`.
+    Any failure is one line and leaves the earlier checkpoints as they were."""
+    path = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt"
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
-        if ckpt["is_best"]:
+        if ckpt.get("is_best"):
             link_best(path)
-    except Exception as e:
-        raise save_failure(path, e) from None
+    except (OSError, RuntimeError) as e:   # torch's zip writer reports a full disk as "unexpected pos ..."
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "unexpected pos" in str(e)
+        reason = "the disk is full (no space left on device)" if full else os_error(e) if isinstance(e, OSError) \
+            else first_line(e, 120)
+        raise CheckpointError(f"could not write the checkpoint {path}: {reason}; the checkpoints written before "
+                              f"are kept") from None
+    for step, later in list_checkpoints(out_dir):   # a run resumed from an earlier checkpoint replaces these
+        if step > ckpt["step"]:
+            later.unlink(missing_ok=True)
     for _, old in list_checkpoints(out_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return path
 
 
-def repair_best(path: Path) -> None:
-    """A run killed between writing its best checkpoint (path) and linking best.pt to it left best.pt
-    stale: resuming from that checkpoint links it now."""
-    best = Path(path).parent / "best.pt"
-    if not (best.exists() and os.path.samefile(best, path)):
-        link_best(Path(path))
-
-
-# ---------------------------------------------------------------- reading
-
-def resolve_path(path: Path) -> Path:
-    """A checkpoint file, or a run dir -> its best.pt, else its latest ckpt_*.pt."""
+def load_checkpoint(path, mmap: bool = True) -> dict:
+    """A checkpoint file's dict, read without running code; any problem is one line naming the file (and
+    an earlier checkpoint beside a damaged one). mmap: tensors are read from the file as they are used."""
     path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    if not path.is_dir():
-        return path
-    found = path / "best.pt" if (path / "best.pt").is_file() else latest_checkpoint(path)
-    if found is None:
-        raise CheckpointError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
-    return found
-
-
-def refused_global(error: Exception) -> str:
-    """The line of torch's weights_only error that names what was refused (e.g. 'GLOBAL posix.system')."""
-    named = [l.strip() for l in str(error).splitlines() if "GLOBAL" in l or "Unsupported" in l]
-    return named[0][:160] if named else first_line(error)
-
-
-def _earlier_hint(path: Path) -> str:
-    """', the earlier ckpt_... is intact' where a damaged file has an older neighbour to resume from."""
-    here = CKPT_RE.match(path.name)   # by step, not by name: ckpt_10000000.pt comes after ckpt_9999999.pt
+    here = CKPT_RE.match(path.name)
     older = [p for s, p in list_checkpoints(path.parent) if here and s < int(here.group(1))]
-    return f"; the earlier checkpoint {older[-1].name} in the same directory may be intact" if older else ""
-
-
-def check_archive(path: Path) -> None:
-    """torch.save writes an uncompressed zip: its members' sizes must fit in the file (a compressed
-    member could expand to any size when loaded), and every member's CRC must match its bytes."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            members = archive.infolist()
-            if any(m.compress_type != zipfile.ZIP_STORED for m in members) or \
-                    sum(m.file_size for m in members) > path.stat().st_size:
-                raise CheckpointError(f"{path} is not a checkpoint written by this project (compressed members)")
-            bad = archive.testzip()
-    except CheckpointError:
-        raise
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path} is not a readable checkpoint (damaged: {first_line(e, 100)})"
-                              f"{_earlier_hint(path)}") from None
-    if bad is not None:
-        raise CheckpointError(f"{path} is damaged: {bad} does not match its checksum{_earlier_hint(path)}")
-
-
-def load_checkpoint(path: Path, mmap: bool = True) -> dict:
-    """Load and check a checkpoint file (the entries sampling needs); any problem is a CheckpointError
-    naming the file. mmap: tensors are memory-mapped, not read, until they are used; the file then stays
-    mapped as long as one of them lives (Windows can neither replace nor delete a mapped file)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path}")
+    hint = f"; the earlier checkpoint {older[-1].name} in the same directory may be intact" if older else ""
     if not path.is_file():
-        raise CheckpointError(f"checkpoint is not a file: {path}")
+        raise CheckpointError(f"checkpoint not found: {path}" if not path.exists() else f"{path} is not a file")
     if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint is empty: {path}{_earlier_hint(path)}")
-    if not zipfile.is_zipfile(path):   # torch.save writes a zip archive; its index is at the very end
-        raise CheckpointError(f"{path} is not a readable checkpoint: truncated, or not a checkpoint file at all"
-                              f"{_earlier_hint(path)}")
-    check_archive(path)
+        raise CheckpointError(f"checkpoint is empty: {path}{hint}")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path} was refused: it holds objects other than tensors and plain data, "
-                              f"which could run code when loaded ({refused_global(e)})") from None
-    except Exception as e:   # a damaged archive can fail in many ways; none of them may escape as a traceback
-        raise CheckpointError(f"{path} is not a readable checkpoint (damaged or truncated: {first_line(e, 120)})"
-                              f"{_earlier_hint(path)}") from None
+        refused = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line]
+        raise CheckpointError(f"{path} was refused: it holds objects other than tensors and plain data, which "
+                              f"could run code when loaded ({(refused or [first_line(e)])[0][:120]})") from None
+    except Exception as e:   # truncated, damaged, not a checkpoint at all: never a traceback
+        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or damaged: {first_line(e, 100)})"
+                              f"{hint}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint of this project")
-    if ckpt.get("version") not in (1, VERSION):
-        raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')!r}, "
-                              f"this code reads versions 1 and {VERSION}")
-    if ckpt["version"] == 1 and "rng_ranks" in ckpt:   # every step had the batch shape of its config
-        t, processes = ckpt["config"].get("train", {}), len(ckpt["rng_ranks"])
-        ckpt["tokens"] = ckpt["step"] * t.get("batch_size", 0) * t.get("grad_accum", 0) * processes * \
-            ckpt["config"]["model"].get("block_size", 0)
-    if problem := type_problem(ckpt, {**FOR_SAMPLING, "config": {"model": dict}}):
+    if ckpt.get("version") != VERSION:
+        raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')!r}, this code reads {VERSION}")
+    if problem := type_problem(ckpt, {"config": dict, "tokenizer": dict, "model": dict, "step": int}):
         raise CheckpointError(f"{path} is damaged: {problem}")
     return ckpt
 
 
-def check_resumable(ckpt: dict, path: Path) -> None:
-    """A checkpoint to resume from must hold the whole training state, not only the weights."""
-    if missing := [k for k in FOR_RESUMING if k not in ckpt]:
-        raise CheckpointError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
-    if problem := type_problem(ckpt, FOR_RESUMING):
-        raise CheckpointError(f"{path} is damaged: {problem}")
+def resolve(path) -> Path:
+    """A checkpoint file, or a run dir -> its best.pt, else its latest ckpt_*.pt."""
+    path = Path(path)
+    if path.is_dir():
+        found = path / "best.pt" if (path / "best.pt").is_file() else latest_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
+        return found
+    return path
 
-
-def check_same_run(ckpt: dict, path: Path, model: dict, tokenizer: dict, data_path: str) -> None:
-    """Resuming needs the model settings and the tokenizer the checkpoint was trained with."""
-    saved = ckpt["config"]["model"]
-    if saved != model:
-        diff = [f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in model.items() if saved.get(k) != v]
-        raise CheckpointError(f"{path} was trained with another model config ({'; '.join(diff)})")
-    if ckpt["tokenizer"] != tokenizer:
-        raise CheckpointError(f"{path} was trained with another tokenizer or vocabulary than {data_path} gives "
-                              f"(resume with the same data file and data.tokenizer)")
-
-
-# ---------------------------------------------------------------- a model to use
 
 @dataclasses.dataclass
 class LoadedModel:
     """A model read from a checkpoint, ready to use (eval mode), with what came with it."""
     model: GPT
     tokenizer: object
-    path: str | Path
+    path: Path | str
     description: str          # one line: where it came from, its step and val loss
     step: int | None = None
 
 
-def model_config(stored: dict, path: Path) -> ModelConfig:
-    """The stored model section as a ModelConfig, each value checked for its type and range."""
-    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
-    values = {}
-    try:
-        for key, value in stored.items():
-            if key not in fields:
-                raise ConfigError(f"unknown setting model.{key}")
-            if isinstance(value, str) and fields[key] is not str:   # a checkpoint stores typed values, never text
-                raise ConfigError(f"model.{key}: expected {fields[key].__name__}, got {value!r}")
-            values[key] = coerce(f"model.{key}", value, fields[key])
-        cfg = ModelConfig(**values)
-        cfg.validate()
-    except ConfigError as e:
-        raise CheckpointError(f"{path} does not hold a usable model: {first_line(e)}") from None
-    return cfg
-
-
-def check_weights(state: dict, cfg, path: Path) -> None:
-    """The stored tensors must be exactly the ones the config's model has, shape for shape: checked
-    on shapes alone (a model on the meta device), before any memory is allocated for the model."""
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
-    stored = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
-    # a wrong shape first: it says most about how the config and the weights disagree
-    problems = [f"{k} is {stored[k]}, the config needs {shape}" for k, shape in expected.items()
-                if stored.get(k) is not None and stored[k] != shape]
-    problems += [f"{k} is not a tensor" for k, shape in stored.items() if shape is None]
-    problems += [f"{k} is missing" for k in expected if k not in stored]
-    problems += [f"{k} is not part of the model" for k in stored if k not in expected]
-    if problems:
-        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
-        raise CheckpointError(f"{path}: its weights do not match its config: {'; '.join(problems[:2])}{more}")
-
-
-def load_model(path, device: torch.device = torch.device("cpu")) -> LoadedModel:
-    """The model of a checkpoint (a file, or a run dir: its best.pt, else its latest checkpoint), or
-    of a Hugging Face GPT-2 (a name such as gpt2, or a directory with config.json), with its
-    tokenizer. Everything is checked before the model is built: the archive, the config, the
-    tokenizer, each weight's shape, and that no weight is NaN or infinite."""
+def load_model(path, device=torch.device("cpu")) -> LoadedModel:
+    """The model of a checkpoint (a file, or a run dir) or of a Hugging Face GPT-2 (a name such as gpt2,
+    or a directory with config.json), with its tokenizer. Its config, tokenizer and weights are checked
+    before the model is built: a small file cannot make this allocate a huge model."""
     source, path = str(path), Path(path)
-    is_run = path.is_dir() and (latest_checkpoint(path) is not None or (path / "best.pt").is_file())
-    if (path / "config.json").is_file() and not is_run or (not path.exists() and "/" not in source and os.sep not in source):
+    if (path / "config.json").is_file() and not (path / "best.pt").is_file() and latest_checkpoint(path) is None \
+            or not path.exists() and "/" not in source and os.sep not in source:
         from hf.hub import load_gpt2   # a Hugging Face directory or hub name: the optional hf/ room
         model, tokenizer, description = load_gpt2(source)
         return LoadedModel(model.to(device), tokenizer, source, description)
-    path = resolve_path(path)
+    path = resolve(path)
     ckpt = load_checkpoint(path)
-    cfg = model_config(ckpt["config"]["model"], path)
+    stored, fields = ckpt["config"].get("model", {}), {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    try:
+        if problem := type_problem(stored, fields, "model."):
+            raise ValueError(problem)
+        cfg = ModelConfig(**stored)
+        cfg.validate()
+        with torch.device("meta"):   # shapes only: the weights must fit before memory is spent on them
+            GPT(cfg).load_state_dict(ckpt["model"], strict=True, assign=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} does not hold a usable model: {first_line(e, 200)}") from None
     try:
         tokenizer = load_tokenizer(ckpt["tokenizer"])
     except TokenizerError as e:
-        if ckpt["tokenizer"].get("kind") == "tiktoken":   # a named encoding whose files are missing: not the file's fault
+        if ckpt["tokenizer"].get("kind") == "tiktoken":   # a named encoding whose files are missing here
             raise
-        raise CheckpointError(f"{path} does not hold a usable tokenizer: {first_line(e)}") from None
+        raise CheckpointError(f"{path} does not hold a usable tokenizer: {e}") from None
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise CheckpointError(f"{path} is damaged: its tokenizer has {tokenizer.vocab_size} tokens, "
-                              f"its model only model.vocab_size={cfg.vocab_size}")
-    state = clean_state_dict(ckpt["model"])
-    check_weights(state, cfg, path)
-    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        raise CheckpointError(f"{path} holds non-finite weights (NaN or inf in {bad[0]}"
-                              f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}): the run diverged "
-                              f"or the file is damaged; try an earlier checkpoint")
+        raise CheckpointError(f"{path} is damaged: its tokenizer has {tokenizer.vocab_size} tokens, its model only "
+                              f"model.vocab_size={cfg.vocab_size}")
+    if bad := [k for k, v in ckpt["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]:
+        raise CheckpointError(f"{path} holds non-finite weights (NaN or inf in {bad[0]}): the run diverged or the "
+                              f"file is damaged; try an earlier checkpoint")
     model = GPT(cfg)
-    model.load_state_dict(state)
+    model.load_state_dict(ckpt["model"])
     best = ckpt.get("best_val_loss")
     val = f", val loss {best:.4f}" if isinstance(best, float) else ""
     return LoadedModel(model.to(device).eval(), tokenizer, path, f"{path} (step {ckpt['step']}{val})", ckpt["step"])
+
+
+# ---------------------------------------------------------------- the out dir
+
+def _lock(fd: int) -> bool:
+    """Take the out dir's lock without waiting: False where another process holds it. A file system
+    that cannot lock at all (NFS without its lock daemon: ENOLCK) runs unguarded. On Windows the lock
+    is one byte far past the PID (locks there are mandatory: the PID must stay readable)."""
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        else:
+            os.lseek(fd, 1 << 16, os.SEEK_SET)
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+    except OSError as e:
+        return e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, getattr(errno, "EDEADLOCK", -1))
+    return True
+
+
+class OutDir:
+    """Where a run writes: check() (writes nothing), open() at its first write, committed() at its first
+    checkpoint, abandon() when it ends without one, close() at its end."""
+
+    def __init__(self, path):
+        self.path, self.fd, self.created, self.new_run, self.opened = Path(path), None, [], False, False
+
+    def check(self, resume: bool, overwrite: bool, checkpoint=None) -> Path | None:
+        """Whether this out dir can take the run; the checkpoint to resume (when resuming: `checkpoint`,
+        else the latest)."""
+        if resume and overwrite:
+            raise RunError("--resume and --overwrite contradict each other: continue the run, or start it over")
+        if self.path.exists() and not self.path.is_dir():
+            raise RunError(f"the out dir {self.path} is a file, not a directory")
+        if (self.path / ".lock").is_file():   # held from here to the end of the run
+            self.fd = os.open(self.path / ".lock", os.O_RDWR)
+            if not _lock(self.fd):
+                pid = (self.path / ".lock").read_text(errors="replace").strip() or "unknown"
+                self.close()
+                raise RunError(f"{self.path} is in use by another run (PID {pid}); wait for it to end, or choose "
+                               f"another --out_dir")
+        aside = self.path / ASIDE
+        if aside.is_dir():   # a run with --overwrite ended before its first checkpoint: give the run back
+            self.put_back() if latest_checkpoint(self.path) is None else shutil.rmtree(aside, ignore_errors=True)
+        latest = latest_checkpoint(self.path) or (self.path / "best.pt" if (self.path / "best.pt").is_file() else None)
+        if resume:
+            if checkpoint is not None:
+                return Path(checkpoint).resolve()
+            if latest is None:
+                raise RunError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {self.path} to resume from; "
+                               f"leave out --resume to start a new run")
+            return latest
+        theirs = [p.name for p in self.run_files()]
+        if theirs and not overwrite and latest is None:
+            raise RunError(f"{self.path} holds {', '.join(theirs)}, which a run writes: choose another --out_dir, "
+                           f"or --overwrite to replace them (kept in {self.path / ASIDE} until this run's first "
+                           f"checkpoint)")
+        if theirs and not overwrite:
+            raise RunError(f"{self.path} already holds {'checkpoints' if latest.name != 'best.pt' else 'best.pt'} of "
+                           f"a run: continue it with --resume, start over with --overwrite, or choose another "
+                           f"--out_dir")
+        parent = next(p for p in [self.path, *self.path.parents] if p.exists())
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise RunError(f"cannot create the out dir {self.path}: {parent} is not a writable directory")
+        self.new_run = True
+        return None
+
+    def run_files(self) -> list[Path]:
+        return [p for p in sorted(self.path.glob("*")) if p.name in RUN_FILES or CKPT_RE.match(p.name)]
+
+    def open(self) -> None:
+        """Create and lock the out dir (the run's first write); a new run sets aside what it replaces."""
+        try:
+            self.created = [p for p in [self.path, *self.path.parents] if not p.exists()]   # deepest first
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.opened = True
+            if self.fd is None:
+                self.created.insert(0, self.path / ".lock")
+                self.fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+                if not _lock(self.fd):
+                    raise RunError(f"{self.path} is in use by another run; choose another --out_dir")
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, f"{os.getpid()}\n".encode())
+            for tmp in self.path.glob(".*.tmp"):   # a save a kill cut short; other hidden files are the user's
+                if tmp.name[1:-4] in RUN_FILES or CKPT_RE.match(tmp.name[1:-4]):
+                    tmp.unlink()
+            if self.new_run and (replaced := self.run_files()):
+                (self.path / ASIDE).mkdir()
+                for p in replaced:
+                    os.replace(p, self.path / ASIDE / p.name)
+        except OSError as e:
+            raise RunError(f"cannot write to the out dir {self.path}: {os_error(e)}") from None
+
+    def committed(self) -> None:
+        """The run has a checkpoint of its own: what it replaced can go."""
+        shutil.rmtree(self.path / ASIDE, ignore_errors=True)
+        self.new_run = False
+
+    def abandon(self) -> None:
+        """A run that ends without a checkpoint of its own: a new run's files go, what it set aside comes
+        back, and so does the out dir as it was (a resumed run's files stay: they are the run it continues)."""
+        self.close()
+        if self.new_run and self.opened:
+            for p in self.run_files():
+                p.unlink()
+            self.put_back()
+            for p in self.created:   # .lock, then the directories this run made
+                p.unlink() if p.is_file() else p.rmdir() if not any(p.iterdir()) else None
+
+    def put_back(self) -> None:
+        aside = self.path / ASIDE
+        if aside.is_dir():
+            for p in aside.iterdir():
+                os.replace(p, self.path / p.name)
+            aside.rmdir()
+            print(f"notice: moved back into {self.path} the files of the run that an --overwrite had set aside",
+                  file=sys.stderr)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            if msvcrt is not None:   # Windows frees a closed file's locks only after a while
+                os.lseek(self.fd, 1 << 16, os.SEEK_SET)
+                try:
+                    msvcrt.locking(self.fd, msvcrt.LK_UNLCK, 1)
+                except OSError:
+                    pass
+            os.close(self.fd)
+            self.fd = None

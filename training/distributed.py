@@ -1,12 +1,13 @@
 """One training run on many processes, with PyTorch's own engine (torch.distributed, via torchrun).
+Imported only under torchrun (WORLD_SIZE > 1).
 
     torchrun --standalone --nproc_per_node=8 train.py CONFIG                  # 8 GPUs, one machine
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST --master_port=29500 train.py CONFIG
 
 torchrun starts one process per device and tells each who it is in the environment: RANK (0 ..
 WORLD_SIZE-1 over all machines), LOCAL_RANK (its device on its machine), WORLD_SIZE, and
-MASTER_ADDR/MASTER_PORT (where rank 0 listens). ProcessGroup is training/runtime.py's World for
-that case: the same methods, now with collectives behind them.
+MASTER_ADDR/MASTER_PORT (where rank 0 listens). If a process dies, torchrun ends the others and
+names it in its report.
 
 Data parallel (DDP, the default): every rank holds the whole model and optimizer, computes the
 gradients of its own slice of the batch, and backward averages them over the ranks (all-reduce), so
@@ -16,10 +17,7 @@ it runs and its gradients reduce-scattered back to their owners. Same maths, a f
 
 Backends: nccl between GPUs, gloo between CPU processes (what the tests use).
 """
-import gc
 import os
-import socket
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -29,156 +27,111 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import ConfigError, alive, first_line
-from training.runtime import World
+from common import ConfigError
 
 
-class ProcessGroup(World):
-    """This process's place among WORLD_SIZE processes joined by torchrun."""
+def join(device: torch.device) -> tuple[torch.device, int, int, int]:
+    """Join torchrun's process group: (this process's device, rank, local rank, world size)."""
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)   # one GPU per process
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ConfigError(f"distributed training runs on cuda (nccl) or cpu (gloo), not {device.type}")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return device, rank, local_rank, world
 
-    @classmethod
-    def join(cls, device: torch.device) -> "ProcessGroup":
-        rank, local_rank, size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-        if device.type == "cuda":
-            device = torch.device("cuda", local_rank)   # one GPU per process
-            torch.cuda.set_device(device)
-        elif device.type != "cpu":
-            raise ConfigError(f"distributed training runs on cuda (nccl) or cpu (gloo), not {device.type}")
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                    device_id=device if device.type == "cuda" else None)
-        group = cls(device, rank, local_rank, size)
-        # the stop vote runs on the CPU (gloo) beside the GPUs' collectives, so it never waits for them
-        group.vote_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-        group.pending_vote = None
-        group.peers = group.gather((socket.gethostname(), os.getpid()))   # to name a rank that dies
-        return group
 
-    def peer_failure(self, error: BaseException) -> str | None:
-        """When a collective failed because another process of the run ended, which one, in one line;
-        None for any other error. A rank on this machine is named; one elsewhere cannot be looked at."""
-        if not isinstance(error, RuntimeError):
-            return None
-        host = socket.gethostname()
-        gone = [r for r, (h, pid) in enumerate(self.peers) if r != self.rank and h == host and not alive(pid)]
-        if gone:
-            return (f"rank {gone[0]} of this run (PID {self.peers[gone[0]][1]}) ended, so rank {self.rank} stops "
-                    f"too; torchrun's report says why it ended")
-        if any(s in str(error).lower() for s in ("connection reset", "connection closed", "broken pipe")):
-            return f"another process of this run ended ({first_line(error, 80)}), so rank {self.rank} stops too"
-        return None
+def leader_first(fn, leader: bool, others: bool = True):
+    """fn() on the leading processes first, then (others) on the rest, which find its work done or get
+    its result; an error of a leader is raised on every process, so that none waits for ever."""
+    result, error = None, None
+    if leader:
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (error, result if not others else None))
+    if errors := [e for e, _ in gathered if e is not None]:
+        raise errors[0]
+    return result if leader else fn() if others else gathered[0][1]
 
-    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor /= self.size
-        return tensor
 
-    def gather(self, obj) -> list:
-        out = [None] * self.size
-        dist.all_gather_object(out, obj)
-        return out
+def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool) -> torch.nn.Module:
+    """DDP(model), or model sharded in place by FSDP2 (each block a unit of gathering and freeing)."""
+    if not fsdp:
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
-    def on_main(self, fn):
-        box = [None]
-        if self.is_main:
-            try:
-                box = [("ok", fn())]
-            except Exception as e:   # re-raised on every rank, so none waits forever for the others
-                box = [("error", e)]
-        dist.broadcast_object_list(box, src=0)
-        kind, value = box[0]
-        if kind == "error":
-            raise value
-        return value
 
-    def local_main_first(self, fn):
-        leader = self.local_rank == 0
-        result, error = None, None
-        if leader:
-            try:
-                result = fn()
-            except Exception as e:
-                error = e
-        errors = [e for e in self.gather(error) if e is not None]
-        if errors:
-            raise errors[0]
-        return result if leader else fn()
+def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
+    """Whether the next backward averages the gradients over the ranks: only a step's last micro-step
+    does, the others accumulate locally (a whole all-reduce or reduce-scatter saved each)."""
+    if hasattr(module, "set_requires_gradient_sync"):   # FSDP
+        module.set_requires_gradient_sync(sync)
+    else:
+        module.require_backward_grad_sync = sync
 
-    def wrap(self, model: torch.nn.Module, fsdp: bool) -> torch.nn.Module:
-        """DDP(model), or model sharded in place by FSDP2 (each block is one unit of gathering and
-        freeing; the root holds the embeddings)."""
-        self.kind = "FSDP" if fsdp else "DDP"
-        if fsdp:
-            mesh = init_device_mesh(self.device.type, (self.size,))
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            return fully_shard(model, mesh=mesh)
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                   gradient_as_bucket_view=True)
 
-    def no_sync(self, module: torch.nn.Module, last: bool):
-        """Only the last micro-step of an optimizer step averages the gradients; the others accumulate
-        locally, skipping a whole all-reduce (DDP) or reduce-scatter (FSDP) each."""
-        if is_sharded(module):
-            module.set_requires_gradient_sync(last)
-            return nullcontext()
-        return nullcontext() if last else module.no_sync()
+def mean(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of tensor over the ranks, in place on every rank."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.div_(dist.get_world_size())
 
-    def full_state(self, model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-        """Under FSDP this gathers the shards: every rank must call it, and rank 0 gets the full tensors
-        (on the CPU), keyed by parameter index, so that a checkpoint loads anywhere, FSDP or not."""
-        if not is_sharded(model):
-            return super().full_state(model, optimizer)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=options)
-        optim_state = get_optimizer_state_dict(model, optimizer, options=options)   # keyed by parameter name
-        if not optim_state:   # ranks other than 0
-            return model_state, optim_state
-        index = {}
-        groups = [{**g, "params": [index.setdefault(name, len(index)) for name in g["params"]]}
-                  for g in optim_state["param_groups"]]
-        return model_state, {"state": {index[n]: s for n, s in optim_state["state"].items()}, "param_groups": groups}
 
-    def load_full_state(self, model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
-        """The inverse of full_state, on every rank: each keeps its own shards under FSDP."""
-        if not is_sharded(model):
-            return super().load_full_state(model, optimizer, model_state, optim_state)
-        names = {id(p): n for n, p in model.named_parameters()}
-        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        by_name = {"state": {order[i]: s for i, s in optim_state["state"].items()},
-                   "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_state["param_groups"]]}
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, model_state, options=options)
-        set_optimizer_state_dict(model, optimizer, by_name, options=options)
+def gather(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
-    def agree_to_stop(self, requested: bool) -> bool:
-        """Without waiting on the GPU: each step every rank starts an asynchronous all-reduce of "I was
-        asked to stop" and reads the previous step's result, long finished by then. So all ranks stop
-        one step after the first signal, at the same step."""
-        decided = False
-        if self.pending_vote is not None:
-            work, flag = self.pending_vote
-            work.wait()
-            decided = bool(flag.item())
-        flag = torch.tensor([float(requested)])
-        self.pending_vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.vote_group, async_op=True), flag)
-        return decided
 
-    def leave(self, finished: bool) -> None:
-        """After a clean run: complete the last vote, free what still holds the group (DDP/FSDP modules
-        sit in reference cycles that only the garbage collector frees), wait for every rank, then
-        destroy the group, so that gloo's worker threads end while Python is still alive (left to
-        interpreter shutdown, a worker that touches a Python object can abort the process). After an
-        error, leave at once: the others may never arrive."""
-        if not dist.is_initialized():
-            return
+def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts as one process holds them, so that a checkpoint loads anywhere.
+    Under FSDP every rank must call it: the shards are gathered to rank 0, on the CPU."""
+    if not hasattr(model, "set_requires_gradient_sync"):
+        return model.state_dict(), optimizer.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)   # keyed by parameter name
+    if not optim_state:   # ranks other than 0
+        return model_state, optim_state
+    index = {}
+    groups = [{**g, "params": [index.setdefault(name, len(index)) for name in g["params"]]}
+              for g in optim_state["param_groups"]]
+    return model_state, {"state": {index[n]: s for n, s in optim_state["state"].items()}, "param_groups": groups}
+
+
+def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
+    """The inverse of full_state, on every rank: each keeps its own shards under FSDP."""
+    if not hasattr(model, "set_requires_gradient_sync"):
+        model.load_state_dict(model_state)
+        return optimizer.load_state_dict(optim_state)
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    by_name = {"state": {order[i]: s for i, s in optim_state["state"].items()},
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_state["param_groups"]]}
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether any rank says flag (a stop asked for): every rank gets the same answer, at the same step."""
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def leave(finished: bool) -> None:
+    """Destroy the process group while Python is still alive (gloo's threads can abort a process left to
+    interpreter shutdown); after a clean run, wait for every rank first."""
+    if dist.is_initialized():
         if finished:
-            if self.pending_vote is not None:
-                self.pending_vote[0].wait()
-            gc.collect()
             dist.barrier()
         dist.destroy_process_group()
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    return hasattr(model, "set_requires_gradient_sync")   # what fully_shard adds

@@ -1,279 +1,611 @@
-"""The training loop. train() runs these steps, top to bottom:
+"""Training a GPT, top to bottom: `python train.py` calls train(cfg).
 
-    set_up, restore, build_step, start_writing    a run built and its out dir opened (training/run.py)
-    run_steps         the optimizer steps; every log_interval steps a log line; every eval_interval
-                      steps (and at the end, or when a signal or a lost stdout asks to stop)
-                      evaluate_and_save; every sample_every steps record_sample; then how the run ended
+    set-up     the device and the processes; every check that writes nothing (the data, the out dir,
+               the checkpoint to resume, the memory a step needs); the data, the model, the optimizer
+    the step   forward and backward over grad_accum micro-batches, gradient clipping, the non-finite
+               record, the update; on one CUDA GPU recorded once as a CUDA graph and replayed
+    the loop   a log line every log_interval steps; an evaluation and a checkpoint every eval_interval
+               steps, at the end, and when a signal or a lost stdout stops the run; a sample every
+               sample_every steps
 
-Exact resume: the model, the optimizer, the LR schedule, the data order and every random generator
-continue where the checkpoint left them.
+Choices:
+  exact resume  the weights, the optimizer, the LR schedule, the data order and every random generator
+                continue where the checkpoint left them (on CPU each later loss equals the uninterrupted
+                run's to 1e-6)
+  non-finite    the step records the first step whose loss or gradient norm is not finite on the device
+                (a CUDA graph can hold that); the loop reads it where it waits for the device anyway (log
+                lines, evaluations, checkpoints, the last step) and stops, naming the step: no checkpoint
+                is ever written after it. on_nonfinite = skip reads it every step and skips the update
+  true speed    ms/step is timed after the log line has read the loss: the device has finished the steps
+  one cast      a step's micro-batches run in one autocast region, so each weight is cast to bf16 once a
+                step, not once a micro-step
+  signals       SIGINT, SIGTERM, SIGHUP: the step finishes, a checkpoint is saved, exit 128 + signal
 """
-import functools
+import json
 import math
 import os
 import signal
 import sys
 import time
 
+import numpy as np
 import torch
 
-from common import (Interrupted, Printer, RunError, StopRequest, duration, first_line, is_out_of_memory,
-                    on_stop_signals, say_now)
-from data.cache import bits_per_byte
-from training.checkpoint import clean_state_dict, new_checkpoint, save_checkpoint
-from training.config import Config
-from training.optim import lr_at, set_lr
-from training.run import Run, build_step, join_world, note, restore, set_up, start_writing
-from training.outdir import read_records
-from training.runtime import pick_device, rng_state
+from common import (ConfigError, Interrupted, Printer, RunError, StopRequest, TokenizerError, atomic_write, duration,
+                    first_line, is_out_of_memory, on_stop_signals)
+from data.cache import bits_per_byte, load_meta
+from data.loader import BatchLoader, strided_windows
+from data.prepare import prepare
+from data.sources import find_sources
+from data.tokenizers import load_tokenizer
+from model.gpt import GPT, score
 from model.sampling import Decoding, generate
-from training.step import mean_loss
-from viz.curves import draw, run_panels
+from training.checkpoint import FOR_RESUMING, FORMAT, VERSION, OutDir, link_best, load_checkpoint, save_checkpoint
+from training.config import SAME_RUN_KEYS, Config, build_config, changes, describe, fmt, load_toml
+from training.device import autocast, pick_device, pick_dtype
+from training.optim import build_optimizer, lr_at, set_lr
+from viz.curves import draw, read_records, run_panels
 
-EVAL_SEED = 4242     # evaluation draws the same batches every time, whatever the training seed
-SAMPLE_SEED = 1337   # and samples while training the same draws
-SAMPLE_TEMPERATURE = 0.8   # a little below 1: the likelier tokens, without greedy decoding's loops
+EVAL_SEED = 4242             # evaluation draws the same batches every time, whatever the training seed
+SAMPLE_SEED = 1337           # and samples while training the same draws
+SAMPLE_TEMPERATURE = 0.8     # a little below 1: the likelier tokens, without greedy decoding's loops
+MAX_SKIPS_IN_A_ROW = 10      # on_nonfinite = skip still stops a run that has plainly diverged
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
-          stop_at: int | None = None, on_step=None) -> dict:
-    """Run (or continue) the training that cfg describes; return a summary of how it ended.
-    stop_at: end this process's part of the run after that step (with an evaluation and a checkpoint),
-    as an interruption would; the schedule still runs to train.max_steps on resume.
-    on_step: called as on_step(step, model) after every optimizer step (bench.py's race evaluates there); when
-    it returns True the run ends after that step as with stop_at (bench.py tokenizers: a time budget; under
-    torchrun every rank must answer alike)."""
-    world = join_world(pick_device(cfg.train.device))   # one process, or this process's rank under torchrun
-    # SIGINT, SIGTERM, SIGHUP: finish the step, save, stop (a second one exits at once; checkpoints are
-    # written atomically, so a save cut short leaves only a temporary file, which the next run removes)
-    stop = StopRequest("finishing this step and saving a checkpoint")
-    finished = False
+          stop_at: int | None = None, on_step=None, checkpoint=None) -> dict:
+    """Run (or continue) the training cfg describes; return a summary of how it ended.
+    checkpoint: with resume, the checkpoint to continue (default: the out dir's latest).
+    stop_at: end after that step, with an evaluation and a checkpoint, as a signal would.
+    on_step(step, model): called after every step (bench.py evaluates there); True ends the run there."""
+    t, ddp, started = cfg.train, int(os.environ.get("WORLD_SIZE", "1")) > 1, cpu_times()
+    device, rank, local_rank, world = pick_device(t.device), 0, 0, 1
+    if ddp:
+        from training import distributed   # only under torchrun
+        device, rank, local_rank, world = distributed.join(device)
+    say, out, finished = Printer(rank == 0 and not quiet), OutDir(cfg.out_dir), False
     try:
-        run, ckpt = set_up(cfg, world, resume, overwrite, quiet)
+        # ---- every check that writes nothing: the data's files, the out dir, the checkpoint, the memory
+        dtype = pick_dtype(device, t.dtype)
+        if t.fsdp and ddp and dtype == torch.float16:
+            raise ConfigError("train.fsdp with float16 needs a sharded gradient scaler: use --train.dtype=bfloat16")
+        find_sources(cfg.data.path)
+        resume_from = out.check(resume, overwrite, checkpoint) if rank == 0 else None
+        stored = load_toml(out.path / "config.toml") if resume_from and (out.path / "config.toml").is_file() else None
+        if ddp:
+            resume_from = distributed.leader_first(lambda: resume_from, rank == 0, others=False)
+        ckpt = load_checkpoint(resume_from, mmap=False) if resume_from else None   # read whole: the file may go
+        if ckpt is not None:
+            check_resumable(ckpt, resume_from, cfg)
+        dataset = distributed.leader_first(lambda: prepare(cfg.data, cfg.model.block_size), local_rank == 0) \
+            if ddp else prepare(cfg.data, cfg.model.block_size)
+        meta = load_meta(dataset)
+        tokenizer = load_tokenizer(meta["tokenizer"])
+        if ckpt is not None and ckpt["tokenizer"] != meta["tokenizer"]:
+            raise CheckpointError(f"{resume_from} was trained on a text of {vocab(ckpt['tokenizer'])}, {cfg.data.path}"
+                                  f" now gives {vocab(meta['tokenizer'])}: the text changed, and --resume needs the "
+                                  f"one it was trained on (or start a new run: --overwrite, or another --out_dir)")
+        cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
+        if cfg.model.vocab_size < meta["vocab_size"]:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                              f"{meta['vocab_size']}")
+        if t.sample_prompt:
+            try:   # a character the text never had is refused now, not at the first sample
+                tokenizer.encode(t.sample_prompt)
+            except TokenizerError as e:
+                raise ConfigError(f"train.sample_prompt has {e}") from None
+        memory = check_memory(cfg, device, dtype)
+
+        # ---- the data, the model (the same initial weights on every rank), the optimizer
+        loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,
+                             grad_accum=t.grad_accum, rank=rank, world=world)
+        np.random.seed(t.seed)
+        torch.manual_seed(t.seed)
+        model = GPT(cfg.model).to(device)
+        if t.init_from and ckpt is None:   # pretrained weights (a resumed run restores its own instead)
+            from hf.hub import load_init_weights
+            load_init_weights(model, t.init_from)
+        if t.onednn:
+            from speed.onednn import use_onednn_linears
+            use_onednn_linears(model, device, dtype)
+        if rank:
+            torch.manual_seed(t.seed + rank)   # each rank its own dropout masks
+        wrapped = distributed.wrap(model, device, t.fsdp) if ddp else model   # (FSDP shards before the optimizer)
+        optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
+                                    weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        nonfinite = NonFinite(device, stop=t.on_nonfinite == "stop", check_grad=not scaler.is_enabled())
+        step, best_val, tokens, seconds_before, skipped, relink = 0, math.inf, 0, 0.0, 0, False
+        if ckpt is not None:
+            step, best_val, tokens, seconds_before, skipped = restore(ckpt, resume_from, model, wrapped, optimizer,
+                                                                    scaler, loader, rank, world, t.seed)
+            nonfinite.steps.fill_(step)
+            relink = ckpt["is_best"]   # a kill may have cut the linking of best.pt to it
+        del ckpt   # its tensors live in the model and optimizer now
+
+        stop = StopRequest("finishing this step and saving a checkpoint")
         with on_stop_signals(stop):
-            if ckpt is not None:
-                restore(run, ckpt)
-            del ckpt   # its tensors now live in the model and optimizer
-            build_step(run)
-            start_writing(run)
-            summary = run_steps(run, stop, stop_at, on_step)
+            # ---- the step: compiled, and recorded as a CUDA graph, where asked for and possible
+            if t.compile and device.type == "mps":   # not tried where nothing is tested: said, not attempted
+                Printer(say.enabled)("note: train.compile is not tried on MPS: training eagerly", file=sys.stderr)
+            elif t.compile:
+                say("# compiling the model: about half a minute (train.compile = false skips it)")
+                from speed.compile import compiled_or_eager
+                wrapped = compiled_or_eager(wrapped, lambda fn: compile_trial(fn, model, loader, device, dtype),
+                                            "training")
+            one_step = make_step(model, wrapped, optimizer, scaler, nonfinite, device, dtype, t, ddp)
+            run_step, how = lambda: one_step(loader.step_windows().to(device, non_blocking=True)), "eager"
+            blockers = graph_blockers(t, device, world, dtype)
+            if t.cuda_graph and not blockers:
+                from speed.cuda_graph import graph_step
+                order = loader.state_dict()   # the warm-up's data, drawn without moving the data order on
+                warmup_windows = loader.step_windows().to(device)
+                loader.load_state_dict(order)
+                try:
+                    replay = graph_step(one_step, warmup_windows, optimizer, [nonfinite.steps, nonfinite.first],
+                                        capture=device.type == "cuda")
+                    run_step, how = lambda: replay(loader.step_windows().to(device, non_blocking=True)), "CUDA graph"
+                except Exception as e:   # what the recording cannot hold: the eager step does the same work
+                    say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
+            elif t.cuda_graph and device.type == "cuda":
+                say(f"# no CUDA graph: {'; '.join(blockers)}")
+            how += ", compiled" if t.compile and device.type != "mps" else ""
+
+            # ---- from the first write on, a run that ends without a checkpoint of its own leaves the out dir
+            # as it found it
+            metrics, saved_step, stopping = Metrics(None), step if resume_from else None, False
+            try:
+                if rank == 0:
+                    out.open()
+                    if relink:
+                        link_best(resume_from)
+                    write_or_fail(out.path / "config.toml", describe(cfg))
+                    metrics = Metrics(cfg, out.path, step if resume_from else None)
+                tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.block_size
+                banner(say, cfg, out.path, resume_from, stored, step, model, device, dtype, how, world,
+                       tokens_per_step, dataset, memory)
+
+                # ---- the loop
+                schedule = dict(lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
+                                schedule=t.schedule, warmdown_frac=t.warmdown_frac)
+                end, losses, last_eval, in_a_row = min(t.max_steps, stop_at or t.max_steps), {}, None, 0
+                loop_start = interval_start = time.perf_counter()
+                interval_steps = 0
+                if stop.signal:   # before the first step: nothing of this run is worth a checkpoint
+                    raise Interrupted(signal.Signals[stop.signal], f"stopped by {stop.signal} before its first step")
+                while step < end:
+                    lr = lr_at(step, **schedule)
+                    set_lr(optimizer, lr / t.lr if t.lr > 0 else 0.0)
+                    loss, grad_norm, bad = run_step()
+                    step, tokens, interval_steps = step + 1, tokens + tokens_per_step, interval_steps + 1
+                    if t.on_nonfinite == "skip":   # the update was dropped; count it, and stop a diverged run
+                        in_a_row = in_a_row + 1 if (what := nonfinite.said(bad)) else 0
+                        skipped += bool(what)
+                        if what:
+                            say(f"step {step:6d} | non-finite {what}: update skipped ({skipped} so far)")
+                        if in_a_row >= MAX_SKIPS_IN_A_ROW:
+                            raise RunError(f"non-finite {what} at {in_a_row} steps in a row (up to step {step}); "
+                                           f"stopped, {kept(saved_step)} (try a lower --train.lr)")
+                    if on_step is not None and on_step(step, model):
+                        end = step   # asked to end here, as stop_at would
+                    logged = step % t.log_interval == 0 or step == t.max_steps
+                    asked = stop.signal is not None or say.lost
+                    stopping = distributed.any_rank(asked, device) if ddp and (logged or step == end) else \
+                        asked if not ddp else False
+                    if logged:
+                        loss_value = loss.item()   # waits for the device: the interval's steps have all run
+                        ms = (time.perf_counter() - interval_start) * 1000 / interval_steps
+                        nonfinite.check(saved_step)
+                        record = {"step": step, "kind": "train", "loss": loss_value, "lr": lr,
+                                  "grad_norm": grad_norm.item(), "ms_per_step": ms,
+                                  "tokens_per_s": tokens_per_step * 1000 / ms, "skipped_steps": skipped}
+                        say(f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
+                            f"{record['tokens_per_s']:,.0f} tok/s | ETA {duration((t.max_steps - step) * ms / 1000)}")
+                        metrics.log(record)
+                        losses[step] = loss_value
+                        if started is not None:   # once, early: other work on the CPU makes this run wait
+                            busy_cpu_note(started, device, Printer(say.enabled))
+                            started = None
+                    if step % t.eval_interval == 0 or step == end or stopping:
+                        nonfinite.check(saved_step)   # never a checkpoint of weights a non-finite step touched
+                        last_eval = evaluate(wrapped, loader, t.eval_iters, dtype, device, ddp)
+                        is_best, best_val = last_eval["val"] < best_val, min(best_val, last_eval["val"])
+                        bpb = {s: bits_per_byte(last_eval[s], meta["tokens"][s], meta["bytes"][s]) for s in last_eval}
+                        say(f"eval {step:6d} | train {last_eval['train']:.4f} | val {last_eval['val']:.4f} | val "
+                            f"{bpb['val']:.4f} bits/byte{' (best)' if is_best else ''}")
+                        elapsed = seconds_before + time.perf_counter() - loop_start
+                        metrics.log({"step": step, "kind": "eval", "train_loss": last_eval["train"],
+                                     "val_loss": last_eval["val"], "train_bpb": bpb["train"], "val_bpb": bpb["val"],
+                                     "elapsed_s": elapsed})
+                        model_state, optimizer_state = distributed.full_state(wrapped, optimizer) if ddp else \
+                            (model.state_dict(), optimizer.state_dict())   # (FSDP gathers its shards on every rank)
+                        rngs = distributed.gather(rng_state()) if ddp else [rng_state()]
+                        if rank == 0:
+                            save_checkpoint({
+                                "format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "step": step,
+                                "tokenizer": meta["tokenizer"], "model": model_state, "dataset": meta,
+                                "optimizer": float_lrs(optimizer_state), "loader": loader.state_dict(),
+                                "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng_ranks": rngs,
+                                "best_val_loss": best_val, "elapsed": elapsed, "tokens": tokens,
+                                "skipped_steps": skipped, "is_best": is_best}, out.path, keep=t.keep_checkpoints)
+                            out.committed()   # the run has a checkpoint: what it replaced can go
+                            if cfg.log.curves:   # (matplotlib is imported on first use)
+                                write_or_fail(out.path / "curves.png", draw(run_panels(read_records(
+                                    out.path / "metrics.jsonl", warn=False)), f"{out.path.name}: step {step}"))
+                        saved_step, logged = step, True
+                    if t.sample_every and (step % t.sample_every == 0 or step == t.max_steps) and rank == 0:
+                        text = sample(model, tokenizer, t, device, dtype)
+                        say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
+                        metrics.log({"step": step, "kind": "sample", "text": text})
+                        logged = True
+                    if logged:   # evaluations and samples are not billed to the steps
+                        interval_start, interval_steps = time.perf_counter(), 0
+                    if stopping:
+                        why = stop.signal or ("the loss of stdout (the end of a pipe's reader?)" if say.lost
+                                              else "a signal to another rank")
+                        text = (f"stopped by {why} at step {step}, checkpoint saved in {out.path}; to continue, run "
+                                f"the same command with --resume")
+                        say(text)
+                        if say.lost:
+                            Printer(rank == 0)(text, file=sys.stderr)
+                        break
+            except BaseException as e:
+                out.abandon()   # (a resumed run, or one with a checkpoint of its own, keeps everything)
+                if is_out_of_memory(e):
+                    raise RunError(f"out of memory on {device} at step {step + 1} ({first_line(e, 80)}): try a "
+                                   f"smaller --train.batch_size (with a larger --train.grad_accum to keep the tokens "
+                                   f"per step; {kept(saved_step, resume=True)}) or a smaller --model.block_size") \
+                        from None
+                raise
+            finally:
+                metrics.close()
+        total = seconds_before + time.perf_counter() - loop_start
+        if step >= t.max_steps:
+            say(f"# done: step {step}, best val loss {best_val:.4f}, {duration(total)} ({total:.1f} s), {tokens:,} "
+                f"tokens" + (f", {skipped} non-finite steps skipped" if skipped else ""))
         finished = True
-        return summary
-    except Exception as e:
-        if (peer := world.peer_failure(e)) is None:
-            raise
-        # a group that lost a process cannot be left: destroying it may wait for that process for ever, and
-        # ending without destroying it may abort in gloo's threads; checkpoints are whole, so end here
-        end_after_peer(f"error: {peer}")
+        return {"step": step, "val_loss": last_eval["val"] if last_eval else None, "best_val_loss": best_val,
+                "elapsed_s": total, "losses": losses, "skipped_steps": skipped, "interrupted": stopping,
+                "exit_code": 128 + signal.Signals[stop.signal] if stop.signal else 141 if say.lost else
+                130 if stopping else 0}
     finally:
-        world.leave(finished)
+        out.close()
+        if ddp:
+            distributed.leave(finished)
 
 
-def end_after_peer(message: str, wait_s: float = 2.0) -> None:
-    """Say message as the last line on stderr, then end with exit 2, after torchrun has had time to see
-    that the other process ended first (its report names the first end it sees as the root cause): its
-    SIGTERM ends this process in the wait, or the wait runs out."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # until the line is out
+# ---------------------------------------------------------------- the step
+
+class NonFinite:
+    """Non-finite losses and gradient norms, recorded on the device by the step itself (a CUDA graph
+    holds that): `first` is the first such step, +step for its loss, -step for its gradient, 0 for none.
+    With fp16's loss scaler an inf gradient is routine (the scaler skips it): then only the loss counts."""
+
+    def __init__(self, device: torch.device, stop: bool, check_grad: bool):
+        self.stop, self.check_grad = stop, check_grad
+        self.steps = torch.zeros((), dtype=torch.long, device=device)   # steps recorded
+        self.first = torch.zeros((), dtype=torch.long, device=device)
+
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """This step's record: +1 a non-finite loss, -1 a non-finite gradient, 0 neither."""
+        self.steps.add_(1)
+        loss_ok = torch.isfinite(loss)
+        bad = ~(loss_ok & torch.isfinite(grad_norm)) if self.check_grad else ~loss_ok
+        this = torch.where(bad, torch.where(loss_ok, -1, 1), 0)
+        self.first.copy_(torch.where((self.first == 0) & bad, this * self.steps, self.first))
+        return this
+
+    @staticmethod
+    def said(record: torch.Tensor | int) -> str:
+        """What a record says was not finite ('' for nothing); reading it waits for the device."""
+        return {1: "loss", -1: "gradient"}.get(int(record) and (1 if int(record) > 0 else -1), "")
+
+    def check(self, saved_step: int | None) -> None:
+        """Stop mode: raise, naming the first non-finite step, if there was one."""
+        if self.stop and (first := int(self.first)):
+            raise RunError(f"non-finite {self.said(first)} at step {abs(first)}; stopped, {kept(saved_step)} (try a "
+                           f"lower --train.lr, or --train.on_nonfinite=skip to skip such steps)")
+
+
+def make_step(model, wrapped, optimizer, scaler, nonfinite: NonFinite, device, dtype, t, ddp: bool):
+    """One optimizer step on windows (grad_accum, B, T + 1) on the device -> (mean loss over the global
+    batch, gradient norm before clipping, its non-finite record); no host sync, so that a CUDA graph
+    can hold it (but skip mode's decision, which keeps the step eager)."""
+    skip = t.on_nonfinite == "skip"
+    if ddp:
+        from training import distributed
+
+    def step(windows: torch.Tensor):
+        accum = windows.size(0)
+        loss_sum = torch.zeros((), device=device)
+        with autocast(device, dtype):   # one region: each weight is cast once per step
+            for micro in range(accum):
+                x, y = windows[micro, :, :-1], windows[micro, :, 1:]   # (B, T) each: y is x shifted by one
+                if ddp:
+                    distributed.sync_gradients(wrapped, micro == accum - 1)
+                _, loss = wrapped(x, y)
+                loss_sum += loss.detach()
+                scaler.scale(loss / accum).backward()
+        if ddp:
+            distributed.mean(loss_sum)   # the loss of the whole global batch, on every rank
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
+        bad = nonfinite.record(loss_sum, grad_norm)   # every rank sees the same loss and norm: the same decision
+        if not (skip and int(bad)):
+            scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return loss_sum / accum, grad_norm, bad
+    return step
+
+
+def graph_blockers(t, device: torch.device, world: int, dtype: torch.dtype) -> list[str]:
+    """Why the step cannot be recorded as a CUDA graph here ([] = it can)."""
+    reasons = [f"graphs are CUDA only (device {device.type})"] if device.type != "cuda" else []
+    reasons += ["several processes (DDP/FSDP synchronize from the host)"] if world > 1 else []
+    reasons += ["fp16 loss scaling decides on the host"] if dtype == torch.float16 else []
+    return reasons + (["on_nonfinite = skip decides on the host"] if t.on_nonfinite == "skip" else [])
+
+
+def compile_trial(compiled, model, loader, device, dtype) -> None:
+    """One forward and backward of the compiled model on a batch laid out as the step's (views of one
+    (B, T + 1) batch: other strides would compile again), leaving no gradients and the generators as they were."""
+    w = torch.zeros(loader.batch_size, loader.block_size + 1, dtype=torch.long, device=device)
     try:
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
-    say_now(message + "\n")
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    time.sleep(wait_s)
-    os._exit(2)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(device, dtype):
+            compiled(w[:, :-1], w[:, 1:])[1].backward()
+    finally:
+        model.zero_grad(set_to_none=True)
 
 
-# ---------------------------------------------------------------- evaluate and save
+# ---------------------------------------------------------------- evaluation and samples
 
-def evaluate(run: Run) -> dict:
-    """Mean loss over the same eval_iters batches of each split every time (a fixed generator), or
-    with eval_iters = 0 over every token of each split; with several ranks each evaluates its share
-    and the means are averaged."""
-    losses, iters = {}, run.cfg.train.eval_iters
+def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool) -> dict:
+    """Mean loss of each split over the same `iters` batches every time (a fixed generator), or with
+    iters = 0 over every token of the split in consecutive windows; each rank scores its share."""
+    losses = {}
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(EVAL_SEED)
-        batches = (run.loader.batch(split, generator) for _ in range(iters)) if iters else run.loader.every_window(split)
-        losses[split] = run.world.all_reduce_mean(mean_loss(run.wrapped, batches, run.autocast)).item()
+        if iters:
+            batches = (loader.batch(split, generator) for _ in range(iters))
+        else:
+            windows = strided_windows(loader.splits[split], loader.block_size, loader.block_size, loader.batch_size)
+            batches = ((x.to(device), y.to(device)) for i, (x, y) in enumerate(windows) if i % loader.world == loader.rank)
+        nats, count = score(wrapped, batches, autocast(device, dtype))
+        totals = torch.tensor([nats, count], dtype=torch.float64, device=device)
+        if ddp:
+            from training import distributed
+            distributed.mean(totals)
+        losses[split] = (totals[0] / totals[1]).item()
     return losses
 
 
-def evaluate_and_save(run: Run) -> dict:
-    """Train and val loss on fixed batches, one metrics record, a checkpoint (best.pt if best), then
-    curves.png redrawn (log.curves)."""
-    run.guard.check()   # never checkpoint weights that a non-finite step touched
-    ev = evaluate(run)
-    is_best = ev["val"] < run.best_val
-    run.best_val = min(run.best_val, ev["val"])
-    meta = run.loader.meta
-    bpb = {s: bits_per_byte(ev[s], meta["tokens"][s], meta["bytes"][s]) for s in ("train", "val")}
-    run.print(f"eval {run.step:6d} | train {ev['train']:.4f} | val {ev['val']:.4f} | val {bpb['val']:.4f} bits/byte"
-              f"{' (best)' if is_best else ''}")
-    run.metrics.log({"step": run.step, "kind": "eval", "train_loss": ev["train"], "val_loss": ev["val"],
-                     "train_bpb": bpb["train"], "val_bpb": bpb["val"], "elapsed_s": run.elapsed()})
-    save(run, is_best)
-    if run.cfg.log.curves and run.world.is_main:   # (matplotlib is imported on first use, by viz/curves.py)
-        records = read_records(run.out.path / "metrics.jsonl", warn=False)
-        run.out.write("curves.png", draw(run_panels(records), f"{run.out.path.name}: step {run.step}"))
-    return ev
-
-
-def record_sample(run: Run) -> None:
-    """A short sample of the model as it is now, printed and recorded: the same prompt and seed every
-    time, so that samples compare across steps. Its own generator and eval mode leave the training's
-    random draws and every later loss as they would have been without it."""
-    if not run.world.is_main:
-        return
-    t, tokenizer, device = run.cfg.train, run.tokenizer, run.world.device
+def sample(model: GPT, tokenizer, t, device, dtype) -> str:
+    """A short sample of the model as it is now: the same prompt and seed every time, so that samples
+    compare across steps; its own generator and eval mode leave every later loss as it would have been."""
     ids = tokenizer.encode(t.sample_prompt) if t.sample_prompt else [tokenizer.start_token]
     generator = torch.Generator(device=device).manual_seed(SAMPLE_SEED)
-    was_training = run.model.training
-    run.model.eval()
-    with run.autocast:
-        new = torch.cat(list(generate(run.model, torch.tensor([ids], device=device), t.sample_tokens,
-                                      SAMPLE_TEMPERATURE, generator=generator, vocab_limit=tokenizer.vocab_size,
+    was_training = model.training
+    model.eval()
+    with autocast(device, dtype):
+        new = torch.cat(list(generate(model, torch.tensor([ids], device=device), t.sample_tokens, SAMPLE_TEMPERATURE,
+                                      generator=generator, vocab_limit=tokenizer.vocab_size,
                                       decoding=Decoding(compile=False))), dim=1)[0].tolist()
-    run.model.train(was_training)
-    text = t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")
-    run.print(f"sample {run.step:4d} | " + text.replace("\n", "\n" + " " * 14))
-    run.metrics.log({"step": run.step, "kind": "sample", "text": text})
+    model.train(was_training)
+    return t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")
 
 
-def save(run: Run, is_best: bool) -> None:
-    model_state, optimizer_state = run.world.full_state(run.model, run.optimizer)   # gathers FSDP shards
-    rngs = run.world.gather(rng_state())
-    if not run.world.is_main:
-        return
-    ckpt = new_checkpoint(
-        config=run.cfg.to_dict(), tokenizer=run.loader.meta["tokenizer"], model=clean_state_dict(model_state),
-        step=run.step, dataset=run.loader.meta, optimizer=optimizer_state,
-        scaler=run.scaler.state_dict() if run.scaler.is_enabled() else None, loader=run.loader.state_dict(),
-        rng_ranks=rngs, best_val_loss=run.best_val, elapsed=run.elapsed(), tokens=run.tokens,
-        skipped_steps=run.guard.skipped, is_best=is_best)
-    save_checkpoint(ckpt, run.out.path, keep=run.cfg.train.keep_checkpoints)
-    run.out.committed()   # the run has a checkpoint: what it replaced in the out dir can go
-    run.guard.saved_step = run.step
+# ---------------------------------------------------------------- set-up, resume, record
+
+def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype) -> str:
+    """Refuse, before anything is allocated, a step that would need more memory than the device has free
+    (train.check_memory = false tries anyway); the estimate in words, for the banner.
+
+    weights       fp32 weights, their gradients and AdamW's two moments: 16 bytes a parameter
+    activations   what backward keeps, about 22 numbers of n_embd per token per layer (measured on CPU,
+                  fp32, fused attention), fewer bytes in bf16; the (B, nh, T, T) scores where attention
+                  materializes them (naive); the logits, their fp32 copy and its gradient"""
+    m, t = cfg.model, cfg.train
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(m).parameters())
+    low, batch_tokens = dtype != torch.float32, t.batch_size * m.block_size
+    activations = m.n_layer * batch_tokens * m.n_embd * (56 if low else 88) + batch_tokens * m.vocab_size * \
+        (8 if low else 12) + (m.n_layer * t.batch_size * m.n_head * m.block_size ** 2 * 9 if m.attention == "naive"
+                              else 0)
+    need, free = params * 16 + activations, free_memory(device)
+    size = lambda n: f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"   # noqa: E731
+    words = f"about {size(need)} (activations {size(activations)}, weights and optimizer {size(params * 16)})"
+    if t.check_memory and free is not None and need > free:
+        raise RunError(f"one training step needs {words} for batch {t.batch_size} x block {m.block_size} x "
+                       f"{m.n_layer} layers, more than the {size(free)} free on {device}: make --train.batch_size (with"
+                       f" a larger --train.grad_accum to keep the tokens per step), --model.block_size or the model "
+                       f"smaller, or set --train.check_memory=false to try anyway")
+    return f"a step needs {words}" + (f", {size(free)} free" if free is not None else "")
 
 
-# ---------------------------------------------------------------- the loop
-
-def log_progress(run: Run, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, steps: int, seconds: float) -> dict:
-    """One log line and metrics record for the last `steps` steps (this reads the loss: a sync)."""
-    run.guard.check()
-    ms = seconds * 1000 / steps
-    record = {"step": run.step, "kind": "train", "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-              "ms_per_step": ms, "tokens_per_s": run.tokens_per_step * 1000 / ms, "skipped_steps": run.guard.skipped}
-    eta = duration((run.cfg.train.max_steps - run.step) * ms / 1000)
-    run.print(f"step {run.step:6d} | loss {record['loss']:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
-              f"{record['tokens_per_s']:,.0f} tok/s | ETA {eta}")
-    run.metrics.log(record)
-    return record
-
-
-def run_steps(run: Run, stop: StopRequest, stop_at: int | None, on_step) -> dict:
-    """The optimizer steps up to train.max_steps (or stop_at), with their log lines and evaluations,
-    until a signal (stop) or the loss of stdout asks the run to stop."""
-    t = run.cfg.train
-    end = min(t.max_steps, stop_at or t.max_steps)
-    schedule = functools.partial(lr_at, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
-                                 max_steps=t.max_steps, schedule=t.schedule, warmdown_frac=t.warmdown_frac)
-    losses, last_eval, stopping, note_slowdown = {}, None, False, SlowdownNote(run)
-    run.started = interval_start = time.perf_counter()
-    interval_steps = 0
+def free_memory(device: torch.device) -> int | None:
+    """Bytes a run can still allocate: the GPU's free memory, or the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     try:
-        if stop.signal:   # before the first step: nothing of this run is worth a checkpoint
-            raise Interrupted(signal.Signals[stop.signal], f"stopped by {stop.signal} before its first step")
-        while run.step < end:
-            lr = schedule(run.step)
-            set_lr(run.optimizer, lr / t.lr if t.lr > 0 else 0.0)
-            loss, grad_norm, applied = run.train_step()
-            run.step += 1
-            run.tokens += run.tokens_per_step
-            interval_steps += 1
-            if not applied:
-                run.print(f"step {run.step:6d} | non-finite {run.guard.last}: update skipped "
-                          f"({run.guard.skipped} so far)")
-            if on_step is not None and on_step(run.step, run.model):
-                end = run.step   # asked to end here: the last step, as stop_at's would be
-            stopping = run.world.agree_to_stop(stop.signal is not None or run.print.lost)   # all ranks alike
-            logged = run.step % t.log_interval == 0 or run.step == t.max_steps
-            if logged:
-                record = log_progress(run, loss, grad_norm, lr, interval_steps, time.perf_counter() - interval_start)
-                losses[run.step] = record["loss"]
-                note_slowdown(record["ms_per_step"])
-            if run.step % t.eval_interval == 0 or run.step == end or stopping:   # end: max_steps, stop_at or on_step's
-                last_eval = evaluate_and_save(run)
-                logged = True
-            if t.sample_every and (run.step % t.sample_every == 0 or run.step == t.max_steps):
-                record_sample(run)
-                logged = True
-            if logged:   # evaluations and samples are not billed to steps
-                interval_start, interval_steps = time.perf_counter(), 0
-            if stopping:
-                say_stopped(run, stop.signal or ("the loss of stdout (the end of a pipe's reader?)" if run.print.lost
-                                                 else "a signal to another rank"))
-                break
-    except BaseException as e:
-        if run.guard.saved_step is None:   # a run that never got to a checkpoint leaves the out dir as it found it
-            run.abandon()
-        if not is_out_of_memory(e):
-            raise
-        raise out_of_memory(run, e) from None
-    finally:
-        run.metrics.close()
-        run.out.close()
-    return finish(run, losses, last_eval, stopping, exit_code(stop.signal, run.print.lost, stopping))
+        with open("/proc/meminfo") as f:   # MemAvailable counts the page cache a run can take back
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else None
 
 
-def say_stopped(run: Run, why: str) -> None:
-    """How a stopped run ends: where its checkpoint is and how to continue (on stderr too when stdout is gone)."""
-    text = (f"stopped by {why} at step {run.step}, checkpoint saved in {run.out.path}; to continue, run the same "
-            f"command with --resume")
-    run.print(text)
-    if run.print.lost:
-        Printer()(text, file=sys.stderr)
+def check_resumable(ckpt: dict, path, cfg: Config) -> None:
+    """Resuming needs the whole training state, the run's model and its tokenizer setting."""
+    if missing := [k for k in FOR_RESUMING if k not in ckpt]:
+        raise CheckpointError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
+    saved = ckpt["config"]["model"]
+    model = cfg.to_dict()["model"]
+    if diff := [f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in model.items()
+                if saved.get(k) != v and not (k == "vocab_size" and v == 0)]:
+        raise CheckpointError(f"{path} was trained with another model config ({'; '.join(diff)})")
 
 
-def exit_code(signal_name: str | None, output_lost: bool, stopped: bool) -> int:
-    """The shell's code of how the run ended: 128 + the signal that stopped it, 141 (128 + SIGPIPE) when
-    it stopped because its stdout went away, 130 when another rank's signal stopped it, else 0."""
-    if signal_name:
-        return 128 + signal.Signals[signal_name]
-    return 141 if output_lost else 130 if stopped else 0
+def vocab(tokenizer_meta: dict) -> str:
+    return f"{len(tokenizer_meta['chars'])} characters" if tokenizer_meta["kind"] == "char" else tokenizer_meta.get(
+        "name", tokenizer_meta["kind"])
 
 
-def out_of_memory(run: Run, error: BaseException) -> RunError:
-    """An allocation failure in the loop, in one line: what to make smaller, and what is kept."""
-    kept = f"and --resume to continue from the last checkpoint in {run.out.path}" if run.guard.saved_step \
-        else "no checkpoint had been written yet"
-    return RunError(f"out of memory on {run.world.device} at step {run.step + 1} ({first_line(error, 80)}): try a "
-                    f"smaller --train.batch_size (with a larger --train.grad_accum to keep the tokens per step; "
-                    f"{kept}) or a smaller --model.block_size")
+def restore(ckpt, path, model, wrapped, optimizer, scaler, loader, rank: int, world: int, seed: int):
+    """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's generators;
+    (step, best val loss, tokens, seconds, skipped steps) of the run so far."""
+    try:
+        if world > 1:
+            from training import distributed
+            distributed.load_full_state(wrapped, optimizer, ckpt["model"], ckpt["optimizer"])
+        else:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt["scaler"]:
+            scaler.load_state_dict(ckpt["scaler"])
+        loader.load_state_dict(ckpt["loader"])
+        rngs = ckpt["rng_ranks"]   # one per rank of the run that saved it
+        set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(f"{path} does not fit this run: {first_line(e)}") from None
+    if len(rngs) != world and rank:   # another number of processes: new dropout streams per rank
+        torch.manual_seed(seed + 1000 * ckpt["step"] + rank)
+    return ckpt["step"], ckpt["best_val_loss"], ckpt["tokens"], ckpt["elapsed"], ckpt["skipped_steps"]
 
 
-def finish(run: Run, losses: dict, last_eval: dict | None, stopping: bool, exit_code: int) -> dict:
-    """Say how a run that reached max_steps went; return train()'s summary."""
-    total = run.elapsed()
-    if run.step >= run.cfg.train.max_steps:
-        skipped = f", {run.guard.skipped} non-finite steps skipped" if run.guard.skipped else ""
-        run.print(f"# done: step {run.step}, best val loss {run.best_val:.4f}, {duration(total)} "
-                  f"({total:.1f} s), {run.tokens:,} tokens{skipped}")
-    return {"step": run.step, "val_loss": last_eval["val"] if last_eval else None, "best_val_loss": run.best_val,
-            "elapsed_s": total, "losses": losses, "skipped_steps": run.guard.skipped,
-            "interrupted": stopping, "exit_code": exit_code}
+def kept(saved_step: int | None, resume: bool = False) -> str:
+    if saved_step is None:
+        return "no checkpoint had been written yet"
+    return f"--resume continues from the last checkpoint (step {saved_step})" if resume else \
+        f"the last good checkpoint (step {saved_step}) is kept"
 
 
-class SlowdownNote:
-    """Says once, on CPU, that steps have become much slower than the fastest so far (other work took the cores)."""
+def float_lrs(state: dict) -> dict:
+    """An optimizer state dict (or Muon + AdamW's list of them) with every lr a float: a CUDA graph
+    holds them in tensors, a checkpoint must load anywhere and resume with either kind of step."""
+    if "optimizers" in state:
+        return {**state, "optimizers": [float_lrs(s) for s in state["optimizers"]]}
+    return {**state, "param_groups": [{**g, "lr": float(g["lr"])} for g in state["param_groups"]]}
 
-    def __init__(self, run: Run):
-        self.run, self.fastest_ms = run, math.inf
-        self.said = run.world.device.type != "cpu"   # off the CPU there is nothing to say
 
-    def __call__(self, ms: float) -> None:
-        if not self.said and ms > 4 * self.fastest_ms and ms - self.fastest_ms > 20:
-            self.said = True
-            note(self.run, f"note: steps have become {ms / self.fastest_ms:.1f}x slower ({self.fastest_ms:.0f} -> "
-                           f"{ms:.0f} ms): if other work now uses the CPU cores, OMP_NUM_THREADS=1 (and --resume) "
-                           f"lets this run share them")
-        self.fastest_ms = min(self.fastest_ms, ms)
+def rng_state() -> dict:
+    """Every generator a run draws from, as tensors and plain data: numpy's, torch's CPU one, every GPU's, MPS's."""
+    s = np.random.get_state()
+    return {"numpy": s[1].tolist(), "numpy_pos": int(s[2]), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "mps": torch.mps.get_rng_state() if torch.backends.mps.is_available() else None}
+
+
+def set_rng_state(s: dict) -> None:
+    np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    if s.get("mps") is not None and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(s["mps"])
+
+
+def write_or_fail(path, data) -> None:
+    try:
+        atomic_write(path, data)
+    except OSError as e:
+        raise RunError(f"could not write {path}: {e.strerror or e}") from None
+
+
+class Metrics:
+    """metrics.jsonl (and wandb, when asked for). resume_step: keep the records up to it, drop the rest
+    (what a run killed after its last checkpoint logged is logged again when it resumes). Metrics(None):
+    what ranks other than 0 record, nothing."""
+
+    def __init__(self, cfg: Config | None, out_dir=None, resume_step: int | None = None):
+        self.file = self.wandb = None
+        if cfg is None:
+            return
+        if cfg.log.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("log.wandb = true but wandb is not installed (pip install wandb)") from None
+            try:
+                self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or out_dir.name,
+                                        group=cfg.log.wandb_group or None, config=cfg.to_dict(), dir=str(out_dir),
+                                        resume="allow")
+            except Exception as e:   # no login, no network, a bad project: wandb's own errors
+                raise ConfigError(f"log.wandb = true but wandb did not start ({type(e).__name__}: "
+                                  f"{first_line(e, 100)}); run `wandb login`, set WANDB_MODE=offline, or leave "
+                                  f"log.wandb off") from None
+        self.path = out_dir / "metrics.jsonl"
+        kept_records = [r for r in read_records(self.path) if r["step"] <= resume_step] if resume_step is not None \
+            else []
+        write_or_fail(self.path, "".join(json.dumps(r) + "\n" for r in kept_records))
+        self.file = open(self.path, "a", encoding="utf-8")
+
+    def log(self, record: dict) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:
+            raise RunError(f"could not write {self.path}: {e.strerror or e}") from None
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind")}, step=record["step"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.file = self.wandb = None
+
+
+def banner(say, cfg, out_dir, resume_from, stored, step, model, device, dtype, how, world, tokens_per_step,
+           dataset, memory) -> None:
+    """Where the run goes and what it is: its settings that are not the defaults (and, resumed, what
+    changed since it began), then its size, device, dtype, step, processes, tokens per step, data."""
+    note = Printer(say.enabled)
+    say(f"# {out_dir}: " + (f"resuming {resume_from} at step {step}" if resume_from else "a new run")
+        + f" (every setting: {out_dir / 'config.toml'})")
+    differ = [f"{k} = {fmt(now)}" for k, _, now in changes(build_config(None, []), cfg)
+              if k not in ("out_dir", "model.vocab_size")]
+    say("# not the defaults: " + ("; ".join(differ) if differ else "none"))
+    procs = f" x {world} processes ({'FSDP' if cfg.train.fsdp else 'DDP'})" if world > 1 else ""
+    say(f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | {device}, "
+        f"{str(dtype).removeprefix('torch.')}, {how}{procs} | {tokens_per_step:,} tokens/step | data {dataset}")
+    say(f"# memory: {memory}")
+    if cfg.train.fsdp and world == 1:
+        say("# train.fsdp: a single process has nothing to shard it with (start several with torchrun)")
+    if stored is not None:
+        changed = changes(build_config(None, [], base={**stored, "out_dir": cfg.out_dir}), cfg)
+        for key, before, now in changed:
+            say(f"# resuming with {key}: {fmt(before)} -> {fmt(now)}")
+        if any(k not in SAME_RUN_KEYS and not k.startswith("log.") for k, _, _ in changed):
+            note(f"note: {', '.join(k for k, _, _ in changed)} changed since the run began: it goes on from its last "
+                 f"checkpoint, but not as it would have gone on uninterrupted", file=sys.stderr)
+
+
+def cpu_times() -> tuple[float, float, float] | None:
+    """(wall seconds, CPU seconds of every process on this machine, CPU seconds of this one); None
+    where the system does not say (Linux's /proc/stat does)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return time.perf_counter(), (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), \
+        sum(os.times()[:2])
+
+
+def busy_cpu_note(started, device: torch.device, note) -> None:
+    """Say so when other work kept the cores busy since the run started: PyTorch's threads wait for each
+    other at every step, so a run whose threads share the cores with it can be many times slower."""
+    now, threads, cores = cpu_times(), torch.get_num_threads(), os.cpu_count() or 1
+    if device.type != "cpu" or threads < 2 or started is None or now is None or now[0] - started[0] < 0.1:
+        return
+    others = ((now[1] - started[1]) - (now[2] - started[2])) / (now[0] - started[0])   # cores busy with others
+    if others >= 0.5 and others + threads > cores:
+        note(f"note: other work keeps {others:.1f} of the {cores} CPU cores busy and this run's {threads} threads wait "
+             f"for each other at every step, which can make it many times slower: OMP_NUM_THREADS=1 lets it share "
+             f"the cores", file=sys.stderr)
