@@ -33,8 +33,11 @@ at once. While scoring, a progress line goes to stderr (redrawn on a terminal, a
 a log); the results go to stdout as a table, or with --json as one JSON object. Ctrl-C (or SIGTERM)
 stops the scoring and prints the figures of the tokens scored so far, then exits 128 + the signal.
 """
-import signal
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once until the scoring takes it
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
 
 import json
 import math

@@ -8,8 +8,11 @@ the first is streamed token by token, the others are printed when they are done.
 --max-new-tokens, at the end-of-text token (tokenizers that have one: gpt2, bpe:N), or just before a
 --stop string. Where stdout's encoding lacks a character (output redirected on Windows), it is '?'.
 """
-import signal
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
 
 import codecs
 import math

@@ -13,8 +13,11 @@ the one named, with the settings of that run: only what the config file and the 
 changes them, each change named), --overwrite (start over in an out dir that holds an earlier run).
 Runs go to out/<name> in the repository, and prepared data to data/prepared/, wherever you run from.
 """
-import signal
-signal.signal(signal.SIGINT, signal.SIG_DFL)   # Ctrl-C ends the command at once until a job takes it
+try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
+    raise SystemExit(130)
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -3,10 +3,12 @@ from pathlib import Path
 
 import pytest
 
+import train as train_cli
 from common import ConfigError
-from training.config import build_config, describe, get_key, load_toml
+from tests.conftest import ROOT, TEXT, run_tool
+from training.config import PATHS, build_config, describe, get_key, load_toml
 
-SHIPPED = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+SHIPPED = sorted((ROOT / "configs").glob("*.toml"))
 
 
 def write(tmp_path, text):
@@ -19,14 +21,15 @@ def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path):
     path = write(tmp_path, '[model]\nn_layer = 3\nn_embd = 64\n[train]\nlr = 0.01\n')
     cfg = build_config(str(path), ["--model.n_layer=5", "--train.batch_size", "7", "--data", "x.txt"])
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.train.lr, cfg.train.batch_size) == (5, 64, 0.01, 7)
-    assert cfg.data.path == "x.txt"
+    assert cfg.data.path == str(Path.cwd() / "x.txt"), "a command-line path is the working directory's"
 
 
 def test_runs_on_other_data_or_tokens_never_share_an_out_dir_by_surprise(tmp_path):
     """The README's commands each get their own out dir; a config file's out_dir holds only for its own data."""
     def out_dir(*args):
         config = [a for a in args if a.endswith(".toml")]
-        return build_config(config[0] if config else None, [a for a in args if not a.endswith(".toml")]).out_dir
+        out = build_config(config[0] if config else None, [a for a in args if not a.endswith(".toml")]).out_dir
+        return Path(out).relative_to(ROOT).as_posix() if Path(out).is_relative_to(ROOT) else out
     assert out_dir() == "out/tinyshakespeare"
     assert out_dir("--data", "notes/my_notes.txt") == "out/my_notes"
     assert out_dir("--data", "my_notes.txt", "--data.tokenizer=bpe:4096") == "out/my_notes-bpe4096"
@@ -94,9 +97,56 @@ def test_a_shipped_config_loads_and_every_value_it_sets_is_the_runs(path):
     """Its out dir is named after the file (a copied config does not write into another's runs), and
     every key of the file reaches the config as written: none is overridden or lost on the way."""
     cfg = build_config(str(path), [])
-    assert cfg.out_dir == f"out/{path.stem}"
+    assert cfg.out_dir == str(ROOT / "out" / path.stem)
     settings = [(section, values) for section, values in load_toml(path).items() if isinstance(values, dict)]
     assert settings, "a config sets at least one section"
     for section, values in settings:
         for key, value in values.items():
-            assert get_key(cfg, f"{section}.{key}") == value, f"{section}.{key}"
+            resolved = str(ROOT / value) if f"{section}.{key}" in PATHS else value   # the repository's paths
+            assert get_key(cfg, f"{section}.{key}") == resolved, f"{section}.{key}"
+
+
+def test_paths_resolve_where_they_were_written_wherever_the_command_runs(tmp_path, monkeypatch):
+    """The defaults and the shipped configs point into the repository; a config file elsewhere into its
+    own folder; the command line into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    default = build_config(None, [])
+    assert (default.data.path, default.data.prepared_dir, default.out_dir) == \
+        (str(ROOT / "data/tinyshakespeare.txt"), str(ROOT / "data/prepared"), str(ROOT / "out/tinyshakespeare"))
+    shipped = build_config(str(ROOT / "configs/shakespeare_char_cpu.toml"), [])
+    assert shipped.data.path == str(ROOT / "data/tinyshakespeare.txt")
+    (tmp_path / "mine").mkdir()
+    mine = write(tmp_path / "mine", '[data]\npath = "notes.txt"\n')   # mine/c.toml
+    assert build_config(str(mine), []).data.path == str(tmp_path / "mine" / "notes.txt")
+    assert build_config(str(mine), ["--data", "other.txt"]).data.path == str(tmp_path / "other.txt")
+
+
+def test_train_py_runs_from_another_directory(tmp_path):
+    """`python /path/to/repo/train.py` from anywhere: the default text is the repository's, a relative
+    --out_dir is the working directory's."""
+    import subprocess
+    import sys
+    args = ["--train.max_steps=2", "--train.warmup_steps=1", "--train.eval_interval=2", "--train.eval_iters=1",
+            "--model.n_layer=1", "--model.n_embd=16", "--model.n_head=1", "--model.block_size=16",
+            "--data.prepared_dir=prep", "--out_dir=run", "--log.curves=false", "--train.device=cpu"]
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "run" / "ckpt_0000002.pt").is_file() and any((tmp_path / "prep").iterdir())
+    assert str(ROOT / "data" / "tinyshakespeare.txt") in (tmp_path / "run" / "config.toml").read_text()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: (tmp / "my.txt").write_text(TEXT) and tmp / "my.txt", "is not a config file (a .toml); to train on "
+                                                                         "it: --data "),
+    (lambda tmp: ROOT / "configs", "is a directory: give a config file, such as "),
+])
+def test_a_config_that_is_not_one_says_what_it_is(make, message, tmp_path, capsys):
+    rc, out, err = run_tool(train_cli, [make(tmp_path), "--out_dir", tmp_path / "o"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_run_that_would_be_all_warm_up_is_refused():
+    with pytest.raises(ConfigError, match="train.warmup_steps=100 is not below train.max_steps=50: the whole run "
+                                          "would be warm-up, with no decay"):
+        build_config(None, ["--train.max_steps=50"])

@@ -11,7 +11,7 @@ import train as train_cli
 from tests.conftest import poison, posix_signals, run_tool, tiny_overrides, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import list_checkpoints, load_checkpoint
-from training.outdir import ASIDE
+from training.checkpoint import ASIDE
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
 
@@ -75,3 +75,24 @@ def test_a_damaged_metrics_line_is_skipped_with_a_warning_and_the_run_resumes(da
     assert rc == 0 and f"warning: {out / 'metrics.jsonl'}: skipped 1 damaged line(s)" in err, err
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in steps if s <= 12] == steps and steps.count(11) == 1 and steps[-1] == 12
+
+
+def test_a_folder_holding_the_users_own_files_of_a_runs_names_is_not_trained_into(tmp_path, text_file):
+    """An ordinary folder given as --out_dir, holding the user's own config.toml, metrics.jsonl and
+    curves.png (no checkpoints): the run is refused, in one line, and every file stays as it was; with
+    --overwrite they are set aside, and come back if the run ends before its first checkpoint."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.toml", "metrics.jsonl", "curves.png", "notes.txt"):
+        (out / name).write_text(f"the user's own {name}")
+    before = tree(out)
+    r = subprocess.run([sys.executable, "train.py", *tiny_overrides(tmp_path, text_file)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {out} holds config.toml, curves.png, metrics.jsonl, which a run writes: "
+                               f"choose another --out_dir, or --overwrite"), r.stderr
+    assert tree(out) == before

@@ -15,7 +15,7 @@ def test_a_tiny_model_overfits_a_short_text(tiny_cfg, text_file):
     text_file.write_text(TEXT[:400])
     cfg = tiny_cfg(**{"model.n_embd": 64, "train.max_steps": 300, "train.lr": 1e-2, "train.min_lr": 1e-3,
                       "train.batch_size": 16, "train.eval_interval": 300, "train.log_interval": 50,
-                      "train.weight_decay": 0.0})
+                      "train.weight_decay": 0.0, "train.warmup_steps": 5})
     summary = train(cfg, quiet=True)
     assert summary["losses"][300] < 0.2, summary["losses"]   # from ln(42) = 3.7; ~0.1 give or take rounding
 

@@ -129,7 +129,7 @@ def test_every_sample_draws_with_the_same_seed_and_is_printed(tiny_cfg, capsys):
 
 
 def test_a_run_s_curves_are_its_losses_and_bits_per_byte(tiny_cfg):
-    from training.outdir import read_records
+    from viz.curves import read_records
     from viz.curves import run_panels
     cfg = tiny_cfg(**{"train.log_interval": 5})
     train(cfg, quiet=True)
@@ -182,10 +182,9 @@ def test_samples_curves_scoring_and_the_page_on_a_text_that_is_not_shakespeare(t
     assert open(f"{cfg.out_dir}/curves.png", "rb").read().startswith(PNG)
 
     dataset = prepare(cfg.data)
-    val = np.fromfile(dataset / "val.bin", dtype=load_meta(dataset)["dtype"])
-    windowed = (len(val) - 1) // 16 * 16 + 1            # the tokens of the evaluation's whole windows
+    val = np.fromfile(dataset / "val.bin", dtype=load_meta(dataset)["dtype"])   # every token of it is evaluated
     scored = tmp_path / "val.txt"
-    scored.write_bytes(load_model(cfg.out_dir).tokenizer.decode(val[:windowed].tolist()).encode("utf-8"))
+    scored.write_bytes(load_model(cfg.out_dir).tokenizer.decode(val.tolist()).encode("utf-8"))
     rc, out, err = run_tool(eval_cli, [f"{cfg.out_dir}/ckpt_0000020.pt", scored, "--device", "cpu", "--json"], capsys)
     assert rc == 0 and json.loads(out)["total"]["loss"] == pytest.approx(summary["val_loss"], abs=1e-6), err
 

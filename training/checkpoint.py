@@ -221,7 +221,7 @@ class OutDir:
                                f"another --out_dir")
         aside = self.path / ASIDE
         if aside.is_dir():   # a run with --overwrite ended before its first checkpoint: give the run back
-            self.put_back() if latest_checkpoint(self.path) is None else shutil.rmtree(aside, ignore_errors=True)
+            self.put_back(say=True) if latest_checkpoint(self.path) is None else shutil.rmtree(aside, ignore_errors=True)
         latest = latest_checkpoint(self.path) or (self.path / "best.pt" if (self.path / "best.pt").is_file() else None)
         if resume:
             if checkpoint is not None:
@@ -287,14 +287,15 @@ class OutDir:
             for p in self.created:   # .lock, then the directories this run made
                 p.unlink() if p.is_file() else p.rmdir() if not any(p.iterdir()) else None
 
-    def put_back(self) -> None:
+    def put_back(self, say: bool = False) -> None:
         aside = self.path / ASIDE
         if aside.is_dir():
             for p in aside.iterdir():
                 os.replace(p, self.path / p.name)
             aside.rmdir()
-            print(f"notice: moved back into {self.path} the files of the run that an --overwrite had set aside",
-                  file=sys.stderr)
+            if say:   # (a run that ended without a checkpoint was killed: say what became of what it replaced)
+                print(f"notice: moved back into {self.path} the files that a run with --overwrite, stopped before "
+                      f"its first checkpoint, had set aside", file=sys.stderr)
 
     def close(self) -> None:
         if self.fd is not None:

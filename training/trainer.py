@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from common import (ConfigError, Interrupted, Printer, RunError, StopRequest, TokenizerError, atomic_write, duration,
+from common import (CheckpointError, ConfigError, Interrupted, Printer, RunError, StopRequest, TokenizerError, atomic_write, duration,
                     first_line, is_out_of_memory, on_stop_signals)
 from data.cache import bits_per_byte, load_meta
 from data.loader import BatchLoader, strided_windows
@@ -85,6 +85,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             raise CheckpointError(f"{resume_from} was trained on a text of {vocab(ckpt['tokenizer'])}, {cfg.data.path}"
                                   f" now gives {vocab(meta['tokenizer'])}: the text changed, and --resume needs the "
                                   f"one it was trained on (or start a new run: --overwrite, or another --out_dir)")
+        if ckpt is not None and (was := ckpt["dataset"].get("sha256")) != (now := meta.get("sha256")):
+            say(f"warning: the training text changed since this checkpoint (sha256 {was[:12]}... then, {now[:12]}... "
+                f"now); training goes on with the new text")
         cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
         if cfg.model.vocab_size < meta["vocab_size"]:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -397,25 +400,30 @@ def sample(model: GPT, tokenizer, t, device, dtype) -> str:
 
 # ---------------------------------------------------------------- set-up, resume, record
 
+def step_memory(cfg: Config, params: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the training state, bytes of one micro-batch's activations), roughly, at a step's peak.
+
+    state        fp32 weights, their gradients and AdamW's two moments: 16 bytes a parameter
+    activations  what backward keeps, about 22 numbers of n_embd per token per layer (measured on CPU,
+                 fp32, fused attention), fewer bytes in bf16; the (B, nh, T, T) scores where attention
+                 materializes them (naive); the logits, their fp32 copy and its gradient"""
+    m, t = cfg.model, cfg.train
+    low, batch_tokens = dtype != torch.float32, t.batch_size * m.block_size
+    scores = m.n_layer * t.batch_size * m.n_head * m.block_size ** 2 * 9 if m.attention == "naive" else 0
+    return params * 16, m.n_layer * batch_tokens * m.n_embd * (56 if low else 88) + scores + \
+        batch_tokens * m.vocab_size * (8 if low else 12)
+
+
 def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype) -> str:
     """Refuse, before anything is allocated, a step that would need more memory than the device has free
-    (train.check_memory = false tries anyway); the estimate in words, for the banner.
-
-    weights       fp32 weights, their gradients and AdamW's two moments: 16 bytes a parameter
-    activations   what backward keeps, about 22 numbers of n_embd per token per layer (measured on CPU,
-                  fp32, fused attention), fewer bytes in bf16; the (B, nh, T, T) scores where attention
-                  materializes them (naive); the logits, their fp32 copy and its gradient"""
-    m, t = cfg.model, cfg.train
+    (train.check_memory = false tries anyway); the estimate in words, for the banner."""
     with torch.device("meta"):
-        params = sum(p.numel() for p in GPT(m).parameters())
-    low, batch_tokens = dtype != torch.float32, t.batch_size * m.block_size
-    activations = m.n_layer * batch_tokens * m.n_embd * (56 if low else 88) + batch_tokens * m.vocab_size * \
-        (8 if low else 12) + (m.n_layer * t.batch_size * m.n_head * m.block_size ** 2 * 9 if m.attention == "naive"
-                              else 0)
-    need, free = params * 16 + activations, free_memory(device)
+        state, activations = step_memory(cfg, sum(p.numel() for p in GPT(cfg.model).parameters()), dtype)
+    free = free_memory(device)
     size = lambda n: f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"   # noqa: E731
-    words = f"about {size(need)} (activations {size(activations)}, weights and optimizer {size(params * 16)})"
-    if t.check_memory and free is not None and need > free:
+    words = f"about {size(state + activations)} (activations {size(activations)}, weights and optimizer {size(state)})"
+    if cfg.train.check_memory and free is not None and state + activations > free:
+        m, t = cfg.model, cfg.train
         raise RunError(f"one training step needs {words} for batch {t.batch_size} x block {m.block_size} x "
                        f"{m.n_layer} layers, more than the {size(free)} free on {device}: make --train.batch_size (with"
                        f" a larger --train.grad_accum to keep the tokens per step), --model.block_size or the model "
