@@ -71,7 +71,8 @@ def test_the_first_command_works_without_a_network(tmp_path):
         "socket.create_connection = socket.getaddrinfo = refuse\n")
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": f"{blocker}{os.pathsep}{ROOT}"}
     args = ["train.py", f"--out_dir={tmp_path / 'out'}", f"--data.prepared_dir={tmp_path / 'prepared'}",
-            "--train.max_steps=3", "--train.eval_interval=3", "--train.eval_iters=1", "--train.log_interval=1"]
+            "--train.max_steps=3", "--train.warmup_steps=1", "--train.eval_interval=3", "--train.eval_iters=1",
+            "--train.log_interval=1"]
     r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "data/tinyshakespeare.txt" in r.stdout and "# done: step 3" in r.stdout

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from common import ConfigError
-from training import runtime
-from training.runtime import World, pick_device, pick_dtype
+from training import device as runtime
+from training.device import pick_device, pick_dtype
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
 MPS = torch.device("mps")
@@ -17,7 +17,6 @@ def a_mac(monkeypatch):
     """A Mac with MPS and no CUDA, whose MPS generator is a counter; notes said afresh."""
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(runtime, "_noted", set(), raising=False)
     generator = {"state": torch.arange(8, dtype=torch.uint8), "set": []}
 
     def get_rng_state(device="mps"):
@@ -33,7 +32,7 @@ def test_auto_picks_cuda_or_the_cpu_never_mps_and_mps_when_named_says_it_is_unte
     assert capsys.readouterr().err == ""
     assert pick_device("mps") == MPS and pick_device("mps", setting="--device") == MPS
     notes = capsys.readouterr().err.splitlines()
-    assert len(notes) == 1 and notes[0].startswith("note: MPS (Apple's GPU) runs this project untested"), notes
+    assert len(notes) == 2 and all(n.startswith("note: MPS (Apple's GPU) runs this project untested") for n in notes)
 
 
 def test_on_mps_the_dtype_is_float32_unless_bfloat16_is_asked_for_and_supported(a_mac, monkeypatch):
@@ -50,21 +49,20 @@ def test_on_mps_the_dtype_is_float32_unless_bfloat16_is_asked_for_and_supported(
 
 def test_train_compile_on_mps_is_a_note_not_an_attempt(a_mac, tiny_cfg, monkeypatch, capsys):
     import speed.compile
-    from training.run import build_step, set_up
+    from common import Printer
+    from model.gpt import GPT
+    from training.trainer import NonFinite, build_step
 
     def attempt(*args, **kwargs):
         raise AssertionError("torch.compile was tried on MPS")
     monkeypatch.setattr(speed.compile, "compiled_or_eager", attempt)
-    run, _ = set_up(tiny_cfg(**{"train.compile": "true", "train.device": "cpu"}), World(torch.device("cpu")),
-                    resume=False, overwrite=False, quiet=False)
-    run.world = World(MPS)   # (the model stays on the CPU: nothing runs here)
-    capsys.readouterr()
-    build_step(run)
-    assert capsys.readouterr().err == "note: train.compile is not tried on MPS: training eagerly\n"
-    run.print.enabled = False   # quiet: said nowhere
-    build_step(run)
-    assert capsys.readouterr().err == ""
-    assert run.wrapped is run.model and not run.compiled
+    cfg = tiny_cfg(**{"train.compile": "true", "model.vocab_size": 48})
+    model = GPT(cfg.model)   # (on the CPU: nothing runs here)
+    optimizer, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False)
+    for say, said in ((Printer(), "note: train.compile is not tried on MPS: training eagerly\n"), (Printer(False), "")):
+        _, how = build_step(model, model, optimizer, scaler, NonFinite(torch.device("cpu"), True, True), None, MPS,
+                            torch.float32, cfg.train, 1, say)
+        assert capsys.readouterr().err == said and how == "eager"
 
 
 def test_the_mps_generator_is_saved_with_a_checkpoint_and_restored_on_resume(a_mac, tiny_cfg):

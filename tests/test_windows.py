@@ -36,7 +36,7 @@ def cp1252_stdout(monkeypatch):
     return out
 
 
-def test_sample_writes_what_a_cp1252_stdout_lacks_as_question_marks_and_says_so(tmp_path, monkeypatch, capsys):
+def test_sample_writes_what_a_cp1252_stdout_lacks_as_question_marks(tmp_path, monkeypatch, capsys):
     model = save_char_model(tmp_path / "model", chars=" abc" + NOT_CP1252, n_layer=1, n_head=2, n_embd=16,
                             block_size=16)
     out = cp1252_stdout(monkeypatch)
@@ -49,7 +49,7 @@ def test_sample_writes_what_a_cp1252_stdout_lacks_as_question_marks_and_says_so(
     lines = text.splitlines()
     assert len(lines) == 4 and len(lines[1]) == len(lines[3]) == 4 + 40, "both samples whole, each character written"
     shown = text.count("?")
-    assert "note: stdout's encoding (cp1252) lacks" in err and f"lacks {shown} of the characters" in err, err
+    assert shown >= 2 * len(NOT_CP1252) and "Traceback" not in err, err
 
 
 @pytest.mark.skipif(os.name != "posix", reason="closes the child's fd 1 before it starts, as a POSIX shell's >&- does")
@@ -87,7 +87,7 @@ class FakeMsvcrt:
 
 @pytest.fixture
 def windows_locks(monkeypatch):
-    from training import outdir as lock
+    from training import checkpoint as lock
     fake = FakeMsvcrt()
     monkeypatch.setattr(lock, "fcntl", None)
     monkeypatch.setattr(lock, "msvcrt", fake)
@@ -95,48 +95,49 @@ def windows_locks(monkeypatch):
 
 
 def test_without_fcntl_the_out_dir_is_locked_through_msvcrt(tmp_path, windows_locks):
-    from training.outdir import OutDirLock
-    first, second = OutDirLock(tmp_path), OutDirLock(tmp_path)
-    second.check_free()   # no .lock yet: free
-    first.acquire()
+    from training.checkpoint import OutDir
+    first, second = OutDir(tmp_path), OutDir(tmp_path)
+    first.check(resume=False, overwrite=False)
+    first.open()
     pid = (tmp_path / ".lock").read_text()
     assert pid == f"{os.getpid()}\n"
-    for attempt in (second.check_free, second.acquire):
-        with pytest.raises(RunError, match=rf"^{tmp_path} is in use by another run \(PID {os.getpid()}\); "):
-            attempt()
+    with pytest.raises(RunError, match=rf"^{tmp_path} is in use by another run \(PID {os.getpid()}\); "):
+        second.check(resume=False, overwrite=False)
     assert (tmp_path / ".lock").read_text() == pid, "a refused run leaves the holder's PID"
     assert min(windows_locks.offsets) >= len(pid), "Windows' locks are mandatory: the PID must stay readable"
-    first.release()
-    second.check_free()
-    second.acquire()
-    second.release()
-    assert windows_locks.held == {}, "every lock released at once, the probe's too"
+    first.close()
+    second.check(resume=False, overwrite=False)
+    second.open()
+    second.close()
+    assert windows_locks.held == {}, "every lock released at once"
 
 
 def test_a_run_into_an_out_dir_locked_through_msvcrt_is_refused_and_writes_nothing(tiny_cfg, windows_locks):
     from tests.conftest import tree
-    from training.outdir import OutDirLock
+    from training.checkpoint import OutDir
     from training.trainer import train
     cfg = tiny_cfg(**{"train.max_steps": 2})
     train(cfg, quiet=True)
-    other = OutDirLock(cfg.out_dir)   # another run's, as Windows would see it
-    other.acquire()
+    other = OutDir(cfg.out_dir)   # another run's, as Windows would see it
+    other.check(resume=True, overwrite=False)
     try:
-        before = tree(other.path.parent)
+        before = tree(other.path)
         for flags in ({"overwrite": True}, {"resume": True}):
             with pytest.raises(RunError, match=rf"is in use by another run \(PID {os.getpid()}\)"):
                 train(cfg, quiet=True, **flags)
-            assert tree(other.path.parent) == before
+            assert tree(other.path) == before
     finally:
-        other.release()
+        other.close()
     cfg.train.max_steps = 3
     assert train(cfg, quiet=True, resume=True)["step"] == 3, "the lock released, the out dir is free again"
 
 
 HOLDER = """
 import sys, time
-from training.outdir import OutDirLock
-OutDirLock(sys.argv[1]).acquire()
+from training.checkpoint import OutDir
+out = OutDir(sys.argv[1])
+out.check(resume=False, overwrite=False)
+out.open()
 print("locked", flush=True)
 time.sleep(300)
 """
@@ -144,26 +145,26 @@ time.sleep(300)
 
 def test_the_out_dir_lock_holds_across_processes_and_goes_with_its_holder(tmp_path):
     """The real lock of this system (flock, or msvcrt on Windows), held by another process."""
-    from training.outdir import OutDirLock
+    from training.checkpoint import OutDir
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert holder.stdout.readline() == "locked\n"
-        lock = OutDirLock(tmp_path)
         with pytest.raises(RunError, match=rf"in use by another run \(PID {holder.pid}\)"):
-            lock.acquire()
+            OutDir(tmp_path).check(resume=False, overwrite=False)
     finally:
         holder.kill()
         holder.wait()
     deadline = time.monotonic() + 10   # (Windows frees a dead process's locks soon, not at once)
     while True:
         try:
-            lock.acquire()
+            out = OutDir(tmp_path)
+            out.check(resume=False, overwrite=False)
             break
         except RunError:
             assert time.monotonic() < deadline, "the lock outlived its holder"
             time.sleep(0.2)
-    lock.release()
+    out.close()
 
 
 # ---------------------------------------------------------------- a resumed checkpoint stays free

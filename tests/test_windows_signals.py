@@ -65,15 +65,3 @@ def test_a_preparation_s_temp_dir_is_not_probed_with_os_kill_on_windows(tmp_path
     os.utime(live, (old, old))
     assert cache.remove_stale_temp_dirs(tmp_path) == [live] and not live.exists()
     assert "untouched for a day" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
-def test_a_peer_rank_is_not_probed_with_os_kill_on_windows(monkeypatch):
-    from training import distributed
-
-    def terminate(pid, sig):
-        raise AssertionError(f"os.kill({pid}, {sig}) would end process {pid} on Windows")
-    import common
-    monkeypatch.setattr(common, "WINDOWS", True)
-    monkeypatch.setattr(distributed.os, "kill", terminate)
-    assert distributed.alive(os.getpid()) is True

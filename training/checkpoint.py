@@ -21,6 +21,7 @@ import pickle
 import re
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import torch
@@ -101,15 +102,24 @@ def load_checkpoint(path, mmap: bool = True) -> dict:
         raise CheckpointError(f"checkpoint not found: {path}" if not path.exists() else f"{path} is not a file")
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint is empty: {path}{hint}")
+    try:   # torch.save writes an uncompressed zip: every member's checksum, before torch reads a byte of it
+        with zipfile.ZipFile(path) as archive:
+            compressed = any(m.compress_type != zipfile.ZIP_STORED for m in archive.infolist())
+            bad = None if compressed else archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint: truncated, or not a checkpoint file at all "
+                              f"({first_line(e, 60)}){hint}") from None
+    if compressed or bad:
+        raise CheckpointError(f"{path} is damaged: {bad} does not match its checksum{hint}" if bad else
+                              f"{path} is not a checkpoint written by this project (compressed members)")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         refused = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line]
         raise CheckpointError(f"{path} was refused: it holds objects other than tensors and plain data, which "
                               f"could run code when loaded ({(refused or [first_line(e)])[0][:120]})") from None
-    except Exception as e:   # truncated, damaged, not a checkpoint at all: never a traceback
-        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or damaged: {first_line(e, 100)})"
-                              f"{hint}") from None
+    except Exception as e:   # damaged in a way the checksums do not show: never a traceback
+        raise CheckpointError(f"{path} is not a readable checkpoint ({first_line(e, 100)}){hint}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint of this project")
     if ckpt.get("version") != VERSION:
@@ -158,8 +168,6 @@ def load_model(path, device=torch.device("cpu")) -> LoadedModel:
             raise ValueError(problem)
         cfg = ModelConfig(**stored)
         cfg.validate()
-        with torch.device("meta"):   # shapes only: the weights must fit before memory is spent on them
-            GPT(cfg).load_state_dict(ckpt["model"], strict=True, assign=True)
     except Exception as e:
         raise CheckpointError(f"{path} does not hold a usable model: {first_line(e, 200)}") from None
     try:
@@ -168,6 +176,12 @@ def load_model(path, device=torch.device("cpu")) -> LoadedModel:
         if ckpt["tokenizer"].get("kind") == "tiktoken":   # a named encoding whose files are missing here
             raise
         raise CheckpointError(f"{path} does not hold a usable tokenizer: {e}") from None
+    try:
+        with torch.device("meta"):   # shapes only: the weights must fit before memory is spent on them
+            GPT(cfg).load_state_dict(ckpt["model"], strict=True, assign=True)
+    except RuntimeError as e:   # its first problem, in torch's words
+        problems = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        raise CheckpointError(f"{path}: its weights do not match its config: {(problems or [''])[0][:200]}") from None
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{path} is damaged: its tokenizer has {tokenizer.vocab_size} tokens, its model only "
                               f"model.vocab_size={cfg.vocab_size}")
@@ -195,6 +209,8 @@ def _lock(fd: int) -> bool:
             msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
     except OSError as e:
         return e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, getattr(errno, "EDEADLOCK", -1))
+    finally:
+        os.lseek(fd, 0, os.SEEK_SET)
     return True
 
 

@@ -208,17 +208,20 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def folder_of(path) -> Path:
+    """What a relative path written in the file at `path` is relative to (see the top)."""
+    return ROOT if Path(path).resolve().is_relative_to(ROOT) else Path(path).resolve().parent
+
+
 def build_config(config_file: str | None, overrides: list[str], base: dict | None = None,
-                 validate: bool = True) -> Config:
-    """Defaults (or base: a resumed run's stored config), then the TOML file, then the command line;
-    paths resolved (see the top), validated."""
+                 validate: bool = True, layers: list = ()) -> Config:
+    """Defaults (or base: a resumed run's stored config), then the TOML file, then `layers` ([(values
+    as a dict, the folder its paths are relative to, a label for its errors)]: a sweep's), then the
+    command line; paths resolved (see the top), validated."""
     cfg, origin = Config(), dict.fromkeys(PATHS, ROOT)   # where each path was written
-    layers = [(base or {}, ROOT, "the run's config.toml: ")]
-    from_file = {}
-    if config_file:
-        from_file = load_toml(config_file)
-        inside = Path(config_file).resolve().is_relative_to(ROOT)
-        layers.append((from_file, ROOT if inside else Path(config_file).resolve().parent, f"{config_file}: "))
+    from_file = load_toml(config_file) if config_file else {}
+    layers = [(base or {}, ROOT, "the run's config.toml: ")] + \
+        ([(from_file, folder_of(config_file), f"{config_file}: ")] if config_file else []) + list(layers)
     for values, where, label in layers:
         for key, value in flat(values).items():
             try:

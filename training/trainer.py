@@ -129,30 +129,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         stop = StopRequest("finishing this step and saving a checkpoint")
         with on_stop_signals(stop):
             # ---- the step: compiled, and recorded as a CUDA graph, where asked for and possible
-            if t.compile and device.type == "mps":   # not tried where nothing is tested: said, not attempted
-                Printer(say.enabled)("note: train.compile is not tried on MPS: training eagerly", file=sys.stderr)
-            elif t.compile:
-                say("# compiling the model: about half a minute (train.compile = false skips it)")
-                from speed.compile import compiled_or_eager
-                wrapped = compiled_or_eager(wrapped, lambda fn: compile_trial(fn, model, loader, device, dtype),
-                                            "training")
-            one_step = make_step(model, wrapped, optimizer, scaler, nonfinite, device, dtype, t, ddp)
-            run_step, how = lambda: one_step(loader.step_windows().to(device, non_blocking=True)), "eager"
-            blockers = graph_blockers(t, device, world, dtype)
-            if t.cuda_graph and not blockers:
-                from speed.cuda_graph import graph_step
-                order = loader.state_dict()   # the warm-up's data, drawn without moving the data order on
-                warmup_windows = loader.step_windows().to(device)
-                loader.load_state_dict(order)
-                try:
-                    replay = graph_step(one_step, warmup_windows, optimizer, [nonfinite.steps, nonfinite.first],
-                                        capture=device.type == "cuda")
-                    run_step, how = lambda: replay(loader.step_windows().to(device, non_blocking=True)), "CUDA graph"
-                except Exception as e:   # what the recording cannot hold: the eager step does the same work
-                    say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
-            elif t.cuda_graph and device.type == "cuda":
-                say(f"# no CUDA graph: {'; '.join(blockers)}")
-            how += ", compiled" if t.compile and device.type != "mps" else ""
+            run_step, how = build_step(model, wrapped, optimizer, scaler, nonfinite, loader, device, dtype, t, world,
+                                       say)
 
             # ---- from the first write on, a run that ends without a checkpoint of its own leaves the out dir
             # as it found it
@@ -340,6 +318,35 @@ def make_step(model, wrapped, optimizer, scaler, nonfinite: NonFinite, device, d
         optimizer.zero_grad(set_to_none=True)
         return loss_sum / accum, grad_norm, bad
     return step
+
+
+def build_step(model, wrapped, optimizer, scaler, nonfinite, loader, device, dtype, t, world: int, say):
+    """(the next optimizer step as a function of nothing, how it runs in words): the model compiled
+    (train.compile) and the step recorded as a CUDA graph (train.cuda_graph) where asked for and possible."""
+    uncompiled = wrapped
+    if t.compile and device.type == "mps":   # not tried where nothing is tested: said, not attempted
+        Printer(say.enabled)("note: train.compile is not tried on MPS: training eagerly", file=sys.stderr)
+    elif t.compile:
+        say("# compiling the model: about half a minute (train.compile = false skips it)")
+        from speed.compile import compiled_or_eager
+        wrapped = compiled_or_eager(wrapped, lambda fn: compile_trial(fn, model, loader, device, dtype), "training")
+    one_step = make_step(model, wrapped, optimizer, scaler, nonfinite, device, dtype, t, world > 1)
+    run_step, how = lambda: one_step(loader.step_windows().to(device, non_blocking=True)), "eager"
+    blockers = graph_blockers(t, device, world, dtype)
+    if t.cuda_graph and not blockers:
+        from speed.cuda_graph import graph_step
+        order = loader.state_dict()   # the warm-up's data, drawn without moving the data order on
+        warmup_windows = loader.step_windows().to(device)
+        loader.load_state_dict(order)
+        try:
+            replay = graph_step(one_step, warmup_windows, optimizer, [nonfinite.steps, nonfinite.first],
+                                capture=device.type == "cuda")
+            run_step, how = lambda: replay(loader.step_windows().to(device, non_blocking=True)), "CUDA graph"
+        except Exception as e:   # what the recording cannot hold: the eager step does the same work
+            say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
+    elif t.cuda_graph and device.type == "cuda":
+        say(f"# no CUDA graph: {'; '.join(blockers)}")
+    return run_step, how + (", compiled" if wrapped is not uncompiled else "")
 
 
 def graph_blockers(t, device: torch.device, world: int, dtype: torch.dtype) -> list[str]:
