@@ -18,10 +18,9 @@ from data.cache import load_meta
 from data.loader import strided_windows
 from data.prepare import prepare
 from model.config import ModelConfig
-from model.gpt import GPT
-from tests.conftest import TEXT, gpt2_or_skip, run_tool, write
+from model.gpt import GPT, score
+from tests.conftest import ROOT, TEXT, gpt2_or_skip, posix_signals, run_tool, write
 from training.checkpoint import load_model
-from training.step import score_tokens
 from training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
@@ -46,6 +45,11 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 # ---------------------------------------------------------------- which tokens are scored
+
+def score_tokens(model, ids, block_size, stride, batch_size):
+    """(nats, tokens scored) of model on ids, windowed as eval.py windows them."""
+    return score(model, strided_windows(ids, block_size, stride, batch_size))
+
 
 @pytest.mark.parametrize("n, block_size, stride", [(2, 8, 8), (9, 8, 8), (10, 8, 8), (100, 8, 8), (100, 8, 3),
                                                    (100, 8, 1), (101, 8, 7), (50, 1, 1), (7, 16, 5)])
@@ -111,23 +115,56 @@ def test_a_long_scoring_says_how_far_it_is_on_stderr(trained, tmp_path, capsys, 
 # ---------------------------------------------------------------- the same numbers as the trainer and transformers
 
 def test_equals_the_trainers_val_loss_on_the_val_split(tiny_cfg, tmp_path, capsys):
-    """The trainer's exact evaluation (train.eval_iters = 0) scores the val split in consecutive
-    windows and leaves out the tokens after the last whole one: eval.py on the text of exactly the
-    windows' tokens scores the same tokens with the same contexts."""
+    """The trainer's exact evaluation (train.eval_iters = 0) scores the val split in consecutive windows,
+    the last one shorter: eval.py on the split's text scores the same tokens with the same contexts."""
     cfg = tiny_cfg(**{"train.eval_iters": 0, "train.eval_interval": 20, "model.block_size": 16})
     summary = train(cfg, quiet=True)
     dataset = prepare(cfg.data)
     val = np.fromfile(dataset / "val.bin", dtype=load_meta(dataset)["dtype"])
-    windowed = (len(val) - 1) // 16 * 16 + 1
-    assert windowed < len(val), "the split has tokens after its last whole window"
+    assert (len(val) - 1) % 16, "the split ends in a shorter window"
     ckpt = Path(cfg.out_dir) / "ckpt_0000020.pt"
-    text = write(tmp_path / "val.txt", load_model(ckpt).tokenizer.decode(val[:windowed].tolist()))
+    text = write(tmp_path / "val.txt", load_model(ckpt).tokenizer.decode(val.tolist()))
     result = scores([ckpt, text, "--batch-size", 3], capsys)["total"]
-    assert result["tokens"] == windowed - 1
+    assert result["tokens"] == len(val) - 1
     assert result["loss"] == pytest.approx(summary["val_loss"], abs=1e-6)
-    shifted = write(tmp_path / "shifted.txt", load_model(ckpt).tokenizer.decode(val[1:windowed].tolist()))
+    shifted = write(tmp_path / "shifted.txt", load_model(ckpt).tokenizer.decode(val[1:].tolist()))
     assert abs(scores([ckpt, shifted], capsys)["total"]["loss"] - summary["val_loss"]) > 1e-4, \
         "windows cut elsewhere give another loss, or this test could not fail"
+
+
+def test_max_tokens_scores_the_first_n_and_skip_unknown_leaves_out_what_the_model_never_saw(trained, tmp_path,
+                                                                                          capsys):
+    whole = write(tmp_path / "whole.txt", TEXT[:201])
+    first = scores([trained, write(tmp_path / "long.txt", TEXT[:1000]), "--max-tokens", 200], capsys)["total"]
+    assert first["tokens"] == 200 and first == {**scores([trained, whole], capsys)["total"], "file": "total"}
+    accents = write(tmp_path / "accents.txt", TEXT[:100] + "é" + TEXT[100:201] + "☃")
+    rc, out, err = run_tool(eval_cli, [trained, accents, "--device", "cpu", "--json", "--skip-unknown"], capsys)
+    assert rc == 0 and "left out 2 characters the model never saw" in err, err
+    assert json.loads(out)["total"]["loss"] == pytest.approx(scores([trained, whole], capsys)["total"]["loss"])
+
+
+@posix_signals
+def test_ctrl_c_stops_the_scoring_and_prints_the_figures_of_what_was_scored(trained, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    text = write(tmp_path / "long.txt", TEXT * 300)   # minutes of scoring, one window at a time
+    proc = subprocess.Popen([sys.executable, "eval.py", trained, text, "--device", "cpu", "--batch-size", "1",
+                             "--stride", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stderr:
+        if line.startswith("# windows of"):   # said just before the scoring starts
+            break
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    row = out.splitlines()[1].split()
+    scored = int(row[1].replace(",", ""))
+    assert row[0] == str(text) and 0 < scored < len(TEXT) * 300 - 1 and math.isfinite(float(row[2])), out
+    assert err.strip().endswith(f"interrupted: stopped by SIGINT; the figures are those of the {scored:,} tokens "
+                                f"scored before it"), err
 
 
 @pytest.fixture(scope="module")

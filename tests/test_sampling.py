@@ -107,3 +107,52 @@ def test_a_padded_vocabulary_never_yields_a_token_the_tokenizer_lacks():
         free = torch.cat(list(generate(model, prompt, 20, temperature=temperature)), dim=1)
         limited = torch.cat(list(generate(model, prompt, 20, temperature=temperature, vocab_limit=30)), dim=1)
         assert (free >= 30).any() and (limited < 30).all(), temperature
+
+
+# ---------------------------------------------------------------- sample.py: where a sample ends
+
+def test_a_sample_ends_before_its_stop_string_and_a_prompt_holding_it_is_not_cut(tmp_path, capsys):
+    import sample as sample_cli
+    from tests.conftest import run_tool, save_char_model
+    model = save_char_model(tmp_path / "m", n_layer=1, n_head=2, n_embd=16, block_size=16)
+    rc, out, err = run_tool(sample_cli, [model, "--prompt", "ee", "--stop", "e", "--max-new-tokens", 300,
+                                         "--num-samples", 2, "--device", "cpu"], capsys)
+    assert rc == 0, err
+    samples = out.split("--- sample ")[1:]
+    assert len(samples) == 2
+    for s in samples:
+        text = s.split("\n", 1)[1].rstrip("\n")
+        assert text.startswith("ee") and "e" not in text[2:] and len(text) < 2 + 300, text
+
+
+def test_a_sample_ends_at_the_end_of_text_token(tmp_path, capsys):
+    """A model that always predicts <|endoftext|> (its final norm outputs one vector, the token's
+    embedding): the sample is the prompt alone, not 20 tokens of whatever follows the end of a text."""
+    import sample as sample_cli
+    from data.tokenizers import load_tokenizer
+    from tests.conftest import gpt2_or_skip, run_tool
+    from training.checkpoint import FORMAT, VERSION, save_checkpoint
+    from training.config import Config
+    gpt2_or_skip()
+    cfg = Config()
+    cfg.model = ModelConfig(vocab_size=50257, n_layer=1, n_head=1, n_embd=8, block_size=8)
+    model = GPT(cfg.model)
+    eot = load_tokenizer({"kind": "tiktoken", "name": "gpt2"}).enc.eot_token
+    with torch.no_grad():
+        model.norm_f.weight.zero_()
+        model.norm_f.bias.copy_(torch.ones(8))
+        model.tok_emb.weight[eot] = 10.0
+    save_checkpoint({"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "model": model.state_dict(),
+                     "tokenizer": {"kind": "tiktoken", "name": "gpt2"}, "step": 0, "is_best": True}, tmp_path, keep=1)
+    rc, out, err = run_tool(sample_cli, [tmp_path, "--prompt", "Hello", "--temperature", 0, "--max-new-tokens", 20,
+                                         "--device", "cpu"], capsys)
+    assert rc == 0 and out == "Hello\n", (out, err)
+
+
+def test_compiling_the_decoding_step_on_a_cpu_is_said_not_to_pay(tmp_path, capsys):
+    import sample as sample_cli
+    from tests.conftest import run_tool, save_char_model
+    model = save_char_model(tmp_path / "m", n_layer=1, n_head=2, n_embd=16, block_size=16)
+    rc, _, err = run_tool(sample_cli, [model, "--compile", "--no-cache", "--max-new-tokens", 2, "--device", "cpu"],
+                          capsys)
+    assert rc == 0 and sample_cli.NOTE_CPU_COMPILE in err, err

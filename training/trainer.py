@@ -198,7 +198,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                         metrics.log({"step": step, "kind": "eval", "train_loss": last_eval["train"],
                                      "val_loss": last_eval["val"], "train_bpb": bpb["train"], "val_bpb": bpb["val"],
                                      "elapsed_s": elapsed})
-                        model_state, optimizer_state = distributed.full_state(wrapped, optimizer) if ddp else \
+                        model_state, optimizer_state = distributed.full_state(model, optimizer) if ddp else \
                             (model.state_dict(), optimizer.state_dict())   # (FSDP gathers its shards on every rank)
                         rngs = distributed.gather(rng_state()) if ddp else [rng_state()]
                         if rank == 0:
@@ -311,6 +311,7 @@ def make_step(model, wrapped, optimizer, scaler, nonfinite: NonFinite, device, d
             distributed.mean(loss_sum)   # the loss of the whole global batch, on every rank
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm   # (FSDP's DTensor)
         bad = nonfinite.record(loss_sum, grad_norm)   # every rank sees the same loss and norm: the same decision
         if not (skip and int(bad)):
             scaler.step(optimizer)
@@ -471,7 +472,7 @@ def restore(ckpt, path, model, wrapped, optimizer, scaler, loader, rank: int, wo
     try:
         if world > 1:
             from training import distributed
-            distributed.load_full_state(wrapped, optimizer, ckpt["model"], ckpt["optimizer"])
+            distributed.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
         else:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
