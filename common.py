@@ -165,8 +165,10 @@ def atomic_write(path, data) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):   # said of the file the user knows, not of its temporary twin
+            e.filename = str(path)
         raise
 
 

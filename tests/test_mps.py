@@ -60,7 +60,7 @@ def test_train_compile_on_mps_is_a_note_not_an_attempt(a_mac, tiny_cfg, monkeypa
     model = GPT(cfg.model)   # (on the CPU: nothing runs here)
     optimizer, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False)
     for say, said in ((Printer(), "note: train.compile is not tried on MPS: training eagerly\n"), (Printer(False), "")):
-        _, how = build_step(model, model, optimizer, scaler, NonFinite(torch.device("cpu"), True, True), None, MPS,
+        _, how, _ = build_step(model, model, optimizer, scaler, NonFinite(torch.device("cpu"), True, True), None, MPS,
                             torch.float32, cfg.train, 1, say)
         assert capsys.readouterr().err == said and how == "eager"
 

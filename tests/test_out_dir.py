@@ -59,7 +59,7 @@ def test_a_disk_full_at_the_first_metrics_write_is_one_line_naming_the_file_and_
     out = small_disk("8k") / "out"   # room for .lock and config.toml, not for the first metrics record
     rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file, out_dir=out), capsys)
     assert rc == 2 and err.count("\n") == 1, err
-    assert err.startswith(f"error: could not write {out / 'metrics.jsonl'}: No space left on device"), err
+    assert err.startswith(f"error: No space left on device ({out / 'metrics.jsonl'}): the disk is full"), err
     assert not out.exists(), "the failed run left files behind"
 
 

@@ -120,8 +120,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         nonfinite = NonFinite(device, stop=t.on_nonfinite == "stop", check_grad=not scaler.is_enabled())
         step, best_val, tokens, seconds_before, skipped, relink = 0, math.inf, 0, 0.0, 0, False
         if ckpt is not None:
-            step, best_val, tokens, seconds_before, skipped = restore(ckpt, resume_from, model, wrapped, optimizer,
-                                                                    scaler, loader, rank, world, t.seed)
+            step, best_val, tokens, seconds_before, skipped = restore(ckpt, resume_from, model, optimizer, scaler,
+                                                                    loader, rank, world, t.seed)
             nonfinite.steps.fill_(step)
             relink = ckpt["is_best"]   # a kill may have cut the linking of best.pt to it
         del ckpt   # its tensors live in the model and optimizer now
@@ -129,8 +129,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         stop = StopRequest("finishing this step and saving a checkpoint")
         with on_stop_signals(stop):
             # ---- the step: compiled, and recorded as a CUDA graph, where asked for and possible
-            run_step, how = build_step(model, wrapped, optimizer, scaler, nonfinite, loader, device, dtype, t, world,
-                                       say)
+            run_step, how, wrapped = build_step(model, wrapped, optimizer, scaler, nonfinite, loader, device, dtype,
+                                                t, world, say)
 
             # ---- from the first write on, a run that ends without a checkpoint of its own leaves the out dir
             # as it found it
@@ -140,7 +140,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                     out.open()
                     if relink:
                         link_best(resume_from)
-                    write_or_fail(out.path / "config.toml", describe(cfg))
+                    atomic_write(out.path / "config.toml", describe(cfg))
                     metrics = Metrics(cfg, out.path, step if resume_from else None)
                 tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.block_size
                 banner(say, cfg, out.path, resume_from, stored, step, model, device, dtype, how, world,
@@ -211,7 +211,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                                 "skipped_steps": skipped, "is_best": is_best}, out.path, keep=t.keep_checkpoints)
                             out.committed()   # the run has a checkpoint: what it replaced can go
                             if cfg.log.curves:   # (matplotlib is imported on first use)
-                                write_or_fail(out.path / "curves.png", draw(run_panels(read_records(
+                                atomic_write(out.path / "curves.png", draw(run_panels(read_records(
                                     out.path / "metrics.jsonl", warn=False)), f"{out.path.name}: step {step}"))
                         saved_step, logged = step, True
                     if t.sample_every and (step % t.sample_every == 0 or step == t.max_steps) and rank == 0:
@@ -288,11 +288,11 @@ class NonFinite:
                            f"lower --train.lr, or --train.on_nonfinite=skip to skip such steps)")
 
 
-def make_step(model, wrapped, optimizer, scaler, nonfinite: NonFinite, device, dtype, t, ddp: bool):
+def make_step(model, wrapped, optimizer, scaler, nonfinite: NonFinite, device, dtype, t, ddp_module=None):
     """One optimizer step on windows (grad_accum, B, T + 1) on the device -> (mean loss over the global
     batch, gradient norm before clipping, its non-finite record); no host sync, so that a CUDA graph
     can hold it (but skip mode's decision, which keeps the step eager)."""
-    skip = t.on_nonfinite == "skip"
+    skip, ddp = t.on_nonfinite == "skip", ddp_module is not None
     if ddp:
         from training import distributed
 
@@ -303,7 +303,7 @@ def make_step(model, wrapped, optimizer, scaler, nonfinite: NonFinite, device, d
             for micro in range(accum):
                 x, y = windows[micro, :, :-1], windows[micro, :, 1:]   # (B, T) each: y is x shifted by one
                 if ddp:
-                    distributed.sync_gradients(wrapped, micro == accum - 1)
+                    distributed.sync_gradients(ddp_module, micro == accum - 1)   # (DDP's, not its compiled wrapper)
                 _, loss = wrapped(x, y)
                 loss_sum += loss.detach()
                 scaler.scale(loss / accum).backward()
@@ -322,8 +322,9 @@ def make_step(model, wrapped, optimizer, scaler, nonfinite: NonFinite, device, d
 
 
 def build_step(model, wrapped, optimizer, scaler, nonfinite, loader, device, dtype, t, world: int, say):
-    """(the next optimizer step as a function of nothing, how it runs in words): the model compiled
-    (train.compile) and the step recorded as a CUDA graph (train.cuda_graph) where asked for and possible."""
+    """(the next optimizer step as a function of nothing, how it runs in words, the model as the step
+    calls it): compiled (train.compile) and recorded as a CUDA graph (train.cuda_graph) where asked for
+    and possible."""
     uncompiled = wrapped
     if t.compile and device.type == "mps":   # not tried where nothing is tested: said, not attempted
         Printer(say.enabled)("note: train.compile is not tried on MPS: training eagerly", file=sys.stderr)
@@ -331,7 +332,8 @@ def build_step(model, wrapped, optimizer, scaler, nonfinite, loader, device, dty
         say("# compiling the model: about half a minute (train.compile = false skips it)")
         from speed.compile import compiled_or_eager
         wrapped = compiled_or_eager(wrapped, lambda fn: compile_trial(fn, model, loader, device, dtype), "training")
-    one_step = make_step(model, wrapped, optimizer, scaler, nonfinite, device, dtype, t, world > 1)
+    one_step = make_step(model, wrapped, optimizer, scaler, nonfinite, device, dtype, t,
+                         uncompiled if world > 1 else None)
     run_step, how = lambda: one_step(loader.step_windows().to(device, non_blocking=True)), "eager"
     blockers = graph_blockers(t, device, world, dtype)
     if t.cuda_graph and not blockers:
@@ -347,7 +349,7 @@ def build_step(model, wrapped, optimizer, scaler, nonfinite, loader, device, dty
             say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
     elif t.cuda_graph and device.type == "cuda":
         say(f"# no CUDA graph: {'; '.join(blockers)}")
-    return run_step, how + (", compiled" if wrapped is not uncompiled else "")
+    return run_step, how + (", compiled" if wrapped is not uncompiled else ""), wrapped
 
 
 def graph_blockers(t, device: torch.device, world: int, dtype: torch.dtype) -> list[str]:
@@ -466,7 +468,7 @@ def vocab(tokenizer_meta: dict) -> str:
         "name", tokenizer_meta["kind"])
 
 
-def restore(ckpt, path, model, wrapped, optimizer, scaler, loader, rank: int, world: int, seed: int):
+def restore(ckpt, path, model, optimizer, scaler, loader, rank: int, world: int, seed: int):
     """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's generators;
     (step, best val loss, tokens, seconds, skipped steps) of the run so far."""
     try:
@@ -520,13 +522,6 @@ def set_rng_state(s: dict) -> None:
         torch.mps.set_rng_state(s["mps"])
 
 
-def write_or_fail(path, data) -> None:
-    try:
-        atomic_write(path, data)
-    except OSError as e:
-        raise RunError(f"could not write {path}: {e.strerror or e}") from None
-
-
 class Metrics:
     """metrics.jsonl (and wandb, when asked for). resume_step: keep the records up to it, drop the rest
     (what a run killed after its last checkpoint logged is logged again when it resumes). Metrics(None):
@@ -552,7 +547,7 @@ class Metrics:
         self.path = out_dir / "metrics.jsonl"
         kept_records = [r for r in read_records(self.path) if r["step"] <= resume_step] if resume_step is not None \
             else []
-        write_or_fail(self.path, "".join(json.dumps(r) + "\n" for r in kept_records))
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept_records))
         self.file = open(self.path, "a", encoding="utf-8")
 
     def log(self, record: dict) -> None:
@@ -562,7 +557,8 @@ class Metrics:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         except OSError as e:
-            raise RunError(f"could not write {self.path}: {e.strerror or e}") from None
+            e.filename = str(self.path)
+            raise
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind")}, step=record["step"])
 
