@@ -292,14 +292,14 @@ def make_step(model, wrapped, optimizer, scaler, nonfinite: NonFinite, device, d
     """One optimizer step on windows (grad_accum, B, T + 1) on the device -> (mean loss over the global
     batch, gradient norm before clipping, its non-finite record); no host sync, so that a CUDA graph
     can hold it (but skip mode's decision, which keeps the step eager)."""
-    skip, ddp = t.on_nonfinite == "skip", ddp_module is not None
+    skip, ddp, low_precision = t.on_nonfinite == "skip", ddp_module is not None, autocast(device, dtype)
     if ddp:
         from training import distributed
 
     def step(windows: torch.Tensor):
         accum = windows.size(0)
         loss_sum = torch.zeros((), device=device)
-        with autocast(device, dtype):   # one region: each weight is cast once per step
+        with low_precision:   # one region: each weight is cast once per step
             for micro in range(accum):
                 x, y = windows[micro, :, :-1], windows[micro, :, 1:]   # (B, T) each: y is x shifted by one
                 if ddp:
@@ -385,11 +385,10 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool)
             windows = strided_windows(loader.splits[split], loader.block_size, loader.block_size, loader.batch_size)
             batches = ((x.to(device), y.to(device)) for i, (x, y) in enumerate(windows) if i % loader.world == loader.rank)
         nats, count = score(wrapped, batches, autocast(device, dtype))
-        totals = torch.tensor([nats, count], dtype=torch.float64, device=device)
-        if ddp:
+        if ddp:   # every rank's share
             from training import distributed
-            distributed.mean(totals)
-        losses[split] = (totals[0] / totals[1]).item()
+            nats, count = distributed.mean(torch.tensor([nats, count], dtype=torch.float64, device=device)).tolist()
+        losses[split] = nats / count
     return losses
 
 
