@@ -41,7 +41,7 @@ def differences(configs: list[dict], most: int = 4) -> list[str]:
 def read_run(path: Path) -> tuple[list[dict], dict]:
     """(eval records, flattened config) of a run's out dir; a one-line error if it has none."""
     from training.config import flat, load_toml
-    from training.outdir import read_records
+    from viz.curves import read_records
     if not (path / "metrics.jsonl").is_file() or not (path / "config.toml").is_file():
         raise RunError(f"{path} holds no run (no metrics.jsonl and config.toml)")
     evals = [r for r in read_records(path / "metrics.jsonl") if r["kind"] == "eval"]

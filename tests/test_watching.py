@@ -129,7 +129,7 @@ def test_every_sample_draws_with_the_same_seed_and_is_printed(tiny_cfg, capsys):
 
 
 def test_a_run_s_curves_are_its_losses_and_bits_per_byte(tiny_cfg):
-    from training.outdir import read_records
+    from viz.curves import read_records
     from viz.curves import run_panels
     cfg = tiny_cfg(**{"train.log_interval": 5})
     train(cfg, quiet=True)

@@ -6,7 +6,9 @@ A figure is a row of panels; a panel holds lines; a line is (label, x, y) with a
 to the end of training, where lines differ, so that the first evaluations do not flatten them.
 """
 import io
+import json
 import math
+import sys
 from dataclasses import dataclass, field
 
 
@@ -83,3 +85,24 @@ def run_panels(records: list[dict]) -> list[Panel]:
         Line("val", *points(evals, "step", "val_loss"))])
     bpb = Panel("val bits per byte by step", "step", "bits per byte", [Line("val", *points(evals, "step", "val_bpb"))])
     return [loss, bpb]
+
+
+def read_records(path, warn=True) -> list[dict]:
+    """The records of a metrics.jsonl. It is a log: a damaged line (cut by a kill, a bad byte, a value of
+    the wrong kind) is skipped, with one warning on stderr naming the file and how many."""
+    from pathlib import Path
+    records, damaged = [], 0
+    text = Path(path).read_bytes().decode("utf-8", errors="replace") if Path(path).exists() else ""
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+            ok = isinstance(record, dict) and type(record.get("step")) is int and isinstance(record.get("kind"), str)
+        except ValueError:
+            ok = False
+        if ok:
+            records.append(record)
+        elif line.strip():
+            damaged += 1
+    if damaged and warn:
+        print(f"warning: {path}: skipped {damaged} damaged line(s)", file=sys.stderr)
+    return records
