@@ -59,8 +59,8 @@ def main(argv) -> int:
         raise ConfigError("a run is named twice")
     runs = [read_run(p) for p in paths]
     metric, name = ("val_bpb", "val bits per byte") if args.bpb else ("val_loss", "val loss")
-    panels = [Panel(f"{name} by step", "step", name, focus_end=True),
-              Panel(f"{name} by wall-clock time", "wall-clock seconds (training + evals)", name, focus_end=True)]
+    panels = [Panel(f"{name} by step", "step", name),
+              Panel(f"{name} by wall-clock time", "wall-clock seconds (training + evals)", name)]
     for path, (evals, _), diff in zip(paths, runs, differences([config for _, config in runs])):
         label = f"{path}: {diff}" if diff else str(path)
         panels[0].lines.append(Line(label, *points(evals, "step", metric)))
