@@ -1,11 +1,14 @@
 """plot.py and the loss curves (viz/curves.py) on runs written by hand (metrics.jsonl and config.toml,
-as a run leaves them): every evaluation in view."""
+as a run leaves them): each run's val curve by step and by wall-clock time, named by what its config
+changes; where the picture goes (out/runs.png by default, .png, .svg or .pdf); every evaluation in view."""
 import json
+import shutil
+import subprocess
 
 import pytest
 
 import plot as plot_cli
-from tests.conftest import run_tool
+from tests.conftest import ROOT, assert_refused, run_tool
 from viz.curves import Line, Panel, draw, read_records
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -42,6 +45,75 @@ def figures(monkeypatch):
         return save(fig, *args, **kwargs)
     monkeypatch.setattr(Figure, "savefig", spy)
     return saved
+
+
+def test_plot_py_overlays_runs_named_by_what_differs(runs, tmp_path, capsys):
+    out = tmp_path / "both.png"
+    rc, stdout, err = run_tool(plot_cli, [*runs, "--out", out], capsys)
+    assert rc == 0 and stdout.strip() == str(out) and out.read_bytes().startswith(PNG), err
+    rc, _, err = run_tool(plot_cli, [*runs, "--out", out, "--bpb"], capsys)
+    assert rc == 0 and out.read_bytes().startswith(PNG), err
+    from training.config import flat, load_toml
+    labels = plot_cli.differences([flat(load_toml(run / "config.toml")) for run in runs])
+    assert labels == ["train.lr=0.0001, train.min_lr=1e-05", "train.lr=0.01, train.min_lr=0.001"], labels
+    watched = plot_cli.differences([{"train.lr": 0.1, "train.sample_every": 5, "log.curves": False}, {"train.lr": 0.2}])
+    assert watched == ["train.lr=0.1", "train.lr=0.2"], "watching a run does not name it"
+    with open(runs[0] / "metrics.jsonl", "a") as f:   # a diverged evaluation, one without bits per byte
+        f.write('{"step": 30, "kind": "eval", "val_loss": NaN, "val_bpb": NaN, "elapsed_s": 9}\n'
+                '{"step": 40, "kind": "eval", "val_loss": 2.5, "elapsed_s": 10}\n')
+    for order in (runs, runs[::-1]):
+        for bpb in ([], ["--bpb"]):
+            rc, _, err = run_tool(plot_cli, [*order, "--out", out, *bpb], capsys)
+            assert rc == 0 and "Traceback" not in err, err
+
+
+def test_plot_py_draws_each_run_s_val_curve_by_step_and_by_wall_time(runs, tmp_path, capsys, monkeypatch):
+    import viz.curves
+    drawn = []
+    monkeypatch.setattr(viz.curves, "draw", lambda panels, title, **kw: drawn.append(panels) or PNG)
+    for flag, key in (([], "val_loss"), (["--bpb"], "val_bpb")):
+        rc, _, err = run_tool(plot_cli, [*runs, "--out", tmp_path / "p.png", *flag], capsys)
+        by_step, by_time = drawn.pop()
+        assert rc == 0, err
+        for run, step_line, time_line in zip(runs, by_step.lines, by_time.lines):
+            evals = [r for r in read_records(run / "metrics.jsonl") if r["kind"] == "eval"]
+            assert step_line.label.startswith(str(run)) and time_line.label == step_line.label
+            assert (step_line.x, step_line.y) == ([r["step"] for r in evals], [r[key] for r in evals])
+            assert (time_line.x, time_line.y) == ([r["elapsed_s"] for r in evals], [r[key] for r in evals])
+
+
+def test_plot_py_writes_out_runs_png_by_default_which_git_ignores(runs, tmp_path, capsys, monkeypatch):
+    assert plot_cli.DEFAULT_OUT == ROOT / "out" / "runs.png"
+    if shutil.which("git") and (ROOT / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", "-q", "out/runs.png"], cwd=ROOT)
+        assert ignored.returncode == 0, "out/ is git-ignored: the picture is not left for a commit to pick up"
+    default = tmp_path / "repo" / "out" / "runs.png"             # not this checkout's out/, which is the user's
+    monkeypatch.setattr(plot_cli, "DEFAULT_OUT", default)
+    monkeypatch.chdir(tmp_path)
+    rc, stdout, err = run_tool(plot_cli, runs, capsys)
+    assert rc == 0 and stdout == f"{default}\n" and default.read_bytes().startswith(PNG), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quick", "repo", "slow"], "nothing in the current folder"
+
+
+@pytest.mark.parametrize("name, start", [("p.svg", b"<?xml"), ("p.pdf", b"%PDF"), ("P.PNG", PNG)])
+def test_plot_py_writes_the_format_its_out_names(runs, tmp_path, capsys, name, start):
+    rc, stdout, err = run_tool(plot_cli, [*runs, "--out", tmp_path / "new" / name], capsys)
+    assert rc == 0 and (tmp_path / "new" / name).read_bytes().startswith(start), err
+
+
+@pytest.mark.parametrize("name", ["x.txt", "x", "x.jpg.gz"])
+def test_plot_py_refuses_an_out_it_cannot_write_as_a_picture(runs, tmp_path, capsys, name):
+    assert_refused(plot_cli, [*runs, "--out", tmp_path / name], capsys, tmp_path, f"--out {tmp_path / name}: "
+                   "the picture is written as .png, .svg or .pdf")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: [tmp / "nothing"], "holds no run (no metrics.jsonl and config.toml)"),
+    (lambda tmp: [tmp, "--bpb", "--bpb", "--nope"], "unrecognized arguments: --nope"),
+])
+def test_plot_py_mistakes_are_one_line(make, message, tmp_path, capsys):
+    rc, _, err = run_tool(plot_cli, make(tmp_path), capsys)
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
 
 
 def assert_every_point_in_view(fig):
