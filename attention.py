@@ -7,16 +7,15 @@
 writes, into --out (default: <run dir>/attention/), and prints the paths of
     attention_layer<i>.png   one panel per head: row i is query token i, column j the token it looks
                              at, the colour the weight a_ij; the prompt's tokens label both axes
-                             (spaces as ␣, newlines as ⏎)
+                             (spaces as ␣, newlines as ⏎; a character no installed font has as □)
     attention_summary.png    per head: the share of attention on the previous token, the first token,
                              itself, the newline that began its line, the same column one line up
                              (character models), and the mean distance looked back, in tokens
-The figures are drawn by viz/attention_maps.py. With --html FILE it writes instead one self-contained
-page (viz/attention_page.py) where hovering or
-clicking a token shows where it looks, for every chosen layer and head, with an overview of all heads
-and the same summary; it suits long prompts (hundreds of tokens), where the PNGs' labels would not
-fit. Give --out as well to have both. The weights are the model's own, by its variant's math
-(model/inspect.py). A prompt longer than the model's block_size is cut to its last block_size tokens.
+With --html FILE it writes instead one self-contained page where hovering or clicking a token shows
+where it looks, for every chosen layer and head, with an overview of all heads and the same summary;
+it suits long prompts (hundreds of tokens), where the PNGs' labels would not fit. Give --out as well
+to have both. The weights are the model's own, by its variant's math (model/inspect.py); the pictures
+are viz/'s. A prompt longer than the model's block_size is cut to its last block_size tokens.
 """
 try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
     import signal
@@ -94,25 +93,23 @@ def page_path(spec: str) -> Path:
 def draw_pngs(out_dir: Path, weights: list, scores: dict, texts: list[str], layers: list[int], heads: list[int],
               rows: list[str], kind: str, summary: bool, dpi: int) -> list[Path]:
     """attention_layer<i>.png per layer (weights: (heads, T, T) each) and attention_summary.png (scores:
-    {name: (len(rows),)}) into out_dir; their paths."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from viz.attention_maps import plot_layer, plot_summary, visible
+    {name: (len(rows),)}) into out_dir, one figure at a time (a large model's would not all fit at once);
+    their paths."""
+    from viz.attention_maps import BOX, label_fonts, plot_layer, plot_summary, visible
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    labels, written = [visible(t) for t in texts], []
-
-    def save(name, fig):                  # one figure at a time: a large model's would not all fit at once
-        written.append(out_dir / name)
-        fig.savefig(written[-1])
-        plt.close(fig)
+    labels = [visible(t) for t in texts]
+    missing = label_fonts("".join(labels))[1]
+    if missing:
+        print(f"note: no installed font has the characters {missing!r}: drawn as {BOX}", file=sys.stderr)
+    written = []
     for layer, w in zip(layers, weights):
-        save(f"attention_layer{layer}.png", plot_layer(w, labels, heads, f"layer {layer} ({kind}): row = query "
-                                                       f"token, column = the token it attends to", dpi))
+        written.append(out_dir / f"attention_layer{layer}.png")
+        title = f"layer {layer} ({kind}): row = query token, column = the token it attends to"
+        plot_layer(w, labels, heads, title, dpi).savefig(written[-1])
     if summary:
-        save("attention_summary.png", plot_summary(rows, scores, dpi))
+        written.append(out_dir / "attention_summary.png")
+        plot_summary(rows, scores, dpi).savefig(written[-1])
     return written
 
 
