@@ -62,15 +62,13 @@ def encode_prompt(tokenizer, text: str, block_size: int) -> list[int]:
 
 def pick(spec: str, n: int, option: str) -> list[int]:
     """'0,2' -> [0, 2], each in range(n); '' -> all of range(n)."""
-    if not spec:
-        return list(range(n))
     try:
-        chosen = [int(s) for s in spec.split(",")]
+        chosen = [int(s) for s in spec.split(",")] if spec else list(range(n))
     except ValueError:
         raise ConfigError(f"{option} takes comma-separated numbers, got {spec!r}") from None
-    bad = [i for i in chosen if not 0 <= i < n]
-    if bad:
-        raise ConfigError(f"{option}: {bad[0]} is out of range, the model has {n} (0 to {n - 1})")
+    for i in chosen:
+        if not 0 <= i < n:
+            raise ConfigError(f"{option}: {i} is out of range, the model has {n} (0 to {n - 1})")
     return chosen
 
 
@@ -113,18 +111,6 @@ def draw_pngs(out_dir: Path, weights: list, scores: dict, texts: list[str], laye
     return written
 
 
-def say_best(rows: list[str], scores: dict) -> None:
-    """On stderr, the head with the largest share of each kind."""
-    import numpy as np
-
-    from viz.attention_maps import SCORE_NAMES
-    for name in SCORE_NAMES:
-        if not np.isnan(scores[name]).all():
-            best = int(np.nanargmax(scores[name]))
-            print(f"# most on {SCORE_NAMES[name].replace(chr(10), ' ')}: {rows[best]} ({scores[name][best]:.2f})",
-                  file=sys.stderr)
-
-
 def main(argv) -> int:
     args = parse_args(argv)
     html = page_path(args.html) if args.html else None
@@ -134,7 +120,7 @@ def main(argv) -> int:
     from data.sources import read_prompt
     from model.inspect import attention_maps, head_scores
     from training.checkpoint import load_model
-    from viz.attention_page import attention_page
+    from viz.attention_page import SCORE_NAMES, attention_page
 
     loaded = load_model(args.checkpoint)
     cfg = loaded.model.cfg
@@ -160,8 +146,10 @@ def main(argv) -> int:
         except OSError as e:
             raise RunError(f"cannot write the page {html}: {e.strerror or e}") from None
         written.append(html)
-    if not args.no_summary:
-        say_best(rows, merged)
+    shares = [] if args.no_summary else [n for n in SCORE_NAMES if n != "distance" and not np.isnan(merged[n]).all()]
+    for name in shares:   # on stderr, the head that does most of each
+        best = int(np.nanargmax(merged[name]))
+        print(f"# most on {SCORE_NAMES[name]}: {rows[best]} ({merged[name][best]:.2f})", file=sys.stderr)
     for p in written:
         print(p)
     return 0

@@ -20,7 +20,6 @@ from pathlib import Path
 from common import ArgumentParser, ConfigError, RunError, atomic_write, run_cli  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "runs.png"   # out/ is where runs go, and git-ignored
-FORMATS = (".png", ".svg", ".pdf")
 
 
 def parse_args(argv):
@@ -30,7 +29,7 @@ def parse_args(argv):
                    "(default: out/runs.png in this repository)")
     p.add_argument("--bpb", action="store_true", help="val bits per byte instead of val loss per token")
     args = p.parse_args(argv)
-    if args.out.suffix.lower() not in FORMATS:
+    if args.out.suffix.lower() not in (".png", ".svg", ".pdf"):
         p.error(f"--out {args.out}: the picture is written as .png, .svg or .pdf, named by its ending")
     return args
 

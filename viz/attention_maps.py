@@ -91,8 +91,7 @@ def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
     names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
     shares = np.stack([scores[s] for s in names], axis=1)                # (heads, patterns)
     distance = scores["distance"][:, None]                               # (heads, 1)
-    height = 1.2 + 0.28 * len(rows)
-    fig = Figure(figsize=(2.2 + 1.0 * len(names) + 1.6, height), dpi=dpi, layout="constrained")
+    fig = Figure(figsize=(3.8 + 1.0 * len(names), 1.2 + 0.28 * len(rows)), dpi=dpi, layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[len(names), 1.3])
     panels = ((left, shares, [SCORE_NAMES[s] for s in names], "Blues", (0.0, 1.0), "{:.2f}"),
               (right, distance, ["mean\ndistance"], "Oranges", (0.0, max(1.0, float(np.nanmax(distance)))), "{:.1f}"))
