@@ -183,7 +183,7 @@ def bpe_labels(T):
     return [visible(pieces[i % len(pieces)]) for i in range(T)]
 
 
-def drawn(fig):
+def rendered(fig):
     """fig laid out and drawn as savefig draws a PNG (with Agg): its texts' window extents are final."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     canvas = FigureCanvasAgg(fig)
@@ -203,7 +203,7 @@ def test_the_title_and_every_label_lie_within_the_figure(T, n_heads):
 
     from viz.attention_maps import plot_layer
     fig = plot_layer(torch.rand(n_heads, T, T).numpy(), bpe_labels(T), list(range(n_heads)), TITLE)
-    renderer = drawn(fig)
+    renderer = rendered(fig)
     title = fig.get_suptitle()
     assert title.replace("\n", " ") == TITLE and within(fig._suptitle.get_window_extent(renderer), fig.bbox)
     texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
@@ -217,7 +217,7 @@ def test_bpe_labels_overlap_neither_each_other_nor_the_other_axis(T, n_heads):
     axis titles each have their own room, whatever the length of the longest token."""
     from viz.attention_maps import plot_layer
     fig = plot_layer(torch.rand(n_heads, T, T).numpy(), bpe_labels(T), list(range(n_heads)), TITLE)
-    renderer = drawn(fig)
+    renderer = rendered(fig)
     for ax in image_panels(fig):
         xs, ys = ([t.get_window_extent(renderer) for t in labels] for labels in (ax.get_xticklabels(),
                                                                                ax.get_yticklabels()))
@@ -225,6 +225,15 @@ def test_bpe_labels_overlap_neither_each_other_nor_the_other_axis(T, n_heads):
         assert not any(a.overlaps(b) for boxes in (xs, ys) for a, b in zip(boxes, boxes[1:])), "neighbours"
         axis_titles = [ax.xaxis.label.get_window_extent(renderer), ax.yaxis.label.get_window_extent(renderer)]
         assert not any(box.overlaps(title) for box in xs + ys for title in axis_titles)
+
+
+def test_labels_are_text_as_it_is_not_math():
+    """GPT-2 has the tokens '$$' and ' $$', which matplotlib would parse as (empty, failing) math."""
+    from viz.attention_maps import plot_layer
+    labels = ["$$", "␣$$", "$x^2$", "a_b"]
+    fig = plot_layer(torch.rand(1, 4, 4).numpy(), labels, [0], "layer 0")
+    rendered(fig)
+    assert [t.get_text() for t in image_panels(fig)[0].get_xticklabels()] == labels
 
 
 @pytest.fixture
@@ -262,7 +271,7 @@ def test_a_character_the_default_font_lacks_is_drawn_in_an_installed_font_that_h
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fig = plot_layer(torch.rand(1, 4, 4).numpy(), ["a", "b␣", "Ⓐ", "⏎"], [0], "layer 0")
-        drawn(fig)
+        rendered(fig)
     assert glyph_warnings(caught) == []
     assert [t.get_text() for t in image_panels(fig)[0].get_yticklabels()] == ["a", "b␣", "Ⓐ", "⏎"]
 
@@ -276,7 +285,7 @@ def test_a_character_no_installed_font_has_is_drawn_as_a_box_without_a_warning_p
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fig = plot_layer(torch.rand(2, 4, 4).numpy(), ["日本", "語", "␣to", "be"], [0, 1], "layer 0")
-        drawn(fig)
+        rendered(fig)
     assert glyph_warnings(caught) == []
     assert [t.get_text() for t in image_panels(fig)[1].get_xticklabels()] == ["□□", "□", "␣to", "be"]
 

@@ -61,7 +61,7 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
     font = min(9.0, max(3.0, 0.7 * size * 72 / T))                      # points: a label per token must fit
     families, missing = label_fonts("".join(labels))
     labels = [label.translate({ord(c): BOX for c in missing}) for label in labels]
-    prop = FontProperties(family=families, size=font)                   # inches beside a heatmap: labels, axis title
+    prop = FontProperties(family=families, size=font)    # room: inches left of and below a heatmap, for its labels
     room = max(TextToPath().get_text_width_height_descent(label, prop, False)[0] for label in labels) / 72 + 0.35
     fig = Figure(figsize=(cols * (size + room) + 1.2, rows * (size + room + 0.3) + 0.6), dpi=dpi, layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
@@ -70,8 +70,8 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
     for ax, h, w in zip(axes.flat, heads, weights):
         image = ax.imshow(w, cmap=cmap, norm=norm, interpolation="nearest")
         ax.set_title(f"head {h}", fontsize=10)
-        ax.set_xticks(range(T), labels, fontsize=font, fontfamily=families, rotation=90)
-        ax.set_yticks(range(T), labels, fontsize=font, fontfamily=families)
+        ax.set_xticks(range(T), labels, fontsize=font, fontfamily=families, parse_math=False, rotation=90)
+        ax.set_yticks(range(T), labels, fontsize=font, fontfamily=families, parse_math=False)
         ax.tick_params(length=0, pad=1)
         ax.set_xlabel("key: the token attended to", fontsize=8)
         ax.set_ylabel("query: the token attending", fontsize=8)
