@@ -7,16 +7,15 @@
 writes, into --out (default: <run dir>/attention/), and prints the paths of
     attention_layer<i>.png   one panel per head: row i is query token i, column j the token it looks
                              at, the colour the weight a_ij; the prompt's tokens label both axes
-                             (spaces as ␣, newlines as ⏎)
+                             (spaces as ␣, newlines as ⏎; a character no installed font has as □)
     attention_summary.png    per head: the share of attention on the previous token, the first token,
                              itself, the newline that began its line, the same column one line up
                              (character models), and the mean distance looked back, in tokens
-The figures are drawn by viz/attention_maps.py. With --html FILE it writes instead one self-contained
-page (viz/attention_page.py) where hovering or
-clicking a token shows where it looks, for every chosen layer and head, with an overview of all heads
-and the same summary; it suits long prompts (hundreds of tokens), where the PNGs' labels would not
-fit. Give --out as well to have both. The weights are the model's own, by its variant's math
-(model/inspect.py). A prompt longer than the model's block_size is cut to its last block_size tokens.
+With --html FILE it writes instead one self-contained page where hovering or clicking a token shows
+where it looks, for every chosen layer and head, with an overview of all heads and the same summary;
+it suits long prompts (hundreds of tokens), where the PNGs' labels would not fit. Give --out as well
+to have both. The weights are the model's own, by its variant's math (model/inspect.py); the pictures
+are viz/'s. A prompt longer than the model's block_size is cut to its last block_size tokens.
 """
 try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
     import signal
@@ -63,15 +62,13 @@ def encode_prompt(tokenizer, text: str, block_size: int) -> list[int]:
 
 def pick(spec: str, n: int, option: str) -> list[int]:
     """'0,2' -> [0, 2], each in range(n); '' -> all of range(n)."""
-    if not spec:
-        return list(range(n))
     try:
-        chosen = [int(s) for s in spec.split(",")]
+        chosen = [int(s) for s in spec.split(",")] if spec else list(range(n))
     except ValueError:
         raise ConfigError(f"{option} takes comma-separated numbers, got {spec!r}") from None
-    bad = [i for i in chosen if not 0 <= i < n]
-    if bad:
-        raise ConfigError(f"{option}: {bad[0]} is out of range, the model has {n} (0 to {n - 1})")
+    for i in chosen:
+        if not 0 <= i < n:
+            raise ConfigError(f"{option}: {i} is out of range, the model has {n} (0 to {n - 1})")
     return chosen
 
 
@@ -94,38 +91,24 @@ def page_path(spec: str) -> Path:
 def draw_pngs(out_dir: Path, weights: list, scores: dict, texts: list[str], layers: list[int], heads: list[int],
               rows: list[str], kind: str, summary: bool, dpi: int) -> list[Path]:
     """attention_layer<i>.png per layer (weights: (heads, T, T) each) and attention_summary.png (scores:
-    {name: (len(rows),)}) into out_dir; their paths."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from viz.attention_maps import plot_layer, plot_summary, visible
+    {name: (len(rows),)}) into out_dir, one figure at a time (a large model's would not all fit at once);
+    their paths."""
+    from viz.attention_maps import BOX, label_fonts, plot_layer, plot_summary, visible
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    labels, written = [visible(t) for t in texts], []
-
-    def save(name, fig):                  # one figure at a time: a large model's would not all fit at once
-        written.append(out_dir / name)
-        fig.savefig(written[-1])
-        plt.close(fig)
+    labels = [visible(t) for t in texts]
+    missing = label_fonts("".join(labels))[1]
+    if missing:
+        print(f"note: no installed font has the characters {missing!r}: drawn as {BOX}", file=sys.stderr)
+    written = []
     for layer, w in zip(layers, weights):
-        save(f"attention_layer{layer}.png", plot_layer(w, labels, heads, f"layer {layer} ({kind}): row = query "
-                                                       f"token, column = the token it attends to", dpi))
+        written.append(out_dir / f"attention_layer{layer}.png")
+        title = f"layer {layer} ({kind}): row = query token, column = the token it attends to"
+        plot_layer(w, labels, heads, title, dpi).savefig(written[-1])
     if summary:
-        save("attention_summary.png", plot_summary(rows, scores, dpi))
+        written.append(out_dir / "attention_summary.png")
+        plot_summary(rows, scores, dpi).savefig(written[-1])
     return written
-
-
-def say_best(rows: list[str], scores: dict) -> None:
-    """On stderr, the head with the largest share of each kind."""
-    import numpy as np
-
-    from viz.attention_maps import SCORE_NAMES
-    for name in SCORE_NAMES:
-        if not np.isnan(scores[name]).all():
-            best = int(np.nanargmax(scores[name]))
-            print(f"# most on {SCORE_NAMES[name].replace(chr(10), ' ')}: {rows[best]} ({scores[name][best]:.2f})",
-                  file=sys.stderr)
 
 
 def main(argv) -> int:
@@ -137,7 +120,7 @@ def main(argv) -> int:
     from data.sources import read_prompt
     from model.inspect import attention_maps, head_scores
     from training.checkpoint import load_model
-    from viz.attention_page import attention_page
+    from viz.attention_page import SCORE_NAMES, attention_page
 
     loaded = load_model(args.checkpoint)
     cfg = loaded.model.cfg
@@ -163,8 +146,10 @@ def main(argv) -> int:
         except OSError as e:
             raise RunError(f"cannot write the page {html}: {e.strerror or e}") from None
         written.append(html)
-    if not args.no_summary:
-        say_best(rows, merged)
+    shares = [] if args.no_summary else [n for n in SCORE_NAMES if n != "distance" and not np.isnan(merged[n]).all()]
+    for name in shares:   # on stderr, the head that does most of each
+        best = int(np.nanargmax(merged[name]))
+        print(f"# most on {SCORE_NAMES[name]}: {rows[best]} ({merged[name][best]:.2f})", file=sys.stderr)
     for p in written:
         print(p)
     return 0

@@ -4,8 +4,9 @@ named by the settings in which the runs' configs differ.
     python plot.py out/tinyshakespeare out/shakespeare_char_cpu_fast
     python plot.py out/notes out/notes-bpe4096 --bpb --out compare.png   # bits per byte: fair across tokenizers
 
-Each RUN is a run's out dir (its metrics.jsonl and config.toml); the picture goes to --out (default
-runs.png) and its path is printed. A run's own curves are in its out dir, as curves.png.
+Each RUN is a run's out dir (its metrics.jsonl and config.toml). The picture goes to --out (.png, .svg
+or .pdf; default out/runs.png in this repository, beside the runs) and its path is printed. A run's
+own curves are in its out dir, as curves.png.
 """
 try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
     import signal
@@ -18,13 +19,19 @@ from pathlib import Path
 
 from common import ArgumentParser, ConfigError, RunError, atomic_write, run_cli  # noqa: E402
 
+DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "runs.png"   # out/ is where runs go, and git-ignored
+
 
 def parse_args(argv):
     p = ArgumentParser(description="Overlay the loss curves of several runs, by step and by wall-clock time.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run's out dir (with metrics.jsonl and config.toml)")
-    p.add_argument("--out", default="runs.png", help="the picture's path (default: runs.png)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the picture's path, .png, .svg or .pdf "
+                   "(default: out/runs.png in this repository)")
     p.add_argument("--bpb", action="store_true", help="val bits per byte instead of val loss per token")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        p.error(f"--out {args.out}: the picture is written as .png, .svg or .pdf, named by its ending")
+    return args
 
 
 def differences(configs: list[dict], most: int = 4) -> list[str]:
@@ -59,18 +66,19 @@ def main(argv) -> int:
         raise ConfigError("a run is named twice")
     runs = [read_run(p) for p in paths]
     metric, name = ("val_bpb", "val bits per byte") if args.bpb else ("val_loss", "val loss")
-    panels = [Panel(f"{name} by step", "step", name, focus_end=True),
-              Panel(f"{name} by wall-clock time", "wall-clock seconds (training + evals)", name, focus_end=True)]
+    panels = [Panel(f"{name} by step", "step", name),
+              Panel(f"{name} by wall-clock time", "wall-clock seconds (training + evals)", name)]
     for path, (evals, _), diff in zip(paths, runs, differences([config for _, config in runs])):
         label = f"{path}: {diff}" if diff else str(path)
         panels[0].lines.append(Line(label, *points(evals, "step", metric)))
         panels[1].lines.append(Line(label, *points(evals, "elapsed_s", metric)))
-    out = Path(args.out)
+    picture = draw(panels, f"{len(runs)} runs", legend_below=True, format=args.out.suffix[1:].lower())
     try:
-        atomic_write(out, draw(panels, f"{len(runs)} runs", legend_below=True))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(args.out, picture)
     except OSError as e:
-        raise RunError(f"could not write {out}: {e.strerror or e}") from None
-    print(out)
+        raise RunError(f"could not write {args.out}: {e.strerror or e}") from None
+    print(args.out)
     return 0
 
 

@@ -163,8 +163,8 @@ def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:
 def plot(sweep: Sweep, runs: list[dict], out: Path) -> None:
     """loss_curves.png: each variant's val loss by step and by wall-clock time, the mean over its seeds
     with the band from the lowest to the highest seed."""
-    by_step = Panel("val loss by step", "step", "val loss", focus_end=True)
-    by_time = Panel("val loss by wall-clock time", "wall-clock seconds (training + evals)", "val loss", focus_end=True)
+    by_step = Panel("val loss by step", "step", "val loss")
+    by_time = Panel("val loss by wall-clock time", "wall-clock seconds (training + evals)", "val loss")
     for i, (name, _) in enumerate(sweep.variants):
         done = [r for r in runs if r["variant"] == name and r["done"] and r["steps"]]
         if not done:

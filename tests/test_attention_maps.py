@@ -14,7 +14,7 @@ from model.gpt import GPT
 from model.inspect import attention_maps, head_scores, line_up_positions, newline_positions
 from model.positions import rope_tables
 
-from tests.conftest import ROOT, save_char_model
+from tests.conftest import CHARS, ROOT, save_char_model
 
 OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
        "linear": {}, "mla": {"kv_latent_dim": 12}}
@@ -170,6 +170,139 @@ def test_bpe_tokens_are_labelled_with_their_text_and_visible_whitespace():
         pytest.skip(f"gpt2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {e}")
     texts = token_texts(tokenizer, tokenizer.encode("To be\nor not"))
     assert [visible(t) for t in texts] == ["To", "␣be", "⏎", "or", "␣not"]
+
+
+TITLE = "layer 0 (sliding_window, pos=learned): row = query token, column = the token it attends to"
+WORDS = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. Resolved."
+
+
+def bpe_labels(T):
+    """T labels as a BPE model's tokens are: words and pieces of words, with their spaces and newlines."""
+    from viz.attention_maps import visible
+    pieces = [w for word in WORDS.split(" ") for w in (" " + word, "\n")[: 1 + (word[-1] in ":.")]]
+    return [visible(pieces[i % len(pieces)]) for i in range(T)]
+
+
+def rendered(fig):
+    """fig laid out and drawn as savefig draws a PNG (with Agg): its texts' window extents are final."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def within(box, outer, slack=1.0):
+    return box.x0 >= outer.x0 - slack and box.x1 <= outer.x1 + slack and box.y0 >= outer.y0 - slack \
+        and box.y1 <= outer.y1 + slack
+
+
+@pytest.mark.parametrize("T, n_heads", [(2, 1), (3, 2), (6, 4), (40, 1)])
+def test_the_title_and_every_label_lie_within_the_figure(T, n_heads):
+    """A short prompt's figure is narrower than the title: the title is wrapped, not cut at both ends."""
+    from matplotlib.text import Text
+
+    from viz.attention_maps import plot_layer
+    fig = plot_layer(torch.rand(n_heads, T, T).numpy(), bpe_labels(T), list(range(n_heads)), TITLE)
+    renderer = rendered(fig)
+    title = fig.get_suptitle()
+    assert title.replace("\n", " ") == TITLE and within(fig._suptitle.get_window_extent(renderer), fig.bbox)
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
+    outside = [t.get_text() for t in texts if not within(t.get_window_extent(renderer), fig.bbox)]
+    assert outside == [] and len(texts) > 2 * T
+
+
+@pytest.mark.parametrize("T, n_heads", [(4, 1), (12, 4), (20, 4), (60, 2), (120, 1)])
+def test_bpe_labels_overlap_neither_each_other_nor_the_other_axis(T, n_heads):
+    """Multi-character tokens: the rotated x labels, the y labels beside them (the last one too) and the
+    axis titles each have their own room, whatever the length of the longest token."""
+    from viz.attention_maps import plot_layer
+    fig = plot_layer(torch.rand(n_heads, T, T).numpy(), bpe_labels(T), list(range(n_heads)), TITLE)
+    renderer = rendered(fig)
+    for ax in image_panels(fig):
+        xs, ys = ([t.get_window_extent(renderer) for t in labels] for labels in (ax.get_xticklabels(),
+                                                                               ax.get_yticklabels()))
+        assert not [(i, j) for i, x in enumerate(xs) for j, y in enumerate(ys) if x.overlaps(y)]
+        assert not any(a.overlaps(b) for boxes in (xs, ys) for a, b in zip(boxes, boxes[1:])), "neighbours"
+        axis_titles = [ax.xaxis.label.get_window_extent(renderer), ax.yaxis.label.get_window_extent(renderer)]
+        assert not any(box.overlaps(title) for box in xs + ys for title in axis_titles)
+
+
+def test_labels_are_text_as_it_is_not_math():
+    """GPT-2 has the tokens '$$' and ' $$', which matplotlib would parse as (empty, failing) math."""
+    from viz.attention_maps import plot_layer
+    labels = ["$$", "␣$$", "$x^2$", "a_b"]
+    fig = plot_layer(torch.rand(1, 4, 4).numpy(), labels, [0], "layer 0")
+    rendered(fig)
+    assert [t.get_text() for t in image_panels(fig)[0].get_xticklabels()] == labels
+
+
+@pytest.fixture
+def fonts(monkeypatch):
+    """Set the installed fonts to those of the given family names (None: as they are), with
+    label_fonts' memory of earlier answers cleared before and after."""
+    from matplotlib import font_manager
+
+    from viz.attention_maps import label_fonts
+    installed = font_manager.fontManager.ttflist
+
+    def only(*names):
+        label_fonts.cache_clear()
+        if names:
+            monkeypatch.setattr(font_manager.fontManager, "ttflist", [f for f in installed if f.name in names])
+    yield only
+    label_fonts.cache_clear()
+
+
+def glyph_warnings(caught):
+    return [str(w.message) for w in caught if "Glyph" in str(w.message) or "missing from font" in str(w.message)]
+
+
+@pytest.mark.parametrize("names", [(), ("DejaVu Sans", "STIXGeneral")])
+def test_a_character_the_default_font_lacks_is_drawn_in_an_installed_font_that_has_it(fonts, names):
+    """Ⓐ is in none of matplotlib's DejaVu fonts, and in its STIX ones (which matplotlib brings along)."""
+    import warnings
+
+    from viz.attention_maps import label_fonts, plot_layer
+    fonts(*names)
+    families, missing = label_fonts("ab␣Ⓐ⏎")
+    assert missing == "" and families[0] == "sans-serif" and len(families) > 1, families
+    if names:
+        assert families == ("sans-serif", "STIXGeneral")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig = plot_layer(torch.rand(1, 4, 4).numpy(), ["a", "b␣", "Ⓐ", "⏎"], [0], "layer 0")
+        rendered(fig)
+    assert glyph_warnings(caught) == []
+    assert [t.get_text() for t in image_panels(fig)[0].get_yticklabels()] == ["a", "b␣", "Ⓐ", "⏎"]
+
+
+def test_a_character_no_installed_font_has_is_drawn_as_a_box_without_a_warning_per_glyph(fonts):
+    import warnings
+
+    from viz.attention_maps import label_fonts, plot_layer
+    fonts("DejaVu Sans")
+    assert label_fonts("to 日本語 be") == (("sans-serif",), "日本語")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig = plot_layer(torch.rand(2, 4, 4).numpy(), ["日本", "語", "␣to", "be"], [0, 1], "layer 0")
+        rendered(fig)
+    assert glyph_warnings(caught) == []
+    assert [t.get_text() for t in image_panels(fig)[1].get_xticklabels()] == ["□□", "□", "␣to", "be"]
+
+
+def test_the_command_names_the_characters_it_cannot_draw_once(fonts, tmp_path, capsys):
+    import warnings
+
+    import attention
+    fonts("DejaVu Sans")
+    run = save_char_model(tmp_path / "run", chars=CHARS + "日本語", block_size=24, n_layer=2, n_head=2, n_embd=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert attention.main([str(run), "--prompt", "日本 to be, 語", "--out", str(tmp_path / "maps")]) == 0
+    err = capsys.readouterr().err
+    assert glyph_warnings(caught) == [] and "Glyph" not in err
+    notes = [line for line in err.splitlines() if "font" in line]
+    assert notes == ["note: no installed font has the characters '日本語': drawn as □"], err
 
 
 def test_the_command_writes_a_png_per_layer_and_a_summary(run_dir, tmp_path):

@@ -1,11 +1,10 @@
-"""Watching a run as it learns: samples while training (which change no loss), every run's loss
-curves, and plot.py overlaying several runs."""
+"""Watching a run as it learns: samples while training (which change no loss) and every run's loss
+curves (plot.py, which overlays several runs, is tests/test_plot.py's)."""
 import json
 import re
 
 import pytest
 
-import plot as plot_cli
 import training.trainer as trainer
 from tests.conftest import run_tool
 from training.trainer import train
@@ -84,37 +83,6 @@ def test_every_run_draws_its_curves_at_each_evaluation(tiny_cfg, monkeypatch):
     train(tiny_cfg(**{"log.curves": "false", "train.max_steps": 10}, out_dir=f"{cfg.out_dir}-off"), quiet=True)
 
 
-def test_plot_py_overlays_runs_named_by_what_differs(tiny_cfg, tmp_path, capsys):
-    for name, lr in (("slow", 1e-4), ("quick", 1e-2)):
-        train(tiny_cfg(out_dir=tmp_path / name, **{"train.lr": lr, "train.min_lr": lr / 10}), quiet=True)
-    out = tmp_path / "both.png"
-    rc, stdout, err = run_tool(plot_cli, [tmp_path / "slow", tmp_path / "quick", "--out", out], capsys)
-    assert rc == 0 and stdout.strip() == str(out) and out.read_bytes().startswith(PNG), err
-    rc, _, err = run_tool(plot_cli, [tmp_path / "slow", tmp_path / "quick", "--out", out, "--bpb"], capsys)
-    assert rc == 0 and out.read_bytes().startswith(PNG), err
-    from training.config import flat, load_toml
-    labels = plot_cli.differences([flat(load_toml(tmp_path / n / "config.toml")) for n in ("slow", "quick")])
-    assert labels == ["train.lr=0.0001, train.min_lr=1e-05", "train.lr=0.01, train.min_lr=0.001"], labels
-    watched = plot_cli.differences([{"train.lr": 0.1, "train.sample_every": 5, "log.curves": False}, {"train.lr": 0.2}])
-    assert watched == ["train.lr=0.1", "train.lr=0.2"], "watching a run does not name it"
-    with open(tmp_path / "slow" / "metrics.jsonl", "a") as f:   # a diverged evaluation, one without bits per byte
-        f.write('{"step": 30, "kind": "eval", "val_loss": NaN, "val_bpb": NaN, "elapsed_s": 9}\n'
-                '{"step": 40, "kind": "eval", "val_loss": 2.5, "elapsed_s": 10}\n')
-    for runs in ([tmp_path / "slow", tmp_path / "quick"], [tmp_path / "quick", tmp_path / "slow"]):
-        for bpb in ([], ["--bpb"]):
-            rc, _, err = run_tool(plot_cli, [*runs, "--out", out, *bpb], capsys)
-            assert rc == 0 and "Traceback" not in err, err
-
-
-@pytest.mark.parametrize("make, message", [
-    (lambda tmp: [tmp / "nothing"], "holds no run (no metrics.jsonl and config.toml)"),
-    (lambda tmp: [tmp, "--bpb", "--bpb", "--nope"], "unrecognized arguments: --nope"),
-])
-def test_plot_py_mistakes_are_one_line(make, message, tmp_path, capsys):
-    rc, _, err = run_tool(plot_cli, make(tmp_path), capsys)
-    assert rc == 2 and err.count("\n") == 1 and message in err, err
-
-
 def test_every_sample_draws_with_the_same_seed_and_is_printed(tiny_cfg, capsys):
     """Weights that do not move (lr 0) sample the same text at every step: the generator is seeded
     anew for each sample, not once per run. Each sample is printed with its step."""
@@ -140,23 +108,6 @@ def test_a_run_s_curves_are_its_losses_and_bits_per_byte(tiny_cfg):
     assert drawn["train (evaluation)"] == ([r["step"] for r in evals], [r["train_loss"] for r in evals])
     assert drawn["val"] == ([r["step"] for r in evals], [r["val_loss"] for r in evals])
     assert [(line.x, line.y) for line in bpb.lines] == [([r["step"] for r in evals], [r["val_bpb"] for r in evals])]
-
-
-def test_plot_py_draws_each_run_s_val_curve_by_step_and_by_wall_time(tiny_cfg, tmp_path, capsys, monkeypatch):
-    import viz.curves
-    drawn = []
-    monkeypatch.setattr(viz.curves, "draw", lambda panels, title, **kw: drawn.append(panels) or PNG)
-    for name in ("a", "b"):
-        train(tiny_cfg(out_dir=tmp_path / name, **{"train.seed": 1 + "ab".index(name)}), quiet=True)
-    for flag, key in (([], "val_loss"), (["--bpb"], "val_bpb")):
-        rc, _, err = run_tool(plot_cli, [tmp_path / "a", tmp_path / "b", "--out", tmp_path / "p.png", *flag], capsys)
-        by_step, by_time = drawn.pop()
-        assert rc == 0, err
-        for name, step_line, time_line in zip("ab", by_step.lines, by_time.lines):
-            evals = records(tmp_path / name, "eval")
-            assert step_line.label.startswith(str(tmp_path / name)) and time_line.label == step_line.label
-            assert (step_line.x, step_line.y) == ([r["step"] for r in evals], [r[key] for r in evals])
-            assert (time_line.x, time_line.y) == ([r["elapsed_s"] for r in evals], [r[key] for r in evals])
 
 
 def test_samples_curves_scoring_and_the_page_on_a_text_that_is_not_shakespeare(tiny_cfg, tmp_path, capsys):

@@ -3,12 +3,17 @@ per-head summary of model/inspect.py's head_scores as two annotated heatmaps (pl
 returns a matplotlib Figure; attention.py saves them.
 
     fig = plot_layer(weights, [visible(t) for t in texts], heads, "layer 0")   # weights (heads, T, T)
+
+A token's text is drawn in matplotlib's font, or in an installed font that has the characters it lacks
+(label_fonts); a character no installed font has is drawn as □.
 """
+import functools
 import math
 
 import numpy as np
 
 VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
+BOX = "□"
 # what head_scores measures, as column titles (broken where a narrow column needs it)
 SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself",
                "newline": "newline that\nbegan its line", "line_up": "same column\none line up"}
@@ -19,31 +24,54 @@ def visible(text: str) -> str:
     return "".join(VISIBLE.get(ch, ch) for ch in text)
 
 
+@functools.cache
+def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
+    """(the font families that draw text: matplotlib's own, then for the characters it lacks the first
+    installed fonts that have them, for matplotlib to fall back on glyph by glyph; the characters of
+    text that no installed font has). The Last Resort font matplotlib falls back on has no characters,
+    only placeholders for them."""
+    from matplotlib import font_manager, rcParams
+    from matplotlib.ft2font import FT2Font
+
+    def lacks(family, chars):
+        charmap = FT2Font(font_manager.findfont(font_manager.FontProperties(family=family))).get_charmap()
+        return {c for c in chars if ord(c) not in charmap}
+    families, missing = tuple(rcParams["font.family"]), lacks(rcParams["font.family"], set(text))
+    fonts = font_manager.fontManager.ttflist               # a family's regular face, as matplotlib picks it
+    for name in dict.fromkeys(f.name for f in fonts if f.style == "normal" and f.weight in (400, "normal")):
+        if missing and "Last Resort" not in name and (left := lacks([name], missing)) != missing:
+            families, missing = (*families, name), left
+    return families, "".join(sorted(missing))
+
+
 def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: int = 100):
     """weights (len(heads), T, T) as a numpy array -> a Figure with one heatmap panel per head (and a
     colour bar). Softmax weights are drawn on [0, 1] with a square-root scale, so that a weight of
-    0.05 is still visible; signed weights (linear attention with rope) on a diverging scale around 0."""
-    import matplotlib.pyplot as plt
+    0.05 is still visible; signed weights (linear attention with rope) on a diverging scale around 0.
+    The figure is as large as the labels need, and a title wider than the figure is wrapped."""
     from matplotlib.colors import Normalize, PowerNorm
+    from matplotlib.figure import Figure
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import TextToPath
 
     n, T = len(heads), weights.shape[-1]
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
-    size = min(8.0, max(2.5, 0.13 * T))                                  # inches per panel
+    size = min(8.0, max(2.5, 0.13 * T))                                  # inches per heatmap
     font = min(9.0, max(3.0, 0.7 * size * 72 / T))                      # points: a label per token must fit
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * size + 1.2, rows * size + 0.6), dpi=dpi,
-                             squeeze=False, layout="constrained")
-    signed = bool((weights < 0).any())
-    if signed:
-        m = float(abs(weights).max())
-        norm, cmap = Normalize(-m, m), "RdBu_r"
-    else:
-        norm, cmap = PowerNorm(0.5, vmin=0.0, vmax=max(1.0, float(weights.max()))), "Blues"
+    families, missing = label_fonts("".join(labels))
+    labels = [label.translate({ord(c): BOX for c in missing}) for label in labels]
+    prop = FontProperties(family=families, size=font)    # room: inches left of and below a heatmap, for its labels
+    room = max(TextToPath().get_text_width_height_descent(label, prop, False)[0] for label in labels) / 72 + 0.35
+    fig = Figure(figsize=(cols * (size + room) + 1.2, rows * (size + room + 0.3) + 0.6), dpi=dpi, layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    signed, m = bool((weights < 0).any()), float(abs(weights).max())
+    norm, cmap = (Normalize(-m, m), "RdBu_r") if signed else (PowerNorm(0.5, vmin=0.0, vmax=max(1.0, m)), "Blues")
     for ax, h, w in zip(axes.flat, heads, weights):
         image = ax.imshow(w, cmap=cmap, norm=norm, interpolation="nearest")
         ax.set_title(f"head {h}", fontsize=10)
-        ax.set_xticks(range(T), labels, fontsize=font, rotation=90)
-        ax.set_yticks(range(T), labels, fontsize=font)
+        ax.set_xticks(range(T), labels, fontsize=font, fontfamily=families, parse_math=False, rotation=90)
+        ax.set_yticks(range(T), labels, fontsize=font, fontfamily=families, parse_math=False)
         ax.tick_params(length=0, pad=1)
         ax.set_xlabel("key: the token attended to", fontsize=8)
         ax.set_ylabel("query: the token attending", fontsize=8)
@@ -51,21 +79,20 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
         fig.delaxes(ax)
     label = "weight (signed: not a distribution)" if signed else "weight (square-root scale)"
     fig.colorbar(image, ax=axes.flat[:n], shrink=0.6, label=label)
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(title, fontsize=11, wrap=True)
     return fig
 
 
 def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
     """rows: a name per head ('layer 0 head 1'); scores: {name: (len(rows),) numpy} from
     model.inspect.head_scores -> a Figure of two annotated heatmaps, shares and mean distance."""
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
     shares = np.stack([scores[s] for s in names], axis=1)                # (heads, patterns)
     distance = scores["distance"][:, None]                               # (heads, 1)
-    height = 1.2 + 0.28 * len(rows)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(2.2 + 1.0 * len(names) + 1.6, height), dpi=dpi,
-                                      width_ratios=[len(names), 1.3], layout="constrained")
+    fig = Figure(figsize=(3.8 + 1.0 * len(names), 1.2 + 0.28 * len(rows)), dpi=dpi, layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[len(names), 1.3])
     panels = ((left, shares, [SCORE_NAMES[s] for s in names], "Blues", (0.0, 1.0), "{:.2f}"),
               (right, distance, ["mean\ndistance"], "Oranges", (0.0, max(1.0, float(np.nanmax(distance)))), "{:.1f}"))
     for ax, values, columns, cmap, (lo, hi), fmt in panels:

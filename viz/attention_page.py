@@ -112,8 +112,5 @@ def summary(scores: list[dict]) -> dict:
 def render(data: dict) -> str:
     """The template with data inlined. '<' is written as \\u003c, the same string to JSON, so no token
     text can close the <script> element that holds it."""
-    template = TEMPLATE.read_text(encoding="utf-8")
-    if template.count(PLACEHOLDER) != 1:
-        raise RuntimeError(f"{TEMPLATE} must hold {PLACEHOLDER} exactly once")
     text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).replace("<", "\\u003c")
-    return template.replace(PLACEHOLDER, text)
+    return TEMPLATE.read_text(encoding="utf-8").replace(PLACEHOLDER, text)

@@ -2,8 +2,8 @@
 several runs overlaid (plot.py), a sweep's variants over their seeds (ablate.py's loss_curves.png).
 
 A figure is a row of panels; a panel holds lines; a line is (label, x, y) with an optional band
-(low, high) around it, e.g. the spread of several seeds. Where focus_end is set, the y axis is cut
-to the end of training, where lines differ, so that the first evaluations do not flatten them.
+(low, high) around it, e.g. the spread of several seeds. Every point is drawn: the y axis is never
+cut, so the first evaluations stay in the picture however far above the rest they lie.
 """
 import io
 import json
@@ -28,42 +28,35 @@ class Panel:
     xlabel: str
     ylabel: str
     lines: list[Line] = field(default_factory=list)
-    focus_end: bool = False
 
 
-def draw(panels: list[Panel], title: str, legend_below: bool = False) -> bytes:
-    """The panels side by side as one PNG's bytes; legend_below: one legend under them (the first
-    panel's lines, for panels that draw the same lines), instead of one in each panel."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def draw(panels: list[Panel], title: str, legend_below: bool = False, format: str = "png") -> bytes:
+    """The panels side by side as one picture's bytes (png, svg or pdf); legend_below: one legend under
+    them (the first panel's lines, for panels that draw the same lines), instead of one in each panel."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
 
     below = len(panels[0].lines) if legend_below else 0
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5 + 0.25 * below), squeeze=False)
-    most = max(len(panel.lines) for panel in panels)
-    colors = plt.get_cmap("tab10" if most <= 10 else "tab20").colors
+    fig = Figure(figsize=(6.5 * len(panels), 5 + 0.25 * below))
+    axes = fig.subplots(1, len(panels), squeeze=False)
+    colors = colormaps["tab10" if max(len(panel.lines) for panel in panels) <= 10 else "tab20"].colors
     for ax, panel in zip(axes[0], panels):
         for i, line in enumerate(panel.lines):
             style = {"color": "black", "lw": 2.2} if line.emphasis else {"color": colors[i % len(colors)], "lw": 1.4}
             ax.plot(line.x, line.y, label=line.label, marker="o" if len(line.x) < 3 else None, **style)
             if line.low is not None:
                 ax.fill_between(line.x, line.low, line.high, color=style["color"], alpha=0.15, lw=0)
-        ends = [line.y[-1] for line in panel.lines if len(line.y)]
-        if panel.focus_end and ends:
-            highs = [max(line.high if line.high is not None else line.y) for line in panel.lines if len(line.y)]
-            ax.set_ylim(min(ends) - 0.05, min(max(highs), max(ends) + 0.6) + 0.02)
         ax.set(title=panel.title, xlabel=panel.xlabel, ylabel=panel.ylabel)
         ax.grid(alpha=0.3)
-        if ends and not legend_below:
+        if not legend_below and any(len(line.y) for line in panel.lines):
             ax.legend(fontsize=8, loc="upper right")
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.25 * below / (5 + 0.25 * below), 1, 1))
     if below:
         fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower left", fontsize=8, frameon=False)
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    return png.getvalue()
+    out = io.BytesIO()
+    fig.savefig(out, format=format, dpi=110)
+    return out.getvalue()
 
 
 def points(records: list[dict], x: str, y: str) -> tuple[list, list]:

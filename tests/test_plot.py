@@ -1,0 +1,168 @@
+"""plot.py and the loss curves (viz/curves.py) on runs written by hand (metrics.jsonl and config.toml,
+as a run leaves them): each run's val curve by step and by wall-clock time, named by what its config
+changes; where the picture goes (out/runs.png by default, .png, .svg or .pdf); every evaluation in view."""
+import json
+import shutil
+import subprocess
+
+import pytest
+
+import plot as plot_cli
+from tests.conftest import ROOT, assert_refused, run_tool
+from viz.curves import Line, Panel, draw, read_records
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(path, lr, evals, seconds=2.0):
+    """A run's out dir: config.toml with train.lr (and min_lr a tenth of it), and metrics.jsonl with a
+    train record per step and an eval record for each val loss in evals (one every 10 steps, the first at
+    step 0), its bits per byte 1.4 times its loss."""
+    path.mkdir(parents=True)
+    (path / "config.toml").write_text(f"[train]\nlr = {lr}\nmin_lr = {lr / 10}\n")
+    records = [{"step": s, "kind": "train", "loss": 3.0} for s in range(0, 10 * len(evals))]
+    records += [{"step": 10 * i, "kind": "eval", "train_loss": v, "val_loss": v, "val_bpb": 1.4 * v,
+                 "elapsed_s": seconds * i} for i, v in enumerate(evals)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Two runs that differ in their learning rate: 'slow' ends higher, and took longer."""
+    return [write_run(tmp_path / "slow", 1e-4, [4.2, 2.6, 2.4, 2.3], seconds=3.0),
+            write_run(tmp_path / "quick", 1e-2, [4.2, 2.1, 1.9, 1.8])]
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """Every matplotlib Figure saved meanwhile, for a test to look at what was drawn."""
+    from matplotlib.figure import Figure
+    saved, save = [], Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        saved.append(fig)
+        return save(fig, *args, **kwargs)
+    monkeypatch.setattr(Figure, "savefig", spy)
+    return saved
+
+
+def test_plot_py_overlays_runs_named_by_what_differs(runs, tmp_path, capsys):
+    out = tmp_path / "both.png"
+    rc, stdout, err = run_tool(plot_cli, [*runs, "--out", out], capsys)
+    assert rc == 0 and stdout.strip() == str(out) and out.read_bytes().startswith(PNG), err
+    rc, _, err = run_tool(plot_cli, [*runs, "--out", out, "--bpb"], capsys)
+    assert rc == 0 and out.read_bytes().startswith(PNG), err
+    from training.config import flat, load_toml
+    labels = plot_cli.differences([flat(load_toml(run / "config.toml")) for run in runs])
+    assert labels == ["train.lr=0.0001, train.min_lr=1e-05", "train.lr=0.01, train.min_lr=0.001"], labels
+    watched = plot_cli.differences([{"train.lr": 0.1, "train.sample_every": 5, "log.curves": False}, {"train.lr": 0.2}])
+    assert watched == ["train.lr=0.1", "train.lr=0.2"], "watching a run does not name it"
+    with open(runs[0] / "metrics.jsonl", "a") as f:   # a diverged evaluation, one without bits per byte
+        f.write('{"step": 30, "kind": "eval", "val_loss": NaN, "val_bpb": NaN, "elapsed_s": 9}\n'
+                '{"step": 40, "kind": "eval", "val_loss": 2.5, "elapsed_s": 10}\n')
+    for order in (runs, runs[::-1]):
+        for bpb in ([], ["--bpb"]):
+            rc, _, err = run_tool(plot_cli, [*order, "--out", out, *bpb], capsys)
+            assert rc == 0 and "Traceback" not in err, err
+
+
+def test_plot_py_draws_each_run_s_val_curve_by_step_and_by_wall_time(runs, tmp_path, capsys, monkeypatch):
+    import viz.curves
+    drawn = []
+    monkeypatch.setattr(viz.curves, "draw", lambda panels, title, **kw: drawn.append(panels) or PNG)
+    for flag, key in (([], "val_loss"), (["--bpb"], "val_bpb")):
+        rc, _, err = run_tool(plot_cli, [*runs, "--out", tmp_path / "p.png", *flag], capsys)
+        by_step, by_time = drawn.pop()
+        assert rc == 0, err
+        for run, step_line, time_line in zip(runs, by_step.lines, by_time.lines):
+            evals = [r for r in read_records(run / "metrics.jsonl") if r["kind"] == "eval"]
+            assert step_line.label.startswith(str(run)) and time_line.label == step_line.label
+            assert (step_line.x, step_line.y) == ([r["step"] for r in evals], [r[key] for r in evals])
+            assert (time_line.x, time_line.y) == ([r["elapsed_s"] for r in evals], [r[key] for r in evals])
+
+
+def test_plot_py_writes_out_runs_png_by_default_which_git_ignores(runs, tmp_path, capsys, monkeypatch):
+    assert plot_cli.DEFAULT_OUT == ROOT / "out" / "runs.png"
+    if shutil.which("git") and (ROOT / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", "-q", "out/runs.png"], cwd=ROOT)
+        assert ignored.returncode == 0, "out/ is git-ignored: the picture is not left for a commit to pick up"
+    default = tmp_path / "repo" / "out" / "runs.png"             # not this checkout's out/, which is the user's
+    monkeypatch.setattr(plot_cli, "DEFAULT_OUT", default)
+    monkeypatch.chdir(tmp_path)
+    rc, stdout, err = run_tool(plot_cli, runs, capsys)
+    assert rc == 0 and stdout == f"{default}\n" and default.read_bytes().startswith(PNG), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quick", "repo", "slow"], "nothing in the current folder"
+
+
+@pytest.mark.parametrize("name, start", [("p.svg", b"<?xml"), ("p.pdf", b"%PDF"), ("P.PNG", PNG)])
+def test_plot_py_writes_the_format_its_out_names(runs, tmp_path, capsys, name, start):
+    rc, stdout, err = run_tool(plot_cli, [*runs, "--out", tmp_path / "new" / name], capsys)
+    assert rc == 0 and (tmp_path / "new" / name).read_bytes().startswith(start), err
+
+
+@pytest.mark.parametrize("name", ["x.txt", "x", "x.jpg.gz"])
+def test_plot_py_refuses_an_out_it_cannot_write_as_a_picture(runs, tmp_path, capsys, name):
+    assert_refused(plot_cli, [*runs, "--out", tmp_path / name], capsys, tmp_path, f"--out {tmp_path / name}: "
+                   "the picture is written as .png, .svg or .pdf")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: [tmp / "nothing"], "holds no run (no metrics.jsonl and config.toml)"),
+    (lambda tmp: [tmp, "--bpb", "--bpb", "--nope"], "unrecognized arguments: --nope"),
+])
+def test_plot_py_mistakes_are_one_line(make, message, tmp_path, capsys):
+    rc, _, err = run_tool(plot_cli, make(tmp_path), capsys)
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
+def assert_every_point_in_view(fig):
+    for ax in fig.axes:
+        low, high = ax.get_ylim()
+        for line in (line for line in ax.get_lines() if len(line.get_ydata())):
+            assert low <= min(line.get_ydata()) and max(line.get_ydata()) <= high, (ax.get_title(), line.get_label())
+        for band in ax.collections:
+            ys = band.get_paths()[0].vertices[:, 1]
+            assert low <= ys.min() and ys.max() <= high, ax.get_title()
+
+
+def test_plot_py_shows_every_evaluation(runs, tmp_path, capsys, figures):
+    """The first evaluation (4.2, far above the rest) is in the picture, not cut off above it."""
+    rc, _, err = run_tool(plot_cli, [*runs, "--out", tmp_path / "p.png"], capsys)
+    (fig,) = figures
+    assert rc == 0 and len(fig.axes) == 2, err
+    assert_every_point_in_view(fig)
+
+
+def test_ablate_s_curves_show_every_evaluation_and_every_seed(tmp_path, figures):
+    import numpy as np
+
+    from ablation.report import plot
+    from ablation.sweep import Sweep
+    sweep = Sweep("lr", tmp_path, [1, 2], [("baseline", {}), ("higher", {"train": {"lr": 0.01}})], [])
+    runs = [{"variant": v, "done": True, "steps": [0, 10, 20, 30], "val": list(val), "elapsed": [0, 1, 2, 3]}
+            for v, base in (("baseline", 2.5), ("higher", 2.3)) for val in (np.array([9.0, 3, 2.6, base]),
+                                                                              np.array([8.0, 3.1, 2.7, base + 0.1]))]
+    plot(sweep, runs, tmp_path)
+    (fig,) = figures
+    assert (tmp_path / "loss_curves.png").read_bytes().startswith(PNG)
+    assert [len(ax.collections) for ax in fig.axes] == [2, 2], "a band over the seeds per variant"
+    assert_every_point_in_view(fig)
+
+
+def test_curves_draw_every_point_of_every_panel(figures):
+    panels = [Panel("loss", "step", "loss", [Line("a", [0, 1, 2, 3], [11.0, 2.0, 1.9, 1.85]),
+                                            Line("b", [0, 1], [10.5, 1.7], low=[10.0, 1.6], high=[12.0, 1.8])]),
+              Panel("empty", "step", "loss", [Line("nothing yet", [], [])])]
+    assert draw(panels, "two").startswith(PNG)
+    assert_every_point_in_view(figures[0])
+
+
+def test_read_records_skips_damaged_lines_with_one_warning(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 0, "kind": "eval", "val_loss": 2.0}\n{"step": 1, "kin\n\xff\xfe\n'
+                     b'{"step": "2", "kind": "eval"}\n[1, 2]\n\n{"step": 3, "kind": "train", "loss": 1.5}\n')
+    assert [r["step"] for r in read_records(path)] == [0, 3]
+    assert capsys.readouterr().err == f"warning: {path}: skipped 4 damaged line(s)\n"
+    assert len(read_records(path, warn=False)) == 2 and capsys.readouterr().err == ""
+    assert read_records(tmp_path / "none.jsonl") == [], "no log yet: no records"
