@@ -4,7 +4,8 @@
     python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 --out maps/
     python attention.py out/shakespeare_char_cpu --prompt @scene.txt --html attention.html
 
-writes, into --out (default: <run dir>/attention/), and prints the paths of
+writes, into --out (default: <run dir>/attention/; for GPT-2 by name out/attention/<name>/), and prints
+the paths of
     attention_layer<i>.png   one panel per head: row i is query token i, column j the token it looks
                              at, the colour the weight a_ij; the prompt's tokens label both axes
                              (spaces as ␣, newlines as ⏎; a character no installed font has as □)
@@ -26,13 +27,16 @@ except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent
+
 from common import ArgumentParser, ConfigError, RunError, TokenizerError, atomic_write, run_cli  # noqa: E402
 
 def parse_args(argv):
     p = ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("--prompt", required=True, help="the text to look at, or @FILE to read it from a file")
-    p.add_argument("--out", default="", help="folder for the PNGs (default: <run dir>/attention/)")
+    p.add_argument("--out", default="",
+                   help="folder for the PNGs (default: <run dir>/attention/, or out/attention/<name>/)")
     p.add_argument("--layers", default="", help="comma-separated layer numbers from 0 (default: all)")
     p.add_argument("--heads", default="", help="comma-separated head numbers from 0 (default: all)")
     p.add_argument("--html", default="", metavar="FILE",
@@ -136,7 +140,8 @@ def main(argv) -> int:
     kind = f"{cfg.attention}, pos={cfg.pos}"
     written = []
     if html is None or args.out:
-        out_dir = Path(args.out) if args.out else Path(loaded.path).parent / "attention"
+        beside = Path(loaded.path).parent / "attention" if Path(loaded.path).is_file() else None   # a run's
+        out_dir = Path(args.out) if args.out else beside or ROOT / "out" / "attention" / Path(str(loaded.path)).name
         written += draw_pngs(out_dir, weights, merged, texts, layers, heads, rows, kind, not args.no_summary, args.dpi)
     if html is not None:   # the page is written whole or not at all
         page = attention_page(texts, weights, scores, f"{loaded.description}: {kind}", layers, heads)

@@ -170,8 +170,8 @@ def table(rows: list[dict]) -> str:
     lines = [f"{'file':<{width}}  {'tokens':>12}  {'loss':>8}  {'bits/byte':>9}  {'perplexity':>11}"]
     def number(value, width, digits):
         return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
-    lines += [f"{r['file']:<{width}}  {r['tokens']:>12,}  {number(r['loss'], 8, 4)}  {number(r['bits_per_byte'], 9, 4)}  "
-              f"{number(r['perplexity'], 11, 3)}" for r in rows]
+    lines += [f"{r['file']:<{width}}  {r['tokens']:>12,}  {number(r['loss'], 8, 4)}  "
+              f"{number(r['bits_per_byte'], 9, 4)}  {number(r['perplexity'], 11, 3)}" for r in rows]
     return "\n".join(lines)
 
 

@@ -123,7 +123,8 @@ def load_checkpoint(path, mmap: bool = True) -> dict:
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a checkpoint of this project")
     if ckpt.get("version") != VERSION:
-        raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')!r}, this code reads {VERSION}")
+        raise CheckpointError(f"{path} has checkpoint format version {ckpt.get('version')!r}, this code reads "
+                              f"{VERSION}")
     if problem := type_problem(ckpt, {"config": dict, "tokenizer": dict, "model": dict, "step": int}):
         raise CheckpointError(f"{path} is damaged: {problem}")
     return ckpt
@@ -237,7 +238,9 @@ class OutDir:
                                f"another --out_dir")
         aside = self.path / ASIDE
         if aside.is_dir():   # a run with --overwrite ended before its first checkpoint: give the run back
-            self.put_back(say=True) if latest_checkpoint(self.path) is None else shutil.rmtree(aside, ignore_errors=True)
+            if latest_checkpoint(self.path) is None:
+                self.put_back(say=True)
+            shutil.rmtree(aside, ignore_errors=True)
         latest = latest_checkpoint(self.path) or (self.path / "best.pt" if (self.path / "best.pt").is_file() else None)
         if resume:
             if checkpoint is not None:

@@ -49,7 +49,7 @@ def fast_matmul_dtype(device: torch.device) -> torch.dtype:
         return torch.bfloat16
     if device.type == "cpu":
         cpu = torch.cpu
-        if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)() or getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        if any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")):
             return torch.bfloat16
     return torch.float32
 
@@ -105,7 +105,8 @@ class Muon(torch.optim.Optimizer):
                 by_shape.setdefault(tuple(p.shape), []).append((p, g))
             for (rows, cols), items in by_shape.items():
                 stacked = torch.stack([g for _, g in items])
-                updates = orthogonalize(stacked.to(fast_matmul_dtype(stacked.device)), group["ns_steps"]).to(stacked.dtype)
+                fast = stacked.to(fast_matmul_dtype(stacked.device))
+                updates = orthogonalize(fast, group["ns_steps"]).to(stacked.dtype)
                 shape_scale = -max(1.0, rows / cols) ** 0.5
                 step = updates * shape_scale * group["lr"]   # lr: a float, or a tensor (CUDA graphs): same rounding
                 torch._foreach_add_([p for p, _ in items], list(step.unbind(0)))

@@ -31,8 +31,8 @@ import time
 import numpy as np
 import torch
 
-from common import (CheckpointError, ConfigError, Interrupted, Printer, RunError, StopRequest, TokenizerError, atomic_write, duration,
-                    first_line, is_out_of_memory, on_stop_signals)
+from common import (CheckpointError, ConfigError, Interrupted, Printer, RunError, StopRequest, TokenizerError,
+                    atomic_write, duration, first_line, is_out_of_memory, on_stop_signals)
 from data.cache import bits_per_byte, load_meta
 from data.loader import BatchLoader, strided_windows
 from data.prepare import prepare
@@ -383,7 +383,8 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool)
             batches = (loader.batch(split, generator) for _ in range(iters))
         else:
             windows = strided_windows(loader.splits[split], loader.block_size, loader.block_size, loader.batch_size)
-            batches = ((x.to(device), y.to(device)) for i, (x, y) in enumerate(windows) if i % loader.world == loader.rank)
+            batches = ((x.to(device), y.to(device)) for i, (x, y) in enumerate(windows)
+                       if i % loader.world == loader.rank)
         nats, count = score(wrapped, batches, autocast(device, dtype))
         if ddp:   # every rank's share
             from training import distributed
