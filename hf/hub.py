@@ -12,7 +12,8 @@ to n_positions (the position table is cropped). The tokenizer is GPT-2's (tiktok
 resumed run loads its own checkpoint, never these weights.
 
 Files: config.json and model.safetensors (or its shards model-*.safetensors), never pytorch_model.bin,
-a pickle that can run code when loaded. safetensors and huggingface_hub are imported only when used.
+a pickle that can run code when loaded; an export adds generation_config.json and the tokenizer's
+files (hf/tokenizer.py). safetensors and huggingface_hub are imported only when used.
 """
 import json
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 from common import CheckpointError, ConfigError, atomic_write, first_line
 from data.tokenizers import TiktokenTokenizer
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
+from hf.tokenizer import tokenizer_files
 from model.config import ModelConfig
 from model.gpt import GPT
 
@@ -103,15 +105,22 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
     return cfg, state_dict_from_hf(read_tensors(directory), cfg, where=f"{name_or_dir}: weights")
 
 
-def save_pretrained(directory, cfg: ModelConfig, state_dict: dict, eos_token_id: int | None = None) -> None:
-    """Write config.json and model.safetensors (each atomically) that transformers loads as GPT2LMHeadModel."""
+def save_pretrained(directory, cfg: ModelConfig, state_dict: dict, tokenizer: dict | None = None) -> list[str]:
+    """Write config.json, generation_config.json and model.safetensors, which transformers loads as
+    GPT2LMHeadModel, and for a tokenizer's meta() its files (hf/tokenizer.py), each atomically; returns
+    the tokenizer files' names."""
     from safetensors.torch import save
     config, tensors = to_hf(cfg, state_dict)   # refuses unmappable settings before any write
-    config.update(bos_token_id=eos_token_id, eos_token_id=eos_token_id)
+    files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
+    config.update(bos_token_id=eos, eos_token_id=eos)
+    # generate() stops at the context (transformers' pipeline would add 256 new tokens to any prompt)
+    generation = {"max_length": cfg.block_size, "bos_token_id": eos, "eos_token_id": eos}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", save(tensors, metadata={"format": "pt"}))
-    atomic_write(directory / "config.json", json.dumps(config, indent=2) + "\n")
+    for name, value in {"config.json": config, "generation_config.json": generation, **files}.items():
+        atomic_write(directory / name, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+    return list(files)
 
 
 # ----------------------------------------------------------------------------- using GPT-2

@@ -91,7 +91,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, overrides):
     from transformers import GPT2LMHeadModel
     ours = our_model(**overrides)
     save_pretrained(tmp_path, ours.cfg, ours.state_dict())
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json", "model.safetensors"]
     theirs = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     assert theirs.config.tie_word_embeddings == ours.cfg.tie_embeddings
     diff = max_diff(ours, theirs)
@@ -293,19 +293,22 @@ def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_doe
 
 @needs_transformers
 def test_export_py_end_to_end(tmp_path, text_file, tiny_cfg):
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoTokenizer, GPT2LMHeadModel
 
+    from training.checkpoint import load_model
     from training.trainer import train
     cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2})
     train(cfg, quiet=True)
     out = tmp_path / "hf"
     r = run("export.py", cfg.out_dir, str(out))
     assert r.returncode == 0, r.stderr
-    assert "weights only" in r.stdout   # a char-level run: transformers has no such tokenizer
+    assert "# tokenizer char: tokenizer.json, tokenizer_config.json" in r.stdout   # a char-level run
     assert GPT2LMHeadModel.from_pretrained(out).config.vocab_size == cfg.model.vocab_size
+    assert AutoTokenizer.from_pretrained(out)("First Citizen:")["input_ids"] == load_model(cfg.out_dir).tokenizer.encode(
+        "First Citizen:")
     umask = os.umask(0)
     os.umask(umask)
-    for name in ("model.safetensors", "config.json"):   # readable as any file the user writes
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):   # readable as any file the user writes
         assert os.stat(out / name).st_mode & 0o777 == 0o666 & ~umask, name
     r = run("export.py", cfg.out_dir, str(out))
     assert r.returncode == 2 and r.stderr.startswith("error:") and "--force" in r.stderr
