@@ -6,10 +6,9 @@
     >>> from transformers import pipeline
     >>> pipeline("text-generation", model="hf_model")("Hello", max_new_tokens=20)
 
-Only models whose architecture GPT-2 has can be exported (learned positions, LayerNorm, plain
-multi-head attention, no qk_norm); any other setting is an error that names it (hf/convert.py).
-The tokenizer (char, gpt2, bpe:N) is written as tokenizer.json and tokenizer_config.json, which
-AutoTokenizer reads without a network (hf/tokenizer.py).
+Only an architecture GPT-2 has can be exported (learned positions, LayerNorm, plain multi-head
+attention, no qk_norm): any other setting is an error naming it (hf/convert.py). The tokenizer
+(char, gpt2, bpe:N) is written for AutoTokenizer to read offline (hf/tokenizer.py).
 """
 try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
     import signal
@@ -44,8 +43,6 @@ def export(loaded, out: Path) -> None:
 def main(argv) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
-    if out.exists() and not out.is_dir():
-        raise RunError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.glob("*.pt")):
         raise RunError(f"{out} holds checkpoints of a run: export into a directory of its own")
     if out.is_dir() and any(out.iterdir()) and not args.force:

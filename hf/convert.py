@@ -20,13 +20,12 @@ GPT-2's linear layers are "Conv1D" modules that store their weight as (in, out),
 nn.Linear's (out, in); c_attn fuses the query, key and value projections (weight columns and bias:
 q | k | v). Both directions walk one list of these names (tensor_names).
 
-Choices: the "transformer." prefix is optional on import (the original OpenAI checkpoints lack it)
-and the attn.bias / attn.masked_bias buffers of old checkpoints (the causal mask) are ignored; fp16
-or bf16 weights become fp32. model.bias = false exports zero biases (the same function); a padded
-vocab_size (50304) is exported as it is (the extra rows are never produced, never targets). A
-setting either side cannot express (rotary positions, RMSNorm, cross-attention, ...) is a
-CheckpointError naming it. Files, hub names and downloads: hf/hub.py.
+Import: the "transformer." prefix is optional (OpenAI's first checkpoints lack it), old checkpoints'
+causal-mask buffers (attn.bias, attn.masked_bias) are ignored, fp16/bf16 become fp32. Export:
+model.bias = false gives zero biases (the same function); a padded vocab_size (50304) stays as it
+is. A setting either side cannot express is a CheckpointError naming it. Files: hf/hub.py.
 """
+import itertools
 import json
 import math
 
@@ -101,13 +100,10 @@ def tensor_names(cfg: ModelConfig):
     """(our names, stacked along dim 0, GPT-2's name, whether a Conv1D weight) for each GPT-2 tensor."""
     yield ["tok_emb.weight"], "transformer.wte.weight", False
     yield ["pos_emb.weight"], "transformer.wpe.weight", False
-    for i in range(cfg.n_layer):
-        for ours, theirs, conv in BLOCK_TENSORS:
-            for kind in ("weight", "bias"):
-                yield ([f"blocks.{i}.{o}.{kind}" for o in ours], f"transformer.h.{i}.{theirs}.{kind}",
-                       conv and kind == "weight")
-    yield ["norm_f.weight"], "transformer.ln_f.weight", False
-    yield ["norm_f.bias"], "transformer.ln_f.bias", False
+    for i, (ours, theirs, conv), kind in itertools.product(range(cfg.n_layer), BLOCK_TENSORS, ("weight", "bias")):
+        yield [f"blocks.{i}.{o}.{kind}" for o in ours], f"transformer.h.{i}.{theirs}.{kind}", conv and kind == "weight"
+    for kind in ("weight", "bias"):
+        yield [f"norm_f.{kind}"], f"transformer.ln_f.{kind}", False
     if not cfg.tie_embeddings:
         yield ["lm_head.weight"], "lm_head.weight", False
 

@@ -23,6 +23,7 @@ has no possessive {n,m}+, written {n,m}: the same where nothing follows it (GPT-
 import base64
 import re
 
+from common import TokenizerError
 from data.tokenizers import EOT
 
 _PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
@@ -38,7 +39,7 @@ def merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
         while len(parts) > 2:
             pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
             if min(pair_ranks) >= rank:
-                raise ValueError(f"token {token!r} cannot be made from tokens of lower ranks")
+                raise TokenizerError(f"BPE token {token!r} cannot be made from tokens of lower ranks")
             i = pair_ranks.index(min(pair_ranks))
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:
@@ -49,7 +50,8 @@ def merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 def tokenizer_files(meta: dict, max_length: int) -> tuple[dict, int | None]:
     """({file name: JSON value} of the tokenizer that meta describes, the id of its <|endoftext|> or None)."""
     if meta["kind"] == "char":
-        vocab, pairs, special, pre, decoder = {c: i for i, c in enumerate(meta["chars"])}, [], {}, None, {"type": "Fuse"}
+        vocab, pairs, special = {c: i for i, c in enumerate(meta["chars"])}, [], {}
+        pre, decoder = None, {"type": "Fuse"}
     else:
         if meta["kind"] == "bpe":
             pattern, special = meta["pattern"], meta["special_tokens"]
