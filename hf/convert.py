@@ -18,7 +18,7 @@ Per block i, with C = n_embd, V = vocab_size, T = block_size (GPT-2's n_position
 
 GPT-2's linear layers are "Conv1D" modules that store their weight as (in, out), the transpose of
 nn.Linear's (out, in); c_attn fuses the query, key and value projections (weight columns and bias:
-q | k | v). Both directions walk one list of these names (tensor_names).
+q | k | v). Both directions walk one list of these names and shapes (tensor_names).
 
 Import: the "transformer." prefix is optional (OpenAI's first checkpoints lack it), old checkpoints'
 causal-mask buffers (attn.bias, attn.masked_bias) are ignored, fp16/bf16 become fp32. Export:
@@ -33,7 +33,6 @@ import torch
 
 from common import CheckpointError, ConfigError, type_problem
 from model.config import ModelConfig
-from model.gpt import GPT
 
 # GPT-2's activation names (transformers' ACT2FN) -> model.mlp
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -48,10 +47,11 @@ HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop"
                "scale_attn_weights": True, "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
                "add_cross_attention": False}
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")   # old checkpoints' causal-mask buffers
-# A block's tensors: (ours, stacked along dim 0, theirs, a Conv1D, whose weight is stored transposed)
-BLOCK_TENSORS = [(["norm1"], "ln_1", False), (["attn.query", "attn.key", "attn.value"], "attn.c_attn", True),
-                 (["attn.proj"], "attn.c_proj", True), (["norm2"], "ln_2", False),
-                 (["mlp.up"], "mlp.c_fc", True), (["mlp.proj"], "mlp.c_proj", True)]
+# A block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units of C, which
+# a Conv1D stores transposed, or None for a norm's (C,))
+BLOCK_TENSORS = [(["norm1"], "ln_1", None), (["attn.query", "attn.key", "attn.value"], "attn.c_attn", (1, 1)),
+                 (["attn.proj"], "attn.c_proj", (1, 1)), (["norm2"], "ln_2", None),
+                 (["mlp.up"], "mlp.c_fc", (4, 1)), (["mlp.proj"], "mlp.c_proj", (1, 4))]
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -97,15 +97,19 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 
 def tensor_names(cfg: ModelConfig):
-    """(our names, stacked along dim 0, GPT-2's name, whether a Conv1D weight) for each GPT-2 tensor."""
-    yield ["tok_emb.weight"], "transformer.wte.weight", False
-    yield ["pos_emb.weight"], "transformer.wpe.weight", False
-    for i, (ours, theirs, conv), kind in itertools.product(range(cfg.n_layer), BLOCK_TENSORS, ("weight", "bias")):
-        yield [f"blocks.{i}.{o}.{kind}" for o in ours], f"transformer.h.{i}.{theirs}.{kind}", conv and kind == "weight"
+    """(our names, stacked along dim 0; GPT-2's name; the shape of each of ours; whether it is a Conv1D
+    weight, stored transposed) for each GPT-2 tensor."""
+    C, V = cfg.n_embd, cfg.vocab_size
+    yield ["tok_emb.weight"], "transformer.wte.weight", (V, C), False
+    yield ["pos_emb.weight"], "transformer.wpe.weight", (cfg.block_size, C), False
+    for i, (ours, theirs, size), kind in itertools.product(range(cfg.n_layer), BLOCK_TENSORS, ("weight", "bias")):
+        conv = size is not None and kind == "weight"
+        shape = (size[0] * C, size[1] * C) if conv else (size[0] * C,) if size else (C,)
+        yield [f"blocks.{i}.{o}.{kind}" for o in ours], f"transformer.h.{i}.{theirs}.{kind}", shape, conv
     for kind in ("weight", "bias"):
-        yield [f"norm_f.{kind}"], f"transformer.ln_f.{kind}", False
+        yield [f"norm_f.{kind}"], f"transformer.ln_f.{kind}", (C,), False
     if not cfg.tie_embeddings:
-        yield ["lm_head.weight"], "lm_head.weight", False
+        yield ["lm_head.weight"], "lm_head.weight", (V, C), False
 
 
 def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetensors") -> dict:
@@ -115,19 +119,16 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
           if not k.endswith(IGNORED_SUFFIXES)}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)   # tied: the head is wte, whatever else was stored
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in GPT(cfg).state_dict().items()}
     out = {}
-    for ours, theirs, conv in tensor_names(cfg):
+    for ours, theirs, shape, conv in tensor_names(cfg):
         short = theirs.removeprefix("transformer.")
         if theirs not in sd:
             raise CheckpointError(f"{where} lacks the tensor {short}")
-        t, rows = sd.pop(theirs), [shapes[o][0] for o in ours]
-        shape = (sum(rows), *shapes[ours[0]][1:])   # ours, q | k | v stacked; a Conv1D's is the transpose
-        if tuple(t.shape) != (shape := shape[::-1] if conv else shape):
-            raise CheckpointError(f"{where}: {short} has shape {tuple(t.shape)}, the config says {shape}")
+        t, stacked = sd.pop(theirs), (len(ours) * shape[0], *shape[1:])   # q | k | v: three of ours
+        if tuple(t.shape) != (stacked := stacked[::-1] if conv else stacked):
+            raise CheckpointError(f"{where}: {short} has shape {tuple(t.shape)}, the config says {stacked}")
         t = t.float().t() if conv else t.float()
-        out.update((o, part.contiguous()) for o, part in zip(ours, t.split(rows)))
+        out.update((o, part.contiguous()) for o, part in zip(ours, t.split(shape[0])))
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["tok_emb.weight"]
     if sd:
@@ -142,16 +143,9 @@ def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
     names them). Tensors are new and contiguous (safetensors needs both); check_exportable first."""
     check_exportable(cfg)
     sd = {k: v.detach().cpu() for k, v in state_dict.items()}
-
-    def ours(name: str) -> torch.Tensor:   # model.bias = false: zeros compute the same function
-        if name in sd:
-            return sd[name]
-        weight = sd[name.removesuffix(".bias") + ".weight"]
-        return torch.zeros(weight.size(0), dtype=weight.dtype)
-
-    tensors = {}
-    for names, theirs, conv in tensor_names(cfg):
-        t = torch.cat([ours(o) for o in names])
+    dtype, tensors = sd["tok_emb.weight"].dtype, {}
+    for ours, theirs, shape, conv in tensor_names(cfg):   # model.bias = false: zero biases, the same function
+        t = torch.cat([torch.zeros(shape, dtype=dtype) if o.endswith("bias") and o not in sd else sd[o] for o in ours])
         tensors[theirs] = t.t().contiguous() if conv else t
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
               "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
