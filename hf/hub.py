@@ -1,22 +1,19 @@
 """GPT-2 checkpoints as files and hub names: reading and writing Hugging Face directories, starting a
 run from GPT-2's weights (train.init_from), and loading a GPT-2 to sample from.
 
-    python train.py configs/finetune_gpt2.toml --data my.txt          # train.init_from = "gpt2"
-    python train.py --train.init_from=path/to/hf_dir --data my.txt    # config.json + model.safetensors
+    python train.py configs/finetune_gpt2.toml --data my.txt          # train.init_from = "gpt2" (or a dir)
     python sample.py gpt2 --prompt "Hello"
     python export.py out/run hf_model
 
-The pretrained checkpoint fixes the architecture: the model section is taken from its config.json,
-and a model.* key the user set (config file or command line) to another value is a ConfigError that
-names it. Three settings stay free, as choices of the fine-tuning rather than of the weights:
-model.dropout (unset: the checkpoint's, 0.1 for GPT-2), model.attention (naive or sdpa: the same
-math) and model.block_size up to the checkpoint's n_positions (the position table is cropped:
-fine-tuning on short contexts is cheaper). The tokenizer is tiktoken's gpt2, which GPT-2's
-vocabulary is. init_from is a train.* key, not a model.* one: where the first weights come from is
-a choice of the run, like its seed; a resumed run loads its own checkpoint, never these weights.
+train.init_from: the checkpoint fixes the architecture. The model section is its config.json's, and
+a model.* key the user set to another value is a ConfigError naming it, except three choices of the
+fine-tuning: model.dropout, model.attention (naive or sdpa: the same math) and model.block_size up
+to n_positions (the position table is cropped). The tokenizer is GPT-2's (tiktoken's gpt2). A
+resumed run loads its own checkpoint, never these weights.
 
-Which files are read and written: hf/convert.py. safetensors, and huggingface_hub to download by
-name, are imported only when used.
+Files: config.json and model.safetensors (or its shards model-*.safetensors), never pytorch_model.bin,
+a pickle that can run code when loaded; an export adds generation_config.json and the tokenizer's
+files (hf/tokenizer.py). safetensors and huggingface_hub are imported only when used.
 """
 import json
 from pathlib import Path
@@ -24,6 +21,7 @@ from pathlib import Path
 from common import CheckpointError, ConfigError, atomic_write, first_line
 from data.tokenizers import TiktokenTokenizer
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
+from hf.tokenizer import tokenizer_files
 from model.config import ModelConfig
 from model.gpt import GPT
 
@@ -35,9 +33,8 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
               "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
               "gpt2-xl": ("openai-community/gpt2-xl", 48, 25, 1600),
               "distilgpt2": ("distilbert/distilgpt2", 6, 12, 768)}
+WEIGHT_FILES = ["model.safetensors", "model-*.safetensors"]
 
-
-# ----------------------------------------------------------------------------- files
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     """A local directory as it is; a hub name (gpt2, gpt2-medium, ..., or owner/name) downloaded
@@ -45,35 +42,28 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
-    repo_id = HUB_MODELS[name_or_dir][0] if name_or_dir in HUB_MODELS else name_or_dir
     if name_or_dir not in HUB_MODELS and name_or_dir.count("/") != 1:
         raise CheckpointError(f"{name_or_dir} is neither a directory nor a GPT-2 name "
                               f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
-    try:
+    try:   # (huggingface_hub missing, offline, an unknown repo, no access, a full disk: all end here)
         from huggingface_hub import snapshot_download
-    except ImportError:
-        raise CheckpointError(f"downloading {name_or_dir} needs huggingface_hub (pip install huggingface_hub); "
-                              f"or pass a local directory") from None
-    patterns = ["config.json"] + (["model.safetensors", "model.safetensors.index.json", "model-*.safetensors"]
-                                  if weights else [])
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as e:   # offline, unknown repo, no access, a full disk: all end here
+        return Path(snapshot_download(HUB_MODELS.get(name_or_dir, [name_or_dir])[0],
+                                      allow_patterns=["config.json"] + WEIGHT_FILES * weights))
+    except Exception as e:
         offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
-        detail = ("not in the local cache, and the hub cannot be reached" if offline
-                  else first_line(e).split(". ")[0])
+        detail = "not in the local cache, and the hub cannot be reached" if offline else first_line(e).split(". ")[0]
         raise CheckpointError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
                               f"pass a local directory") from None
 
 
 def read_config(directory: Path, name: str) -> ModelConfig:
     """The ModelConfig of the config.json in directory (of the checkpoint called name)."""
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face checkpoint directory")
+    path = directory / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face checkpoint directory") from None
+    except ValueError as e:   # (a UnicodeDecodeError too)
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path} is not a JSON object")
@@ -81,19 +71,12 @@ def read_config(directory: Path, name: str) -> ModelConfig:
 
 
 def read_tensors(directory: Path) -> dict:
-    """All tensors of model.safetensors, or of the shards model.safetensors.index.json lists."""
+    """All tensors of model.safetensors, or of its shards (model-00001-of-00002.safetensors, ...)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-    directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if (directory / "model.safetensors").is_file():
-        files = [directory / "model.safetensors"]
-    elif index.is_file():
-        try:
-            files = [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index} is not a safetensors index ({e})") from None
-    else:
+    files = [directory / "model.safetensors"]
+    files = files if files[0].is_file() else sorted(directory.glob("model-*.safetensors"))
+    if not files:
         found = ", ".join(sorted(p.name for p in directory.iterdir())[:5])
         raise CheckpointError(f"{directory} has no model.safetensors (found: {found}); pickled .bin weights "
                               f"are not loaded, since they can run code")
@@ -122,14 +105,22 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
     return cfg, state_dict_from_hf(read_tensors(directory), cfg, where=f"{name_or_dir}: weights")
 
 
-def save_pretrained(directory: Path, cfg: ModelConfig, state_dict: dict, eos_token_id: int | None = None) -> None:
-    """Write config.json and model.safetensors (each atomically) that transformers loads as GPT2LMHeadModel."""
+def save_pretrained(directory, cfg: ModelConfig, state_dict: dict, tokenizer: dict | None = None) -> list[str]:
+    """Write config.json, generation_config.json and model.safetensors, which transformers loads as
+    GPT2LMHeadModel, and for a tokenizer's meta() its files (hf/tokenizer.py), each atomically; returns
+    the tokenizer files' names."""
     from safetensors.torch import save
-    hf, tensors = to_hf(cfg, state_dict, eos_token_id)   # refuses unmappable settings before any write
+    config, tensors = to_hf(cfg, state_dict)   # refuses unmappable settings before any write
+    files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
+    config.update(bos_token_id=eos, eos_token_id=eos)
+    # generate() stops at the context (transformers' pipeline would add 256 new tokens to any prompt)
+    generation = {"max_length": cfg.block_size, "bos_token_id": eos, "eos_token_id": eos}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", save(tensors, metadata={"format": "pt"}))
-    atomic_write(directory / "config.json", json.dumps(hf, indent=2) + "\n")
+    for name, value in {"config.json": config, "generation_config.json": generation, **files}.items():
+        atomic_write(directory / name, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+    return list(files)
 
 
 # ----------------------------------------------------------------------------- using GPT-2

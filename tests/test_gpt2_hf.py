@@ -16,8 +16,6 @@ from common import CheckpointError, ConfigError
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
 from hf.hub import load_pretrained, save_pretrained
 from tests.conftest import ROOT, gpt2_or_skip
-from training.config import build_config
-from data.prepare import prepare
 
 def run(*args, env=None):
     """A command-line tool in a subprocess that never reaches the network."""
@@ -93,7 +91,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, overrides):
     from transformers import GPT2LMHeadModel
     ours = our_model(**overrides)
     save_pretrained(tmp_path, ours.cfg, ours.state_dict())
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json", "model.safetensors"]
     theirs = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     assert theirs.config.tie_word_embeddings == ours.cfg.tie_embeddings
     diff = max_diff(ours, theirs)
@@ -214,6 +212,7 @@ def gpt2_dir(tmp_path_factory):
 
 
 def test_init_from_takes_the_model_section_and_refuses_conflicts(tmp_path, text_file, gpt2_dir):
+    from training.config import build_config
     base = [f"--data={text_file}", f"--train.init_from={gpt2_dir}"]
     cfg = build_config(None, base + ["--model.block_size=8", "--model.dropout=0.2", "--model.attention=naive"])
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.vocab_size, cfg.model.mlp) == (2, 32, 50257, "gelu_tanh")
@@ -234,6 +233,7 @@ def test_init_from_takes_the_model_section_and_refuses_conflicts(tmp_path, text_
 
 
 def test_the_shipped_finetune_config_is_gpt2_small_without_a_download(text_file):
+    from training.config import build_config
     cfg = build_config(str(ROOT / "configs" / "finetune_gpt2.toml"), [f"--data={text_file}"])
     m = cfg.model
     assert (m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.mlp) == (12, 12, 768, 50257, "gelu_tanh")   # GPT-2's
@@ -251,6 +251,7 @@ def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_
     gpt2_or_skip()   # the run's tokenizer
 
     from data.loader import BatchLoader
+    from data.prepare import prepare
     from training.trainer import train
     extra = {"train.init_from": gpt2_dir, "model.block_size": 8, "model.dropout": 0.0, "train.batch_size": 4,
              "train.max_steps": 4, "train.eval_interval": 2, "train.lr": 1e-2, "train.warmup_steps": 0}
@@ -292,19 +293,22 @@ def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_doe
 
 @needs_transformers
 def test_export_py_end_to_end(tmp_path, text_file, tiny_cfg):
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoTokenizer, GPT2LMHeadModel
 
+    from training.checkpoint import load_model
     from training.trainer import train
     cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2})
     train(cfg, quiet=True)
     out = tmp_path / "hf"
     r = run("export.py", cfg.out_dir, str(out))
     assert r.returncode == 0, r.stderr
-    assert "weights only" in r.stdout   # a char-level run: transformers has no such tokenizer
+    assert "# tokenizer char: tokenizer.json, tokenizer_config.json" in r.stdout   # a char-level run
     assert GPT2LMHeadModel.from_pretrained(out).config.vocab_size == cfg.model.vocab_size
+    assert AutoTokenizer.from_pretrained(out)("First Citizen:")["input_ids"] == load_model(cfg.out_dir).tokenizer.encode(
+        "First Citizen:")
     umask = os.umask(0)
     os.umask(umask)
-    for name in ("model.safetensors", "config.json"):   # readable as any file the user writes
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):   # readable as any file the user writes
         assert os.stat(out / name).st_mode & 0o777 == 0o666 & ~umask, name
     r = run("export.py", cfg.out_dir, str(out))
     assert r.returncode == 2 and r.stderr.startswith("error:") and "--force" in r.stderr

@@ -1,0 +1,120 @@
+"""An exported directory is a whole Hugging Face model: AutoTokenizer encodes and decodes exactly as
+our tokenizer does (char, bpe:N, gpt2), and pipeline("text-generation") continues a prompt, offline.
+Models are built directly (tiny, random), never trained."""
+import importlib.util
+import json
+import types
+
+import pytest
+import torch
+
+import export
+from common import CheckpointError, TokenizerError
+from data.tokenizers import CharTokenizer, load_tokenizer, train_bpe
+from hf.hub import save_pretrained
+from model.config import ModelConfig
+from model.gpt import GPT
+from tests.conftest import TEXT, gpt2_or_skip, run_tool
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="transformers is not installed (pip install -r requirements-dev.txt)")
+TEXTS = ["Hello world", "It's 2024: 12345 apples, 3.14 pies... (really?!)", "  runs   of    spaces  ", "x",
+         "line one\n\nline two\r\n   indented\ttab\n", "café 日本語 ☃ naïve"]
+
+
+def tokenizer(kind: str):
+    if kind == "char":
+        return CharTokenizer.from_text("".join(TEXTS))
+    if kind == "bpe":
+        pytest.importorskip("rustbpe")
+        # " 234" as a token: "12345" then differs where the pattern's digits rule (at most 3) is lost
+        return load_tokenizer(train_bpe([TEXT + "".join(TEXTS) * 3 + " 234" * 50], 320)[0])
+    return gpt2_or_skip()
+
+
+def export_tiny(path, kind: str):
+    """(our tokenizer, a tiny random model of its vocabulary, path), both saved there by save_pretrained."""
+    tok = tokenizer(kind)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():   # logits far apart: greedy decoding is the same whatever the float rounding
+        model.tok_emb.weight.mul_(50)
+    assert save_pretrained(path, model.cfg, model.state_dict(), tok.meta()) == ["tokenizer.json",
+                                                                                "tokenizer_config.json"]
+    return tok, model, path
+
+
+@pytest.fixture(scope="module", params=["char", "bpe", "gpt2"])
+def exported(request, tmp_path_factory):
+    return request.param, *export_tiny(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_auto_tokenizer_encodes_and_decodes_as_ours(exported):
+    from transformers import AutoTokenizer
+    kind, tok, _, path = exported
+    theirs = AutoTokenizer.from_pretrained(path)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert theirs(text)["input_ids"] == ids, text
+        assert theirs.decode(ids) == text
+    eos = None if kind == "char" else tok.vocab_size - 1   # <|endoftext|> follows the BPE's ranks
+    assert theirs.eos_token_id == eos and json.loads((path / "config.json").read_text())["eos_token_id"] == eos
+    assert theirs.model_max_length == 32
+
+
+def test_pipeline_continues_a_prompt_greedily_as_our_model_does(exported):
+    from transformers import pipeline
+    kind, tok, model, path = exported
+    prompt = "Hello world"
+    ids = torch.tensor([tok.encode(prompt)])
+    for _ in range(4):   # our greedy continuation
+        with torch.no_grad():
+            logits, _ = model(ids)
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    generate = pipeline("text-generation", model=str(path))
+    greedy = dict(max_new_tokens=4, do_sample=False)
+    assert generate(prompt, return_tensors=True, **greedy)[0]["generated_token_ids"] == ids[0].tolist()
+    text = generate(prompt, **greedy)[0]["generated_text"]
+    assert text.startswith(prompt) and len(text) > len(prompt), text
+    if kind == "char":   # one character a token: the text is exactly the tokens'
+        assert text == prompt + tok.decode(ids[0, -4:].tolist())
+    assert generate(prompt)[0]["generated_text"].startswith(prompt)   # its defaults: sampling, up to the context
+
+
+def test_a_vocabulary_in_rank_order_is_needed_for_merges():
+    """A token no lower-ranked pair makes cannot be a merge: said, not written wrong."""
+    from hf.tokenizer import merges
+    ranks = {bytes([b]): b for b in range(256)} | {b"abc": 256, b"ab": 257}
+    with pytest.raises(TokenizerError, match="b'abc' cannot be made"):
+        merges(ranks)
+    assert merges({bytes([b]): b for b in range(256)} | {b"ab": 256, b"abc": 257}) == [(b"a", b"b"), (b"ab", b"c")]
+
+
+def test_export_says_which_tokenizer_files_it_wrote(tmp_path, capsys):
+    tok, model, _ = export_tiny(tmp_path / "unused", "char")
+    export.export(types.SimpleNamespace(model=model, tokenizer=tok, path="run/best.pt"), tmp_path / "hf")
+    out = capsys.readouterr().out
+    assert "run/best.pt -> " in out and "# tokenizer char: tokenizer.json, tokenizer_config.json" in out
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_export_refuses_a_directory_that_is_not_empty_without_force(tmp_path, capsys):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    rc, _, err = run_tool(export, [tmp_path / "no_such_run", out], capsys)
+    assert rc == 2 and err.strip().splitlines() == [f"error: {out} is not empty; pass --force to write the model "
+                                                    f"and tokenizer files into it"]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    (out / "best.pt").write_bytes(b"")
+    rc, _, err = run_tool(export, [tmp_path / "no_such_run", out, "--force"], capsys)
+    assert rc == 2 and "holds checkpoints of a run" in err
+
+
+def test_an_unexportable_model_writes_no_tokenizer_files_either(tmp_path):
+    tok = tokenizer("char")
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16, pos="rope"))
+    with pytest.raises(CheckpointError, match="model.pos='rope'"):
+        save_pretrained(tmp_path / "out", model.cfg, model.state_dict(), tok.meta())
+    assert not (tmp_path / "out").exists()
