@@ -2,14 +2,16 @@
 entry of the cache (data/cache.py), reused when the same bytes are prepared with the same settings.
 
   streaming  the text is never held whole: each pass reads the files a chunk at a time, so memory
-             stays bounded (a few hundred MB at most) whatever the size of the text and the cores
+             stays bounded (tens of MB) whatever the size of the text and the number of cores
   passes     1 hash    the sha256 of the bytes: the cache key (a cache hit costs only this pass)
              2 scan    decode (a bad byte is an error naming its offset), count the characters (the
                        split point is a character index) and, for char, collect the vocabulary
              3 train   bpe:N only: learn the BPE from the training split (data/tokenizers.py)
              4 encode  pieces of text are encoded on a thread pool (tiktoken and numpy release the
-                       GIL, so every core works), 2 x workers pieces at a time, and written in order;
-                       the bytes are hashed again: an entry holds exactly the bytes it is named after
+                       GIL, so every core works), 2 x workers pieces at a time, the next batch while
+                       the last is written in order. Passes 2-4 read the bytes pass 1 hashed (a text
+                       that grows meanwhile is read as it was) and hash them again: an entry holds
+                       exactly the bytes it is named after
   split      the last val_fraction of the characters is the validation split
   documents  several files are one text in sorted path order, with the end-of-text token (BPE) or a
              newline (char) between documents; a blank file among them is skipped
@@ -42,8 +44,8 @@ from data.sources import combined_sha256, describe, find_sources, iter_text, sha
 from data.tokenizers import CharTokenizer, bpe_vocab_size, build_tokenizer, check_tokenizer_spec, code_points, \
     load_tokenizer, train_bpe
 
-PIECE_CHARS = 1 << 20       # characters per encoding task (fewer where many cores share IN_FLIGHT_CHARS)
-IN_FLIGHT_CHARS = 4 << 20   # characters being encoded or waiting to be written, whatever the core count
+PIECE_CHARS = 1 << 20       # characters per encoding task at most (fewer where many cores share IN_FLIGHT_CHARS)
+IN_FLIGHT_CHARS = 4 << 20   # characters read, being encoded or waiting to be written, whatever the core count
 MAX_WORKERS = 32
 PROGRESS_MIN_BYTES = 64 << 20   # a progress line for inputs at least this large
 
@@ -106,25 +108,15 @@ def _prepare(data: DataConfig, block_size: int | None, say_cached: bool) -> Path
             print(f"notice: {out} {problem}; preparing it again", file=sys.stderr)
         if summary:
             print(summary)
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            tmp = make_temp_dir(out)
-            try:
-                meta = prepare_in(tmp, files, sizes, sha, data)
-                check_split_sizes(meta["tokens"], block_size)   # before publishing: a refused text leaves nothing
-                atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
-                publish(tmp, out, expect)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError as e:   # a full disk, a read-only or misplaced data.prepared_dir
-            raise DataError(f"cannot write the prepared data to {root}: {os_error(e)}") from None
+        meta = build(out, expect, files, sizes, data, block_size)
     print(f"prepared {data.path} with tokenizer {data.tokenizer}: {meta['tokens']['train']:,} train and "
           f"{meta['tokens']['val']:,} val tokens (vocab {meta['vocab_size']:,}) -> {out}")
     return out
 
 
-def prepare_in(tmp: Path, files: list[Path], sizes: list[int], sha: str, data: DataConfig) -> dict:
-    """Passes 2 to 4 over the files' first `sizes` bytes, whose sha256 is sha, into tmp; its meta.json."""
+def build(out: Path, expect: dict, files: list[Path], sizes: list[int], data: DataConfig, block_size) -> dict:
+    """Passes 2 to 4 over the files' first `sizes` bytes: the entry at out, and its meta.json. Nothing
+    is written before pass 4, so a text that cannot be used leaves no trace."""
     char, total = data.tokenizer == "char", sum(sizes)
     counts, chars = scan(files, sizes, data.encoding_errors, char, mb_progress("scanning", total))
     n_chars = sum(counts) + (sum(map(bool, counts)) - 1 if char else 0)   # char: + the newlines between documents
@@ -143,18 +135,30 @@ def prepare_in(tmp: Path, files: list[Path], sizes: list[int], sha: str, data: D
         tok = trained(data.tokenizer, takewhile(lambda item: item[0] == "train", text("training")), workers)
     hashes = [hashlib.sha256() for _ in files]
     try:
-        meta = encode(text("encoding", hashes), tok, tmp, workers)
-    except TokenizerError:
-        if not char:
-            raise
-        meta = None   # a character the scan did not see: the text changed meanwhile
-    if meta is None or combined_sha256(files, hashes) != sha:   # an entry holds the bytes it is named after
-        raise DataError(f"{data.path} changed while it was being prepared; nothing was kept: prepare it again once "
-                        f"it no longer changes")
-    return {**meta, "format": FORMAT, "source": str(Path(data.path).absolute()), "files": len(files),
-            "sha256": sha, "tokenizer_spec": data.tokenizer,
-            "encoding_errors": data.encoding_errors,
-            "split": {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(out)
+        try:
+            try:
+                encoded = encode(text("encoding", hashes), tok, tmp, workers)
+            except TokenizerError:
+                if not char:
+                    raise
+                encoded = None   # a character the scan did not see: the text changed meanwhile
+            if encoded is None or combined_sha256(files, hashes) != expect["sha256"]:   # not the bytes out is named after
+                raise DataError(f"{data.path} changed while it was being prepared; nothing was kept: prepare it "
+                                f"again once it no longer changes")
+            check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
+            meta = {"format": FORMAT, "source": str(Path(data.path).absolute()), "sha256": expect["sha256"],
+                    "files": len(files), "tokenizer_spec": data.tokenizer, **encoded,
+                    "encoding_errors": data.encoding_errors,
+                    "split": {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}}
+            atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
+            publish(tmp, out, expect)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:   # a full disk, a read-only or misplaced data.prepared_dir
+        raise DataError(f"cannot write the prepared data to {out.parent}: {os_error(e)}") from None
+    return meta
 
 
 def scan(files, sizes, errors: str, want_chars: bool, progress) -> tuple[list[int], str | None]:

@@ -18,7 +18,7 @@ from data.loader import BatchLoader
 from common import ConfigError, DataError
 from benchmarks.prepare import measure
 from data.tokenizers import CharTokenizer, load_tokenizer
-from tests.conftest import ROOT, TEXT, gpt2_or_skip, prepare_text
+from tests.conftest import ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text
 
 TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
           + "héllo wörld ✓ 😀 <|endoftext|> it's 've\n" * 3)
@@ -161,6 +161,19 @@ def test_missing_and_empty_inputs_are_clear_errors(tmp_path):
     for path, message in cases.items():
         with pytest.raises(DataError, match=message):
             prepare_text(path, "char", 0.1, tmp_path / "prep")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"ab\ncd\xe9t\xe9", "byte 0xe9 at offset 5; set --data.encoding_errors=replace"),
+    (b"\x00\x01\xff binary", "is not UTF-8: byte 0xff at offset 2; it looks binary"),
+    (b" \n\t\n", "data file is empty"),
+], ids=["a stray byte", "binary", "blank"])
+def test_a_text_that_cannot_be_used_is_one_line_and_writes_nothing(tmp_path, text_file, capsys, content, message):
+    """Refused before anything is written: not even a temporary directory comes and goes in the cache."""
+    prepare_text(text_file, "char", 0.1, tmp_path / "prep")   # a cache that exists already
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(content)
+    assert_refused(prep, [bad, "--root", tmp_path / "prep"], capsys, tmp_path, message)
 
 
 @pytest.mark.parametrize("fraction", ["0", "1", "-0.1", "nan"])
