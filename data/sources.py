@@ -3,9 +3,9 @@
   files      a file; every regular file under a directory (hidden ones skipped); or a glob's matches,
              in sorted path order. What a directory or glob took is said in one line (describe), so a
              stray extract.py among the books shows
-  reading    a file is read READ_BYTES at a time, and only its first `size` bytes when given (its size
-             when it was hashed: the bytes the cache entry is named after), so memory never grows
-             with it; the text comes as str chunks that never split a character
+  reading    a file is read at most READ_BYTES at a time, and only its first `size` bytes when given
+             (its size when it was hashed: the bytes the cache entry is named after), so memory never
+             grows with it; the text comes as str chunks that never split a character
   bad bytes  a non-UTF-8 byte is an error naming its offset, with advice: a file that looks binary (a
              NUL byte in its first 8 KB, git's test) is to be left out; a text with a stray byte can
              be read with encoding_errors=replace
