@@ -1,60 +1,37 @@
-"""The prepared-data cache: one directory per (text, tokenizer, split, encoding errors), checked every
-time it is used, built in a temporary directory and published by a rename.
+"""The prepared-data cache: a directory per (text, tokenizer, split, encoding errors) under the root
+(data.prepared_dir), built in a temporary directory beside it and published by a rename.
 
-An entry holds
-    train.bin, val.bin   raw token ids (uint16, or uint32 when the vocabulary needs it)
-    meta.json            the FORMAT, the tokenizer, dtype, tokens and UTF-8 bytes per split, the largest
-                         token id, the sha256 of the source text, ...
-and is used only when meta.json has every key of SCHEMA with its type and this FORMAT, the token
-files have the sizes meta.json gives, the dtype fits the vocabulary, and the largest token id (found
-while the files were written) is below the vocabulary size. These checks read only meta.json and two
-file sizes. An entry that fails them is prepared again from its text (or, where the text is not at
-hand, named in a DataError that says to delete it).
-
-A temporary directory is named .<entry>.tmp-<pid>@<host>-<random>. The next preparation in the same
-root removes those whose process has died on this host, and any (another host's, an unnamed one, and
-on Windows, where a process cannot be asked whether it lives, any) untouched for STALE_SECONDS; a live
-process's directory is never touched.
+  an entry    train.bin, val.bin: raw token ids (uint16, or uint32 when the vocabulary needs it), and
+              meta.json: the tokenizer, dtype, tokens and UTF-8 bytes per split, the largest token id,
+              the text's sha256, ... Its name holds the sha256 and the settings
+  checked     each time it is used, from meta.json and two file sizes alone: the keys and their types,
+              the settings asked for, a dtype that fits the vocabulary and the largest id below it, file
+              sizes that match the token counts. One that fails is prepared again (or, where the text
+              is not at hand, named in a DataError that says to delete it)
+  temporary   .<entry>.tmp-<random>, made with os.mkdir, so the umask applies as to any file; removed
+              on any failure or signal. One a killed process left shows in --list and goes with --clean
 """
 import json
 import math
 import os
 import re
+import secrets
 import shutil
-import socket
-import sys
-import tempfile
-import time
-from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
 
-from common import WINDOWS, DataError, TokenizerError, type_problem
-
-
-def alive(pid):  # temporary until the data rewrite lands
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-
+from common import DataError, TokenizerError, type_problem
 from data.tokenizers import load_tokenizer
 
 FORMAT = 2
-STALE_SECONDS = 24 * 3600
 SPLITS = ("train", "val")
-SCHEMA = {
-    "format": int, "source": str, "sha256": str, "files": int,
-    "tokenizer_spec": str, "tokenizer": dict, "vocab_size": int, "dtype": str, "max_token": int,
-    "encoding_errors": str,
-    "split": {"val_fraction": float, "train_chars": int, "val_chars": int},
-    "tokens": {"train": int, "val": int},
-    "bytes": {"train": int, "val": int},   # UTF-8 bytes of each split's text (what bits per byte divides by)
-}
+SCHEMA = {"format": int, "source": str, "sha256": str, "files": int, "tokenizer_spec": str, "tokenizer": dict,
+          "vocab_size": int, "dtype": str, "max_token": int, "encoding_errors": str, "split": dict, "tokens": dict,
+          "bytes": dict}   # bytes: the UTF-8 bytes of each split's text (what bits per byte divides by)
+PARTS = {"split": {"val_fraction": float, "train_chars": int, "val_chars": int},
+         "tokens": {"train": int, "val": int}, "bytes": {"train": int, "val": int}}
+NAME = re.compile(r".+-[0-9a-f]{12}-val[0-9.e+-]+(-replace)?(?P<tmp>\.tmp-[0-9a-f]+)?")   # an entry's, a temp dir's
 
 
 def token_dtype(vocab_size: int):
@@ -62,50 +39,41 @@ def token_dtype(vocab_size: int):
 
 
 def entry_name(stem: str, tokenizer: str, sha256: str, val_fraction: float, encoding_errors: str) -> str:
-    """The entry's directory name: everything that changes the token files is in it."""
+    """Everything that changes the token files is in the name (a long file name is cut to 64 characters:
+    the file system allows 255 bytes)."""
     label = re.sub(r"[^A-Za-z0-9_.]", "", tokenizer)   # bpe:4096 -> bpe4096
-    stem = stem[:64]   # a long file name must not make a name too long for the file system (255 bytes)
-    return f"{stem}-{label}-{sha256[:12]}-val{val_fraction:g}" + ("-replace" if encoding_errors == "replace" else "")
+    replace = "-replace" if encoding_errors == "replace" else ""
+    return f"{stem[:64]}-{label}-{sha256[:12]}-val{val_fraction:g}{replace}"
 
 
 def _problem(entry: Path, meta, expect: dict) -> str | None:
     """Why a read meta.json and its entry cannot be used, or None."""
     if not isinstance(meta, dict):
         return "is damaged (meta.json is not an object)"
-    if type(meta.get("format")) is not int:
-        return "is damaged (meta.json has no format)"
-    if meta["format"] != FORMAT:
-        return f"is outdated (format {meta['format']}; this code writes format {FORMAT})"
-    problem = type_problem(meta, {k: (dict if isinstance(v, dict) else v) for k, v in SCHEMA.items()})
+    if meta.get("format") != FORMAT:
+        return f"is outdated (format {meta.get('format')}; this code writes format {FORMAT})"
+    problem = type_problem(meta, SCHEMA) or next(
+        filter(None, (type_problem(meta[key], schema, f"{key}.") for key, schema in PARTS.items())), None)
     if problem:
         return f"is damaged (meta.json: {problem})"
     for key, want in expect.items():
-        got = meta["split"]["val_fraction"] if key == "val_fraction" else meta[key]
+        got = meta["split"][key] if key == "val_fraction" else meta[key]
         if got != want:
             return f"holds another preparation (its {key} is {got!r}, not {want!r})"
-    if meta["dtype"] != np.dtype(token_dtype(meta["vocab_size"])).name:
-        return f"is damaged (dtype {meta['dtype']} does not fit a vocabulary of {meta['vocab_size']})"
-    if meta["max_token"] >= meta["vocab_size"]:
-        return f"is damaged (token id {meta['max_token']} is not below vocab_size {meta['vocab_size']})"
-    kind = meta["tokenizer"].get("kind")
-    if kind in ("char", "bpe"):   # cheap to rebuild and check; a named tiktoken BPE would load a file
-        try:
-            vocab = load_tokenizer(meta["tokenizer"]).vocab_size
-        except TokenizerError as e:
-            return f"is damaged ({e})"
-        if vocab != meta["vocab_size"]:
-            return f"is damaged (its tokenizer has {vocab} tokens, vocab_size says {meta['vocab_size']})"
-    elif kind != "tiktoken" or not isinstance(meta["tokenizer"].get("name"), str):
-        return "is damaged (meta.json's tokenizer is not a tokenizer description)"
-    itemsize = np.dtype(meta["dtype"]).itemsize
+    vocab = meta["vocab_size"]
+    if meta["dtype"] != np.dtype(token_dtype(vocab)).name:
+        return f"is damaged (dtype {meta['dtype']} does not fit a vocabulary of {vocab})"
+    if meta["max_token"] >= vocab:
+        return f"is damaged (token id {meta['max_token']} is not below vocab_size {vocab})"
+    try:   # char and a trained BPE are rebuilt from meta.json at once; a named tiktoken one would load files
+        if meta["tokenizer"].get("kind") != "tiktoken" and load_tokenizer(meta["tokenizer"]).vocab_size != vocab:
+            return f"is damaged (its tokenizer does not have vocab_size {vocab} tokens)"
+    except TokenizerError as e:
+        return f"is damaged ({e})"
     for split in SPLITS:
-        try:
-            size = os.stat(entry / f"{split}.bin").st_size
-        except OSError:
-            return f"is damaged ({split}.bin is missing)"
-        if size != meta["tokens"][split] * itemsize:
-            return (f"is damaged ({split}.bin has {size:,} bytes, meta.json says {meta['tokens'][split]:,} "
-                    f"tokens of {itemsize} bytes)")
+        path, size = entry / f"{split}.bin", meta["tokens"][split] * np.dtype(meta["dtype"]).itemsize
+        if not path.is_file() or path.stat().st_size != size:
+            return f"is damaged ({split}.bin is not the {size:,} bytes meta.json says)"
     return None
 
 
@@ -150,62 +118,46 @@ def bits_per_byte(loss_nats_per_token: float, tokens: int, nbytes: int) -> float
     return loss_nats_per_token * tokens / nbytes / math.log(2)
 
 
-# ---------------------------------------------------------------- temporary directories
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
-
-
-_TEMP = re.compile(r"\..+\.tmp-(?:(\d+)@([A-Za-z0-9._]+)-)?[A-Za-z0-9_]+")
-
-
 def make_temp_dir(out: Path) -> Path:
-    """A new hidden directory beside out, named after this process and host."""
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}@{_host()}-", dir=out.parent))
-
-
-def _last_change(path: Path) -> float:
-    times = [path.stat().st_mtime]
-    for child in path.iterdir():
-        with suppress(OSError):   # removed meanwhile
-            times.append(child.stat().st_mtime)
-    return max(times)
-
-
-def remove_stale_temp_dirs(root: Path) -> list[Path]:
-    """Remove the temporary directories in root that no live preparation owns; return them."""
-    removed = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return removed
-    for name in names:
-        match = _TEMP.fullmatch(name)
-        path = Path(root) / name
-        if not match or path.is_symlink() or not path.is_dir():
-            continue
-        pid, host = match.groups()
-        ask = pid and host == _host() and not WINDOWS   # whether its process can be asked about (not on Windows)
-        try:
-            stale = not alive(int(pid)) if ask else time.time() - _last_change(path) > STALE_SECONDS
-        except OSError:   # removed meanwhile
-            continue
-        if stale:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-            owner = f"by process {pid}, which is gone" if ask else "untouched for a day"
-            print(f"notice: removed {path}, left {owner} by a preparation that was stopped", file=sys.stderr)
-    return removed
+    """A new hidden directory beside out, of the mode the umask gives (tempfile.mkdtemp's is 0700)."""
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    return tmp
 
 
 def publish(tmp: Path, out: Path, expect: dict) -> None:
-    """Rename the finished tmp dir to out. Where out exists: keep it if it is sound and as expected
-    (another process finished the same dataset first), else replace it."""
-    try:
+    """Rename the finished tmp to out, unless another process has just published the same dataset
+    there; a damaged or unfinished out is replaced."""
+    if read_entry(out, expect)[0] is None:
+        shutil.rmtree(out, ignore_errors=True)
         os.rename(tmp, out)
-        return
-    except OSError:
-        if read_entry(out, expect)[0] is not None:
-            return
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(tmp, out)
+
+
+# ---------------------------------------------------------------- python -m data.prepare --list / --clean
+
+def entries(root: Path) -> list[tuple[Path, float]]:
+    """(path, MB) of each entry and temporary directory in root, by name."""
+    found = sorted(p for p in Path(root).glob("*") if NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+    return [(p, sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 1e6) for p in found]
+
+
+def list_entries(root: Path) -> None:
+    """A line per entry: its name, MB, tokenizer, source and tokens (or what is wrong with it)."""
+    found = entries(root)
+    for path, mb in found:
+        meta, what = read_entry(path)
+        if NAME.fullmatch(path.name)["tmp"]:
+            what = "left by a preparation that was stopped (or is still running); --clean removes it"
+        elif meta:
+            tokens = meta["tokens"]
+            what = f"{meta['tokenizer_spec']}  {meta['source']}  {tokens['train']:,} + {tokens['val']:,} tokens"
+        print(f"{path.name}  {mb:,.1f} MB  {what}")
+    print(f"{len(found)} entries, {sum(mb for _, mb in found):,.1f} MB in {root}")
+
+
+def clean(root: Path) -> None:
+    """Remove every entry and temporary directory in root; say how much space that freed."""
+    found = entries(root)
+    for path, _ in found:
+        shutil.rmtree(path)
+    print(f"removed {len(found)} entries from {root}: {sum(mb for _, mb in found):,.1f} MB freed")

@@ -1,24 +1,25 @@
-"""Turn text (a file, a directory of files, or a glob) into train/val token files plus a meta.json: an
-entry of the cache (data/cache.py: its layout and checks), reused when the same text is prepared with
-the same settings again.
+"""Turn text (a file, a directory of files, or a glob) into train/val token files and a meta.json: an
+entry of the cache (data/cache.py), reused when the same bytes are prepared with the same settings.
 
-The text is streamed, never held whole, so memory stays bounded (a few hundred MB at most) whatever
-its size and the number of cores. The passes over the bytes:
-  1. hash      sha256 of the bytes: the cache key (a cache hit costs only this pass)
-  2. scan      decode UTF-8 (a bad byte is an error naming its offset), count the characters (the
-               split point is a character index), and for `char` collect the vocabulary
-  3. train     for `bpe:N` only: learn the BPE from the training split (data/tokenizers.py)
-  4. encode    pieces of text are tokenized on a thread pool (tiktoken and the numpy lookup of the
-               char tokenizer release the GIL, so all cores work) and written in order; at most
-               IN_FLIGHT_CHARS characters are in flight, split into more, smaller pieces on more cores
-The last val_fraction of the characters is the validation split. Several files are one text, in
-sorted path order, with the end-of-text token between documents (BPE) or a newline (char).
-SIGINT, SIGTERM and SIGHUP during preparation remove the entry's temporary directory and raise
-Interrupted; one a killed run leaves is removed by the next preparation in the same root.
+  streaming  the text is never held whole: each pass reads the files a chunk at a time, so memory
+             stays bounded (tens of MB) whatever the size of the text and the number of cores
+  passes     1 hash    the sha256 of the bytes: the cache key (a cache hit costs only this pass)
+             2 scan    decode (a bad byte is an error naming its offset), count the characters (the
+                       split point is a character index) and, for char, collect the vocabulary
+             3 train   bpe:N only: learn the BPE from the training split (data/tokenizers.py)
+             4 encode  pieces of text are encoded on a thread pool (tiktoken and numpy release the
+                       GIL, so every core works), 2 x workers pieces at a time, the next batch while
+                       the last is written in order. Passes 2-4 read the bytes pass 1 hashed (a text
+                       that grows meanwhile is read as it was) and hash them again: an entry holds
+                       exactly the bytes it is named after
+  split      the last val_fraction of the characters is the validation split
+  documents  several files are one text in sorted path order, with the end-of-text token (BPE) or a
+             newline (char) between documents; a blank file among them is skipped
+  BPE        its text is cut only where cutting does not change the tokens (safe_cut)
+  signals    SIGINT, SIGTERM and SIGHUP remove the temporary directory and end with one line
 
     python -m data.prepare FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096] [--val-fraction 0.1] [--root data/prepared]
-
-(Over 300 lines on purpose: one streaming pipeline, its passes in the order they run.)
+    python -m data.prepare --list | --clean [--root data/prepared]
 """
 import glob
 import hashlib
@@ -28,35 +29,31 @@ import re
 import shutil
 import signal
 import sys
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice, takewhile
 from pathlib import Path
 
 import numpy as np
 
-from common import (setting, ArgumentParser, DataError, Progress, TokenizerError, atomic_write, check, on_stop_signals,
-                    run_cli, unwind_on_stop)
-from data.cache import (FORMAT, check_split_sizes, entry_name, make_temp_dir, publish, read_entry,
-                        remove_stale_temp_dirs, token_dtype)
-from data.sources import combined_sha256, find_sources, iter_text, sources_sha256
-from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer, check_tokenizer_spec, code_points,
-                             load_tokenizer, train_bpe)
+from common import (ArgumentParser, DataError, Progress, TokenizerError, atomic_write, check, on_stop_signals, os_error,
+                    run_cli, setting, unwind_on_stop)
+from data.cache import (FORMAT, SPLITS, check_split_sizes, clean, entry_name, list_entries, make_temp_dir, publish,
+                        read_entry, token_dtype)
+from data.sources import combined_sha256, describe, find_sources, iter_text, sha256
+from data.tokenizers import CharTokenizer, bpe_vocab_size, build_tokenizer, check_tokenizer_spec, code_points, \
+    load_tokenizer, train_bpe
 
-PIECE_CHARS = 1 << 20       # characters per encoding task (fewer where many cores share IN_FLIGHT_CHARS)
-IN_FLIGHT_CHARS = 4 << 20   # characters being encoded or waiting to be written, whatever the core count
+PIECE_CHARS = 1 << 20       # characters per encoding task at most (fewer where many cores share IN_FLIGHT_CHARS)
+IN_FLIGHT_CHARS = 4 << 20   # characters read, being encoded or waiting to be written, whatever the core count
 MAX_WORKERS = 32
-PROGRESS_MIN_BYTES = 64 << 20   # show a progress bar for inputs at least this large
-
-
-def mb_progress(label: str, total: float, input_bytes: int) -> Progress:
-    """A progress line in MB, for an input of at least PROGRESS_MIN_BYTES (a smaller one takes a moment)."""
-    return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=input_bytes < PROGRESS_MIN_BYTES)
+PROGRESS_MIN_BYTES = 64 << 20   # a progress line for inputs at least this large
 
 
 @dataclass
 class DataConfig:
-    path: str = setting("data/tinyshakespeare.txt", "the text to train on: a file, a directory or a glob (the default ships with the repo: data/README.md says where it comes from)")
+    path: str = setting("data/tinyshakespeare.txt", "the text to train on: a file, a directory or a glob (the "
+                        "default ships with the repo: data/README.md says where it comes from)")
     tokenizer: str = setting("char", "char | bpe:N (N tokens, trained on the data) | a tiktoken name (gpt2, ...)")
     val_fraction: float = setting(0.1, "the last 10% of the text is the validation split")
     prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
@@ -74,24 +71,122 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def scan(files: list[Path], errors: str, want_chars: bool, progress) -> tuple[list[int], str | None]:
-    """Characters per file and (want_chars) the sorted set of all characters, in one streaming pass."""
+def mb_progress(label: str, total: int) -> Progress:
+    """A progress line in MB on stderr, for an input of at least PROGRESS_MIN_BYTES."""
+    return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=total < PROGRESS_MIN_BYTES)
+
+
+def prepare(data: DataConfig, block_size: int | None = None) -> Path:
+    """Prepare data.path, or reuse a sound earlier preparation of the same bytes with the same settings;
+    the dataset's directory. block_size: each split must hold block_size + 1 tokens (one training
+    window), checked before anything is published."""
+    return _prepare(data, block_size, say_cached=False)
+
+
+def _prepare(data: DataConfig, block_size: int | None, say_cached: bool) -> Path:
+    data.validate()
+    files = find_sources(data.path)
+    stop = unwind_on_stop(lambda signum: f"preparing {data.path} stopped by {signal.Signals(signum).name}; "
+                                         f"nothing was kept")
+    with on_stop_signals(stop):
+        total = sum(p.stat().st_size for p in files)
+        sha, sizes = sha256(files, mb_progress("hashing", total))
+        source, root = Path(data.path), Path(data.prepared_dir)
+        stem = source.parent.name if glob.has_magic(str(source)) else source.stem
+        out = root / entry_name(stem, data.tokenizer, sha, data.val_fraction, data.encoding_errors)
+        expect = {"sha256": sha, "tokenizer_spec": data.tokenizer, "val_fraction": data.val_fraction,
+                  "encoding_errors": data.encoding_errors}
+        meta, problem = read_entry(out, expect)
+        summary = describe(source, files) if not source.is_file() else None   # what a directory or glob took
+        if meta is not None:
+            check_split_sizes(meta["tokens"], block_size)
+            if say_cached:
+                print(*filter(None, [summary, f"already prepared: {out} ({meta['tokens']['train']:,} train and "
+                                              f"{meta['tokens']['val']:,} val tokens)"]), sep="\n")
+            return out
+        if problem:
+            print(f"notice: {out} {problem}; preparing it again", file=sys.stderr)
+        if summary:
+            print(summary)
+        meta = build(out, expect, files, sizes, data, block_size)
+    print(f"prepared {data.path} with tokenizer {data.tokenizer}: {meta['tokens']['train']:,} train and "
+          f"{meta['tokens']['val']:,} val tokens (vocab {meta['vocab_size']:,}) -> {out}")
+    return out
+
+
+def build(out: Path, expect: dict, files: list[Path], sizes: list[int], data: DataConfig, block_size) -> dict:
+    """Passes 2 to 4 over the files' first `sizes` bytes: the entry at out, and its meta.json. Nothing
+    is written before pass 4, so a text that cannot be used leaves no trace."""
+    char, total = data.tokenizer == "char", sum(sizes)
+    counts, chars = scan(files, sizes, data.encoding_errors, char, mb_progress("scanning", total))
+    n_chars = sum(counts) + (sum(map(bool, counts)) - 1 if char else 0)   # char: + the newlines between documents
+    split_at = int(n_chars * (1.0 - data.val_fraction))
+    workers = min(MAX_WORKERS, available_cpus())
+    piece_chars = min(PIECE_CHARS, IN_FLIGHT_CHARS // (8 * workers))   # 2 batches of 2 x workers pieces in flight
+
+    def text(label: str, hashes=None):
+        return pieces(files, sizes, counts, data.encoding_errors, split_at, not char, piece_chars, hashes,
+                      mb_progress(label, total))
+    if char:   # with the newline between documents, which none of them may hold
+        tok = CharTokenizer("".join(sorted(set(chars) | {"\n"})) if sum(map(bool, counts)) > 1 else chars)
+    elif bpe_vocab_size(data.tokenizer) is None:
+        tok = build_tokenizer(data.tokenizer)
+    else:
+        tok = trained(data.tokenizer, takewhile(lambda item: item[0] == "train", text("training")), workers)
+    hashes = [hashlib.sha256() for _ in files]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = make_temp_dir(out)
+        try:
+            try:
+                encoded = encode(text("encoding", hashes), tok, tmp, workers)
+            except TokenizerError:
+                if not char:
+                    raise
+                encoded = None   # a character the scan did not see: the text changed meanwhile
+            if encoded is None or combined_sha256(files, hashes) != expect["sha256"]:   # not the bytes out is named after
+                raise DataError(f"{data.path} changed while it was being prepared; nothing was kept: prepare it "
+                                f"again once it no longer changes")
+            check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
+            meta = {"format": FORMAT, "source": str(Path(data.path).absolute()), "sha256": expect["sha256"],
+                    "files": len(files), "tokenizer_spec": data.tokenizer, **encoded,
+                    "encoding_errors": data.encoding_errors,
+                    "split": {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}}
+            atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
+            publish(tmp, out, expect)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:   # a full disk, a read-only or misplaced data.prepared_dir
+        raise DataError(f"cannot write the prepared data to {out.parent}: {os_error(e)}") from None
+    return meta
+
+
+def scan(files, sizes, errors: str, want_chars: bool, progress) -> tuple[list[int], str | None]:
+    """Pass 2: characters per file (0 for a blank one) and (want_chars) the sorted set of them all."""
     seen = np.zeros(0x110000, dtype=bool) if want_chars else None
     counts = []
-    for path in files:
+    for path, size in zip(files, sizes):
         n, blank = 0, True
-        for text in iter_text(path, errors, progress):
-            n += len(text)
-            blank = blank and not text.strip()
+        for text in iter_text(path, errors, size, progress=progress):
+            n, blank = n + len(text), blank and text.isspace()
             if want_chars:
                 seen[code_points(text)] = True
         if blank and len(files) == 1:
             raise DataError(f"data file is empty: {path}")
-        counts.append(0 if blank else n)   # a blank document in a directory is skipped
+        counts.append(0 if blank else n)
     if not any(counts):
         raise DataError(f"the data files are all empty ({len(files)} files, first {files[0]})")
-    chars = "".join(map(chr, np.flatnonzero(seen))) if want_chars else None
-    return counts, chars
+    return counts, "".join(map(chr, np.flatnonzero(seen))) if want_chars else None
+
+
+def trained(spec: str, train_split, workers: int):
+    """Pass 3: the bpe:N tokenizer trained on the (split, piece) pairs of the train split."""
+    vocab_size = bpe_vocab_size(spec)
+    tok_meta, took = train_bpe((piece for _, piece in train_split if piece), vocab_size, batch=2 * workers)
+    tok = load_tokenizer(tok_meta)
+    short = "" if tok.vocab_size == vocab_size else " (the text has too few distinct pairs for more)"
+    print(f"trained {spec} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens{short}")
+    return tok
 
 
 # Cutting BPE input at these points gives the same tokens as encoding the whole text: no token of the
@@ -106,246 +201,94 @@ def safe_cut(text: str) -> int:
     return m.end() if m else 0
 
 
-def _cut(buffer: str, piece_chars: int, bpe: bool, final: bool) -> tuple[list[str], str]:
-    """(whole pieces of buffer, the rest); with final, the rest is a piece too."""
-    out, start = [], 0
-    while len(buffer) - start >= piece_chars:
-        window = buffer[start:start + piece_chars]
-        cut = (safe_cut(window) if bpe else 0) or piece_chars   # no safe cut in a whole piece: cut anyway
-        out.append(window[:cut])
-        start += cut
-    rest = buffer[start:]
-    return (out + [rest], "") if final and rest else (out, rest)
-
-
-def pieces(files, counts, errors: str, split_at: int, bpe: bool, piece_chars: int, shas=None):
-    """The text as (split, piece) pairs in order: the first split_at characters in "train", the rest
-    in "val". Between documents: a newline (char) or (split, None), the end-of-text token (bpe).
-    BPE text is cut only at document ends, the split point, and safe_cut points. shas: a hashlib
-    object per file, given every byte read."""
-    def documents():
-        first = True
-        for i, (path, count) in enumerate(zip(files, counts)):
-            texts = iter_text(path, errors, sha=shas[i] if shas else None)
-            if not count:   # a blank document is read (for its hash) and skipped
-                for _ in texts:
-                    pass
-                continue
-            if not first:
-                yield None if bpe else "\n"
-            first = False
-            yield from texts
-
+def pieces(files, sizes, counts, errors: str, split_at: int, bpe: bool, piece_chars: int, hashes=None, bar=None):
+    """The text as (split, piece) in order: its first split_at characters in "train", the rest in "val";
+    between documents a newline (char) or (split, None): the end-of-text token (BPE). A piece holds
+    piece_chars to 2 x piece_chars characters (fewer at a document's end or the split point); BPE's
+    are cut at a safe_cut point. hashes: a hashlib object per file, given every byte read."""
     split, pos, buffer = "train", 0, ""
-    for text in documents():
-        if text is None:
-            done, buffer = _cut(buffer, piece_chars, bpe, final=True)
-            yield from ((split, p) for p in done)
+    last = max(i for i, count in enumerate(counts) if count)   # the last document (a blank one is left out)
+    for i, (path, size) in enumerate(zip(files, sizes)):
+        for text in iter_text(path, errors, size, piece_chars, hashes and hashes[i], bar):
+            if not counts[i]:   # a blank document: read for its hash, and left out
+                continue
+            if split == "train" and pos + len(text) >= split_at:   # the end of the train split
+                head, text = buffer + text[:split_at - pos], text[split_at - pos:]
+                if head:
+                    yield split, head
+                split, buffer = "val", ""
+            pos += len(text)
+            buffer += text
+            if len(buffer) >= piece_chars:   # (no safe cut in a whole piece: cut anyway)
+                end = (safe_cut(buffer) or len(buffer)) if bpe else len(buffer)
+                yield split, buffer[:end]
+                buffer = buffer[end:]
+        if counts[i] and i < last and not bpe:   # between documents
+            buffer, pos = buffer + "\n", pos + 1
+        elif counts[i] and i < last:
+            if buffer:
+                yield split, buffer
             yield split, None
-            continue
-        if split == "train" and pos + len(text) >= split_at:
-            head, text = text[:split_at - pos], text[split_at - pos:]
-            done, buffer = _cut(buffer + head, piece_chars, bpe, final=True)
-            yield from ((split, p) for p in done)
-            split = "val"
-        pos += len(text)
-        done, buffer = _cut(buffer + text, piece_chars, bpe, final=False)
-        yield from ((split, p) for p in done)
-    done, _ = _cut(buffer, piece_chars, bpe, final=True)
-    yield from ((split, p) for p in done)
+            buffer = ""
+    if buffer:
+        yield split, buffer
 
 
-class TokenWriter:
-    """Encodes text pieces on a thread pool and appends the ids, in order, to <split>.bin files,
-    counting tokens, UTF-8 bytes and the largest id. At most 2 x workers pieces are in flight."""
-
-    def __init__(self, encode, dtype, out_dir: Path, workers: int, progress, bytes_per_char: float):
-        self.encode, self.dtype, self.progress, self.bytes_per_char = encode, dtype, progress, bytes_per_char
-        self.files = {s: open(out_dir / f"{s}.bin", "wb") for s in ("train", "val")}
-        self.tokens, self.bytes = {"train": 0, "val": 0}, {"train": 0, "val": 0}
-        self.min_token, self.max_token = np.inf, -1
-        self.pool = ThreadPoolExecutor(workers)
-        self.pending, self.limit = deque(), 2 * workers
-
-    def _encode(self, text: str):
-        ids = self.encode(text)
-        low, top = (int(ids.min()), int(ids.max())) if len(ids) else (np.inf, -1)   # before the cast, which could wrap
-        nbytes = len(text) if text.isascii() else len(text.encode("utf-8"))
-        return ids.astype(self.dtype, copy=False), len(text), nbytes, low, top
-
-    def text(self, split: str, text: str) -> None:
-        self.pending.append((split, self.pool.submit(self._encode, text)))
-        self._drain(self.limit)
-
-    def token(self, split: str, token: int) -> None:
-        done = Future()   # queued behind the pieces before it, without waiting for them
-        done.set_result((np.array([token], dtype=self.dtype), 0, 0, token, token))
-        self.pending.append((split, done))
-
-    def _drain(self, keep: int) -> None:
-        while len(self.pending) > keep:
-            split, future = self.pending.popleft()
-            ids, nchars, nbytes, low, top = future.result()
-            ids.tofile(self.files[split])
-            self.tokens[split] += len(ids)
-            self.bytes[split] += nbytes
-            self.min_token, self.max_token = min(self.min_token, low), max(self.max_token, top)
-            self.progress.advance(nchars * self.bytes_per_char)
-
-    def close(self, ok: bool) -> None:
-        try:
-            if ok:
-                self._drain(0)
-        finally:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            for f in self.files.values():
-                f.close()
-
-
-def prepare(data: DataConfig, block_size: int | None = None) -> Path:
-    """Prepare data.path (a file, a directory, or a glob), or reuse a sound earlier preparation of the
-    same bytes with the same settings; return the dataset dir. block_size: each split must hold
-    block_size + 1 tokens (one training window), checked before anything is published."""
-    data.validate()
-    files = find_sources(data.path)
-    stop = unwind_on_stop(lambda signum: f"preparing {data.path} stopped by {signal.Signals(signum).name}; "
-                                         f"nothing was kept")
-    with on_stop_signals(stop):
-        return _prepare(files, data, block_size)
-
-
-def file_stats(files: list[Path]) -> list[tuple[int, int]]:
-    """(size, modification time) of each file: what tells that a file changed meanwhile."""
-    return [(st.st_size, st.st_mtime_ns) for st in map(Path.stat, files)]
-
-
-def _changed(what) -> DataError:
-    return DataError(f"{what} changed while it was being prepared; nothing was kept: prepare it again once it no "
-                     f"longer changes")
-
-
-def _prepare(files: list[Path], data: DataConfig, block_size) -> Path:
-    stats = file_stats(files)
-    total = sum(size for size, _ in stats)
-    progress = mb_progress("hashing", total, total)
-    sha = sources_sha256(files, progress)
-    progress.close()
-    root, source = Path(data.prepared_dir), Path(data.path)
-    stem = source.parent.name if glob.has_magic(str(data.path)) else source.stem
-    out = root / entry_name(stem, data.tokenizer, sha, data.val_fraction, data.encoding_errors)
-    remove_stale_temp_dirs(root)
-    expect = {"sha256": sha, "tokenizer_spec": data.tokenizer, "val_fraction": data.val_fraction,
-              "encoding_errors": data.encoding_errors}
-    meta, problem = read_entry(out, expect)
-    if meta is not None:
-        check_split_sizes(meta["tokens"], block_size)
-        return out
-    if problem:
-        print(f"notice: {out} {problem}; preparing it again", file=sys.stderr)
-    try:
-        return _prepare_anew(files, data, out, expect, block_size, total)
-    except (DataError, TokenizerError):   # a file that changed meanwhile is the reason, whatever failed
-        if file_stats(files) != stats:
-            raise _changed(data.path) from None
-        raise
-
-
-def _prepare_anew(files, data: DataConfig, out: Path, expect: dict, block_size, total: int) -> Path:
-    """Scan, tokenize and encode files (total bytes) into a new cache entry at out (published when
-    complete); expect: the settings and the sha256 the entry is named after."""
-    progress = mb_progress("scanning", total, total)
-    counts, chars = scan(files, data.encoding_errors, data.tokenizer == "char", progress)
-    progress.close()
-    n_chars = sum(counts) + (sum(1 for c in counts if c) - 1 if data.tokenizer == "char" else 0)   # + newlines between
-    split_at = int(n_chars * (1.0 - data.val_fraction))
-    workers = min(MAX_WORKERS, available_cpus())
-    piece_chars = min(PIECE_CHARS, IN_FLIGHT_CHARS // (2 * workers))
-    root = out.parent
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = make_temp_dir(out)
-        try:
-            tok = _tokenizer(data.tokenizer, chars, files, counts, data.encoding_errors, split_at, piece_chars,
-                             workers, mb_progress("training", int(total * split_at / max(1, n_chars)), total))
-            meta = _encode(files, counts, tok, data.encoding_errors, split_at, piece_chars, workers, tmp,
-                           mb_progress("encoding", total, total), expect["sha256"])
-            source = Path(data.path)
-            split = {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}
-            meta.update({"source": str(source.resolve() if source.exists() else source.absolute()),
-                         "sha256": expect["sha256"], "files": len(files), "tokenizer_spec": data.tokenizer,
-                         "encoding_errors": data.encoding_errors, "split": split})
-            check_split_sizes(meta["tokens"], block_size)   # before publishing: a refused text leaves nothing
-            atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
-            publish(tmp, out, expect)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:   # a full disk, a read-only or misplaced data.prepared_dir
-        raise DataError(f"cannot write the prepared data to {root}: {e.strerror or e}") from None
-    print(f"prepared {data.path} with tokenizer {data.tokenizer}: {meta['tokens']['train']:,} train and "
-          f"{meta['tokens']['val']:,} val tokens (vocab {tok.vocab_size:,}) -> {out}")
-    return out
-
-
-def _tokenizer(spec, chars, files, counts, errors, split_at, piece_chars, workers, progress):
-    """The tokenizer to encode with: char's from the scanned characters, a named tiktoken encoding,
-    or bpe:N trained on the training split."""
-    if spec == "char":   # with the newline between documents, which none of them may hold
-        return CharTokenizer("".join(sorted(set(chars) | {"\n"})) if sum(map(bool, counts)) > 1 else chars)
-    vocab_size = bpe_vocab_size(spec)
-    if vocab_size is None:
-        return build_tokenizer(spec)
-
-    def texts():   # the training split's text, read up to the split
-        for split, text in pieces(files, counts, errors, split_at, True, piece_chars):
-            if split != "train":
-                return
-            if text:
-                progress.advance(len(text) * progress.total / max(1, split_at))
-                yield text
-    tok_meta, took = train_bpe(texts(), vocab_size, batch=2 * workers)
-    progress.close()
-    tok = load_tokenizer(tok_meta)
-    short = "" if tok.vocab_size == vocab_size else " (the text has too few distinct pairs for more)"
-    print(f"trained {spec} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens{short}")
-    return tok
-
-
-def _encode(files, counts, tok, errors, split_at, piece_chars, workers, tmp, progress, sha) -> dict:
-    """Write tmp/train.bin and tmp/val.bin; the meta entries that describe them."""
+def encode(items, tok, tmp: Path, workers: int) -> dict:
+    """Encode pieces on a thread pool (2 x workers at a time, the next batch while the last one is
+    written) and append their ids to tmp/<split>.bin in order; the meta entries that describe them."""
     eot = tok.enc.eot_token if hasattr(tok, "enc") else None
     dtype = token_dtype(tok.vocab_size)
     tok.encode_array("")   # build any lookup table before the threads share the tokenizer
-    writer = TokenWriter(tok.encode_array, dtype, tmp, workers, progress, progress.total / max(1, sum(counts)))
-    shas, ok = [hashlib.sha256() for _ in files], False
-    try:
-        for split, piece in pieces(files, counts, errors, split_at, eot is not None, piece_chars, shas):
-            writer.text(split, piece) if piece is not None else writer.token(split, eot)
-        ok = True
-    finally:
-        writer.close(ok)
-    progress.close()
-    # an entry holds exactly the bytes it is named after
-    if combined_sha256(files, [h.hexdigest() for h in shas]) != sha:
-        raise _changed(files[0] if len(files) == 1 else "a data file")
-    if writer.min_token == writer.max_token:
-        raise DataError(f"the text holds a single distinct token (id {writer.max_token}, "
-                        f"{tok.decode([writer.max_token])!r}): there is nothing to learn to predict")
-    return {"format": FORMAT, "tokenizer": tok.meta(), "vocab_size": tok.vocab_size,
-            "dtype": np.dtype(dtype).name, "max_token": writer.max_token,
-            "tokens": dict(writer.tokens), "bytes": dict(writer.bytes)}
+    tokens, nbytes, ranges = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), []
+
+    def encode_one(item):   # (a piece is never empty)
+        split, text = item
+        ids = tok.encode_array(text) if text is not None else np.array([eot])
+        size = 0 if text is None else len(text) if text.isascii() else len(text.encode("utf-8"))
+        return split, ids.astype(dtype, copy=False), size, (int(ids.min()), int(ids.max()))   # before the cast
+
+    def write(results):
+        for split, ids, size, id_range in results:
+            ids.tofile(files[split])
+            tokens[split], nbytes[split] = tokens[split] + len(ids), nbytes[split] + size
+            ranges.append(id_range)
+
+    with ThreadPoolExecutor(workers) as pool, open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
+        files, last = {"train": train, "val": val}, []
+        while batch := list(islice(items, 2 * workers)):
+            now = pool.map(encode_one, batch)   # encoded while the last batch is written
+            write(last)
+            last = now
+        write(last)
+    low, high = min(low for low, _ in ranges), max(high for _, high in ranges)
+    if low == high:
+        raise DataError(f"the text holds a single distinct token (id {high}, {tok.decode([high])!r}): there is "
+                        f"nothing to learn to predict")
+    return {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name, "max_token": high,
+            "tokens": tokens, "bytes": nbytes}
 
 
 def main(argv: list[str]) -> int:
-    p = ArgumentParser(description="Prepare a text file, directory or glob into token files.")
-    p.add_argument("source")
-    p.add_argument("--tokenizer", default="char", help="char | bpe:N (trained on the data) | a tiktoken encoding")
-    p.add_argument("--val-fraction", type=float, default=0.1)
-    p.add_argument("--root", default="data/prepared")
-    p.add_argument("--encoding-errors", default="strict", help="strict | replace")
+    p = ArgumentParser(description="Prepare a text file, directory or glob into token files; list or clean the "
+                                   "prepared datasets.")
+    p.add_argument("source", nargs="?", help="a text file, a directory of them, or a quoted glob")
+    p.add_argument("--tokenizer", default=DataConfig.tokenizer, help="char | bpe:N (trained on the data) | a "
+                   "tiktoken encoding")
+    p.add_argument("--val-fraction", type=float, default=DataConfig.val_fraction)
+    p.add_argument("--root", default=DataConfig.prepared_dir, help="where the prepared datasets are")
+    p.add_argument("--encoding-errors", default=DataConfig.encoding_errors, help="strict | replace")
     p.add_argument("--block-size", type=int, default=None, help="refuse splits shorter than block_size + 1 tokens")
+    p.add_argument("--list", action="store_true", help="list the prepared datasets in --root")
+    p.add_argument("--clean", action="store_true", help="remove every prepared dataset in --root")
     args = p.parse_args(argv)
+    if args.list or args.clean:
+        (clean if args.clean else list_entries)(Path(args.root))
+        return 0
+    if args.source is None:
+        p.error("name the text to prepare (FILE, DIR or GLOB), or give --list or --clean")
     data = DataConfig(args.source, args.tokenizer, args.val_fraction, args.root, args.encoding_errors)
-    prepare(data, args.block_size)
+    _prepare(data, args.block_size, say_cached=True)
     return 0
 
 

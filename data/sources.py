@@ -1,10 +1,20 @@
-"""The text to prepare: which files a data path names, their sha256, and their text as a stream of
-str chunks that never splits a character. Nothing here holds a whole file in memory."""
+"""The text to prepare: which files a data path names, and their text as a stream.
+
+  files      a file; every regular file under a directory (hidden ones skipped); or a glob's matches,
+             in sorted path order. What a directory or glob took is said in one line (describe), so a
+             stray extract.py among the books shows
+  reading    a file is read at most READ_BYTES at a time, and only its first `size` bytes when given
+             (its size when it was hashed: the bytes the cache entry is named after), so memory never
+             grows with it; the text comes as str chunks that never split a character
+  bad bytes  a non-UTF-8 byte is an error naming its offset, with advice: a file that looks binary (a
+             NUL byte in its first 8 KB, git's test) is to be left out; a text with a stray byte can
+             be read with encoding_errors=replace
+"""
 import codecs
 import glob
 import hashlib
 import os
-import stat
+from collections import Counter
 from itertools import chain
 from pathlib import Path
 
@@ -12,26 +22,11 @@ from common import DataError
 
 READ_BYTES = 1 << 20        # bytes read at a time
 PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
-REPLACE_HINT = "set --data.encoding_errors=replace to replace such bytes"   # what training says of a non-UTF-8 byte
-
-
-def special_kind(path: Path) -> str | None:
-    """What path is when it exists but is neither a regular file nor a directory (found with stat,
-    which never opens it, so a FIFO cannot block); None otherwise."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return None
-    kinds = ((stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISCHR, "character device"),
-             (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
-    return next((name for test, name in kinds if test(mode)), "special file")
+REPLACE_HINT = "set --data.encoding_errors=replace to replace such bytes"   # what training says of a stray byte
 
 
 def find_sources(source) -> list[Path]:
-    """The files a data path names: itself, the regular files under a directory (hidden ones
-    skipped), or a glob's matches; sorted."""
+    """The files a data path names, sorted; a DataError saying why there are none."""
     source = Path(source)
     if source.is_file():
         return [source]
@@ -41,9 +36,8 @@ def find_sources(source) -> list[Path]:
         if not files:
             raise DataError(f"no files in the data directory {source}")
         return files
-    kind = special_kind(source)
-    if kind:
-        raise DataError(f"data path {source} is a {kind}, not a regular file: save the text to a file and pass that")
+    if source.exists():   # a FIFO, a device, a socket: stat() tells without opening (which could block)
+        raise DataError(f"data path {source} is not a regular file: save the text to a file and pass that")
     if glob.has_magic(str(source)):
         files = sorted(Path(p) for p in glob.glob(str(source), recursive=True) if os.path.isfile(p))
         if not files:
@@ -52,65 +46,75 @@ def find_sources(source) -> list[Path]:
     raise DataError(f"data file not found: {source}")
 
 
-def _chunks(path: Path):
-    """The file's bytes, READ_BYTES at a time."""
+def describe(source, files: list[Path]) -> str:
+    """What a directory or glob took, in one line: 'data: books/ (13 files: 12 .txt, 1 .py; 3.2 MB)'."""
+    kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(p.suffix or "no extension" for p in files).most_common())
+    mb = sum(p.stat().st_size for p in files) / 1e6
+    return f"data: {source} ({len(files)} file{'s' * (len(files) > 1)}: {kinds}; {mb:.1f} MB)"
+
+
+def read_bytes(path: Path, size: int | None = None, chunk: int = READ_BYTES, sha=None, progress=None):
+    """The file's bytes (its first `size` when given), at most chunk (and READ_BYTES) at a time. sha: a
+    hashlib object given every byte read; progress: a Progress advanced by their count."""
     try:
         f = open(path, "rb")
     except OSError as e:   # removed or made unreadable since it was found
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
     with f:
-        yield from iter(lambda: f.read(READ_BYTES), b"")
+        left = float("inf") if size is None else size
+        while left > 0 and (data := f.read(min(chunk, READ_BYTES, left))):
+            left -= len(data)
+            sha and sha.update(data)
+            progress and progress.advance(len(data))
+            yield data
 
 
-def sources_sha256(files: list[Path], progress=None) -> str:
-    """A single file's sha256; for several, the sha256 of their names and contents in order, so
-    renaming or reordering files makes a new dataset."""
-    shas = []
-    for path in files:
-        h = hashlib.sha256()
-        for chunk in _chunks(path):
-            h.update(chunk)
-            progress and progress.advance(len(chunk))
-        shas.append(h.hexdigest())
-    return combined_sha256(files, shas)
+def sha256(files: list[Path], progress=None) -> tuple[str, list[int]]:
+    """(the text's sha256, each file's size): the bytes a cache entry is named after."""
+    hashes = [hashlib.sha256() for _ in files]
+    sizes = [sum(map(len, read_bytes(path, sha=h, progress=progress))) for path, h in zip(files, hashes)]
+    return combined_sha256(files, hashes), sizes
 
 
-def combined_sha256(files: list[Path], shas: list[str]) -> str:
-    """The dataset's sha256 from its files' own: the file's for one, else that of their names and digests."""
+def combined_sha256(files: list[Path], hashes: list) -> str:
+    """One file's sha256 is its bytes'; several files' is that of their names and digests in order, so
+    renaming or reordering files makes another dataset."""
     if len(files) == 1:
-        return shas[0]
+        return hashes[0].hexdigest()
     base = os.path.commonpath([str(p.resolve()) for p in files])
-    listing = "".join(f"{os.path.relpath(p.resolve(), base)}\0{sha}\n" for p, sha in zip(files, shas))
+    listing = "".join(f"{os.path.relpath(p.resolve(), base)}\0{h.hexdigest()}\n" for p, h in zip(files, hashes))
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
-def iter_text(path: Path, errors: str = "strict", progress=None, hint: str | None = REPLACE_HINT, sha=None):
-    """The file as str chunks of about READ_BYTES bytes each, never splitting a character.
-    A non-UTF-8 byte is a DataError naming its offset in the file, followed by hint if any (or
-    U+FFFD with errors='replace'). sha: a hashlib object given every byte read."""
+def iter_text(path: Path, errors: str = "strict", size: int | None = None, chunk: int = READ_BYTES, sha=None,
+              progress=None, hint: str | None = REPLACE_HINT):
+    """The text of read_bytes(path, ...) as str chunks that never split a character. A non-UTF-8 byte
+    is a DataError naming its offset, with advice: a file that looks binary is to be left out; in a
+    text, hint (or U+FFFD for each such byte with errors='replace')."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors)   # holds a character cut at a read's end
     offset = 0   # bytes read before raw
-    for raw in chain(_chunks(path), [b""]):   # b"": the end, where a character cut short is an error
-        sha and sha.update(raw)
+    for raw in chain(read_bytes(path, size, chunk, sha, progress), [b""]):
         held = len(decoder.getstate()[0])
         try:
-            text = decoder.decode(raw, final=not raw)
+            text = decoder.decode(raw, final=not raw)   # b"": the end, where a character cut short is an error
         except UnicodeDecodeError as e:   # e.object: the held bytes, then raw
-            raise DataError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset "
-                            f"{offset - held + e.start}" + (f"; {hint}" if hint else "")) from None
+            with open(path, "rb") as f:
+                binary = b"\0" in f.read(8192)   # git's test
+            if binary:
+                hint = f"it looks binary: leave it out of the data (e.g. with a glob such as '{path.parent}/*.txt')"
+            raise DataError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset {offset - held + e.start}"
+                            + (f"; {hint}" if hint else "")) from None
         if text:
             yield text
         offset += len(raw)
-        progress and progress.advance(len(raw))
 
 
-def read_text(path: Path, errors: str = "strict", hint: str | None = REPLACE_HINT) -> str:
-    """A whole (small) file as text, with the same checks as preparing: missing, not a regular
-    file, empty, not UTF-8 (the message ends with hint, if any)."""
+def read_text(path, errors: str = "strict", hint: str | None = REPLACE_HINT) -> str:
+    """A whole (small) file as text, with the checks of preparing: missing, not a regular file,
+    not UTF-8 (the message ends with hint, if any), empty."""
     path = Path(path)
     if not path.is_file():
-        kind = "directory" if path.is_dir() else special_kind(path)
-        raise DataError(f"data path {path} is a {kind}, not a regular file" if kind else f"data file not found: {path}")
+        raise DataError(f"data path {path} is not a regular file" if path.exists() else f"data file not found: {path}")
     text = "".join(iter_text(path, errors, hint=hint))
     if not text.strip():
         raise DataError(f"data file is empty: {path}")

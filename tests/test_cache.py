@@ -1,19 +1,17 @@
 """The prepared-data cache never uses a damaged entry: it prepares it again (with a one-line notice),
 or, where only the entry is at hand, names it in a one-line error. Text that cannot be used is
-refused before anything is published; encoding errors are part of the key; temporary directories
-of stopped preparations are removed, live ones never."""
+refused before anything is published; encoding errors are part of the key; the cache can be listed
+and cleaned."""
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
-import data.cache as cache
 from data.cache import FORMAT, load_meta
 from data.loader import BatchLoader
 from common import ConfigError, DataError
@@ -32,11 +30,12 @@ def truncate(path, by=1):
 
 
 DAMAGES = {   # what breaks the entry, and the reason the notice gives
-    "truncated train.bin": (lambda out: truncate(out / "train.bin"), "train.bin has"),
-    "deleted val.bin": (lambda out: (out / "val.bin").unlink(), "val.bin is missing"),
-    "extra bytes in val.bin": (lambda out: open(out / "val.bin", "ab").write(b"\0\0"), "val.bin has"),
+    "truncated train.bin": (lambda out: truncate(out / "train.bin"), "train.bin is not the"),
+    "deleted val.bin": (lambda out: (out / "val.bin").unlink(), "val.bin is not the"),
+    "extra bytes in val.bin": (lambda out: open(out / "val.bin", "ab").write(b"\0\0"), "val.bin is not the"),
     "vocab_size too small": (lambda out: edit_meta(out, lambda m: m.update(vocab_size=10)), "is not below vocab_size 10"),
-    "vocab_size too large": (lambda out: edit_meta(out, lambda m: m.update(vocab_size=70)), "its tokenizer has"),
+    "vocab_size too large": (lambda out: edit_meta(out, lambda m: m.update(vocab_size=70)),
+                             "its tokenizer does not have vocab_size 70"),
     "dtype that does not fit": (lambda out: edit_meta(out, lambda m: m.update(dtype="uint32")), "dtype uint32 does not fit"),
     "meta.json not JSON": (lambda out: (out / "meta.json").write_text('{"format": 2,'), "meta.json cannot be read"),
     "meta.json not an object": (lambda out: (out / "meta.json").write_text("[]"), "not an object"),
@@ -44,7 +43,7 @@ DAMAGES = {   # what breaks the entry, and the reason the notice gives
     "a nested key missing": (lambda out: edit_meta(out, lambda m: m["tokens"].pop("val")), "tokens.val is missing"),
     "a wrong type": (lambda out: edit_meta(out, lambda m: m["tokens"].update(train="12")),
                      "tokens.train is not an integer"),
-    "a negative count": (lambda out: edit_meta(out, lambda m: m["tokens"].update(val=-5)), "val.bin has"),
+    "a negative count": (lambda out: edit_meta(out, lambda m: m["tokens"].update(val=-5)), "val.bin is not the"),
     "a damaged tokenizer": (lambda out: edit_meta(out, lambda m: m["tokenizer"].update(chars="")),
                             "damaged char tokenizer"),
     "an older format": (lambda out: edit_meta(out, lambda m: m.update(format=FORMAT - 1) or m.pop("bytes")),
@@ -124,7 +123,7 @@ def test_an_entry_of_another_text_under_the_same_name_is_not_used(tmp_path, text
     assert load_meta(out)["sha256"] != "0" * 64
 
 
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes, /dev/null and Unix sockets: POSIX")
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes, /dev/zero and Unix sockets: POSIX")
 def test_a_pipe_a_device_or_a_socket_is_not_a_data_file(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -132,17 +131,16 @@ def test_a_pipe_a_device_or_a_socket_is_not_a_data_file(tmp_path):
     server = socket.socket(socket.AF_UNIX)
     server.bind(str(sock_path))
     try:
-        cases = {"/dev/null": "character device", "/dev/zero": "character device", sock_path: "socket"}
-        for path, kind in cases.items():
-            with pytest.raises(DataError, match=rf"data path {path} is a {kind}, not a regular file"):
+        for path in ("/dev/zero", sock_path):
+            with pytest.raises(DataError, match=rf"data path {path} is not a regular file"):
                 prepare_text(path, "char", 0.1, tmp_path / "prep")
     finally:
         server.close()
     # A FIFO would block whoever opens it to read: a child process, so a hang fails the test.
     r = subprocess.run([sys.executable, "-m", "data.prepare", str(fifo), "--root", str(tmp_path / "prep")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr == f"error: data path {fifo} is a named pipe (FIFO), not a regular file: " \
-                                             f"save the text to a file and pass that\n", r.stderr
+    assert r.returncode == 2 and r.stderr == f"error: data path {fifo} is not a regular file: save the text to a " \
+                                             f"file and pass that\n", r.stderr
     (tmp_path / "docs").mkdir()   # in a directory, only regular files are documents
     os.mkfifo(tmp_path / "docs" / "pipe")
     (tmp_path / "docs" / "a.txt").write_text(TEXT)
@@ -151,56 +149,55 @@ def test_a_pipe_a_device_or_a_socket_is_not_a_data_file(tmp_path):
     assert r.returncode == 0 and load_meta(r.stdout.split(" -> ")[-1].strip())["files"] == 1, r.stderr
 
 
-@pytest.mark.skipif(cache.WINDOWS, reason="asks whether a process lives with os.kill(pid, 0), which would end it on "
-                    "Windows: there a directory's age decides (tests/test_windows_signals.py)")
-def test_temporary_dirs_of_stopped_preparations_are_removed_and_live_ones_kept(tmp_path, text_file, capsys):
+def data_prepare(*argv) -> str:
+    """The stdout of `python -m data.prepare ARGV`, which must succeed."""
+    r = subprocess.run([sys.executable, "-m", "data.prepare", *map(str, argv)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    return r.stdout
+
+
+def test_the_cache_can_be_listed_and_cleaned(tmp_path, text_file):
+    """--list: an entry a line (name, MB, tokenizer, source, tokens), a damaged one with what is wrong, and
+    what a stopped preparation left; --clean removes them all (and nothing else) and says what it freed."""
     root = tmp_path / "prep"
-    root.mkdir()
-    host = cache._host()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()   # reaped: its PID names no process now
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    day_old = time.time() - cache.STALE_SECONDS - 60
-    dirs = {   # name: (age in seconds or None for now, removed?)
-        f".x-char-0123456789ab-val0.1.tmp-{dead.pid}@{host}-a1b2c3d4": (None, True),   # its process is gone
-        f".x-char-0123456789ab-val0.1.tmp-{live.pid}@{host}-e5f6g7h8": (day_old, False),   # alive, however old
-        f".y-gpt2-0123456789ab-val0.1.tmp-{os.getpid()}@{host}-zz_zz_zz": (None, False),  # this very process
-        f".z-char-0123456789ab-val0.1.tmp-{dead.pid}@other.host-q1w2e3r4": (None, False),  # another host: by age
-        f".z-char-0123456789ab-val0.1.tmp-{dead.pid}@other.host-t5y6u7i8": (day_old, True),
-        ".w-char-0123456789ab-val0.1.tmp-k9l0m1n2": (day_old, True),   # no owner named: by age
-        ".w-char-0123456789ab-val0.1.tmp-o3p4q5r6": (None, False),
-        ".hidden-notes": (day_old, False),   # not a temporary dir of ours
-        "v-char-0123456789ab-val0.1.tmp-s7t8u9v0": (day_old, False),   # not hidden: not ours
-    }
-    try:
-        for name, (when, _) in dirs.items():
-            (root / name).mkdir()
-            (root / name / "train.bin").write_bytes(b"\0" * 10)
-            if when:
-                for p in (root / name / "train.bin", root / name):
-                    os.utime(p, (when, when))
-        out = prepare_text(text_file, "char", 0.1, root)
-    finally:
-        live.kill()
-        live.wait()
-    left = set(os.listdir(root)) - {out.name}
-    assert left == {name for name, (_, removed) in dirs.items() if not removed}
-    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice: removed")]
-    assert len(notices) == 3 and any(f"by process {dead.pid}, which is gone" in n for n in notices), notices
+    char, bpe = prepare_text(text_file, "char", 0.1, root), prepare_text(text_file, "bpe:300", 0.1, root)
+    damaged = prepare_text(text_file, "char", 0.2, root)
+    (damaged / "val.bin").unlink()
+    leftover = root / f".{char.name}.tmp-0a1b2c3d"   # as a preparation killed with SIGKILL leaves it
+    leftover.mkdir()
+    (leftover / "train.bin").write_bytes(b"\0" * 300_000)
+    (root / "notes.txt").write_text("mine")   # not the cache's: never listed nor removed
+    meta = {entry: load_meta(entry) for entry in (char, bpe)}
+    mb = {p.name: sum(f.stat().st_size for f in p.iterdir()) / 1e6 for p in (char, bpe, damaged, leftover)}
+
+    lines = data_prepare("--list", "--root", root).splitlines()
+    assert lines == sorted(lines[:-1]) + [f"4 entries, {sum(mb.values()):,.1f} MB in {root}"], lines
+    for entry in (char, bpe):
+        tokens = meta[entry]["tokens"]
+        assert (f"{entry.name}  {mb[entry.name]:,.1f} MB  {meta[entry]['tokenizer_spec']}  {text_file}  "
+                f"{tokens['train']:,} + {tokens['val']:,} tokens") in lines
+    assert f"{damaged.name}  {mb[damaged.name]:,.1f} MB  is damaged (val.bin is not the" in "\n".join(lines)
+    assert f"{leftover.name}  0.3 MB  left by a preparation that was stopped (or is still running); --clean " \
+           f"removes it" in lines
+
+    freed = f"{sum(mb.values()):,.1f} MB freed"
+    assert data_prepare("--clean", "--root", root) == f"removed 4 entries from {root}: {freed}\n"
+    assert os.listdir(root) == ["notes.txt"]
+    assert data_prepare("--list", "--root", root) == f"0 entries, 0.0 MB in {root}\n"
 
 
-def test_token_ids_past_the_vocabulary_in_a_file_of_the_right_size_are_one_line(tmp_path, text_file, capsys):
+def test_token_ids_past_the_vocabulary_in_a_file_of_the_right_size_are_one_line(tmp_path, text_file):
     """The cache's checks read meta.json and file sizes; a train.bin damaged in place is caught where its
-    windows are read, before the embedding would fail on them."""
-    import train as train_cli
-    from tests.conftest import run_tool, tiny_overrides
+    windows are read, before the embedding would fail on them: one line that names the entry."""
     out = prepare_text(text_file, "char", 0.1, tmp_path / "prepared")
     tokens = np.fromfile(out / "train.bin", dtype=np.uint16)
     tokens[::7] = 60_000   # far past the 48 characters, same size, same dtype
     tokens.tofile(out / "train.bin")
-    rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)
-    assert rc == 2 and err.count("\n") == 1 and f"{out} holds token id 60000 in train.bin" in err, err
-    assert "delete it and prepare the data again" in err
+    with pytest.raises(DataError) as e:
+        BatchLoader(out, block_size=32, batch_size=8).step_windows()
+    assert "\n" not in str(e.value) and f"{out} holds token id 60000 in train.bin" in str(e.value)
+    assert "delete it and prepare the data again" in str(e.value)
 
 
 def test_a_text_of_one_distinct_token_is_refused(tmp_path):

@@ -1,20 +1,24 @@
 """Streaming preparation: the same tokens as encoding the whole text, bounded memory, directories and
-globs, errors that name the byte, and nothing left behind that looks finished."""
+globs (and what they took), errors that name the byte, nothing left behind that looks finished, and
+what the command says and makes (a cached dataset, the umask)."""
+import itertools
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+import common
 import data.prepare as prep
 import data.sources
 from data.loader import BatchLoader
 from common import ConfigError, DataError
 from benchmarks.prepare import measure
 from data.tokenizers import CharTokenizer, load_tokenizer
-from tests.conftest import TEXT, prepare_text
-from tests.conftest import gpt2_or_skip
+from tests.conftest import ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text
 
 TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
           + "héllo wörld ✓ 😀 <|endoftext|> it's 've\n" * 3)
@@ -57,6 +61,70 @@ def test_a_bad_byte_deep_in_the_file_is_named_by_its_offset(tmp_path, small_read
     assert tok.decode(read_split(out, "train")[0])[1000] == "\ufffd"
 
 
+def test_a_binary_file_is_told_to_be_left_out_not_replaced(tmp_path):
+    """Reading a binary file with encoding_errors=replace would train on junk: a file with a NUL byte near
+    its start (a compiled .mo catalogue here) is said to look binary, with a glob that leaves it out."""
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text(TEXT)
+    mo = tmp_path / "books" / "messages.mo"
+    mo.write_bytes(b"\xde\x12\x04\x95\x00\x00\x00\x00\x02\x00\x00\x00\x1c\x00\x00\x00" + b"\xff\xfe msgid" * 20)
+    with pytest.raises(DataError) as e:
+        prepare_text(tmp_path / "books", "char", 0.1, tmp_path / "prep")
+    assert str(e.value) == (f"{mo} is not UTF-8: byte 0xde at offset 0; it looks binary: leave it out of the data "
+                            f"(e.g. with a glob such as '{mo.parent}/*.txt')"), e.value
+    assert "encoding_errors" not in str(e.value)
+    out = prepare_text(tmp_path / "books" / "*.txt", "char", 0.1, tmp_path / "prep")   # as advised
+    assert load_tokenizer(read_split(out, "train")[1]["tokenizer"]).decode(read_split(out, "train")[0]) == \
+        TEXT[:int(len(TEXT) * 0.9)]
+
+
+def prepare_command(*argv, umask=None):
+    """(exit code, stdout, stderr) of `python -m data.prepare ARGV` run as a user runs it."""
+    r = subprocess.run([sys.executable, "-m", "data.prepare", *map(str, argv)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_a_directory_or_a_glob_says_what_it_took(tmp_path):
+    """A stray script among the books is in the data: the command says so, in one line, before it works."""
+    books = tmp_path / "books"
+    books.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (books / name).write_text(TEXT)
+    (books / "extract.py").write_text("import sys\nprint(sys.argv)\n")
+    rc, out, err = prepare_command(books, "--root", tmp_path / "prep")
+    size = sum(p.stat().st_size for p in books.iterdir()) / 1e6
+    assert rc == 0 and out.splitlines()[0] == f"data: {books} (3 files: 2 .txt, 1 .py; {size:.1f} MB)", (out, err)
+    rc, out, err = prepare_command(books / "*.txt", "--root", tmp_path / "prep")
+    assert rc == 0 and out.splitlines()[0].startswith(f"data: {books}/*.txt (2 files: 2 .txt; "), (out, err)
+    rc, out, err = prepare_command(books / "a.txt", "--root", tmp_path / "prep")
+    assert rc == 0 and not out.startswith("data:"), "a single file needs no summary"
+
+
+def test_a_cached_dataset_is_said_to_be_prepared_already(tmp_path, text_file):
+    rc, first, err = prepare_command(text_file, "--root", tmp_path / "prep")
+    assert rc == 0 and first.startswith(f"prepared {text_file}"), (first, err)
+    out = first.split(" -> ")[-1].strip()
+    meta = json.loads((tmp_path / "prep" / os.path.basename(out) / "meta.json").read_text())
+    rc, again, err = prepare_command(text_file, "--root", tmp_path / "prep")
+    assert rc == 0 and err == ""
+    assert again == (f"already prepared: {out} ({meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val "
+                     f"tokens)\n"), again
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX file modes and umask")
+def test_a_prepared_dataset_has_the_mode_the_umask_gives(tmp_path, text_file):
+    """Like any file a command writes: with umask 022 others may read it (a shared cache), with 077 not."""
+    for umask, dir_mode, file_mode in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600)):
+        root = tmp_path / f"prep{umask:o}"
+        rc, out, err = prepare_command(text_file, "--root", root, umask=umask)
+        assert rc == 0, err
+        entry = next(root.iterdir())
+        assert entry.stat().st_mode & 0o777 == dir_mode, oct(entry.stat().st_mode)
+        assert {f.name: f.stat().st_mode & 0o777 for f in entry.iterdir()} == dict.fromkeys(
+            ("train.bin", "val.bin", "meta.json"), file_mode)
+
+
 def test_a_directory_or_a_glob_is_one_dataset(tmp_path):
     docs = tmp_path / "docs"
     (docs / "sub").mkdir(parents=True)
@@ -88,9 +156,24 @@ def test_missing_and_empty_inputs_are_clear_errors(tmp_path):
     (tmp_path / "emptydir").mkdir()
     cases.update({tmp_path / "empty.txt": "data file is empty", tmp_path / "blank.txt": "data file is empty",
                   tmp_path / "emptydir": "no files in the data directory"})
+    if os.path.exists("/dev/null"):
+        cases["/dev/null"] = "data path /dev/null is not a regular file: save the text to a file and pass that"
     for path, message in cases.items():
         with pytest.raises(DataError, match=message):
             prepare_text(path, "char", 0.1, tmp_path / "prep")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"ab\ncd\xe9t\xe9", "byte 0xe9 at offset 5; set --data.encoding_errors=replace"),
+    (b"\x00\x01\xff binary", "is not UTF-8: byte 0xff at offset 2; it looks binary"),
+    (b" \n\t\n", "data file is empty"),
+], ids=["a stray byte", "binary", "blank"])
+def test_a_text_that_cannot_be_used_is_one_line_and_writes_nothing(tmp_path, text_file, capsys, content, message):
+    """Refused before anything is written: not even a temporary directory comes and goes in the cache."""
+    prepare_text(text_file, "char", 0.1, tmp_path / "prep")   # a cache that exists already
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(content)
+    assert_refused(prep, [bad, "--root", tmp_path / "prep"], capsys, tmp_path, message)
 
 
 @pytest.mark.parametrize("fraction", ["0", "1", "-0.1", "nan"])
@@ -118,10 +201,12 @@ def test_an_interrupted_preparation_leaves_nothing_that_looks_finished(tmp_path,
 
 
 def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, capsys):
+    """(A log gets a progress line every 10 s: here every reading of the clock is 20 s after the last.)"""
     monkeypatch.setattr(prep, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(common.time, "perf_counter", lambda clock=itertools.count(): 20.0 * next(clock))
     prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     err = capsys.readouterr().err
-    assert all(f"{phase}" in err for phase in ("hashing", "scanning", "encoding")) and "MB/s" in err
+    assert all(f"{phase}: " in err for phase in ("hashing", "scanning", "encoding")) and "MB/s, ETA" in err, err
 
 
 # A child process that prepares as if the machine had 32 cores (32 encoding threads).

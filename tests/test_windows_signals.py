@@ -47,21 +47,3 @@ def test_sigbreak_stops_a_job_where_the_system_has_it(monkeypatch):
     with on_stop_signals(got.append):
         signal.raise_signal(signal.SIGUSR1)
     assert got == [signal.SIGUSR1] and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
-
-
-def test_a_preparation_s_temp_dir_is_not_probed_with_os_kill_on_windows(tmp_path, monkeypatch, capsys):
-    """On Windows os.kill(pid, 0) does not ask whether a process exists: it ends it. There a temporary
-    directory of this host is judged by its age, as another host's is."""
-    from data import cache
-
-    def terminate(pid, sig):
-        raise AssertionError(f"os.kill({pid}, {sig}) would end process {pid} on Windows")
-    monkeypatch.setattr(cache, "WINDOWS", True, raising=False)
-    monkeypatch.setattr(cache.os, "kill", terminate)
-    live = tmp_path / f".data.tmp-{os.getpid()}@{cache._host()}-abc"
-    live.mkdir()
-    assert cache.remove_stale_temp_dirs(tmp_path) == [] and live.is_dir()
-    old = os.path.getmtime(live) - cache.STALE_SECONDS - 60
-    os.utime(live, (old, old))
-    assert cache.remove_stale_temp_dirs(tmp_path) == [live] and not live.exists()
-    assert "untouched for a day" in capsys.readouterr().err
