@@ -26,7 +26,7 @@ from common import ConfigError, run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    from training.config import build_config, check_resume_keeps, help_text, load_toml
+    from training.config import build_config, help_text, load_toml
     from training.trainer import train
 
     if "-h" in argv or "--help" in argv:
@@ -52,9 +52,7 @@ def main(argv: list[str]) -> int:
     cfg = build_config(config_file, rest, validate=not resume)   # (resumed: once the run's own settings are in)
     if resume and (cfg_path := Path(cfg.out_dir) / "config.toml").is_file():
         # the run the out dir holds goes on: only what the config file and the command line set changes it
-        stored = load_toml(cfg_path)
-        cfg = build_config(config_file, rest, base={**stored, "out_dir": cfg.out_dir})
-        check_resume_keeps(stored, cfg)
+        cfg = build_config(config_file, rest, base={**load_toml(cfg_path), "out_dir": cfg.out_dir}, validate=False)
     cfg.validate()
     summary = train(cfg, resume=resume, overwrite=overwrite, checkpoint=checkpoint)
     return summary["exit_code"]   # 0, or 128 + the signal that stopped it (130 for Ctrl-C, 143 for SIGTERM)

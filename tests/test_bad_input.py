@@ -147,7 +147,7 @@ CASES = [
     ("fresh run over a run", train_cli, lambda e: in_out_dir(e, e["ckpt"])[:-1],
      "already holds checkpoints of a run: continue it with --resume, start over with --overwrite"),
     ("resume, other model", train_cli, lambda e: in_out_dir(e, e["ckpt"]) + ["--model.n_layer=3"],
-     "model.n_layer: 2 in the checkpoint, 3 now"),
+     "model.n_layer: 2 in the run, 3 now"),
 ] + [
     (f"resume, {kind} checkpoint", train_cli, lambda e, kind=kind: in_out_dir(e, damaged(e["trained"], e["tmp"], kind)), message)
     for kind, message in [("empty", "checkpoint is empty"), ("truncated", "not a readable checkpoint: truncated"),

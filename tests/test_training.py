@@ -60,7 +60,7 @@ def test_out_dir_protection(tiny_cfg):
 
 def test_resume_with_another_model_is_refused(tiny_cfg):
     train(tiny_cfg(), quiet=True)
-    with pytest.raises(CheckpointError, match=r"model.n_layer: 2 in the checkpoint, 3 now"):
+    with pytest.raises(CheckpointError, match=r"model.n_layer: 2 in the run, 3 now"):
         train(tiny_cfg(**{"model.n_layer": 3}), resume=True, quiet=True)
 
 

@@ -265,15 +265,6 @@ def changes(before: Config, now: Config) -> list[tuple[str, object, object]]:
     return [(k, get_key(before, k), get_key(now, k)) for k in KEYS if get_key(before, k) != get_key(now, k)]
 
 
-def check_resume_keeps(stored: dict, cfg: Config) -> None:
-    """--resume goes on with the run's own model and tokenizer: a change to either is refused here,
-    before any text is prepared for it."""
-    for key, before, now in changes(build_config(None, [], base={**stored, "out_dir": cfg.out_dir}), cfg):
-        if key.startswith("model.") or key == "data.tokenizer":
-            raise ConfigError(f"{key}: {fmt(before)} in the run, {fmt(now)} now: --resume goes on with the "
-                              f"run's own model and tokenizer (another --out_dir starts a new run)")
-
-
 def fmt(v) -> str:
     """A value as TOML writes it."""
     if isinstance(v, bool):

@@ -453,14 +453,16 @@ def free_memory(device: torch.device) -> int | None:
 
 
 def check_resumable(ckpt: dict, path, cfg: Config) -> None:
-    """Resuming needs the whole training state, the run's model and its tokenizer setting."""
+    """Resuming needs the whole training state, and goes on with the run's own model and tokenizer."""
     if missing := [k for k in FOR_RESUMING if k not in ckpt]:
         raise CheckpointError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
-    saved = ckpt["config"]["model"]
-    model = cfg.to_dict()["model"]
-    if diff := [f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in model.items()
-                if saved.get(k) != v and not (k == "vocab_size" and v == 0)]:
-        raise CheckpointError(f"{path} was trained with another model config ({'; '.join(diff)})")
+    before = {f"model.{k}": v for k, v in ckpt["config"]["model"].items()}
+    before["data.tokenizer"] = ckpt["config"].get("data", {}).get("tokenizer")
+    for key, now in {**{f"model.{k}": v for k, v in cfg.to_dict()["model"].items()},
+                     "data.tokenizer": cfg.data.tokenizer}.items():
+        if before.get(key) != now and not (key == "model.vocab_size" and now == 0):
+            raise CheckpointError(f"{key}: {fmt(before.get(key))} in the run, {fmt(now)} now: --resume goes on with "
+                                  f"the run's own model and tokenizer (another --out_dir starts a new run)")
 
 
 def vocab(tokenizer_meta: dict) -> str:
@@ -528,7 +530,7 @@ class Metrics:
     what ranks other than 0 record, nothing."""
 
     def __init__(self, cfg: Config | None, out_dir=None, resume_step: int | None = None):
-        self.file = self.wandb = None
+        self.path = self.wandb = None
         if cfg is None:
             return
         if cfg.log.wandb:
@@ -548,14 +550,13 @@ class Metrics:
         kept_records = [r for r in read_records(self.path) if r["step"] <= resume_step] if resume_step is not None \
             else []
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept_records))
-        self.file = open(self.path, "a", encoding="utf-8")
 
     def log(self, record: dict) -> None:
-        if self.file is None:
+        if self.path is None:
             return
-        try:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+        try:   # opened for each record: a line is written whole or, when a kill cuts it, skipped on reading
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
         except OSError as e:
             e.filename = str(self.path)
             raise
@@ -563,14 +564,9 @@ class Metrics:
             self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind")}, step=record["step"])
 
     def close(self) -> None:
-        if self.file is not None:
-            try:
-                self.file.close()
-            except OSError:
-                pass
         if self.wandb is not None:
             self.wandb.finish()
-        self.file = self.wandb = None
+        self.wandb = None
 
 
 def banner(say, cfg, out_dir, resume_from, stored, step, model, device, dtype, how, world, tokens_per_step,
