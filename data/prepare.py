@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (ArgumentParser, DataError, Progress, TokenizerError, atomic_write, check, on_stop_signals, os_error,
-                    run_cli, setting, unwind_on_stop)
+from common import (ArgumentParser, DataError, Progress, TokenizerError, atomic_write, check, on_stop_signals,
+                    os_error, run_cli, setting, unwind_on_stop)
 from data.cache import (FORMAT, SPLITS, check_split_sizes, clean, entry_name, list_entries, make_temp_dir, publish,
                         read_entry, token_dtype)
 from data.sources import combined_sha256, describe, find_sources, iter_text, sha256
@@ -144,14 +144,16 @@ def build(out: Path, expect: dict, files: list[Path], sizes: list[int], data: Da
                 if not char:
                     raise
                 encoded = None   # a character the scan did not see: the text changed meanwhile
-            if encoded is None or combined_sha256(files, hashes) != expect["sha256"]:   # not the bytes out is named after
+            # (not the bytes the entry is named after: one changed meanwhile)
+            if encoded is None or combined_sha256(files, hashes) != expect["sha256"]:
                 raise DataError(f"{data.path} changed while it was being prepared; nothing was kept: prepare it "
                                 f"again once it no longer changes")
             check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
             meta = {"format": FORMAT, "source": str(Path(data.path).absolute()), "sha256": expect["sha256"],
                     "files": len(files), "tokenizer_spec": data.tokenizer, **encoded,
                     "encoding_errors": data.encoding_errors,
-                    "split": {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}}
+                    "split": {"val_fraction": data.val_fraction, "train_chars": split_at,
+                              "val_chars": n_chars - split_at}}
             atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
             publish(tmp, out, expect)
         finally:
@@ -254,7 +256,8 @@ def encode(items, tok, tmp: Path, workers: int) -> dict:
             tokens[split], nbytes[split] = tokens[split] + len(ids), nbytes[split] + size
             ranges.append(id_range)
 
-    with ThreadPoolExecutor(workers) as pool, open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
+    with ThreadPoolExecutor(workers) as pool, open(tmp / "train.bin", "wb") as train, \
+            open(tmp / "val.bin", "wb") as val:
         files, last = {"train": train, "val": val}, []
         while batch := list(islice(items, 2 * workers)):
             now = pool.map(encode_one, batch)   # encoded while the last batch is written
@@ -276,7 +279,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokenizer", default=DataConfig.tokenizer, help="char | bpe:N (trained on the data) | a "
                    "tiktoken encoding")
     p.add_argument("--val-fraction", type=float, default=DataConfig.val_fraction)
-    p.add_argument("--root", default=DataConfig.prepared_dir, help="where the prepared datasets are")
+    p.add_argument("--root", default=Path(__file__).resolve().parent / "prepared",
+                   help="where the prepared datasets are (default: the repository's data/prepared)")
     p.add_argument("--encoding-errors", default=DataConfig.encoding_errors, help="strict | replace")
     p.add_argument("--block-size", type=int, default=None, help="refuse splits shorter than block_size + 1 tokens")
     p.add_argument("--list", action="store_true", help="list the prepared datasets in --root")
