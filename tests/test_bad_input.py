@@ -304,3 +304,41 @@ def test_wandb_that_cannot_start_is_one_line(tmp_path, text_file, monkeypatch, c
     rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file, **{"log.wandb": "true"}), capsys)
     assert rc == 2 and err.count("\n") == 1 and "wandb did not start (UsageError: api_key not configured" in err, err
     assert "wandb login" in err and tree(tmp_path) == before
+
+
+def test_the_data_is_checked_before_the_out_dir(tmp_path, trained, capsys):
+    """A glob that matches nothing is said as such, not as an out dir that already holds a run."""
+    args = tiny_overrides(tmp_path, tmp_path / "books" / "*.txt", out_dir=trained)
+    rc, _, err = run_tool(train_cli, args, capsys)
+    assert rc == 2 and err.startswith("error: no files match") and "already holds" not in err, err
+
+
+@pytest.mark.parametrize("failure, advice", [
+    (OSError(errno.EROFS, os.strerror(errno.EROFS), "/mnt/ro/out"), "choose a writable place"),
+    (OSError(errno.EEXIST, os.strerror(errno.EEXIST), "/tmp/x"), "remove it, or choose another name"),
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/x/ckpt.pt"), "the disk is full: free some space"),
+], ids=["read-only", "exists", "full"])
+def test_a_fault_of_the_machine_is_said_with_its_path_and_what_to_do(failure, advice, capsys):
+    from common import run_cli
+
+    def main(argv):
+        raise failure
+    assert run_cli(main, []) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {failure.strerror} ({failure.filename}): {advice}\n", err
+
+
+def test_a_read_only_out_dir_is_one_line_saying_what_to_do(tmp_path, text_file, small_disk, capsys):
+    import subprocess
+    disk = small_disk("2m")
+    args = tiny_overrides(tmp_path, text_file, out_dir=disk / "out", **{"train.max_steps": 2})
+    assert run_tool(train_cli, args, capsys)[0] == 0
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    try:
+        for extra in ([], ["--resume"]):
+            rc, _, err = run_tool(train_cli, [*args, "--overwrite", *extra] if not extra else [*args, *extra], capsys)
+            assert rc == 2 and err.count("\n") == 1, err
+            assert err == f"error: cannot write to the out dir {disk / 'out'} (Read-only file system): choose " \
+                          f"another --out_dir\n", err
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)

@@ -139,3 +139,21 @@ def test_resume_with_another_tokenizer_or_model_is_refused_before_any_text_is_pr
                           capsys)
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: " + message), err
     assert tree(tmp_path) == before
+
+
+def test_resume_from_a_chosen_checkpoint_continues_exactly_from_it(tmp_path, text_file, capsys):
+    """The refusal of a damaged latest checkpoint names the earlier one; --resume PATH continues from it,
+    as the run went on from there, and the checkpoints after it go when it writes its own."""
+    from training.checkpoint import list_checkpoints
+    args = tiny_overrides(tmp_path, text_file, **{"train.eval_interval": 5, "train.keep_checkpoints": 4})
+    assert run_tool(train_cli, args, capsys)[0] == 0
+    whole = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    (tmp_path / "out" / "ckpt_0000020.pt").write_bytes(b"")   # the latest is damaged
+    rc, _, err = run_tool(train_cli, [*args, "--resume"], capsys)
+    assert rc == 2 and "the earlier checkpoint ckpt_0000015.pt in the same directory may be intact" in err, err
+    rc, out, err = run_tool(train_cli, ["--resume", tmp_path / "out" / "ckpt_0000010.pt"], capsys)
+    assert rc == 0 and "resuming" in out and "at step 10" in out, err
+    assert [s for s, _ in list_checkpoints(tmp_path / "out")] == [5, 10, 15, 20], "rewritten, from step 10 on"
+    resumed = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    for before, after in zip(whole, resumed, strict=True):
+        assert before["step"] == after["step"] and before.get("loss") == pytest.approx(after.get("loss"), abs=1e-6)

@@ -230,7 +230,11 @@ class OutDir:
         if self.path.exists() and not self.path.is_dir():
             raise RunError(f"the out dir {self.path} is a file, not a directory")
         if (self.path / ".lock").is_file():   # held from here to the end of the run
-            self.fd = os.open(self.path / ".lock", os.O_RDWR)
+            try:
+                self.fd = os.open(self.path / ".lock", os.O_RDWR)
+            except OSError as e:
+                raise RunError(f"cannot write to the out dir {self.path} ({e.strerror}): choose another --out_dir") \
+                    from None
             if not _lock(self.fd):
                 pid = (self.path / ".lock").read_text(errors="replace").strip() or "unknown"
                 self.close()
@@ -288,7 +292,8 @@ class OutDir:
                 for p in replaced:
                     os.replace(p, self.path / ASIDE / p.name)
         except OSError as e:
-            raise RunError(f"cannot write to the out dir {self.path}: {os_error(e)}") from None
+            raise RunError(f"cannot write to the out dir {self.path} ({e.strerror}): choose another --out_dir") \
+                from None
 
     def committed(self) -> None:
         """The run has a checkpoint of its own: what it replaced can go."""
