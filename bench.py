@@ -1,9 +1,10 @@
 """Benchmarks: each prints its figures, measured in one run on this machine (ratios travel, absolute
 times drift on a shared machine).
 
-    python bench.py race [--data FILE]             classic config vs fast recipe: time to the classic's best val loss
-                                                   (the CPU pair, or on a GPU the GPU pair)
-    python bench.py train CONFIG [--key=value ...] matmul peak, step time, tokens/s, MFU; with vs without the levers
+    python bench.py race                           classic config vs fast recipe: time from launch to the classic's
+                                                   best val loss (the CPU pair, or on a GPU the GPU pair)
+    python bench.py train CONFIG [--key=value ...] matmul peak, ms/step, tokens/s, MFU of the trainer's own loop
+                                                   (on CUDA: eager, compiled, CUDA graph, both), against plain PyTorch
     python bench.py sample [--device cuda]         tokens/s with and without the KV cache, ms/token by position
                                                    (CUDA: batch 1 and 16, with and without the compiled step)
     python bench.py scaling                        step time vs block size and width; sampling time vs samples
@@ -41,14 +42,14 @@ def parser() -> ArgumentParser:
     from benchmarks.prepare import add_options
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("race", help="classic vs fast recipe: wall time to the classic's best val loss")
+    r = sub.add_parser("race", help="classic vs fast recipe: time from launch to the classic's best val loss")
     r.add_argument("--classic", help="default: the classic config of this machine's kind (CPU or GPU)")
     r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
-    r.add_argument("--evals", type=int, default=20, help="evaluations per run (the fast run's resolution)")
-    t = sub.add_parser("train", help="matmul peak, training step throughput and MFU of a config")
+    r.add_argument("--evals", type=int, default=20, help="evaluations per run (the race's resolution)")
+    t = sub.add_parser("train", help="matmul peak, the trainer's ms/step, tokens/s and MFU for a config")
     t.add_argument("config")
-    t.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    t.add_argument("--rounds", type=int, default=3, help="alternating rounds with and without the levers")
+    t.add_argument("--steps", type=int, default=10, help="steps per round")
+    t.add_argument("--rounds", type=int, default=3, help="timed rounds, after one warm-up round (the median counts)")
     s = sub.add_parser("sample", help="sampling with and without the KV cache")
     s.add_argument("--new-tokens", type=int, default=500)
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
@@ -60,9 +61,8 @@ def parser() -> ArgumentParser:
                                                "writes a 1 GB text file (--mb) and removes it afterwards"))
     g = sub.add_parser("gpu", help="the CUDA tests, train, sample and race on a GPU: one report, raw logs")
     g.add_argument("--out", help="report directory (default out/bench_gpu/<date>-<time>-<commit>)")
-    g.add_argument("--quick", action="store_true", help="small settings: checks the command, not for figures")
-    g.add_argument("--grad-accum-124m", type=int, help="train.grad_accum of the 124M shape (default its 32; "
-                   "--quick: 1)")
+    g.add_argument("--quick", action="store_true", help="few steps and tokens, no race: checks the command, not for "
+                                                        "figures")
     return p
 
 
@@ -93,7 +93,7 @@ def check_args(p: ArgumentParser, args, overrides: list[str]) -> None:
         check("--rounds", args.rounds, at_least=1)
         build_config(config_file("CONFIG", args.config), overrides)
     elif args.command == "sample":
-        from training.runtime import pick_device
+        from training.device import pick_device
         check("--new-tokens", args.new_tokens, at_least=1)
         args.device = pick_device(args.device, setting="--device")
     elif args.command == "tokenizers":
@@ -102,8 +102,9 @@ def check_args(p: ArgumentParser, args, overrides: list[str]) -> None:
     elif args.command == "prepare":
         from benchmarks.prepare import checked
         args.prepare = checked(args)
-    elif args.command == "gpu" and args.grad_accum_124m is not None:
-        check("--grad-accum-124m", args.grad_accum_124m, at_least=1)
+    elif args.command == "gpu":   # (the overrides go to every part: checked against the GPU pair's classic)
+        from training.config import ROOT
+        build_config(str(ROOT / "configs" / "shakespeare_char.toml"), overrides)
 
 
 def main(argv: list[str]) -> int:
@@ -134,7 +135,7 @@ def main(argv: list[str]) -> int:
         bench_prepare(**args.prepare)
     elif args.command == "gpu":
         from benchmarks.gpu import bench_gpu
-        return bench_gpu(["bench.py", *argv], args.out, args.quick, args.grad_accum_124m, overrides)
+        return bench_gpu(["bench.py", *argv], args.out, args.quick, overrides)
     return 0
 
 
