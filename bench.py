@@ -57,12 +57,10 @@ def parser() -> ArgumentParser:
     k = sub.add_parser("tokenizers", help="bits per byte of char, gpt2 and bpe:4096 at equal training time")
     k.add_argument("--config", default="configs/shakespeare_char_cpu.toml")
     k.add_argument("--seconds", type=float, default=120.0, help="training time per tokenizer (a run ends by 1.25x it)")
-    add_options(sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole; "
-                                               "writes a 1 GB text file (--mb) and removes it afterwards"))
+    add_options(sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole"))
     g = sub.add_parser("gpu", help="the CUDA tests, train, sample and race on a GPU: one report, raw logs")
     g.add_argument("--out", help="report directory (default out/bench_gpu/<date>-<time>-<commit>)")
-    g.add_argument("--quick", action="store_true", help="few steps and tokens, no race: checks the command, not for "
-                                                        "figures")
+    g.add_argument("--quick", action="store_true", help="few steps and tokens, no race: checks the command")
     return p
 
 
@@ -111,32 +109,16 @@ def main(argv: list[str]) -> int:
     p = parser()
     args, overrides = p.parse_known_args(argv)
     check_args(p, args, overrides)
-    from benchmarks.machine import header
-    print(header(), flush=True)
-    if args.command == "race":
-        from benchmarks.race import race
-        race(args.classic, args.fast, overrides, evals=args.evals)
-    elif args.command == "train":
-        from benchmarks.step import bench_train
-        bench_train(args.config, overrides, steps=args.steps, rounds=args.rounds)
-    elif args.command == "sample":
-        from benchmarks.sampling import bench_sample
-        bench_sample(args.new_tokens, args.device)
-    elif args.command == "scaling":
-        from benchmarks.sampling import bench_samples_scaling
-        from benchmarks.step import bench_scaling
-        bench_scaling()
-        bench_samples_scaling()
-    elif args.command == "tokenizers":
-        from benchmarks.tokenizers import bench_tokenizers
-        bench_tokenizers(args.config, overrides, seconds=args.seconds)
-    elif args.command == "prepare":
-        from benchmarks.prepare import bench_prepare
-        bench_prepare(**args.prepare)
-    elif args.command == "gpu":
-        from benchmarks.gpu import bench_gpu
-        return bench_gpu(["bench.py", *argv], args.out, args.quick, overrides)
-    return 0
+    from benchmarks import gpu, machine, prepare, race, sampling, step, tokenizers
+    print(machine.header(), flush=True)
+    code = {"race": lambda: race.race(args.classic, args.fast, overrides, evals=args.evals),
+            "train": lambda: step.bench_train(args.config, overrides, steps=args.steps, rounds=args.rounds),
+            "sample": lambda: sampling.bench_sample(args.new_tokens, args.device),
+            "scaling": lambda: step.bench_scaling() or sampling.bench_samples_scaling(),
+            "tokenizers": lambda: tokenizers.bench_tokenizers(args.config, overrides, seconds=args.seconds),
+            "prepare": lambda: prepare.bench_prepare(**args.prepare),
+            "gpu": lambda: gpu.bench_gpu(["bench.py", *argv], args.out, args.quick, overrides)}[args.command]()
+    return code if args.command == "gpu" else 0   # (the others return their figures)
 
 
 if __name__ == "__main__":

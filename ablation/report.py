@@ -24,11 +24,6 @@ from viz.curves import Line, Panel, draw, read_records
 
 NOISE_Z = 2.0
 FIGURES = ("final_val", "final_bpb", "best_val", "tokens_per_s", "wall_s", "peak_mem_bytes", "kv_bytes_per_token")
-CSV_COLUMNS = ["variant", "changes", "seeds_done", "seeds", "params", "final_val", "final_val_std", "final_bpb",
-               "best_val", "best_val_std", "delta", "noise_se", "beyond_noise", "tokens_per_s", "wall_s",
-               "peak_mem_bytes", "peak_mem_kind", "kv_bytes_per_token"]
-RUN_COLUMNS = ["variant", "seed", "done", "final_val", "final_bpb", "best_val", "tokens_per_s", "wall_s", "params",
-               "peak_mem_bytes", "kv_bytes_per_token"]
 
 
 def plural(n: int, word: str) -> str:
@@ -47,7 +42,8 @@ def read_run(run) -> dict:
             "elapsed": [r.get("elapsed_s", math.nan) for r in evals],
             "final_val": last.get("val_loss", math.nan), "final_bpb": last.get("val_bpb", math.nan),
             "best_val": min((r["val_loss"] for r in evals), default=math.nan),
-            "tokens_per_s": statistics.median(speeds) if speeds else math.nan, "wall_s": last.get("elapsed_s", math.nan),
+            "tokens_per_s": statistics.median(speeds) if speeds else math.nan,
+            "wall_s": last.get("elapsed_s", math.nan),
             "params": result.get("params"), "kv_bytes_per_token": result.get("kv_cache_bytes_per_token"),
             "peak_mem_bytes": result.get("peak_gpu_bytes") or result.get("peak_rss_bytes"),
             "peak_mem_kind": "GPU allocated" if result.get("peak_gpu_bytes") else "process RSS"}
@@ -55,7 +51,7 @@ def read_run(run) -> dict:
 
 def mean_std(values) -> tuple[float, float]:
     values = [v for v in values if v is not None and not math.isnan(v)]
-    return (statistics.fmean(values) if values else math.nan), (statistics.stdev(values) if len(values) > 1 else math.nan)
+    return statistics.fmean(values) if values else math.nan, statistics.stdev(values) if len(values) > 1 else math.nan
 
 
 def summarize(sweep: Sweep, runs: list[dict]) -> list[dict]:
@@ -80,9 +76,11 @@ def summarize(sweep: Sweep, runs: list[dict]) -> list[dict]:
     return rows
 
 
-def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """rows as CSV: every column but the lists (a run's curve) and the private ones (_name)."""
     text = io.StringIO(newline="")
-    w = csv.DictWriter(text, columns, extrasaction="ignore")
+    w = csv.DictWriter(text, [k for k, v in rows[0].items() if not k.startswith("_") and not isinstance(v, list)],
+                       extrasaction="ignore")
     w.writeheader()
     w.writerows({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in r.items()} for r in rows)
     atomic_write(path, text.getvalue())
@@ -113,8 +111,9 @@ def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:
             continue
         status = "" if r["seeds_done"] == r["seeds"] else f" ({r['seeds_done']}/{r['seeds']} seeds done)"
         baseline = r["beyond_noise"] == "baseline"
-        cells = [f"{r['variant']}{status}", r["changes"], f"{r['params']:,}", fmt(r["final_val"], 4, r["final_val_std"]),
-                 fmt(r["final_bpb"]), fmt(r["best_val"], 4, r["best_val_std"]), "" if baseline else fmt(r["delta"]),
+        cells = [f"{r['variant']}{status}", r["changes"], f"{r['params']:,}",
+                 fmt(r["final_val"], 4, r["final_val_std"]), fmt(r["final_bpb"]),
+                 fmt(r["best_val"], 4, r["best_val_std"]), "" if baseline else fmt(r["delta"]),
                  "" if baseline else r["beyond_noise"], fmt(r["tokens_per_s"], 0), fmt(r["wall_s"], 0),
                  fmt(r["peak_mem_bytes"] / 2**20, 0), fmt(r["kv_bytes_per_token"], 0)]
         lines.append(f"| {' | '.join(cells)} |")
@@ -126,7 +125,8 @@ def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:
         "deviation over the seeds. For a given seed every variant saw the same batches in the same order.",
         f"- **Δ** is the variant's mean final val loss minus the baseline's (negative = better). **beyond noise?** "
         f"says whether |Δ| exceeds {NOISE_Z:g} standard errors of a difference of means, with the seed-to-seed "
-        f"standard deviation pooled over all variants (σ = {fmt(rows[0]['seed_sigma'])}): SE = σ·√(1/n + 1/n_baseline). "
+        f"standard deviation pooled over all variants (σ = {fmt(rows[0]['seed_sigma'])}): "
+        f"SE = σ·√(1/n + 1/n_baseline). "
         f"That is about 95% confidence for one comparison; among {plural(comparisons, 'comparison')} about "
         f"{0.05 * comparisons:.1f} may say yes by chance, and a 'no' means not resolved, not equal.",
         "- **tokens/s**: median training throughput over the logged intervals (timings on a shared machine "
@@ -163,8 +163,8 @@ def write_report(sweep: Sweep, command: str) -> list[dict]:
     runs = [read_run(r) for r in sweep.runs]
     rows = summarize(sweep, runs)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(sweep.out_dir / "results.csv", CSV_COLUMNS, rows)
-    write_csv(sweep.out_dir / "runs.csv", RUN_COLUMNS, runs)
+    write_csv(sweep.out_dir / "results.csv", rows)
+    write_csv(sweep.out_dir / "runs.csv", runs)
     write_md(sweep, rows, sweep.out_dir, command)
     plot(sweep, runs, sweep.out_dir)
     return rows

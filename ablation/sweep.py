@@ -18,13 +18,13 @@ A sweep file (TOML):
     model.attention = "gqa"
     model.n_kv_head = 2
 
-Its paths resolve as a config file's do (training/config.py): against the repository for a sweep
-file in it, else against the file's own folder; a command line's --section.key=value applies to every
-run, last (its --out_dir is the sweep's). Every run is a normal training run, in a process of its own
-(so each has its own peak memory), in <out_dir>/<variant>/seed<seed>/. For a given seed all variants
-see the same batches in the same order (the seed fixes the data order) and the same number of
-tokens: a variant may not change the data, the seed, the step count, the batch shape or the
-evaluation. A finished run is skipped when the sweep runs again; an unfinished one resumes.
+Its paths resolve as a config file's (training/config.py): against the repository for a sweep file in
+it, else against its folder. A command line's --section.key=value applies to every run, last (its
+--out_dir is the sweep's). Each run is a training run in a process of its own (its own peak memory),
+in <out_dir>/<variant>/seed<seed>/. For a given seed all variants see the same batches in the same
+order and the same number of tokens: a variant may not change the data, the seed, the step count,
+the batch shape or the evaluation. A finished run is skipped when the sweep runs again; an unfinished
+one resumes.
 """
 import dataclasses
 import json
@@ -153,11 +153,10 @@ def check_not_stale(run: Run) -> None:
 
 
 def pass_stop_on(proc: subprocess.Popen, signum: int) -> None:
-    """Ask the run to save a checkpoint and stop. POSIX: with SIGINT for a SIGINT, else SIGTERM.
-    Windows sends no signal to another process (Popen.send_signal refuses SIGINT, and its SIGTERM is
-    TerminateProcess): a CTRL_BREAK_EVENT to the run's process group, which its Python takes as
-    SIGBREAK; where the sweep has no console to send it through, the run is terminated (it resumes from
-    its last checkpoint)."""
+    """Ask the run to save a checkpoint and stop: on POSIX with SIGINT for a SIGINT, else SIGTERM. Windows
+    sends another process no signal (send_signal refuses SIGINT; its SIGTERM is TerminateProcess): a
+    CTRL_BREAK_EVENT to the run's process group, which its Python takes as SIGBREAK; without a console to
+    send it through, the run is terminated (it resumes from its last checkpoint)."""
     if not WINDOWS:
         return proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
     try:

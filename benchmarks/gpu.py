@@ -4,16 +4,12 @@ Each part is a child process (this Python, in the repository) under a time limit
 as it comes and kept in <part>.log in the report directory. report.md, rewritten after every part (a
 run stopped halfway still leaves one), says what the figures were taken on, then each part's status,
 time and the last lines of its log: its figures (each bench.py command ends with them), or its error.
-A part that fails or runs out of time does not stop the next.
+A part that fails or runs out of time does not stop the next. The parts: the CUDA-only tests (their
+names say on_cuda); bench.py train on the classic GPU config and on GPT-2 small's shape (every step
+kind and plain PyTorch); bench.py sample on CUDA; bench.py race (the GPU pair).
 
-    tests          the CUDA-only tests (their names say on_cuda)
-    train-classic  bench.py train configs/shakespeare_char.toml: eager, compiled, CUDA graph, both; plain PyTorch
-    train-124m     bench.py train configs/gpt2_124m.toml: GPT-2 small's shape, 0.5M tokens a step
-    sample         bench.py sample --device cuda: batch 1 and 16
-    race           bench.py race: the GPU pair, time from launch to the classic's best val loss
-
-Without a CUDA GPU nothing runs: the report says so, and what would have run. --quick: fewer steps
-and tokens, and no race (it has no short version): it checks the command, its figures are not for use.
+Without a CUDA GPU nothing runs: the report says so, and what would have. --quick: fewer steps and
+tokens, and no race (it has no short version): it checks the command, its figures are not for use.
 """
 import os
 import shlex
@@ -119,8 +115,8 @@ def report(env: dict, plan: list, results: dict, out_dir: Path, stopped: str = "
         if name in results:
             r, log = results[name], out_dir / f"{name}.log"
             tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-TAIL:] if log.exists() else []
-            lines += [f"## {name}: {r['status']}", "", f"{r['seconds']:.1f} s (limit {limit} s), exit code {r['code']}; "
-                      f"the whole log: [{log.name}]({log.name})", "", "```", *tail, "```", ""]
+            lines += [f"## {name}: {r['status']}", "", f"{r['seconds']:.1f} s (limit {limit} s), exit code "
+                      f"{r['code']}; the whole log: [{log.name}]({log.name})", "", "```", *tail, "```", ""]
     return "\n".join(lines)
 
 

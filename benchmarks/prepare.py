@@ -53,8 +53,8 @@ def add_options(p) -> None:
                    "at most --mb)")
     p.add_argument("--tokenizers", default="char,gpt2", help="comma-separated: char, gpt2, bpe:4096, ...")
     p.add_argument("--source", type=Path, default=None, help="text to draw lines from (default: tinyshakespeare)")
-    p.add_argument("--dir", type=Path, default=None, help="where to make the temporary directory the files go in, "
-                   f"removed afterwards (default: {tempfile.gettempdir()}); it needs about 3x --mb MB free")
+    p.add_argument("--dir", type=Path, default=None, help="where the files go, in a temporary directory removed "
+                   f"afterwards (default: {tempfile.gettempdir()}); it needs about 3x --mb MB free")
 
 
 def checked(args) -> dict:
@@ -70,10 +70,7 @@ def checked(args) -> dict:
             check_tokenizer_spec(name)
         except TokenizerError as e:
             raise ConfigError(f"--tokenizers: {e}") from None
-    path = args.source or next((p for p in (ROOT / "data" / "tinyshakespeare.txt",
-                                            ROOT.parent / "shared" / "data" / "tinyshakespeare.txt") if p.is_file()), None)
-    if path is None:
-        raise ConfigError("no tinyshakespeare.txt found: give --source FILE (any text file)")
+    path = args.source or ROOT / "data" / "tinyshakespeare.txt"   # (which ships with the repository)
     try:
         lines = [line + "\n" for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
@@ -109,19 +106,19 @@ def bench_prepare(mb: int, plain_mb: int, tokenizers: list[str], lines: list[str
                   say=print) -> None:
     """Write the text files in a new directory under parent, time each preparation of them, say how they
     compare, and remove it all: when done, on an error, or at a signal (raised as Interrupted once removed)."""
-    work, rows = parent / f"bench_prepare_{uuid.uuid4().hex[:12]}", {}   # named first: removed whenever stopped
-    with on_stop_signals(unwind_on_stop()):
+    work, rows, sizes = parent / f"bench_prepare_{uuid.uuid4().hex[:12]}", {}, sorted({plain_mb, mb})
+    with on_stop_signals(unwind_on_stop()):   # (work is named before it is made: removed wherever a signal stops)
         try:
-            say(f"# writes text files of {' and '.join(f'{n:,} MB' for n in sorted({plain_mb, mb}))} in {work}, then "
-                f"each preparation's tokens beside them, one at a time: about {need:,} MB at most; all of it is removed "
-                f"afterwards. Times are wall clock, on a machine that may be shared")
+            say(f"# writes text files of {' and '.join(f'{n:,} MB' for n in sizes)} in {work}, then each preparation's "
+                f"tokens beside them, one at a time: about {need:,} MB at most; all of it is removed afterwards. Times "
+                f"are wall clock, on a machine that may be shared")
             work.mkdir()
-            for size in sorted({plain_mb, mb}):
-                text, rng, written = work / f"text_{size}mb.txt", np.random.default_rng(0), 0
+            for size in sizes:
+                text, rng, left = work / f"text_{size}mb.txt", np.random.default_rng(0), size * 1_000_000
                 with open(text, "w", encoding="utf-8") as f:
-                    while written < size * 1_000_000:   # (a chunk's characters are at least as many as its bytes)
-                        chunk = "".join(lines[i] for i in rng.integers(0, len(lines), 100_000))[:size * 1_000_000 - written]
-                        written += len(chunk.encode())
+                    while left > 0:   # (a character is a byte or more: the last chunk may go a few bytes over)
+                        chunk = "".join(lines[i] for i in rng.integers(0, len(lines), 100_000))[:left]
+                        left -= len(chunk.encode())
                         f.write(chunk)
                 for tok in tokenizers:   # (a trained BPE exists only streamed)
                     for how in ["stream", "plain"] if size == plain_mb and not tok.startswith("bpe:") else ["stream"]:
@@ -133,10 +130,10 @@ def bench_prepare(mb: int, plain_mb: int, tokenizers: list[str], lines: list[str
         finally:
             shutil.rmtree(work, ignore_errors=True)
     say("# streaming / reading whole on the same file (speed: higher is better; memory: lower is better)")
-    for tok in tokenizers:
-        if (plain_mb, tok, "plain") in rows:
-            (s_took, s_peak), (p_took, p_peak) = rows[plain_mb, tok, "stream"], rows[plain_mb, tok, "plain"]
-            say(f"{tok:8s}: speed x{p_took / s_took:.2f}, " + ("peak memory unknown here" if math.isnan(s_peak + p_peak)
-                else f"peak memory x{s_peak / p_peak:.2f} ({s_peak:.0f} MB vs {p_peak:.0f} MB at {plain_mb:,} MB of text)"))
+    for tok in [tok for tok in tokenizers if (plain_mb, tok, "plain") in rows]:
+        (s_took, s_peak), (p_took, p_peak) = rows[plain_mb, tok, "stream"], rows[plain_mb, tok, "plain"]
+        say(f"{tok:8s}: speed x{p_took / s_took:.2f}, " + ("peak memory unknown here" if math.isnan(s_peak + p_peak)
+            else f"peak memory x{s_peak / p_peak:.2f} ({s_peak:.0f} MB vs {p_peak:.0f} MB at {plain_mb:,} MB of text)"))
     if mb > plain_mb:
-        say(f"# reading whole ran on the {plain_mb:,} MB file only, as --plain-mb {plain_mb} says, not on the {mb:,} MB one")
+        say(f"# reading whole ran on the {plain_mb:,} MB file only, as --plain-mb {plain_mb} says, not on the "
+            f"{mb:,} MB one")

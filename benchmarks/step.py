@@ -135,12 +135,10 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
     """ms/step, tokens/s and MFU of the trainer for a config: on CUDA eager, compiled, CUDA graph and
     both; on CPU as the config says. Each against plain PyTorch (eager fp32, default AdamW)."""
     cfg = build_config(config, overrides)
-    device = pick_device(cfg.train.device)
-    dtype = pick_dtype(device, cfg.train.dtype)
-    m, t = cfg.model, cfg.train
+    device, (m, t) = pick_device(cfg.train.device), (cfg.model, cfg.train)
+    dtype = pick_dtype(device, t.dtype)
     m.vocab_size = m.vocab_size or load_meta(prepare(cfg.data, m.block_size))["vocab_size"]
     peaks = matmul_peak(device, dtype)                     # in the dtype the step's matmuls run in
-    peak = max(peaks.values())
     say(f"# {device}, {torch.get_num_threads()} threads | matmul peak ({str(dtype).removeprefix('torch.')}, "
         f"measured now): " + ", ".join(f"{k} {v / 1e9:,.1f} GFLOP/s" for k, v in peaks.items()))
     plain_model, plain = plain_step(cfg, device)
@@ -151,24 +149,24 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
         f"{attn / 1e6:.1f}M")
     variants = {"eager": (False, False), "compiled": (True, False), "graph": (False, True),
                 "compiled+graph": (True, True)} if device.type == "cuda" else {"trainer": (t.compile, t.cuda_graph)}
-    times, hows = {"plain": []}, {"plain": "eager, fp32, default AdamW"}
+    times, hows = {}, {}
     plain()                                                # warm up (allocations)
-    alternate = (lambda: times["plain"].append(seconds_per_call(plain, device, steps))) if len(variants) == 1 else None
+    plain_rounds = []   # on CPU taken between the trainer's rounds; on CUDA after them (one model at a time)
+    alternate = (lambda: plain_rounds.append(seconds_per_call(plain, device, steps))) if len(variants) == 1 else None
     with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
         for name, (t.compile, t.cuda_graph) in variants.items():
             times[name], setup, how = time_trainer(cfg, Path(tmp) / name, steps, rounds, alternate)
             hows[name] = f"{how}; {setup:.1f} s to the end of the warm-up round"
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if not times["plain"]:
-        times["plain"] = [seconds_per_call(plain, device, steps) for _ in range(rounds + 1)][1:]
-    results = {}
+    times["plain"] = plain_rounds or [seconds_per_call(plain, device, steps) for _ in range(rounds + 1)][1:]
+    hows["plain"], results = "eager, fp32, default AdamW", {}
     say(f"{'step':15s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
-    for name, how in {**{n: hows[n] for n in variants}, "plain": hows["plain"]}.items():
+    for name, how in hows.items():
         sec = sorted(times[name])[len(times[name]) // 2] / steps   # the median round
-        achieved = (dense + attn) * tokens / sec
-        results[name] = {"ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec, "mfu": achieved / peak}
-        say(f"{name:15s} {sec * 1e3:9.2f} {tokens / sec:10,.0f} {achieved / peak:6.1%}  {how}")
+        mfu = (dense + attn) * tokens / sec / max(peaks.values())
+        results[name] = {"ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec, "mfu": mfu}
+        say(f"{name:15s} {sec * 1e3:9.2f} {tokens / sec:10,.0f} {mfu:6.1%}  {how}")
     best = min(variants, key=lambda n: results[n]["ms_per_step"])
     say(f"fastest: {best}, {results['plain']['ms_per_step'] / results[best]['ms_per_step']:.2f}x plain PyTorch "
         f"(median of {rounds} rounds of {steps} steps)")

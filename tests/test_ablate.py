@@ -159,7 +159,8 @@ ONE_RUN = '[[variants]]\nname = "sdpa"\n'
 def test_cut_or_damaged_records_of_a_sweep_are_done_again_not_a_traceback(tmp_path, text_file, capsys):
     from ablate import main
     path = write_sweep(tmp_path, text_file, ONE_RUN)
-    path.write_text(path.read_text().replace("seeds = [1, 2]", "seeds = [1]").replace("max_steps = 10", "max_steps = 4"))
+    path.write_text(path.read_text().replace("seeds = [1, 2]", "seeds = [1]").replace("max_steps = 10",
+                                                                                     "max_steps = 4"))
     assert main([str(path)]) == 0
     run_dir = tmp_path / "sweep" / "sdpa" / "seed1"
     (run_dir / "result.json").write_text((run_dir / "result.json").read_text()[:9])   # cut by a kill, or a full disk
@@ -256,8 +257,9 @@ def test_a_sweep_s_paths_resolve_where_it_was_written_wherever_the_command_runs(
 def test_ablate_runs_from_another_directory_with_an_absolute_sweep_path(tmp_path):
     """Issue 30: `ablate.py /abs/configs/ablations/attention_cpu.toml --report` could not find its base config
     when run from another directory."""
-    r = subprocess.run([sys.executable, str(ROOT / "ablate.py"), str(ROOT / "configs" / "ablations" / "attention_cpu.toml"),
-                        "--report", "--out_dir", "report"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    sweep = ROOT / "configs" / "ablations" / "attention_cpu.toml"
+    r = subprocess.run([sys.executable, str(ROOT / "ablate.py"), str(sweep), "--report", "--out_dir", "report"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"# sweep attention_cpu: 9 variants x 2 seeds = 18 runs -> {tmp_path / 'report'}" in r.stdout
     assert "| sdpa | (baseline) | no finished run |" in (tmp_path / "report" / "results.md").read_text()
