@@ -55,7 +55,7 @@ def parser() -> ArgumentParser:
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     sub.add_parser("scaling", help="how step and sampling time grow with block size, width and samples")
     k = sub.add_parser("tokenizers", help="bits per byte of char, gpt2 and bpe:4096 at equal training time")
-    k.add_argument("--config", default="configs/shakespeare_char_cpu.toml")
+    k.add_argument("--config", help="default: configs/shakespeare_char_cpu.toml")
     k.add_argument("--seconds", type=float, default=120.0, help="training time per tokenizer (a run ends by 1.25x it)")
     add_options(sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole"))
     g = sub.add_parser("gpu", help="the CUDA tests, train, sample and race on a GPU: one report, raw logs")
@@ -74,14 +74,14 @@ def config_file(option: str, path: str) -> str:
 def check_args(p: ArgumentParser, args, overrides: list[str]) -> None:
     """Refuse, before any work, what the command cannot use, in one line naming the option; settle the
     defaults that depend on the machine (race's configs, sample's device)."""
-    from training.config import build_config
+    from training.config import ROOT, build_config
     if overrides and args.command not in TAKE_OVERRIDES:
         p.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.command == "race":
         import torch
         from benchmarks.race import PAIRS
         check("--evals", args.evals, at_least=1)
-        classic, fast = PAIRS["cuda" if torch.cuda.is_available() else "cpu"]
+        classic, fast = (str(ROOT / p) for p in PAIRS["cuda" if torch.cuda.is_available() else "cpu"])
         args.classic = config_file("--classic", args.classic or classic)
         args.fast = config_file("--fast", args.fast or fast)
         for path in (args.classic, args.fast):
@@ -96,12 +96,12 @@ def check_args(p: ArgumentParser, args, overrides: list[str]) -> None:
         args.device = pick_device(args.device, setting="--device")
     elif args.command == "tokenizers":
         check("--seconds", args.seconds, above=0)
-        build_config(config_file("--config", args.config), overrides)
+        args.config = config_file("--config", args.config or str(ROOT / "configs" / "shakespeare_char_cpu.toml"))
+        build_config(args.config, overrides)
     elif args.command == "prepare":
         from benchmarks.prepare import checked
         args.prepare = checked(args)
     elif args.command == "gpu":   # (the overrides go to every part: checked against the GPU pair's classic)
-        from training.config import ROOT
         build_config(str(ROOT / "configs" / "shakespeare_char.toml"), overrides)
 
 

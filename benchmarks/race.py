@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RunError, on_stop_signals, unwind_on_stop
+from common import Progress, RunError, on_stop_signals, unwind_on_stop
 from data.loader import BatchLoader, strided_windows
 from data.prepare import prepare
 from model.gpt import score
@@ -44,15 +44,17 @@ def run(config: str, overrides: list[str], evals: int, out_dir: Path, label: str
             "--log.curves=false", f"--out_dir={out_dir}"]
     say(f"# {label}: python train.py {config} {' '.join(overrides)} ({cfg.train.max_steps} steps, an evaluation "
         f"every {every})".replace("  ", " "))
-    launch, seconds = time.perf_counter(), {}
+    launch, seconds, progress = time.perf_counter(), {}, Progress(label, cfg.train.max_steps, "steps")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"})
     try:
         for line in proc.stdout:   # (its stderr, notes and errors, goes where this command's goes)
             if m := EVAL_LINE.match(line):
                 seconds[int(m[1])] = time.perf_counter() - launch
+                progress.advance(int(m[1]) - progress.done)
         proc.wait()
     finally:
+        progress.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

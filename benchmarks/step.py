@@ -156,7 +156,7 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
     with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
         for name, (t.compile, t.cuda_graph) in variants.items():
             times[name], setup, how = time_trainer(cfg, Path(tmp) / name, steps, rounds, alternate)
-            hows[name] = f"{how}; {setup:.1f} s to the end of the warm-up round"
+            hows[name] = f"{how}; set-up and warm-up round {setup:.1f} s"
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     times["plain"] = plain_rounds or [seconds_per_call(plain, device, steps) for _ in range(rounds + 1)][1:]

@@ -41,8 +41,8 @@ def test_bench_train_times_the_trainer_s_own_loop_in_rounds(tmp_path, text_file,
     cfg, = calls
     assert cfg.train.log_interval > 9 and cfg.train.eval_interval > 9, "no log line or evaluation inside the rounds"
     assert re.search(r"^step +ms/step +tokens/s +MFU  how$", out, re.M), out
-    assert re.search(r"^trainer +[\d.]+ +[\d,]+ +[\d.]+%  cpu, float32, eager; [\d.]+ s to the end of the warm-up "
-                     r"round$", out, re.M), out
+    assert re.search(r"^trainer +[\d.]+ +[\d,]+ +[\d.]+%  cpu, float32, eager; set-up and warm-up round [\d.]+ s$",
+                     out, re.M), out
     assert re.search(r"^plain +[\d.]+ +[\d,]+ +[\d.]+%  eager, fp32, default AdamW$", out, re.M), out
     assert "(median of 2 rounds of 3 steps)" in out
     assert not any((tmp_path / "out").glob("*.pt")), "the timed run leaves no checkpoint"
@@ -121,6 +121,15 @@ def test_the_plain_step_handles_every_micro_batch_of_a_step():
     model.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape))
     plain()
     assert forwards == [torch.Size([2, 8])] * 3
+
+
+def test_race_and_tokenizers_find_their_default_configs_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    p = bench.parser()
+    for argv, option in ((["race"], "classic"), (["race"], "fast"), (["tokenizers"], "config")):
+        args, overrides = p.parse_known_args(argv)
+        bench.check_args(p, args, overrides)
+        assert Path(getattr(args, option)).is_file()
 
 
 def test_the_fast_recipe_is_judged_on_the_classic_context_length():
