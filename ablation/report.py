@@ -99,8 +99,9 @@ def write_md(sweep: Sweep, rows: list[dict], out: Path, command: str) -> None:
         f"# Ablation: {sweep.name}", "",
         f"`{command}`: {plural(len(sweep.variants), 'variant')} x {plural(len(sweep.seeds), 'seed')} "
         f"({', '.join(map(str, sweep.seeds))}), {t.max_steps} steps of {t.batch_size * t.grad_accum} x {block} tokens "
-        f"({t.max_steps * t.batch_size * t.grad_accum * block:,} tokens per run), val loss on the same "
-        f"{t.eval_iters} batches every {t.eval_interval} steps. Machine: {machine()}. Written "
+        f"({t.max_steps * t.batch_size * t.grad_accum * block:,} tokens per run), val loss on "
+        f"{f'the same {t.eval_iters} batches' if t.eval_iters else 'every token of the val split'} every "
+        f"{t.eval_interval} steps. Machine: {machine()}. Written "
         f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}.", "",
         "| variant | changes | params | final val loss | val bits/byte | best val loss "
         f"| Δ final vs {rows[0]['variant']} | beyond noise? | tokens/s | wall s | peak mem MB | KV cache B/token |",

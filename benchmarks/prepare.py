@@ -27,22 +27,23 @@ from data.tokenizers import check_tokenizer_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_BYTES = 2   # at most about this many bytes of prepared tokens per byte of text (char ids are uint16)
-CHILD = """
-import sys
-from benchmarks.machine import peak_memory
+# Prepared in a child process: streaming (data/prepare.py), or reading whole (one str, one list of ids, one array).
+STREAM = """import sys
 from common import run_cli
-path, tokenizer, out, how = sys.argv[1:]
-def whole(argv):
-    import numpy as np
-    from data.tokenizers import build_tokenizer
-    text = open(path, encoding="utf-8").read()
-    np.array(build_tokenizer(tokenizer, text).encode(text), dtype=np.uint32).tofile(out + "/tokens.bin")
-def stream(argv):
-    from data.prepare import DataConfig, prepare
-    prepare(DataConfig(path=path, tokenizer=tokenizer, prepared_dir=out))
-if run_cli(whole if how == "plain" else stream, []):
-    sys.exit(2)
-print(f"peak={peak_memory()}", file=sys.stderr)
+from data.prepare import DataConfig, prepare
+sys.exit(run_cli(lambda argv: prepare(DataConfig(path=argv[0], tokenizer=argv[1], prepared_dir=argv[2])) and 0,
+                 sys.argv[1:]))
+"""
+WHOLE = """import sys, numpy as np
+from data.tokenizers import build_tokenizer
+path, tokenizer, out = sys.argv[1:]
+text = open(path, encoding="utf-8").read()
+np.array(build_tokenizer(tokenizer, text).encode(text), dtype=np.uint32).tofile(out + "/tokens.bin")
+"""
+# Runs first in the child: at its exit, whatever the way, it says its own peak memory.
+PEAK = """import atexit, sys
+from benchmarks.machine import peak_memory
+atexit.register(lambda: print(f"\\npeak={peak_memory()}", file=sys.stderr))
 """
 
 
@@ -88,17 +89,19 @@ def checked(args) -> dict:
             "parent": parent, "need": need}
 
 
-def measure(text: Path, tokenizer: str, how: str, out: Path) -> tuple[float, float]:
-    """(seconds, the child's peak resident MB, nan where unknown) of one preparation; a RunError with the
-    child's last line if it fails."""
+def measure(kind: str, target: str, args: list[str]) -> tuple[float, float]:
+    """(seconds, peak resident MB; nan where unknown) of `python -c CODE ARGS` (kind "-c") or `python -m
+    MODULE ARGS` (kind "-m"), run in the repository; a RunError with the child's last line if it fails."""
+    code = target if kind == "-c" else f"import runpy; runpy.run_module({target!r}, run_name='__main__', alter_sys=True)"
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CHILD, str(text), tokenizer, str(out), how], cwd=ROOT,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    took, said = time.perf_counter() - start, [line for line in done.stderr.splitlines() if line.strip()]
+    done = subprocess.run([sys.executable, "-c", PEAK + code, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    took, lines = time.perf_counter() - start, [line for line in done.stderr.splitlines() if line.strip()]
+    said = [line for line in lines if not line.startswith("peak=")]
     if done.returncode != 0:
-        raise RunError(f"{how} preparation of {text} with {tokenizer} failed (exit code {done.returncode}): "
-                       f"{said[-1].removeprefix('error: ')[:200] if said else 'no message'}")
-    peak = said[-1].removeprefix("peak=")
+        raise RunError(f"python {kind} {target.splitlines()[0][:40]} {' '.join(args)} failed (exit code "
+                       f"{done.returncode}): {said[-1].removeprefix('error: ')[:200] if said else 'no message'}")
+    peak = next((line.removeprefix("peak=") for line in reversed(lines) if line.startswith("peak=")), "None")
     return took, int(peak) / 2**20 if peak != "None" else math.nan
 
 
@@ -123,7 +126,8 @@ def bench_prepare(mb: int, plain_mb: int, tokenizers: list[str], lines: list[str
                 for tok in tokenizers:   # (a trained BPE exists only streamed)
                     for how in ["stream", "plain"] if size == plain_mb and not tok.startswith("bpe:") else ["stream"]:
                         (work / "out").mkdir()
-                        took, peak = rows[size, tok, how] = measure(text, tok, how, work / "out")
+                        took, peak = rows[size, tok, how] = measure("-c", STREAM if how == "stream" else WHOLE,
+                                                                    [str(text), tok, str(work / "out")])
                         shutil.rmtree(work / "out")
                         say(f"{size:8,} MB  {tok:8s}  {how:6s}  {size / took:7.1f} MB/s  "
                             + ("peak unknown" if math.isnan(peak) else f"peak {peak:7.0f} MB"))

@@ -4,14 +4,16 @@ train.py CONFIG`, in a process of its own), judged on the classic's best val los
 Each run evaluates and checkpoints every 1/--evals of its steps, and every checkpoint is kept. The
 time of an evaluation is when its `eval` line came out, counted from the process's launch: Python's
 start, the data, the model and compiling are in it, as a user waits for them. Those in-run
-evaluations draw one batch (train.eval_iters = 1), so they cost next to nothing; afterwards the race
-scores every checkpoint exactly, over every token of the val split (model.gpt.score over
-data.loader.strided_windows, as train.eval_iters = 0 does), with the race's own clock stopped. The
-target is the classic run's best val loss; each run's figure is its first evaluation at or below it.
+evaluations draw one batch (train.eval_iters = 1), so they cost next to nothing; once the run has
+ended the race scores each checkpoint exactly, on every token of the val split (model.gpt.score over
+data.loader.strided_windows, as train.eval_iters = 0 does, which would also score the whole train split
+at every evaluation). The target is the classic run's best val loss; each run's figure is its first
+evaluation at or below it.
 """
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -42,8 +44,8 @@ def run(config: str, overrides: list[str], evals: int, out_dir: Path, label: str
     argv = [sys.executable, str(ROOT / "train.py"), config, *overrides, f"--train.eval_interval={every}",
             "--train.eval_iters=1", f"--train.keep_checkpoints={-(-cfg.train.max_steps // every)}",
             "--log.curves=false", f"--out_dir={out_dir}"]
-    say(f"# {label}: python train.py {config} {' '.join(overrides)} ({cfg.train.max_steps} steps, an evaluation "
-        f"every {every})".replace("  ", " "))
+    say(f"# {label}: {shlex.join(['python', 'train.py', config, *overrides])} ({cfg.train.max_steps} steps, an "
+        f"evaluation every {every})")
     launch, seconds, progress = time.perf_counter(), {}, Progress(label, cfg.train.max_steps, "steps")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"})

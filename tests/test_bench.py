@@ -243,7 +243,7 @@ def test_prepare_says_peak_memory_is_unknown_where_the_system_cannot_tell_it(tmp
                                                                             capsys):
     """Peak memory comes from /proc, else from the resource module; with neither it is unknown, not an error."""
     from benchmarks import prepare as bench_prepare
-    monkeypatch.setattr(bench_prepare, "CHILD", NO_PROC_NO_RESOURCE + bench_prepare.CHILD)
+    monkeypatch.setattr(bench_prepare, "PEAK", NO_PROC_NO_RESOURCE + bench_prepare.PEAK)
     rc, out, err = run_tool(bench, ["prepare", "--mb", "1", "--plain-mb", "1", "--tokenizers", "char", "--source",
                                     text_file, "--dir", mkdir(tmp_path / "work")], capsys)
     assert rc == 0 and not err, (out, err)
