@@ -60,9 +60,9 @@ def test_time_trainer_rounds_are_the_steps_between_round_boundaries(tiny_cfg, tm
             return on_step(s, model)
         return real(cfg, on_step=on, **kw)
     monkeypatch.setattr(step, "train", slow_steps)
-    times, setup, how = step.time_trainer(tiny_cfg(), tmp_path / "run", 2, 3, between=lambda: time.sleep(0.3))
+    times, setup, how = step.time_trainer(tiny_cfg(), tmp_path / "run", 2, 3, between=lambda: time.sleep(0.6))
     assert seen == list(range(1, 9)), "a warm-up round and 3 rounds of 2 steps, then the run ends"
-    assert len(times) == 3 and all(0.1 <= t < 0.3 for t in times), times
+    assert len(times) == 3 and all(0.1 <= t < 0.5 for t in times), times
     assert setup > 0 and how == "cpu, float32, eager"
 
 
