@@ -152,14 +152,19 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
     times, hows = {}, {}
     plain()                                                # warm up (allocations)
     plain_rounds = []   # on CPU taken between the trainer's rounds; on CUDA after them (one model at a time)
-    alternate = (lambda: plain_rounds.append(seconds_per_call(plain, device, steps))) if len(variants) == 1 else None
+    plain_round = lambda: plain_rounds.append(seconds_per_call(plain, device, steps) * steps)   # noqa: E731
+    alternate = plain_round if len(variants) == 1 else None
     with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
         for name, (t.compile, t.cuda_graph) in variants.items():
             times[name], setup, how = time_trainer(cfg, Path(tmp) / name, steps, rounds, alternate)
             hows[name] = f"{how}; set-up and warm-up round {setup:.1f} s"
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    times["plain"] = plain_rounds or [seconds_per_call(plain, device, steps) for _ in range(rounds + 1)][1:]
+    if not plain_rounds:
+        for _ in range(rounds + 1):   # a warm-up round, then `rounds`
+            plain_round()
+        del plain_rounds[0]
+    times["plain"] = plain_rounds
     hows["plain"], results = "eager, fp32, default AdamW", {}
     say(f"{'step':15s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
     for name, how in hows.items():
