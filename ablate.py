@@ -20,13 +20,16 @@ except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
 import shlex
 import sys
 
-from common import RunError, run_cli  # noqa: E402
+from common import ConfigError, RunError, run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("--"):
+    if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+        return 0
+    if not argv or argv[0].startswith("--"):
+        raise ConfigError("give a sweep file first: python ablate.py SWEEP.toml [--report] [--section.key=value ...] "
+                          "(see --help)")
     from ablation.report import plural, write_report
     from ablation.sweep import load_sweep, run_sweep
 

@@ -112,6 +112,13 @@ def test_bad_sweeps_are_refused_before_anything_runs(tmp_path, text_file, varian
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.parametrize("argv, named", [([], "give a sweep file first"), (["--report"], "give a sweep file first"),
+                                         (["absent.toml"], "absent.toml")])
+def test_ablate_without_a_sweep_file_is_one_line(argv, named, tmp_path, capsys):
+    import ablate
+    assert_refused(ablate, [tmp_path / a if a.endswith(".toml") else a for a in argv], capsys, tmp_path, named)
+
+
 def test_sweep_errors_are_one_line_from_the_command(tmp_path, text_file, capsys):
     import ablate
     path = write_sweep(tmp_path, text_file, extra="learning_rate = 3")
