@@ -69,7 +69,7 @@ def run_part(argv: list[str], limit: int, log: Path, say) -> tuple[str, int | No
         try:
             for line in proc.stdout:
                 f.write(line)
-                say(line, end="")
+                say(line, end="", flush=True)
             code = proc.wait()
         finally:
             timer.cancel()
