@@ -5,9 +5,11 @@ compare them (results.md, results.csv, loss_curves.png in the sweep's out dir).
     python ablate.py configs/ablations/attention.toml --train.device=cuda:1   # applies to every run
     python ablate.py SWEEP.toml --report                                      # only rewrite the results
 
-The sweep file format is described in ablation/sweep.py (each run: ablation/run.py). Running the same
-command again skips the finished runs and resumes an unfinished one from its last checkpoint; Ctrl-C
-stops after the current step of the current run (with a checkpoint).
+The sweep file format is described in ablation/sweep.py (each run: ablation/run.py); its paths are
+relative to the repository for a sweep file in it (else to the file's folder), wherever the command
+runs, and its runs go to out/ablations/<name> in the repository unless it or --out_dir says otherwise.
+Running the same command again skips the finished runs and resumes an unfinished one from its last
+checkpoint; Ctrl-C stops after the current step of the current run (with a checkpoint).
 """
 try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
     import signal
@@ -18,21 +20,23 @@ except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
 import shlex
 import sys
 
-from common import RunError, run_cli  # noqa: E402
+from common import ConfigError, RunError, run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("--"):
+    if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    from ablation.report import write_report
+        return 0
+    if not argv or argv[0].startswith("--"):
+        raise ConfigError("give a sweep file first: python ablate.py SWEEP.toml [--report] [--section.key=value ...] "
+                          "(see --help)")
+    from ablation.report import plural, write_report
     from ablation.sweep import load_sweep, run_sweep
 
-    report_only = "--report" in argv
     sweep = load_sweep(argv[0], [a for a in argv[1:] if a != "--report"])
-    print(f"# sweep {sweep.name}: {len(sweep.variants)} variants x {len(sweep.seeds)} seeds = "
-          f"{len(sweep.runs)} runs -> {sweep.out_dir}")
-    outcome = {"failed": [], "interrupted": False} if report_only else run_sweep(sweep)
+    print(f"# sweep {sweep.name}: {plural(len(sweep.variants), 'variant')} x {plural(len(sweep.seeds), 'seed')} = "
+          f"{plural(len(sweep.runs), 'run')} -> {sweep.out_dir}")
+    outcome = {"failed": [], "interrupted": False} if "--report" in argv else run_sweep(sweep)
     write_report(sweep, "python ablate.py " + shlex.join(argv))
     print((sweep.out_dir / "results.md").read_text(encoding="utf-8"))
     if outcome["interrupted"]:

@@ -2,7 +2,8 @@
 
 Trains (or resumes) the run whose config the sweep wrote to RUN_DIR/sweep_run.toml, then writes
 RUN_DIR/result.json: whether it finished, its final and best val loss, its parameter count, the
-bytes its KV cache holds per token, and its peak GPU memory. If the sweep that started it dies (a
+bytes its KV cache holds per token, and its peak memory (resident, and on CUDA the GPU's allocated;
+a resumed run's, the largest of its processes that ended as they should). If the sweep that started it dies (a
 kill -9 that its own signal handling cannot see), the run stops as for SIGTERM: it saves and ends
 rather than running on unseen with its out dir locked.
 """
@@ -15,38 +16,6 @@ import time
 from pathlib import Path
 
 from common import atomic_write, run_cli
-
-
-def run(run_dir: Path) -> int:
-    import torch
-
-    from training.checkpoint import latest_checkpoint, load_model
-    from training.config import build_config
-    from training.outdir import read_records
-    from training.runtime import dtype_name, pick_device, pick_dtype
-    from training.trainer import train
-
-    stop_when_orphaned()
-    cfg = build_config(str(run_dir / "sweep_run.toml"), [])
-    resume = latest_checkpoint(run_dir) is not None
-    summary = train(cfg, resume=resume, overwrite=not resume)
-    device = pick_device(cfg.train.device)
-    dtype = pick_dtype(device, cfg.train.dtype)
-    model = load_model(run_dir).model
-    block = cfg.model.block_size
-    evals = [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
-    result = {
-        "done": summary["step"] >= cfg.train.max_steps and not summary["interrupted"],
-        "step": summary["step"], "val_loss": evals[-1]["val_loss"] if evals else None,
-        "best_val_loss": summary["best_val_loss"],
-        "params": model.num_params(),
-        "kv_cache_bytes_per_token": model.kv_cache_bytes(block, dtype) / block,
-        "kv_cache_dtype": dtype_name(dtype),
-        "device": str(device),
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-    }
-    atomic_write(run_dir / "result.json", json.dumps(result, indent=1))
-    return summary["exit_code"]
 
 
 def stop_when_orphaned(every: float = 0.5) -> None:
@@ -65,7 +34,34 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m ablation.run RUN_DIR (a run directory that ablate.py prepared)", file=sys.stderr)
         return 2
-    return run(Path(argv[0]))
+    import torch
+
+    from ablation.sweep import read_json
+    from benchmarks.machine import peak_memory
+    from training.checkpoint import latest_checkpoint, load_model
+    from training.config import build_config
+    from training.device import pick_device, pick_dtype
+    from training.trainer import train
+    from viz.curves import read_records
+    run_dir = Path(argv[0])
+    stop_when_orphaned()
+    cfg = build_config(str(run_dir / "sweep_run.toml"), [])
+    resume = latest_checkpoint(run_dir) is not None
+    summary = train(cfg, resume=resume, overwrite=not resume)
+    device = pick_device(cfg.train.device)
+    model, block = load_model(run_dir).model, cfg.model.block_size
+    # the last evaluation of the run, not of this process: one resumed at its end (killed after its last
+    # checkpoint) evaluates nothing
+    evals = [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
+    atomic_write(run_dir / "result.json", json.dumps({
+        "done": summary["step"] >= cfg.train.max_steps and not summary["interrupted"], "step": summary["step"],
+        "val_loss": evals[-1]["val_loss"] if evals else None,
+        "best_val_loss": summary["best_val_loss"], "params": model.num_params(),
+        "kv_cache_bytes_per_token": model.kv_cache_bytes(block, pick_dtype(device, cfg.train.dtype)) / block,
+        "peak_rss_bytes": max(filter(None, [peak_memory(), read_json(run_dir / "result.json").get("peak_rss_bytes")]),
+                              default=None),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}, indent=1))
+    return summary["exit_code"]
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 A sweep file (TOML):
 
     name = "attention_cpu"                        # optional: default the file's name (wandb group)
-    base = "configs/shakespeare_char_cpu.toml"   # optional: a config file, relative to the working dir
-    out_dir = "out/ablations/attention_cpu"       # optional: default out/ablations/<name>
+    base = "configs/shakespeare_char_cpu.toml"   # optional: a config file
+    out_dir = "out/ablations/attention_cpu"       # optional: default out/ablations/<name> in the repository
     seeds = [1337, 1338]
 
     [overrides]                                   # optional: on top of base, for every run
@@ -18,11 +18,13 @@ A sweep file (TOML):
     model.attention = "gqa"
     model.n_kv_head = 2
 
-Every run is a normal training run (a subprocess, so each has its own peak memory) in
-<out_dir>/<variant>/seed<seed>/. For a given seed all variants see the same batches in the same order
-(the seed fixes the data order) and the same number of tokens: a variant may not change the data,
-the seed, the step count, the batch shape or the evaluation. A finished run is skipped when the
-sweep runs again; an unfinished one resumes from its last checkpoint.
+Its paths resolve as a config file's (training/config.py): against the repository for a sweep file in
+it, else against its folder. A command line's --section.key=value applies to every run, last (its
+--out_dir is the sweep's). Each run is a training run in a process of its own (its own peak memory),
+in <out_dir>/<variant>/seed<seed>/. For a given seed all variants see the same batches in the same
+order and the same number of tokens: a variant may not change the data, the seed, the step count,
+the batch shape or the evaluation. A finished run is skipped when the sweep runs again; an unfinished
+one resumes.
 """
 import dataclasses
 import json
@@ -36,17 +38,17 @@ from pathlib import Path
 
 from common import WINDOWS, ConfigError, atomic_write, on_stop_signals, type_problem
 from data.prepare import prepare
-from training.config import (WATCHING_KEYS, Config, apply_dict, describe, flat, get_key, load_toml, parse_overrides,
-                             set_key)
+from training.config import (ROOT, SAME_RUN_KEYS, Config, build_config, describe, flat, folder_of, get_key, load_toml,
+                             parse_overrides)
 
 SWEEP_KEYS = {"base": str, "out_dir": str, "seeds": list, "overrides": dict, "variants": list, "name": str}
 # keys a variant must not change: the data, its order and the token budget, and how runs are scored
 SHARED_KEYS = ["data.path", "data.tokenizer", "data.val_fraction", "train.seed", "train.max_steps",
                "train.batch_size", "train.grad_accum", "model.block_size", "train.eval_interval", "train.eval_iters"]
-# keys that may differ between a run's start and its resumption: what is watched or kept of a run (a sweep
-# moved to another out_dir continues its runs), and how fast it computes; log.* are labels too (a copy
-# of a sweep under another name continues its runs). Not the evaluation: it scores the runs.
-RESUMABLE_KEYS = WATCHING_KEYS | {"train.device", "train.compile", "train.cuda_graph"}
+# keys whose change a run's resumption allows (what is watched or kept of a run, how fast it computes: a
+# sweep moved to another out_dir continues its runs), and log.* (labels: a copy of a sweep under another
+# name continues them too); not the evaluation, which scores the runs
+RESUMABLE_KEYS = SAME_RUN_KEYS - {"train.eval_interval", "train.eval_iters"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
@@ -72,17 +74,13 @@ class Sweep:
 
 
 def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
-    """Parse and check a sweep file; build (and validate) every run's config before anything runs.
-    overrides: command-line --section.key=value, applied to every run after the file's [overrides]."""
-    path = Path(path)
+    """Parse and check a sweep file; build (and validate) every run's config before anything runs."""
+    path, where = Path(path), f"{path}: "
     spec = load_toml(path)
-    where = f"{path}: "
-    unknown = set(spec) - set(SWEEP_KEYS)
-    if unknown:
+    if unknown := set(spec) - set(SWEEP_KEYS):
         raise ConfigError(f"{where}unknown sweep key(s) {', '.join(sorted(unknown))} "
                           f"(a sweep has {', '.join(sorted(SWEEP_KEYS))})")
-    problem = type_problem(spec, {k: kind for k, kind in SWEEP_KEYS.items() if k in spec})
-    if problem:
+    if problem := type_problem(spec, {k: kind for k, kind in SWEEP_KEYS.items() if k in spec}):
         raise ConfigError(f"{where}{problem.replace(' an object', ' a table')}")
     seeds = spec.get("seeds", [1337])
     if not seeds or any(type(s) is not int for s in seeds) or len(set(seeds)) != len(seeds):   # (a bool is no seed)
@@ -99,44 +97,37 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
             raise ConfigError(f"{where}two variants are named {name!r}")
         named.append((name, {k: x for k, x in v.items() if k != "name"}))
 
-    cli = parse_overrides(list(overrides))
+    folder, cli = folder_of(path), parse_overrides(list(overrides))
+    if clash := sorted({k for k, _ in cli} & {k for _, v in named for k in flat(v)}):
+        raise ConfigError(f"--{clash[0]}: a variant of {path} sets it, and the command line, applied last, would "
+                          f"make that variant its baseline's copy; give it in the sweep file's variants instead")
     sweep_name = spec.get("name", path.stem)
-    out_dir = Path(next((v for k, v in cli if k == "out_dir"), None) or spec.get("out_dir") or
-                   Path("out") / "ablations" / sweep_name)
+    out_dir = next((Path(v).resolve() for k, v in cli if k == "out_dir"), None) or \
+        (folder / spec["out_dir"] if "out_dir" in spec else ROOT / "out" / "ablations" / sweep_name)
+    base = str(folder / spec["base"]) if "base" in spec else None
+    rest = [f"--{k}={v}" for k, v in cli if k != "out_dir"]   # (every run's out_dir is the sweep's)
     runs = []
     for name, values in named:
         for seed in seeds:
-            cfg = Config()
-            if "base" in spec:
-                apply_dict(cfg, load_toml(Path(spec["base"])), where=f"{spec['base']}: ")
-            apply_dict(cfg, spec.get("overrides", {}), where=f"{where}[overrides]: ")
-            for key, value in cli:
-                if key != "out_dir":
-                    set_key(cfg, key, value)
-            apply_dict(cfg, values, where=f"{where}variant {name!r}: ")
+            cfg = build_config(base, rest, validate=False, layers=[
+                (spec.get("overrides", {}), folder, f"{where}[overrides]: "),
+                (values, folder, f"{where}variant {name!r}: ")])
             run_dir = out_dir / name / f"seed{seed}"
             cfg.train.seed, cfg.out_dir = seed, str(run_dir)
-            cfg.log.wandb_group = cfg.log.wandb_group or sweep_name
-            cfg.log.wandb_run_name = f"{name}-seed{seed}"
+            cfg.log.wandb_group, cfg.log.wandb_run_name = cfg.log.wandb_group or sweep_name, f"{name}-seed{seed}"
             try:
                 cfg.validate()
             except ConfigError as e:
                 raise ConfigError(f"{where}variant {name!r}: {e}") from None
             runs.append(Run(name, seed, run_dir, cfg))
-    check_shared(runs, named[0][0], where)
-    return Sweep(sweep_name, out_dir, seeds, named, runs)
-
-
-def check_shared(runs: list[Run], baseline_name: str, where: str) -> None:
-    """Every variant sees the same data and token budget as the baseline of its seed."""
-    baseline = {r.seed: r.cfg for r in runs if r.variant == baseline_name}
-    for run in runs:
+    baseline = {r.seed: r.cfg for r in runs if r.variant == named[0][0]}
+    for run in runs:   # every variant sees the same data and token budget as the baseline of its seed
         for key in SHARED_KEYS:
-            mine, theirs = get_key(run.cfg, key), get_key(baseline[run.seed], key)
-            if mine != theirs:
+            if (mine := get_key(run.cfg, key)) != (theirs := get_key(baseline[run.seed], key)):
                 raise ConfigError(f"{where}variant {run.variant!r} changes {key} ({mine!r}, the baseline has "
                                   f"{theirs!r}): every variant must see the same data and token budget; "
                                   f"set it in [overrides] instead")
+    return Sweep(sweep_name, out_dir, seeds, named, runs)
 
 
 def read_json(path: Path) -> dict:
@@ -149,16 +140,11 @@ def read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def is_done(run: Run) -> bool:
-    return read_json(run.dir / "result.json").get("done") is True
-
-
 def check_not_stale(run: Run) -> None:
     """A run dir started with another config must not be mixed into the results (nor resumed)."""
-    saved_path = run.dir / "sweep_run.toml"
-    if not saved_path.exists():
+    if not (run.dir / "sweep_run.toml").exists():
         return
-    saved = flat(load_toml(saved_path))
+    saved = flat(load_toml(run.dir / "sweep_run.toml"))
     diff = [f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in flat(run.cfg.to_dict()).items()
             if saved.get(k) != v and k not in RESUMABLE_KEYS and not k.startswith("log.")]
     if diff:
@@ -167,90 +153,59 @@ def check_not_stale(run: Run) -> None:
 
 
 def pass_stop_on(proc: subprocess.Popen, signum: int) -> None:
-    """Ask the run to save a checkpoint and stop. POSIX: with SIGINT for a SIGINT, else SIGTERM.
-    Windows sends no signal to another process (Popen.send_signal refuses SIGINT, and its SIGTERM is
-    TerminateProcess): a CTRL_BREAK_EVENT to the run's process group, which its Python takes as
-    SIGBREAK; where the sweep has no console to send it through, the run is terminated (it resumes from
-    its last checkpoint)."""
+    """Ask the run to save a checkpoint and stop: on POSIX with SIGINT for a SIGINT, else SIGTERM. Windows
+    sends another process no signal (send_signal refuses SIGINT; its SIGTERM is TerminateProcess): a
+    CTRL_BREAK_EVENT to the run's process group, which its Python takes as SIGBREAK; without a console to
+    send it through, the run is terminated (it resumes from its last checkpoint)."""
     if not WINDOWS:
-        proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
-        return
+        return proc.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
     try:
         proc.send_signal(signal.CTRL_BREAK_EVENT)
     except OSError:
         proc.terminate()
 
 
-def execute(run: Run) -> tuple[int, int | None, bool]:
-    """Run one training subprocess (its output appended to train.log); return its exit code, its peak
-    resident memory in bytes (None where os.wait4 is missing) and whether a stop was requested.
-    A Ctrl-C (or SIGTERM, SIGHUP) reaches this process, which passes it on, so the child saves a
-    checkpoint and stops; a second one makes it exit at once."""
+def execute(run: Run) -> tuple[int, bool]:
+    """Run one training process, its output appended to train.log; (its exit code, whether a stop was
+    asked for). A Ctrl-C (or SIGTERM, SIGHUP) reaches this process alone (the run has a session, or on
+    Windows a process group, of its own), which passes it on: the run saves a checkpoint and stops."""
     run.dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run.dir / "sweep_run.toml", describe(run.cfg))
-    root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8",   # train.log is UTF-8 everywhere
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    stops = []
-    # the run's process is in a session (POSIX) or a process group (Windows) of its own: a Ctrl-C in the
-    # terminal reaches the sweep alone, which passes it on (pass_stop_on)
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     group = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP} if WINDOWS else {"start_new_session": True}
+    stops = []
     with open(run.dir / "train.log", "a") as log:
         proc = subprocess.Popen([sys.executable, "-m", "ablation.run", str(run.dir)], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, **group)
-
-        def forward(signum):
-            stops.append(signum)
-            pass_stop_on(proc, signum)
-
-        with on_stop_signals(forward):
-            if hasattr(os, "wait4"):
-                _, status, rusage = os.wait4(proc.pid, 0)   # (retried by Python when a signal interrupts it)
-                proc.returncode = os.waitstatus_to_exitcode(status)
-                rss = rusage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)   # bytes on macOS, KiB on Linux
-            else:
-                proc.wait()
-                rss = None
-    return proc.returncode, rss, bool(stops)
-
-
-def record_attempt(run: Run, code: int, rss: int | None, seconds: float) -> None:
-    """run.json: every process that worked on the run, so resumed runs report their largest peak."""
-    attempts = read_json(run.dir / "run.json").get("attempts")
-    attempts = (attempts if isinstance(attempts, list) else []) + [
-        {"exit_code": code, "peak_rss_bytes": rss, "seconds": round(seconds, 2)}]
-    atomic_write(run.dir / "run.json", json.dumps({"attempts": attempts}, indent=1))
-
-
-def last_line(path: Path) -> str:
-    text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
-    return next((line for line in reversed(text.splitlines()) if line.strip()), "(no output)")
+        with on_stop_signals(lambda signum: stops.append(signum) or pass_stop_on(proc, signum)):
+            return proc.wait(), bool(stops)   # (Python waits on after a signal's handler has run)
 
 
 def run_sweep(sweep: Sweep) -> dict:
-    """Run every unfinished run in order; return {'failed': [(run, its log's last line)], 'interrupted': bool}."""
+    """Run every unfinished run in order; {'failed': [(run, its log's last line)], 'interrupted': bool}."""
     for run in sweep.runs:
         check_not_stale(run)
     prepare(sweep.runs[0].cfg.data)    # a data problem is reported once, before any run starts
-    failed, total = [], len(sweep.runs)
+    failed = []
     for i, run in enumerate(sweep.runs, 1):
-        if is_done(run):
-            print(f"[{i}/{total}] {run.label}: done before, skipped")
+        if read_json(run.dir / "result.json").get("done") is True:
+            print(f"[{i}/{len(sweep.runs)}] {run.label}: done before, skipped")
             continue
-        resuming = any(run.dir.glob("ckpt_*.pt"))
-        print(f"[{i}/{total}] {run.label}: {'resuming' if resuming else 'training'} -> {run.dir}/train.log", flush=True)
+        doing = "resuming" if any(run.dir.glob("ckpt_*.pt")) else "training"
+        print(f"[{i}/{len(sweep.runs)}] {run.label}: {doing} -> {run.dir}/train.log", flush=True)
         start = time.perf_counter()
-        code, rss, stopped = execute(run)
-        record_attempt(run, code, rss, time.perf_counter() - start)
+        code, stopped = execute(run)
         if stopped or code == 130:
             print(f"interrupted during {run.label}; run the same command again to continue "
-                f"(finished runs are skipped, this one resumes from its last checkpoint)")
+                  f"(finished runs are skipped, this one resumes from its last checkpoint)")
             return {"failed": failed, "interrupted": True}
-        if code != 0 or not is_done(run):
-            failed.append((run, last_line(run.dir / "train.log")))
+        result = read_json(run.dir / "result.json")
+        if code != 0 or result.get("done") is not True:
+            log = (run.dir / "train.log").read_text(encoding="utf-8", errors="replace").splitlines()
+            failed.append((run, next((line for line in reversed(log) if line.strip()), "(no output)")))
             print(f"    failed (exit code {code}): {failed[-1][1]}")
         else:
-            result = read_json(run.dir / "result.json")
             print(f"    val loss {result['val_loss']:.4f} (best {result['best_val_loss']:.4f}) "
-                f"in {time.perf_counter() - start:.0f} s")
+                  f"in {time.perf_counter() - start:.0f} s")
     return {"failed": failed, "interrupted": False}

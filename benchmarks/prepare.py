@@ -1,19 +1,15 @@
-"""How fast, and in how much memory, a large text file is prepared: streaming vs reading it whole.
+"""How fast, and in how much memory, a large text is prepared: streaming (data/prepare.py) against
+reading it whole (the text as one str, encoded to one Python list, converted to an array).
 
     python bench.py prepare                          # a 1 GB and a 64 MB file; char and gpt2
-    python bench.py prepare --mb 200 --plain-mb 50
+    python bench.py prepare --mb 200 --plain-mb 50 --tokenizers char,gpt2,bpe:4096
 
-Generates text files of random tinyshakespeare lines in a new temporary directory (under --dir, by
-default the system's temp dir; never in the repo), prepares them with each tokenizer in a child
-process and reports MB/s and the child's peak resident memory. It says what it writes before writing
-it, and removes all of it (the directory too) when it ends, fails or is stopped by a signal. The
-plain approach (read the file into one str, encode it to a Python list, convert) needs ~10-50 bytes
-per character, so it runs on a smaller file (--plain-mb) that fits in memory; streaming runs on that
-same file too, for a like-for-like ratio, and on the large one.
-
-Peak memory is the child's VmHWM from /proc (its own high-water mark); where there is no /proc, its
-getrusage ru_maxrss; where neither exists (Windows), it is unknown. ru_maxrss from wait4 is not used:
-Linux carries the parent's resident size into it across fork and exec.
+Text files of random lines of tinyshakespeare (or --source) are written in a new directory under
+--dir (the system's temp dir by default; never in the repository), said before it is written and
+removed when the command ends, fails or is stopped by a signal. Each preparation runs in a child
+process, which reports its own peak resident memory (benchmarks.machine.peak_memory; unknown on
+Windows). Reading whole needs some tens of bytes per character, so it runs on the smaller file
+(--plain-mb) only; streaming runs on both, for a like-for-like ratio.
 """
 import math
 import shutil
@@ -26,50 +22,28 @@ from pathlib import Path
 
 import numpy as np
 
-from common import ConfigError, Printer, RunError, TokenizerError, check, on_stop_signals, unwind_on_stop
+from common import ConfigError, RunError, TokenizerError, check, on_stop_signals, unwind_on_stop
 from data.tokenizers import check_tokenizer_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_BYTES = 2   # at most about this many bytes of prepared tokens per byte of text (char ids are uint16)
-
-# Runs `-m MODULE ARGS` or `-c CODE ARGS` and reports the process's peak resident memory on stderr
-# (nothing where the system cannot tell it).
-_MEASURE = """
-import atexit, runpy, sys
-def peak_kb():
-    try:
-        with open("/proc/self/status") as f:
-            return int(next(l for l in f if l.startswith("VmHWM")).split()[1])
-    except (OSError, StopIteration):
-        pass
-    try:
-        import resource   # Unix only
-    except ImportError:
-        return None
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb // 1024 if sys.platform == "darwin" else kb   # macOS counts bytes, Linux kilobytes
-def report():
-    kb = peak_kb()
-    if kb is not None:
-        sys.stderr.write(f"\\npeak_kb={kb}\\n")
-atexit.register(report)
-kind, target, sys.argv = sys.argv[1], sys.argv[2], sys.argv[2:]
-if kind == "-m":
-    runpy.run_module(target, run_name="__main__", alter_sys=True)
-else:
-    exec(compile(target, "<code>", "exec"), {"__name__": "__main__"})
+# Prepared in a child process: streaming (data/prepare.py), or reading whole (one str, one list of ids, one array).
+STREAM = """import sys
+from common import run_cli
+from data.prepare import DataConfig, prepare
+sys.exit(run_cli(lambda argv: prepare(DataConfig(path=argv[0], tokenizer=argv[1], prepared_dir=argv[2])) and 0,
+                 sys.argv[1:]))
 """
-
-# The whole-file approach: read the text into one str, encode it to a list, convert.
-_PLAIN = """
-import sys, numpy as np
+WHOLE = """import sys, numpy as np
 from data.tokenizers import build_tokenizer
-path, name, out = sys.argv[1:4]
+path, tokenizer, out = sys.argv[1:]
 text = open(path, encoding="utf-8").read()
-split = int(len(text) * 0.9)
-tok = build_tokenizer(name, text)
-for part, piece in (("train", text[:split]), ("val", text[split:])):
-    np.array(tok.encode(piece), dtype=np.uint16 if tok.vocab_size <= 65536 else np.uint32).tofile(f"{out}/{part}.bin")
+np.array(build_tokenizer(tokenizer, text).encode(text), dtype=np.uint32).tofile(out + "/tokens.bin")
+"""
+# Runs first in the child: at its exit, whatever the way, it says its own peak memory.
+PEAK = """import atexit, sys
+from benchmarks.machine import peak_memory
+atexit.register(lambda: print(f"\\npeak={peak_memory()}", file=sys.stderr))
 """
 
 
@@ -80,146 +54,90 @@ def add_options(p) -> None:
                    "at most --mb)")
     p.add_argument("--tokenizers", default="char,gpt2", help="comma-separated: char, gpt2, bpe:4096, ...")
     p.add_argument("--source", type=Path, default=None, help="text to draw lines from (default: tinyshakespeare)")
-    p.add_argument("--dir", type=Path, default=None, help="where to make the temporary directory the files go in, "
-                   f"removed afterwards (default: {tempfile.gettempdir()}); it needs about 3x --mb MB free")
+    p.add_argument("--dir", type=Path, default=None, help="where the files go, in a temporary directory removed "
+                   f"afterwards (default: {tempfile.gettempdir()}); it needs about 3x --mb MB free")
 
 
 def checked(args) -> dict:
-    """bench_prepare's arguments from the command line's; a ConfigError naming the option, or a RunError
-    where --dir lacks the space, before anything is written."""
+    """bench_prepare's arguments; a ConfigError naming the option, or a RunError where --dir lacks the
+    space, before anything is written."""
     check("--mb", args.mb, at_least=1)
     check("--plain-mb", args.plain_mb, at_least=1)
     if args.plain_mb > args.mb:
-        raise ConfigError(f"--plain-mb={args.plain_mb} must be at most --mb={args.mb} (the plain approach runs on "
-                          f"the smaller file)")
-    tokenizers = args.tokenizers.split(",")
-    for name in tokenizers:
+        raise ConfigError(f"--plain-mb={args.plain_mb} must be at most --mb={args.mb} (reading whole runs on the "
+                          f"smaller file)")
+    for name in args.tokenizers.split(","):
         try:
             check_tokenizer_spec(name)
         except TokenizerError as e:
             raise ConfigError(f"--tokenizers: {e}") from None
+    path = args.source or ROOT / "data" / "tinyshakespeare.txt"   # (which ships with the repository)
+    try:
+        lines = [line + "\n" for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--source {path}: {getattr(e, 'strerror', None) or 'not UTF-8 text'}") from None
+    if not lines:
+        raise ConfigError(f"--source {path} has no text")
     parent = args.dir or Path(tempfile.gettempdir())
     if not parent.is_dir():
         raise ConfigError(f"--dir {parent} is not a directory")
-    need, free = most_written(sorted({args.plain_mb, args.mb})), shutil.disk_usage(parent).free / 1e6
+    need, free = sum({args.plain_mb, args.mb}) + TOKEN_BYTES * args.mb, shutil.disk_usage(parent).free / 1e6
     if free < need:
         raise RunError(f"--dir {parent} has {free:,.0f} MB free; this run writes up to about {need:,} MB "
                        f"(make --mb smaller, or give another --dir)")
-    return {"mb": args.mb, "plain_mb": args.plain_mb, "tokenizers": tokenizers, "lines": source_lines(args.source),
-            "parent": parent}
-
-
-def source_lines(path: Path | None) -> list[str]:
-    """The non-blank lines of the text to draw from, each with its newline; a ConfigError naming --source."""
-    if path is None:
-        found = [p for p in (ROOT / "data" / "tinyshakespeare.txt",
-                             ROOT.parent / "shared" / "data" / "tinyshakespeare.txt") if p.is_file()]
-        if not found:
-            raise ConfigError("no tinyshakespeare.txt found: give --source FILE (any text file)")
-        path = found[0]
-    try:
-        lines = [line + "\n" for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except OSError as e:
-        raise ConfigError(f"--source {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--source {path} is not UTF-8 text") from None
-    if not lines:
-        raise ConfigError(f"--source {path} has no text")
-    return lines
-
-
-def most_written(sizes: list[int]) -> int:
-    """MB on disk at the most: every text file, and the prepared tokens of the largest."""
-    return sum(sizes) + TOKEN_BYTES * max(sizes)
+    return {"mb": args.mb, "plain_mb": args.plain_mb, "tokenizers": args.tokenizers.split(","), "lines": lines,
+            "parent": parent, "need": need}
 
 
 def measure(kind: str, target: str, args: list[str]) -> tuple[float, float]:
-    """(seconds, peak resident MB; nan where unknown) of `python -m MODULE args` (kind "-m") or
-    `python -c CODE args`; a RunError with the child's last line if it fails."""
+    """(seconds, peak resident MB; nan where unknown) of `python -c CODE ARGS` (kind "-c") or `python -m
+    MODULE ARGS` (kind "-m"), run in the repository; a RunError with the child's last line if it fails."""
+    code = target if kind == "-c" else f"import runpy; runpy.run_module({target!r}, run_name='__main__', alter_sys=True)"
     start = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", _MEASURE, kind, target, *args], cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    took = time.perf_counter() - start
-    said = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("peak_kb=")]
-    if r.returncode != 0:
-        what = target if kind == "-m" else target.strip().splitlines()[0][:40]
-        raise RunError(f"{what} {' '.join(args)} failed (exit code {r.returncode}): "
-                       f"{said[-1].removeprefix('error: ')[:200] if said else 'no message'}")
-    peak = [line for line in r.stderr.splitlines() if line.startswith("peak_kb=")]
-    return took, int(peak[-1].split("=")[1]) / 1024 if peak else float("nan")
+    done = subprocess.run([sys.executable, "-c", PEAK + code, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    took, lines = time.perf_counter() - start, [line for line in done.stderr.splitlines() if line.strip()]
+    said = [line for line in lines if not line.startswith("peak=")]
+    if done.returncode != 0:
+        raise RunError(f"python {kind} {target.splitlines()[0][:40]} {' '.join(args)} failed (exit code "
+                       f"{done.returncode}): {said[-1].removeprefix('error: ')[:200] if said else 'no message'}")
+    peak = next((line.removeprefix("peak=") for line in reversed(lines) if line.startswith("peak=")), "None")
+    return took, int(peak) / 2**20 if peak != "None" else math.nan
 
 
-def peak_text(mb: float) -> str:
-    return "peak unknown" if math.isnan(mb) else f"peak {mb:7.0f} MB"   # nan: the system could not tell
-
-
-def make_text(path: Path, mb: int, lines: list[str], seed: int = 0) -> None:
-    """mb megabytes of lines drawn at random from lines, written 16 MB at a time."""
-    rng = np.random.default_rng(seed)
-    target, written = mb * 1_000_000, 0
-    with open(path, "w", encoding="utf-8") as f:
-        while written < target:
-            chunk = "".join(lines[i] for i in rng.integers(0, len(lines), 400_000))[:target - written]
-            f.write(chunk)
-            written += len(chunk.encode("utf-8"))
-
-
-def bench_prepare(mb: int, plain_mb: int, tokenizers: list[str], lines: list[str], parent: Path,
-                  say=None) -> None:
-    """Write the text files in a new directory under parent, time each preparation of them, and remove
-    it all: when done, on an error, or at SIGINT, SIGTERM or SIGHUP (raised as Interrupted once it is
-    removed). Print the rows (MB, tokenizer, approach, MB/s, peak MB) and the comparison."""
-    say = say or Printer()
-    stop = unwind_on_stop()   # the work is removed as the first signal unwinds it
-    sizes = sorted({plain_mb, mb})
-    work = parent / f"bench_prepare_{uuid.uuid4().hex[:12]}"   # named first: removed whatever point a signal stops
-    with on_stop_signals(stop):
+def bench_prepare(mb: int, plain_mb: int, tokenizers: list[str], lines: list[str], parent: Path, need: int,
+                  say=print) -> None:
+    """Write the text files in a new directory under parent, time each preparation of them, say how they
+    compare, and remove it all: when done, on an error, or at a signal (raised as Interrupted once removed)."""
+    work, rows, sizes = parent / f"bench_prepare_{uuid.uuid4().hex[:12]}", {}, sorted({plain_mb, mb})
+    with on_stop_signals(unwind_on_stop()):   # (work is named before it is made: removed wherever a signal stops)
         try:
-            say(f"# writes text files of {' and '.join(f'{n:,} MB' for n in sizes)} in {work}, then each "
-                f"preparation's tokens beside them (one at a time, up to {TOKEN_BYTES} bytes per byte of text): "
-                f"about {most_written(sizes):,} MB at most; all of it is removed afterwards")
+            say(f"# writes text files of {' and '.join(f'{n:,} MB' for n in sizes)} in {work}, then each preparation's "
+                f"tokens beside them, one at a time: about {need:,} MB at most; all of it is removed afterwards. Times "
+                f"are wall clock, on a machine that may be shared")
             work.mkdir()
-            rows = measure_all(work, sizes, plain_mb, tokenizers, lines, say)
+            for size in sizes:
+                text, rng, left = work / f"text_{size}mb.txt", np.random.default_rng(0), size * 1_000_000
+                with open(text, "w", encoding="utf-8") as f:
+                    while left > 0:   # (a character is a byte or more: the last chunk may go a few bytes over)
+                        chunk = "".join(lines[i] for i in rng.integers(0, len(lines), 100_000))[:left]
+                        left -= len(chunk.encode())
+                        f.write(chunk)
+                for tok in tokenizers:   # (a trained BPE exists only streamed)
+                    for how in ["stream", "plain"] if size == plain_mb and not tok.startswith("bpe:") else ["stream"]:
+                        (work / "out").mkdir()
+                        took, peak = rows[size, tok, how] = measure("-c", STREAM if how == "stream" else WHOLE,
+                                                                    [str(text), tok, str(work / "out")])
+                        shutil.rmtree(work / "out")
+                        say(f"{size:8,} MB  {tok:8s}  {how:6s}  {size / took:7.1f} MB/s  "
+                            + ("peak unknown" if math.isnan(peak) else f"peak {peak:7.0f} MB"))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    compare(rows, plain_mb, mb, tokenizers, say)
-
-
-def measure_all(work: Path, sizes: list[int], plain_mb: int, tokenizers: list[str], lines: list[str],
-                say) -> list[tuple]:
-    """Each file written, then prepared by each tokenizer by streaming (and whole, the plain-mb one)."""
-    say(f"# {len(sizes)} file(s) x {len(tokenizers)} tokenizer(s); times are wall clock on a machine that may be "
-        f"shared")
-    rows = []
-    for mb in sizes:
-        path = work / f"text_{mb}mb.txt"
-        make_text(path, mb, lines)
-        size = path.stat().st_size / 1e6
-        for tok in tokenizers:
-            plain = mb == plain_mb and not tok.startswith("bpe:")   # a trained BPE exists only streamed
-            for approach in ["stream", "plain"] if plain else ["stream"]:
-                out = work / f"out_{approach}"
-                out.mkdir()
-                if approach == "stream":
-                    took, peak = measure("-m", "data.prepare", [str(path), "--tokenizer", tok, "--root", str(out)])
-                else:
-                    took, peak = measure("-c", _PLAIN, [str(path), tok, str(out)])
-                shutil.rmtree(out)                                # one preparation's tokens on disk at a time
-                rows.append((size, tok, approach, size / took, peak))
-                say(f"{size:8.0f} MB  {tok:8s}  {approach:6s}  {size / took:7.1f} MB/s  {peak_text(peak)}")
-    return rows
-
-
-def compare(rows: list[tuple], plain_mb: int, mb: int, tokenizers: list[str], say) -> None:
-    """Streaming against plain on the same file, per tokenizer."""
-    say("\n# streaming / plain on the same file (speed: higher is better; memory: lower is better)")
-    for tok in tokenizers:
-        got = {r[2]: r for r in rows if r[1] == tok and round(r[0]) == plain_mb}
-        if "plain" in got and "stream" in got:
-            s, pl = got["stream"], got["plain"]
-            memory = (f"peak memory x{s[4] / pl[4]:.2f} ({s[4]:.0f} MB vs {pl[4]:.0f} MB at {s[0]:.0f} MB of text)"
-                      if not math.isnan(s[4] + pl[4]) else "peak memory unknown here")
-            say(f"{tok:8s}: speed x{s[3] / pl[3]:.2f}, {memory}")
+    say("# streaming / reading whole on the same file (speed: higher is better; memory: lower is better)")
+    for tok in [tok for tok in tokenizers if (plain_mb, tok, "plain") in rows]:
+        (s_took, s_peak), (p_took, p_peak) = rows[plain_mb, tok, "stream"], rows[plain_mb, tok, "plain"]
+        say(f"{tok:8s}: speed x{p_took / s_took:.2f}, " + ("peak memory unknown here" if math.isnan(s_peak + p_peak)
+            else f"peak memory x{s_peak / p_peak:.2f} ({s_peak:.0f} MB vs {p_peak:.0f} MB at {plain_mb:,} MB of text)"))
     if mb > plain_mb:
-        say(f"# the plain approach was not run on the {mb} MB file: its memory grows with the file "
-            f"(char: a Python list of one int per character), more than this machine should risk")
+        say(f"# reading whole ran on the {plain_mb:,} MB file only, as --plain-mb {plain_mb} says, not on the "
+            f"{mb:,} MB one")

@@ -1,101 +1,112 @@
-"""Time to quality: the classic config, then the fast recipe, in one process, judged on the same text.
+"""Time to quality: the classic config, then the fast recipe, each run as a user runs it (`python
+train.py CONFIG`, in a process of its own), judged on the classic's best val loss.
 
-Both runs go through training.trainer.train, as `python train.py CONFIG` would run them. After
-every `eval_every` steps the race evaluates the model on the same fixed val windows (the whole val
-split cut into non-overlapping windows of the classic's block size: no sampling noise at all) and
-stops its clock while it does, so the wall times below are training only: data, model and compile
-setup included, the race's evaluations and the trainer's final checkpoint excluded. The target is
-the classic run's best val loss, and its time is the time it first got there.
+Each run evaluates and checkpoints every 1/--evals of its steps, and every checkpoint is kept. The
+time of an evaluation is when its `eval` line came out, counted from the process's launch: Python's
+start, the data, the model and compiling are in it, as a user waits for them. Those in-run
+evaluations draw one batch (train.eval_iters = 1), so they cost next to nothing; once the run has
+ended the race scores each checkpoint exactly, on every token of the val split (model.gpt.score over
+data.loader.strided_windows, as train.eval_iters = 0 does, which would also score the whole train split
+at every evaluation). The target is the classic run's best val loss; each run's figure is its first
+evaluation at or below it.
 """
 import math
+import os
+import re
+import shlex
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from data.cache import load_meta
-from data.loader import consecutive_windows
+from common import Progress, RunError, on_stop_signals, unwind_on_stop
+from data.loader import BatchLoader, strided_windows
 from data.prepare import prepare
-from training.config import build_config
-from training.step import mean_loss
-from training.trainer import train
+from model.gpt import score
+from training.checkpoint import list_checkpoints, load_model
+from training.config import ROOT, build_config
+from training.device import autocast, pick_device, pick_dtype
 
 # (classic, fast) by the kind of machine: `bench.py race` on a GPU races the GPU pair.
 PAIRS = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
          "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}
+# nanoGPT's published best val loss for its shakespeare_char config, the GPU pair's classic (its README:
+# "about 3 minutes" on one A100)
+NANOGPT_BEST = 1.4697
+EVAL_LINE = re.compile(r"^eval +(\d+) \|")
 
 
-def val_windows(dataset: Path, block_size: int) -> torch.Tensor:
-    """(N, block_size + 1) int64: the val split as consecutive windows."""
-    meta = load_meta(dataset)
-    return consecutive_windows(np.memmap(dataset / "val.bin", dtype=meta["dtype"], mode="r"), block_size)
-
-
-def val_loss(model, windows: torch.Tensor, chunk: int = 128) -> float:
-    """Mean next-token cross-entropy over every position of every window (fp32, eval mode)."""
-    device = next(model.parameters()).device
-    batches = ((w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows.split(chunk))
-    return mean_loss(model, batches).item()
-
-
-def run(cfg, windows: torch.Tensor, eval_every: int, label: str, say=print) -> list[dict]:
-    """Train cfg to the end; return the curve [{step, tokens, seconds, val}] at every eval_every steps."""
-    curve, paused = [], 0.0
-    tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
-
-    def on_step(step, model):
-        nonlocal paused
-        if step % eval_every and step != cfg.train.max_steps:
-            return
-        now = time.perf_counter()
-        point = {"step": step, "tokens": step * tokens_per_step, "seconds": now - start - paused,
-                 "val": val_loss(model, windows)}
-        curve.append(point)
-        say(f"{label:8s} step {step:5d} | {point['tokens']:>10,} tokens | {point['seconds']:6.1f} s | "
-            f"val {point['val']:.4f}")
-        paused += time.perf_counter() - now
-
-    start = time.perf_counter()
-    train(cfg, overwrite=True, quiet=True, on_step=on_step)
+def run(config: str, overrides: list[str], evals: int, out_dir: Path, label: str, say=print) -> list[dict]:
+    """Train config in a train.py process; its curve [{step, seconds (from launch), val}], scored afterwards."""
+    cfg = build_config(config, overrides)
+    every = max(1, cfg.train.max_steps // evals)
+    argv = [sys.executable, str(ROOT / "train.py"), config, *overrides, f"--train.eval_interval={every}",
+            "--train.eval_iters=1", f"--train.keep_checkpoints={-(-cfg.train.max_steps // every)}",
+            "--log.curves=false", f"--out_dir={out_dir}"]
+    say(f"# {label}: {shlex.join(['python', 'train.py', config, *overrides])} ({cfg.train.max_steps} steps, an "
+        f"evaluation every {every})")
+    launch, seconds, progress = time.perf_counter(), {}, Progress(label, cfg.train.max_steps, "steps")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"})
+    try:
+        for line in proc.stdout:   # (its stderr, notes and errors, goes where this command's goes)
+            if m := EVAL_LINE.match(line):
+                seconds[int(m[1])] = time.perf_counter() - launch
+                progress.advance(int(m[1]) - progress.done)
+        proc.wait()
+    finally:
+        progress.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode:
+        raise RunError(f"the {label} run (python train.py {config}) failed with exit code {proc.returncode}")
+    curve = []
+    for step, path in list_checkpoints(out_dir):
+        curve.append({"step": step, "seconds": seconds[step], "val": exact_val_loss(cfg, path)})
+        say(f"{label:8s} step {step:5d} | {seconds[step]:7.1f} s from launch | val {curve[-1]['val']:.4f}")
     return curve
+
+
+def exact_val_loss(cfg, checkpoint) -> float:
+    """The mean loss of a checkpoint's model over every token of cfg's val split (as train.eval_iters = 0)."""
+    device, block = pick_device(cfg.train.device), cfg.model.block_size
+    val = BatchLoader(prepare(cfg.data, block), block, 1).splits["val"]
+    windows = strided_windows(val, block, block, cfg.train.batch_size)
+    nats, count = score(load_model(checkpoint, device).model, ((x.to(device), y.to(device)) for x, y in windows),
+                        autocast(device, pick_dtype(device, cfg.train.dtype)))
+    return nats / count
 
 
 def first_reaching(curve: list[dict], target: float) -> dict | None:
     return next((p for p in curve if p["val"] <= target), None)
 
 
+def faster_or_slower(ratio: float) -> str:
+    """A ratio of times in words: 0.49 -> '2.04x faster', 2.037 -> '2.04x slower'."""
+    return "as fast" if ratio == 1 else f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower"
+
+
 def race(classic: str, fast: str, overrides: list[str], evals: int = 20, say=print) -> dict:
     """Train `classic` then `fast`; print and return the figures of the race."""
-    with tempfile.TemporaryDirectory(prefix="race_", ignore_cleanup_errors=True) as out:
-        cfgs = {}
-        for label, path in (("classic", classic), ("fast", fast)):
-            cfg = build_config(path, overrides + [f"--out_dir={Path(out) / label}"])
-            cfg.train.eval_interval = cfg.train.max_steps   # the race evaluates; the trainer only at the end
-            cfg.train.eval_iters = 1
-            cfgs[label] = cfg
-        windows = val_windows(prepare(cfgs["classic"].data), cfgs["classic"].model.block_size)
-        say(f"# val: {windows.numel() - len(windows):,} tokens in {len(windows)} windows of "
-            f"{windows.size(1) - 1}, the same for both runs; times exclude these evaluations")
-        curves = {label: run(cfg, windows, max(1, cfg.train.max_steps // evals), label, say)
-                  for label, cfg in cfgs.items()}
-
-    end = min(curves["classic"], key=lambda p: p["val"])   # its best val: a long run may overfit after it
-    target = end["val"]
-    hit = first_reaching(curves["fast"], target)
-    last = curves["classic"][-1]
-    after = "" if last is end else f"; it ends at val {last['val']:.4f} after {last['step']} steps"
-    say(f"classic  {classic}: best val {target:.4f} at step {end['step']}, {end['tokens']:,} tokens, "
-        f"{end['seconds']:.1f} s{after}")
+    with tempfile.TemporaryDirectory(prefix="race_", ignore_cleanup_errors=True) as out, \
+            on_stop_signals(unwind_on_stop()):   # a signal ends the run and removes what it wrote
+        curves = {label: run(path, overrides, evals, Path(out) / label, label, say)
+                  for label, path in (("classic", classic), ("fast", fast))}
+    best = min(curves["classic"], key=lambda p: p["val"])   # a long run may overfit after its best
+    target, last = best["val"], curves["classic"][-1]
+    published = Path(classic).resolve() == (ROOT / PAIRS["cuda"][0]).resolve()
+    say(f"classic  {classic}: best val {target:.4f} at step {best['step']}, {best['seconds']:.1f} s from launch"
+        + ("" if last is best else f"; it ends at val {last['val']:.4f} after {last['step']} steps")
+        + (f" (nanoGPT publishes {NANOGPT_BEST} for this config)" if published else ""))
+    hit, end = first_reaching(curves["fast"], target), curves["fast"][-1]
     if hit is None:
-        best = min(p["val"] for p in curves["fast"])
-        say(f"fast     {fast}: never reached val {target:.4f} (best {best:.4f}, "
-            f"{curves['fast'][-1]['seconds']:.1f} s)")
+        say(f"fast     {fast}: never reached val {target:.4f} (best {min(p['val'] for p in curves['fast']):.4f}, "
+            f"{end['seconds']:.1f} s from launch)")
         return {"curves": curves, "target": target, "ratio": math.inf}
-    ratio = hit["seconds"] / end["seconds"]
-    say(f"fast     {fast}: val {hit['val']:.4f} <= {target:.4f} at step {hit['step']}, {hit['tokens']:,} tokens, "
-        f"{hit['seconds']:.1f} s (ends at val {curves['fast'][-1]['val']:.4f}, {curves['fast'][-1]['seconds']:.1f} s)")
-    say(f"ratio    fast / classic wall time to val {target:.4f}: {ratio:.3f} "
-        f"({1 / ratio:.2f}x faster; tokens {hit['tokens'] / end['tokens']:.2f}x)")
+    ratio = hit["seconds"] / best["seconds"]
+    say(f"fast     {fast}: val {hit['val']:.4f} <= {target:.4f} at step {hit['step']}, {hit['seconds']:.1f} s from "
+        f"launch (it ends at val {end['val']:.4f}, {end['seconds']:.1f} s)")
+    say(f"ratio    fast / classic time from launch to val {target:.4f}: {ratio:.3f} ({faster_or_slower(ratio)})")
     return {"curves": curves, "target": target, "ratio": ratio, "hit": hit}

@@ -1,7 +1,7 @@
 """Sampling speed: incremental decoding with the KV cache against recomputing the whole context for
 every new token, at the 6-layer, 384-dim, block-256 shape (random weights: speed does not depend on
-what the weights know). On CPU by thread count and by position; on CUDA at batch 1 and 16, with and
-without the compiled decoding step (CUDA graphs)."""
+what the weights know). On CPU by thread count and by position, and what compiling the decoding step
+costs and gives; on CUDA at batch 1 and 16, with and without the compiled step (a CUDA graph)."""
 import os
 import time
 
@@ -10,7 +10,6 @@ import torch
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
 from model.sampling import Decoding, generate
-from training.runtime import sync
 
 SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
 
@@ -24,7 +23,8 @@ def tokens_per_s(model, new_tokens: int, use_cache: bool, samples: int = 1, comp
     device = next(model.parameters()).device
     prompt = torch.zeros(samples, 1, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
-    sync(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for col in generate(model, prompt, new_tokens, temperature=1.0, generator=gen,
                         decoding=Decoding(use_cache=use_cache, compile=compile)):
@@ -40,24 +40,20 @@ def ms_per_token_by_position(model, positions, use_cache: bool, reps: int = 3) -
     With the cache, each step of an actual decode from a 1-token prompt is timed, so the cache is
     as warm as in sampling (timing the first step after a fresh prefill would add the cost of
     memory the prefill just displaced). Without it, the whole context is recomputed."""
-    device = next(model.parameters()).device
-    last = max(positions)
+    device, last = next(model.parameters()).device, max(positions)
     idx = torch.randint(0, model.cfg.vocab_size, (1, last + 1), generator=torch.Generator().manual_seed(0)).to(device)
     best = {pos: float("inf") for pos in positions}
     for _ in range(reps):
+        cache = InferenceCache(model, 1, device, torch.float32) if use_cache else None
         if use_cache:
-            cache = InferenceCache(model, 1, device, torch.float32)
             model(idx[:, :1], cache=cache)
-            for pos in range(1, last + 1):
-                at = torch.tensor([pos], device=device)
-                t0 = time.perf_counter()
-                model(idx[:, pos:pos + 1], cache=cache, pos=at)[0].cpu()
-                if pos in best:
-                    best[pos] = min(best[pos], time.perf_counter() - t0)
-        else:
-            for pos in positions:
-                t0 = time.perf_counter()
+        for pos in range(1, last + 1) if use_cache else positions:
+            t0 = time.perf_counter()
+            if use_cache:
+                model(idx[:, pos:pos + 1], cache=cache, pos=torch.tensor([pos], device=device))[0].cpu()
+            else:
                 model(idx[:, :pos + 1])[0].cpu()
+            if pos in best:
                 best[pos] = min(best[pos], time.perf_counter() - t0)
     return {pos: sec * 1e3 for pos, sec in best.items()}
 
@@ -65,15 +61,13 @@ def ms_per_token_by_position(model, positions, use_cache: bool, reps: int = 3) -
 def bench_sample(new_tokens: int = 500, device: str | torch.device = "cpu", say=print) -> None:
     """tokens/s with and without the cache: on CPU for each thread count up to the current one
     (decoding one token is bound by reading the weights from memory, recomputing by FLOPs: threads
-    help only the latter), then ms per token by position, then what compiling the decoding step
-    costs and gives; on CUDA see bench_sample_cuda."""
+    help only the latter), then ms per token by position, then whether compiling the decoding step
+    pays (sample.py decodes eagerly on CPU unless this says otherwise); on CUDA see bench_sample_cuda."""
     if torch.device(device).type == "cuda":
         return bench_sample_cuda(new_tokens, device, say)
-    model = make_model(device)
-    c = model.cfg
-    threads = torch.get_num_threads()
-    say(f"# sampling {new_tokens} new tokens, {c.n_layer} layers x {c.n_embd}, block {c.block_size}, batch 1, "
-        f"{device}, fp32, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+    model, threads = make_model(device), torch.get_num_threads()
+    say(f"# sampling {new_tokens} new tokens, {SHAPE['n_layer']} layers x {SHAPE['n_embd']}, block "
+        f"{SHAPE['block_size']}, batch 1, {device}, fp32, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     say(f"{'threads':>7s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'speedup':>8s}")
     for n in range(1, threads + 1):
         torch.set_num_threads(n)
@@ -85,19 +79,13 @@ def bench_sample(new_tokens: int = 500, device: str | torch.device = "cpu", say=
     cached_ms, full_ms = (ms_per_token_by_position(model, positions, use_cache) for use_cache in (True, False))
     for pos in positions:
         say(f"{pos:8d} {cached_ms[pos]:16.2f} {full_ms[pos]:20.2f}")
-    bench_compiled_cpu(model, new_tokens, cached, say)   # eager: the cached rate at the current thread count
-
-
-def bench_compiled_cpu(model, new_tokens: int, eager_rate: float, say=print) -> None:
-    """Whether compiling the decoding step pays on CPU: its compile time against the time it saves
-    over a sample of new_tokens (sample.py decodes eagerly on CPU unless this says otherwise)."""
     t0 = time.perf_counter()
     tokens_per_s(model, 3, True, compile=True)                   # compiles (inductor, C++)
     compile_s = time.perf_counter() - t0
     rate = tokens_per_s(model, new_tokens, True, compile=True)
-    eager_s, compiled_s = new_tokens / eager_rate, compile_s + new_tokens / rate
-    say(f"compiled decoding step: {compile_s:.1f} s to compile, then {rate:.1f} tok/s ({rate / eager_rate:.2f}x "
-        f"eager); a {new_tokens}-token sample takes {compiled_s:.1f} s with it, {eager_s:.1f} s without")
+    say(f"compiled decoding step: {compile_s:.1f} s to compile, then {rate:.1f} tok/s ({rate / cached:.2f}x eager); "
+        f"a {new_tokens}-token sample takes {compile_s + new_tokens / rate:.1f} s with it, "
+        f"{new_tokens / cached:.1f} s without")
 
 
 def bench_sample_cuda(new_tokens: int, device: str, say=print, reps: int = 3) -> None:
@@ -105,9 +93,8 @@ def bench_sample_cuda(new_tokens: int, device: str, say=print, reps: int = 3) ->
     step eager, and recomputing the context; best of reps runs each (other work only slows a run
     down). Compiling and recording the graph happen in a warm-up run before the timed ones."""
     model = make_model(device)
-    c = model.cfg
-    say(f"# sampling {new_tokens} new tokens, {c.n_layer} layers x {c.n_embd}, block {c.block_size}, "
-        f"{torch.cuda.get_device_name(device)}, fp32, torch {torch.__version__}, best of {reps}")
+    say(f"# sampling {new_tokens} new tokens, {SHAPE['n_layer']} layers x {SHAPE['n_embd']}, block "
+        f"{SHAPE['block_size']}, {torch.cuda.get_device_name(device)}, fp32, torch {torch.__version__}, best of {reps}")
     say(f"{'batch':>5s} {'compiled tok/s':>15s} {'eager tok/s':>12s} {'recomputed tok/s':>17s} "
         f"{'compiled/eager':>15s} {'compiled/recomputed':>20s} {'compile s':>10s}")
     for batch in (1, 16):

@@ -1,24 +1,49 @@
-"""Training-step throughput: the machine's matmul peak, a config's step time, tokens/s and MFU for each
-way the trainer can run its step (eager, compiled, CUDA graph), against plain PyTorch; and how step
-time grows with block size and width.
+"""Training-step throughput: the machine's matmul peak, then a config's ms/step, tokens/s and MFU as
+the trainer runs it (on CUDA eager, compiled, CUDA graph and both) against plain PyTorch; and how
+step time grows with block size and width.
+
+The trainer's rows time training.trainer.train itself: one warm-up round of --steps steps, then
+--rounds rounds, the median round; no log line or evaluation among them, and on CUDA the device
+synchronized at round boundaries only, so that a row's ms/step compares with a log line's. After the
+last round on_step ends the run by raising (a run without a checkpoint leaves its out dir as it was).
 
 MFU (model FLOPs utilization) = the FLOPs the model needs per second / the matmul peak measured
 here. Per token, training needs 6N FLOPs for the N weights used in matmuls (2 forward, 4 backward)
 plus 6 L T C for causal attention (the scores and the weighted sum, each 2 C FLOPs per pair of
 positions, over T/2 visible positions on average, times 3 for forward and backward).
 """
+import contextlib
 import copy
+import io
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from data.cache import load_meta
+from data.prepare import prepare
 from model.gpt import GPT
 from speed.onednn import onednn_linear, onednn_works
 from training.config import build_config
-from training.runtime import pick_device, pick_dtype, sync, use_fast_matmuls
-from training.run import build_step, join_world, set_up
+from training.device import pick_device, pick_dtype
+from training.trainer import train
+
+
+def sync(device: torch.device) -> float:
+    """The time once the device has done what it was given."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def seconds_per_call(fn, device, calls: int) -> float:
+    """Seconds per call of fn over `calls` back-to-back calls."""
+    start = sync(device)
+    for _ in range(calls):
+        fn()
+    return (sync(device) - start) / calls
 
 
 def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:
@@ -34,7 +59,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) 
         for _ in range(3):
             for name, mm in impls.items():
                 mm(a, b)   # warm up
-                best[name] = max(best[name], 2 * n ** 3 / time_step(lambda: mm(a, b), device, reps))
+                best[name] = max(best[name], 2 * n ** 3 / seconds_per_call(lambda: mm(a, b), device, reps))
     return best
 
 
@@ -65,106 +90,114 @@ def plain_step(cfg, device):
     return model, step
 
 
-def trainer_step(cfg, out_dir, compile: bool, graph: bool):
-    """The trainer's own step (training/step.py) for cfg with these two switches, on real batches, at
-    the peak learning rate."""
-    cfg = copy.deepcopy(cfg)
-    cfg.train.compile, cfg.train.cuda_graph, cfg.out_dir = compile, graph, str(out_dir)
-    run, _ = set_up(cfg, join_world(pick_device(cfg.train.device)), resume=False, overwrite=True, quiet=True)
-    build_step(run)
-    return run.model, run.train_step
+class Timed(Exception):
+    """Raised from on_step after the last timed round: the run ends there."""
 
 
-def variants_for(cfg, device) -> dict:
-    """{name: (compile, graph)}: on CUDA every combination of the two switches; on CPU the config's."""
-    if device.type == "cuda":
-        return {"eager": (False, False), "compiled": (True, False), "graph": (False, True),
-                "compiled+graph": (True, True)}
-    return {"trainer": (cfg.train.compile, False)}
+def time_trainer(cfg, out_dir, steps: int, rounds: int, between=None) -> tuple[list[float], float, str]:
+    """train(cfg) for one warm-up round and `rounds` timed rounds of `steps` steps: (seconds of each
+    timed round, seconds from the call to the end of the warm-up round, how the trainer ran its step:
+    device, dtype and kind, in its banner's words). between(), if given, runs untimed at each boundary
+    between rounds (bench_train alternates plain PyTorch's rounds with these, so that drift hits both)."""
+    cfg, device = copy.deepcopy(cfg), pick_device(cfg.train.device)
+    t, total = cfg.train, steps * (rounds + 1)
+    cfg.out_dir, t.max_steps = str(out_dir), max(t.max_steps, total)
+    t.log_interval = t.eval_interval = t.max_steps + 1   # no log line or evaluation among the timed steps
+    t.sample_every, cfg.log.wandb = 0, False
+    marks, start = [], time.perf_counter()   # (the end of a round, the start of the next)
 
+    def on_step(step, model):
+        if step % steps:
+            return
+        end = sync(device)
+        if len(marks) == rounds:
+            marks.append((end, end))
+            raise Timed
+        if between is not None:
+            between()
+        marks.append((end, time.perf_counter()))
 
-def time_step(step, device, steps: int) -> float:
-    """Seconds per step over `steps` back-to-back steps."""
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync(device)
-    return (time.perf_counter() - t0) / steps
+    said = io.StringIO()   # the banner, which says how the step runs (a graph that failed runs eagerly)
+    try:
+        with contextlib.redirect_stdout(said):
+            train(cfg, on_step=on_step)
+    except Timed:
+        pass
+    lines = said.getvalue().splitlines()
+    for line in lines:
+        if line.startswith("warning"):
+            print(line, file=sys.stderr)
+    how = next((line.split(" | ")[1] for line in lines if " parameters, vocab " in line), "?")
+    return [marks[i][0] - marks[i - 1][1] for i in range(1, rounds + 1)], marks[0][0] - start, how
 
 
 def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int = 3, say=print) -> dict:
-    """ms/step, tokens/s and MFU of the trainer's step for a config: on CUDA eager, compiled, CUDA graph
-    and both; on CPU the config's step. Each against plain PyTorch (eager fp32, default AdamW)."""
+    """ms/step, tokens/s and MFU of the trainer for a config: on CUDA eager, compiled, CUDA graph and
+    both; on CPU as the config says. Each against plain PyTorch (eager fp32, default AdamW)."""
     cfg = build_config(config, overrides)
-    device = pick_device(cfg.train.device)
-    dtype = pick_dtype(device, cfg.train.dtype)
-    use_fast_matmuls(device)
+    device, (m, t) = pick_device(cfg.train.device), (cfg.model, cfg.train)
+    dtype = pick_dtype(device, t.dtype)
+    m.vocab_size = m.vocab_size or load_meta(prepare(cfg.data, m.block_size))["vocab_size"]
     peaks = matmul_peak(device, dtype)                     # in the dtype the step's matmuls run in
-    peak = max(peaks.values())
     say(f"# {device}, {torch.get_num_threads()} threads | matmul peak ({str(dtype).removeprefix('torch.')}, "
         f"measured now): " + ", ".join(f"{k} {v / 1e9:,.1f} GFLOP/s" for k, v in peaks.items()))
-    results, times, hows, pending = {}, {}, {}, {}
+    plain_model, plain = plain_step(cfg, device)
+    dense, attn = flops_per_token(plain_model)
+    tokens = t.batch_size * t.grad_accum * m.block_size
+    say(f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, batch {t.batch_size} x "
+        f"{t.grad_accum} ({tokens:,} tokens/step) | FLOPs/token 6N + attention = {dense / 1e6:.1f}M + "
+        f"{attn / 1e6:.1f}M")
+    variants = {"eager": (False, False), "compiled": (True, False), "graph": (False, True),
+                "compiled+graph": (True, True)} if device.type == "cuda" else {"trainer": (t.compile, t.cuda_graph)}
+    times, hows = {}, {}
+    plain()                                                # warm up (allocations)
+    plain_rounds = []   # on CPU taken between the trainer's rounds; on CUDA after them (one model at a time)
+    plain_round = lambda: plain_rounds.append(seconds_per_call(plain, device, steps) * steps)   # noqa: E731
+    alternate = plain_round if len(variants) == 1 else None
     with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
-        for name, (compile, graph) in variants_for(cfg, device).items():
-            t0 = time.perf_counter()
-            model, step = trainer_step(cfg, Path(tmp) / name, compile, graph)
-            cfg.model.vocab_size = cfg.model.vocab_size or model.cfg.vocab_size   # as the data gave it
-            hows[name] = f"{step.kind}{', compiled' if compile else ''}, setup {time.perf_counter() - t0:.1f} s"
-            if device.type == "cuda":   # one variant at a time on the GPU (memory), timed at once
-                step()
-                times[name] = [time_step(step, device, steps) for _ in range(rounds)]
-                del model, step
+        for name, (t.compile, t.cuda_graph) in variants.items():
+            times[name], setup, how = time_trainer(cfg, Path(tmp) / name, steps, rounds, alternate)
+            hows[name] = f"{how}; set-up and warm-up round {setup:.1f} s"
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
-            else:
-                pending[name] = step
-        plain_model, pending["plain"] = plain_step(cfg, device)
-        hows["plain"] = "eager, fp32, default AdamW"
-        dense, attn = flops_per_token(plain_model)
-        m, t = cfg.model, cfg.train
-        tokens = t.batch_size * t.grad_accum * m.block_size
-        say(f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, batch {t.batch_size} x "
-            f"{t.grad_accum} ({tokens:,} tokens/step) | FLOPs/token 6N + attention = {dense / 1e6:.1f}M + "
-            f"{attn / 1e6:.1f}M")
-        for step in pending.values():
-            step()                                            # warm up (allocations, autotuning)
-        for _ in range(rounds):                               # alternate, so drift hits all alike
-            for name, step in pending.items():
-                times.setdefault(name, []).append(time_step(step, device, steps))
+    if not plain_rounds:
+        for _ in range(rounds + 1):   # a warm-up round, then `rounds`
+            plain_round()
+        del plain_rounds[0]
+    times["plain"] = plain_rounds
+    hows["plain"], results = "eager, fp32, default AdamW", {}
     say(f"{'step':15s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
     for name, how in hows.items():
-        sec = sorted(times[name])[len(times[name]) // 2]   # the median round
-        achieved = (dense + attn) * tokens / sec
-        results[name] = {"ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec, "mfu": achieved / peak}
-        say(f"{name:15s} {sec * 1e3:9.2f} {tokens / sec:10,.0f} {achieved / peak:6.1%}  {how}")
-    best = min((n for n in results if n != "plain"), key=lambda n: results[n]["ms_per_step"])
+        sec = sorted(times[name])[len(times[name]) // 2] / steps   # the median round
+        mfu = (dense + attn) * tokens / sec / max(peaks.values())
+        results[name] = {"ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec, "mfu": mfu}
+        say(f"{name:15s} {sec * 1e3:9.2f} {tokens / sec:10,.0f} {mfu:6.1%}  {how}")
+    best = min(variants, key=lambda n: results[n]["ms_per_step"])
     say(f"fastest: {best}, {results['plain']['ms_per_step'] / results[best]['ms_per_step']:.2f}x plain PyTorch "
         f"(median of {rounds} rounds of {steps} steps)")
     return {"peaks": peaks, **results}
 
 
-def bench_scaling(device: str = "cpu", say=print) -> None:
-    """Step time as block size grows at a fixed number of tokens per step, then as width grows."""
-    device = torch.device(device)
-
-    def ms_per_step(**model_kw) -> tuple[float, float]:
-        block, batch = model_kw.pop("block_size"), model_kw.pop("batch_size")
-        cfg = build_config(None, [f"--model.block_size={block}", f"--train.batch_size={batch}",
-                                  "--train.device=" + device.type] + [f"--model.{k}={v}" for k, v in model_kw.items()])
+def bench_scaling(say=print) -> None:
+    """Step time of the trainer on CPU as block size grows at a fixed number of tokens per step, then
+    as width grows (the fastest of 2 rounds of 2 steps)."""
+    def measure(block: int, batch: int, **model) -> tuple[float, float, float]:
+        cfg = build_config(None, [f"--model.block_size={block}", f"--train.batch_size={batch}", "--train.device=cpu",
+                                  *(f"--model.{k}={v}" for k, v in model.items())])
+        cfg.model.vocab_size = load_meta(prepare(cfg.data, block))["vocab_size"]
+        with torch.device("meta"):
+            dense, attn = flops_per_token(GPT(cfg.model))
         with tempfile.TemporaryDirectory(prefix="bench_scaling_", ignore_cleanup_errors=True) as tmp:
-            model, step = trainer_step(cfg, tmp, compile=False, graph=False)
-            step()
-            dense, attn = flops_per_token(model)
-            sec = min(time_step(step, device, 2) for _ in range(2))
+            sec = min(time_trainer(cfg, tmp, 2, 2)[0]) / 2
         return sec * 1e3, attn / (dense + attn), (dense + attn) * block * batch / sec / 1e9
 
     say("step time vs block size (4 layers x 128, 8,192 tokens/step: the quadratic part grows with T)")
     say(f"{'block':>6s} {'batch':>6s} {'ms/step':>9s} {'attention FLOPs':>16s} {'GFLOP/s':>8s}")
     for block in (64, 128, 256, 512, 1024):
-        ms, share, rate = ms_per_step(block_size=block, batch_size=8192 // block)
+        ms, share, rate = measure(block, 8192 // block)
         say(f"{block:6d} {8192 // block:6d} {ms:9.1f} {share:16.0%} {rate:8.1f}")
     say("step time vs width (4 layers, block 256, batch 16: the weights grow as width^2)")
     say(f"{'n_embd':>6s} {'ms/step':>9s} {'GFLOP/s':>8s}")
     for width in (64, 128, 256, 384, 512):
-        ms, _, rate = ms_per_step(block_size=256, batch_size=16, n_embd=width, n_head=max(1, width // 64))
+        ms, _, rate = measure(256, 16, n_embd=width, n_head=max(1, width // 64))
         say(f"{width:6d} {ms:9.1f} {rate:8.1f}")

@@ -12,9 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.race import val_loss, val_windows
 from data.cache import bits_per_byte, load_meta
+from data.loader import BatchLoader, strided_windows
 from data.prepare import prepare
+from model.gpt import score
 from training.checkpoint import load_model
 from training.config import build_config
 from training.trainer import train
@@ -27,7 +28,7 @@ def step_seconds(cfg, steps: int = 30) -> float:
     """Seconds per optimizer step of cfg, over `steps` steps after 5 of warm-up."""
     times = []
     cfg.train.max_steps, cfg.train.eval_interval, cfg.train.eval_iters = steps + 5, steps + 5, 1
-    train(cfg, overwrite=True, quiet=True, on_step=lambda step, model: times.append(time.perf_counter()))
+    train(cfg, quiet=True, on_step=lambda step, model: times.append(time.perf_counter()))
     return (times[-1] - times[4]) / (len(times) - 5)
 
 
@@ -41,23 +42,19 @@ def train_within(cfg, seconds: float, per_step: float) -> tuple[int, int, float]
     cfg.train.eval_interval, cfg.train.eval_iters = planned, 1   # scored on the whole val split afterwards
     t0 = time.perf_counter()
     deadline = t0 + BUDGET_MARGIN * seconds
-    summary = train(cfg, overwrite=True, quiet=True, on_step=lambda step, model: time.perf_counter() > deadline)
+    summary = train(cfg, quiet=True, on_step=lambda step, model: time.perf_counter() > deadline)
     return summary["step"], planned, time.perf_counter() - t0
 
 
-def score(cfg, steps: int) -> dict:
-    """The figures of a trained run: its size, the text it saw, its loss and bits per byte on the val split."""
-    dataset = prepare(cfg.data, cfg.model.block_size)
-    meta = load_meta(dataset)
+def figures(cfg, steps: int) -> dict:
+    """A trained run's size, the text it saw, its loss and bits per byte over every token of the val split."""
+    meta = load_meta(dataset := prepare(cfg.data, cfg.model.block_size))
     model = load_model(cfg.out_dir).model
-    windows = val_windows(dataset, cfg.model.block_size)
-    loss = val_loss(model, windows)
-    scored = windows.numel() - len(windows)                      # the val tokens the windows predict
-    scored_bytes = meta["bytes"]["val"] * scored / meta["tokens"]["val"]
+    val = BatchLoader(dataset, cfg.model.block_size, 1).splits["val"]
+    nats, count = score(model, strided_windows(val, cfg.model.block_size, cfg.model.block_size, cfg.train.batch_size))
     tokens_seen = steps * cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
-    return {"vocab": meta["vocab_size"], "params": model.num_params(), "loss": loss,
-            "bpb": bits_per_byte(loss, scored, scored_bytes),
-            "tokens_per_byte": meta["tokens"]["val"] / meta["bytes"]["val"],
+    return {"vocab": meta["vocab_size"], "params": model.num_params(), "loss": nats / count,
+            "bpb": bits_per_byte(nats / count, meta["tokens"]["val"], meta["bytes"]["val"]),
             "bytes_seen": tokens_seen * meta["bytes"]["train"] / meta["tokens"]["train"]}
 
 
@@ -68,10 +65,11 @@ def bench_tokenizers(config: str, overrides: list[str], seconds: float = 120.0, 
         for tok in tokenizers:
             def make(name):
                 return build_config(config, overrides + [f"--data.tokenizer={tok}", f"--out_dir={Path(tmp) / name}"])
-            per_step = step_seconds(make("probe"))
-            cfg = make(tok.replace(":", "_"))
+            name = tok.replace(":", "_")
+            per_step = step_seconds(make(f"{name}-probe"))
+            cfg = make(name)
             steps, planned, took = train_within(cfg, seconds, per_step)
-            r = rows[tok] = {"steps": steps, "planned": planned, "seconds": took, **score(cfg, steps)}
+            r = rows[tok] = {"steps": steps, "planned": planned, "seconds": took, **figures(cfg, steps)}
             cut = " (the budget ran out)" if steps < planned else ""
             say(f"{tok:9s} vocab {r['vocab']:6,} | {r['params'] / 1e6:5.2f}M params | {steps} of {planned} steps in "
                 f"{took:5.1f} s{cut} | {r['bytes_seen'] / 1e6:5.2f} MB of text seen | val {r['loss']:.4f} "

@@ -1,61 +1,114 @@
-"""The benchmarks measure what they say: the race's val set is the whole val split, the race finds
-the first evaluation at the classic's loss, the FLOP count is the model's. bench.py as a command:
-every bad argument is one line before any work, it starts where the system lacks what Linux has,
-prepare says what it writes and leaves nothing behind, tokenizers keeps to its time budget."""
-import math
+"""The benchmarks measure what they say: bench.py train times the trainer's own loop, the race runs
+train.py as a user does and finds the first evaluation at the classic's loss, the FLOP count is the
+model's. bench.py as a command: every bad argument is one line before any work, it starts where the
+system lacks what Linux has, prepare says what it writes (and what its flags caused) and leaves
+nothing behind, tokenizers keeps to its time budget."""
 import os
 import re
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import bench
-from benchmarks.race import first_reaching, race, val_loss, val_windows
+from benchmarks import step
+from benchmarks.race import faster_or_slower, first_reaching, race
 from benchmarks.step import flops_per_token, plain_step
 from common import RunError, on_stop_signals
-from data.cache import load_meta
-from data.prepare import prepare
 from model.config import ModelConfig
 from model.gpt import GPT
-from tests.conftest import ROOT, assert_refused, mkdir, run_tool, tiny_overrides, write
+from tests.conftest import assert_refused, mkdir, run_tool, tiny_overrides, write
 from training.config import build_config
 
 
-def test_race_windows_are_the_whole_val_split_in_order(tiny_cfg):
-    cfg = tiny_cfg(**{"model.block_size": 8})
-    dataset = prepare(cfg.data)
-    meta = load_meta(dataset)
-    val = np.fromfile(dataset / "val.bin", dtype=meta["dtype"])
-    w = val_windows(dataset, 8)
-    assert w.shape == ((len(val) - 1) // 8, 9)
-    assert torch.equal(w[:, :-1].flatten(), torch.from_numpy(val[:w.size(0) * 8].astype(np.int64)))
-    assert torch.equal(w[:-1, -1], w[1:, 0]), "each window's last target is the next window's first input"
+def test_bench_train_times_the_trainer_s_own_loop_in_rounds(tmp_path, text_file, monkeypatch, capsys):
+    """One warm-up round, then --rounds rounds of --steps steps of train() itself, nothing else inside
+    them: a row per step kind, plain PyTorch's too, with the columns a log line's ms/step compares with."""
+    from training import trainer
+    monkeypatch.setattr(step, "matmul_peak", lambda device, dtype: {"torch.mm": 1e12})   # (seconds of its own)
+    calls, real_train = [], trainer.train
+
+    def train(cfg, **kw):
+        calls.append(cfg)
+        return real_train(cfg, **kw)
+    monkeypatch.setattr(step, "train", train)
+    real_plain = step.plain_step
+
+    def plain_of_20_ms(cfg, device):   # plain PyTorch's step, 20 ms slower: its row must say so, per step
+        model, plain = real_plain(cfg, device)
+        return model, lambda: plain() or time.sleep(0.02)
+    monkeypatch.setattr(step, "plain_step", plain_of_20_ms)
+    rc, out, err = run_tool(bench, ["train", write(tmp_path / "empty.toml", ""), *tiny_overrides(tmp_path, text_file),
+                                    "--steps", "3", "--rounds", "2"], capsys)
+    assert rc == 0, (out, err)
+    cfg, = calls
+    assert cfg.train.log_interval > 9 and cfg.train.eval_interval > 9, "no log line or evaluation inside the rounds"
+    assert re.search(r"^step +ms/step +tokens/s +MFU  how$", out, re.M), out
+    assert re.search(r"^trainer +[\d.]+ +[\d,]+ +[\d.]+%  cpu, float32, eager; set-up and warm-up round [\d.]+ s$",
+                     out, re.M), out
+    plain = re.search(r"^plain +([\d.]+) +[\d,]+ +[\d.]+%  eager, fp32, default AdamW$", out, re.M)
+    assert plain and 20 < float(plain[1]) < 60, out
+    assert "(median of 2 rounds of 3 steps)" in out
+    assert not any((tmp_path / "out").glob("*.pt")), "the timed run leaves no checkpoint"
+
+
+def test_time_trainer_rounds_are_the_steps_between_round_boundaries(tiny_cfg, tmp_path, monkeypatch):
+    """Each round's time is its own steps', and what runs between rounds (plain PyTorch's round) is not in it."""
+    seen = []
+    real = step.train
+
+    def slow_steps(cfg, on_step=None, **kw):
+        def on(s, model):
+            seen.append(s)
+            time.sleep(0.05)
+            return on_step(s, model)
+        return real(cfg, on_step=on, **kw)
+    monkeypatch.setattr(step, "train", slow_steps)
+    times, setup, how = step.time_trainer(tiny_cfg(), tmp_path / "run", 2, 3, between=lambda: time.sleep(0.6))
+    assert seen == list(range(1, 9)), "a warm-up round and 3 rounds of 2 steps, then the run ends"
+    assert len(times) == 3 and all(0.1 <= t < 0.5 for t in times), times
+    assert setup > 0 and how == "cpu, float32, eager"
+
+
+def test_race_runs_train_py_and_reports_time_from_launch_to_the_classic_s_best(tmp_path, text_file):
+    slow = write(tmp_path / "slow.toml", "[train]\nlr = 1e-4\nmin_lr = 1e-5\n")
+    fast = write(tmp_path / "fast.toml", "[train]\nlr = 1e-2\nmin_lr = 1e-3\n")
+    lines = []
+    result = race(str(slow), str(fast), tiny_overrides(tmp_path, text_file, **{"train.max_steps": 30}),
+                  evals=10, say=lines.append)
+    classic = result["curves"]["classic"]
+    assert [p["step"] for p in classic] == list(range(3, 31, 3))
+    assert all(0 < a["seconds"] < b["seconds"] for a, b in zip(classic, classic[1:])), "timed from launch"
+    assert classic[0]["seconds"] > 0.5, "the process's start counts"
+    assert result["curves"]["fast"][-1]["val"] < result["target"], "a 100x higher lr learns faster"
+    assert result["target"] == min(p["val"] for p in classic)
+    ratio = next(line for line in lines if line.startswith("ratio"))
+    assert f"{result['ratio']:.3f} ({faster_or_slower(result['ratio'])})" in ratio, ratio
+
+
+def test_the_race_scores_a_checkpoint_as_the_trainer_s_exact_evaluation_does(tiny_cfg):
+    """The race's val loss of a checkpoint is what train.eval_iters = 0 reports: every token of the val split."""
+    from benchmarks.race import exact_val_loss
+    from training.checkpoint import latest_checkpoint
+    from training.trainer import train
+    cfg = tiny_cfg(**{"train.eval_iters": 0, "train.max_steps": 4, "train.eval_interval": 4})
+    summary = train(cfg, quiet=True)
+    assert exact_val_loss(cfg, latest_checkpoint(cfg.out_dir)) == pytest.approx(summary["val_loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("ratio, words", [(2.037, "2.04x slower"), (0.49, "2.04x faster"), (1.0, "as fast")])
+def test_a_ratio_of_times_says_slower_above_1_and_faster_below(ratio, words):
+    """Issue 30: '2.037 (0.49x faster)' said of a run twice as slow."""
+    assert faster_or_slower(ratio) == words
 
 
 def test_first_reaching_takes_the_first_evaluation_at_or_below_the_target():
     curve = [{"step": s, "val": v} for s, v in [(10, 2.5), (20, 1.9), (30, 1.8), (40, 1.7)]]
     assert first_reaching(curve, 1.8)["step"] == 30
     assert first_reaching(curve, 1.0) is None
-
-
-def test_race_runs_both_configs_and_reports_the_ratio(tmp_path, text_file):
-    slow = tmp_path / "slow.toml"
-    slow.write_text("[train]\nlr = 1e-4\nmin_lr = 1e-5\n")
-    fast = tmp_path / "fast.toml"
-    fast.write_text("[train]\nlr = 1e-2\nmin_lr = 1e-3\n")
-    lines = []
-    result = race(str(slow), str(fast), tiny_overrides(tmp_path, text_file, **{"train.max_steps": 30}),
-                  evals=10, say=lines.append)
-    assert [p["step"] for p in result["curves"]["classic"]] == list(range(3, 31, 3))
-    assert result["curves"]["fast"][-1]["val"] < result["target"], "a 100x higher lr learns faster"
-    assert 0 < result["ratio"] < 1.5 and any(l.startswith("ratio") for l in lines)
 
 
 def test_flops_per_token_counts_every_matmul_weight_and_causal_attention():
@@ -70,27 +123,28 @@ def test_the_plain_step_handles_every_micro_batch_of_a_step():
     """bench_train counts batch x grad_accum x block tokens per step for every row, plain PyTorch's too."""
     cfg = build_config(None, ["--model.vocab_size=50", "--model.n_layer=1", "--model.n_embd=16", "--model.n_head=1",
                               "--model.block_size=8", "--train.batch_size=2", "--train.grad_accum=3"])
-    model, step = plain_step(cfg, torch.device("cpu"))
+    model, plain = plain_step(cfg, torch.device("cpu"))
     forwards = []
     model.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape))
-    step()
+    plain()
     assert forwards == [torch.Size([2, 8])] * 3
 
+
+def test_race_and_tokenizers_find_their_default_configs_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    p = bench.parser()
+    for argv, option in ((["race"], "classic"), (["race"], "fast"), (["tokenizers"], "config")):
+        args, overrides = p.parse_known_args(argv)
+        bench.check_args(p, args, overrides)
+        assert Path(getattr(args, option)).is_file()
+
+
 def test_the_fast_recipe_is_judged_on_the_classic_context_length():
-    classic = build_config("configs/shakespeare_char_cpu.toml", [])
-    fast = build_config("configs/shakespeare_char_cpu_fast.toml", [])
-    assert fast.model.block_size == classic.model.block_size, "a longer context would lower val loss by itself"
-    assert fast.data.tokenizer == classic.data.tokenizer
-
-
-def test_eval_iters_0_scores_every_token_of_the_split_as_the_race_does(tiny_cfg):
-    """The trainer's exact evaluation (every window of the split) is the race's val loss, batched otherwise."""
-    from training.checkpoint import load_model
-    from training.trainer import train
-    cfg = tiny_cfg(**{"train.eval_iters": 0, "train.max_steps": 4, "train.eval_interval": 4})
-    summary = train(cfg, quiet=True)
-    windows = val_windows(prepare(cfg.data), cfg.model.block_size)
-    assert summary["val_loss"] == pytest.approx(val_loss(load_model(cfg.out_dir).model, windows, chunk=3), abs=1e-6)
+    for kind in ("cpu", "cuda"):
+        from benchmarks.race import PAIRS
+        classic, fast = (build_config(path, []) for path in PAIRS[kind])
+        assert fast.model.block_size == classic.model.block_size, "a longer context would lower val loss by itself"
+        assert fast.data.tokenizer == classic.data.tokenizer
 
 
 # ---------------------------------------------------------------- bench.py as a command
@@ -129,8 +183,9 @@ REFUSALS = [
                                      "--dir", e["work"]], "--source"),
     ("prepare no dir", lambda e: ["prepare", "--mb", "1", "--plain-mb", "1", "--dir", e["tmp"] / "absent"], "--dir"),
     ("prepare unknown option", lambda e: ["prepare", "--mbs", "1", "--dir", e["work"]], "--mbs"),
-    ("gpu 0 micro-batches", lambda e: ["gpu", "--grad-accum-124m", "0", "--out", e["tmp"] / "report"],
-     "--grad-accum-124m"),
+    ("gpu bad override", lambda e: ["gpu", "--train.lr=-1", "--out", e["tmp"] / "report"], "train.lr"),
+    ("gpu unknown option", lambda e: ["gpu", "--grad-accum-124m", "4", "--out", e["tmp"] / "report"],
+     "grad-accum-124m"),
 ]
 
 
@@ -155,7 +210,30 @@ def test_bench_starts_where_the_system_has_no_load_average(monkeypatch, capsys):
     assert "load average unknown" in out.splitlines()[0], out
 
 
-# The start of prepare's measuring child on a system without /proc and without the resource module (Windows).
+def small_prepare(source) -> list:
+    return ["prepare", "--mb", "2", "--plain-mb", "1", "--tokenizers", "char", "--source", source]
+
+
+def test_prepare_says_what_it_writes_what_its_flags_caused_and_leaves_nothing_behind(tmp_path, text_file,
+                                                                                     monkeypatch, capsys):
+    temp = mkdir(tmp_path / "temp")
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))        # the system's temporary directory, for this test
+    rc, out, err = run_tool(bench, small_prepare(text_file), capsys)
+    assert rc == 0, (out, err)
+    said = next(line for line in out.splitlines() if "writes" in line)
+    assert str(temp) in said and "1 MB and 2 MB" in said and "removed afterwards" in said, said
+    assert out.index(said) < out.index(" MB/s"), "said before it writes"
+    assert re.search(r"^ +1 MB +char +stream +[\d.]+ MB/s +peak +\d+ MB$", out, re.M), out
+    assert re.search(r"^ +1 MB +char +plain +[\d.]+ MB/s", out, re.M), out
+    assert re.search(r"^ +2 MB +char +stream +[\d.]+ MB/s", out, re.M) and not re.search(r"2 MB +char +plain", out)
+    assert re.search(r"^char +: speed x[\d.]+, peak memory x[\d.]+ \(\d+ MB vs \d+ MB at 1 MB of text\)$", out, re.M)
+    # issue 30: the flag, not the machine's memory, kept reading whole off the larger file
+    assert "reading whole ran on the 1 MB file only, as --plain-mb 1 says, not on the 2 MB one" in out, out
+    assert "risk" not in out and "memory grows" not in out
+    assert list(temp.iterdir()) == [], "no file and no directory is left behind"
+
+
+# What prepare's measuring child meets on Windows: no /proc and no resource module.
 NO_PROC_NO_RESOURCE = """
 import builtins, sys
 sys.modules["resource"] = None                     # `import resource` raises ImportError
@@ -165,36 +243,19 @@ def no_proc(path, *args, **kwargs):
         raise FileNotFoundError(path)
     return real_open(path, *args, **kwargs)
 builtins.open = no_proc
-print("measured")
 """
 
 
-def test_prepare_measures_where_the_system_has_neither_proc_nor_resource():
+def test_prepare_says_peak_memory_is_unknown_where_the_system_cannot_tell_it(tmp_path, text_file, monkeypatch,
+                                                                            capsys):
     """Peak memory comes from /proc, else from the resource module; with neither it is unknown, not an error."""
     from benchmarks import prepare as bench_prepare
-    done = subprocess.run([sys.executable, "-c", bench_prepare._MEASURE, "-c", NO_PROC_NO_RESOURCE], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == "measured\n", done
-    assert "Error" not in done.stderr and "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr
-    took, peak = bench_prepare.measure("-c", NO_PROC_NO_RESOURCE, [])
-    assert took > 0 and math.isnan(peak)
-    assert bench_prepare.peak_text(peak) == "peak unknown"
-
-
-def small_prepare(source) -> list:
-    return ["prepare", "--mb", "1", "--plain-mb", "1", "--tokenizers", "char", "--source", source]
-
-
-def test_prepare_says_what_it_writes_and_leaves_nothing_behind(tmp_path, text_file, monkeypatch, capsys):
-    temp = mkdir(tmp_path / "temp")
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))        # the system's temporary directory, for this test
-    rc, out, err = run_tool(bench, small_prepare(text_file), capsys)
-    assert rc == 0, (out, err)
-    said = next(line for line in out.splitlines() if "writes" in line)
-    assert str(temp) in said and "1 MB" in said and "removed afterwards" in said, said
-    assert out.index(said) < out.index(" MB/s"), "said before it writes"
-    assert re.search(r"^ +1 MB +char +stream +[\d.]+ MB/s", out, re.M) and " plain " in out, out
-    assert list(temp.iterdir()) == [], "no file and no directory is left behind"
+    monkeypatch.setattr(bench_prepare, "PEAK", NO_PROC_NO_RESOURCE + bench_prepare.PEAK)
+    rc, out, err = run_tool(bench, ["prepare", "--mb", "1", "--plain-mb", "1", "--tokenizers", "char", "--source",
+                                    text_file, "--dir", mkdir(tmp_path / "work")], capsys)
+    assert rc == 0 and not err, (out, err)
+    assert re.search(r"^ +1 MB +char +stream +[\d.]+ MB/s +peak unknown$", out, re.M), out
+    assert "char    : speed x" in out and "peak memory unknown here" in out, out
 
 
 def test_prepare_removes_what_it_wrote_when_a_measurement_fails(tmp_path, text_file, monkeypatch, capsys):
@@ -251,7 +312,7 @@ def test_each_tokenizer_trains_within_its_budget_when_steps_slow_down_after_the_
     real_train = tokenizers.train
 
     def slower_after_the_probe(cfg, on_step=None, **kw):
-        if Path(cfg.out_dir).name == "probe":
+        if Path(cfg.out_dir).name.endswith("-probe"):
             return real_train(cfg, on_step=on_step, **kw)
 
         def slow(step, model):
