@@ -152,7 +152,7 @@ def list_entries(root: Path) -> None:
             tokens = meta["tokens"]
             what = f"{meta['tokenizer_spec']}  {meta['source']}  {tokens['train']:,} + {tokens['val']:,} tokens"
         print(f"{path.name}  {mb:,.1f} MB  {what}")
-    print(f"{len(found)} {'entry' if len(found) == 1 else 'entries'}, {sum(mb for _, mb in found):,.1f} MB in {root}")
+    print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}, {sum(mb for _, mb in found):,.1f} MB in {root}")
 
 
 def clean(root: Path) -> None:
@@ -160,4 +160,5 @@ def clean(root: Path) -> None:
     found = entries(root)
     for path, _ in found:
         shutil.rmtree(path)
-    print(f"removed {len(found)} entries from {root}: {sum(mb for _, mb in found):,.1f} MB freed")
+    print(f"removed {len(found)} entr{'y' if len(found) == 1 else 'ies'} from {root}: "
+          f"{sum(mb for _, mb in found):,.1f} MB freed")

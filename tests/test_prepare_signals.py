@@ -134,5 +134,5 @@ def test_what_a_killed_preparation_left_is_listed_and_cleaned(tmp_path, big_text
         return r.stdout
     assert command("--list") == (f"{leftover.name}  {mb:,.1f} MB  left by a preparation that was stopped (or is "
                                  f"still running); --clean removes it\n1 entry, {mb:,.1f} MB in {root}\n")
-    assert command("--clean") == f"removed 1 entries from {root}: {mb:,.1f} MB freed\n"
+    assert command("--clean") == f"removed 1 entry from {root}: {mb:,.1f} MB freed\n"
     assert os.listdir(root) == []
