@@ -82,17 +82,19 @@ def main(argv) -> int:
 
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+    idx = torch.tensor([ids], dtype=torch.long, device=device).repeat(args.num_samples, 1)
     eot = getattr(getattr(tokenizer, "enc", None), "eot_token", None)   # gpt2's and bpe:N's end-of-text
     hold = max(map(len, args.stop), default=1) - 1   # what could still become a stop string is not shown yet
-    streams = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(args.num_samples)]
-    new, done, shown = [""] * args.num_samples, [False] * args.num_samples, 0
+    new, done, streams, shown = [], [], [], 0   # each sample's text, whether it ended, its UTF-8 decoder
     print(("" if args.num_samples == 1 else "--- sample 1 ---\n") + text, end="", flush=True)
     try:
         with autocast(device, dtype):   # the finite flags are read with each token, read for streaming anyway
             decoding = Decoding(use_cache=not args.no_cache, cache_dtype=dtype, compile=args.compile, check_every=1)
             for col in generate(loaded.model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                                 generator, vocab_limit=tokenizer.vocab_size, decoding=decoding):
+                if not new:   # (made once the model has run: a batch too large for memory is refused there first)
+                    new, done = [""] * args.num_samples, [False] * args.num_samples
+                    streams = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in new]
                 for i, token in enumerate(col[:, 0].tolist()):
                     if not done[i]:
                         done[i] = token == eot
@@ -107,9 +109,9 @@ def main(argv) -> int:
     except SamplingError as e:
         print()
         raise RunError(f"{loaded.path}: {e}") from None
-    print(new[0][shown:] + ("" if done[0] else streams[0].decode(b"", final=True)), flush=True)
+    print(new[0][shown:] + ("" if done[0] else streams[0].decode(b"", final=True)) if new else "", flush=True)
     for i in range(1, args.num_samples):
-        print(f"--- sample {i + 1} ---\n{text}{new[i]}", flush=True)
+        print(f"--- sample {i + 1} ---\n{text}{new[i] if new else ''}", flush=True)
     return 0
 
 

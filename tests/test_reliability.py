@@ -125,7 +125,7 @@ def test_out_of_memory_names_the_fix_and_keeps_the_checkpoint(tmp_path, text_fil
                                                                       "train.check_memory": "false",   # estimate
                                                                       "train.device": "cpu"}), 2,
      "error: out of memory on cpu at step 1"),
-    ("sample.py", lambda tmp, text, ckpt: [ckpt, "--num-samples", 10_000_000, "--max-new-tokens", 5, "--device", "cpu"], 3,
+    ("sample.py", lambda tmp, text, ckpt: [ckpt, "--num-samples", 100_000_000, "--max-new-tokens", 5, "--device", "cpu"], 3,
      "error: out of memory (DefaultCPUAllocator"),
 ], ids=["train batch", "sample batch"])
 def test_memory_that_runs_out_for_real_is_one_line(tool, argv, code, message, tmp_path, trained):
