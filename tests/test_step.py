@@ -152,8 +152,8 @@ def test_a_compiling_run_says_so_before_it_waits_and_a_failure_falls_back_to_eag
     summary = train(tiny_cfg(**{"train.compile": True, "train.max_steps": 4}))
     out, err = capsys.readouterr()
     assert summary["step"] == 4 and out.index("# compiling the model: about half a minute") < out.index("step      1")
-    assert err.strip().splitlines() == ["warning: torch.compile failed, training without it (RuntimeError: C++ "
-                                        "compiler not found)"]
+    lines = [line for line in err.splitlines() if not line.startswith("note: other work keeps")]   # a busy machine
+    assert lines == ["warning: torch.compile failed, training without it (RuntimeError: C++ compiler not found)"]
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and bf16 autocast need a CUDA GPU")
