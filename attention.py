@@ -133,16 +133,16 @@ def main(argv) -> int:
 
     _, maps = attention_maps(loaded.model, torch.tensor([ids]))
     texts = token_texts(loaded.tokenizer, ids)
-    weights = [maps[layer][0, heads].numpy() for layer in layers]                # each (heads, T, T)
-    scores = [{name: s.numpy() for name, s in head_scores(maps[layer][0, heads], texts).items()} for layer in layers]
-    merged = {name: np.concatenate([s[name] for s in scores]) for name in scores[0]}
+    weights = [maps[layer][0, heads] for layer in layers]                        # each (heads, T, T)
+    scores = {name: s.numpy() for name, s in head_scores(torch.cat(weights), texts).items()}   # {name: (rows,)}
+    weights = [w.numpy() for w in weights]
     rows = [f"layer {layer} head {h}" for layer in layers for h in heads]
     kind = f"{cfg.attention}, pos={cfg.pos}"
     written = []
     if html is None or args.out:
         beside = Path(loaded.path).parent / "attention" if Path(loaded.path).is_file() else None   # a run's
         out_dir = Path(args.out) if args.out else beside or ROOT / "out" / "attention" / Path(str(loaded.path)).name
-        written += draw_pngs(out_dir, weights, merged, texts, layers, heads, rows, kind, not args.no_summary, args.dpi)
+        written += draw_pngs(out_dir, weights, scores, texts, layers, heads, rows, kind, not args.no_summary, args.dpi)
     if html is not None:   # the page is written whole or not at all
         page = attention_page(texts, weights, scores, f"{loaded.description}: {kind}", layers, heads)
         try:
@@ -151,10 +151,10 @@ def main(argv) -> int:
         except OSError as e:
             raise RunError(f"cannot write the page {html}: {e.strerror or e}") from None
         written.append(html)
-    shares = [] if args.no_summary else [n for n in SCORE_NAMES if n != "distance" and not np.isnan(merged[n]).all()]
+    shares = [] if args.no_summary else [n for n in SCORE_NAMES if n != "distance" and not np.isnan(scores[n]).all()]
     for name in shares:   # on stderr, the head that does most of each
-        best = int(np.nanargmax(merged[name]))
-        print(f"# most on {SCORE_NAMES[name]}: {rows[best]} ({merged[name][best]:.2f})", file=sys.stderr)
+        best = int(np.nanargmax(scores[name]))
+        print(f"# most on {SCORE_NAMES[name]}: {rows[best]} ({scores[name][best]:.2f})", file=sys.stderr)
     for p in written:
         print(p)
     return 0
