@@ -70,10 +70,22 @@ def read_config(directory: Path, name: str) -> ModelConfig:
     return config_from_hf(hf, where=f"{name}: config.json")
 
 
-def read_tensors(directory: Path) -> dict:
-    """All tensors of model.safetensors, or of its shards (model-00001-of-00002.safetensors, ...)."""
+def pretrained_config(name_or_dir: str) -> ModelConfig:
+    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its config.json."""
+    if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
+        _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
+        return config_from_hf({"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
+                               "n_embd": n_embd}, where=name_or_dir)
+    return read_config(resolve_source(name_or_dir, weights=False), name_or_dir)
+
+
+def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
+    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict), its
+    tensors from model.safetensors or from its shards (model-00001-of-00002.safetensors, ...)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+    directory = resolve_source(name_or_dir)
+    cfg = read_config(directory, name_or_dir)
     files = [directory / "model.safetensors"]
     files = files if files[0].is_file() else sorted(directory.glob("model-*.safetensors"))
     if not files:
@@ -86,23 +98,7 @@ def read_tensors(directory: Path) -> dict:
             tensors.update(load_file(f))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{f} is not a readable safetensors file ({first_line(e, 120)})") from None
-    return tensors
-
-
-def pretrained_config(name_or_dir: str) -> ModelConfig:
-    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its config.json."""
-    if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
-        _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
-        return config_from_hf({"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
-                               "n_embd": n_embd}, where=name_or_dir)
-    return read_config(resolve_source(name_or_dir, weights=False), name_or_dir)
-
-
-def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
-    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict)."""
-    directory = resolve_source(name_or_dir)
-    cfg = read_config(directory, name_or_dir)
-    return cfg, state_dict_from_hf(read_tensors(directory), cfg, where=f"{name_or_dir}: weights")
+    return cfg, state_dict_from_hf(tensors, cfg, where=f"{name_or_dir}: weights")
 
 
 def save_pretrained(directory, cfg: ModelConfig, state_dict: dict, tokenizer: dict | None = None) -> list[str]:
@@ -126,9 +122,8 @@ def save_pretrained(directory, cfg: ModelConfig, state_dict: dict, tokenizer: di
 # ----------------------------------------------------------------------------- using GPT-2
 
 def resolve_init_from(cfg, explicit: set[str]) -> None:
-    """Replace cfg.model (a training Config's) by the pretrained checkpoint's, keeping the free keys
-    the user set; set data.tokenizer to gpt2. explicit: the dotted keys the config file and command
-    line set."""
+    """train.init_from (see the top): cfg.model becomes the checkpoint's, with the free keys the user set,
+    and data.tokenizer gpt2. explicit: the dotted keys the config file and command line set."""
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)
@@ -145,8 +140,7 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
             limit = f" (its n_positions: at most {theirs})" if key == "block_size" else ""
             raise ConfigError(f"model.{key}={mine} conflicts with {source}'s {key}={theirs}{limit} "
                               f"(train.init_from); remove the override")
-        if free:
-            setattr(pretrained, key, mine)
+        setattr(pretrained, key, mine)
     if "data.tokenizer" in explicit and cfg.data.tokenizer != "gpt2":
         raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} conflicts with train.init_from={source}, "
                           f"whose tokenizer is gpt2; remove the override")
@@ -158,10 +152,7 @@ def load_init_weights(model: GPT, source: str) -> None:
     the position table to model.cfg.block_size rows."""
     _, state = load_pretrained(source)
     state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]   # (n_positions, C) -> (T, C)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:   # the checkpoint changed since the config was read
-        raise CheckpointError(f"{source} does not fit the model: {first_line(e)}") from None
+    model.load_state_dict(state)
 
 
 def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
