@@ -33,7 +33,6 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
               "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
               "gpt2-xl": ("openai-community/gpt2-xl", 48, 25, 1600),
               "distilgpt2": ("distilbert/distilgpt2", 6, 12, 768)}
-WEIGHT_FILES = ["model.safetensors", "model-*.safetensors"]
 
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
@@ -47,27 +46,13 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
                               f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
     try:   # (huggingface_hub missing, offline, an unknown repo, no access, a full disk: all end here)
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(HUB_MODELS.get(name_or_dir, [name_or_dir])[0],
-                                      allow_patterns=["config.json"] + WEIGHT_FILES * weights))
+        files = ["config.json", "model.safetensors", "model-*.safetensors"] if weights else ["config.json"]
+        return Path(snapshot_download(HUB_MODELS.get(name_or_dir, [name_or_dir])[0], allow_patterns=files))
     except Exception as e:
         offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
         detail = "not in the local cache, and the hub cannot be reached" if offline else first_line(e).split(". ")[0]
         raise CheckpointError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
                               f"pass a local directory") from None
-
-
-def read_config(directory: Path, name: str) -> ModelConfig:
-    """The ModelConfig of the config.json in directory (of the checkpoint called name)."""
-    path = directory / "config.json"
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face checkpoint directory") from None
-    except ValueError as e:   # (a UnicodeDecodeError too)
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return config_from_hf(hf, where=f"{name}: config.json")
 
 
 def pretrained_config(name_or_dir: str) -> ModelConfig:
@@ -76,16 +61,24 @@ def pretrained_config(name_or_dir: str) -> ModelConfig:
         _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
         return config_from_hf({"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
                                "n_embd": n_embd}, where=name_or_dir)
-    return read_config(resolve_source(name_or_dir, weights=False), name_or_dir)
+    path = resolve_source(name_or_dir, weights=False) / "config.json"
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.parent} has no config.json: not a Hugging Face checkpoint directory") from None
+    except ValueError as e:   # (a UnicodeDecodeError too)
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return config_from_hf(hf, where=f"{name_or_dir}: config.json")
 
 
 def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
-    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict), its
-    tensors from model.safetensors or from its shards (model-00001-of-00002.safetensors, ...)."""
+    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+    cfg = pretrained_config(name_or_dir)
     directory = resolve_source(name_or_dir)
-    cfg = read_config(directory, name_or_dir)
     files = [directory / "model.safetensors"]
     files = files if files[0].is_file() else sorted(directory.glob("model-*.safetensors"))
     if not files:
