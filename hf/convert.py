@@ -106,8 +106,6 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
     unexpected tensor is a CheckpointError naming it."""
     sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in sd.items()
           if not k.endswith((".attn.bias", ".attn.masked_bias"))}   # old checkpoints' causal-mask buffers
-    if cfg.tie_embeddings:
-        sd.pop("lm_head.weight", None)   # tied: the head is wte, whatever else was stored
     out = {}
     for ours, theirs, shape, conv in tensor_names(cfg):
         short = theirs.removeprefix("transformer.")
@@ -118,7 +116,8 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
             raise CheckpointError(f"{where}: {short} has shape {tuple(t.shape)}, the config says {stacked}")
         t = t.float().t() if conv else t.float()
         out.update((o, part.contiguous()) for o, part in zip(ours, t.split(shape[0])))
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings:   # the head is wte, whatever else was stored
+        sd.pop("lm_head.weight", None)
         out["lm_head.weight"] = out["tok_emb.weight"]
     if sd:
         names = sorted(k.removeprefix("transformer.") for k in sd)
