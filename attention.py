@@ -92,29 +92,6 @@ def page_path(spec: str) -> Path:
     return path
 
 
-def draw_pngs(out_dir: Path, weights: list, scores: dict, texts: list[str], layers: list[int], heads: list[int],
-              rows: list[str], kind: str, summary: bool, dpi: int) -> list[Path]:
-    """attention_layer<i>.png per layer (weights: (heads, T, T) each) and attention_summary.png (scores:
-    {name: (len(rows),)}) into out_dir, one figure at a time (a large model's would not all fit at once);
-    their paths."""
-    from viz.attention_maps import BOX, label_fonts, plot_layer, plot_summary, visible
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    labels = [visible(t) for t in texts]
-    missing = label_fonts("".join(labels))[1]
-    if missing:
-        print(f"note: no installed font has the characters {missing!r}: drawn as {BOX}", file=sys.stderr)
-    written = []
-    for layer, w in zip(layers, weights):
-        written.append(out_dir / f"attention_layer{layer}.png")
-        title = f"layer {layer} ({kind}): row = query token, column = the token it attends to"
-        plot_layer(w, labels, heads, title, dpi).savefig(written[-1])
-    if summary:
-        written.append(out_dir / "attention_summary.png")
-        plot_summary(rows, scores, dpi).savefig(written[-1])
-    return written
-
-
 def main(argv) -> int:
     args = parse_args(argv)
     html = page_path(args.html) if args.html else None
@@ -124,6 +101,7 @@ def main(argv) -> int:
     from data.sources import read_prompt
     from model.inspect import attention_maps, head_scores
     from training.checkpoint import load_model
+    from viz.attention_maps import BOX, label_fonts, plot_layer, plot_summary, visible
     from viz.attention_page import SCORE_NAMES, attention_page
 
     loaded = load_model(args.checkpoint)
@@ -133,16 +111,26 @@ def main(argv) -> int:
 
     _, maps = attention_maps(loaded.model, torch.tensor([ids]))
     texts = token_texts(loaded.tokenizer, ids)
-    weights = [maps[layer][0, heads].numpy() for layer in layers]                # each (heads, T, T)
-    scores = [{name: s.numpy() for name, s in head_scores(maps[layer][0, heads], texts).items()} for layer in layers]
-    merged = {name: np.concatenate([s[name] for s in scores]) for name in scores[0]}
+    weights = [maps[layer][0, heads] for layer in layers]                        # each (heads, T, T)
+    scores = {name: s.numpy() for name, s in head_scores(torch.cat(weights), texts).items()}   # {name: (rows,)}
+    weights = [w.numpy() for w in weights]
     rows = [f"layer {layer} head {h}" for layer in layers for h in heads]
     kind = f"{cfg.attention}, pos={cfg.pos}"
     written = []
-    if html is None or args.out:
+    if html is None or args.out:   # the PNGs, one figure at a time (a large model's would not all fit at once)
         beside = Path(loaded.path).parent / "attention" if Path(loaded.path).is_file() else None   # a run's
         out_dir = Path(args.out) if args.out else beside or ROOT / "out" / "attention" / Path(str(loaded.path)).name
-        written += draw_pngs(out_dir, weights, merged, texts, layers, heads, rows, kind, not args.no_summary, args.dpi)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        labels = [visible(t) for t in texts]
+        if missing := label_fonts("".join(labels))[1]:
+            print(f"note: no installed font has the characters {missing!r}: drawn as {BOX}", file=sys.stderr)
+        for layer, w in zip(layers, weights):
+            written.append(out_dir / f"attention_layer{layer}.png")
+            title = f"layer {layer} ({kind}): row = query token, column = the token it attends to"
+            plot_layer(w, labels, heads, title, args.dpi).savefig(written[-1])
+        if not args.no_summary:
+            written.append(out_dir / "attention_summary.png")
+            plot_summary(rows, scores, args.dpi).savefig(written[-1])
     if html is not None:   # the page is written whole or not at all
         page = attention_page(texts, weights, scores, f"{loaded.description}: {kind}", layers, heads)
         try:
@@ -151,10 +139,10 @@ def main(argv) -> int:
         except OSError as e:
             raise RunError(f"cannot write the page {html}: {e.strerror or e}") from None
         written.append(html)
-    shares = [] if args.no_summary else [n for n in SCORE_NAMES if n != "distance" and not np.isnan(merged[n]).all()]
+    shares = [] if args.no_summary else [n for n in SCORE_NAMES if n != "distance" and not np.isnan(scores[n]).all()]
     for name in shares:   # on stderr, the head that does most of each
-        best = int(np.nanargmax(merged[name]))
-        print(f"# most on {SCORE_NAMES[name]}: {rows[best]} ({merged[name][best]:.2f})", file=sys.stderr)
+        best = int(np.nanargmax(scores[name]))
+        print(f"# most on {SCORE_NAMES[name]}: {rows[best]} ({scores[name][best]:.2f})", file=sys.stderr)
     for p in written:
         print(p)
     return 0

@@ -30,16 +30,6 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def export(loaded, out: Path) -> None:
-    """Write a model that training.checkpoint.load_model loaded, and its tokenizer, into out; say what."""
-    from hf.hub import save_pretrained
-    cfg, meta = loaded.model.cfg, loaded.tokenizer.meta()
-    written = save_pretrained(out, cfg, loaded.model.state_dict(), meta)
-    print(f"# {loaded.path} -> {out} (GPT2LMHeadModel: {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
-          f"context {cfg.block_size}, vocab {cfg.vocab_size})")
-    print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} (AutoTokenizer.from_pretrained)")
-
-
 def main(argv) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
@@ -47,8 +37,14 @@ def main(argv) -> int:
         raise RunError(f"{out} holds checkpoints of a run: export into a directory of its own")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise RunError(f"{out} is not empty; pass --force to write the model and tokenizer files into it")
+    from hf.hub import save_pretrained
     from training.checkpoint import load_model
-    export(load_model(args.checkpoint), out)
+    loaded = load_model(args.checkpoint)
+    cfg, meta = loaded.model.cfg, loaded.tokenizer.meta()
+    written = save_pretrained(out, cfg, loaded.model.state_dict(), meta)
+    print(f"# {loaded.path} -> {out} (GPT2LMHeadModel: {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
+          f"context {cfg.block_size}, vocab {cfg.vocab_size})")
+    print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} (AutoTokenizer.from_pretrained)")
     return 0
 
 

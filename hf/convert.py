@@ -46,7 +46,6 @@ HF_TYPES = {"vocab_size": int, "n_positions": int, "n_layer": int, "n_head": int
 HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop": 0.1, "layer_norm_epsilon": 1e-5,
                "scale_attn_weights": True, "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
                "add_cross_attention": False}
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")   # old checkpoints' causal-mask buffers
 # A block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units of C, which
 # a Conv1D stores transposed, or None for a norm's (C,))
 BLOCK_TENSORS = [(["norm1"], "ln_1", None), (["attn.query", "attn.key", "attn.value"], "attn.c_attn", (1, 1)),
@@ -86,16 +85,6 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     return cfg
 
 
-def check_exportable(cfg: ModelConfig) -> None:
-    """A CheckpointError naming the first setting that GPT-2's architecture cannot express."""
-    for key, allowed, why in [("pos", ["learned"], "GPT-2 has learned absolute positions"),
-                              ("norm", ["layernorm"], "GPT-2 has LayerNorm"),
-                              ("qk_norm", [False], "GPT-2 does not normalize queries and keys"),
-                              ("attention", ["naive", "sdpa"], "GPT-2 has plain multi-head attention: naive or sdpa")]:
-        if getattr(cfg, key) not in allowed:
-            raise CheckpointError(f"model.{key}={getattr(cfg, key)!r} does not map onto GPT-2 ({why})")
-
-
 def tensor_names(cfg: ModelConfig):
     """(our names, stacked along dim 0; GPT-2's name; the shape of each of ours; whether it is a Conv1D
     weight, stored transposed) for each GPT-2 tensor."""
@@ -116,9 +105,7 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
     """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32); a missing, misshapen or
     unexpected tensor is a CheckpointError naming it."""
     sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in sd.items()
-          if not k.endswith(IGNORED_SUFFIXES)}
-    if cfg.tie_embeddings:
-        sd.pop("lm_head.weight", None)   # tied: the head is wte, whatever else was stored
+          if not k.endswith((".attn.bias", ".attn.masked_bias"))}   # old checkpoints' causal-mask buffers
     out = {}
     for ours, theirs, shape, conv in tensor_names(cfg):
         short = theirs.removeprefix("transformer.")
@@ -129,7 +116,8 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
             raise CheckpointError(f"{where}: {short} has shape {tuple(t.shape)}, the config says {stacked}")
         t = t.float().t() if conv else t.float()
         out.update((o, part.contiguous()) for o, part in zip(ours, t.split(shape[0])))
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings:   # the head is wte, whatever else was stored
+        sd.pop("lm_head.weight", None)
         out["lm_head.weight"] = out["tok_emb.weight"]
     if sd:
         names = sorted(k.removeprefix("transformer.") for k in sd)
@@ -140,8 +128,14 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
 
 def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
     """This GPT's config and state dict -> (GPT-2 config.json dict, GPT-2 tensors as transformers
-    names them). Tensors are new and contiguous (safetensors needs both); check_exportable first."""
-    check_exportable(cfg)
+    names them). Tensors are new and contiguous (safetensors needs both). A setting GPT-2 cannot express
+    is a CheckpointError naming it."""
+    for key, allowed, why in [("pos", ["learned"], "GPT-2 has learned absolute positions"),
+                              ("norm", ["layernorm"], "GPT-2 has LayerNorm"),
+                              ("qk_norm", [False], "GPT-2 does not normalize queries and keys"),
+                              ("attention", ["naive", "sdpa"], "GPT-2 has plain multi-head attention: naive or sdpa")]:
+        if getattr(cfg, key) not in allowed:
+            raise CheckpointError(f"model.{key}={getattr(cfg, key)!r} does not map onto GPT-2 ({why})")
     sd = {k: v.detach().cpu() for k, v in state_dict.items()}
     dtype, tensors = sd["tok_emb.weight"].dtype, {}
     for ours, theirs, shape, conv in tensor_names(cfg):   # model.bias = false: zero biases, the same function

@@ -33,7 +33,6 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
               "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
               "gpt2-xl": ("openai-community/gpt2-xl", 48, 25, 1600),
               "distilgpt2": ("distilbert/distilgpt2", 6, 12, 768)}
-WEIGHT_FILES = ["model.safetensors", "model-*.safetensors"]
 
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
@@ -47,8 +46,8 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
                               f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
     try:   # (huggingface_hub missing, offline, an unknown repo, no access, a full disk: all end here)
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(HUB_MODELS.get(name_or_dir, [name_or_dir])[0],
-                                      allow_patterns=["config.json"] + WEIGHT_FILES * weights))
+        files = ["config.json", "model.safetensors", "model-*.safetensors"] if weights else ["config.json"]
+        return Path(snapshot_download(HUB_MODELS.get(name_or_dir, [name_or_dir])[0], allow_patterns=files))
     except Exception as e:
         offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
         detail = "not in the local cache, and the hub cannot be reached" if offline else first_line(e).split(". ")[0]
@@ -56,24 +55,30 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
                               f"pass a local directory") from None
 
 
-def read_config(directory: Path, name: str) -> ModelConfig:
-    """The ModelConfig of the config.json in directory (of the checkpoint called name)."""
-    path = directory / "config.json"
+def pretrained_config(name_or_dir: str) -> ModelConfig:
+    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its config.json."""
+    if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
+        _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
+        return config_from_hf({"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
+                               "n_embd": n_embd}, where=name_or_dir)
+    path = resolve_source(name_or_dir, weights=False) / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face checkpoint directory") from None
+        raise CheckpointError(f"{path.parent} has no config.json: not a Hugging Face checkpoint directory") from None
     except ValueError as e:   # (a UnicodeDecodeError too)
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path} is not a JSON object")
-    return config_from_hf(hf, where=f"{name}: config.json")
+    return config_from_hf(hf, where=f"{name_or_dir}: config.json")
 
 
-def read_tensors(directory: Path) -> dict:
-    """All tensors of model.safetensors, or of its shards (model-00001-of-00002.safetensors, ...)."""
+def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
+    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+    cfg = pretrained_config(name_or_dir)
+    directory = resolve_source(name_or_dir)
     files = [directory / "model.safetensors"]
     files = files if files[0].is_file() else sorted(directory.glob("model-*.safetensors"))
     if not files:
@@ -86,23 +91,7 @@ def read_tensors(directory: Path) -> dict:
             tensors.update(load_file(f))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{f} is not a readable safetensors file ({first_line(e, 120)})") from None
-    return tensors
-
-
-def pretrained_config(name_or_dir: str) -> ModelConfig:
-    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its config.json."""
-    if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
-        _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
-        return config_from_hf({"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
-                               "n_embd": n_embd}, where=name_or_dir)
-    return read_config(resolve_source(name_or_dir, weights=False), name_or_dir)
-
-
-def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
-    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict)."""
-    directory = resolve_source(name_or_dir)
-    cfg = read_config(directory, name_or_dir)
-    return cfg, state_dict_from_hf(read_tensors(directory), cfg, where=f"{name_or_dir}: weights")
+    return cfg, state_dict_from_hf(tensors, cfg, where=f"{name_or_dir}: weights")
 
 
 def save_pretrained(directory, cfg: ModelConfig, state_dict: dict, tokenizer: dict | None = None) -> list[str]:
@@ -126,9 +115,8 @@ def save_pretrained(directory, cfg: ModelConfig, state_dict: dict, tokenizer: di
 # ----------------------------------------------------------------------------- using GPT-2
 
 def resolve_init_from(cfg, explicit: set[str]) -> None:
-    """Replace cfg.model (a training Config's) by the pretrained checkpoint's, keeping the free keys
-    the user set; set data.tokenizer to gpt2. explicit: the dotted keys the config file and command
-    line set."""
+    """train.init_from (see the top): cfg.model becomes the checkpoint's, with the free keys the user set,
+    and data.tokenizer gpt2. explicit: the dotted keys the config file and command line set."""
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)
@@ -145,8 +133,7 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
             limit = f" (its n_positions: at most {theirs})" if key == "block_size" else ""
             raise ConfigError(f"model.{key}={mine} conflicts with {source}'s {key}={theirs}{limit} "
                               f"(train.init_from); remove the override")
-        if free:
-            setattr(pretrained, key, mine)
+        setattr(pretrained, key, mine)
     if "data.tokenizer" in explicit and cfg.data.tokenizer != "gpt2":
         raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} conflicts with train.init_from={source}, "
                           f"whose tokenizer is gpt2; remove the override")
@@ -158,10 +145,7 @@ def load_init_weights(model: GPT, source: str) -> None:
     the position table to model.cfg.block_size rows."""
     _, state = load_pretrained(source)
     state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]   # (n_positions, C) -> (T, C)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:   # the checkpoint changed since the config was read
-        raise CheckpointError(f"{source} does not fit the model: {first_line(e)}") from None
+    model.load_state_dict(state)
 
 
 def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:

@@ -20,11 +20,10 @@ without spaces (a character outside the vocabulary is dropped, not refused). Whe
 "<|endoftext|>" in a text is the special token to `tokenizers` (text to us), and its regex engine
 has no possessive {n,m}+, written {n,m}: the same where nothing follows it (GPT-4's \p{N}{1,3}+).
 """
-import base64
 import re
 
 from common import TokenizerError
-from data.tokenizers import EOT
+from data.tokenizers import EOT, load_tokenizer
 
 _PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
 _OTHERS = iter(range(256, 512))
@@ -53,17 +52,12 @@ def tokenizer_files(meta: dict, max_length: int) -> tuple[dict, int | None]:
         vocab, pairs, special = {c: i for i, c in enumerate(meta["chars"])}, [], {}
         pre, decoder = None, {"type": "Fuse"}
     else:
-        if meta["kind"] == "bpe":
-            pattern, special = meta["pattern"], meta["special_tokens"]
-            ranks = {base64.b64decode(token): i for i, token in enumerate(meta["ranks"])}
-        else:
-            import tiktoken
-            enc = tiktoken.get_encoding(meta["name"])
-            pattern, ranks, special = enc._pat_str, enc._mergeable_ranks, enc._special_tokens
+        enc = load_tokenizer(meta).enc   # tiktoken's Encoding, of gpt2 or of a bpe:N trained on the data
+        ranks, special = enc._mergeable_ranks, enc._special_tokens
         vocab = {"".join(BYTES[b] for b in token): rank for token, rank in ranks.items()}
         pairs = [" ".join("".join(BYTES[b] for b in part) for part in pair) for pair in merges(ranks)]
         decoder = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-        split = {"type": "Split", "pattern": {"Regex": re.sub(r"(\{\d+(,\d*)?\})\+", r"\1", pattern)},
+        split = {"type": "Split", "pattern": {"Regex": re.sub(r"(\{\d+(,\d*)?\})\+", r"\1", enc._pat_str)},
                  "behavior": "Isolated", "invert": False}
         pre = {"type": "Sequence", "pretokenizers": [split, decoder]}
     added = [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,

@@ -3,11 +3,13 @@ inlines everything and loads nothing, and in a real headless browser (Debian's c
 playwright) it loads without errors, a chosen token changes what is highlighted, and the weights and
 scores it shows are the model's. The browser tests skip, saying why, where chromium or playwright is
 missing; with REQUIRE_BROWSER=1 (CI) they fail instead."""
+import base64
 import importlib.util
 import json
 import os
 import re
 import shutil
+import zlib
 from functools import partial
 
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import save_char_model
-from viz.attention_page import PLACEHOLDER, TEMPLATE, attention_page, decode_weights, encode_weights, error_bound
+from viz.attention_page import PLACEHOLDER, TEMPLATE, attention_page, encode_weights, error_bound
 
 PROMPT = "ROMEO:\nTo be, or not?\nJULIET:\nAy, me."
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -28,6 +30,20 @@ def softmax_rows(n_heads, T, window=0, seed=0):
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     hidden = (j > i) | ((i - j >= window) if window else torch.zeros(T, T, dtype=torch.bool))
     return scores.masked_fill(hidden, float("-inf")).softmax(-1).numpy()
+
+
+def decode_weights(data: dict, n_heads: int, T: int) -> list[np.ndarray]:
+    """The stored weights read back as the page reads them: per layer (n_heads, T, T), zero above the diagonal."""
+    codes = np.frombuffer(zlib.decompress(base64.b64decode(data["weights"])), dtype=np.uint8)
+    codes = codes.reshape(len(data["scale"]), n_heads, T * (T + 1) // 2)
+    rows, cols = np.tril_indices(T)
+    layers = []
+    for layer_codes, zero, levels, scale in zip(codes, data["zero"], data["levels"], data["scale"]):
+        root = (layer_codes.astype(np.float64) - zero) / levels
+        w = np.zeros((n_heads, T, T))
+        w[:, rows, cols] = np.sign(root) * root ** 2 * scale
+        layers.append(w)
+    return layers
 
 
 @pytest.mark.parametrize("signed", [False, True])
@@ -53,8 +69,8 @@ def inlined_data(html: str) -> dict:
 
 def test_the_page_inlines_its_data_and_refers_to_nothing_outside():
     texts = ["</script><script>alert(1)</script>", " a", "\n", "b"]
-    scores = [{"previous": np.array([0.5, 0.25]), "first": np.array([0.1, np.nan]), "self": np.zeros(2),
-               "newline": np.full(2, np.nan), "line_up": np.full(2, np.nan), "distance": np.array([1.0, 2.0])}]
+    scores = {"previous": np.array([0.5, 0.25]), "first": np.array([0.1, np.nan]), "self": np.zeros(2),
+              "newline": np.full(2, np.nan), "line_up": np.full(2, np.nan), "distance": np.array([1.0, 2.0])}
     html = attention_page(texts, [softmax_rows(2, 4)], scores, "a <b>title</b>", layers=[3], heads=[0, 5])
     assert PLACEHOLDER not in html and html.count("</script>") == 2, "the token's text cannot end the data"
     assert not re.search(r"https?:|//[a-z]|\b(src|href)=|<link|@import|url\(", html), "nothing to fetch"

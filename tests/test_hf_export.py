@@ -3,7 +3,6 @@ our tokenizer does (char, bpe:N, gpt2), and pipeline("text-generation") continue
 Models are built directly (tiny, random), never trained."""
 import importlib.util
 import json
-import types
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from data.tokenizers import CharTokenizer, load_tokenizer, train_bpe
 from hf.hub import save_pretrained
 from model.config import ModelConfig
 from model.gpt import GPT
-from tests.conftest import TEXT, gpt2_or_skip, run_tool
+from tests.conftest import TEXT, gpt2_or_skip, run_tool, save_char_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed (pip install -r requirements-dev.txt)")
@@ -91,10 +90,10 @@ def test_a_vocabulary_in_rank_order_is_needed_for_merges():
 
 
 def test_export_says_which_tokenizer_files_it_wrote(tmp_path, capsys):
-    tok, model, _ = export_tiny(tmp_path / "unused", "char")
-    export.export(types.SimpleNamespace(model=model, tokenizer=tok, path="run/best.pt"), tmp_path / "hf")
-    out = capsys.readouterr().out
-    assert "run/best.pt -> " in out and "# tokenizer char: tokenizer.json, tokenizer_config.json" in out
+    run = save_char_model(tmp_path / "run", block_size=8, n_layer=1, n_head=2, n_embd=16)
+    rc, out, err = run_tool(export, [run, tmp_path / "hf"], capsys)
+    assert rc == 0 and f"{run / 'best.pt'} -> " in out, err
+    assert "# tokenizer char: tokenizer.json, tokenizer_config.json" in out
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
