@@ -145,7 +145,10 @@ def load_init_weights(model: GPT, source: str) -> None:
     the position table to model.cfg.block_size rows."""
     _, state = load_pretrained(source)
     state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]   # (n_positions, C) -> (T, C)
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:   # its files changed since its config was read
+        raise CheckpointError(f"{source} does not fit the model its config.json describes: {first_line(e)}") from None
 
 
 def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
