@@ -94,9 +94,8 @@ def iter_text(path: Path, errors: str = "strict", size: int | None = None, chunk
             text = decoder.decode(raw, final=not raw)   # b"": the end, where a character cut short is an error
         except UnicodeDecodeError as e:   # e.object: the held bytes, then raw
             with open(path, "rb") as f:
-                binary = b"\0" in f.read(8192)   # git's test
-            if binary:
-                hint = f"it looks binary: leave it out of the data (e.g. with a glob such as '{path.parent}/*.txt')"
+                if b"\0" in f.read(8192):   # it looks binary (git's test)
+                    hint = f"it looks binary: leave it out of the data (e.g. with a glob such as '{path.parent}/*.txt')"
             raise DataError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset {offset - held + e.start}"
                             + (f"; {hint}" if hint else "")) from None
         if text:
