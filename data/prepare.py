@@ -198,7 +198,7 @@ def safe_cut(text: str) -> int:
 
 def pieces(files, sizes, counts, errors: str, split_at: int, bpe: bool, piece_chars: int, hashes=None, bar=None):
     """The text as (split, piece) in order: its first split_at characters in "train", the rest in "val";
-    between documents a newline (char) or (split, None): the end-of-text token (BPE). A piece holds
+    between documents a piece of its own: a newline (char) or None, the end-of-text token (BPE). A piece holds
     piece_chars to 2 x piece_chars characters (fewer at a document's end or the split point); BPE's
     are cut at a safe_cut point. hashes: a hashlib object per file, given every byte read."""
     split, pos, buffer = "train", 0, ""
@@ -218,13 +218,11 @@ def pieces(files, sizes, counts, errors: str, split_at: int, bpe: bool, piece_ch
                 end = (safe_cut(buffer) or len(buffer)) if bpe else len(buffer)
                 yield split, buffer[:end]
                 buffer = buffer[end:]
-        if counts[i] and i < last and not bpe:   # between documents
-            buffer, pos = buffer + "\n", pos + 1
-        elif counts[i] and i < last:
+        if counts[i] and i < last:   # between documents
             if buffer:
                 yield split, buffer
-            yield split, None
-            buffer = ""
+            yield split, None if bpe else "\n"
+            buffer, pos = "", pos if bpe else pos + 1   # (a newline is a character of the text; the token is not)
     if buffer:
         yield split, buffer
 
