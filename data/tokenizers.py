@@ -74,9 +74,11 @@ class CharTokenizer:
 
 def check_tokenizer_spec(spec: str) -> None:
     """A TokenizerError unless spec is char, bpe:N or a tiktoken encoding name (its files are not loaded)."""
+    if spec == "char" or bpe_vocab_size(spec) is not None:
+        return   # (without importing tiktoken)
     import tiktoken
     names = tiktoken.list_encoding_names()
-    if spec != "char" and bpe_vocab_size(spec) is None and spec not in names:
+    if spec not in names:
         raise TokenizerError(f"unknown tokenizer {spec!r}: use 'char', 'bpe:N' (a BPE of N tokens trained on "
                              f"the data) or a tiktoken encoding ({', '.join(names)})")
 
