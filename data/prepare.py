@@ -169,7 +169,7 @@ def scan(files, sizes, errors: str, want_chars: bool, progress) -> tuple[list[in
                 seen[code_points(text)] = True
         counts.append(0 if blank else n)
     if not any(counts):
-        raise DataError(f"data file is empty: {path}" if len(files) == 1 else
+        raise DataError(f"data file is empty: {files[0]}" if len(files) == 1 else
                         f"the data files are all empty ({len(files)} files, first {files[0]})")
     return counts, "".join(map(chr, np.flatnonzero(seen))) if want_chars else None
 
