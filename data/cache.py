@@ -52,8 +52,9 @@ def _problem(entry: Path, meta, expect: dict) -> str | None:
         return "is damaged (meta.json is not an object)"
     if meta.get("format") != FORMAT:
         return f"is outdated (format {meta.get('format')}; this code writes format {FORMAT})"
-    problem = type_problem(meta, SCHEMA) or next(
-        filter(None, (type_problem(meta[key], schema, f"{key}.") for key, schema in PARTS.items())), None)
+    problem = type_problem(meta, SCHEMA)
+    for key, schema in PARTS.items():
+        problem = problem or type_problem(meta[key], schema, f"{key}.")
     if problem:
         return f"is damaged (meta.json: {problem})"
     for key, want in expect.items():

@@ -7,13 +7,11 @@ from disk. On CUDA a step's windows are copied through pinned memory, asynchrono
 
 Many processes (torch.distributed): every rank holds the same generator and, each optimizer step,
 draws the offsets of the whole global batch, world x grad_accum x B windows (a few KB of integers),
-then keeps only its own B windows per micro-step. So the ranks read different windows, and which
-windows a step trains on depends only on the global batch size: 1 process with batch 2B, 1 process
-with batch B and 2 accumulation steps, and 2 processes with batch B each see exactly the same data
-(the tests check that they end with the same weights). Seeding each rank differently instead would
-also give different windows per rank, but a run could then not be compared or resumed across world
-sizes. The generator state is the same on every rank, so rank 0's copy in a checkpoint resumes any
-world size.
+then keeps only its own B windows per micro-step. So which windows a step trains on depends only on
+the global batch size: 1 process with batch 2B, 1 process with batch B and 2 accumulation steps, and
+2 processes with batch B each see exactly the same data (the tests check that they end with the same
+weights), and rank 0's generator state in a checkpoint resumes any world size. Seeding each rank
+differently would give each its windows too, but runs could then not be compared across world sizes.
 """
 from pathlib import Path
 
@@ -28,14 +26,11 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
     """(x, y) int64 host tensors of at most batch_size windows each, in which every token after the
     first is a scored target exactly once (y = -1 marks a target that is context only).
 
-    Window k holds tokens[k * stride : k * stride + block_size + 1]: x its first block_size tokens,
-    y the same shifted by one. The first window scores all its targets; each later one only the
-    targets after the previous window's last, which are its last `stride` targets: so every token
-    scored after the first window has at least block_size - stride + 1 tokens of context. The
-    windows go on until one reaches the last token; that one is cut short where the tokens end (its
-    targets after the previous window's, at most `stride`, are scored) and yielded in a batch of its
-    own. With stride = block_size no target is context only: the windows are consecutive_windows'
-    and, where tokens are left after them, one shorter window for those."""
+    Window k holds tokens[k * stride : k * stride + block_size + 1]. The first window scores all its
+    targets, each later one only its last `stride` (those after the previous window's last): so every
+    token scored after the first window has at least block_size - stride + 1 tokens of context. The
+    last window, the one that reaches the last token, may be shorter and comes in a batch of its own.
+    With stride = block_size no target is context only."""
     n, context = len(tokens), block_size - stride   # context: targets at the start of a later window not scored
     last = max(0, -(-(n - 1 - block_size) // stride))   # the index of the window that reaches the last token
     starts = np.arange(last + 1) * stride
@@ -68,16 +63,14 @@ class BatchLoader:
 
     def _draw(self, split: str, generator: torch.Generator, *lead: int) -> torch.Tensor:
         """This rank's B of (*lead, world, B) windows of block_size + 1 tokens at offsets drawn from
-        generator: a host tensor (*lead, B, T + 1)."""
+        generator: a host tensor (*lead, B, T + 1). A token id outside the vocabulary is a DataError
+        before the embedding fails on it: the files were damaged after the cache checked them (from
+        meta.json and file sizes)."""
         shape = (*lead, self.world, self.batch_size)
         starts = torch.randint(len(self.splits[split]) - self.block_size, shape, generator=generator).numpy()
         tokens = self.splits[split][starts[..., self.rank, :, None] + self.offsets]
-        return self._checked(split, torch.from_numpy(tokens.astype(np.int64)))
-
-    def _checked(self, split: str, windows: torch.Tensor) -> torch.Tensor:
-        """windows, unless a token id is outside the vocabulary: the files were damaged after they were
-        checked (the cache's checks read only meta.json and file sizes), and the embedding would fail."""
-        if windows.numel() and int(windows.max()) >= self.vocab_size:
+        windows = torch.from_numpy(tokens.astype(np.int64))
+        if int(windows.max()) >= self.vocab_size:
             raise DataError(f"the prepared dataset {self.dataset_dir} holds token id {int(windows.max())} in "
                             f"{split}.bin, outside its vocabulary of {self.vocab_size}: it is damaged; delete it "
                             f"and prepare the data again")
@@ -91,15 +84,11 @@ class BatchLoader:
 
     def batch(self, split: str, generator: torch.Generator):
         """(x, y) on the device: this rank's B of world x B windows drawn from generator."""
-        windows = self._on_device(self._draw(split, generator))
+        windows = self._draw(split, generator)
+        if self.device.type == "cuda":   # from pinned memory: the copy does not wait for the work queued on the GPU
+            windows = windows.pin_memory().to(self.device, non_blocking=True)
+        windows = windows.to(self.device)   # (no copy where they are there already)
         return windows[:, :-1], windows[:, 1:]
-
-    def _on_device(self, windows: torch.Tensor) -> torch.Tensor:
-        """windows copied to the device; on CUDA from pinned memory, so that the copy does not wait for
-        the work already queued on the GPU."""
-        if self.device.type == "cuda":
-            return windows.pin_memory().to(self.device, non_blocking=True)
-        return windows.to(self.device)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

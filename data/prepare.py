@@ -47,6 +47,7 @@ from data.tokenizers import CharTokenizer, bpe_vocab_size, build_tokenizer, chec
 PIECE_CHARS = 1 << 20       # characters per encoding task at most (fewer where many cores share IN_FLIGHT_CHARS)
 IN_FLIGHT_CHARS = 4 << 20   # characters read, being encoded or waiting to be written, whatever the core count
 MAX_WORKERS = 32
+TRAIN_MAX_CHARS = 256_000_000   # bpe:N learns from the first 256M characters of the train split at most
 PROGRESS_MIN_BYTES = 64 << 20   # a progress line for inputs at least this large
 
 
@@ -76,14 +77,10 @@ def mb_progress(label: str, total: int) -> Progress:
     return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=total < PROGRESS_MIN_BYTES)
 
 
-def prepare(data: DataConfig, block_size: int | None = None) -> Path:
-    """Prepare data.path, or reuse a sound earlier preparation of the same bytes with the same settings;
-    the dataset's directory. block_size: each split must hold block_size + 1 tokens (one training
-    window), checked before anything is published."""
-    return _prepare(data, block_size, say_cached=False)
-
-
-def _prepare(data: DataConfig, block_size: int | None, say_cached: bool) -> Path:
+def prepare(data: DataConfig, block_size: int | None = None, say_cached: bool = False) -> Path:
+    """Prepare data.path, or reuse a sound earlier preparation of the same bytes with the same settings
+    (say_cached: and say so); the dataset's directory. block_size: each split must hold block_size + 1
+    tokens (one training window), checked before anything is published."""
     data.validate()
     files = find_sources(data.path)
     stop = unwind_on_stop(lambda signum: f"preparing {data.path} stopped by {signal.Signals(signum).name}; "
@@ -97,17 +94,16 @@ def _prepare(data: DataConfig, block_size: int | None, say_cached: bool) -> Path
         expect = {"sha256": sha, "tokenizer_spec": data.tokenizer, "val_fraction": data.val_fraction,
                   "encoding_errors": data.encoding_errors}
         meta, problem = read_entry(out, expect)
-        summary = describe(source, files) if not source.is_file() else None   # what a directory or glob took
+        if not source.is_file() and (say_cached or meta is None):   # what a directory or glob took
+            print(describe(source, files))
         if meta is not None:
             check_split_sizes(meta["tokens"], block_size)
             if say_cached:
-                print(*filter(None, [summary, f"already prepared: {out} ({meta['tokens']['train']:,} train and "
-                                              f"{meta['tokens']['val']:,} val tokens)"]), sep="\n")
+                print(f"already prepared: {out} ({meta['tokens']['train']:,} train and {meta['tokens']['val']:,} "
+                      f"val tokens)")
             return out
         if problem:
             print(f"notice: {out} {problem}; preparing it again", file=sys.stderr)
-        if summary:
-            print(summary)
         meta = build(out, expect, files, sizes, data, block_size)
     print(f"prepared {data.path} with tokenizer {data.tokenizer}: {meta['tokens']['train']:,} train and "
           f"{meta['tokens']['val']:,} val tokens (vocab {meta['vocab_size']:,}) -> {out}")
@@ -124,28 +120,26 @@ def build(out: Path, expect: dict, files: list[Path], sizes: list[int], data: Da
     workers = min(MAX_WORKERS, available_cpus())
     piece_chars = min(PIECE_CHARS, IN_FLIGHT_CHARS // (8 * workers))   # 2 batches of 2 x workers pieces in flight
 
-    def text(label: str, hashes=None):
-        return pieces(files, sizes, counts, data.encoding_errors, split_at, not char, piece_chars, hashes,
+    def text(label: str, train_chars: int, hashes=None):   # (split, piece) pairs, train_chars in "train"
+        return pieces(files, sizes, counts, data.encoding_errors, train_chars, not char, piece_chars, hashes,
                       mb_progress(label, total))
     if char:   # with the newline between documents, which none of them may hold
         tok = CharTokenizer("".join(sorted(set(chars) | {"\n"})) if sum(map(bool, counts)) > 1 else chars)
     elif bpe_vocab_size(data.tokenizer) is None:
         tok = build_tokenizer(data.tokenizer)
     else:
-        tok = trained(data.tokenizer, takewhile(lambda item: item[0] == "train", text("training")), workers)
+        train_split = text("training", min(split_at, TRAIN_MAX_CHARS))
+        tok = trained(data.tokenizer, takewhile(lambda item: item[0] == "train", train_split), workers)
     hashes = [hashlib.sha256() for _ in files]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_temp_dir(out)
         try:
             try:
-                encoded = encode(text("encoding", hashes), tok, tmp, workers)
-            except TokenizerError:
-                if not char:
-                    raise
-                encoded = None   # a character the scan did not see: the text changed meanwhile
-            # (not the bytes the entry is named after: one changed meanwhile)
-            if encoded is None or combined_sha256(files, hashes) != expect["sha256"]:
+                encoded = encode(text("encoding", split_at, hashes), tok, tmp, workers)
+            except TokenizerError:   # (char) a character the scan did not see: the text changed meanwhile
+                encoded = None
+            if encoded is None or combined_sha256(files, hashes) != expect["sha256"]:   # not the bytes hashed
                 raise DataError(f"{data.path} changed while it was being prepared; nothing was kept: prepare it "
                                 f"again once it no longer changes")
             check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
@@ -173,11 +167,10 @@ def scan(files, sizes, errors: str, want_chars: bool, progress) -> tuple[list[in
             n, blank = n + len(text), blank and text.isspace()
             if want_chars:
                 seen[code_points(text)] = True
-        if blank and len(files) == 1:
-            raise DataError(f"data file is empty: {path}")
         counts.append(0 if blank else n)
     if not any(counts):
-        raise DataError(f"the data files are all empty ({len(files)} files, first {files[0]})")
+        raise DataError(f"data file is empty: {files[0]}" if len(files) == 1 else
+                        f"the data files are all empty ({len(files)} files, first {files[0]})")
     return counts, "".join(map(chr, np.flatnonzero(seen))) if want_chars else None
 
 
@@ -205,7 +198,7 @@ def safe_cut(text: str) -> int:
 
 def pieces(files, sizes, counts, errors: str, split_at: int, bpe: bool, piece_chars: int, hashes=None, bar=None):
     """The text as (split, piece) in order: its first split_at characters in "train", the rest in "val";
-    between documents a newline (char) or (split, None): the end-of-text token (BPE). A piece holds
+    between documents a piece of its own: a newline (char) or None, the end-of-text token (BPE). A piece holds
     piece_chars to 2 x piece_chars characters (fewer at a document's end or the split point); BPE's
     are cut at a safe_cut point. hashes: a hashlib object per file, given every byte read."""
     split, pos, buffer = "train", 0, ""
@@ -225,13 +218,11 @@ def pieces(files, sizes, counts, errors: str, split_at: int, bpe: bool, piece_ch
                 end = (safe_cut(buffer) or len(buffer)) if bpe else len(buffer)
                 yield split, buffer[:end]
                 buffer = buffer[end:]
-        if counts[i] and i < last and not bpe:   # between documents
-            buffer, pos = buffer + "\n", pos + 1
-        elif counts[i] and i < last:
+        if counts[i] and i < last:   # between documents
             if buffer:
                 yield split, buffer
-            yield split, None
-            buffer = ""
+            yield split, None if bpe else "\n"
+            buffer, pos = "", pos if bpe else pos + 1   # (a newline is a character of the text; the token is not)
     if buffer:
         yield split, buffer
 
@@ -292,7 +283,7 @@ def main(argv: list[str]) -> int:
     if args.source is None:
         p.error("name the text to prepare (FILE, DIR or GLOB), or give --list or --clean")
     data = DataConfig(args.source, args.tokenizer, args.val_fraction, args.root, args.encoding_errors)
-    _prepare(data, args.block_size, say_cached=True)
+    prepare(data, args.block_size, say_cached=True)
     return 0
 
 

@@ -30,20 +30,15 @@ def find_sources(source) -> list[Path]:
     source = Path(source)
     if source.is_file():
         return [source]
-    if source.is_dir():
-        files = sorted(p for p in source.rglob("*")
-                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(source).parts))
-        if not files:
-            raise DataError(f"no files in the data directory {source}")
-        return files
-    if source.exists():   # a FIFO, a device, a socket: stat() tells without opening (which could block)
+    if source.exists() and not source.is_dir():   # a FIFO, a device, a socket: stat() tells without opening
         raise DataError(f"data path {source} is not a regular file: save the text to a file and pass that")
-    if glob.has_magic(str(source)):
-        files = sorted(Path(p) for p in glob.glob(str(source), recursive=True) if os.path.isfile(p))
-        if not files:
-            raise DataError(f"no files match {source}")
+    pattern = os.path.join(glob.escape(str(source)), "**", "*") if source.is_dir() else str(source)
+    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))   # (glob skips .hidden)
+    if files:
         return files
-    raise DataError(f"data file not found: {source}")
+    if source.is_dir():
+        raise DataError(f"no files in the data directory {source}")
+    raise DataError(f"no files match {source}" if glob.has_magic(str(source)) else f"data file not found: {source}")
 
 
 def describe(source, files: list[Path]) -> str:
@@ -99,9 +94,8 @@ def iter_text(path: Path, errors: str = "strict", size: int | None = None, chunk
             text = decoder.decode(raw, final=not raw)   # b"": the end, where a character cut short is an error
         except UnicodeDecodeError as e:   # e.object: the held bytes, then raw
             with open(path, "rb") as f:
-                binary = b"\0" in f.read(8192)   # git's test
-            if binary:
-                hint = f"it looks binary: leave it out of the data (e.g. with a glob such as '{path.parent}/*.txt')"
+                if b"\0" in f.read(8192):   # it looks binary (git's test)
+                    hint = f"it looks binary: leave it out of the data (e.g. with a glob such as '{path.parent}/*.txt')"
             raise DataError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset {offset - held + e.start}"
                             + (f"; {hint}" if hint else "")) from None
         if text:
@@ -110,11 +104,9 @@ def iter_text(path: Path, errors: str = "strict", size: int | None = None, chunk
 
 
 def read_text(path, errors: str = "strict", hint: str | None = REPLACE_HINT) -> str:
-    """A whole (small) file as text, with the checks of preparing: missing, not a regular file,
-    not UTF-8 (the message ends with hint, if any), empty."""
+    """A whole (small) file, one find_sources found, as text, with the checks of preparing: not UTF-8
+    (the message ends with hint, if any), empty."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data path {path} is not a regular file" if path.exists() else f"data file not found: {path}")
     text = "".join(iter_text(path, errors, hint=hint))
     if not text.strip():
         raise DataError(f"data file is empty: {path}")
@@ -127,13 +119,9 @@ def read_prompt(prompt: str) -> str:
     if not prompt.startswith("@"):
         return prompt
     path = Path(prompt[1:])
-    try:
-        with open(path, "rb") as f:
-            data = f.read(PROMPT_FILE_MAX + 1)
-    except FileNotFoundError:
-        raise DataError(f"prompt file not found: {path}") from None
-    except OSError as e:
-        raise DataError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
+    if not path.exists():
+        raise DataError(f"prompt file not found: {path}")
+    data = b"".join(read_bytes(path, PROMPT_FILE_MAX + 1))   # (one that cannot be read: a DataError that says why)
     if len(data) > PROMPT_FILE_MAX:
         raise DataError(f"the prompt file {path} is larger than {PROMPT_FILE_MAX >> 20} MB "
                         f"(a model sees only its last block_size tokens)")

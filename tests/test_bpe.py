@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import data.prepare as prep
-import data.tokenizers
 from common import TokenizerError
 from data.tokenizers import EOT, load_tokenizer
 from tests.conftest import TEXT, prepare_text
@@ -43,12 +42,12 @@ def test_only_the_training_split_shapes_the_merges(tmp_path):
 
 def test_training_reads_at_most_the_cap(tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "PIECE_CHARS", 97)
-    monkeypatch.setattr(data.tokenizers, "TRAIN_MAX_CHARS", 600)
+    monkeypatch.setattr(prep, "TRAIN_MAX_CHARS", 600)
     head, tail = TEXT[:1000], TEXT[1000:]
     _, a = trained(tmp_path, head + tail, name="a.txt")
     _, b = trained(tmp_path, head + tail.upper(), name="b.txt")   # differs only after the cap
     assert a["tokenizer"] == b["tokenizer"]
-    monkeypatch.setattr(data.tokenizers, "TRAIN_MAX_CHARS", 10**9)
+    monkeypatch.setattr(prep, "TRAIN_MAX_CHARS", 10**9)
     _, c = trained(tmp_path, head + tail.upper(), name="c.txt", root="uncapped")
     assert c["tokenizer"] != a["tokenizer"]
 
@@ -102,13 +101,14 @@ def _b64(b: bytes) -> str:
 
 DAMAGES = {
     "ranks not a list": (lambda t: t.update(ranks="abc"), "not a list of base64"),
-    "a rank not base64": (lambda t: t["ranks"].__setitem__(280, "@@@"), "not base64"),
+    "a rank not base64": (lambda t: t["ranks"].__setitem__(280, "@@@"), "not a list of base64 strings"),
     "a byte missing": (lambda t: t["ranks"].__setitem__(65, _b64(b"\xff\xfe")), "not every byte"),
     "a token twice": (lambda t: t["ranks"].__setitem__(280, t["ranks"][281]), "appears twice"),
     "an empty token": (lambda t: t["ranks"].__setitem__(280, ""), "empty or appears twice"),
-    "no end-of-text": (lambda t: t.update(special_tokens={}), "special tokens must include"),
-    "end-of-text id clashes": (lambda t: t.update(special_tokens={EOT: 5}), "follow the 299 ranks"),
-    "end-of-text id not an int": (lambda t: t.update(special_tokens={EOT: "299"}), "follow the 299 ranks"),
+    "no end-of-text": (lambda t: t.update(special_tokens={}), r"special tokens must be <\|endoftext\|> alone"),
+    "end-of-text id clashes": (lambda t: t.update(special_tokens={EOT: 5}), "with the id after the 299 ranks"),
+    "end-of-text id not an int": (lambda t: t.update(special_tokens={EOT: "299"}), "with the id after the 299 ranks"),
+    "end-of-text id a float": (lambda t: t.update(special_tokens={EOT: 299.0}), "damaged BPE tokenizer description"),
     "pattern not a regex": (lambda t: t.update(pattern="(unclosed"), "damaged BPE tokenizer description"),
     "no pattern": (lambda t: t.pop("pattern"), "name or pattern is missing"),
 }
