@@ -15,6 +15,7 @@ positions, over T/2 visible positions on average, times 3 for forward and backwa
 import contextlib
 import copy
 import io
+import statistics
 import sys
 import tempfile
 import time
@@ -100,35 +101,31 @@ def time_trainer(cfg, out_dir, steps: int, rounds: int, between=None) -> tuple[l
     device, dtype and kind, in its banner's words). between(), if given, runs untimed at each boundary
     between rounds (bench_train alternates plain PyTorch's rounds with these, so that drift hits both)."""
     cfg, device = copy.deepcopy(cfg), pick_device(cfg.train.device)
-    t, total = cfg.train, steps * (rounds + 1)
-    cfg.out_dir, t.max_steps = str(out_dir), max(t.max_steps, total)
+    t = cfg.train
+    cfg.out_dir, t.max_steps = str(out_dir), max(t.max_steps, steps * (rounds + 1))
     t.log_interval = t.eval_interval = t.max_steps + 1   # no log line or evaluation among the timed steps
     t.sample_every, cfg.log.wandb = 0, False
-    marks, start = [], time.perf_counter()   # (the end of a round, the start of the next)
+    starts, ends = [time.perf_counter()], []   # when each round began (the first: the call), when it ended
 
     def on_step(step, model):
         if step % steps:
             return
-        end = sync(device)
-        if len(marks) == rounds:
-            marks.append((end, end))
+        ends.append(sync(device))
+        if len(ends) == rounds + 1:
             raise Timed
         if between is not None:
             between()
-        marks.append((end, time.perf_counter()))
+        starts.append(time.perf_counter())
 
     said = io.StringIO()   # the banner, which says how the step runs (a graph that failed runs eagerly)
-    try:
-        with contextlib.redirect_stdout(said):
-            train(cfg, on_step=on_step)
-    except Timed:
-        pass
+    with contextlib.redirect_stdout(said), contextlib.suppress(Timed):
+        train(cfg, on_step=on_step)
     lines = said.getvalue().splitlines()
     for line in lines:
         if line.startswith("warning"):
             print(line, file=sys.stderr)
     how = next((line.split(" | ")[1] for line in lines if " parameters, vocab " in line), "?")
-    return [marks[i][0] - marks[i - 1][1] for i in range(1, rounds + 1)], marks[0][0] - start, how
+    return [end - start for start, end in zip(starts[1:], ends[1:])], ends[0] - starts[0], how
 
 
 def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int = 3, say=print) -> dict:
@@ -149,26 +146,26 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
         f"{attn / 1e6:.1f}M")
     variants = {"eager": (False, False), "compiled": (True, False), "graph": (False, True),
                 "compiled+graph": (True, True)} if device.type == "cuda" else {"trainer": (t.compile, t.cuda_graph)}
-    times, hows = {}, {}
     plain()                                                # warm up (allocations)
-    plain_rounds = []   # on CPU taken between the trainer's rounds; on CUDA after them (one model at a time)
-    plain_round = lambda: plain_rounds.append(seconds_per_call(plain, device, steps) * steps)   # noqa: E731
-    alternate = plain_round if len(variants) == 1 else None
+    times, hows = {"plain": []}, {}   # plain PyTorch's rounds: on CPU between the trainer's, on CUDA after them
+
+    def plain_round():
+        times["plain"].append(seconds_per_call(plain, device, steps) * steps)
     with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
         for name, (t.compile, t.cuda_graph) in variants.items():
-            times[name], setup, how = time_trainer(cfg, Path(tmp) / name, steps, rounds, alternate)
+            between = plain_round if device.type != "cuda" else None
+            times[name], setup, how = time_trainer(cfg, Path(tmp) / name, steps, rounds, between)
             hows[name] = f"{how}; set-up and warm-up round {setup:.1f} s"
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if not plain_rounds:
-        for _ in range(rounds + 1):   # a warm-up round, then `rounds`
+    if device.type == "cuda":   # (one model at a time) a warm-up round, then `rounds`
+        for _ in range(rounds + 1):
             plain_round()
-        del plain_rounds[0]
-    times["plain"] = plain_rounds
+        del times["plain"][0]
     hows["plain"], results = "eager, fp32, default AdamW", {}
     say(f"{'step':15s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
     for name, how in hows.items():
-        sec = sorted(times[name])[len(times[name]) // 2] / steps   # the median round
+        sec = statistics.median(times[name]) / steps
         mfu = (dense + attn) * tokens / sec / max(peaks.values())
         results[name] = {"ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec, "mfu": mfu}
         say(f"{name:15s} {sec * 1e3:9.2f} {tokens / sec:10,.0f} {mfu:6.1%}  {how}")
