@@ -23,15 +23,10 @@ try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_c
 except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
     raise SystemExit(130)
 
-import argparse
-import os
-import sys
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
-# OpenMP's wait policy matters on CPU: spinning threads are fastest on an idle machine but take the
-# cores other jobs need on a busy one (there, run with OMP_WAIT_POLICY=PASSIVE). Benchmarks run under
-# whatever the environment says, and print it with the load, so a figure says how it was taken.
-if os.environ.get("OMP_WAIT_POLICY") == "":
-    del os.environ["OMP_WAIT_POLICY"]
 from common import ArgumentParser, ConfigError, check, run_cli  # noqa: E402
 
 TAKE_OVERRIDES = ("race", "train", "tokenizers", "gpu")   # the rest refuse what they do not know
