@@ -70,7 +70,8 @@ def run(config: str, overrides: list[str], evals: int, out_dir: Path, label: str
 
 
 def exact_val_loss(cfg, checkpoint) -> float:
-    """The mean loss of a checkpoint's model over every token of cfg's val split (as train.eval_iters = 0)."""
+    """The mean loss of a checkpoint's model (or of a run's latest) over every token of cfg's val split
+    (as train.eval_iters = 0)."""
     device, block = pick_device(cfg.train.device), cfg.model.block_size
     val = BatchLoader(prepare(cfg.data, block), block, 1).splits["val"]
     windows = strided_windows(val, block, block, cfg.train.batch_size)
