@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -107,30 +106,28 @@ def bench_prepare(mb: int, plain_mb: int, tokenizers: list[str], lines: list[str
                   say=print) -> None:
     """Write the text files in a new directory under parent, time each preparation of them, say how they
     compare, and remove it all: when done, on an error, or at a signal (raised as Interrupted once removed)."""
-    work, rows, sizes = parent / f"bench_prepare_{uuid.uuid4().hex[:12]}", {}, sorted({plain_mb, mb})
-    with on_stop_signals(unwind_on_stop()):   # (work is named before it is made: removed wherever a signal stops)
-        try:
-            say(f"# writes text files of {' and '.join(f'{n:,} MB' for n in sizes)} in {work}, then each preparation's "
-                f"tokens beside them, one at a time: about {need:,} MB at most; all of it is removed afterwards. Times "
-                f"are wall clock, on a machine that may be shared")
-            work.mkdir()
-            for size in sizes:
-                text, rng, left = work / f"text_{size}mb.txt", np.random.default_rng(0), size * 1_000_000
-                with open(text, "w", encoding="utf-8") as f:
-                    while left > 0:   # (a character is a byte or more: the last chunk may go a few bytes over)
-                        chunk = "".join(lines[i] for i in rng.integers(0, len(lines), 100_000))[:left]
-                        left -= len(chunk.encode())
-                        f.write(chunk)
-                for tok in tokenizers:   # (a trained BPE exists only streamed)
-                    for how in ["stream", "plain"] if size == plain_mb and not tok.startswith("bpe:") else ["stream"]:
-                        (work / "out").mkdir()
-                        args = [str(text), "--tokenizer", tok, "--root", str(work / "out")]
-                        took, peak = rows[size, tok, how] = measure(STREAM if how == "stream" else WHOLE, args)
-                        shutil.rmtree(work / "out")
-                        say(f"{size:8,} MB  {tok:8s}  {how:6s}  {size / took:7.1f} MB/s  "
-                            + ("peak unknown" if math.isnan(peak) else f"peak {peak:7.0f} MB"))
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    rows, sizes = {}, sorted({plain_mb, mb})
+    with on_stop_signals(unwind_on_stop()), \
+            tempfile.TemporaryDirectory(prefix="bench_prepare_", dir=parent, ignore_cleanup_errors=True) as work:
+        work = Path(work)
+        say(f"# writes text files of {' and '.join(f'{n:,} MB' for n in sizes)} in {work}, then each preparation's "
+            f"tokens beside them, one at a time: about {need:,} MB at most; all of it is removed afterwards. Times "
+            f"are wall clock, on a machine that may be shared")
+        for size in sizes:
+            text, rng, left = work / f"text_{size}mb.txt", np.random.default_rng(0), size * 1_000_000
+            with open(text, "w", encoding="utf-8") as f:
+                while left > 0:   # (a character is a byte or more: the last chunk may go a few bytes over)
+                    chunk = "".join(lines[i] for i in rng.integers(0, len(lines), 100_000))[:left]
+                    left -= len(chunk.encode())
+                    f.write(chunk)
+            for tok in tokenizers:   # (a trained BPE exists only streamed)
+                for how in ["stream", "plain"] if size == plain_mb and not tok.startswith("bpe:") else ["stream"]:
+                    (work / "out").mkdir()
+                    args = [str(text), "--tokenizer", tok, "--root", str(work / "out")]
+                    took, peak = rows[size, tok, how] = measure(STREAM if how == "stream" else WHOLE, args)
+                    shutil.rmtree(work / "out")
+                    say(f"{size:8,} MB  {tok:8s}  {how:6s}  {size / took:7.1f} MB/s  "
+                        + ("peak unknown" if math.isnan(peak) else f"peak {peak:7.0f} MB"))
     say("# streaming / reading whole on the same file (speed: higher is better; memory: lower is better)")
     for tok in [tok for tok in tokenizers if (plain_mb, tok, "plain") in rows]:
         (s_took, s_peak), (p_took, p_peak) = rows[plain_mb, tok, "stream"], rows[plain_mb, tok, "plain"]

@@ -47,19 +47,18 @@ def run(config: str, overrides: list[str], evals: int, out_dir: Path, label: str
     say(f"# {label}: {shlex.join(['python', 'train.py', config, *overrides])} ({cfg.train.max_steps} steps, an "
         f"evaluation every {every})")
     launch, seconds, progress = time.perf_counter(), {}, Progress(label, cfg.train.max_steps, "steps")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"})
-    try:
-        for line in proc.stdout:   # (its stderr, notes and errors, goes where this command's goes)
-            if m := EVAL_LINE.match(line):
-                seconds[int(m[1])] = time.perf_counter() - launch
-                progress.advance(int(m[1]) - progress.done)
-        proc.wait()
-    finally:
-        progress.close()
-        if proc.poll() is None:
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"}) as proc:
+        try:
+            for line in proc.stdout:   # (its stderr, notes and errors, goes where this command's goes)
+                if m := EVAL_LINE.match(line):
+                    seconds[int(m[1])] = time.perf_counter() - launch
+                    progress.advance(int(m[1]) - progress.done)
+        except BaseException:   # a signal: the run ends with this command (Popen's exit waits for it)
             proc.kill()
-            proc.wait()
+            raise
+        finally:
+            progress.close()
     if proc.returncode:
         raise RunError(f"the {label} run (python train.py {config}) failed with exit code {proc.returncode}")
     curve = []
