@@ -81,11 +81,10 @@ def environment(argv: list[str]) -> dict:
     """What the figures were taken on, and with: the report's first table."""
     def output(*command) -> str:   # '' where the command is missing or fails
         try:
-            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
+            return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=30, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
             return ""
-        return done.stdout.strip() if done.returncode == 0 else ""
-    commit = output("git", "rev-parse", "--short=12", "HEAD")
+    commit = output("git", "rev-parse", "--short=12", "HEAD").strip()
     changed = output("git", "status", "--porcelain", "--untracked-files=no")
     return {"GPU": f"{torch.cuda.get_device_name(0)} (GPU 0 of {torch.cuda.device_count()}: every part uses it)"
             if torch.cuda.is_available() else "none: torch.cuda.is_available() is False",

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils import benchmark
 
 from data.cache import load_meta
 from data.prepare import prepare
@@ -53,22 +54,19 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) 
     impls = {"torch.mm": torch.mm}
     if device.type == "cpu" and onednn_works():
         impls["oneDNN"] = lambda a, b: onednn_linear(a, b, None)     # a @ bᵀ: the same FLOPs
-    best = {name: 0.0 for name in impls}
+    best = dict.fromkeys(impls, 0.0)
     for n in ((1024, 2048) if device.type == "cpu" else (4096, 8192)):
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-        reps = max(2, int(seconds * 1e11 / (2 * n ** 3))) if device.type == "cpu" else 20
-        for _ in range(3):
-            for name, mm in impls.items():
-                mm(a, b)   # warm up
-                best[name] = max(best[name], 2 * n ** 3 / seconds_per_call(lambda: mm(a, b), device, reps))
+        for name, mm in impls.items():   # (Timer warms up, waits for the device, and runs on 1 thread unless told)
+            timer = benchmark.Timer("mm(a, b)", globals={"mm": mm, "a": a, "b": b}, num_threads=torch.get_num_threads())
+            best[name] = max(best[name], 2 * n ** 3 / min(timer.blocked_autorange(min_run_time=seconds).times))
     return best
 
 
 def flops_per_token(model: GPT) -> tuple[float, float]:
     """(6N, attention) training FLOPs per token; N counts the weights of every Linear (LM head too)."""
-    cfg = model.cfg
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return 6.0 * n, 6.0 * cfg.n_layer * cfg.block_size * cfg.n_embd
+    return 6.0 * n, 6.0 * model.cfg.n_layer * model.cfg.block_size * model.cfg.n_embd
 
 
 def plain_step(cfg, device):
