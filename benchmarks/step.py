@@ -40,14 +40,6 @@ def sync(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def seconds_per_call(fn, device, calls: int) -> float:
-    """Seconds per call of fn over `calls` back-to-back calls."""
-    start = sync(device)
-    for _ in range(calls):
-        fn()
-    return (sync(device) - start) / calls
-
-
 def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:
     """Best FLOP/s of n x n matmuls over a few sizes, per implementation: torch.mm (MKL on CPU, cuBLAS
     on CUDA) and, on CPU, oneDNN. The best of them is the peak that MFU divides by."""
@@ -148,7 +140,10 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
     times, hows = {"plain": []}, {}   # plain PyTorch's rounds: on CPU between the trainer's, on CUDA after them
 
     def plain_round():
-        times["plain"].append(seconds_per_call(plain, device, steps) * steps)
+        start = sync(device)
+        for _ in range(steps):
+            plain()
+        times["plain"].append(sync(device) - start)
     with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
         for name, (t.compile, t.cuda_graph) in variants.items():
             between = plain_round if device.type != "cuda" else None
