@@ -31,9 +31,6 @@ from training.device import autocast, pick_device, pick_dtype
 # (classic, fast) by the kind of machine: `bench.py race` on a GPU races the GPU pair.
 PAIRS = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
          "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}
-# nanoGPT's published best val loss for its shakespeare_char config, the GPU pair's classic (its README:
-# "about 3 minutes" on one A100)
-NANOGPT_BEST = 1.4697
 EVAL_LINE = re.compile(r"^eval +(\d+) \|")
 
 
@@ -96,10 +93,8 @@ def race(classic: str, fast: str, overrides: list[str], evals: int = 20, say=pri
                   for label, path in (("classic", classic), ("fast", fast))}
     best = min(curves["classic"], key=lambda p: p["val"])   # a long run may overfit after its best
     target, last = best["val"], curves["classic"][-1]
-    published = Path(classic).resolve() == (ROOT / PAIRS["cuda"][0]).resolve()
     say(f"classic  {classic}: best val {target:.4f} at step {best['step']}, {best['seconds']:.1f} s from launch"
-        + ("" if last is best else f"; it ends at val {last['val']:.4f} after {last['step']} steps")
-        + (f" (nanoGPT publishes {NANOGPT_BEST} for this config)" if published else ""))
+        + ("" if last is best else f"; it ends at val {last['val']:.4f} after {last['step']} steps"))
     hit, end = first_reaching(curves["fast"], target), curves["fast"][-1]
     if hit is None:
         say(f"fast     {fast}: never reached val {target:.4f} (best {min(p['val'] for p in curves['fast']):.4f}, "
