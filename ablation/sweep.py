@@ -40,6 +40,7 @@ from common import WINDOWS, ConfigError, atomic_write, on_stop_signals, type_pro
 from data.prepare import prepare
 from training.config import (ROOT, SAME_RUN_KEYS, Config, build_config, describe, flat, folder_of, get_key, load_toml,
                              parse_overrides)
+from viz.curves import read_records
 
 SWEEP_KEYS = {"base": str, "out_dir": str, "seeds": list, "overrides": dict, "variants": list, "name": str}
 # keys a variant must not change: the data, the token budget, how runs are scored (the seed is the sweep's)
@@ -202,7 +203,7 @@ def run_sweep(sweep: Sweep) -> dict:
             log = (run.dir / "train.log").read_text(encoding="utf-8", errors="replace").splitlines()
             failed.append((run, next((line for line in reversed(log) if line.strip()), "(no output)")))
             print(f"    failed (exit code {code}): {failed[-1][1]}")
-        else:
-            print(f"    val loss {result['val_loss']:.4f} (best {result['best_val_loss']:.4f}) "
-                  f"in {time.perf_counter() - start:.0f} s")
+        else:   # (the run's every evaluation: a run resumed at its end evaluates nothing in its last process)
+            val = [r["val_loss"] for r in read_records(run.dir / "metrics.jsonl", warn=False) if r["kind"] == "eval"]
+            print(f"    val loss {val[-1]:.4f} (best {min(val):.4f}) in {time.perf_counter() - start:.0f} s")
     return {"failed": failed, "interrupted": False}
