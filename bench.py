@@ -45,7 +45,7 @@ def parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("race", help="classic vs fast recipe: time from launch to the classic's best val loss")
-    r.add_argument("--classic", type=config_file, help="default: the classic config of this machine's kind (CPU or GPU)")
+    r.add_argument("--classic", type=config_file, help="default: the classic config of this machine's kind (CPU, GPU)")
     r.add_argument("--fast", type=config_file, help="default: the fast recipe of this machine's kind")
     r.add_argument("--evals", type=int, default=20, help="evaluations per run (the race's resolution)")
     t = sub.add_parser("train", help="matmul peak, the trainer's ms/step, tokens/s and MFU for a config")
