@@ -23,18 +23,20 @@ try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_c
 except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
     raise SystemExit(130)
 
-import argparse
-import os
-import sys
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
-# OpenMP's wait policy matters on CPU: spinning threads are fastest on an idle machine but take the
-# cores other jobs need on a busy one (there, run with OMP_WAIT_POLICY=PASSIVE). Benchmarks run under
-# whatever the environment says, and print it with the load, so a figure says how it was taken.
-if os.environ.get("OMP_WAIT_POLICY") == "":
-    del os.environ["OMP_WAIT_POLICY"]
-from common import ArgumentParser, ConfigError, check, run_cli  # noqa: E402
+from common import ArgumentParser, check, run_cli  # noqa: E402
 
 TAKE_OVERRIDES = ("race", "train", "tokenizers", "gpu")   # the rest refuse what they do not know
+
+
+def config_file(path: str) -> str:
+    """An argparse type: path, if it is a file (argparse's refusal names the option)."""
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"no config file {path}")
+    return path
 
 
 def parser() -> ArgumentParser:
@@ -43,11 +45,11 @@ def parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("race", help="classic vs fast recipe: time from launch to the classic's best val loss")
-    r.add_argument("--classic", help="default: the classic config of this machine's kind (CPU or GPU)")
-    r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
+    r.add_argument("--classic", type=config_file, help="default: the classic config of this machine's kind (CPU, GPU)")
+    r.add_argument("--fast", type=config_file, help="default: the fast recipe of this machine's kind")
     r.add_argument("--evals", type=int, default=20, help="evaluations per run (the race's resolution)")
     t = sub.add_parser("train", help="matmul peak, the trainer's ms/step, tokens/s and MFU for a config")
-    t.add_argument("config")
+    t.add_argument("config", type=config_file)
     t.add_argument("--steps", type=int, default=10, help="steps per round")
     t.add_argument("--rounds", type=int, default=3, help="timed rounds, after one warm-up round (the median counts)")
     s = sub.add_parser("sample", help="sampling with and without the KV cache")
@@ -55,20 +57,13 @@ def parser() -> ArgumentParser:
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     sub.add_parser("scaling", help="how step and sampling time grow with block size, width and samples")
     k = sub.add_parser("tokenizers", help="bits per byte of char, gpt2 and bpe:4096 at equal training time")
-    k.add_argument("--config", help="default: configs/shakespeare_char_cpu.toml")
+    k.add_argument("--config", type=config_file, help="default: configs/shakespeare_char_cpu.toml")
     k.add_argument("--seconds", type=float, default=120.0, help="training time per tokenizer (a run ends by 1.25x it)")
     add_options(sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole"))
     g = sub.add_parser("gpu", help="the CUDA tests, train, sample and race on a GPU: one report, raw logs")
     g.add_argument("--out", help="report directory (default out/bench_gpu/<date>-<time>-<commit>)")
     g.add_argument("--quick", action="store_true", help="few steps and tokens, no race: checks the command")
     return p
-
-
-def config_file(option: str, path: str) -> str:
-    """path, or a ConfigError naming the option whose config file it is not."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"{option}: no config file {path}")
-    return path
 
 
 def check_args(p: ArgumentParser, args, overrides: list[str]) -> None:
@@ -82,21 +77,20 @@ def check_args(p: ArgumentParser, args, overrides: list[str]) -> None:
         from benchmarks.race import PAIRS
         check("--evals", args.evals, at_least=1)
         classic, fast = (str(ROOT / p) for p in PAIRS["cuda" if torch.cuda.is_available() else "cpu"])
-        args.classic = config_file("--classic", args.classic or classic)
-        args.fast = config_file("--fast", args.fast or fast)
+        args.classic, args.fast = args.classic or classic, args.fast or fast
         for path in (args.classic, args.fast):
             build_config(path, overrides)
     elif args.command == "train":
         check("--steps", args.steps, at_least=1)
         check("--rounds", args.rounds, at_least=1)
-        build_config(config_file("CONFIG", args.config), overrides)
+        build_config(args.config, overrides)
     elif args.command == "sample":
         from training.device import pick_device
         check("--new-tokens", args.new_tokens, at_least=1)
         args.device = pick_device(args.device, setting="--device")
     elif args.command == "tokenizers":
         check("--seconds", args.seconds, above=0)
-        args.config = config_file("--config", args.config or str(ROOT / "configs" / "shakespeare_char_cpu.toml"))
+        args.config = args.config or str(ROOT / "configs" / "shakespeare_char_cpu.toml")
         build_config(args.config, overrides)
     elif args.command == "prepare":
         from benchmarks.prepare import checked

@@ -77,10 +77,9 @@ def summarize(sweep: Sweep, runs: list[dict]) -> list[dict]:
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    """rows as CSV: every column but the lists (a run's curve) and the private ones (_name)."""
+    """rows as CSV: every column but the lists (a run's curve, a variant's final val losses)."""
     text = io.StringIO(newline="")
-    w = csv.DictWriter(text, [k for k, v in rows[0].items() if not k.startswith("_") and not isinstance(v, list)],
-                       extrasaction="ignore")
+    w = csv.DictWriter(text, [k for k, v in rows[0].items() if not isinstance(v, list)], extrasaction="ignore")
     w.writeheader()
     w.writerows({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in r.items()} for r in rows)
     atomic_write(path, text.getvalue())

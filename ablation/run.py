@@ -1,9 +1,9 @@
 """One run of a sweep, in its own process: `python -m ablation.run RUN_DIR`.
 
 Trains (or resumes) the run whose config the sweep wrote to RUN_DIR/sweep_run.toml, then writes
-RUN_DIR/result.json: whether it finished, its final and best val loss, its parameter count, the
-bytes its KV cache holds per token, and its peak memory (resident, and on CUDA the GPU's allocated;
-a resumed run's, the largest of its processes that ended as they should). If the sweep that started it dies (a
+RUN_DIR/result.json: whether it finished, its parameter count, the bytes its KV cache holds per
+token, and its peak memory (resident, and on CUDA the GPU's allocated; a resumed run's, the largest
+of its processes that ended as they should). Its losses are in its metrics.jsonl. If the sweep that started it dies (a
 kill -9 that its own signal handling cannot see), the run stops as for SIGTERM: it saves and ends
 rather than running on unseen with its out dir locked.
 """
@@ -42,7 +42,6 @@ def main(argv: list[str]) -> int:
     from training.config import build_config
     from training.device import pick_device, pick_dtype
     from training.trainer import train
-    from viz.curves import read_records
     run_dir = Path(argv[0])
     stop_when_orphaned()
     cfg = build_config(str(run_dir / "sweep_run.toml"), [])
@@ -50,13 +49,9 @@ def main(argv: list[str]) -> int:
     summary = train(cfg, resume=resume, overwrite=not resume)
     device = pick_device(cfg.train.device)
     model, block = load_model(run_dir).model, cfg.model.block_size
-    # the last evaluation of the run, not of this process: one resumed at its end (killed after its last
-    # checkpoint) evaluates nothing
-    evals = [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
     atomic_write(run_dir / "result.json", json.dumps({
         "done": summary["step"] >= cfg.train.max_steps and not summary["interrupted"], "step": summary["step"],
-        "val_loss": evals[-1]["val_loss"] if evals else None,
-        "best_val_loss": summary["best_val_loss"], "params": model.num_params(),
+        "params": model.num_params(),
         "kv_cache_bytes_per_token": model.kv_cache_bytes(block, pick_dtype(device, cfg.train.dtype)) / block,
         "peak_rss_bytes": max(filter(None, [peak_memory(), read_json(run_dir / "result.json").get("peak_rss_bytes")]),
                               default=None),

@@ -40,11 +40,12 @@ from common import WINDOWS, ConfigError, atomic_write, on_stop_signals, type_pro
 from data.prepare import prepare
 from training.config import (ROOT, SAME_RUN_KEYS, Config, build_config, describe, flat, folder_of, get_key, load_toml,
                              parse_overrides)
+from viz.curves import read_records
 
 SWEEP_KEYS = {"base": str, "out_dir": str, "seeds": list, "overrides": dict, "variants": list, "name": str}
-# keys a variant must not change: the data, its order and the token budget, and how runs are scored
-SHARED_KEYS = ["data.path", "data.tokenizer", "data.val_fraction", "train.seed", "train.max_steps",
-               "train.batch_size", "train.grad_accum", "model.block_size", "train.eval_interval", "train.eval_iters"]
+# keys a variant must not change: the data, the token budget, how runs are scored (the seed is the sweep's)
+SHARED_KEYS = ["data.path", "data.tokenizer", "data.val_fraction", "train.max_steps", "train.batch_size",
+               "train.grad_accum", "model.block_size", "train.eval_interval", "train.eval_iters"]
 # keys whose change a run's resumption allows (what is watched or kept of a run, how fast it computes: a
 # sweep moved to another out_dir continues its runs), and log.* (labels: a copy of a sweep under another
 # name continues them too); not the evaluation, which scores the runs
@@ -88,14 +89,13 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
     variants = spec.get("variants")
     if not variants or not all(isinstance(v, dict) for v in variants):
         raise ConfigError(f"{where}needs at least one [[variants]] table (the first is the baseline)")
-    named = []
-    for i, v in enumerate(variants):
-        name = v.get("name")
+    names = [v.get("name") for v in variants]
+    for i, name in enumerate(names):
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise ConfigError(f"{where}variant {i + 1} needs a name of letters, digits and _.+- (got {name!r})")
-        if name in [n for n, _ in named]:
+        if name in names[:i]:
             raise ConfigError(f"{where}two variants are named {name!r}")
-        named.append((name, {k: x for k, x in v.items() if k != "name"}))
+    named = [(v["name"], {k: x for k, x in v.items() if k != "name"}) for v in variants]
 
     folder, cli = folder_of(path), parse_overrides(list(overrides))
     if clash := sorted({k for k, _ in cli} & {k for _, v in named for k in flat(v)}):
@@ -120,10 +120,9 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
             except ConfigError as e:
                 raise ConfigError(f"{where}variant {name!r}: {e}") from None
             runs.append(Run(name, seed, run_dir, cfg))
-    baseline = {r.seed: r.cfg for r in runs if r.variant == named[0][0]}
-    for run in runs:   # every variant sees the same data and token budget as the baseline of its seed
+    for run in runs:   # every variant sees the same data and token budget as the baseline
         for key in SHARED_KEYS:
-            if (mine := get_key(run.cfg, key)) != (theirs := get_key(baseline[run.seed], key)):
+            if (mine := get_key(run.cfg, key)) != (theirs := get_key(runs[0].cfg, key)):
                 raise ConfigError(f"{where}variant {run.variant!r} changes {key} ({mine!r}, the baseline has "
                                   f"{theirs!r}): every variant must see the same data and token budget; "
                                   f"set it in [overrides] instead")
@@ -171,12 +170,11 @@ def execute(run: Run) -> tuple[int, bool]:
     Windows a process group, of its own), which passes it on: the run saves a checkpoint and stops."""
     run.dir.mkdir(parents=True, exist_ok=True)
     atomic_write(run.dir / "sweep_run.toml", describe(run.cfg))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8",   # train.log is UTF-8 everywhere
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"}   # train.log is UTF-8 everywhere
     group = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP} if WINDOWS else {"start_new_session": True}
     stops = []
     with open(run.dir / "train.log", "a") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ablation.run", str(run.dir)], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "ablation.run", str(run.dir)], cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, **group)
         with on_stop_signals(lambda signum: stops.append(signum) or pass_stop_on(proc, signum)):
             return proc.wait(), bool(stops)   # (Python waits on after a signal's handler has run)
@@ -205,7 +203,7 @@ def run_sweep(sweep: Sweep) -> dict:
             log = (run.dir / "train.log").read_text(encoding="utf-8", errors="replace").splitlines()
             failed.append((run, next((line for line in reversed(log) if line.strip()), "(no output)")))
             print(f"    failed (exit code {code}): {failed[-1][1]}")
-        else:
-            print(f"    val loss {result['val_loss']:.4f} (best {result['best_val_loss']:.4f}) "
-                  f"in {time.perf_counter() - start:.0f} s")
+        else:   # (the run's every evaluation: a run resumed at its end evaluates nothing in its last process)
+            val = [r["val_loss"] for r in read_records(run.dir / "metrics.jsonl", warn=False) if r["kind"] == "eval"]
+            print(f"    val loss {val[-1]:.4f} (best {min(val):.4f}) in {time.perf_counter() - start:.0f} s")
     return {"failed": failed, "interrupted": False}

@@ -11,6 +11,7 @@ kind and plain PyTorch); bench.py sample on CUDA; bench.py race (the GPU pair).
 Without a CUDA GPU nothing runs: the report says so, and what would have. --quick: fewer steps and
 tokens, and no race (it has no short version): it checks the command, its figures are not for use.
 """
+import contextlib
 import os
 import shlex
 import signal
@@ -45,15 +46,13 @@ def stop(proc: subprocess.Popen) -> None:
     then SIGKILL after 10 s. Windows has neither sessions nor those signals: there the child is killed."""
     if WINDOWS:
         return proc.kill()
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+    with contextlib.suppress(ProcessLookupError):   # (the whole group has gone)
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait_s)
-            return
-        except ProcessLookupError:   # the whole group has gone
-            return
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            pass
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def run_part(argv: list[str], limit: int, log: Path, say) -> tuple[str, int | None]:
@@ -82,11 +81,10 @@ def environment(argv: list[str]) -> dict:
     """What the figures were taken on, and with: the report's first table."""
     def output(*command) -> str:   # '' where the command is missing or fails
         try:
-            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
+            return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=30, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
             return ""
-        return done.stdout.strip() if done.returncode == 0 else ""
-    commit = output("git", "rev-parse", "--short=12", "HEAD")
+    commit = output("git", "rev-parse", "--short=12", "HEAD").strip()
     changed = output("git", "status", "--porcelain", "--untracked-files=no")
     return {"GPU": f"{torch.cuda.get_device_name(0)} (GPU 0 of {torch.cuda.device_count()}: every part uses it)"
             if torch.cuda.is_available() else "none: torch.cuda.is_available() is False",
@@ -98,7 +96,7 @@ def environment(argv: list[str]) -> dict:
             "command": shlex.join(["python", *argv])}
 
 
-def report(env: dict, plan: list, results: dict, out_dir: Path, stopped: str = "") -> str:
+def report(env: dict, plan: list, results: dict, out_dir: Path) -> str:
     """report.md: the environment, a row per part, then each part that ran with the end of its log."""
     cuda = torch.cuda.is_available()
     lines = [f"# GPU benchmark: {torch.cuda.get_device_name(0) if cuda else 'no GPU'}", ""]
@@ -110,14 +108,13 @@ def report(env: dict, plan: list, results: dict, out_dir: Path, stopped: str = "
         r = results.get(name, {"status": "not run"})
         seconds = f"{r['seconds']:.0f} s" if "seconds" in r else ""
         lines.append(f"| {name} | {r['status']} | {seconds} | `python {shlex.join(argv)}` |")
-    lines += [f"\n**Incomplete**: {stopped}." if stopped else ""]
     for name, argv, limit in plan:
         if name in results:
             r, log = results[name], out_dir / f"{name}.log"
             tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-TAIL:] if log.exists() else []
-            lines += [f"## {name}: {r['status']}", "", f"{r['seconds']:.1f} s (limit {limit} s), exit code "
-                      f"{r['code']}; the whole log: [{log.name}]({log.name})", "", "```", *tail, "```", ""]
-    return "\n".join(lines)
+            lines += ["", f"## {name}: {r['status']}", "", f"{r['seconds']:.1f} s (limit {limit} s), exit code "
+                      f"{r['code']}; the whole log: [{log.name}]({log.name})", "", "```", *tail, "```"]
+    return "\n".join(lines) + "\n"
 
 
 def bench_gpu(argv: list[str], out: str | None = None, quick: bool = False, overrides: list[str] = (),
@@ -137,15 +134,15 @@ def bench_gpu(argv: list[str], out: str | None = None, quick: bool = False, over
     with on_stop_signals(unwind_on_stop()):
         for i, (name, args, limit) in enumerate(plan, 1):
             say(f"[{i}/{len(plan)}] {name}: python {shlex.join(args)} (at most {limit} s)")
-            start = time.perf_counter()
+            r, start = results.setdefault(name, {"code": None}), time.perf_counter()
             try:
-                status, code = run_part(args, limit, out_dir / f"{name}.log", say)
-            except BaseException as e:
-                results[name] = {"status": "interrupted", "code": None, "seconds": time.perf_counter() - start}
-                atomic_write(out_dir / "report.md", report(env, plan, results, out_dir, f"{e or type(e).__name__}"))
+                r["status"], r["code"] = run_part(args, limit, out_dir / f"{name}.log", say)
+            except BaseException as e:   # a signal, Ctrl-C: the report says so, then it goes on up
+                r["status"] = f"interrupted ({e or type(e).__name__})"
                 raise
-            results[name] = {"status": status, "code": code, "seconds": time.perf_counter() - start}
-            atomic_write(out_dir / "report.md", report(env, plan, results, out_dir))
+            finally:
+                r["seconds"] = time.perf_counter() - start
+                atomic_write(out_dir / "report.md", report(env, plan, results, out_dir))
     bad = [name for name, r in results.items() if r["status"] != "ok"]
     say(f"report: {out_dir / 'report.md'}" + (f" ({', '.join(bad)} did not pass)" if bad else ""))
     return 1 if bad else 0

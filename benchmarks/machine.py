@@ -23,8 +23,8 @@ def machine() -> str:
 
 
 def header() -> str:
-    """What every benchmark prints first: the CPU, the OpenMP wait policy and the load, which slow or
-    speed every figure."""
+    """What every benchmark prints first: the CPU, the OpenMP wait policy (spinning threads are fastest
+    on an idle machine, but take the cores other jobs need on a busy one) and the load."""
     load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "unknown here"   # (none on Windows)
     return (f"# {cpu_name()} x {os.cpu_count()} | OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
             f"load average {load} (other jobs slow every figure)")

@@ -12,12 +12,12 @@ Windows). Reading whole needs some tens of bytes per character, so it runs on th
 (--plain-mb) only; streaming runs on both, for a like-for-like ratio.
 """
 import math
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -27,16 +27,14 @@ from data.tokenizers import check_tokenizer_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN_BYTES = 2   # at most about this many bytes of prepared tokens per byte of text (char ids are uint16)
-# Prepared in a child process: streaming (data/prepare.py), or reading whole (one str, one list of ids, one array).
-STREAM = """import sys
-from common import run_cli
-from data.prepare import DataConfig, prepare
-sys.exit(run_cli(lambda argv: prepare(DataConfig(path=argv[0], tokenizer=argv[1], prepared_dir=argv[2])) and 0,
-                 sys.argv[1:]))
+# Prepared in a child process, with the same arguments (TEXT --tokenizer T --root OUT): streaming (python -m
+# data.prepare), or reading whole (one str, one list of ids, one array).
+STREAM = """import runpy
+runpy.run_module("data.prepare", run_name="__main__", alter_sys=True)
 """
 WHOLE = """import sys, numpy as np
 from data.tokenizers import build_tokenizer
-path, tokenizer, out = sys.argv[1:]
+path, _, tokenizer, _, out = sys.argv[1:]
 text = open(path, encoding="utf-8").read()
 np.array(build_tokenizer(tokenizer, text).encode(text), dtype=np.uint32).tofile(out + "/tokens.bin")
 """
@@ -89,50 +87,47 @@ def checked(args) -> dict:
             "parent": parent, "need": need}
 
 
-def measure(kind: str, target: str, args: list[str]) -> tuple[float, float]:
-    """(seconds, peak resident MB; nan where unknown) of `python -c CODE ARGS` (kind "-c") or `python -m
-    MODULE ARGS` (kind "-m"), run in the repository; a RunError with the child's last line if it fails."""
-    code = target if kind == "-c" else f"import runpy; runpy.run_module({target!r}, run_name='__main__', alter_sys=True)"
+def measure(code: str, args: list[str]) -> tuple[float, float]:
+    """(seconds, peak resident MB; nan where unknown) of `python -c CODE ARGS` run in the repository; a
+    RunError with the child's last line if it fails."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", PEAK + code, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
-    took, lines = time.perf_counter() - start, [line for line in done.stderr.splitlines() if line.strip()]
-    said = [line for line in lines if not line.startswith("peak=")]
+    took = time.perf_counter() - start
+    said = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("peak=")]
     if done.returncode != 0:
-        raise RunError(f"python {kind} {target.splitlines()[0][:40]} {' '.join(args)} failed (exit code "
-                       f"{done.returncode}): {said[-1].removeprefix('error: ')[:200] if said else 'no message'}")
-    peak = next((line.removeprefix("peak=") for line in reversed(lines) if line.startswith("peak=")), "None")
-    return took, int(peak) / 2**20 if peak != "None" else math.nan
+        raise RunError(f"measuring {' '.join(args)} failed (exit code {done.returncode}): "
+                       f"{said[-1].removeprefix('error: ')[:200] if said else 'no message'}")
+    peak = re.search(r"^peak=(\d+)$", done.stderr, re.M)   # (peak=None where unknown)
+    return took, int(peak[1]) / 2**20 if peak else math.nan
 
 
 def bench_prepare(mb: int, plain_mb: int, tokenizers: list[str], lines: list[str], parent: Path, need: int,
                   say=print) -> None:
     """Write the text files in a new directory under parent, time each preparation of them, say how they
     compare, and remove it all: when done, on an error, or at a signal (raised as Interrupted once removed)."""
-    work, rows, sizes = parent / f"bench_prepare_{uuid.uuid4().hex[:12]}", {}, sorted({plain_mb, mb})
-    with on_stop_signals(unwind_on_stop()):   # (work is named before it is made: removed wherever a signal stops)
-        try:
-            say(f"# writes text files of {' and '.join(f'{n:,} MB' for n in sizes)} in {work}, then each preparation's "
-                f"tokens beside them, one at a time: about {need:,} MB at most; all of it is removed afterwards. Times "
-                f"are wall clock, on a machine that may be shared")
-            work.mkdir()
-            for size in sizes:
-                text, rng, left = work / f"text_{size}mb.txt", np.random.default_rng(0), size * 1_000_000
-                with open(text, "w", encoding="utf-8") as f:
-                    while left > 0:   # (a character is a byte or more: the last chunk may go a few bytes over)
-                        chunk = "".join(lines[i] for i in rng.integers(0, len(lines), 100_000))[:left]
-                        left -= len(chunk.encode())
-                        f.write(chunk)
-                for tok in tokenizers:   # (a trained BPE exists only streamed)
-                    for how in ["stream", "plain"] if size == plain_mb and not tok.startswith("bpe:") else ["stream"]:
-                        (work / "out").mkdir()
-                        took, peak = rows[size, tok, how] = measure("-c", STREAM if how == "stream" else WHOLE,
-                                                                    [str(text), tok, str(work / "out")])
-                        shutil.rmtree(work / "out")
-                        say(f"{size:8,} MB  {tok:8s}  {how:6s}  {size / took:7.1f} MB/s  "
-                            + ("peak unknown" if math.isnan(peak) else f"peak {peak:7.0f} MB"))
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    rows, sizes = {}, sorted({plain_mb, mb})
+    with on_stop_signals(unwind_on_stop()), \
+            tempfile.TemporaryDirectory(prefix="bench_prepare_", dir=parent, ignore_cleanup_errors=True) as work:
+        work = Path(work)
+        say(f"# writes text files of {' and '.join(f'{n:,} MB' for n in sizes)} in {work}, then each preparation's "
+            f"tokens beside them, one at a time: about {need:,} MB at most; all of it is removed afterwards. Times "
+            f"are wall clock, on a machine that may be shared")
+        for size in sizes:
+            text, rng, left = work / f"text_{size}mb.txt", np.random.default_rng(0), size * 1_000_000
+            with open(text, "w", encoding="utf-8") as f:
+                while left > 0:   # (a character is a byte or more: the last chunk may go a few bytes over)
+                    chunk = "".join(lines[i] for i in rng.integers(0, len(lines), 100_000))[:left]
+                    left -= len(chunk.encode())
+                    f.write(chunk)
+            for tok in tokenizers:   # (a trained BPE exists only streamed)
+                for how in ["stream", "plain"] if size == plain_mb and not tok.startswith("bpe:") else ["stream"]:
+                    (work / "out").mkdir()
+                    args = [str(text), "--tokenizer", tok, "--root", str(work / "out")]
+                    took, peak = rows[size, tok, how] = measure(STREAM if how == "stream" else WHOLE, args)
+                    shutil.rmtree(work / "out")
+                    say(f"{size:8,} MB  {tok:8s}  {how:6s}  {size / took:7.1f} MB/s  "
+                        + ("peak unknown" if math.isnan(peak) else f"peak {peak:7.0f} MB"))
     say("# streaming / reading whole on the same file (speed: higher is better; memory: lower is better)")
     for tok in [tok for tok in tokenizers if (plain_mb, tok, "plain") in rows]:
         (s_took, s_peak), (p_took, p_peak) = rows[plain_mb, tok, "stream"], rows[plain_mb, tok, "plain"]

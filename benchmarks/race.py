@@ -31,9 +31,6 @@ from training.device import autocast, pick_device, pick_dtype
 # (classic, fast) by the kind of machine: `bench.py race` on a GPU races the GPU pair.
 PAIRS = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
          "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}
-# nanoGPT's published best val loss for its shakespeare_char config, the GPU pair's classic (its README:
-# "about 3 minutes" on one A100)
-NANOGPT_BEST = 1.4697
 EVAL_LINE = re.compile(r"^eval +(\d+) \|")
 
 
@@ -47,19 +44,18 @@ def run(config: str, overrides: list[str], evals: int, out_dir: Path, label: str
     say(f"# {label}: {shlex.join(['python', 'train.py', config, *overrides])} ({cfg.train.max_steps} steps, an "
         f"evaluation every {every})")
     launch, seconds, progress = time.perf_counter(), {}, Progress(label, cfg.train.max_steps, "steps")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"})
-    try:
-        for line in proc.stdout:   # (its stderr, notes and errors, goes where this command's goes)
-            if m := EVAL_LINE.match(line):
-                seconds[int(m[1])] = time.perf_counter() - launch
-                progress.advance(int(m[1]) - progress.done)
-        proc.wait()
-    finally:
-        progress.close()
-        if proc.poll() is None:
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"}) as proc:
+        try:
+            for line in proc.stdout:   # (its stderr, notes and errors, goes where this command's goes)
+                if m := EVAL_LINE.match(line):
+                    seconds[int(m[1])] = time.perf_counter() - launch
+                    progress.advance(int(m[1]) - progress.done)
+        except BaseException:   # a signal: the run ends with this command (Popen's exit waits for it)
             proc.kill()
-            proc.wait()
+            raise
+        finally:
+            progress.close()
     if proc.returncode:
         raise RunError(f"the {label} run (python train.py {config}) failed with exit code {proc.returncode}")
     curve = []
@@ -70,7 +66,8 @@ def run(config: str, overrides: list[str], evals: int, out_dir: Path, label: str
 
 
 def exact_val_loss(cfg, checkpoint) -> float:
-    """The mean loss of a checkpoint's model over every token of cfg's val split (as train.eval_iters = 0)."""
+    """The mean loss of a checkpoint's model (or of a run's latest) over every token of cfg's val split
+    (as train.eval_iters = 0)."""
     device, block = pick_device(cfg.train.device), cfg.model.block_size
     val = BatchLoader(prepare(cfg.data, block), block, 1).splits["val"]
     windows = strided_windows(val, block, block, cfg.train.batch_size)
@@ -96,10 +93,8 @@ def race(classic: str, fast: str, overrides: list[str], evals: int = 20, say=pri
                   for label, path in (("classic", classic), ("fast", fast))}
     best = min(curves["classic"], key=lambda p: p["val"])   # a long run may overfit after its best
     target, last = best["val"], curves["classic"][-1]
-    published = Path(classic).resolve() == (ROOT / PAIRS["cuda"][0]).resolve()
     say(f"classic  {classic}: best val {target:.4f} at step {best['step']}, {best['seconds']:.1f} s from launch"
-        + ("" if last is best else f"; it ends at val {last['val']:.4f} after {last['step']} steps")
-        + (f" (nanoGPT publishes {NANOGPT_BEST} for this config)" if published else ""))
+        + ("" if last is best else f"; it ends at val {last['val']:.4f} after {last['step']} steps"))
     hit, end = first_reaching(curves["fast"], target), curves["fast"][-1]
     if hit is None:
         say(f"fast     {fast}: never reached val {target:.4f} (best {min(p['val'] for p in curves['fast']):.4f}, "

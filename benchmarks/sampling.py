@@ -2,13 +2,12 @@
 every new token, at the 6-layer, 384-dim, block-256 shape (random weights: speed does not depend on
 what the weights know). On CPU by thread count and by position, and what compiling the decoding step
 costs and gives; on CUDA at batch 1 and 16, with and without the compiled step (a CUDA graph)."""
-import os
 import time
 
 import torch
 
 from model.config import ModelConfig
-from model.gpt import GPT, InferenceCache
+from model.gpt import GPT
 from model.sampling import Decoding, generate
 
 SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
@@ -19,42 +18,37 @@ def make_model(device) -> GPT:
     return GPT(ModelConfig(**SHAPE)).to(device).eval()
 
 
-def tokens_per_s(model, new_tokens: int, use_cache: bool, samples: int = 1, compile: bool = False) -> float:
+def decode(model, new_tokens: int, use_cache: bool, samples: int = 1, compile: bool = False) -> list[float]:
+    """Seconds from the start of a decode (of `samples` continuations of a 1-token prompt) to each of its
+    new tokens; the last once the device has made it. On CPU, where decoding checks every token, each
+    stamp is the token's; on CUDA only the last is waited for."""
     device = next(model.parameters()).device
     prompt = torch.zeros(samples, 1, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
+    stamps, t0 = [], time.perf_counter()
     for col in generate(model, prompt, new_tokens, temperature=1.0, generator=gen,
                         decoding=Decoding(use_cache=use_cache, compile=compile)):
-        pass
+        stamps.append(time.perf_counter() - t0)
     col.cpu()                                        # wait for the device
-    return samples * new_tokens / (time.perf_counter() - t0)
+    stamps[-1] = time.perf_counter() - t0
+    return stamps
 
 
-@torch.inference_mode()
+def tokens_per_s(model, new_tokens: int, use_cache: bool, samples: int = 1, compile: bool = False) -> float:
+    return samples * new_tokens / decode(model, new_tokens, use_cache, samples, compile)[-1]
+
+
 def ms_per_token_by_position(model, positions, use_cache: bool, reps: int = 3) -> dict[int, float]:
-    """ms to produce the token at each position (pos tokens already in context), best of reps.
-
-    With the cache, each step of an actual decode from a 1-token prompt is timed, so the cache is
-    as warm as in sampling (timing the first step after a fresh prefill would add the cost of
-    memory the prefill just displaced). Without it, the whole context is recomputed."""
-    device, last = next(model.parameters()).device, max(positions)
-    idx = torch.randint(0, model.cfg.vocab_size, (1, last + 1), generator=torch.Generator().manual_seed(0)).to(device)
-    best = {pos: float("inf") for pos in positions}
+    """ms to produce the token at each position (pos tokens already in context), best of reps decodes on
+    CPU: with the cache each token of an actual decode, the cache as warm as in sampling; without it,
+    each recomputes the whole context."""
+    best = dict.fromkeys(positions, float("inf"))
     for _ in range(reps):
-        cache = InferenceCache(model, 1, device, torch.float32) if use_cache else None
-        if use_cache:
-            model(idx[:, :1], cache=cache)
-        for pos in range(1, last + 1) if use_cache else positions:
-            t0 = time.perf_counter()
-            if use_cache:
-                model(idx[:, pos:pos + 1], cache=cache, pos=torch.tensor([pos], device=device))[0].cpu()
-            else:
-                model(idx[:, :pos + 1])[0].cpu()
-            if pos in best:
-                best[pos] = min(best[pos], time.perf_counter() - t0)
+        stamps = decode(model, max(positions), use_cache)
+        for pos in positions:   # (the new token i has i + 1 tokens before it)
+            best[pos] = min(best[pos], stamps[pos - 1] - stamps[pos - 2])
     return {pos: sec * 1e3 for pos, sec in best.items()}
 
 
@@ -67,7 +61,7 @@ def bench_sample(new_tokens: int = 500, device: str | torch.device = "cpu", say=
         return bench_sample_cuda(new_tokens, device, say)
     model, threads = make_model(device), torch.get_num_threads()
     say(f"# sampling {new_tokens} new tokens, {SHAPE['n_layer']} layers x {SHAPE['n_embd']}, block "
-        f"{SHAPE['block_size']}, batch 1, {device}, fp32, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+        f"{SHAPE['block_size']}, batch 1, {device}, fp32")
     say(f"{'threads':>7s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'speedup':>8s}")
     for n in range(1, threads + 1):
         torch.set_num_threads(n)
@@ -76,7 +70,8 @@ def bench_sample(new_tokens: int = 500, device: str | torch.device = "cpu", say=
         say(f"{n:7d} {cached:13.1f} {full:17.1f} {cached / full:7.1f}x")
     say(f"{'position':>8s} {'ms/token cached':>16s} {'ms/token recomputed':>20s}   ({threads} threads)")
     positions = (10, 100, 250)
-    cached_ms, full_ms = (ms_per_token_by_position(model, positions, use_cache) for use_cache in (True, False))
+    cached_ms = ms_per_token_by_position(model, positions, True)
+    full_ms = ms_per_token_by_position(model, positions, False, reps=1)   # (each token long enough to time once)
     for pos in positions:
         say(f"{pos:8d} {cached_ms[pos]:16.2f} {full_ms[pos]:20.2f}")
     t0 = time.perf_counter()

@@ -15,12 +15,14 @@ positions, over T/2 visible positions on average, times 3 for forward and backwa
 import contextlib
 import copy
 import io
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from torch.utils import benchmark
 
 from data.cache import load_meta
 from data.prepare import prepare
@@ -38,36 +40,25 @@ def sync(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def seconds_per_call(fn, device, calls: int) -> float:
-    """Seconds per call of fn over `calls` back-to-back calls."""
-    start = sync(device)
-    for _ in range(calls):
-        fn()
-    return (sync(device) - start) / calls
-
-
 def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> dict[str, float]:
     """Best FLOP/s of n x n matmuls over a few sizes, per implementation: torch.mm (MKL on CPU, cuBLAS
     on CUDA) and, on CPU, oneDNN. The best of them is the peak that MFU divides by."""
     impls = {"torch.mm": torch.mm}
     if device.type == "cpu" and onednn_works():
         impls["oneDNN"] = lambda a, b: onednn_linear(a, b, None)     # a @ bᵀ: the same FLOPs
-    best = {name: 0.0 for name in impls}
+    best = dict.fromkeys(impls, 0.0)
     for n in ((1024, 2048) if device.type == "cpu" else (4096, 8192)):
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-        reps = max(2, int(seconds * 1e11 / (2 * n ** 3))) if device.type == "cpu" else 20
-        for _ in range(3):
-            for name, mm in impls.items():
-                mm(a, b)   # warm up
-                best[name] = max(best[name], 2 * n ** 3 / seconds_per_call(lambda: mm(a, b), device, reps))
+        for name, mm in impls.items():   # (Timer warms up, waits for the device, and runs on 1 thread unless told)
+            timer = benchmark.Timer("mm(a, b)", globals={"mm": mm, "a": a, "b": b}, num_threads=torch.get_num_threads())
+            best[name] = max(best[name], 2 * n ** 3 / min(timer.blocked_autorange(min_run_time=seconds).times))
     return best
 
 
 def flops_per_token(model: GPT) -> tuple[float, float]:
     """(6N, attention) training FLOPs per token; N counts the weights of every Linear (LM head too)."""
-    cfg = model.cfg
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return 6.0 * n, 6.0 * cfg.n_layer * cfg.block_size * cfg.n_embd
+    return 6.0 * n, 6.0 * model.cfg.n_layer * model.cfg.block_size * model.cfg.n_embd
 
 
 def plain_step(cfg, device):
@@ -100,35 +91,31 @@ def time_trainer(cfg, out_dir, steps: int, rounds: int, between=None) -> tuple[l
     device, dtype and kind, in its banner's words). between(), if given, runs untimed at each boundary
     between rounds (bench_train alternates plain PyTorch's rounds with these, so that drift hits both)."""
     cfg, device = copy.deepcopy(cfg), pick_device(cfg.train.device)
-    t, total = cfg.train, steps * (rounds + 1)
-    cfg.out_dir, t.max_steps = str(out_dir), max(t.max_steps, total)
+    t = cfg.train
+    cfg.out_dir, t.max_steps = str(out_dir), max(t.max_steps, steps * (rounds + 1))
     t.log_interval = t.eval_interval = t.max_steps + 1   # no log line or evaluation among the timed steps
     t.sample_every, cfg.log.wandb = 0, False
-    marks, start = [], time.perf_counter()   # (the end of a round, the start of the next)
+    starts, ends = [time.perf_counter()], []   # when each round began (the first: the call), when it ended
 
     def on_step(step, model):
         if step % steps:
             return
-        end = sync(device)
-        if len(marks) == rounds:
-            marks.append((end, end))
+        ends.append(sync(device))
+        if len(ends) == rounds + 1:
             raise Timed
         if between is not None:
             between()
-        marks.append((end, time.perf_counter()))
+        starts.append(time.perf_counter())
 
     said = io.StringIO()   # the banner, which says how the step runs (a graph that failed runs eagerly)
-    try:
-        with contextlib.redirect_stdout(said):
-            train(cfg, on_step=on_step)
-    except Timed:
-        pass
+    with contextlib.redirect_stdout(said), contextlib.suppress(Timed):
+        train(cfg, on_step=on_step)
     lines = said.getvalue().splitlines()
     for line in lines:
         if line.startswith("warning"):
             print(line, file=sys.stderr)
     how = next((line.split(" | ")[1] for line in lines if " parameters, vocab " in line), "?")
-    return [marks[i][0] - marks[i - 1][1] for i in range(1, rounds + 1)], marks[0][0] - start, how
+    return [end - start for start, end in zip(starts[1:], ends[1:])], ends[0] - starts[0], how
 
 
 def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int = 3, say=print) -> dict:
@@ -149,26 +136,29 @@ def bench_train(config: str, overrides: list[str], steps: int = 10, rounds: int 
         f"{attn / 1e6:.1f}M")
     variants = {"eager": (False, False), "compiled": (True, False), "graph": (False, True),
                 "compiled+graph": (True, True)} if device.type == "cuda" else {"trainer": (t.compile, t.cuda_graph)}
-    times, hows = {}, {}
     plain()                                                # warm up (allocations)
-    plain_rounds = []   # on CPU taken between the trainer's rounds; on CUDA after them (one model at a time)
-    plain_round = lambda: plain_rounds.append(seconds_per_call(plain, device, steps) * steps)   # noqa: E731
-    alternate = plain_round if len(variants) == 1 else None
+    times, hows = {"plain": []}, {}   # plain PyTorch's rounds: on CPU between the trainer's, on CUDA after them
+
+    def plain_round():
+        start = sync(device)
+        for _ in range(steps):
+            plain()
+        times["plain"].append(sync(device) - start)
     with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
         for name, (t.compile, t.cuda_graph) in variants.items():
-            times[name], setup, how = time_trainer(cfg, Path(tmp) / name, steps, rounds, alternate)
+            between = plain_round if device.type != "cuda" else None
+            times[name], setup, how = time_trainer(cfg, Path(tmp) / name, steps, rounds, between)
             hows[name] = f"{how}; set-up and warm-up round {setup:.1f} s"
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if not plain_rounds:
-        for _ in range(rounds + 1):   # a warm-up round, then `rounds`
+    if device.type == "cuda":   # (one model at a time) a warm-up round, then `rounds`
+        for _ in range(rounds + 1):
             plain_round()
-        del plain_rounds[0]
-    times["plain"] = plain_rounds
+        del times["plain"][0]
     hows["plain"], results = "eager, fp32, default AdamW", {}
     say(f"{'step':15s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
     for name, how in hows.items():
-        sec = sorted(times[name])[len(times[name]) // 2] / steps   # the median round
+        sec = statistics.median(times[name]) / steps
         mfu = (dense + attn) * tokens / sec / max(peaks.values())
         results[name] = {"ms_per_step": sec * 1e3, "tokens_per_s": tokens / sec, "mfu": mfu}
         say(f"{name:15s} {sec * 1e3:9.2f} {tokens / sec:10,.0f} {mfu:6.1%}  {how}")

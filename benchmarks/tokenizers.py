@@ -8,28 +8,21 @@ its step time, which plans the run's step count (so its LR schedule ends with it
 machine slows down after the probe still ends once BUDGET_MARGIN times its budget has gone by, and
 the table gives the steps it trained.
 """
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.race import exact_val_loss
+from benchmarks.step import time_trainer
 from data.cache import bits_per_byte, load_meta
-from data.loader import BatchLoader, strided_windows
 from data.prepare import prepare
-from model.gpt import score
 from training.checkpoint import load_model
 from training.config import build_config
 from training.trainer import train
 
 TOKENIZERS = ("char", "gpt2", "bpe:4096")
 BUDGET_MARGIN = 1.25   # a run ends after this many times its budget of wall time, whatever the probe planned
-
-
-def step_seconds(cfg, steps: int = 30) -> float:
-    """Seconds per optimizer step of cfg, over `steps` steps after 5 of warm-up."""
-    times = []
-    cfg.train.max_steps, cfg.train.eval_interval, cfg.train.eval_iters = steps + 5, steps + 5, 1
-    train(cfg, quiet=True, on_step=lambda step, model: times.append(time.perf_counter()))
-    return (times[-1] - times[4]) / (len(times) - 5)
 
 
 def train_within(cfg, seconds: float, per_step: float) -> tuple[int, int, float]:
@@ -48,26 +41,23 @@ def train_within(cfg, seconds: float, per_step: float) -> tuple[int, int, float]
 
 def figures(cfg, steps: int) -> dict:
     """A trained run's size, the text it saw, its loss and bits per byte over every token of the val split."""
-    meta = load_meta(dataset := prepare(cfg.data, cfg.model.block_size))
-    model = load_model(cfg.out_dir).model
-    val = BatchLoader(dataset, cfg.model.block_size, 1).splits["val"]
-    nats, count = score(model, strided_windows(val, cfg.model.block_size, cfg.model.block_size, cfg.train.batch_size))
+    meta = load_meta(prepare(cfg.data, cfg.model.block_size))
+    loss = exact_val_loss(cfg, cfg.out_dir)
     tokens_seen = steps * cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
-    return {"vocab": meta["vocab_size"], "params": model.num_params(), "loss": nats / count,
-            "bpb": bits_per_byte(nats / count, meta["tokens"]["val"], meta["bytes"]["val"]),
+    return {"vocab": meta["vocab_size"], "params": load_model(cfg.out_dir).model.num_params(), "loss": loss,
+            "bpb": bits_per_byte(loss, meta["tokens"]["val"], meta["bytes"]["val"]),
             "bytes_seen": tokens_seen * meta["bytes"]["train"] / meta["tokens"]["train"]}
 
 
 def bench_tokenizers(config: str, overrides: list[str], seconds: float = 120.0, tokenizers=TOKENIZERS,
                      say=print) -> dict:
+    """Each tokenizer in turn: the probe (3 timed rounds of 10 steps, the median), its run, its figures."""
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench_tokenizers_", ignore_cleanup_errors=True) as tmp:
         for tok in tokenizers:
-            def make(name):
-                return build_config(config, overrides + [f"--data.tokenizer={tok}", f"--out_dir={Path(tmp) / name}"])
-            name = tok.replace(":", "_")
-            per_step = step_seconds(make(f"{name}-probe"))
-            cfg = make(name)
+            out_dir = Path(tmp) / tok.replace(":", "_")
+            cfg = build_config(config, overrides + [f"--data.tokenizer={tok}", f"--out_dir={out_dir}"])
+            per_step = statistics.median(time_trainer(cfg, f"{out_dir}-probe", 10, 3)[0]) / 10
             steps, planned, took = train_within(cfg, seconds, per_step)
             r = rows[tok] = {"steps": steps, "planned": planned, "seconds": took, **figures(cfg, steps)}
             cut = " (the budget ran out)" if steps < planned else ""

@@ -226,7 +226,7 @@ def test_memory_does_not_grow_with_the_file(tmp_path):
     peaks = []
     for name, size in (("small", 3_000_000), ("big", 30_000_000)):
         (tmp_path / f"{name}.txt").write_bytes(line * (size // len(line)))
-        peaks.append(measure("-c", AS_IF_32_CORES, [str(tmp_path / f"{name}.txt"), "--root", str(tmp_path / "p")])[1])
+        peaks.append(measure(AS_IF_32_CORES, [str(tmp_path / f"{name}.txt"), "--root", str(tmp_path / "p")])[1])
     assert len(list((tmp_path / "p").glob("*/meta.json"))) == 2
     assert peaks[1] - peaks[0] < 40, f"peak memory grew from {peaks[0]:.0f} to {peaks[1]:.0f} MB for 27 MB more text"
 
