@@ -214,7 +214,8 @@ def test_a_sweep_copied_under_another_name_or_moved_continues_its_runs(tmp_path,
                     "outright goes on (ablation/run.py); and os.kill(pid, 0) would end the run there")
 def test_a_run_whose_sweep_is_killed_stops_saves_and_frees_its_out_dir(tmp_path, text_file):
     """kill -9 of ablate.py: its run (a child in a session of its own) stops as for SIGTERM."""
-    from training.checkpoint import OutDir, latest_checkpoint
+    from training.checkpoint import latest_checkpoint
+    from training.outdir import OutDir
     path = write_sweep(tmp_path, text_file, ONE_RUN)
     path.write_text(path.read_text().replace("max_steps = 10", "max_steps = 100000").replace("eval_interval = 5",
                                                                                              "eval_interval = 100000"))

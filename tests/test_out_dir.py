@@ -11,7 +11,7 @@ import train as train_cli
 from tests.conftest import poison, posix_signals, run_tool, tiny_overrides, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import list_checkpoints, load_checkpoint
-from training.checkpoint import ASIDE
+from training.outdir import ASIDE
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
 

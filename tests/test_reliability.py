@@ -256,7 +256,7 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_before_it_allocates(tmp_path
 def test_the_memory_estimate_is_the_measured_peak_within_a_factor_of_two(tiny_cfg):
     """One real step's peak resident memory against step_memory's estimate, fp32 on CPU."""
     from model.gpt import GPT
-    from training.trainer import step_memory
+    from training.device import step_memory
 
     def peak_rss():
         return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024

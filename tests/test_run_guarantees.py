@@ -16,7 +16,7 @@ from common import RunError
 from tests.conftest import ROOT, TEXT, num_threads, posix_signals, run_tool, tiny_overrides, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import latest_checkpoint, load_checkpoint
-from training import checkpoint as lock
+from training import outdir as lock
 from training.config import Config, build_config
 from training.trainer import train
 

@@ -87,7 +87,7 @@ class FakeMsvcrt:
 
 @pytest.fixture
 def windows_locks(monkeypatch):
-    from training import checkpoint as lock
+    from training import outdir as lock
     fake = FakeMsvcrt()
     monkeypatch.setattr(lock, "fcntl", None)
     monkeypatch.setattr(lock, "msvcrt", fake)
@@ -95,7 +95,7 @@ def windows_locks(monkeypatch):
 
 
 def test_without_fcntl_the_out_dir_is_locked_through_msvcrt(tmp_path, windows_locks):
-    from training.checkpoint import OutDir
+    from training.outdir import OutDir
     first, second = OutDir(tmp_path), OutDir(tmp_path)
     first.check(resume=False, overwrite=False)
     first.open()
@@ -114,7 +114,7 @@ def test_without_fcntl_the_out_dir_is_locked_through_msvcrt(tmp_path, windows_lo
 
 def test_a_run_into_an_out_dir_locked_through_msvcrt_is_refused_and_writes_nothing(tiny_cfg, windows_locks):
     from tests.conftest import tree
-    from training.checkpoint import OutDir
+    from training.outdir import OutDir
     from training.trainer import train
     cfg = tiny_cfg(**{"train.max_steps": 2})
     train(cfg, quiet=True)
@@ -134,7 +134,7 @@ def test_a_run_into_an_out_dir_locked_through_msvcrt_is_refused_and_writes_nothi
 
 HOLDER = """
 import sys, time
-from training.checkpoint import OutDir
+from training.outdir import OutDir
 out = OutDir(sys.argv[1])
 out.check(resume=False, overwrite=False)
 out.open()
@@ -145,7 +145,7 @@ time.sleep(300)
 
 def test_the_out_dir_lock_holds_across_processes_and_goes_with_its_holder(tmp_path):
     """The real lock of this system (flock, or msvcrt on Windows), held by another process."""
-    from training.checkpoint import OutDir
+    from training.outdir import OutDir
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:

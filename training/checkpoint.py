@@ -1,47 +1,37 @@
-"""Checkpoints and the out dir they live in: writing them, reading them, and one run at a time.
+"""Checkpoints: writing them, reading them, a model to use from one, and a run continued from one.
 
-An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (the lowest val loss: a
-hard link to one of them, or a copy), config.toml, metrics.jsonl, curves.png and .lock.
+A run's out dir (training/outdir.py) holds ckpt_<step>.pt (the newest train.keep_checkpoints) and
+best.pt (the lowest val loss: a hard link to one of them, or a copy).
 
 Choices:
   whole files   a checkpoint is written to a temporary file and renamed (common.atomic_write): a reader,
                 or a run killed mid-save, finds the old checkpoint or the new one, never part of one
-  safe reading  torch.load(weights_only=True): tensors and plain data only, so a file cannot run code;
-                the weights are loaded strictly into the model their config describes
-  one run       the operating system's lock on .lock (flock; msvcrt on Windows), which goes with its
-                process however it ends; .lock holds the PID, to name the run that holds it
-  never lost    a new run refuses an out dir holding a run's files (a run's, or the user's own of those
-                names); --overwrite moves them to .replaced/ until its own first checkpoint, and a run
-                that ends before that (an error, or a kill: the next run sees it) puts them back
+  safe reading  every member's checksum, then torch.load(weights_only=True): tensors and plain data
+                only, so a file cannot run code; the weights are loaded strictly into the model their
+                config describes, checked on shapes alone before memory is spent on them
+  exact resume  a checkpoint holds the whole training state: the optimizer, the data order and every
+                rank's random generators, besides the weights
 """
 import dataclasses
 import errno
+import json
 import os
 import pickle
 import re
 import shutil
-import sys
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from common import CheckpointError, RunError, TokenizerError, atomic_write, first_line, os_error, type_problem
+from common import CheckpointError, TokenizerError, atomic_write, first_line, os_error, type_problem
 from data.tokenizers import load_tokenizer
 from model.config import ModelConfig
 from model.gpt import GPT
 
-try:
-    import fcntl
-    msvcrt = None
-except ImportError:   # Windows
-    import msvcrt
-    fcntl = None
-
 FORMAT, VERSION = "gpt-checkpoint", 2
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
-RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
-ASIDE = ".replaced"
 FOR_RESUMING = ("dataset", "optimizer", "scaler", "loader", "rng_ranks", "best_val_loss", "elapsed", "tokens",
                 "skipped_steps", "is_best")   # besides what sampling needs: config, tokenizer, model, step
 
@@ -196,138 +186,70 @@ def load_model(path, device=torch.device("cpu")) -> LoadedModel:
     return LoadedModel(model.to(device).eval(), tokenizer, path, f"{path} (step {ckpt['step']}{val})", ckpt["step"])
 
 
-# ---------------------------------------------------------------- the out dir
+def rng_state() -> dict:
+    """Every generator a run draws from, as tensors and plain data: numpy's, torch's CPU one, every GPU's, MPS's."""
+    s = np.random.get_state()
+    return {"numpy": s[1].tolist(), "numpy_pos": int(s[2]), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "mps": torch.mps.get_rng_state() if torch.backends.mps.is_available() else None}
 
-def _lock(fd: int) -> bool:
-    """Take the out dir's lock without waiting: False where another process holds it. A file system
-    that cannot lock at all (NFS without its lock daemon: ENOLCK) runs unguarded. On Windows the lock
-    is one byte far past the PID (locks there are mandatory: the PID must stay readable)."""
+
+def set_rng_state(s: dict) -> None:
+    np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    if s.get("mps") is not None and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(s["mps"])
+
+
+# ---------------------------------------------------------------- resuming
+
+def check_resumable(ckpt: dict, path, cfg) -> None:
+    """Resuming needs the whole training state, and goes on with the run's own model and tokenizer."""
+    if missing := [k for k in FOR_RESUMING if k not in ckpt]:
+        raise CheckpointError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
+    before = {f"model.{k}": v for k, v in ckpt["config"]["model"].items()}
+    before["data.tokenizer"] = ckpt["config"].get("data", {}).get("tokenizer")
+    for key, now in {**{f"model.{k}": v for k, v in cfg.to_dict()["model"].items()},
+                     "data.tokenizer": cfg.data.tokenizer}.items():
+        if before.get(key) != now and not (key == "model.vocab_size" and now == 0):
+            raise CheckpointError(f"{key}: {json.dumps(before.get(key))} in the run, {json.dumps(now)} now: "
+                                  f"--resume goes on with the run's own model and tokenizer (another --out_dir starts "
+                                  f"a new run)")
+
+
+def check_same_text(ckpt: dict, path, meta: dict, data_path: str, say) -> None:
+    """A resumed run's text must give the tokens it was trained on (a char text that gained characters
+    does not); another text of the same tokens is said, and goes on."""
+    if ckpt["tokenizer"] != meta["tokenizer"]:
+        def vocab(tokenizer: dict) -> str:
+            return f"{len(tokenizer['chars'])} characters" if tokenizer["kind"] == "char" else tokenizer.get("name")
+        raise CheckpointError(f"{path} was trained on a text of {vocab(ckpt['tokenizer'])}, {data_path} now gives "
+                              f"{vocab(meta['tokenizer'])}: the text changed, and --resume needs the one it was "
+                              f"trained on (or start a new run: --overwrite, or another --out_dir)")
+    if (was := ckpt["dataset"].get("sha256")) != (now := meta.get("sha256")):
+        say(f"warning: the training text changed since this checkpoint (sha256 {was[:12]}... then, {now[:12]}... "
+            f"now); training goes on with the new text")
+
+
+def restore(ckpt, path, model, optimizer, scaler, loader, rank: int, world: int, seed: int):
+    """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's generators;
+    (step, best val loss, tokens, seconds, skipped steps) of the run so far."""
     try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if world > 1:
+            from training import distributed
+            distributed.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
         else:
-            os.lseek(fd, 1 << 16, os.SEEK_SET)
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-    except OSError as e:
-        return e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, getattr(errno, "EDEADLOCK", -1))
-    finally:
-        os.lseek(fd, 0, os.SEEK_SET)
-    return True
-
-
-class OutDir:
-    """Where a run writes: check() (writes nothing), open() at its first write, committed() at its first
-    checkpoint, abandon() when it ends without one, close() at its end."""
-
-    def __init__(self, path):
-        self.path, self.fd, self.created, self.new_run, self.opened = Path(path), None, [], False, False
-
-    def check(self, resume: bool, overwrite: bool, checkpoint=None) -> Path | None:
-        """Whether this out dir can take the run; the checkpoint to resume (when resuming: `checkpoint`,
-        else the latest)."""
-        if resume and overwrite:
-            raise RunError("--resume and --overwrite contradict each other: continue the run, or start it over")
-        if self.path.exists() and not self.path.is_dir():
-            raise RunError(f"the out dir {self.path} is a file, not a directory")
-        if (self.path / ".lock").is_file():   # held from here to the end of the run
-            try:
-                self.fd = os.open(self.path / ".lock", os.O_RDWR)
-            except OSError as e:
-                raise RunError(f"cannot write to the out dir {self.path} ({e.strerror}): choose another --out_dir") \
-                    from None
-            if not _lock(self.fd):
-                pid = (self.path / ".lock").read_text(errors="replace").strip() or "unknown"
-                self.close()
-                raise RunError(f"{self.path} is in use by another run (PID {pid}); wait for it to end, or choose "
-                               f"another --out_dir")
-        aside = self.path / ASIDE
-        if aside.is_dir():   # a run with --overwrite ended before its first checkpoint: give the run back
-            if latest_checkpoint(self.path) is None:
-                self.put_back(say=True)
-            shutil.rmtree(aside, ignore_errors=True)
-        latest = latest_checkpoint(self.path) or (self.path / "best.pt" if (self.path / "best.pt").is_file() else None)
-        if resume:
-            if checkpoint is not None:
-                return Path(checkpoint).resolve()
-            if latest is None:
-                raise RunError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {self.path} to resume from; "
-                               f"leave out --resume to start a new run")
-            return latest
-        theirs = [p.name for p in self.run_files()]
-        if theirs and not overwrite and latest is None:
-            raise RunError(f"{self.path} holds {', '.join(theirs)}, which a run writes: choose another --out_dir, "
-                           f"or --overwrite to replace them (kept in {self.path / ASIDE} until this run's first "
-                           f"checkpoint)")
-        if theirs and not overwrite:
-            raise RunError(f"{self.path} already holds {'checkpoints' if latest.name != 'best.pt' else 'best.pt'} of "
-                           f"a run: continue it with --resume, start over with --overwrite, or choose another "
-                           f"--out_dir")
-        parent = next(p for p in [self.path, *self.path.parents] if p.exists())
-        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise RunError(f"cannot create the out dir {self.path}: {parent} is not a writable directory")
-        self.new_run = True
-        return None
-
-    def run_files(self) -> list[Path]:
-        return [p for p in sorted(self.path.glob("*")) if p.name in RUN_FILES or CKPT_RE.match(p.name)]
-
-    def open(self) -> None:
-        """Create and lock the out dir (the run's first write); a new run sets aside what it replaces."""
-        try:
-            self.created = [p for p in [self.path, *self.path.parents] if not p.exists()]   # deepest first
-            self.path.mkdir(parents=True, exist_ok=True)
-            self.opened = True
-            if self.fd is None:
-                self.created.insert(0, self.path / ".lock")
-                self.fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-                if not _lock(self.fd):
-                    raise RunError(f"{self.path} is in use by another run; choose another --out_dir")
-            os.ftruncate(self.fd, 0)
-            os.write(self.fd, f"{os.getpid()}\n".encode())
-            for tmp in self.path.glob(".*.tmp"):   # a save a kill cut short; other hidden files are the user's
-                if tmp.name[1:-4] in RUN_FILES or CKPT_RE.match(tmp.name[1:-4]):
-                    tmp.unlink()
-            if self.new_run and (replaced := self.run_files()):
-                (self.path / ASIDE).mkdir()
-                for p in replaced:
-                    os.replace(p, self.path / ASIDE / p.name)
-        except OSError as e:
-            raise RunError(f"cannot write to the out dir {self.path} ({e.strerror}): choose another --out_dir") \
-                from None
-
-    def committed(self) -> None:
-        """The run has a checkpoint of its own: what it replaced can go."""
-        shutil.rmtree(self.path / ASIDE, ignore_errors=True)
-        self.new_run = False
-
-    def abandon(self) -> None:
-        """A run that ends without a checkpoint of its own: a new run's files go, what it set aside comes
-        back, and so does the out dir as it was (a resumed run's files stay: they are the run it continues)."""
-        self.close()
-        if self.new_run and self.opened:
-            for p in self.run_files():
-                p.unlink()
-            self.put_back()
-            for p in self.created:   # .lock, then the directories this run made
-                p.unlink() if p.is_file() else p.rmdir() if not any(p.iterdir()) else None
-
-    def put_back(self, say: bool = False) -> None:
-        aside = self.path / ASIDE
-        if aside.is_dir():
-            for p in aside.iterdir():
-                os.replace(p, self.path / p.name)
-            aside.rmdir()
-            if say:   # (a run that ended without a checkpoint was killed: say what became of what it replaced)
-                print(f"notice: moved back into {self.path} the files that a run with --overwrite, stopped before "
-                      f"its first checkpoint, had set aside", file=sys.stderr)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            if msvcrt is not None:   # Windows frees a closed file's locks only after a while
-                os.lseek(self.fd, 1 << 16, os.SEEK_SET)
-                try:
-                    msvcrt.locking(self.fd, msvcrt.LK_UNLCK, 1)
-                except OSError:
-                    pass
-            os.close(self.fd)
-            self.fd = None
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt["scaler"]:
+            scaler.load_state_dict(ckpt["scaler"])
+        loader.load_state_dict(ckpt["loader"])
+        rngs = ckpt["rng_ranks"]   # one per rank of the run that saved it
+        set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(f"{path} does not fit this run: {first_line(e)}") from None
+    if len(rngs) != world and rank:   # another number of processes: new dropout streams per rank
+        torch.manual_seed(seed + 1000 * ckpt["step"] + rank)
+    return ckpt["step"], ckpt["best_val_loss"], ckpt["tokens"], ckpt["elapsed"], ckpt["skipped_steps"]

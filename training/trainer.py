@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from common import (CheckpointError, ConfigError, Interrupted, Printer, RunError, StopRequest, TokenizerError,
+from common import (ConfigError, Interrupted, Printer, RunError, StopRequest, TokenizerError,
                     atomic_write, duration, first_line, is_out_of_memory, on_stop_signals)
 from data.cache import bits_per_byte, load_meta
 from data.loader import BatchLoader, strided_windows
@@ -40,10 +40,12 @@ from data.sources import find_sources
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT, score
 from model.sampling import Decoding, generate
-from training.checkpoint import FOR_RESUMING, FORMAT, VERSION, OutDir, link_best, load_checkpoint, save_checkpoint
+from training.checkpoint import (FORMAT, VERSION, check_resumable, check_same_text, link_best, load_checkpoint,
+                                 restore, rng_state, save_checkpoint)
 from training.config import SAME_RUN_KEYS, Config, build_config, changes, describe, fmt, load_toml
-from training.device import autocast, pick_device, pick_dtype
+from training.device import autocast, busy_cpu_note, check_memory, cpu_times, pick_device, pick_dtype
 from training.optim import build_optimizer, lr_at, set_lr
+from training.outdir import OutDir
 from viz.curves import draw, read_records, run_panels
 
 EVAL_SEED = 4242             # evaluation draws the same batches every time, whatever the training seed
@@ -81,13 +83,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             if ddp else prepare(cfg.data, cfg.model.block_size)
         meta = load_meta(dataset)
         tokenizer = load_tokenizer(meta["tokenizer"])
-        if ckpt is not None and ckpt["tokenizer"] != meta["tokenizer"]:
-            raise CheckpointError(f"{resume_from} was trained on a text of {vocab(ckpt['tokenizer'])}, {cfg.data.path}"
-                                  f" now gives {vocab(meta['tokenizer'])}: the text changed, and --resume needs the "
-                                  f"one it was trained on (or start a new run: --overwrite, or another --out_dir)")
-        if ckpt is not None and (was := ckpt["dataset"].get("sha256")) != (now := meta.get("sha256")):
-            say(f"warning: the training text changed since this checkpoint (sha256 {was[:12]}... then, {now[:12]}... "
-                f"now); training goes on with the new text")
+        if ckpt is not None:
+            check_same_text(ckpt, resume_from, meta, cfg.data.path, say)
         cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
         if cfg.model.vocab_size < meta["vocab_size"]:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -410,88 +407,6 @@ def sample(model: GPT, tokenizer, t, device, dtype) -> str:
 
 # ---------------------------------------------------------------- set-up, resume, record
 
-def step_memory(cfg: Config, params: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of the training state, bytes of one micro-batch's activations), roughly, at a step's peak.
-
-    state        fp32 weights, their gradients and AdamW's two moments: 16 bytes a parameter
-    activations  what backward keeps, about 22 numbers of n_embd per token per layer (measured on CPU,
-                 fp32, fused attention), fewer bytes in bf16; the (B, nh, T, T) scores where attention
-                 materializes them (naive); the logits, their fp32 copy and its gradient"""
-    m, t = cfg.model, cfg.train
-    low, batch_tokens = dtype != torch.float32, t.batch_size * m.block_size
-    scores = m.n_layer * t.batch_size * m.n_head * m.block_size ** 2 * 9 if m.attention == "naive" else 0
-    return params * 16, m.n_layer * batch_tokens * m.n_embd * (56 if low else 88) + scores + \
-        batch_tokens * m.vocab_size * (8 if low else 12)
-
-
-def check_memory(cfg: Config, device: torch.device, dtype: torch.dtype) -> str:
-    """Refuse, before anything is allocated, a step that would need more memory than the device has free
-    (train.check_memory = false tries anyway); the estimate in words, for the banner."""
-    with torch.device("meta"):
-        state, activations = step_memory(cfg, sum(p.numel() for p in GPT(cfg.model).parameters()), dtype)
-    free = free_memory(device)
-    size = lambda n: f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"   # noqa: E731
-    words = f"about {size(state + activations)} (activations {size(activations)}, weights and optimizer {size(state)})"
-    if cfg.train.check_memory and free is not None and state + activations > free:
-        m, t = cfg.model, cfg.train
-        raise RunError(f"one training step needs {words} for batch {t.batch_size} x block {m.block_size} x "
-                       f"{m.n_layer} layers, more than the {size(free)} free on {device}: make --train.batch_size (with"
-                       f" a larger --train.grad_accum to keep the tokens per step), --model.block_size or the model "
-                       f"smaller, or set --train.check_memory=false to try anyway")
-    return f"a step needs {words}" + (f", {size(free)} free" if free is not None else "")
-
-
-def free_memory(device: torch.device) -> int | None:
-    """Bytes a run can still allocate: the GPU's free memory, or the machine's available memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:   # MemAvailable counts the page cache a run can take back
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else None
-
-
-def check_resumable(ckpt: dict, path, cfg: Config) -> None:
-    """Resuming needs the whole training state, and goes on with the run's own model and tokenizer."""
-    if missing := [k for k in FOR_RESUMING if k not in ckpt]:
-        raise CheckpointError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
-    before = {f"model.{k}": v for k, v in ckpt["config"]["model"].items()}
-    before["data.tokenizer"] = ckpt["config"].get("data", {}).get("tokenizer")
-    for key, now in {**{f"model.{k}": v for k, v in cfg.to_dict()["model"].items()},
-                     "data.tokenizer": cfg.data.tokenizer}.items():
-        if before.get(key) != now and not (key == "model.vocab_size" and now == 0):
-            raise CheckpointError(f"{key}: {fmt(before.get(key))} in the run, {fmt(now)} now: --resume goes on with "
-                                  f"the run's own model and tokenizer (another --out_dir starts a new run)")
-
-
-def vocab(tokenizer_meta: dict) -> str:
-    return f"{len(tokenizer_meta['chars'])} characters" if tokenizer_meta["kind"] == "char" else tokenizer_meta.get(
-        "name", tokenizer_meta["kind"])
-
-
-def restore(ckpt, path, model, optimizer, scaler, loader, rank: int, world: int, seed: int):
-    """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's generators;
-    (step, best val loss, tokens, seconds, skipped steps) of the run so far."""
-    try:
-        if world > 1:
-            from training import distributed
-            distributed.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
-        else:
-            model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-        if ckpt["scaler"]:
-            scaler.load_state_dict(ckpt["scaler"])
-        loader.load_state_dict(ckpt["loader"])
-        rngs = ckpt["rng_ranks"]   # one per rank of the run that saved it
-        set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise CheckpointError(f"{path} does not fit this run: {first_line(e)}") from None
-    if len(rngs) != world and rank:   # another number of processes: new dropout streams per rank
-        torch.manual_seed(seed + 1000 * ckpt["step"] + rank)
-    return ckpt["step"], ckpt["best_val_loss"], ckpt["tokens"], ckpt["elapsed"], ckpt["skipped_steps"]
-
-
 def kept(saved_step: int | None, resume: bool = False) -> str:
     if saved_step is None:
         return "no checkpoint had been written yet"
@@ -505,23 +420,6 @@ def float_lrs(state: dict) -> dict:
     if "optimizers" in state:
         return {**state, "optimizers": [float_lrs(s) for s in state["optimizers"]]}
     return {**state, "param_groups": [{**g, "lr": float(g["lr"])} for g in state["param_groups"]]}
-
-
-def rng_state() -> dict:
-    """Every generator a run draws from, as tensors and plain data: numpy's, torch's CPU one, every GPU's, MPS's."""
-    s = np.random.get_state()
-    return {"numpy": s[1].tolist(), "numpy_pos": int(s[2]), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "mps": torch.mps.get_rng_state() if torch.backends.mps.is_available() else None}
-
-
-def set_rng_state(s: dict) -> None:
-    np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
-    torch.set_rng_state(s["torch"])
-    if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-    if s.get("mps") is not None and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(s["mps"])
 
 
 class Metrics:
@@ -592,28 +490,3 @@ def banner(say, cfg, out_dir, resume_from, stored, step, model, device, dtype, h
         if any(k not in SAME_RUN_KEYS and not k.startswith("log.") for k, _, _ in changed):
             note(f"note: {', '.join(k for k, _, _ in changed)} changed since the run began: it goes on from its last "
                  f"checkpoint, but not as it would have gone on uninterrupted", file=sys.stderr)
-
-
-def cpu_times() -> tuple[float, float, float] | None:
-    """(wall seconds, CPU seconds of every process on this machine, CPU seconds of this one); None
-    where the system does not say (Linux's /proc/stat does)."""
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    except (OSError, ValueError):
-        return None
-    return time.perf_counter(), (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), \
-        sum(os.times()[:2])
-
-
-def busy_cpu_note(started, device: torch.device, note) -> None:
-    """Say so when other work kept the cores busy since the run started: PyTorch's threads wait for each
-    other at every step, so a run whose threads share the cores with it can be many times slower."""
-    now, threads, cores = cpu_times(), torch.get_num_threads(), os.cpu_count() or 1
-    if device.type != "cpu" or threads < 2 or started is None or now is None or now[0] - started[0] < 0.1:
-        return
-    others = ((now[1] - started[1]) - (now[2] - started[2])) / (now[0] - started[0])   # cores busy with others
-    if others >= 0.5 and others + threads > cores:
-        note(f"note: other work keeps {others:.1f} of the {cores} CPU cores busy and this run's {threads} threads wait "
-             f"for each other at every step, which can make it many times slower: OMP_NUM_THREADS=1 lets it share "
-             f"the cores", file=sys.stderr)
