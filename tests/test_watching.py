@@ -47,12 +47,13 @@ def test_the_same_weights_give_the_same_sample(tiny_cfg, tmp_path):
 
 def test_sampling_time_is_not_billed_to_the_steps(tiny_cfg, monkeypatch):
     import time
-    real = trainer.generate
+    import model.sampling
+    real = model.sampling.generate
 
     def slow_generate(*args, **kwargs):
         time.sleep(0.3)   # as a long sample would take
         yield from real(*args, **kwargs)
-    monkeypatch.setattr(trainer, "generate", slow_generate)
+    monkeypatch.setattr(model.sampling, "generate", slow_generate)
     cfg = tiny_cfg(**{"train.sample_every": 2, "train.log_interval": 2, "train.max_steps": 10})
     train(cfg, quiet=True)
     assert all(r["ms_per_step"] < 100 for r in records(cfg.out_dir, "train")), records(cfg.out_dir, "train")

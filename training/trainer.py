@@ -39,7 +39,6 @@ from data.prepare import prepare
 from data.sources import find_sources
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT, score
-from model.sampling import Decoding, generate
 from training.checkpoint import (FORMAT, VERSION, check_resumable, check_same_text, link_best, load_checkpoint,
                                  restore, rng_state, save_checkpoint)
 from training.config import SAME_RUN_KEYS, Config, build_config, changes, describe, fmt, load_toml
@@ -393,6 +392,7 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool)
 def sample(model: GPT, tokenizer, t, device, dtype) -> str:
     """A short sample of the model as it is now: the same prompt and seed every time, so that samples
     compare across steps; its own generator and eval mode leave every later loss as it would have been."""
+    from model.sampling import Decoding, generate   # (only where a run samples: train.sample_every)
     ids = tokenizer.encode(t.sample_prompt) if t.sample_prompt else [tokenizer.start_token]
     generator = torch.Generator(device=device).manual_seed(SAMPLE_SEED)
     was_training = model.training
