@@ -167,7 +167,7 @@ CASES = [
                           ("evil", "was refused"), ("mismatched", "its weights do not match its config"),
                           ("huge", "its weights do not match its config"), ("deflated", "(compressed members)"),
                           ("flipped", "does not match its checksum"),
-                          ("reshaped", f"its weights do not match its config: size mismatch for tok_emb.weight"),
+                          ("reshaped", "its weights do not match its config: size mismatch for tok_emb.weight"),
                           ("nan", "holds non-finite weights (NaN or inf in blocks.0.mlp.up.weight)"),
                           ("text n_layer", "does not hold a usable model: model.n_layer is not an integer"),
                           ("list n_layer", "does not hold a usable model: model.n_layer is not an integer"),

@@ -5,7 +5,6 @@ import re
 
 import pytest
 
-import training.trainer as trainer
 from tests.conftest import run_tool
 from training.trainer import train
 

@@ -1,11 +1,9 @@
 """Signals as Windows has them, simulated here: no SIGHUP, a SIGBREAK (Ctrl-Break, a closed console,
 a sweep's stop), a signal the system may refuse a handler for, and os.kill, which on Windows ends the
 process it is given whatever the signal: a job still stops cleanly on the signals there are."""
-import os
 import signal
 
 import pytest
-import torch
 
 import common
 from common import on_stop_signals
