@@ -1,6 +1,6 @@
 """Signals as Windows has them, simulated here: no SIGHUP, a SIGBREAK (Ctrl-Break, a closed console,
-a sweep's stop), a signal the system may refuse a handler for, and os.kill, which on Windows ends the
-process it is given whatever the signal: a job still stops cleanly on the signals there are."""
+a sweep's stop), and a signal the system may refuse a handler for: a job still stops cleanly on the
+signals there are."""
 import signal
 
 import pytest
