@@ -160,6 +160,7 @@ def atomic_write(path, data) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     write = data if callable(data) else (lambda f: f.write(data.encode("utf-8") if isinstance(data, str) else data))
     try:
+        tmp.unlink(missing_ok=True)   # a leftover could be a hard link to a file that must not change
         with open(tmp, "wb") as f:
             write(f)
             f.flush()

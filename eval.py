@@ -115,7 +115,7 @@ def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | N
     scored (missing, empty, not UTF-8, a character the tokenizer lacks, under 2 tokens) is one line."""
     from data.sources import read_text
     text = read_text(path, hint=None)
-    if skip_unknown and hasattr(tokenizer, "stoi"):   # a character model: leave out what it never saw
+    if skip_unknown and hasattr(tokenizer, "chars"):   # a character model: leave out what it never saw
         kept = "".join(c for c in text if c in tokenizer.stoi)
         if len(kept) < len(text):
             print(f"# {path}: left out {len(text) - len(kept):,} characters the model never saw", file=sys.stderr)
@@ -158,7 +158,7 @@ def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
     """A result row: tokens scored, their bytes, total nats, and loss, bits per byte and perplexity
     (None where it is not a finite number: no bytes, or a loss whose exp overflows a float)."""
     from data.cache import bits_per_byte
-    loss = nats / tokens if tokens else None
+    loss = nats / tokens if tokens and math.isfinite(nats) else None   # (a diverged model's: no number)
     return {"file": name, "tokens": tokens, "bytes": nbytes, "nats": nats, "loss": loss,
             "bits_per_byte": bits_per_byte(loss, tokens, nbytes) if loss is not None and nbytes else None,
             "perplexity": math.exp(loss) if loss is not None and loss < 700 else None}

@@ -83,7 +83,6 @@ def main(argv) -> int:
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([ids], dtype=torch.long, device=device).repeat(args.num_samples, 1)
-    eot = getattr(getattr(tokenizer, "enc", None), "eot_token", None)   # gpt2's and bpe:N's end-of-text
     hold = max(map(len, args.stop), default=1) - 1   # what could still become a stop string is not shown yet
     new, done, streams, shown = [], [], [], 0   # each sample's text, whether it ended, its UTF-8 decoder
     print(("" if args.num_samples == 1 else "--- sample 1 ---\n") + text, end="", flush=True)
@@ -97,9 +96,10 @@ def main(argv) -> int:
                     streams = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in new]
                 for i, token in enumerate(col[:, 0].tolist()):
                     if not done[i]:
-                        done[i] = token == eot
+                        done[i], before = token == tokenizer.end_token, len(new[i])
                         new[i] += "" if done[i] else streams[i].decode(tokenizer.decode_bytes([token]))
-                        if cut := [new[i].index(s) for s in args.stop if s in new[i]]:
+                        cut = [c for s in args.stop if (c := new[i].find(s, max(0, before - len(s) + 1))) >= 0]
+                        if cut:   # (looked for where the new text could complete one)
                             new[i], done[i] = new[i][:min(cut)], True
                 show = len(new[0]) if done[0] else max(shown, len(new[0]) - hold)
                 print(new[0][shown:show], end="", flush=True)
@@ -111,7 +111,8 @@ def main(argv) -> int:
         raise RunError(f"{loaded.path}: {e}") from None
     print(new[0][shown:] + ("" if done[0] else streams[0].decode(b"", final=True)) if new else "", flush=True)
     for i in range(1, args.num_samples):
-        print(f"--- sample {i + 1} ---\n{text}{new[i] if new else ''}", flush=True)
+        rest = "" if not new or done[i] else streams[i].decode(b"", final=True)
+        print(f"--- sample {i + 1} ---\n{text}{new[i] if new else ''}{rest}", flush=True)
     return 0
 
 

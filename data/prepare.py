@@ -230,7 +230,7 @@ def pieces(files, sizes, counts, errors: str, split_at: int, bpe: bool, piece_ch
 def encode(items, tok, tmp: Path, workers: int) -> dict:
     """Encode pieces on a thread pool (2 x workers at a time, the next batch while the last one is
     written) and append their ids to tmp/<split>.bin in order; the meta entries that describe them."""
-    eot = tok.enc.eot_token if hasattr(tok, "enc") else None
+    eot = tok.end_token
     dtype = token_dtype(tok.vocab_size)
     tok.encode_array("")   # build any lookup table before the threads share the tokenizer
     tokens, nbytes, ranges = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), []

@@ -40,6 +40,8 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.chars)
 
+    end_token = None   # characters have no end-of-text token
+
     @property
     def start_token(self) -> int:
         """What an empty prompt starts from: a newline where the vocabulary has one."""
@@ -106,6 +108,11 @@ class TiktokenTokenizer:
 
     @property
     def start_token(self) -> int:
+        return self.enc.eot_token
+
+    @property
+    def end_token(self) -> int:
+        """<|endoftext|>: what goes between documents, and where a sample ends."""
         return self.enc.eot_token
 
     def encode(self, text: str) -> list[int]:

@@ -150,3 +150,15 @@ def test_a_run_that_would_be_all_warm_up_is_refused():
     with pytest.raises(ConfigError, match="train.warmup_steps=100 is not below train.max_steps=50: the whole run "
                                           "would be warm-up, with no decay"):
         build_config(None, ["--train.max_steps=50"])
+
+
+def test_a_value_with_control_characters_round_trips_through_config_toml(tmp_path):
+    cfg = build_config(None, ["--train.sample_prompt=ROMEO:\n\t\"O\" \\ \u2603", "--train.sample_every=5"])
+    path = write(tmp_path, describe(cfg))
+    assert build_config(str(path), []).train.sample_prompt == "ROMEO:\n\t\"O\" \\ \u2603"
+
+
+@pytest.mark.parametrize("key", ["out_dir", "data.path", "data.prepared_dir"])
+def test_an_empty_path_is_refused_not_taken_as_the_working_directory(key):
+    with pytest.raises(ConfigError, match=f"^{key} is empty"):
+        build_config(None, [f"--{key}="])

@@ -38,8 +38,11 @@ def args(tmp, text_file, out, **extra):
 
 def torchrun(*argv):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *argv]
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"},
-                       capture_output=True, text=True, timeout=240)
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"},
+                           capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:   # where it stopped
+        raise AssertionError(f"torchrun timed out\n{(e.stdout or b'')[-3000:]}\n{(e.stderr or b'')[-3000:]}") from None
     assert r.returncode == 0, f"torchrun exited {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr}"
     return r
 

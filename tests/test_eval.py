@@ -274,6 +274,7 @@ def test_a_bad_model_is_one_line(tmp_path, capsys, model, message):
 
 def test_a_figure_that_is_not_a_finite_number_is_shown_as_such_and_is_valid_json():
     """A loss past ~709 nats overflows exp(): its perplexity is no number, in the table and in --json."""
+    assert eval_cli.figures("nan.txt", tokens=10, nbytes=40, nats=float("nan"))["loss"] is None
     row = eval_cli.figures("diverged.txt", tokens=10, nbytes=40, nats=10 * 800.0)
     assert row["perplexity"] is None and row["bits_per_byte"] == pytest.approx(800 * 10 / 40 / math.log(2))
     assert json.loads(json.dumps(row, allow_nan=False))["perplexity"] is None

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -273,3 +274,37 @@ def test_the_memory_estimate_is_the_measured_peak_within_a_factor_of_two(tiny_cf
     measured = peak_rss() - before
     state, activations = step_memory(cfg, sum(p.numel() for p in model.parameters()), torch.float32)
     assert measured / 2 < state + activations < measured * 2, (measured, state, activations)
+
+
+def test_best_pt_relinked_to_itself_leaves_no_temporary_link_and_the_checkpoint_whole(tiny_cfg):
+    from training.checkpoint import link_best
+    cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2})
+    train(cfg, quiet=True)
+    ckpt = Path(cfg.out_dir) / "ckpt_0000002.pt"
+    size = ckpt.stat().st_size
+    link_best(ckpt)   # as a resume from the best checkpoint does
+    link_best(ckpt)
+    assert os.path.samefile(Path(cfg.out_dir) / "best.pt", ckpt) and ckpt.stat().st_size == size
+    assert not (Path(cfg.out_dir) / ".best.pt.tmp").exists()
+
+
+def test_an_overwrite_that_fails_to_open_the_out_dir_keeps_the_earlier_run(tmp_path, text_file, monkeypatch,
+                                                                          capsys):
+    out, args = tmp_path / "out", tiny_overrides(tmp_path, text_file, **{"train.max_steps": 2})
+    assert run_tool(train_cli, args, capsys)[0] == 0
+    earlier = {k: v for k, v in tree(out).items() if k != ".lock"}
+
+    def no_room(fd, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "ftruncate", no_room)   # the PID cannot be written: the out dir's first write
+    rc, _, err = run_tool(train_cli, [*args, "--overwrite"], capsys)
+    assert rc == 2 and "cannot write to the out dir" in err, err
+    assert {k: v for k, v in tree(out).items() if k != ".lock"} == earlier
+
+
+def test_under_fsdp_the_memory_check_counts_each_process_s_share_of_the_state(tiny_cfg):
+    from training.device import check_memory
+    cfg = tiny_cfg(**{"model.vocab_size": 48, "model.n_embd": 256, "model.n_layer": 4, "train.fsdp": "true"})
+    one, four = (check_memory(cfg, torch.device("cpu"), torch.float32, world) for world in (1, 4))
+    share = lambda words: float(re.search(r"weights and optimizer ([\d.]+) MB", words)[1])   # noqa: E731
+    assert share(one) > 8 and share(four) == pytest.approx(share(one) / 4, abs=1), (one, four)

@@ -50,13 +50,16 @@ def link_best(path: Path) -> None:
     """best.pt becomes the checkpoint at path: a hard link (no space; it keeps the data when ckpt_* is
     rotated out), or a copy where the file system has none."""
     best, tmp = path.parent / "best.pt", path.parent / ".best.pt.tmp"
+    if best.exists() and os.path.samefile(best, path):
+        return
     tmp.unlink(missing_ok=True)
     try:
         os.link(path, tmp)
-        os.replace(tmp, best)
-    except OSError:
+    except OSError:   # no hard links here
         with open(path, "rb") as src:
             atomic_write(best, lambda f: shutil.copyfileobj(src, f))
+        return
+    os.replace(tmp, best)
 
 
 def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
@@ -190,7 +193,7 @@ def rng_state() -> dict:
     """Every generator a run draws from, as tensors and plain data: numpy's, torch's CPU one, every GPU's, MPS's."""
     s = np.random.get_state()
     return {"numpy": s[1].tolist(), "numpy_pos": int(s[2]), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],   # this process's GPU
             "mps": torch.mps.get_rng_state() if torch.backends.mps.is_available() else None}
 
 
@@ -198,7 +201,7 @@ def set_rng_state(s: dict) -> None:
     np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
     torch.set_rng_state(s["torch"])
     if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+        torch.cuda.set_rng_state(s["cuda"][0])
     if s.get("mps") is not None and torch.backends.mps.is_available():
         torch.mps.set_rng_state(s["mps"])
 

@@ -17,6 +17,7 @@ Choices:
 import dataclasses
 import difflib
 import glob
+import json
 import os
 import re
 import tomllib
@@ -239,6 +240,8 @@ def build_config(config_file: str | None, overrides: list[str], base: dict | Non
         cfg.out_dir = default_out_dir(config_file, cfg.data, changed)
         origin["out_dir"] = ROOT
     for key in PATHS:
+        if not get_key(cfg, key).strip():
+            raise ConfigError(f"{key} is empty" + (": leave it out for out/<name>" if key == "out_dir" else ""))
         set_key(cfg, key, os.path.abspath(os.path.join(origin[key], os.path.expanduser(get_key(cfg, key)))))
     if cfg.train.init_from and base is None:   # the model section comes from the pretrained checkpoint
         from hf.hub import resolve_init_from   # the optional Hugging Face room
@@ -266,10 +269,10 @@ def changes(before: Config, now: Config) -> list[tuple[str, object, object]]:
 
 
 def fmt(v) -> str:
-    """A value as TOML writes it."""
+    """A value as TOML writes it (JSON's escapes of a string are TOML's too)."""
     if isinstance(v, bool):
         return "true" if v else "false"
-    return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' if isinstance(v, str) else repr(v)
+    return json.dumps(v, ensure_ascii=False) if isinstance(v, str) else repr(v)
 
 
 def describe(cfg: Config) -> str:
@@ -306,7 +309,7 @@ def reference_markdown() -> str:
            "docs/config.md` (a test", "checks that this page is up to date). Set any of them in a TOML config "
            "file under its section,", "or on the command line as `--section.key=value`. A relative path "
            "resolves against where it is written:", "the command line's against the working directory, a "
-           "config file's against the repository (or the file's folder outside it).", ""]
+           "config file's against the repository", "(or the file's folder outside it).", ""]
     for section, rows in reference():
         out += [f"## {section}", "", "| key | type | default | what it does |", "| --- | --- | --- | --- |"]
         out += [f"| `{k}` | {t} | `{d}` | {text.replace('|', '&#124;')} |" for k, t, d, text in rows] + [""]

@@ -88,11 +88,13 @@ def step_memory(cfg, params: int, dtype: torch.dtype) -> tuple[int, int]:
         batch_tokens * m.vocab_size * (8 if low else 12)
 
 
-def check_memory(cfg, device: torch.device, dtype: torch.dtype) -> str:
+def check_memory(cfg, device: torch.device, dtype: torch.dtype, world: int = 1) -> str:
     """Refuse, before anything is allocated, a step that would need more memory than the device has free
-    (train.check_memory = false tries anyway); the estimate in words, for the banner."""
+    (train.check_memory = false tries anyway); the estimate in words, for the banner. Under FSDP each of
+    the `world` processes holds its share of the training state."""
     with torch.device("meta"):
         state, activations = step_memory(cfg, sum(p.numel() for p in GPT(cfg.model).parameters()), dtype)
+    state //= world if cfg.train.fsdp else 1
     free = free_memory(device)
     size = lambda n: f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"   # noqa: E731
     words = f"about {size(state + activations)} (activations {size(activations)}, weights and optimizer {size(state)})"
@@ -113,7 +115,11 @@ def free_memory(device: torch.device) -> int | None:
         with open("/proc/meminfo") as f:   # MemAvailable counts the page cache a run can take back
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else None
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):   # macOS and Windows cannot say
+        return None
 
 
 def cpu_times() -> tuple[float, float, float] | None:

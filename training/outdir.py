@@ -51,7 +51,8 @@ class OutDir:
     checkpoint, abandon() when it ends without one, close() at its end."""
 
     def __init__(self, path):
-        self.path, self.fd, self.created, self.new_run, self.opened = Path(path), None, [], False, False
+        self.path, self.fd, self.created = Path(path), None, []
+        self.new_run = self.opened = self.set_aside = False
 
     def check(self, resume: bool, overwrite: bool, checkpoint=None) -> Path | None:
         """Whether this out dir can take the run; the checkpoint to resume (when resuming: `checkpoint`,
@@ -73,7 +74,9 @@ class OutDir:
                                f"another --out_dir")
         aside = self.path / ASIDE
         if aside.is_dir():   # a run with --overwrite ended before its first checkpoint: give the run back
-            if latest_checkpoint(self.path) is None:
+            if latest_checkpoint(self.path) is None:   # (the files beside it are the killed run's)
+                for p in self.run_files():
+                    p.unlink()
                 self.put_back(say=True)
             shutil.rmtree(aside, ignore_errors=True)
         latest = latest_checkpoint(self.path) or (self.path / "best.pt" if (self.path / "best.pt").is_file() else None)
@@ -104,13 +107,16 @@ class OutDir:
 
     def open(self) -> None:
         """Create and lock the out dir (the run's first write); a new run sets aside what it replaces."""
+        lock = self.path / ".lock"
         try:
             self.created = [p for p in [self.path, *self.path.parents] if not p.exists()]   # deepest first
             self.path.mkdir(parents=True, exist_ok=True)
-            self.opened = True
             if self.fd is None:
-                self.created.insert(0, self.path / ".lock")
-                self.fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    self.fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                    self.created.insert(0, lock)
+                except FileExistsError:   # another run's, that started meanwhile, or one that ended
+                    self.fd = os.open(lock, os.O_RDWR)
                 if not _lock(self.fd):
                     raise RunError(f"{self.path} is in use by another run; choose another --out_dir")
             os.ftruncate(self.fd, 0)
@@ -120,8 +126,10 @@ class OutDir:
                     tmp.unlink()
             if self.new_run and (replaced := self.run_files()):
                 (self.path / ASIDE).mkdir()
+                self.set_aside = True
                 for p in replaced:
                     os.replace(p, self.path / ASIDE / p.name)
+            self.opened = True
         except OSError as e:
             raise RunError(f"cannot write to the out dir {self.path} ({e.strerror}): choose another --out_dir") \
                 from None
@@ -129,18 +137,19 @@ class OutDir:
     def committed(self) -> None:
         """The run has a checkpoint of its own: what it replaced can go."""
         shutil.rmtree(self.path / ASIDE, ignore_errors=True)
-        self.new_run = False
+        self.new_run = self.set_aside = False
 
     def abandon(self) -> None:
         """A run that ends without a checkpoint of its own: a new run's files go, what it set aside comes
         back, and so does the out dir as it was (a resumed run's files stay: they are the run it continues)."""
         self.close()
-        if self.new_run and self.opened:
+        if self.new_run and self.opened:   # (what it wrote: the old run's files were all set aside)
             for p in self.run_files():
                 p.unlink()
+        if self.set_aside:
             self.put_back()
-            for p in self.created:   # .lock, then the directories this run made
-                p.unlink() if p.is_file() else p.rmdir() if not any(p.iterdir()) else None
+        for p in self.created if self.new_run else []:   # .lock, then the directories this run made
+            p.unlink() if p.is_file() else p.rmdir() if p.is_dir() and not any(p.iterdir()) else None
 
     def put_back(self, say: bool = False) -> None:
         aside = self.path / ASIDE

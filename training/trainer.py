@@ -1,7 +1,8 @@
 """Training a GPT, top to bottom: `python train.py` calls train(cfg).
 
-    set-up     the device and the processes; every check that writes nothing (the data, the out dir,
-               the checkpoint to resume, the memory a step needs); the data, the model, the optimizer
+    set-up     the device and the processes; every check before the run's first write (the data, the
+               out dir, the checkpoint to resume, the memory a step needs); the data, the model, the
+               optimizer
     the step   forward and backward over grad_accum micro-batches, gradient clipping, the non-finite
                record, the update; on one CUDA GPU recorded once as a CUDA graph and replayed
     the loop   a log line every log_interval steps; an evaluation and a checkpoint every eval_interval
@@ -58,7 +59,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     """Run (or continue) the training cfg describes; return a summary of how it ended.
     checkpoint: with resume, the checkpoint to continue (default: the out dir's latest).
     stop_at: end after that step, with an evaluation and a checkpoint, as a signal would.
-    on_step(step, model): called after every step (bench.py evaluates there); True ends the run there."""
+    on_step(step, model): called after every step (bench.py times rounds there); True ends the run there."""
     t, ddp, started = cfg.train, int(os.environ.get("WORLD_SIZE", "1")) > 1, cpu_times()
     device, rank, local_rank, world = pick_device(t.device), 0, 0, 1
     if ddp:
@@ -66,15 +67,14 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         device, rank, local_rank, world = distributed.join(device)
     say, out, finished = Printer(rank == 0 and not quiet), OutDir(cfg.out_dir), False
     try:
-        # ---- every check that writes nothing: the data's files, the out dir, the checkpoint, the memory
+        # ---- every check before the run's first write: the data's files, the out dir, the checkpoint, the memory
         dtype = pick_dtype(device, t.dtype)
         if t.fsdp and ddp and dtype == torch.float16:
             raise ConfigError("train.fsdp with float16 needs a sharded gradient scaler: use --train.dtype=bfloat16")
         find_sources(cfg.data.path)
-        resume_from = out.check(resume, overwrite, checkpoint) if rank == 0 else None
+        resume_from = distributed.leader_first(lambda: out.check(resume, overwrite, checkpoint), rank == 0,
+                                               others=False) if ddp else out.check(resume, overwrite, checkpoint)
         stored = load_toml(out.path / "config.toml") if resume_from and (out.path / "config.toml").is_file() else None
-        if ddp:
-            resume_from = distributed.leader_first(lambda: resume_from, rank == 0, others=False)
         ckpt = load_checkpoint(resume_from, mmap=False) if resume_from else None   # read whole: the file may go
         if ckpt is not None:
             check_resumable(ckpt, resume_from, cfg)
@@ -93,7 +93,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 tokenizer.encode(t.sample_prompt)
             except TokenizerError as e:
                 raise ConfigError(f"train.sample_prompt has {e}") from None
-        memory = check_memory(cfg, device, dtype)
+        memory = check_memory(cfg, device, dtype, world)
 
         # ---- the data, the model (the same initial weights on every rank), the optimizer
         loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,
@@ -200,7 +200,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                         if rank == 0:
                             save_checkpoint({
                                 "format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "step": step,
-                                "tokenizer": meta["tokenizer"], "model": model_state, "dataset": meta,
+                                "tokenizer": meta["tokenizer"], "model": model_state,
+                                "dataset": {k: meta[k] for k in ("source", "sha256", "tokens", "bytes")},
                                 "optimizer": float_lrs(optimizer_state), "loader": loader.state_dict(),
                                 "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng_ranks": rngs,
                                 "best_val_loss": best_val, "elapsed": elapsed, "tokens": tokens,
@@ -211,6 +212,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                                     out.path / "metrics.jsonl", warn=False)), f"{out.path.name}: step {step}"))
                         saved_step, logged = step, True
                     if t.sample_every and (step % t.sample_every == 0 or step == t.max_steps) and rank == 0:
+                        nonfinite.check(saved_step)   # (a sample of weights a non-finite step touched says nothing)
                         text = sample(model, tokenizer, t, device, dtype)
                         say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
                         metrics.log({"step": step, "kind": "sample", "text": text})
@@ -370,8 +372,9 @@ def compile_trial(compiled, model, loader, device, dtype) -> None:
 # ---------------------------------------------------------------- evaluation and samples
 
 def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool) -> dict:
-    """Mean loss of each split over the same `iters` batches every time (a fixed generator), or with
-    iters = 0 over every token of the split in consecutive windows; each rank scores its share."""
+    """Mean loss of each split over the same `iters` batches every time (a fixed generator; each rank
+    scores its share of every batch), or with iters = 0 over every token of the split in consecutive
+    windows (every rank all of them: as many forwards on every rank, which FSDP's gathers need)."""
     losses = {}
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(EVAL_SEED)
@@ -379,10 +382,9 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool)
             batches = (loader.batch(split, generator) for _ in range(iters))
         else:
             windows = strided_windows(loader.splits[split], loader.block_size, loader.block_size, loader.batch_size)
-            batches = ((x.to(device), y.to(device)) for i, (x, y) in enumerate(windows)
-                       if i % loader.world == loader.rank)
+            batches = ((x.to(device), y.to(device)) for x, y in windows)
         nats, count = score(wrapped, batches, autocast(device, dtype))
-        if ddp:   # every rank's share
+        if ddp and iters:   # every rank's share
             from training import distributed
             nats, count = distributed.mean(torch.tensor([nats, count], dtype=torch.float64, device=device)).tolist()
         losses[split] = nats / count

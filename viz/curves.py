@@ -10,6 +10,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -83,7 +84,6 @@ def run_panels(records: list[dict]) -> list[Panel]:
 def read_records(path, warn=True) -> list[dict]:
     """The records of a metrics.jsonl. It is a log: a damaged line (cut by a kill, a bad byte, a value of
     the wrong kind) is skipped, with one warning on stderr naming the file and how many."""
-    from pathlib import Path
     records, damaged = [], 0
     text = Path(path).read_bytes().decode("utf-8", errors="replace") if Path(path).exists() else ""
     for line in text.splitlines():
