@@ -27,6 +27,7 @@ from common import ConfigError, run_cli  # noqa: E402
 
 def main(argv: list[str]) -> int:
     from training.config import build_config, help_text, load_toml
+    from training.outdir import run_config
     from training.trainer import train
 
     if "-h" in argv or "--help" in argv:
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--resume {checkpoint}: no such checkpoint file")
         rest.append(f"--out_dir={Path(checkpoint).resolve().parent}")
     cfg = build_config(config_file, rest, validate=not resume)   # (resumed: once the run's own settings are in)
-    if resume and (cfg_path := Path(cfg.out_dir) / "config.toml").is_file():
+    if resume and (cfg_path := run_config(cfg.out_dir)).is_file():
         # the run the out dir holds goes on: only what the config file and the command line set changes it
         cfg = build_config(config_file, rest, base={**load_toml(cfg_path), "out_dir": cfg.out_dir}, validate=False)
     cfg.validate()

@@ -153,9 +153,9 @@ def test_a_run_that_would_be_all_warm_up_is_refused():
 
 
 def test_a_value_with_control_characters_round_trips_through_config_toml(tmp_path):
-    cfg = build_config(None, ["--train.sample_prompt=ROMEO:\n\t\"O\" \\ \u2603", "--train.sample_every=5"])
+    cfg = build_config(None, ["--train.sample_prompt=ROMEO:\n\t\"O\" \\ \u2603\x7f", "--train.sample_every=5"])
     path = write(tmp_path, describe(cfg))
-    assert build_config(str(path), []).train.sample_prompt == "ROMEO:\n\t\"O\" \\ \u2603"
+    assert build_config(str(path), []).train.sample_prompt == "ROMEO:\n\t\"O\" \\ \u2603\x7f"
 
 
 @pytest.mark.parametrize("key", ["out_dir", "data.path", "data.prepared_dir"])

@@ -11,7 +11,8 @@ import train as train_cli
 from tests.conftest import poison, posix_signals, run_tool, tiny_overrides, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import list_checkpoints, load_checkpoint
-from training.outdir import ASIDE
+from common import RunError
+from training.outdir import ASIDE, MOVING, OutDir
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
 
@@ -43,15 +44,39 @@ def test_an_overwrite_killed_before_its_first_checkpoint_gives_the_earlier_run_b
     out, args = tmp_path / "out", tiny_overrides(tmp_path, text_file, **{"train.max_steps": 4, "train.eval_interval": 4})
     assert run_tool(train_cli, args, capsys)[0] == 0
     child = Child(tiny_overrides(tmp_path, text_file, **{"train.max_steps": 10_000, "train.eval_interval": 5_000})
-                  + ["--overwrite"])
+                  + ["--overwrite", "--train.grad_clip=0.5"])
     child.wait_for(step_line(2))
     assert child.kill() == -signal.SIGKILL
     assert (out / ASIDE).is_dir() and not list_checkpoints(out), "killed while the earlier run was set aside"
     rc, stdout, err = run_tool(train_cli, [*tiny_overrides(tmp_path, text_file, **{"train.max_steps": 6}), "--resume"],
                                capsys)
     assert rc == 0 and "moved back" in err and "# resuming" in stdout, err
-    assert load_checkpoint(out / "ckpt_0000006.pt")["step"] == 6
+    resumed = load_checkpoint(out / "ckpt_0000006.pt")
+    assert resumed["step"] == 6 and resumed["config"]["train"]["grad_clip"] == 1.0, "the killed run's settings"
     assert load_checkpoint(out / "ckpt_0000004.pt")["step"] == 4 and not (out / ASIDE).exists()
+
+
+def test_a_kill_while_an_overwrite_sets_the_earlier_run_aside_gives_all_of_it_back(tmp_path, text_file, capsys):
+    out = tmp_path / "out"
+    assert run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)[0] == 0
+    before = run_files(out)
+    (out / MOVING).mkdir()   # killed with best.pt and the older checkpoint moved, the latest not yet
+    for name in ("best.pt", "ckpt_0000010.pt"):
+        (out / name).rename(out / MOVING / name)
+    assert OutDir(out).check(resume=True, overwrite=False) == out / "ckpt_0000020.pt"
+    assert run_files(out) == before and "moved back" in capsys.readouterr().err
+
+
+def test_a_run_that_ends_in_the_out_dir_while_another_starts_there_is_not_replaced(tmp_path, text_file, capsys):
+    out = tmp_path / "out"
+    starting = OutDir(out)
+    assert starting.check(resume=False, overwrite=False) is None   # the out dir is free: this run may start
+    assert run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)[0] == 0   # another run, whole, meanwhile
+    finished = run_files(out)
+    with pytest.raises(RunError, match=f"{out} now holds a run that ended while this one was starting"):
+        starting.open()
+    starting.abandon()
+    assert run_files(out) == finished
 
 
 def test_a_disk_full_at_the_first_metrics_write_is_one_line_naming_the_file_and_leaves_nothing(

@@ -157,3 +157,46 @@ def test_resume_from_a_chosen_checkpoint_continues_exactly_from_it(tmp_path, tex
     resumed = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     for before, after in zip(whole, resumed, strict=True):
         assert before["step"] == after["step"] and before.get("loss") == pytest.approx(after.get("loss"), abs=1e-6)
+
+
+def test_best_pt_is_never_a_checkpoint_that_a_resumed_run_replaces(tmp_path, tiny_cfg):
+    """Resumed from an earlier checkpoint, best.pt stays the run's best until the resumed run writes a
+    checkpoint of its own (also when it ends before that); then the later checkpoints go, and a best.pt
+    that was one of them goes with them."""
+    from training.checkpoint import list_checkpoints
+    extra = {"train.eval_interval": 5, "train.keep_checkpoints": 4}
+    train(tiny_cfg(**extra), quiet=True)
+    out = tmp_path / "out"
+    best, first = out / "best.pt", out / "ckpt_0000005.pt"
+    later = next(p for _, p in list_checkpoints(out) if os.path.samefile(best, p))
+    assert later != first, "the val loss fell after step 5"
+
+    def ended(step, model):
+        raise RuntimeError("ended before its first checkpoint")
+    with pytest.raises(RuntimeError, match="ended before"):
+        train(tiny_cfg(**extra), quiet=True, resume=True, checkpoint=first, on_step=ended)
+    assert os.path.samefile(best, later), "best.pt was relinked to the checkpoint resumed from"
+    frozen = tiny_cfg(**extra, **{"train.lr": 0, "train.min_lr": 0})   # no update: step 10 is not a new best
+    train(frozen, quiet=True, resume=True, checkpoint=first, stop_at=10)
+    kept = [p for _, p in list_checkpoints(out)]
+    assert [p.name for p in kept] == ["ckpt_0000005.pt", "ckpt_0000010.pt"]
+    assert not best.exists() or any(os.path.samefile(best, p) for p in kept), "best.pt of a replaced checkpoint"
+
+
+def test_a_checkpoint_holds_the_random_state_of_the_gpu_the_run_trains_on(monkeypatch):
+    """--train.device=cuda:1 in one process: the CUDA generator saved (and restored) is GPU 1's, whose
+    dropout masks the run draws (torch's CUDA random state is the current GPU's). Two fake GPUs."""
+    from training.checkpoint import rng_state
+    from training.device import pick_device
+    states, current = {0: torch.tensor([0]), 1: torch.tensor([1])}, [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.__setitem__(0, torch.device(d).index))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[current[0]])
+    precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        assert pick_device("cuda:1") == torch.device("cuda:1")
+    finally:   # (pick_device allows TF32 matmuls, a setting of the whole process)
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+    assert rng_state()["cuda"][0] is states[1]

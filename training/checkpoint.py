@@ -76,8 +76,11 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
             else first_line(e, 120)
         raise CheckpointError(f"could not write the checkpoint {path}: {reason}; the checkpoints written before "
                               f"are kept") from None
+    best = Path(out_dir) / "best.pt"
     for step, later in list_checkpoints(out_dir):   # a run resumed from an earlier checkpoint replaces these
         if step > ckpt["step"]:
+            if best.is_file() and os.path.samefile(best, later):   # (and a best.pt of theirs)
+                best.unlink()
             later.unlink(missing_ok=True)
     for _, old in list_checkpoints(out_dir)[:-keep]:
         old.unlink(missing_ok=True)

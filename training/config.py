@@ -272,7 +272,7 @@ def fmt(v) -> str:
     """A value as TOML writes it (JSON's escapes of a string are TOML's too)."""
     if isinstance(v, bool):
         return "true" if v else "false"
-    return json.dumps(v, ensure_ascii=False) if isinstance(v, str) else repr(v)
+    return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f") if isinstance(v, str) else repr(v)
 
 
 def describe(cfg: Config) -> str:

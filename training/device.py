@@ -52,6 +52,8 @@ def pick_device(name: str, setting: str = "train.device") -> torch.device:
               "for, no torch.compile, and no test checks that its results match the CPU's", file=sys.stderr)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        if device.index is not None:   # the current GPU: the one random generators, graphs and streams act on
+            torch.cuda.set_device(device)
     return device
 
 

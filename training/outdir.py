@@ -6,8 +6,9 @@ Choices:
   one run     the operating system's lock on .lock (flock; msvcrt on Windows), which goes with its
               process however it ends; .lock holds the PID, to name the run that holds it
   never lost  a new run refuses an out dir holding a run's files (a run's, or the user's own of those
-              names); --overwrite moves them to .replaced/ until its own first checkpoint, and a run
-              that ends before that (an error, or a kill: the next run sees it) puts them back
+              names); --overwrite moves them to .replaced/ (through .replacing/, so that a kill
+              midway leaves them in one place) until its own first checkpoint, and a run that ends
+              before that (an error, or a kill: the next run sees it) puts them back
 """
 import errno
 import os
@@ -26,7 +27,7 @@ except ImportError:   # Windows
     fcntl = None
 
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
-ASIDE = ".replaced"
+ASIDE, MOVING = ".replaced", ".replacing"   # MOVING becomes ASIDE once every file is in it
 
 
 def _lock(fd: int) -> bool:
@@ -46,17 +47,29 @@ def _lock(fd: int) -> bool:
     return True
 
 
+def run_config(path) -> Path:
+    """The config.toml of the run in the out dir at path as OutDir.check will leave it: what an --overwrite
+    run that ended before its first checkpoint set aside comes back (see check)."""
+    path = Path(path)
+    if (path / MOVING / "config.toml").is_file():
+        return path / MOVING / "config.toml"
+    if (path / ASIDE).is_dir() and latest_checkpoint(path) is None:
+        return path / ASIDE / "config.toml"
+    return path / "config.toml"
+
+
 class OutDir:
     """Where a run writes: check() (writes nothing), open() at its first write, committed() at its first
     checkpoint, abandon() when it ends without one, close() at its end."""
 
     def __init__(self, path):
         self.path, self.fd, self.created = Path(path), None, []
-        self.new_run = self.opened = self.set_aside = False
+        self.new_run = self.opened = self.set_aside = self.overwrite = False
 
     def check(self, resume: bool, overwrite: bool, checkpoint=None) -> Path | None:
         """Whether this out dir can take the run; the checkpoint to resume (when resuming: `checkpoint`,
         else the latest)."""
+        self.overwrite = overwrite
         if resume and overwrite:
             raise RunError("--resume and --overwrite contradict each other: continue the run, or start it over")
         if self.path.exists() and not self.path.is_dir():
@@ -72,12 +85,13 @@ class OutDir:
                 self.close()
                 raise RunError(f"{self.path} is in use by another run (PID {pid}); wait for it to end, or choose "
                                f"another --out_dir")
+        self.put_back(self.path / MOVING, say=True)   # a kill cut the setting aside short: all of it comes back
         aside = self.path / ASIDE
         if aside.is_dir():   # a run with --overwrite ended before its first checkpoint: give the run back
             if latest_checkpoint(self.path) is None:   # (the files beside it are the killed run's)
                 for p in self.run_files():
                     p.unlink()
-                self.put_back(say=True)
+                self.put_back(aside, say=True)
             shutil.rmtree(aside, ignore_errors=True)
         latest = latest_checkpoint(self.path) or (self.path / "best.pt" if (self.path / "best.pt").is_file() else None)
         if resume:
@@ -125,10 +139,14 @@ class OutDir:
                 if tmp.name[1:-4] in RUN_FILES or CKPT_RE.match(tmp.name[1:-4]):
                     tmp.unlink()
             if self.new_run and (replaced := self.run_files()):
-                (self.path / ASIDE).mkdir()
+                if not self.overwrite:   # a run that ended meanwhile: it is not this run's to replace
+                    raise RunError(f"{self.path} now holds a run that ended while this one was starting: continue "
+                                   f"it with --resume, start over with --overwrite, or choose another --out_dir")
+                (self.path / MOVING).mkdir()
                 self.set_aside = True
                 for p in replaced:
-                    os.replace(p, self.path / ASIDE / p.name)
+                    os.replace(p, self.path / MOVING / p.name)
+                os.replace(self.path / MOVING, self.path / ASIDE)
             self.opened = True
         except OSError as e:
             raise RunError(f"cannot write to the out dir {self.path} ({e.strerror}): choose another --out_dir") \
@@ -147,12 +165,12 @@ class OutDir:
             for p in self.run_files():
                 p.unlink()
         if self.set_aside:
-            self.put_back()
+            self.put_back(self.path / MOVING)
+            self.put_back(self.path / ASIDE)
         for p in self.created if self.new_run else []:   # .lock, then the directories this run made
             p.unlink() if p.is_file() else p.rmdir() if p.is_dir() and not any(p.iterdir()) else None
 
-    def put_back(self, say: bool = False) -> None:
-        aside = self.path / ASIDE
+    def put_back(self, aside: Path, say: bool = False) -> None:
         if aside.is_dir():
             for p in aside.iterdir():
                 os.replace(p, self.path / p.name)

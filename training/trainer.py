@@ -40,8 +40,8 @@ from data.prepare import prepare
 from data.sources import find_sources
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT, score
-from training.checkpoint import (FORMAT, VERSION, check_resumable, check_same_text, link_best, load_checkpoint,
-                                 restore, rng_state, save_checkpoint)
+from training.checkpoint import (FORMAT, VERSION, check_resumable, check_same_text, latest_checkpoint, link_best,
+                                 load_checkpoint, restore, rng_state, save_checkpoint)
 from training.config import SAME_RUN_KEYS, Config, build_config, changes, describe, fmt, load_toml
 from training.device import autocast, busy_cpu_note, check_memory, cpu_times, pick_device, pick_dtype
 from training.optim import build_optimizer, lr_at, set_lr
@@ -119,7 +119,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             step, best_val, tokens, seconds_before, skipped = restore(ckpt, resume_from, model, optimizer, scaler,
                                                                     loader, rank, world, t.seed)
             nonfinite.steps.fill_(step)
-            relink = ckpt["is_best"]   # a kill may have cut the linking of best.pt to it
+            relink = ckpt["is_best"] and (latest_checkpoint(out.path) or resume_from).name == resume_from.name   # (a kill
+            # may have cut the linking of best.pt to the latest checkpoint)
         del ckpt   # its tensors live in the model and optimizer now
 
         stop = StopRequest("finishing this step and saving a checkpoint")
