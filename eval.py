@@ -111,7 +111,7 @@ def main(argv) -> int:
 
 
 def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | None = None):
-    """(token ids, UTF-8 bytes of the tokens after the first) of a text file; a file that cannot be
+    """The token ids of a text file (up to max_tokens + 1: the first is context only); a file that cannot be
     scored (missing, empty, not UTF-8, a character the tokenizer lacks, under 2 tokens) is one line."""
     from data.sources import read_text
     text = read_text(path, hint=None)
@@ -127,7 +127,7 @@ def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | N
     if len(ids) < 2:
         raise DataError(f"{path} has {len(ids)} token(s): scoring needs at least 2 "
                         f"(one to predict from, one to predict)")
-    return ids, len(tokenizer.decode_bytes(ids[1:].tolist()))
+    return ids
 
 
 def score_files(model, tokenizer, files, texts, stride, batch_size, autocast, rows: list) -> None:
@@ -135,21 +135,20 @@ def score_files(model, tokenizer, files, texts, stride, batch_size, autocast, ro
     progress line on stderr over all of them."""
     from data.loader import strided_windows
     from model.gpt import score
-    progress, device = Progress("scoring", sum(len(ids) - 1 for ids, _ in texts), "tokens"), \
-        next(model.parameters()).device
+    progress = Progress("scoring", sum(len(ids) - 1 for ids in texts), "tokens")
     try:
-        for i, (path, (ids, nbytes)) in enumerate(zip(files, texts)):
+        for i, (path, ids) in enumerate(zip(files, texts)):
             progress.label = f"scoring {path}" + (f" ({i + 1}/{len(files)})" if len(files) > 1 else "")
             nats, tokens = 0.0, 0
             try:
                 for x, y in strided_windows(ids, model.cfg.block_size, stride, batch_size):
-                    n, c = score(model, [(x.to(device), y.to(device))], autocast)
+                    n, c = score(model, [(x, y)], autocast)
                     nats, tokens = nats + n, tokens + c
                     progress.advance(c)
             finally:   # the scored targets are the tokens after the first, in order
-                if tokens:
-                    done = nbytes if tokens == len(ids) - 1 else len(tokenizer.decode_bytes(ids[1:tokens + 1].tolist()))
-                    rows.append(figures(str(path), tokens, done, nats))
+                if tokens:   # (their bytes: bits per byte)
+                    nbytes = len(tokenizer.decode_bytes(ids[1:tokens + 1].tolist()))
+                    rows.append(figures(str(path), tokens, nbytes, nats))
     finally:
         progress.close()
 

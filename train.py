@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
         if not Path(checkpoint).is_file():
             raise ConfigError(f"--resume {checkpoint}: no such checkpoint file")
         rest.append(f"--out_dir={Path(checkpoint).resolve().parent}")
-    cfg = build_config(config_file, rest, validate=not resume)   # (resumed: once the run's own settings are in)
+    cfg = build_config(config_file, rest, validate=False)   # (validated once a resumed run's own settings are in)
     if resume and (cfg_path := run_config(cfg.out_dir)).is_file():
         # the run the out dir holds goes on: only what the config file and the command line set changes it
         cfg = build_config(config_file, rest, base={**load_toml(cfg_path), "out_dir": cfg.out_dir}, validate=False)

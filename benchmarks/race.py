@@ -71,8 +71,7 @@ def exact_val_loss(cfg, checkpoint) -> float:
     (as train.eval_iters = 0)."""
     device, block = pick_device(cfg.train.device), cfg.model.block_size
     val = BatchLoader(prepare(cfg.data, block), block, 1).splits["val"]
-    windows = strided_windows(val, block, block, cfg.train.batch_size)
-    nats, count = score(load_model(checkpoint, device).model, ((x.to(device), y.to(device)) for x, y in windows),
+    nats, count = score(load_model(checkpoint, device).model, strided_windows(val, block, block, cfg.train.batch_size),
                         autocast(device, pick_dtype(device, cfg.train.dtype)))
     return nats / count
 

@@ -146,11 +146,12 @@ def list_entries(root: Path) -> None:
     """A line per entry: its name, MB, tokenizer, source and tokens (or what is wrong with it)."""
     found = entries(root)
     for path, mb in found:
-        meta, what = read_entry(path)
         if NAME.fullmatch(path.name)["tmp"]:
             what = "left by a preparation that was stopped (or is still running); --clean removes it"
-        elif meta:
-            tokens = meta["tokens"]
+        elif (entry := read_entry(path))[0] is None:
+            what = entry[1]   # what is wrong with it
+        else:
+            meta, tokens = entry[0], entry[0]["tokens"]
             what = f"{meta['tokenizer_spec']}  {meta['source']}  {tokens['train']:,} + {tokens['val']:,} tokens"
         print(f"{path.name}  {mb:,.1f} MB  {what}")
     print(f"{len(found)} entr{'y' if len(found) == 1 else 'ies'}, {sum(mb for _, mb in found):,.1f} MB in {root}")

@@ -69,12 +69,11 @@ class BatchLoader:
         shape = (*lead, self.world, self.batch_size)
         starts = torch.randint(len(self.splits[split]) - self.block_size, shape, generator=generator).numpy()
         tokens = self.splits[split][starts[..., self.rank, :, None] + self.offsets]
-        windows = torch.from_numpy(tokens.astype(np.int64))
-        if int(windows.max()) >= self.vocab_size:
-            raise DataError(f"the prepared dataset {self.dataset_dir} holds token id {int(windows.max())} in "
+        if (top := int(tokens.max())) >= self.vocab_size:
+            raise DataError(f"the prepared dataset {self.dataset_dir} holds token id {top} in "
                             f"{split}.bin, outside its vocabulary of {self.vocab_size}: it is damaged; delete it "
                             f"and prepare the data again")
-        return windows
+        return torch.from_numpy(tokens.astype(np.int64))
 
     def step_windows(self) -> torch.Tensor:
         """This rank's training windows of the next optimizer step, (grad_accum, B, T + 1) on the host,
@@ -84,10 +83,8 @@ class BatchLoader:
 
     def batch(self, split: str, generator: torch.Generator):
         """(x, y) on the device: this rank's B of world x B windows drawn from generator."""
-        windows = self._draw(split, generator)
-        if self.device.type == "cuda":   # from pinned memory: the copy does not wait for the work queued on the GPU
-            windows = windows.pin_memory().to(self.device, non_blocking=True)
-        windows = windows.to(self.device)   # (no copy where they are there already)
+        windows = self._draw(split, generator)   # (pinned on CUDA: the copy does not wait for the queued work)
+        windows = (windows.pin_memory() if self.device.type == "cuda" else windows).to(self.device, non_blocking=True)
         return windows[:, :-1], windows[:, 1:]
 
     def state_dict(self) -> dict:

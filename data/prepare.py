@@ -95,7 +95,7 @@ def prepare(data: DataConfig, block_size: int | None = None, say_cached: bool = 
                   "encoding_errors": data.encoding_errors}
         meta, problem = read_entry(out, expect)
         if not source.is_file() and (say_cached or meta is None):   # what a directory or glob took
-            print(describe(source, files))
+            print(describe(source, files, total))
         if meta is not None:
             check_split_sizes(meta["tokens"], block_size)
             if say_cached:
@@ -115,7 +115,8 @@ def build(out: Path, expect: dict, files: list[Path], sizes: list[int], data: Da
     is written before pass 4, so a text that cannot be used leaves no trace."""
     char, total = data.tokenizer == "char", sum(sizes)
     counts, chars = scan(files, sizes, data.encoding_errors, char, mb_progress("scanning", total))
-    n_chars = sum(counts) + (sum(map(bool, counts)) - 1 if char else 0)   # char: + the newlines between documents
+    documents = sum(map(bool, counts))   # (the files with any text)
+    n_chars = sum(counts) + (documents - 1 if char else 0)   # char: + the newlines between documents
     split_at = int(n_chars * (1.0 - data.val_fraction))
     workers = min(MAX_WORKERS, available_cpus())
     piece_chars = min(PIECE_CHARS, IN_FLIGHT_CHARS // (8 * workers))   # 2 batches of 2 x workers pieces in flight
@@ -124,7 +125,7 @@ def build(out: Path, expect: dict, files: list[Path], sizes: list[int], data: Da
         return pieces(files, sizes, counts, data.encoding_errors, train_chars, not char, piece_chars, hashes,
                       mb_progress(label, total))
     if char:   # with the newline between documents, which none of them may hold
-        tok = CharTokenizer("".join(sorted(set(chars) | {"\n"})) if sum(map(bool, counts)) > 1 else chars)
+        tok = CharTokenizer("".join(sorted(set(chars) | {"\n"})) if documents > 1 else chars)
     elif bpe_vocab_size(data.tokenizer) is None:
         tok = build_tokenizer(data.tokenizer)
     else:

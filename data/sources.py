@@ -41,11 +41,11 @@ def find_sources(source) -> list[Path]:
     raise DataError(f"no files match {source}" if glob.has_magic(str(source)) else f"data file not found: {source}")
 
 
-def describe(source, files: list[Path]) -> str:
-    """What a directory or glob took, in one line: 'data: books/ (13 files: 12 .txt, 1 .py; 3.2 MB)'."""
+def describe(source, files: list[Path], total: int) -> str:
+    """What a directory or glob took (total: its bytes), in one line: 'data: books/ (13 files: 12 .txt,
+    1 .py; 3.2 MB)'."""
     kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(p.suffix or "no extension" for p in files).most_common())
-    mb = sum(p.stat().st_size for p in files) / 1e6
-    return f"data: {source} ({len(files)} file{'s' * (len(files) > 1)}: {kinds}; {mb:.1f} MB)"
+    return f"data: {source} ({len(files)} file{'s' * (len(files) > 1)}: {kinds}; {total / 1e6:.1f} MB)"
 
 
 def read_bytes(path: Path, size: int | None = None, chunk: int = READ_BYTES, sha=None, progress=None):

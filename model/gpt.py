@@ -170,13 +170,14 @@ class GPT(nn.Module):
 @torch.no_grad()
 def score(model, batches, autocast=nullcontext()) -> tuple[float, int]:
     """(total next-token loss in nats, targets scored) of model (a GPT, or one wrapped or compiled) over
-    (x, y) batches on its device, targets of -1 being context only: the one loss over a text that the
-    trainer's evaluations, bench.py's race and eval.py share. In eval mode (the model's mode is restored
+    (x, y) batches (moved to its device), targets of -1 being context only: the one loss over a text that
+    the trainer's evaluations, bench.py's race and eval.py share. In eval mode (the model's mode is restored
     after); the total is summed in float64 on the host, so that a long text loses no precision."""
-    was_training = model.training
+    was_training, device = model.training, next(model.parameters()).device
     model.eval()
     total, count = 0.0, 0
     for x, y in batches:
+        x, y = x.to(device), y.to(device)
         with autocast:
             _, loss = model(x, y)                     # the mean over the scored targets
         scored = int((y >= 0).sum())

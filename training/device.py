@@ -140,7 +140,7 @@ def busy_cpu_note(started, device: torch.device, note) -> None:
     """Say so when other work kept the cores busy since the run started: PyTorch's threads wait for each
     other at every step, so a run whose threads share the cores with it can be many times slower."""
     now, threads, cores = cpu_times(), torch.get_num_threads(), os.cpu_count() or 1
-    if device.type != "cpu" or threads < 2 or started is None or now is None or now[0] - started[0] < 0.1:
+    if device.type != "cpu" or threads < 2 or now is None or now[0] - started[0] < 0.1:
         return
     others = ((now[1] - started[1]) - (now[2] - started[2])) / (now[0] - started[0])   # cores busy with others
     if others >= 0.5 and others + threads > cores:

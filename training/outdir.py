@@ -47,15 +47,18 @@ def _lock(fd: int) -> bool:
     return True
 
 
+def coming_back(path: Path) -> Path | None:
+    """The folder whose files OutDir.check puts back into the out dir at path: a setting aside that a kill
+    cut short, or what an --overwrite run that ended before its first checkpoint set aside."""
+    if (path / MOVING).is_dir():
+        return path / MOVING
+    return path / ASIDE if (path / ASIDE).is_dir() and latest_checkpoint(path) is None else None
+
+
 def run_config(path) -> Path:
-    """The config.toml of the run in the out dir at path as OutDir.check will leave it: what an --overwrite
-    run that ended before its first checkpoint set aside comes back (see check)."""
-    path = Path(path)
-    if (path / MOVING / "config.toml").is_file():
-        return path / MOVING / "config.toml"
-    if (path / ASIDE).is_dir() and latest_checkpoint(path) is None:
-        return path / ASIDE / "config.toml"
-    return path / "config.toml"
+    """The config.toml of the run in the out dir at path, as OutDir.check will leave it."""
+    back = coming_back(Path(path))
+    return back / "config.toml" if back and (back / "config.toml").is_file() else Path(path) / "config.toml"
 
 
 class OutDir:
@@ -85,14 +88,11 @@ class OutDir:
                 self.close()
                 raise RunError(f"{self.path} is in use by another run (PID {pid}); wait for it to end, or choose "
                                f"another --out_dir")
-        self.put_back(self.path / MOVING, say=True)   # a kill cut the setting aside short: all of it comes back
-        aside = self.path / ASIDE
-        if aside.is_dir():   # a run with --overwrite ended before its first checkpoint: give the run back
-            if latest_checkpoint(self.path) is None:   # (the files beside it are the killed run's)
-                for p in self.run_files():
-                    p.unlink()
-                self.put_back(aside, say=True)
-            shutil.rmtree(aside, ignore_errors=True)
+        if back := coming_back(self.path):   # give the earlier run back
+            for p in self.run_files() if back.name == ASIDE else []:   # (beside it: the killed run's files)
+                p.unlink()
+            self.put_back(back, say=True)
+        shutil.rmtree(self.path / ASIDE, ignore_errors=True)   # (a new run's checkpoint came before its removal)
         latest = latest_checkpoint(self.path) or (self.path / "best.pt" if (self.path / "best.pt").is_file() else None)
         if resume:
             if checkpoint is not None:

@@ -119,8 +119,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             step, best_val, tokens, seconds_before, skipped = restore(ckpt, resume_from, model, optimizer, scaler,
                                                                     loader, rank, world, t.seed)
             nonfinite.steps.fill_(step)
-            relink = ckpt["is_best"] and (latest_checkpoint(out.path) or resume_from).name == resume_from.name   # (a kill
-            # may have cut the linking of best.pt to the latest checkpoint)
+            latest = latest_checkpoint(out.path) or resume_from
+            relink = ckpt["is_best"] and latest.name == resume_from.name   # a kill may have cut best.pt's linking
         del ckpt   # its tensors live in the model and optimizer now
 
         stop = StopRequest("finishing this step and saving a checkpoint")
@@ -138,7 +138,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                     if relink:
                         link_best(resume_from)
                     atomic_write(out.path / "config.toml", describe(cfg))
-                    metrics = Metrics(cfg, out.path, step if resume_from else None)
+                    metrics = Metrics(cfg, out.path, saved_step)
                 tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.block_size
                 banner(say, cfg, out.path, resume_from, stored, step, model, device, dtype, how, world,
                        tokens_per_step, dataset, memory)
@@ -168,8 +168,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                         end = step   # asked to end here, as stop_at would
                     logged = step % t.log_interval == 0 or step == t.max_steps
                     asked = stop.signal is not None or say.lost
-                    stopping = distributed.any_rank(asked, device) if ddp and (logged or step == end) else \
-                        asked if not ddp else False
+                    stopping = asked if not ddp else \
+                        distributed.any_rank(asked, device) if logged or step == end else False
                     if logged:
                         loss_value = loss.item()   # waits for the device: the interval's steps have all run
                         ms = (time.perf_counter() - interval_start) * 1000 / interval_steps
@@ -278,7 +278,8 @@ class NonFinite:
     @staticmethod
     def said(record: torch.Tensor | int) -> str:
         """What a record says was not finite ('' for nothing); reading it waits for the device."""
-        return {1: "loss", -1: "gradient"}.get(int(record) and (1 if int(record) > 0 else -1), "")
+        r = int(record)
+        return "loss" if r > 0 else "gradient" if r < 0 else ""
 
     def check(self, saved_step: int | None) -> None:
         """Stop mode: raise, naming the first non-finite step, if there was one."""
@@ -343,7 +344,7 @@ def build_step(model, wrapped, optimizer, scaler, nonfinite, loader, device, dty
         try:
             replay = graph_step(one_step, warmup_windows, optimizer, [nonfinite.steps, nonfinite.first],
                                 capture=device.type == "cuda")
-            run_step, how = lambda: replay(loader.step_windows().to(device, non_blocking=True)), "CUDA graph"
+            run_step, how = lambda: replay(loader.step_windows()), "CUDA graph"   # (copied into its buffer)
         except Exception as e:   # what the recording cannot hold: the eager step does the same work
             say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
     elif t.cuda_graph and device.type == "cuda":
@@ -379,11 +380,8 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool)
     losses = {}
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(EVAL_SEED)
-        if iters:
-            batches = (loader.batch(split, generator) for _ in range(iters))
-        else:
-            windows = strided_windows(loader.splits[split], loader.block_size, loader.block_size, loader.batch_size)
-            batches = ((x.to(device), y.to(device)) for x, y in windows)
+        batches = (loader.batch(split, generator) for _ in range(iters)) if iters else \
+            strided_windows(loader.splits[split], loader.block_size, loader.block_size, loader.batch_size)
         nats, count = score(wrapped, batches, autocast(device, dtype))
         if ddp and iters:   # every rank's share
             from training import distributed
