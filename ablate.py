@@ -20,7 +20,7 @@ except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
 import shlex
 import sys
 
-from common import ConfigError, RunError, run_cli  # noqa: E402
+from common import UserError, run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0
     if not argv or argv[0].startswith("--"):
-        raise ConfigError("give a sweep file first: python ablate.py SWEEP.toml [--report] [--section.key=value ...] "
+        raise UserError("give a sweep file first: python ablate.py SWEEP.toml [--report] [--section.key=value ...] "
                           "(see --help)")
     from ablation.report import plural, write_report
     from ablation.sweep import load_sweep, run_sweep
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
         return 130
     if outcome["failed"]:
         run, why = outcome["failed"][0]
-        raise RunError(f"{len(outcome['failed'])} of {len(sweep.runs)} runs failed (first: {run.label}: {why}); "
+        raise UserError(f"{len(outcome['failed'])} of {len(sweep.runs)} runs failed (first: {run.label}: {why}); "
                        f"see their train.log; the command runs them again")
     return 0
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 
-from common import ArgumentParser, ConfigError, RunError, TokenizerError, atomic_write, run_cli  # noqa: E402
+from common import ArgumentParser, UserError, atomic_write, run_cli  # noqa: E402
 
 def parse_args(argv):
     p = ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
@@ -53,10 +53,10 @@ def encode_prompt(tokenizer, text: str, block_size: int) -> list[int]:
     """The prompt's token ids, at most the last block_size of them (with a notice on stderr)."""
     try:
         ids = tokenizer.encode(text)
-    except TokenizerError as e:
-        raise TokenizerError(f"the prompt has {e}") from None
+    except UserError as e:
+        raise UserError(f"the prompt has {e}") from None
     if len(ids) < 2:
-        raise ConfigError(f"the prompt has {len(ids)} token(s): attention needs at least 2 to show anything")
+        raise UserError(f"the prompt has {len(ids)} token(s): attention needs at least 2 to show anything")
     if len(ids) > block_size:
         print(f"note: the prompt has {len(ids)} tokens, the model sees at most {block_size}: "
               f"drawing the last {block_size}", file=sys.stderr)
@@ -69,10 +69,10 @@ def pick(spec: str, n: int, option: str) -> list[int]:
     try:
         chosen = [int(s) for s in spec.split(",")] if spec else list(range(n))
     except ValueError:
-        raise ConfigError(f"{option} takes comma-separated numbers, got {spec!r}") from None
+        raise UserError(f"{option} takes comma-separated numbers, got {spec!r}") from None
     for i in chosen:
         if not 0 <= i < n:
-            raise ConfigError(f"{option}: {i} is out of range, the model has {n} (0 to {n - 1})")
+            raise UserError(f"{option}: {i} is out of range, the model has {n} (0 to {n - 1})")
     return chosen
 
 
@@ -85,10 +85,10 @@ def page_path(spec: str) -> Path:
     """--html's file, checked before the model runs: not a folder, and not below a file."""
     path = Path(spec)
     if path.is_dir():
-        raise ConfigError(f"--html {path} is a folder: give a file name, such as {path / 'attention.html'}")
+        raise UserError(f"--html {path} is a folder: give a file name, such as {path / 'attention.html'}")
     parent = next(p for p in path.absolute().parents if p.exists())     # the nearest that exists
     if not parent.is_dir():
-        raise ConfigError(f"--html {path}: {parent} is a file, not a folder")
+        raise UserError(f"--html {path}: {parent} is a file, not a folder")
     return path
 
 
@@ -100,7 +100,7 @@ def main(argv) -> int:
 
     from data.sources import read_prompt
     from model.inspect import attention_maps, head_scores
-    from training.checkpoint import load_model
+    from model.loading import load_model
     from viz.attention_maps import BOX, label_fonts, plot_layer, plot_summary, visible
     from viz.attention_page import SCORE_NAMES, attention_page
 
@@ -137,7 +137,7 @@ def main(argv) -> int:
             html.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(html, page)
         except OSError as e:
-            raise RunError(f"cannot write the page {html}: {e.strerror or e}") from None
+            raise UserError(f"cannot write the page {html}: {e.strerror or e}") from None
         written.append(html)
     shares = [] if args.no_summary else [n for n in SCORE_NAMES if n != "distance" and not np.isnan(scores[n]).all()]
     for name in shares:   # on stderr, the head that does most of each

@@ -85,7 +85,7 @@ def check_args(p: ArgumentParser, args, overrides: list[str]) -> None:
         check("--rounds", args.rounds, at_least=1)
         build_config(args.config, overrides)
     elif args.command == "sample":
-        from training.device import pick_device
+        from model.loading import pick_device
         check("--new-tokens", args.new_tokens, at_least=1)
         args.device = pick_device(args.device, setting="--device")
     elif args.command == "tokenizers":

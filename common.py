@@ -31,30 +31,6 @@ class UserError(Exception):
     """Something the user can fix (or the machine's fault), said in one line."""
 
 
-class ConfigError(UserError, ValueError):
-    """A config key or value that cannot be used."""
-
-
-class DataError(UserError, ValueError):
-    """A data file or data setting that cannot be used."""
-
-
-class TokenizerError(UserError, ValueError):
-    """Text or a tokenizer description the tokenizer cannot handle."""
-
-
-class CheckpointError(UserError, ValueError):
-    """A checkpoint that cannot be read, used or written."""
-
-
-class SamplingError(UserError, ValueError):
-    """A model whose output cannot be sampled from (damaged weights, or a diverged run)."""
-
-
-class RunError(UserError, RuntimeError):
-    """A run that cannot start or go on (out dir, resume, a numerical fault, memory)."""
-
-
 class Interrupted(KeyboardInterrupt):
     """A signal stopped a job after it cleaned up; exit_code is 128 + the signal's number."""
 
@@ -268,14 +244,14 @@ class Progress:
 
 
 def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None, one_of=None) -> None:
-    """A ConfigError naming key unless value is one of `one_of`, or a finite number within the bounds
+    """A UserError naming key unless value is one of `one_of`, or a finite number within the bounds
     given: check("train.beta1", b, at_least=0, below=1) says 'train.beta1 must be in [0, 1), got 1.5'."""
     if one_of is not None:
         if value not in one_of:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, one_of))}")
+            raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, one_of))}")
         return
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key} must be a finite number, got {value}")
+        raise UserError(f"{key} must be a finite number, got {value}")
     if ((above is None or value > above) and (at_least is None or value >= at_least)
             and (below is None or value < below) and (at_most is None or value <= at_most)):
         return
@@ -286,7 +262,7 @@ def check(key: str, value, *, above=None, at_least=None, below=None, at_most=Non
         bounds = f"< {below}" if below is not None else f"<= {at_most}"
     else:
         bounds = f"in {'(' if above is not None else '['}{low}, {high}{')' if below is not None else ']'}"
-    raise ConfigError(f"{key} must be {bounds}, got {value}")
+    raise UserError(f"{key} must be {bounds}, got {value}")
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", dict: "an object", list: "a list",

@@ -43,8 +43,7 @@ import json
 import math
 import sys
 
-from common import (ArgumentParser, ConfigError, DataError, Interrupted, Progress, TokenizerError,  # noqa: E402
-                    on_stop_signals, run_cli, unwind_on_stop)
+from common import ArgumentParser, Interrupted, Progress, UserError, on_stop_signals, run_cli, unwind_on_stop  # noqa: E402
 
 
 def parse_args(argv):
@@ -75,8 +74,8 @@ def parse_args(argv):
 def main(argv) -> int:
     args = parse_args(argv)
     from data.sources import find_sources
-    from training.checkpoint import load_model
-    from training.device import autocast, pick_device, pick_dtype
+    from model.loading import load_model
+    from model.loading import autocast, pick_device, pick_dtype
 
     files = list(dict.fromkeys(path for pattern in args.files for path in find_sources(pattern)))
     device = pick_device(args.device, setting="--device")
@@ -84,7 +83,7 @@ def main(argv) -> int:
     block_size = loaded.model.cfg.block_size
     stride = args.stride or block_size
     if stride > block_size:
-        raise ConfigError(f"--stride must be at most the model's context of {block_size} tokens, got {stride}")
+        raise UserError(f"--stride must be at most the model's context of {block_size} tokens, got {stride}")
     texts = [read_tokens(path, loaded.tokenizer, args.skip_unknown, args.max_tokens) for path in files]   # all first
     dtype = pick_dtype(device)
     print(f"# {loaded.description}", file=sys.stderr)
@@ -122,10 +121,10 @@ def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | N
         text = kept
     try:
         ids = tokenizer.encode_array(text)[:None if max_tokens is None else max_tokens + 1]
-    except TokenizerError as e:
-        raise TokenizerError(f"{path} has {e} (--skip-unknown leaves them out)") from None
+    except UserError as e:
+        raise UserError(f"{path} has {e} (--skip-unknown leaves them out)") from None
     if len(ids) < 2:
-        raise DataError(f"{path} has {len(ids)} token(s): scoring needs at least 2 "
+        raise UserError(f"{path} has {len(ids)} token(s): scoring needs at least 2 "
                         f"(one to predict from, one to predict)")
     return ids
 
@@ -156,7 +155,7 @@ def score_files(model, tokenizer, files, texts, stride, batch_size, autocast, ro
 def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
     """A result row: tokens scored, their bytes, total nats, and loss, bits per byte and perplexity
     (None where it is not a finite number: no bytes, or a loss whose exp overflows a float)."""
-    from data.cache import bits_per_byte
+    from model.gpt import bits_per_byte
     loss = nats / tokens if tokens and math.isfinite(nats) else None   # (a diverged model's: no number)
     return {"file": name, "tokens": tokens, "bytes": nbytes, "nats": nats, "loss": loss,
             "bits_per_byte": bits_per_byte(loss, tokens, nbytes) if loss is not None and nbytes else None,

@@ -19,7 +19,7 @@ except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
 import sys
 from pathlib import Path
 
-from common import ArgumentParser, RunError, run_cli  # noqa: E402
+from common import ArgumentParser, UserError, run_cli  # noqa: E402
 
 
 def parse_args(argv):
@@ -34,11 +34,11 @@ def main(argv) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
     if out.is_dir() and any(out.glob("*.pt")):
-        raise RunError(f"{out} holds checkpoints of a run: export into a directory of its own")
+        raise UserError(f"{out} holds checkpoints of a run: export into a directory of its own")
     if out.is_dir() and any(out.iterdir()) and not args.force:
-        raise RunError(f"{out} is not empty; pass --force to write the model and tokenizer files into it")
+        raise UserError(f"{out} is not empty; pass --force to write the model and tokenizer files into it")
     from hf.hub import save_pretrained
-    from training.checkpoint import load_model
+    from model.loading import load_model
     loaded = load_model(args.checkpoint)
     cfg, meta = loaded.model.cfg, loaded.tokenizer.meta()
     written = save_pretrained(out, cfg, loaded.model.state_dict(), meta)

@@ -17,7 +17,7 @@ except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
 import sys
 from pathlib import Path
 
-from common import ArgumentParser, ConfigError, RunError, atomic_write, run_cli  # noqa: E402
+from common import ArgumentParser, UserError, atomic_write, run_cli  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "runs.png"   # out/ is where runs go, and git-ignored
 
@@ -50,10 +50,10 @@ def read_run(path: Path) -> tuple[list[dict], dict]:
     from training.config import flat, load_toml
     from viz.curves import read_records
     if not (path / "metrics.jsonl").is_file() or not (path / "config.toml").is_file():
-        raise RunError(f"{path} holds no run (no metrics.jsonl and config.toml)")
+        raise UserError(f"{path} holds no run (no metrics.jsonl and config.toml)")
     evals = [r for r in read_records(path / "metrics.jsonl") if r["kind"] == "eval"]
     if not evals:
-        raise RunError(f"{path} has no evaluation yet to draw")
+        raise UserError(f"{path} has no evaluation yet to draw")
     return evals, flat(load_toml(path / "config.toml"))
 
 
@@ -63,7 +63,7 @@ def main(argv) -> int:
 
     paths = [Path(p) for p in args.runs]
     if len({p.resolve() for p in paths}) != len(paths):
-        raise ConfigError("a run is named twice")
+        raise UserError("a run is named twice")
     runs = [read_run(p) for p in paths]
     metric, name = ("val_bpb", "val bits per byte") if args.bpb else ("val_loss", "val loss")
     panels = [Panel(f"{name} by step", "step", name),
@@ -77,7 +77,7 @@ def main(argv) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(args.out, picture)
     except OSError as e:
-        raise RunError(f"could not write {args.out}: {e.strerror or e}") from None
+        raise UserError(f"could not write {args.out}: {e.strerror or e}") from None
     print(args.out)
     return 0
 

@@ -18,7 +18,7 @@ import codecs
 import math
 import sys
 
-from common import ArgumentParser, RunError, SamplingError, TokenizerError, run_cli  # noqa: E402
+from common import ArgumentParser, UserError, run_cli  # noqa: E402
 
 NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, more than it saves on a sample "
                     "(bench.py sample measures both): leave out --compile")
@@ -60,13 +60,13 @@ def parse_args(argv):
 def main(argv) -> int:
     args = parse_args(argv)
     if sys.stdout is None:   # `python sample.py ... >&-`: Python found no stdout at its start
-        raise RunError("stdout is closed: there is nowhere to write the samples to")
+        raise UserError("stdout is closed: there is nowhere to write the samples to")
     import torch
 
     from data.sources import read_prompt
     from model.sampling import Decoding, generate
-    from training.checkpoint import load_model
-    from training.device import autocast, pick_device, pick_dtype
+    from model.loading import load_model
+    from model.loading import autocast, pick_device, pick_dtype
 
     device = pick_device(args.device, setting="--device")
     loaded = load_model(args.checkpoint, device)
@@ -74,8 +74,8 @@ def main(argv) -> int:
     text = read_prompt(args.prompt)
     try:
         ids = tokenizer.encode(text) if text else [tokenizer.start_token]
-    except TokenizerError as e:
-        raise TokenizerError(f"the prompt has {e}") from None
+    except UserError as e:
+        raise UserError(f"the prompt has {e}") from None
     print(f"# {loaded.description}", file=sys.stderr)
     if args.compile and device.type == "cpu":
         print(NOTE_CPU_COMPILE, file=sys.stderr)
@@ -106,9 +106,9 @@ def main(argv) -> int:
                 shown = show
                 if all(done):
                     break
-    except SamplingError as e:
+    except UserError as e:
         print()
-        raise RunError(f"{loaded.path}: {e}") from None
+        raise UserError(f"{loaded.path}: {e}") from None
     print(new[0][shown:] + ("" if done[0] else streams[0].decode(b"", final=True)) if new else "", flush=True)
     for i in range(1, args.num_samples):
         rest = "" if not new or done[i] else streams[i].decode(b"", final=True)

@@ -22,7 +22,7 @@ except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from common import ConfigError, run_cli  # noqa: E402
+from common import UserError, run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -45,10 +45,10 @@ def main(argv: list[str]) -> int:
             rest.append(a)
     config_file = rest.pop(0) if rest and not rest[0].startswith("--") else None
     if config_file and not config_file.endswith(".toml") and Path(config_file).is_file():
-        raise ConfigError(f"{config_file} is not a config file (a .toml); to train on it: --data {config_file}")
+        raise UserError(f"{config_file} is not a config file (a .toml); to train on it: --data {config_file}")
     if checkpoint is not None:   # that checkpoint's run goes on, in the folder it is in
         if not Path(checkpoint).is_file():
-            raise ConfigError(f"--resume {checkpoint}: no such checkpoint file")
+            raise UserError(f"--resume {checkpoint}: no such checkpoint file")
         rest.append(f"--out_dir={Path(checkpoint).resolve().parent}")
     cfg = build_config(config_file, rest, validate=False)   # (validated once a resumed run's own settings are in)
     if resume and (cfg_path := run_config(cfg.out_dir)).is_file():

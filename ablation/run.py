@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     from benchmarks.machine import peak_memory
     from training.checkpoint import latest_checkpoint, load_model
     from training.config import build_config
-    from training.device import pick_device, pick_dtype
+    from model.loading import pick_device, pick_dtype
     from training.trainer import train
     run_dir = Path(argv[0])
     stop_when_orphaned()

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import WINDOWS, ConfigError, atomic_write, on_stop_signals, type_problem
+from common import UserError, WINDOWS, atomic_write, on_stop_signals, type_problem
 from data.prepare import prepare
 from training.config import (ROOT, SAME_RUN_KEYS, Config, build_config, describe, flat, folder_of, get_key, load_toml,
                              parse_overrides)
@@ -79,27 +79,27 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
     path, where = Path(path), f"{path}: "
     spec = load_toml(path)
     if unknown := set(spec) - set(SWEEP_KEYS):
-        raise ConfigError(f"{where}unknown sweep key(s) {', '.join(sorted(unknown))} "
+        raise UserError(f"{where}unknown sweep key(s) {', '.join(sorted(unknown))} "
                           f"(a sweep has {', '.join(sorted(SWEEP_KEYS))})")
     if problem := type_problem(spec, {k: kind for k, kind in SWEEP_KEYS.items() if k in spec}):
-        raise ConfigError(f"{where}{problem.replace(' an object', ' a table')}")
+        raise UserError(f"{where}{problem.replace(' an object', ' a table')}")
     seeds = spec.get("seeds", [1337])
     if not seeds or any(type(s) is not int for s in seeds) or len(set(seeds)) != len(seeds):   # (a bool is no seed)
-        raise ConfigError(f"{where}seeds must be a non-empty list of distinct integers, got {seeds!r}")
+        raise UserError(f"{where}seeds must be a non-empty list of distinct integers, got {seeds!r}")
     variants = spec.get("variants")
     if not variants or not all(isinstance(v, dict) for v in variants):
-        raise ConfigError(f"{where}needs at least one [[variants]] table (the first is the baseline)")
+        raise UserError(f"{where}needs at least one [[variants]] table (the first is the baseline)")
     names = [v.get("name") for v in variants]
     for i, name in enumerate(names):
         if not isinstance(name, str) or not NAME_RE.match(name):
-            raise ConfigError(f"{where}variant {i + 1} needs a name of letters, digits and _.+- (got {name!r})")
+            raise UserError(f"{where}variant {i + 1} needs a name of letters, digits and _.+- (got {name!r})")
         if name in names[:i]:
-            raise ConfigError(f"{where}two variants are named {name!r}")
+            raise UserError(f"{where}two variants are named {name!r}")
     named = [(v["name"], {k: x for k, x in v.items() if k != "name"}) for v in variants]
 
     folder, cli = folder_of(path), parse_overrides(list(overrides))
     if clash := sorted({k for k, _ in cli} & {k for _, v in named for k in flat(v)}):
-        raise ConfigError(f"--{clash[0]}: a variant of {path} sets it, and the command line, applied last, would "
+        raise UserError(f"--{clash[0]}: a variant of {path} sets it, and the command line, applied last, would "
                           f"make that variant its baseline's copy; give it in the sweep file's variants instead")
     sweep_name = spec.get("name", path.stem)
     out_dir = next((Path(v).resolve() for k, v in cli if k == "out_dir"), None) or \
@@ -117,13 +117,13 @@ def load_sweep(path: str, overrides: list[str] = ()) -> Sweep:
             cfg.log.wandb_group, cfg.log.wandb_run_name = cfg.log.wandb_group or sweep_name, f"{name}-seed{seed}"
             try:
                 cfg.validate()
-            except ConfigError as e:
-                raise ConfigError(f"{where}variant {name!r}: {e}") from None
+            except UserError as e:
+                raise UserError(f"{where}variant {name!r}: {e}") from None
             runs.append(Run(name, seed, run_dir, cfg))
     for run in runs:   # every variant sees the same data and token budget as the baseline
         for key in SHARED_KEYS:
             if (mine := get_key(run.cfg, key)) != (theirs := get_key(runs[0].cfg, key)):
-                raise ConfigError(f"{where}variant {run.variant!r} changes {key} ({mine!r}, the baseline has "
+                raise UserError(f"{where}variant {run.variant!r} changes {key} ({mine!r}, the baseline has "
                                   f"{theirs!r}): every variant must see the same data and token budget; "
                                   f"set it in [overrides] instead")
     return Sweep(sweep_name, out_dir, seeds, named, runs)
@@ -147,7 +147,7 @@ def check_not_stale(run: Run) -> None:
     diff = [f"{k}: {saved.get(k)!r} there, {v!r} now" for k, v in flat(run.cfg.to_dict()).items()
             if saved.get(k) != v and k not in RESUMABLE_KEYS and not k.startswith("log.")]
     if diff:
-        raise ConfigError(f"{run.dir} holds a run with another config ({'; '.join(diff[:3])}); "
+        raise UserError(f"{run.dir} holds a run with another config ({'; '.join(diff[:3])}); "
                           f"delete it, or give the sweep another out_dir")
 
 

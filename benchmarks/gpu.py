@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.machine import machine
-from common import WINDOWS, RunError, atomic_write, on_stop_signals, unwind_on_stop
+from common import UserError, WINDOWS, atomic_write, on_stop_signals, unwind_on_stop
 
 ROOT = Path(__file__).resolve().parents[1]
 TAIL = 15   # lines of a part's log in the report
@@ -124,7 +124,7 @@ def bench_gpu(argv: list[str], out: str | None = None, quick: bool = False, over
     out_dir = Path(out) if out else ROOT / "out" / "bench_gpu" / (f"{time.strftime('%Y%m%d-%H%M%S')}-"
                                                                  f"{env['commit'].split()[0]}")
     if (out_dir / "report.md").exists():
-        raise RunError(f"{out_dir} already holds a report.md; give another --out (or delete it)")
+        raise UserError(f"{out_dir} already holds a report.md; give another --out (or delete it)")
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "report.md", report(env, plan, results, out_dir))
     if not torch.cuda.is_available():

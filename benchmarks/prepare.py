@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import ConfigError, RunError, TokenizerError, check, on_stop_signals, unwind_on_stop
+from common import UserError, check, on_stop_signals, unwind_on_stop
 from data.tokenizers import check_tokenizer_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,31 +57,31 @@ def add_options(p) -> None:
 
 
 def checked(args) -> dict:
-    """bench_prepare's arguments; a ConfigError naming the option, or a RunError where --dir lacks the
+    """bench_prepare's arguments; a UserError naming the option, or a UserError where --dir lacks the
     space, before anything is written."""
     check("--mb", args.mb, at_least=1)
     check("--plain-mb", args.plain_mb, at_least=1)
     if args.plain_mb > args.mb:
-        raise ConfigError(f"--plain-mb={args.plain_mb} must be at most --mb={args.mb} (reading whole runs on the "
+        raise UserError(f"--plain-mb={args.plain_mb} must be at most --mb={args.mb} (reading whole runs on the "
                           f"smaller file)")
     for name in args.tokenizers.split(","):
         try:
             check_tokenizer_spec(name)
-        except TokenizerError as e:
-            raise ConfigError(f"--tokenizers: {e}") from None
+        except UserError as e:
+            raise UserError(f"--tokenizers: {e}") from None
     path = args.source or ROOT / "data" / "tinyshakespeare.txt"   # (which ships with the repository)
     try:
         lines = [line + "\n" for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--source {path}: {getattr(e, 'strerror', None) or 'not UTF-8 text'}") from None
+        raise UserError(f"--source {path}: {getattr(e, 'strerror', None) or 'not UTF-8 text'}") from None
     if not lines:
-        raise ConfigError(f"--source {path} has no text")
+        raise UserError(f"--source {path} has no text")
     parent = args.dir or Path(tempfile.gettempdir())
     if not parent.is_dir():
-        raise ConfigError(f"--dir {parent} is not a directory")
+        raise UserError(f"--dir {parent} is not a directory")
     need, free = sum({args.plain_mb, args.mb}) + TOKEN_BYTES * args.mb, shutil.disk_usage(parent).free / 1e6
     if free < need:
-        raise RunError(f"--dir {parent} has {free:,.0f} MB free; this run writes up to about {need:,} MB "
+        raise UserError(f"--dir {parent} has {free:,.0f} MB free; this run writes up to about {need:,} MB "
                        f"(make --mb smaller, or give another --dir)")
     return {"mb": args.mb, "plain_mb": args.plain_mb, "tokenizers": args.tokenizers.split(","), "lines": lines,
             "parent": parent, "need": need}
@@ -89,14 +89,14 @@ def checked(args) -> dict:
 
 def measure(code: str, args: list[str]) -> tuple[float, float]:
     """(seconds, peak resident MB; nan where unknown) of `python -c CODE ARGS` run in the repository; a
-    RunError with the child's last line if it fails."""
+    UserError with the child's last line if it fails."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", PEAK + code, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
     took = time.perf_counter() - start
     said = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("peak=")]
     if done.returncode != 0:
-        raise RunError(f"measuring {' '.join(args)} failed (exit code {done.returncode}): "
+        raise UserError(f"measuring {' '.join(args)} failed (exit code {done.returncode}): "
                        f"{said[-1].removeprefix('error: ')[:200] if said else 'no message'}")
     peak = re.search(r"^peak=(\d+)$", done.stderr, re.M)   # (peak=None where unknown)
     return took, int(peak[1]) / 2**20 if peak else math.nan

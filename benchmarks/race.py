@@ -20,13 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import Progress, RunError, on_stop_signals, unwind_on_stop
+from common import Progress, UserError, on_stop_signals, unwind_on_stop
 from data.loader import BatchLoader, strided_windows
 from data.prepare import prepare
 from model.gpt import score
-from training.checkpoint import list_checkpoints, load_model
+from model.loading import list_checkpoints, load_model
 from training.config import ROOT, build_config
-from training.device import autocast, pick_device, pick_dtype
+from model.loading import autocast, pick_device, pick_dtype
 
 # (classic, fast) by the kind of machine: `bench.py race` on a GPU races the GPU pair.
 PAIRS = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
@@ -58,7 +58,7 @@ def run(config: str, overrides: list[str], evals: int, out_dir: Path, label: str
         finally:
             progress.close()
     if proc.returncode:
-        raise RunError(f"the {label} run (python train.py {config}) failed with exit code {proc.returncode}")
+        raise UserError(f"the {label} run (python train.py {config}) failed with exit code {proc.returncode}")
     curve = []
     for step, path in list_checkpoints(out_dir):
         curve.append({"step": step, "seconds": seconds[step], "val": exact_val_loss(cfg, path)})

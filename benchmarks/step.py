@@ -29,7 +29,7 @@ from data.prepare import prepare
 from model.gpt import GPT
 from speed.onednn import onednn_linear, onednn_works
 from training.config import build_config
-from training.device import pick_device, pick_dtype
+from model.loading import pick_device, pick_dtype
 from training.trainer import train
 
 

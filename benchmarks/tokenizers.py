@@ -15,9 +15,10 @@ from pathlib import Path
 
 from benchmarks.race import exact_val_loss
 from benchmarks.step import time_trainer
-from data.cache import bits_per_byte, load_meta
+from data.cache import load_meta
+from model.gpt import bits_per_byte
 from data.prepare import prepare
-from training.checkpoint import load_model
+from model.loading import load_model
 from training.config import build_config
 from training.trainer import train
 

@@ -7,12 +7,11 @@
   checked     each time it is used, from meta.json and two file sizes alone: the keys and their types,
               the settings asked for, a dtype that fits the vocabulary and the largest id below it, file
               sizes that match the token counts. One that fails is prepared again (or, where the text
-              is not at hand, named in a DataError that says to delete it)
+              is not at hand, named in a UserError that says to delete it)
   temporary   .<entry>.tmp-<random>, made with os.mkdir, so the umask applies as to any file; removed
               on any failure or signal. One a killed process left shows in --list and goes with --clean
 """
 import json
-import math
 import os
 import re
 import secrets
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import DataError, TokenizerError, type_problem
+from common import UserError, type_problem
 from data.tokenizers import load_tokenizer
 
 FORMAT = 2
@@ -69,7 +68,7 @@ def _problem(entry: Path, meta, expect: dict) -> str | None:
     try:   # char and a trained BPE are rebuilt from meta.json at once; a named tiktoken one would load files
         if meta["tokenizer"].get("kind") != "tiktoken" and load_tokenizer(meta["tokenizer"]).vocab_size != vocab:
             return f"is damaged (its tokenizer does not have vocab_size {vocab} tokens)"
-    except TokenizerError as e:
+    except UserError as e:
         return f"is damaged ({e})"
     for split in SPLITS:
         path, size = entry / f"{split}.bin", meta["tokens"][split] * np.dtype(meta["dtype"]).itemsize
@@ -95,10 +94,10 @@ def read_entry(entry: Path, expect: dict | None = None) -> tuple[dict | None, st
 
 
 def load_meta(entry: Path) -> dict:
-    """The checked meta.json of a prepared dataset; a damaged entry is a DataError naming it."""
+    """The checked meta.json of a prepared dataset; a damaged entry is a UserError naming it."""
     meta, problem = read_entry(entry)
     if meta is None:
-        raise DataError(f"the prepared dataset {entry} {problem or 'does not exist'}: delete it and prepare the "
+        raise UserError(f"the prepared dataset {entry} {problem or 'does not exist'}: delete it and prepare the "
                         f"data again")
     return meta
 
@@ -107,16 +106,8 @@ def check_split_sizes(tokens: dict, block_size: int | None) -> None:
     """Each split must hold one training window: block_size + 1 tokens (None: no check)."""
     for split in SPLITS:
         if block_size is not None and tokens[split] < block_size + 1:
-            raise DataError(f"the {split} split has {tokens[split]} tokens, fewer than block_size + 1 = "
+            raise UserError(f"the {split} split has {tokens[split]} tokens, fewer than block_size + 1 = "
                             f"{block_size + 1}; use a longer text or a smaller --model.block_size")
-
-
-def bits_per_byte(loss_nats_per_token: float, tokens: int, nbytes: int) -> float:
-    """A mean cross-entropy (nats per token) over `tokens` tokens as bits per byte of the `nbytes`
-    bytes of text they encode: comparable across tokenizers, unlike a loss per token."""
-    if nbytes <= 0:
-        raise ValueError(f"bits per byte needs a positive byte count, got {nbytes}")
-    return loss_nats_per_token * tokens / nbytes / math.log(2)
 
 
 def make_temp_dir(out: Path) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import DataError
+from common import UserError
 from data.cache import SPLITS, check_split_sizes, load_meta
 
 
@@ -51,7 +51,7 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
 class BatchLoader:
     def __init__(self, dataset_dir: Path, block_size: int, batch_size: int, seed: int = 0, device="cpu",
                  grad_accum: int = 1, rank: int = 0, world: int = 1):
-        meta = load_meta(dataset_dir)   # checked: a damaged dataset is a DataError naming it
+        meta = load_meta(dataset_dir)   # checked: a damaged dataset is a UserError naming it
         check_split_sizes(meta["tokens"], block_size)
         self.dataset_dir, self.meta, self.vocab_size = Path(dataset_dir), meta, meta["vocab_size"]
         self.block_size, self.batch_size, self.device = block_size, batch_size, torch.device(device)
@@ -63,14 +63,14 @@ class BatchLoader:
 
     def _draw(self, split: str, generator: torch.Generator, *lead: int) -> torch.Tensor:
         """This rank's B of (*lead, world, B) windows of block_size + 1 tokens at offsets drawn from
-        generator: a host tensor (*lead, B, T + 1). A token id outside the vocabulary is a DataError
+        generator: a host tensor (*lead, B, T + 1). A token id outside the vocabulary is a UserError
         before the embedding fails on it: the files were damaged after the cache checked them (from
         meta.json and file sizes)."""
         shape = (*lead, self.world, self.batch_size)
         starts = torch.randint(len(self.splits[split]) - self.block_size, shape, generator=generator).numpy()
         tokens = self.splits[split][starts[..., self.rank, :, None] + self.offsets]
         if (top := int(tokens.max())) >= self.vocab_size:
-            raise DataError(f"the prepared dataset {self.dataset_dir} holds token id {top} in "
+            raise UserError(f"the prepared dataset {self.dataset_dir} holds token id {top} in "
                             f"{split}.bin, outside its vocabulary of {self.vocab_size}: it is damaged; delete it "
                             f"and prepare the data again")
         return torch.from_numpy(tokens.astype(np.int64))

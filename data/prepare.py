@@ -36,8 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import (ArgumentParser, DataError, Progress, TokenizerError, atomic_write, check, on_stop_signals,
-                    os_error, run_cli, setting, unwind_on_stop)
+from common import ArgumentParser, Progress, UserError, atomic_write, check, on_stop_signals, os_error, run_cli, setting, unwind_on_stop
 from data.cache import (FORMAT, SPLITS, check_split_sizes, clean, entry_name, list_entries, make_temp_dir, publish,
                         read_entry, token_dtype)
 from data.sources import combined_sha256, describe, find_sources, iter_text, sha256
@@ -61,7 +60,7 @@ class DataConfig:
     encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes")
 
     def validate(self) -> None:
-        """A ConfigError (or TokenizerError) naming the data setting that cannot be used; the text
+        """A UserError (or UserError) naming the data setting that cannot be used; the text
         itself is checked as it is prepared."""
         check("data.val_fraction", self.val_fraction, above=0.0, below=1.0)
         check("data.encoding_errors", self.encoding_errors, one_of=("strict", "replace"))
@@ -138,10 +137,10 @@ def build(out: Path, expect: dict, files: list[Path], sizes: list[int], data: Da
         try:
             try:
                 encoded = encode(text("encoding", split_at, hashes), tok, tmp, workers)
-            except TokenizerError:   # (char) a character the scan did not see: the text changed meanwhile
+            except UserError:   # (char) a character the scan did not see: the text changed meanwhile
                 encoded = None
             if encoded is None or combined_sha256(files, hashes) != expect["sha256"]:   # not the bytes hashed
-                raise DataError(f"{data.path} changed while it was being prepared; nothing was kept: prepare it "
+                raise UserError(f"{data.path} changed while it was being prepared; nothing was kept: prepare it "
                                 f"again once it no longer changes")
             check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
             meta = {"format": FORMAT, "source": str(Path(data.path).absolute()), "sha256": expect["sha256"],
@@ -154,7 +153,7 @@ def build(out: Path, expect: dict, files: list[Path], sizes: list[int], data: Da
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:   # a full disk, a read-only or misplaced data.prepared_dir
-        raise DataError(f"cannot write the prepared data to {out.parent}: {os_error(e)}") from None
+        raise UserError(f"cannot write the prepared data to {out.parent}: {os_error(e)}") from None
     return meta
 
 
@@ -170,7 +169,7 @@ def scan(files, sizes, errors: str, want_chars: bool, progress) -> tuple[list[in
                 seen[code_points(text)] = True
         counts.append(0 if blank else n)
     if not any(counts):
-        raise DataError(f"data file is empty: {files[0]}" if len(files) == 1 else
+        raise UserError(f"data file is empty: {files[0]}" if len(files) == 1 else
                         f"the data files are all empty ({len(files)} files, first {files[0]})")
     return counts, "".join(map(chr, np.flatnonzero(seen))) if want_chars else None
 
@@ -258,7 +257,7 @@ def encode(items, tok, tmp: Path, workers: int) -> dict:
         write(last)
     low, high = min(low for low, _ in ranges), max(high for _, high in ranges)
     if low == high:
-        raise DataError(f"the text holds a single distinct token (id {high}, {tok.decode([high])!r}): there is "
+        raise UserError(f"the text holds a single distinct token (id {high}, {tok.decode([high])!r}): there is "
                         f"nothing to learn to predict")
     return {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name, "max_token": high,
             "tokens": tokens, "bytes": nbytes}

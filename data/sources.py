@@ -18,7 +18,7 @@ from collections import Counter
 from itertools import chain
 from pathlib import Path
 
-from common import DataError
+from common import UserError
 
 READ_BYTES = 1 << 20        # bytes read at a time
 PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
@@ -26,19 +26,19 @@ REPLACE_HINT = "set --data.encoding_errors=replace to replace such bytes"   # wh
 
 
 def find_sources(source) -> list[Path]:
-    """The files a data path names, sorted; a DataError saying why there are none."""
+    """The files a data path names, sorted; a UserError saying why there are none."""
     source = Path(source)
     if source.is_file():
         return [source]
     if source.exists() and not source.is_dir():   # a FIFO, a device, a socket: stat() tells without opening
-        raise DataError(f"data path {source} is not a regular file: save the text to a file and pass that")
+        raise UserError(f"data path {source} is not a regular file: save the text to a file and pass that")
     pattern = os.path.join(glob.escape(str(source)), "**", "*") if source.is_dir() else str(source)
     files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))   # (glob skips .hidden)
     if files:
         return files
     if source.is_dir():
-        raise DataError(f"no files in the data directory {source}")
-    raise DataError(f"no files match {source}" if glob.has_magic(str(source)) else f"data file not found: {source}")
+        raise UserError(f"no files in the data directory {source}")
+    raise UserError(f"no files match {source}" if glob.has_magic(str(source)) else f"data file not found: {source}")
 
 
 def describe(source, files: list[Path], total: int) -> str:
@@ -54,7 +54,7 @@ def read_bytes(path: Path, size: int | None = None, chunk: int = READ_BYTES, sha
     try:
         f = open(path, "rb")
     except OSError as e:   # removed or made unreadable since it was found
-        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
     with f:
         left = float("inf") if size is None else size
         while left > 0 and (data := f.read(min(chunk, READ_BYTES, left))):
@@ -84,7 +84,7 @@ def combined_sha256(files: list[Path], hashes: list) -> str:
 def iter_text(path: Path, errors: str = "strict", size: int | None = None, chunk: int = READ_BYTES, sha=None,
               progress=None, hint: str | None = REPLACE_HINT):
     """The text of read_bytes(path, ...) as str chunks that never split a character. A non-UTF-8 byte
-    is a DataError naming its offset, with advice: a file that looks binary is to be left out; in a
+    is a UserError naming its offset, with advice: a file that looks binary is to be left out; in a
     text, hint (or U+FFFD for each such byte with errors='replace')."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors)   # holds a character cut at a read's end
     offset = 0   # bytes read before raw
@@ -96,7 +96,7 @@ def iter_text(path: Path, errors: str = "strict", size: int | None = None, chunk
             with open(path, "rb") as f:
                 if b"\0" in f.read(8192):   # it looks binary (git's test)
                     hint = f"it looks binary: leave it out of the data (e.g. with a glob such as '{path.parent}/*.txt')"
-            raise DataError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset {offset - held + e.start}"
+            raise UserError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset {offset - held + e.start}"
                             + (f"; {hint}" if hint else "")) from None
         if text:
             yield text
@@ -109,7 +109,7 @@ def read_text(path, errors: str = "strict", hint: str | None = REPLACE_HINT) -> 
     path = Path(path)
     text = "".join(iter_text(path, errors, hint=hint))
     if not text.strip():
-        raise DataError(f"data file is empty: {path}")
+        raise UserError(f"data file is empty: {path}")
     return text
 
 
@@ -120,12 +120,12 @@ def read_prompt(prompt: str) -> str:
         return prompt
     path = Path(prompt[1:])
     if not path.exists():
-        raise DataError(f"prompt file not found: {path}")
-    data = b"".join(read_bytes(path, PROMPT_FILE_MAX + 1))   # (one that cannot be read: a DataError that says why)
+        raise UserError(f"prompt file not found: {path}")
+    data = b"".join(read_bytes(path, PROMPT_FILE_MAX + 1))   # (one that cannot be read: a UserError that says why)
     if len(data) > PROMPT_FILE_MAX:
-        raise DataError(f"the prompt file {path} is larger than {PROMPT_FILE_MAX >> 20} MB "
+        raise UserError(f"the prompt file {path} is larger than {PROMPT_FILE_MAX >> 20} MB "
                         f"(a model sees only its last block_size tokens)")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"the prompt file {path} is not UTF-8 (byte offset {e.start})") from None
+        raise UserError(f"the prompt file {path} is not UTF-8 (byte offset {e.start})") from None

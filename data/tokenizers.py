@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from common import TokenizerError
+from common import UserError
 
 EOT = "<|endoftext|>"   # the end-of-text token between documents (gpt2's name for it)
 
@@ -52,7 +52,7 @@ class CharTokenizer:
 
     def encode_array(self, text: str) -> np.ndarray:
         """The ids as int32: one table lookup per code point (the table is built on first use). A character
-        not in the vocabulary is a TokenizerError that names it."""
+        not in the vocabulary is a UserError that names it."""
         if not hasattr(self, "_table"):
             self._table = np.full(0x110000, -1, dtype=np.int32)
             self._table[[ord(c) for c in self.chars]] = np.arange(len(self.chars), dtype=np.int32)
@@ -60,7 +60,7 @@ class CharTokenizer:
         if len(ids) and ids.min() < 0:
             unknown = sorted(set(text) - set(self.stoi))
             shown = ", ".join(repr(c) for c in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
-            raise TokenizerError(f"{len(unknown)} character(s) not in the {self.vocab_size}-character "
+            raise UserError(f"{len(unknown)} character(s) not in the {self.vocab_size}-character "
                                  f"vocabulary: {shown}")
         return ids
 
@@ -75,13 +75,13 @@ class CharTokenizer:
 
 
 def check_tokenizer_spec(spec: str) -> None:
-    """A TokenizerError unless spec is char, bpe:N or a tiktoken encoding name (its files are not loaded)."""
+    """A UserError unless spec is char, bpe:N or a tiktoken encoding name (its files are not loaded)."""
     if spec == "char" or bpe_vocab_size(spec) is not None:
         return   # (without importing tiktoken)
     import tiktoken
     names = tiktoken.list_encoding_names()
     if spec not in names:
-        raise TokenizerError(f"unknown tokenizer {spec!r}: use 'char', 'bpe:N' (a BPE of N tokens trained on "
+        raise UserError(f"unknown tokenizer {spec!r}: use 'char', 'bpe:N' (a BPE of N tokens trained on "
                              f"the data) or a tiktoken encoding ({', '.join(names)})")
 
 
@@ -98,7 +98,7 @@ class TiktokenTokenizer:
         try:
             enc = tiktoken.get_encoding(name)
         except Exception as e:   # the BPE files are downloaded on first use
-            raise TokenizerError(f"could not load tiktoken's {name!r} files ({type(e).__name__}); without a network, "
+            raise UserError(f"could not load tiktoken's {name!r} files ({type(e).__name__}); without a network, "
                                  f"set TIKTOKEN_CACHE_DIR to a folder that holds them") from None
         return cls(enc, {"kind": "tiktoken", "name": name})
 
@@ -132,12 +132,12 @@ class TiktokenTokenizer:
 
 
 def trained_bpe(meta: dict) -> TiktokenTokenizer:
-    """The tokenizer train_bpe() describes, checked: a damaged description is a TokenizerError. tiktoken
+    """The tokenizer train_bpe() describes, checked: a damaged description is a UserError. tiktoken
     itself checks only the pattern and the types; a missing byte or a repeated token would panic in Rust."""
     import tiktoken
 
-    def damaged(why: str) -> TokenizerError:
-        return TokenizerError(f"damaged BPE tokenizer description: {why}")
+    def damaged(why: str) -> UserError:
+        return UserError(f"damaged BPE tokenizer description: {why}")
 
     name, pattern, ranks, special = (meta.get(k) for k in ("name", "pattern", "ranks", "special_tokens"))
     if not isinstance(name, str) or not isinstance(pattern, str) or not pattern:
@@ -171,15 +171,15 @@ def build_tokenizer(name: str, text: str | None = None):
 def load_tokenizer(meta: dict):
     """The tokenizer described by meta() (from a dataset's meta.json or a checkpoint), checked."""
     if not isinstance(meta, dict) or meta.get("kind") not in ("char", "tiktoken", "bpe"):
-        raise TokenizerError(f"not a tokenizer description: {str(meta)[:80]}")
+        raise UserError(f"not a tokenizer description: {str(meta)[:80]}")
     if meta["kind"] == "char":
         if not isinstance(meta.get("chars"), str) or not meta["chars"] or len(set(meta["chars"])) != len(meta["chars"]):
-            raise TokenizerError("damaged char tokenizer description: its characters are missing or repeated")
+            raise UserError("damaged char tokenizer description: its characters are missing or repeated")
         return CharTokenizer(meta["chars"])
     if meta["kind"] == "bpe":
         return trained_bpe(meta)
     if not isinstance(meta.get("name"), str):
-        raise TokenizerError(f"not a tokenizer description: {str(meta)[:80]}")
+        raise UserError(f"not a tokenizer description: {str(meta)[:80]}")
     return TiktokenTokenizer.named(meta["name"])
 
 
@@ -207,12 +207,12 @@ MAX_VOCAB = 1 << 20
 
 
 def bpe_vocab_size(spec: str) -> int | None:
-    """N for a tokenizer spec 'bpe:N', None for any other spec; a malformed N is a TokenizerError."""
+    """N for a tokenizer spec 'bpe:N', None for any other spec; a malformed N is a UserError."""
     if spec != "bpe" and not spec.startswith("bpe:"):
         return None
     n = spec[4:]
     if not (n.isascii() and n.isdigit()) or not MIN_VOCAB <= int(n) <= MAX_VOCAB:   # ('²' is a digit to isdigit)
-        raise TokenizerError(f"tokenizer {spec!r}: write bpe:N with N the vocabulary size, "
+        raise UserError(f"tokenizer {spec!r}: write bpe:N with N the vocabulary size, "
                              f"{MIN_VOCAB} to {MAX_VOCAB:,} (e.g. bpe:4096)")
     return int(n)
 
@@ -225,7 +225,7 @@ def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
     try:
         import rustbpe
     except ImportError:
-        raise TokenizerError("training a bpe:N tokenizer needs rustbpe: pip install rustbpe") from None
+        raise UserError("training a bpe:N tokenizer needs rustbpe: pip install rustbpe") from None
     start = time.perf_counter()
     trainer = rustbpe.Tokenizer()
     trainer.train_from_iterator(texts, vocab_size - 1, buffer_size=batch, pattern=PATTERN)

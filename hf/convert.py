@@ -23,7 +23,7 @@ q | k | v). Both directions walk one list of these names and shapes (tensor_name
 Import: the "transformer." prefix is optional (OpenAI's first checkpoints lack it), old checkpoints'
 causal-mask buffers (attn.bias, attn.masked_bias) are ignored, fp16/bf16 become fp32. Export:
 model.bias = false gives zero biases (the same function); a padded vocab_size (50304) stays as it
-is. A setting either side cannot express is a CheckpointError naming it. Files: hf/hub.py.
+is. A setting either side cannot express is a UserError naming it. Files: hf/hub.py.
 """
 import itertools
 import json
@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from common import CheckpointError, ConfigError, type_problem
+from common import UserError, type_problem
 from model.config import ModelConfig
 
 # GPT-2's activation names (transformers' ACT2FN) -> model.mlp
@@ -54,9 +54,9 @@ BLOCK_TENSORS = [(["norm1"], "ln_1", None), (["attn.query", "attn.key", "attn.va
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
-    """A GPT-2 config.json (as a dict) -> ModelConfig; a CheckpointError names what does not map."""
+    """A GPT-2 config.json (as a dict) -> ModelConfig; a UserError names what does not map."""
     def refuse(problem: str):
-        raise CheckpointError(f"{where}: {problem}")
+        raise UserError(f"{where}: {problem}")
 
     if hf.get("model_type", "gpt2") != "gpt2":   # before the keys: a Llama's config.json has no n_layer
         refuse(f"model_type={json.dumps(hf['model_type'])} is not supported (only GPT-2 maps onto this GPT)")
@@ -80,8 +80,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
                       attn_scale=hf["scale_attn_weights"], tie_embeddings=hf["tie_word_embeddings"])
     try:
         cfg.validate()
-    except ConfigError as e:
-        raise CheckpointError(f"{where}: {e}") from None
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
     return cfg
 
 
@@ -103,17 +103,17 @@ def tensor_names(cfg: ModelConfig):
 
 def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetensors") -> dict:
     """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32); a missing, misshapen or
-    unexpected tensor is a CheckpointError naming it."""
+    unexpected tensor is a UserError naming it."""
     sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in sd.items()
           if not k.endswith((".attn.bias", ".attn.masked_bias"))}   # old checkpoints' causal-mask buffers
     out = {}
     for ours, theirs, shape, conv in tensor_names(cfg):
         short = theirs.removeprefix("transformer.")
         if theirs not in sd:
-            raise CheckpointError(f"{where} lacks the tensor {short}")
+            raise UserError(f"{where} lacks the tensor {short}")
         t, stacked = sd.pop(theirs), (len(ours) * shape[0], *shape[1:])   # q | k | v: three of ours
         if tuple(t.shape) != (stacked := stacked[::-1] if conv else stacked):
-            raise CheckpointError(f"{where}: {short} has shape {tuple(t.shape)}, the config says {stacked}")
+            raise UserError(f"{where}: {short} has shape {tuple(t.shape)}, the config says {stacked}")
         t = t.float().t() if conv else t.float()
         out.update((o, part.contiguous()) for o, part in zip(ours, t.split(shape[0])))
     if cfg.tie_embeddings:   # the head is wte, whatever else was stored
@@ -121,7 +121,7 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
         out["lm_head.weight"] = out["tok_emb.weight"]
     if sd:
         names = sorted(k.removeprefix("transformer.") for k in sd)
-        raise CheckpointError(f"{where} holds tensors a GPT-2 of this config does not have: "
+        raise UserError(f"{where} holds tensors a GPT-2 of this config does not have: "
                               f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}")
     return out
 
@@ -129,13 +129,13 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
 def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
     """This GPT's config and state dict -> (GPT-2 config.json dict, GPT-2 tensors as transformers
     names them). Tensors are new and contiguous (safetensors needs both). A setting GPT-2 cannot express
-    is a CheckpointError naming it."""
+    is a UserError naming it."""
     for key, allowed, why in [("pos", ["learned"], "GPT-2 has learned absolute positions"),
                               ("norm", ["layernorm"], "GPT-2 has LayerNorm"),
                               ("qk_norm", [False], "GPT-2 does not normalize queries and keys"),
                               ("attention", ["naive", "sdpa"], "GPT-2 has plain multi-head attention: naive or sdpa")]:
         if getattr(cfg, key) not in allowed:
-            raise CheckpointError(f"model.{key}={getattr(cfg, key)!r} does not map onto GPT-2 ({why})")
+            raise UserError(f"model.{key}={getattr(cfg, key)!r} does not map onto GPT-2 ({why})")
     sd = {k: v.detach().cpu() for k, v in state_dict.items()}
     dtype, tensors = sd["tok_emb.weight"].dtype, {}
     for ours, theirs, shape, conv in tensor_names(cfg):   # model.bias = false: zero biases, the same function

@@ -6,7 +6,7 @@ run from GPT-2's weights (train.init_from), and loading a GPT-2 to sample from.
     python export.py out/run hf_model
 
 train.init_from: the checkpoint fixes the architecture. The model section is its config.json's, and
-a model.* key the user set to another value is a ConfigError naming it, except three choices of the
+a model.* key the user set to another value is a UserError naming it, except three choices of the
 fine-tuning: model.dropout, model.attention (naive or sdpa: the same math) and model.block_size up
 to n_positions (the position table is cropped). The tokenizer is GPT-2's (tiktoken's gpt2). A
 resumed run loads its own checkpoint, never these weights.
@@ -18,7 +18,7 @@ files (hf/tokenizer.py). safetensors and huggingface_hub are imported only when 
 import json
 from pathlib import Path
 
-from common import CheckpointError, ConfigError, atomic_write, first_line
+from common import UserError, atomic_write, first_line
 from data.tokenizers import TiktokenTokenizer
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
 from hf.tokenizer import tokenizer_files
@@ -42,7 +42,7 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     if path.is_dir():
         return path
     if name_or_dir not in HUB_MODELS and name_or_dir.count("/") != 1:
-        raise CheckpointError(f"{name_or_dir} is neither a directory nor a GPT-2 name "
+        raise UserError(f"{name_or_dir} is neither a directory nor a GPT-2 name "
                               f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
     try:   # (huggingface_hub missing, offline, an unknown repo, no access, a full disk: all end here)
         from huggingface_hub import snapshot_download
@@ -51,7 +51,7 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     except Exception as e:
         offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
         detail = "not in the local cache, and the hub cannot be reached" if offline else first_line(e).split(". ")[0]
-        raise CheckpointError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
+        raise UserError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
                               f"pass a local directory") from None
 
 
@@ -65,11 +65,11 @@ def pretrained_config(name_or_dir: str) -> ModelConfig:
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{path.parent} has no config.json: not a Hugging Face checkpoint directory") from None
+        raise UserError(f"{path.parent} has no config.json: not a Hugging Face checkpoint directory") from None
     except ValueError as e:   # (a UnicodeDecodeError too)
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+        raise UserError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(hf, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
+        raise UserError(f"{path} is not a JSON object")
     return config_from_hf(hf, where=f"{name_or_dir}: config.json")
 
 
@@ -83,14 +83,14 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
     files = files if files[0].is_file() else sorted(directory.glob("model-*.safetensors"))
     if not files:
         found = ", ".join(sorted(p.name for p in directory.iterdir())[:5])
-        raise CheckpointError(f"{directory} has no model.safetensors (found: {found}); pickled .bin weights "
+        raise UserError(f"{directory} has no model.safetensors (found: {found}); pickled .bin weights "
                               f"are not loaded, since they can run code")
     tensors = {}
     for f in files:
         try:
             tensors.update(load_file(f))
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f} is not a readable safetensors file ({first_line(e, 120)})") from None
+            raise UserError(f"{f} is not a readable safetensors file ({first_line(e, 120)})") from None
     return cfg, state_dict_from_hf(tensors, cfg, where=f"{name_or_dir}: weights")
 
 
@@ -120,10 +120,10 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)
-    except CheckpointError as e:
-        raise ConfigError(f"train.init_from: {e}") from None
+    except UserError as e:
+        raise UserError(f"train.init_from: {e}") from None
     if pretrained.vocab_size < GPT2_VOCAB:
-        raise ConfigError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, fewer than "
+        raise UserError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, fewer than "
                           f"GPT-2's {GPT2_VOCAB}: its tokenizer is not GPT-2's, which fine-tuning uses")
     for key in sorted(k.removeprefix("model.") for k in explicit if k.startswith("model.")):
         mine, theirs = getattr(cfg.model, key), getattr(pretrained, key)
@@ -131,11 +131,11 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
                 or (key == "block_size" and 0 < mine <= theirs))
         if mine != theirs and not free:
             limit = f" (its n_positions: at most {theirs})" if key == "block_size" else ""
-            raise ConfigError(f"model.{key}={mine} conflicts with {source}'s {key}={theirs}{limit} "
+            raise UserError(f"model.{key}={mine} conflicts with {source}'s {key}={theirs}{limit} "
                               f"(train.init_from); remove the override")
         setattr(pretrained, key, mine)
     if "data.tokenizer" in explicit and cfg.data.tokenizer != "gpt2":
-        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} conflicts with train.init_from={source}, "
+        raise UserError(f"data.tokenizer={cfg.data.tokenizer} conflicts with train.init_from={source}, "
                           f"whose tokenizer is gpt2; remove the override")
     cfg.model, cfg.data.tokenizer = pretrained, "gpt2"
 
@@ -148,7 +148,7 @@ def load_init_weights(model: GPT, source: str) -> None:
     try:
         model.load_state_dict(state)
     except RuntimeError as e:   # its files changed since its config was read
-        raise CheckpointError(f"{source} does not fit the model its config.json describes: {first_line(e)}") from None
+        raise UserError(f"{source} does not fit the model its config.json describes: {first_line(e)}") from None
 
 
 def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
@@ -156,7 +156,7 @@ def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
     a directory holding config.json, or a hub name."""
     cfg, state = load_pretrained(source)
     if cfg.vocab_size < GPT2_VOCAB:
-        raise CheckpointError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than GPT-2's "
+        raise UserError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than GPT-2's "
                               f"{GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
     model = GPT(cfg)
     model.load_state_dict(state)

@@ -22,7 +22,7 @@ has no possessive {n,m}+, written {n,m}: the same where nothing follows it (GPT-
 """
 import re
 
-from common import TokenizerError
+from common import UserError
 from data.tokenizers import EOT, load_tokenizer
 
 _PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
@@ -38,7 +38,7 @@ def merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
         while len(parts) > 2:
             pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
             if min(pair_ranks) >= rank:
-                raise TokenizerError(f"BPE token {token!r} cannot be made from tokens of lower ranks")
+                raise UserError(f"BPE token {token!r} cannot be made from tokens of lower ranks")
             i = pair_ranks.index(min(pair_ranks))
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:

@@ -1,7 +1,7 @@
 """The model's one config dataclass: every architectural choice is a field here."""
 from dataclasses import dataclass
 
-from common import ConfigError, check, setting
+from common import UserError, check, setting
 
 # model/attention/__init__.py maps each name to its module (and checks that the two lists agree)
 ATTENTIONS = ("naive", "sdpa", "gqa", "sliding_window", "linear", "mla")
@@ -35,18 +35,18 @@ class ModelConfig:
         return self.n_embd // self.n_head
 
     def validate(self) -> None:
-        """A ConfigError naming the setting(s) that make this model impossible."""
+        """A UserError naming the setting(s) that make this model impossible."""
         for name in ("block_size", "n_layer", "n_head", "n_embd"):
             check(f"model.{name}", getattr(self, name), above=0)
         check("model.vocab_size", self.vocab_size, at_least=0)
         if self.n_embd % self.n_head:
-            raise ConfigError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+            raise UserError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         check("model.dropout", self.dropout, at_least=0.0, below=1.0)
         check("model.rope_base", self.rope_base, above=0.0)
         for name, allowed in {"attention": ATTENTIONS, "pos": POSITIONS, "norm": NORMS, "mlp": MLPS}.items():
             check(f"model.{name}", getattr(self, name), one_of=allowed)
         if self.pos == "rope" and self.head_dim % 2:
-            raise ConfigError(f"model.pos='rope' needs an even head dim, but model.n_embd/model.n_head = {self.head_dim}")
+            raise UserError(f"model.pos='rope' needs an even head dim, but model.n_embd/model.n_head = {self.head_dim}")
         self.validate_variant()
 
     def validate_variant(self) -> None:
@@ -58,14 +58,14 @@ class ModelConfig:
             value = getattr(self, name)
             check(f"model.{name}", value, at_least=0)
             if self.attention == variant and value == 0:
-                raise ConfigError(f"model.attention='{variant}' needs model.{name} > 0 ({hints[name]})")
+                raise UserError(f"model.attention='{variant}' needs model.{name} > 0 ({hints[name]})")
             if self.attention != variant and value != 0:
-                raise ConfigError(f"model.{name}={value} only applies to model.attention='{variant}', "
+                raise UserError(f"model.{name}={value} only applies to model.attention='{variant}', "
                                   f"not model.attention='{self.attention}'")
         if self.attention == "gqa" and self.n_head % self.n_kv_head:
-            raise ConfigError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}")
+            raise UserError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}")
         if self.attention == "sliding_window" and self.window > self.block_size:
-            raise ConfigError(f"model.window={self.window} is larger than model.block_size={self.block_size}")
+            raise UserError(f"model.window={self.window} is larger than model.block_size={self.block_size}")
         if self.attention == "linear" and self.pos == "alibi":
-            raise ConfigError("model.pos='alibi' biases attention scores, which model.attention='linear' never forms "
+            raise UserError("model.pos='alibi' biases attention scores, which model.attention='linear' never forms "
                               "(use rope, learned or none)")

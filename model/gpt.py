@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import ConfigError
+from common import UserError
 from model.attention import build_attention
 from model.config import ModelConfig
 from model.positions import rope_tables
@@ -89,7 +89,7 @@ class GPT(nn.Module):
         super().__init__()
         cfg.validate()
         if cfg.vocab_size <= 0:
-            raise ConfigError("model.vocab_size must be set (it is taken from the prepared dataset)")
+            raise UserError("model.vocab_size must be set (it is taken from the prepared dataset)")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
@@ -184,3 +184,11 @@ def score(model, batches, autocast=nullcontext()) -> tuple[float, int]:
         total, count = total + loss.float().item() * scored, count + scored
     model.train(was_training)
     return total, count
+
+
+def bits_per_byte(loss_nats_per_token: float, tokens: int, nbytes: int) -> float:
+    """A mean cross-entropy (nats per token) over `tokens` tokens as bits per byte of the `nbytes`
+    bytes of text they encode: comparable across tokenizers, unlike a loss per token."""
+    if nbytes <= 0:
+        raise ValueError(f"bits per byte needs a positive byte count, got {nbytes}")
+    return loss_nats_per_token * tokens / nbytes / math.log(2)

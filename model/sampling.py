@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common import SamplingError, first_line
+from common import UserError, first_line
 from model.gpt import GPT, InferenceCache
 
 TINY = torch.finfo(torch.float32).tiny                                   # the smallest normal float32
@@ -130,7 +130,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T).
 
     vocab_limit: choose only among the first vocab_limit tokens (the tokenizer's vocabulary).
-    decoding: how to compute (the cache, compiling): the same tokens either way. Raises SamplingError
+    decoding: how to compute (the cache, compiling): the same tokens either way. Raises UserError
     when the logits are not finite, naming the first new token whose logits were not."""
     block_size, device, batch = model.cfg.block_size, idx.device, idx.size(0)
     check_every = decoding.check_every or (1 if device.type == "cpu" else 32)
@@ -170,10 +170,10 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 
 def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
-    """Raise SamplingError naming the first new token in start..end-1 whose logits were not all
+    """Raise UserError naming the first new token in start..end-1 whose logits were not all
     finite (those before start were checked already)."""
     window = flags[start:end]
     if not window.all():
         first = start + int((~window).nonzero()[0, 0]) + 1
-        raise SamplingError(f"the model's logits are not finite at new token {first}: "
+        raise UserError(f"the model's logits are not finite at new token {first}: "
                             "its weights are damaged or the model diverged")

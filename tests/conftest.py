@@ -280,11 +280,11 @@ def mkdir(path):
 
 def gpt2_or_skip():
     """tiktoken's gpt2 tokenizer, or a skip where its BPE files cannot be had (no network, no cache)."""
-    from common import TokenizerError
+    from common import UserError
     from data.tokenizers import build_tokenizer
     try:
         return build_tokenizer("gpt2")
-    except TokenizerError as e:
+    except UserError as e:
         pytest.skip(f"gpt2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {e}")
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ablation.sweep import load_sweep
 from model.config import ATTENTIONS
-from common import ConfigError
+from common import UserError
 from tests.conftest import ROOT, assert_refused, mkdir
 from training.device import pick_device, pick_dtype
 
@@ -93,7 +93,7 @@ def test_a_sweep_runs_reports_skips_finished_runs_and_resumes_partial_ones(tmp_p
     assert capsys.readouterr().out.count("done before, skipped") == 4
     assert logs == {r.dir: (r.dir / "train.log").stat().st_mtime_ns for r in sweep.runs}, "nothing re-ran"
 
-    with pytest.raises(ConfigError, match="holds a run with another config .*train.lr"):
+    with pytest.raises(UserError, match="holds a run with another config .*train.lr"):
         main([str(path), "--train.lr=0.5"])
 
 
@@ -107,7 +107,7 @@ def test_a_sweep_runs_reports_skips_finished_runs_and_resumes_partial_ones(tmp_p
     ("", "needs at least one \\[\\[variants\\]\\] table"),
 ])
 def test_bad_sweeps_are_refused_before_anything_runs(tmp_path, text_file, variants, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UserError, match=message):
         load_sweep(str(write_sweep(tmp_path, text_file, variants)))
     assert not (tmp_path / "sweep").exists()
 
@@ -206,7 +206,7 @@ def test_a_sweep_copied_under_another_name_or_moved_continues_its_runs(tmp_path,
     copy.write_text(path.read_text().replace('sweep"', 'moved"').replace("log_interval = 5", "log_interval = 1"))
     assert main([str(copy)]) == 0 and capsys.readouterr().out.count("done before, skipped") == 2, "moved"
     copy.write_text(copy.read_text().replace("max_steps = 3", "max_steps = 4"))
-    with pytest.raises(ConfigError, match="train.max_steps"):
+    with pytest.raises(UserError, match="train.max_steps"):
         main([str(copy)])
 
 
@@ -275,5 +275,5 @@ def test_ablate_runs_from_another_directory_with_an_absolute_sweep_path(tmp_path
 
 def test_an_override_that_would_erase_a_variant_is_refused(tmp_path, text_file):
     """The command line applies to every run, last: one that sets what a variant sets would make it the baseline."""
-    with pytest.raises(ConfigError, match="--model.n_kv_head: a variant of .* sets it"):
+    with pytest.raises(UserError, match="--model.n_kv_head: a variant of .* sets it"):
         load_sweep(str(write_sweep(tmp_path, text_file)), ["--model.n_kv_head=2"])

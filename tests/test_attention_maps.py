@@ -162,11 +162,11 @@ def test_a_layer_figure_has_a_labelled_panel_per_head():
 def test_bpe_tokens_are_labelled_with_their_text_and_visible_whitespace():
     from attention import token_texts
     from viz.attention_maps import visible
-    from common import TokenizerError
+    from common import UserError
     from data.tokenizers import build_tokenizer
     try:
         tokenizer = build_tokenizer("gpt2")
-    except TokenizerError as e:
+    except UserError as e:
         pytest.skip(f"gpt2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {e}")
     texts = token_texts(tokenizer, tokenizer.encode("To be\nor not"))
     assert [visible(t) for t in texts] == ["To", "␣be", "⏎", "or", "␣not"]

@@ -16,7 +16,7 @@ import attention as attention_cli
 import export as export_cli
 import sample as sample_cli
 import train as train_cli
-from common import DataError
+from common import UserError
 from tests.conftest import ROOT, TEXT, Evil, assert_refused, mkdir, prepare_text, run_tool, tiny_overrides, tree, write
 from training.trainer import train
 
@@ -248,7 +248,7 @@ def test_a_preparation_cut_short_leaves_nothing_behind(failure, tmp_path, text_f
         raise failure
 
     monkeypatch.setattr(json, "dumps", fail_after_the_token_files)
-    with pytest.raises(type(failure) if isinstance(failure, KeyboardInterrupt) else DataError,
+    with pytest.raises(type(failure) if isinstance(failure, KeyboardInterrupt) else UserError,
                        match=None if isinstance(failure, KeyboardInterrupt) else "No space left on device"):
         prepare_text(text_file, "char", 0.1, tmp_path / "prepared")
     assert list((tmp_path / "prepared").iterdir()) == []

@@ -17,7 +17,7 @@ import bench
 from benchmarks import step
 from benchmarks.race import faster_or_slower, first_reaching, race
 from benchmarks.step import flops_per_token, plain_step
-from common import RunError, on_stop_signals
+from common import UserError, on_stop_signals
 from model.config import ModelConfig
 from model.gpt import GPT
 from tests.conftest import assert_refused, mkdir, run_tool, tiny_overrides, write
@@ -264,7 +264,7 @@ def test_prepare_removes_what_it_wrote_when_a_measurement_fails(tmp_path, text_f
 
     def fail(*args):
         assert list(work.glob("*/text_1mb.txt")), "the text is written before it is measured"
-        raise RunError("data.prepare failed")
+        raise UserError("data.prepare failed")
     monkeypatch.setattr(bench_prepare, "measure", fail)
     rc, out, err = run_tool(bench, [*small_prepare(text_file), "--dir", work], capsys)
     assert rc == 2 and err == "error: data.prepare failed\n", err

@@ -11,7 +11,7 @@ import torch
 
 import bench
 from benchmarks import gpu
-from common import RunError
+from common import UserError
 from tests.conftest import ROOT
 
 
@@ -57,7 +57,7 @@ def test_every_part_runs_with_its_log_and_a_failure_or_a_time_out_does_not_stop_
 
 def test_a_report_is_never_overwritten(tmp_path):
     (tmp_path / "report.md").write_text("an earlier run's")
-    with pytest.raises(RunError, match="already holds a report.md"):
+    with pytest.raises(UserError, match="already holds a report.md"):
         gpu.bench_gpu(["bench.py", "gpu"], out=str(tmp_path))
     assert (tmp_path / "report.md").read_text() == "an earlier run's"
 

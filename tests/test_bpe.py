@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import data.prepare as prep
-from common import TokenizerError
+from common import UserError
 from data.tokenizers import EOT, load_tokenizer
 from tests.conftest import TEXT, prepare_text
 
@@ -90,7 +90,7 @@ def test_too_few_pairs_give_fewer_tokens_and_say_so(tmp_path):
 
 @pytest.mark.parametrize("spec", ["bpe:abc", "bpe:256", "bpe", "bpe:99999999", "bpe:-5"])
 def test_a_bad_vocabulary_size_is_refused_before_anything_is_read(tmp_path, text_file, spec):
-    with pytest.raises(TokenizerError, match=r"write bpe:N with N the vocabulary size, 257 to"):
+    with pytest.raises(UserError, match=r"write bpe:N with N the vocabulary size, 257 to"):
         prepare_text(text_file, spec, 0.1, tmp_path / "prep")
     assert not (tmp_path / "prep").exists()
 
@@ -120,6 +120,6 @@ def test_a_damaged_description_is_a_one_line_tokenizer_error(tmp_path, damage):
     tok_meta = json.loads(json.dumps(meta["tokenizer"]))
     change, message = DAMAGES[damage]
     change(tok_meta)
-    with pytest.raises(TokenizerError, match=message) as e:
+    with pytest.raises(UserError, match=message) as e:
         load_tokenizer(tok_meta)
     assert "\n" not in str(e.value)

@@ -14,7 +14,7 @@ import pytest
 
 from data.cache import FORMAT, load_meta
 from data.loader import BatchLoader
-from common import ConfigError, DataError
+from common import UserError
 from tests.conftest import ROOT, TEXT, gpt2_or_skip, prepare_text
 
 
@@ -60,9 +60,9 @@ def test_a_damaged_entry_is_prepared_again_with_a_notice(tmp_path, text_file, ca
     change(out)
     capsys.readouterr()
 
-    with pytest.raises(DataError, match=rf"the prepared dataset {re.escape(str(out))} .*{re.escape(reason)}.*: delete it"):
+    with pytest.raises(UserError, match=rf"the prepared dataset {re.escape(str(out))} .*{re.escape(reason)}.*: delete it"):
         load_meta(out)   # where the text is not at hand: a one-line error that names the entry
-    with pytest.raises(DataError, match="delete it"):
+    with pytest.raises(UserError, match="delete it"):
         BatchLoader(out, block_size=8, batch_size=2)
 
     assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") == out
@@ -88,12 +88,12 @@ def test_a_text_too_short_for_the_block_is_refused_before_it_is_published(tmp_pa
     short = tmp_path / "short.txt"
     short.write_text("abcdefghij" * 3)
     for tokenizer in ("char", "bpe:300"):
-        with pytest.raises(DataError, match=r"the (train|val) split has \d+ tokens, fewer than block_size \+ 1 = 9; use a "
+        with pytest.raises(UserError, match=r"the (train|val) split has \d+ tokens, fewer than block_size \+ 1 = 9; use a "
                                             r"longer text or a smaller --model.block_size"):
             prepare_text(short, tokenizer, 0.1, tmp_path / "prep", block_size=8)
         assert os.listdir(tmp_path / "prep") == [], "no entry and no temporary dir"
     out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")   # no block_size: no check
-    with pytest.raises(DataError, match="the val split has 164 tokens, fewer than block_size"):
+    with pytest.raises(UserError, match="the val split has 164 tokens, fewer than block_size"):
         prepare_text(text_file, "char", 0.1, tmp_path / "prep", block_size=200)   # a cache hit is checked too
     assert prepare_text(text_file, "char", 0.1, tmp_path / "prep", block_size=163) == out
 
@@ -103,14 +103,14 @@ def test_encoding_errors_are_part_of_the_cache_key(tmp_path):
     path.write_bytes(TEXT.encode() + b"\xff")
     replaced = prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
     assert load_meta(replaced)["encoding_errors"] == "replace"
-    with pytest.raises(DataError, match="byte 0xff at offset"):
+    with pytest.raises(UserError, match="byte 0xff at offset"):
         prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="strict")
     assert load_meta(replaced)["encoding_errors"] == "replace", "kept"
     clean = tmp_path / "clean.txt"
     clean.write_text(TEXT)
     assert prepare_text(clean, "char", 0.1, tmp_path / "prep") != prepare_text(clean, "char", 0.1, tmp_path / "prep",
                                                                      encoding_errors="replace")
-    with pytest.raises(ConfigError, match="data.encoding_errors='ignore' is not one of strict, replace"):
+    with pytest.raises(UserError, match="data.encoding_errors='ignore' is not one of strict, replace"):
         prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="ignore")
 
 
@@ -132,7 +132,7 @@ def test_a_pipe_a_device_or_a_socket_is_not_a_data_file(tmp_path):
     server.bind(str(sock_path))
     try:
         for path in ("/dev/zero", sock_path):
-            with pytest.raises(DataError, match=rf"data path {path} is not a regular file"):
+            with pytest.raises(UserError, match=rf"data path {path} is not a regular file"):
                 prepare_text(path, "char", 0.1, tmp_path / "prep")
     finally:
         server.close()
@@ -194,7 +194,7 @@ def test_token_ids_past_the_vocabulary_in_a_file_of_the_right_size_are_one_line(
     tokens = np.fromfile(out / "train.bin", dtype=np.uint16)
     tokens[::7] = 60_000   # far past the 48 characters, same size, same dtype
     tokens.tofile(out / "train.bin")
-    with pytest.raises(DataError) as e:
+    with pytest.raises(UserError) as e:
         BatchLoader(out, block_size=32, batch_size=8).step_windows()
     assert "\n" not in str(e.value) and f"{out} holds token id 60000 in train.bin" in str(e.value)
     assert "delete it and prepare the data again" in str(e.value)
@@ -207,7 +207,7 @@ def test_a_text_of_one_distinct_token_is_refused(tmp_path):
     for tokenizer in ("char", "gpt2"):
         if tokenizer == "gpt2":
             gpt2_or_skip()   # (once the char case has passed)
-        with pytest.raises(DataError, match=r"a single distinct token \(id \d+, '\\x00'\): there is nothing to learn"):
+        with pytest.raises(UserError, match=r"a single distinct token \(id \d+, '\\x00'\): there is nothing to learn"):
             prepare_text(path, tokenizer, 0.1, tmp_path / "prep")
     assert not list((tmp_path / "prep").glob("zeros*")), "nothing was kept"
 

@@ -9,7 +9,7 @@ import train as train_cli
 from tests.conftest import tiny_overrides
 from tests.test_bad_input import damaged
 from tests.conftest import run_limited, run_tool
-from common import CheckpointError
+from common import UserError
 from training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
@@ -45,5 +45,5 @@ def test_a_damaged_latest_checkpoint_names_the_one_before_it_by_step(tmp_path):
     (tmp_path / "ckpt_10000000.pt").write_bytes(b"")   # 8 digits: after ckpt_9999999.pt, though not by name
     latest = latest_checkpoint(tmp_path)
     assert latest.name == "ckpt_10000000.pt"
-    with pytest.raises(CheckpointError, match=r"the earlier checkpoint ckpt_9999999.pt in the same directory may be intact"):
+    with pytest.raises(UserError, match=r"the earlier checkpoint ckpt_9999999.pt in the same directory may be intact"):
         load_checkpoint(latest)

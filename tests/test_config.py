@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 import train as train_cli
-from common import ConfigError
+from common import UserError
 from tests.conftest import ROOT, TEXT, run_tool
 from training.config import PATHS, build_config, describe, get_key, load_toml
 
@@ -66,19 +66,19 @@ def test_values_are_coerced_to_field_types():
     (["--train.optimizer=muon", "--train.fsdp=true"], "train.optimizer=muon needs whole matrices, train.fsdp shards them"),
 ])
 def test_bad_overrides_name_the_problem(args, message):
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(UserError) as e:
         build_config(None, args)
     assert message in str(e.value)
 
 
 def test_toml_errors_name_the_file_and_key(tmp_path):
-    with pytest.raises(ConfigError, match="TOML syntax error"):
+    with pytest.raises(UserError, match="TOML syntax error"):
         build_config(str(write(tmp_path, "[model\nn_layer = 3")), [])
-    with pytest.raises(ConfigError, match=r"c.toml: unknown config key 'train.learning_rate'"):
+    with pytest.raises(UserError, match=r"c.toml: unknown config key 'train.learning_rate'"):
         build_config(str(write(tmp_path, "[train]\nlearning_rate = 3")), [])
-    with pytest.raises(ConfigError, match="model.n_layer: expected int, got 'four'"):
+    with pytest.raises(UserError, match="model.n_layer: expected int, got 'four'"):
         build_config(str(write(tmp_path, '[model]\nn_layer = "four"')), [])
-    with pytest.raises(ConfigError, match="config file not found"):
+    with pytest.raises(UserError, match="config file not found"):
         build_config(str(tmp_path / "missing.toml"), [])
 
 
@@ -147,7 +147,7 @@ def test_a_config_that_is_not_one_says_what_it_is(make, message, tmp_path, capsy
 
 
 def test_a_run_that_would_be_all_warm_up_is_refused():
-    with pytest.raises(ConfigError, match="train.warmup_steps=100 is not below train.max_steps=50: the whole run "
+    with pytest.raises(UserError, match="train.warmup_steps=100 is not below train.max_steps=50: the whole run "
                                           "would be warm-up, with no decay"):
         build_config(None, ["--train.max_steps=50"])
 
@@ -160,5 +160,5 @@ def test_a_value_with_control_characters_round_trips_through_config_toml(tmp_pat
 
 @pytest.mark.parametrize("key", ["out_dir", "data.path", "data.prepared_dir"])
 def test_an_empty_path_is_refused_not_taken_as_the_working_directory(key):
-    with pytest.raises(ConfigError, match=f"^{key} is empty"):
+    with pytest.raises(UserError, match=f"^{key} is empty"):
         build_config(None, [f"--{key}="])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data.loader import BatchLoader
-from common import DataError, TokenizerError
+from common import UserError
 from data.sources import read_text
 from data.tokenizers import CharTokenizer, build_tokenizer, load_tokenizer
 from tests.conftest import TEXT, gpt2_or_skip, prepare_text
@@ -24,7 +24,7 @@ def test_char_tokenizer_round_trips_and_saves():
 
 def test_char_tokenizer_names_unknown_characters():
     tok = CharTokenizer.from_text("abc")
-    with pytest.raises(TokenizerError, match=r"'z'.*|.*'z'") as e:
+    with pytest.raises(UserError, match=r"'z'.*|.*'z'") as e:
         tok.encode("abz€")
     assert "'€'" in str(e.value) and "2 character(s)" in str(e.value)
 
@@ -40,7 +40,7 @@ def test_gpt2_tokenizer_round_trips():
 
 
 def test_unknown_tiktoken_name_is_a_clear_error():
-    with pytest.raises(TokenizerError, match="unknown tokenizer 'nope'"):
+    with pytest.raises(UserError, match="unknown tokenizer 'nope'"):
         build_tokenizer("nope")
 
 
@@ -76,7 +76,7 @@ def test_prepare_uses_uint32_for_large_vocabularies(tmp_path):
 def test_non_utf8_names_the_byte_offset(tmp_path):
     path = tmp_path / "bad.txt"
     path.write_bytes(b"hello \xff world")
-    with pytest.raises(DataError, match="offset 6"):
+    with pytest.raises(UserError, match="offset 6"):
         read_text(path)
     assert "\ufffd" in read_text(path, errors="replace")
 
@@ -96,7 +96,7 @@ def test_batches_are_windows_shifted_by_one_and_seeded(tmp_path, text_file):
 
 def test_a_split_shorter_than_a_block_is_a_clear_error(tmp_path, text_file):
     out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
-    with pytest.raises(DataError, match="val split has .* fewer than block_size"):
+    with pytest.raises(UserError, match="val split has .* fewer than block_size"):
         BatchLoader(out, block_size=1000, batch_size=2)
 
 
@@ -118,7 +118,8 @@ def test_the_default_data_ships_with_the_repo_and_prepares_offline(tmp_path, mon
 
 
 def test_bits_per_byte_divides_by_the_bytes_of_the_text(tmp_path, text_file):
-    from data.cache import bits_per_byte, load_meta
+    from data.cache import load_meta
+    from model.gpt import bits_per_byte
 
     def tokens_per_byte(meta, split):
         return meta["tokens"][split] / meta["bytes"][split]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from common import CheckpointError, ConfigError
+from common import UserError
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
 from hf.hub import load_pretrained, save_pretrained
 from tests.conftest import ROOT, gpt2_or_skip
@@ -148,7 +148,7 @@ def test_export_refuses_models_gpt2_cannot_express(tmp_path, setting):
     name, value = setting
     extra = {"kv_latent_dim": 8} if value == "mla" else {}
     model = our_model(**{name: value}, **extra)
-    with pytest.raises(CheckpointError, match=f"model.{name}={value!r}"):
+    with pytest.raises(UserError, match=f"model.{name}={value!r}"):
         save_pretrained(tmp_path / "out", model.cfg, model.state_dict())
     assert not (tmp_path / "out").exists()   # refused before anything was written
 
@@ -160,7 +160,7 @@ def test_export_refuses_models_gpt2_cannot_express(tmp_path, setting):
 def test_import_refuses_configs_this_gpt_cannot_express(tmp_path, key, value):
     ours = our_model()
     hf_cfg, _ = to_hf(ours.cfg, ours.state_dict())
-    with pytest.raises(CheckpointError, match=key):
+    with pytest.raises(UserError, match=key):
         config_from_hf({**hf_cfg, key: value})
 
 
@@ -168,14 +168,14 @@ def test_import_refuses_damaged_checkpoints(tmp_path):
     from safetensors.torch import save_file
     ours = our_model()
     hf_cfg, hf_state = to_hf(ours.cfg, ours.state_dict())
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(UserError, match="no config.json"):
         load_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
     (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
-    with pytest.raises(CheckpointError, match="no model.safetensors.*can run code"):
+    with pytest.raises(UserError, match="no model.safetensors.*can run code"):
         load_pretrained(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
-    with pytest.raises(CheckpointError, match="not a readable safetensors"):
+    with pytest.raises(UserError, match="not a readable safetensors"):
         load_pretrained(str(tmp_path))
     cases = [("transformer.h.1.ln_2.weight", None, "lacks the tensor h.1.ln_2.weight"),
              ("transformer.wpe.weight", torch.zeros(8, 32), r"wpe.weight has shape \(8, 32\)"),
@@ -183,15 +183,15 @@ def test_import_refuses_damaged_checkpoints(tmp_path):
     for key, tensor, message in cases:
         broken = {k: v for k, v in hf_state.items() if k != key} | ({key: tensor} if tensor is not None else {})
         save_file(broken, tmp_path / "model.safetensors")
-        with pytest.raises(CheckpointError, match=message):
+        with pytest.raises(UserError, match=message):
             load_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="not valid JSON"):
+    with pytest.raises(UserError, match="not valid JSON"):
         load_pretrained(str(tmp_path))
 
 
 def test_a_hub_name_that_cannot_be_downloaded_is_a_one_line_error(tmp_path):
-    with pytest.raises(CheckpointError, match="neither a directory nor a GPT-2 name"):
+    with pytest.raises(UserError, match="neither a directory nor a GPT-2 name"):
         load_pretrained(str(tmp_path / "no_such_dir"))
     r = run("sample.py", "gpt2-medium", "--prompt", "Hi", env={"HF_HOME": str(tmp_path)})   # offline, empty cache
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -222,13 +222,13 @@ def test_init_from_takes_the_model_section_and_refuses_conflicts(tmp_path, text_
     for override, key in [("--model.n_layer=4", "model.n_layer=4"), ("--model.block_size=32", "model.block_size=32"),
                           ("--model.pos=rope", "model.pos=rope"), ("--model.vocab_size=50304", "model.vocab_size"),
                           ("--data.tokenizer=char", "data.tokenizer=char")]:
-        with pytest.raises(ConfigError, match=f"{key}.*conflicts with"):
+        with pytest.raises(UserError, match=f"{key}.*conflicts with"):
             build_config(None, base + [override])
     toml = tmp_path / "ft.toml"   # a key set in the config file conflicts the same way
     toml.write_text(f'[train]\ninit_from = "{gpt2_dir}"\n[model]\nn_embd = 64\n')
-    with pytest.raises(ConfigError, match="model.n_embd=64 conflicts with .*n_embd=32"):
+    with pytest.raises(UserError, match="model.n_embd=64 conflicts with .*n_embd=32"):
         build_config(str(toml), [f"--data={text_file}"])
-    with pytest.raises(ConfigError, match="neither a directory nor"):
+    with pytest.raises(UserError, match="neither a directory nor"):
         build_config(None, [f"--data={text_file}", f"--train.init_from={tmp_path / 'missing'}"])
 
 
@@ -239,7 +239,7 @@ def test_the_shipped_finetune_config_is_gpt2_small_without_a_download(text_file)
     assert (m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.mlp) == (12, 12, 768, 50257, "gelu_tanh")   # GPT-2's
     assert m.block_size <= 1024, "GPT-2's position table has 1024 rows"
     assert cfg.data.tokenizer == "gpt2" and cfg.train.init_from == "gpt2"
-    with pytest.raises(ConfigError, match=r"model.n_layer=4 conflicts with gpt2's n_layer=12 \(train.init_from\); "
+    with pytest.raises(UserError, match=r"model.n_layer=4 conflicts with gpt2's n_layer=12 \(train.init_from\); "
                                           r"remove the override"):
         build_config(str(ROOT / "configs" / "finetune_gpt2.toml"), [f"--data={text_file}", "--model.n_layer=4"])
 

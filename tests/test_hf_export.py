@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import export
-from common import CheckpointError, TokenizerError
+from common import UserError
 from data.tokenizers import CharTokenizer, load_tokenizer, train_bpe
 from hf.hub import save_pretrained
 from model.config import ModelConfig
@@ -84,7 +84,7 @@ def test_a_vocabulary_in_rank_order_is_needed_for_merges():
     """A token no lower-ranked pair makes cannot be a merge: said, not written wrong."""
     from hf.tokenizer import merges
     ranks = {bytes([b]): b for b in range(256)} | {b"abc": 256, b"ab": 257}
-    with pytest.raises(TokenizerError, match="b'abc' cannot be made"):
+    with pytest.raises(UserError, match="b'abc' cannot be made"):
         merges(ranks)
     assert merges({bytes([b]): b for b in range(256)} | {b"ab": 256, b"abc": 257}) == [(b"a", b"b"), (b"ab", b"c")]
 
@@ -114,6 +114,6 @@ def test_export_refuses_a_directory_that_is_not_empty_without_force(tmp_path, ca
 def test_an_unexportable_model_writes_no_tokenizer_files_either(tmp_path):
     tok = tokenizer("char")
     model = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16, pos="rope"))
-    with pytest.raises(CheckpointError, match="model.pos='rope'"):
+    with pytest.raises(UserError, match="model.pos='rope'"):
         save_pretrained(tmp_path / "out", model.cfg, model.state_dict(), tok.meta())
     assert not (tmp_path / "out").exists()

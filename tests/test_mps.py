@@ -4,7 +4,7 @@ and its random generator is saved with every checkpoint, so that dropout continu
 import pytest
 import torch
 
-from common import ConfigError
+from common import UserError
 from training import device as runtime
 from training.device import pick_device, pick_dtype
 
@@ -40,9 +40,9 @@ def test_on_mps_the_dtype_is_float32_unless_bfloat16_is_asked_for_and_supported(
     monkeypatch.setattr(runtime, "mps_has_bf16", lambda: True, raising=False)
     assert pick_dtype(MPS, "bfloat16") == torch.bfloat16
     monkeypatch.setattr(runtime, "mps_has_bf16", lambda: False)
-    with pytest.raises(ConfigError, match=r"^train.dtype=bfloat16 but this Mac's MPS lacks it .*: use float32$"):
+    with pytest.raises(UserError, match=r"^train.dtype=bfloat16 but this Mac's MPS lacks it .*: use float32$"):
         pick_dtype(MPS, "bfloat16")
-    with pytest.raises(ConfigError, match=r"^train.dtype=float16 is not supported on MPS"):
+    with pytest.raises(UserError, match=r"^train.dtype=float16 is not supported on MPS"):
         pick_dtype(MPS, "float16")
     assert pick_dtype(torch.device("cpu"), "bfloat16") == torch.bfloat16, "the CPU as before"
 

@@ -5,7 +5,7 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from common import CheckpointError
+from common import UserError
 from training.optim import Muon, Optimizers, build_optimizer, lr_at, orthogonalize, set_lr
 from training.trainer import train
 
@@ -108,5 +108,5 @@ def test_resume_with_muon_and_wsd_is_exact(tmp_path, tiny_cfg):
 
 def test_resume_with_another_optimizer_is_a_checkpoint_error(tmp_path, tiny_cfg):
     train(tiny_cfg(out_dir=tmp_path / "run"), quiet=True, stop_at=5)
-    with pytest.raises(CheckpointError, match="does not fit this run"):
+    with pytest.raises(UserError, match="does not fit this run"):
         train(tiny_cfg(**{"train.optimizer": "muon"}, out_dir=tmp_path / "run"), quiet=True, resume=True)

@@ -11,7 +11,7 @@ import train as train_cli
 from tests.conftest import poison, posix_signals, run_tool, tiny_overrides, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import list_checkpoints, load_checkpoint
-from common import RunError
+from common import UserError
 from training.outdir import ASIDE, MOVING, OutDir
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
@@ -73,7 +73,7 @@ def test_a_run_that_ends_in_the_out_dir_while_another_starts_there_is_not_replac
     assert starting.check(resume=False, overwrite=False) is None   # the out dir is free: this run may start
     assert run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)[0] == 0   # another run, whole, meanwhile
     finished = run_files(out)
-    with pytest.raises(RunError, match=f"{out} now holds a run that ended while this one was starting"):
+    with pytest.raises(UserError, match=f"{out} now holds a run that ended while this one was starting"):
         starting.open()
     starting.abandon()
     assert run_files(out) == finished

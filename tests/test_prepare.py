@@ -15,7 +15,7 @@ import common
 import data.prepare as prep
 import data.sources
 from data.loader import BatchLoader
-from common import ConfigError, DataError
+from common import UserError
 from benchmarks.prepare import measure
 from data.tokenizers import CharTokenizer, load_tokenizer
 from tests.conftest import ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text
@@ -53,7 +53,7 @@ def test_streaming_gives_the_tokens_of_the_whole_text(tmp_path, small_reads, tok
 def test_a_bad_byte_deep_in_the_file_is_named_by_its_offset(tmp_path, small_reads):
     path = tmp_path / "bad.txt"
     path.write_bytes(TEXT[:1000].encode() + b"\xff" + TEXT[1000:].encode())
-    with pytest.raises(DataError, match=r"byte 0xff at offset 1000; set --data.encoding_errors=replace"):
+    with pytest.raises(UserError, match=r"byte 0xff at offset 1000; set --data.encoding_errors=replace"):
         prepare_text(path, "char", 0.1, tmp_path / "prep")
     assert not (tmp_path / "prep").exists() or not os.listdir(tmp_path / "prep")
     out = prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
@@ -68,7 +68,7 @@ def test_a_binary_file_is_told_to_be_left_out_not_replaced(tmp_path):
     (tmp_path / "books" / "a.txt").write_text(TEXT)
     mo = tmp_path / "books" / "messages.mo"
     mo.write_bytes(b"\xde\x12\x04\x95\x00\x00\x00\x00\x02\x00\x00\x00\x1c\x00\x00\x00" + b"\xff\xfe msgid" * 20)
-    with pytest.raises(DataError) as e:
+    with pytest.raises(UserError) as e:
         prepare_text(tmp_path / "books", "char", 0.1, tmp_path / "prep")
     assert str(e.value) == (f"{mo} is not UTF-8: byte 0xde at offset 0; it looks binary: leave it out of the data "
                             f"(e.g. with a glob such as '{mo.parent}/*.txt')"), e.value
@@ -159,7 +159,7 @@ def test_missing_and_empty_inputs_are_clear_errors(tmp_path):
     if os.path.exists("/dev/null"):
         cases["/dev/null"] = "data path /dev/null is not a regular file: save the text to a file and pass that"
     for path, message in cases.items():
-        with pytest.raises(DataError, match=message):
+        with pytest.raises(UserError, match=message):
             prepare_text(path, "char", 0.1, tmp_path / "prep")
 
 
@@ -178,7 +178,7 @@ def test_a_text_that_cannot_be_used_is_one_line_and_writes_nothing(tmp_path, tex
 
 @pytest.mark.parametrize("fraction", ["0", "1", "-0.1", "nan"])
 def test_the_command_refuses_a_val_fraction_outside_0_to_1(tmp_path, text_file, fraction):
-    with pytest.raises(ConfigError, match=r"data\.val_fraction must be .*, got"):
+    with pytest.raises(UserError, match=r"data\.val_fraction must be .*, got"):
         prep.main([str(text_file), "--val-fraction", fraction, "--root", str(tmp_path / "prep")])
     assert not (tmp_path / "prep").exists()
 

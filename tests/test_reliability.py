@@ -14,7 +14,7 @@ import torch
 
 import sample as sample_cli
 import train as train_cli
-from common import CheckpointError, RunError
+from common import UserError
 from model.gpt import GPT
 from tests.conftest import TEXT, Evil, mkdir, poison, prepare_text, run_limited, run_tool, settled, tiny_overrides, tree, write
 from training.checkpoint import FORMAT, VERSION, list_checkpoints, load_checkpoint
@@ -62,7 +62,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_does_not(tmp_path, trai
     evil = tmp_path / "evil.pt"
     good = torch.load(trained / "ckpt_0000004.pt", weights_only=True)
     torch.save({**good, "config": Evil(marker)}, evil)   # a checkpoint of ours in every other way
-    with pytest.raises(CheckpointError, match=r"refused.*GLOBAL posix.system"):
+    with pytest.raises(UserError, match=r"refused.*GLOBAL posix.system"):
         load_checkpoint(evil)
     rc, _, err = run_tool(sample_cli, [evil, "--max-new-tokens", "5"], capsys)
     assert rc == 2 and "refused" in err
@@ -169,7 +169,7 @@ def test_skip_mode_drops_the_bad_updates_and_counts_them(tiny_cfg, monkeypatch):
 
 def test_skip_mode_still_stops_a_diverged_run(tiny_cfg, monkeypatch):
     poison(monkeypatch, set(range(3, 100)))
-    with pytest.raises(RunError, match="at 10 steps in a row"):
+    with pytest.raises(UserError, match="at 10 steps in a row"):
         train(tiny_cfg(**{"train.on_nonfinite": "skip"}), quiet=True)
 
 
@@ -179,7 +179,7 @@ def test_the_device_side_record_names_the_first_bad_step():
     record.steps.fill_(40)   # a resumed run counts on from its checkpoint's step
     one, nan = torch.tensor(1.0), torch.tensor(float("nan"))
     assert [int(record.record(*pair)) for pair in ((one, one), (one, nan), (nan, one))] == [0, -1, 1]
-    with pytest.raises(RunError, match="non-finite gradient at step 42; stopped, no checkpoint had been written"):
+    with pytest.raises(UserError, match="non-finite gradient at step 42; stopped, no checkpoint had been written"):
         record.check(None)
     fine = NonFinite(torch.device("cpu"), stop=True, check_grad=True)
     fine.record(one, one)

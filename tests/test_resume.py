@@ -11,7 +11,7 @@ import torch
 import train as train_cli
 from tests.conftest import TEXT, tiny_overrides
 from tests.conftest import mkdir, run_tool, write
-from common import CheckpointError
+from common import UserError
 from training.checkpoint import load_checkpoint
 from training.trainer import train
 
@@ -64,10 +64,10 @@ def test_resume_needs_the_whole_training_state_and_the_same_tokenizer(tmp_path, 
     weights_only.mkdir()
     ckpt = torch.load(f"{cfg.out_dir}/ckpt_0000002.pt", weights_only=True)
     torch.save({k: v for k, v in ckpt.items() if k not in ("optimizer", "rng_ranks")}, weights_only / "ckpt_0000002.pt")
-    with pytest.raises(CheckpointError, match="cannot be resumed from: it lacks optimizer, rng_ranks"):
+    with pytest.raises(UserError, match="cannot be resumed from: it lacks optimizer, rng_ranks"):
         train(tiny_cfg(**{"model.vocab_size": 80}, out_dir=weights_only), resume=True, quiet=True)
     text_file.write_text(TEXT.upper())   # the same model, another vocabulary
-    with pytest.raises(CheckpointError, match="the text changed, and --resume needs the one it was trained on"):
+    with pytest.raises(UserError, match="the text changed, and --resume needs the one it was trained on"):
         train(tiny_cfg(**{"model.vocab_size": 80, "train.max_steps": 4}), resume=True, quiet=True)
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import train as train_cli
-from common import RunError
+from common import UserError
 from tests.conftest import ROOT, TEXT, num_threads, posix_signals, run_tool, tiny_overrides, tree
 from tests.test_reliability_kill import Child, step_line
 from training.checkpoint import latest_checkpoint, load_checkpoint
@@ -61,7 +61,7 @@ def test_only_a_held_lock_makes_an_out_dir_busy(code, busy, tiny_cfg, monkeypatc
 
     monkeypatch.setattr(lock.fcntl, "flock", flock)
     if busy:
-        with pytest.raises(RunError, match="is in use by another run"):
+        with pytest.raises(UserError, match="is in use by another run"):
             train(cfg, quiet=True, overwrite=True)
     else:
         assert train(cfg, quiet=True, overwrite=True)["step"] == 2

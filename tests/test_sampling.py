@@ -6,7 +6,7 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from common import SamplingError
+from common import UserError
 from model.sampling import Decoding, draw_noise, generate, sample_next
 
 
@@ -67,7 +67,7 @@ def test_a_tiny_temperature_samples_like_greedy_instead_of_overflowing():
 def test_a_nan_weight_is_named_at_the_first_token(temperature):
     model = make_model()
     model.blocks[0].attn.query.weight.data[0, 0] = float("nan")
-    with pytest.raises(SamplingError, match="logits are not finite at new token 1: its weights are damaged"):
+    with pytest.raises(UserError, match="logits are not finite at new token 1: its weights are damaged"):
         run(model, torch.zeros(1, 1, dtype=torch.long), 5, temperature=temperature)
 
 
@@ -75,7 +75,7 @@ def test_the_first_non_finite_token_is_named_even_when_the_flags_are_read_later(
     model = make_model()
     model.pos_emb.weight.data[4] = float("nan")     # the logits at position 4: new token 5 after a 1-token prompt
     tokens = []
-    with pytest.raises(SamplingError, match="at new token 5:"):
+    with pytest.raises(UserError, match="at new token 5:"):
         for col in generate(model, torch.zeros(1, 1, dtype=torch.long), 12, decoding=Decoding(check_every=4)):
             tokens.append(col)
     assert len(tokens) == 7, "the flags of tokens 5 to 8 are read at the 8th, before it is yielded"

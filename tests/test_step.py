@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import training.trainer as trainer
-from common import RunError
+from common import UserError
 from training.config import TrainConfig, build_config
 from training.trainer import graph_blockers, train
 from tests.conftest import ROOT
@@ -83,7 +83,7 @@ def test_a_non_finite_step_is_named_from_the_device_side_record(graph, tiny_cfg,
             with torch.no_grad():
                 model.norm_f.weight[0] = float("nan")
     cfg = tiny_cfg(**{"train.log_interval": 4, **({} if graph else EAGER)})
-    with pytest.raises(RunError, match="non-finite loss at step 6; stopped, no checkpoint had been written yet"):
+    with pytest.raises(UserError, match="non-finite loss at step 6; stopped, no checkpoint had been written yet"):
         train(cfg, quiet=True, on_step=poison_after_5)
     assert len(graph_on_cpu) == graph
 
@@ -178,7 +178,7 @@ def test_on_cuda_a_non_finite_step_under_a_recorded_graph_is_named(tiny_cfg):
         if step == 5:
             with torch.no_grad():
                 model.norm_f.weight[0] = float("nan")
-    with pytest.raises(RunError, match="non-finite loss at step 6"):
+    with pytest.raises(UserError, match="non-finite loss at step 6"):
         train(tiny_cfg(**{"train.device": "cuda", "train.log_interval": 4}), quiet=True, on_step=poison_after_5)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from model.gpt import GPT
 from tests.conftest import TEXT
-from common import CheckpointError, RunError
+from common import UserError
 from training.checkpoint import list_checkpoints, load_checkpoint, load_model
 from training.trainer import train
 
@@ -50,17 +50,17 @@ def test_resume_is_exact(tmp_path, tiny_cfg):
 
 def test_out_dir_protection(tiny_cfg):
     cfg = tiny_cfg()
-    with pytest.raises(RunError, match="no checkpoint"):
+    with pytest.raises(UserError, match="no checkpoint"):
         train(cfg, resume=True, quiet=True)
     train(cfg, quiet=True)
-    with pytest.raises(RunError, match="already holds checkpoints"):
+    with pytest.raises(UserError, match="already holds checkpoints"):
         train(cfg, quiet=True)
     assert train(cfg, overwrite=True, quiet=True)["step"] == 20
 
 
 def test_resume_with_another_model_is_refused(tiny_cfg):
     train(tiny_cfg(), quiet=True)
-    with pytest.raises(CheckpointError, match=r"model.n_layer: 2 in the run, 3 now"):
+    with pytest.raises(UserError, match=r"model.n_layer: 2 in the run, 3 now"):
         train(tiny_cfg(**{"model.n_layer": 3}), resume=True, quiet=True)
 
 

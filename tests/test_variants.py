@@ -8,7 +8,7 @@ from model.attention.linear import causal_linear_attention, recurrent_linear_att
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
 from model.positions import alibi_slopes
-from common import ConfigError
+from common import UserError
 from model.sampling import Decoding, generate, sample_next
 from training.config import build_config
 
@@ -232,7 +232,7 @@ def test_cache_size_is_what_the_cache_holds(attention):
     ({"model.attention": "gqa", "model.n_kv_head": -1}, "model.n_kv_head must be >= 0"),
 ])
 def test_impossible_combinations_are_config_errors_naming_both_settings(overrides, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UserError, match=message):
         build_config(None, [f"--{k}={v}" for k, v in overrides.items()])
 
 

@@ -59,8 +59,8 @@ def test_sampling_time_is_not_billed_to_the_steps(tiny_cfg, monkeypatch):
 
 
 def test_a_sample_prompt_the_text_cannot_encode_is_refused_at_once(tiny_cfg):
-    from common import ConfigError
-    with pytest.raises(ConfigError, match="train.sample_prompt has 1 character"):
+    from common import UserError
+    with pytest.raises(UserError, match="train.sample_prompt has 1 character"):
         train(tiny_cfg(**{"train.sample_every": 5, "train.sample_prompt": "☃"}), quiet=True)
 
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 import sample as sample_cli
-from common import RunError, run_cli
+from common import UserError, run_cli
 from tests.conftest import ROOT, save_char_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
@@ -101,7 +101,7 @@ def test_without_fcntl_the_out_dir_is_locked_through_msvcrt(tmp_path, windows_lo
     first.open()
     pid = (tmp_path / ".lock").read_text()
     assert pid == f"{os.getpid()}\n"
-    with pytest.raises(RunError, match=rf"^{tmp_path} is in use by another run \(PID {os.getpid()}\); "):
+    with pytest.raises(UserError, match=rf"^{tmp_path} is in use by another run \(PID {os.getpid()}\); "):
         second.check(resume=False, overwrite=False)
     assert (tmp_path / ".lock").read_text() == pid, "a refused run leaves the holder's PID"
     assert min(windows_locks.offsets) >= len(pid), "Windows' locks are mandatory: the PID must stay readable"
@@ -123,7 +123,7 @@ def test_a_run_into_an_out_dir_locked_through_msvcrt_is_refused_and_writes_nothi
     try:
         before = tree(other.path)
         for flags in ({"overwrite": True}, {"resume": True}):
-            with pytest.raises(RunError, match=rf"is in use by another run \(PID {os.getpid()}\)"):
+            with pytest.raises(UserError, match=rf"is in use by another run \(PID {os.getpid()}\)"):
                 train(cfg, quiet=True, **flags)
             assert tree(other.path) == before
     finally:
@@ -150,7 +150,7 @@ def test_the_out_dir_lock_holds_across_processes_and_goes_with_its_holder(tmp_pa
                               text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert holder.stdout.readline() == "locked\n"
-        with pytest.raises(RunError, match=rf"in use by another run \(PID {holder.pid}\)"):
+        with pytest.raises(UserError, match=rf"in use by another run \(PID {holder.pid}\)"):
             OutDir(tmp_path).check(resume=False, overwrite=False)
     finally:
         holder.kill()
@@ -161,7 +161,7 @@ def test_the_out_dir_lock_holds_across_processes_and_goes_with_its_holder(tmp_pa
             out = OutDir(tmp_path)
             out.check(resume=False, overwrite=False)
             break
-        except RunError:
+        except UserError:
             assert time.monotonic() < deadline, "the lock outlived its holder"
             time.sleep(0.2)
     out.close()

@@ -7,7 +7,7 @@ Choices:
              DataConfig in data/prepare.py; TrainConfig and LogConfig here); each checks itself in
              validate(), and each field says what it does (common.setting), which --help and
              docs/config.md print (python -m training.config > docs/config.md)
-  values     coerced to the field's type; an unknown key or a bad value is a ConfigError naming it
+  values     coerced to the field's type; an unknown key or a bad value is a UserError naming it
              (and the closest valid key). TOML is read with the standard library: a config is data
   paths      a relative path resolves against where it was written: the command line's against the
              working directory, a config file's against the repository when the file is in it (the
@@ -24,7 +24,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import ConfigError, check, setting
+from common import UserError, check, setting
 from data.prepare import DataConfig
 from model.config import ModelConfig
 
@@ -91,14 +91,14 @@ class TrainConfig:
         for name, allowed in choices.items():
             check(f"train.{name}", getattr(self, name), one_of=allowed)
         if self.min_lr > self.lr:
-            raise ConfigError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}")
+            raise UserError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}")
         if self.warmup_steps >= self.max_steps > 1:
-            raise ConfigError(f"train.warmup_steps={self.warmup_steps} is not below train.max_steps={self.max_steps}: "
+            raise UserError(f"train.warmup_steps={self.warmup_steps} is not below train.max_steps={self.max_steps}: "
                               f"the whole run would be warm-up, with no decay; lower --train.warmup_steps")
         if self.optimizer == "muon" and self.fsdp:
-            raise ConfigError("train.optimizer=muon needs whole matrices, train.fsdp shards them: use one of the two")
+            raise UserError("train.optimizer=muon needs whole matrices, train.fsdp shards them: use one of the two")
         if self.sample_every and self.fsdp:
-            raise ConfigError("train.sample_every samples on one process, train.fsdp shards the model over all of "
+            raise UserError("train.sample_every samples on one process, train.fsdp shards the model over all of "
                               "them: use one of the two")
 
 
@@ -160,7 +160,7 @@ def set_key(cfg: Config, key: str, value) -> None:
         section = key.rpartition(".")[0]
         what = f"section {section!r} in {key!r}" if section and section not in SECTIONS else f"key {key!r}"
         match = difflib.get_close_matches(key, list(KEYS), n=1, cutoff=0.5)
-        raise ConfigError(f"unknown config {what}" + (f" (did you mean {match[0]!r}?)" if match else ""))
+        raise UserError(f"unknown config {what}" + (f" (did you mean {match[0]!r}?)" if match else ""))
     typ, text = KEYS[key], str(value).strip().lower()
     words = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
     try:
@@ -170,7 +170,7 @@ def set_key(cfg: Config, key: str, value) -> None:
                   or typ is float and type(value) is int):
             raise ValueError
     except (KeyError, ValueError):
-        raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}") from None
+        raise UserError(f"{key}: expected {typ.__name__}, got {value!r}") from None
     section, _, name = key.rpartition(".")
     setattr(getattr(cfg, section) if section else cfg, name, float(value) if typ is float else value)
 
@@ -179,16 +179,16 @@ def load_toml(path) -> dict:
     """A TOML file as a dict; a UTF-8 byte order mark (which Windows' Notepad writes) is skipped."""
     path = Path(path)
     if path.is_dir():
-        raise ConfigError(f"{path} is a directory: give a config file, such as {path / 'shakespeare_char_cpu.toml'}")
+        raise UserError(f"{path} is a directory: give a config file, such as {path / 'shakespeare_char_cpu.toml'}")
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise UserError(f"config file not found: {path}")
     try:
         return tomllib.loads(path.read_bytes().decode("utf-8").removeprefix("\ufeff"))
     except tomllib.TOMLDecodeError as e:
         hint = f" (did you mean --data {path}?)" if path.suffix != ".toml" else ""
-        raise ConfigError(f"{path}: TOML syntax error: {e}{hint}") from None
+        raise UserError(f"{path}: TOML syntax error: {e}{hint}") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a UTF-8 text file" + (f" (did you mean --data {path}?)"
+        raise UserError(f"{path}: not a UTF-8 text file" + (f" (did you mean --data {path}?)"
                                                                if path.suffix != ".toml" else "")) from None
 
 
@@ -198,11 +198,11 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
+            raise UserError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                raise ConfigError(f"{arg} needs a value: {arg}=VALUE")
+                raise UserError(f"{arg} needs a value: {arg}=VALUE")
             value, i = args[i + 1], i + 1
         pairs.append(({"data": "data.path"}.get(key, key), value))
         i += 1
@@ -227,8 +227,8 @@ def build_config(config_file: str | None, overrides: list[str], base: dict | Non
         for key, value in flat(values).items():
             try:
                 set_key(cfg, key, value)
-            except ConfigError as e:
-                raise ConfigError(f"{label}{e}") from None
+            except UserError as e:
+                raise UserError(f"{label}{e}") from None
             origin[key] = where
     given = set()   # the keys the command line sets
     for key, value in parse_overrides(overrides):
@@ -241,7 +241,7 @@ def build_config(config_file: str | None, overrides: list[str], base: dict | Non
         origin["out_dir"] = ROOT
     for key in PATHS:
         if not get_key(cfg, key).strip():
-            raise ConfigError(f"{key} is empty" + (": leave it out for out/<name>" if key == "out_dir" else ""))
+            raise UserError(f"{key} is empty" + (": leave it out for out/<name>" if key == "out_dir" else ""))
         set_key(cfg, key, os.path.abspath(os.path.join(origin[key], os.path.expanduser(get_key(cfg, key)))))
     if cfg.train.init_from and base is None:   # the model section comes from the pretrained checkpoint
         from hf.hub import resolve_init_from   # the optional Hugging Face room

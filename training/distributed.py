@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import ConfigError
+from common import UserError
 
 
 def join(device: torch.device) -> tuple[torch.device, int, int, int]:
@@ -38,7 +38,7 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
         device = torch.device("cuda", local_rank)   # one GPU per process
         torch.cuda.set_device(device)
     elif device.type != "cpu":
-        raise ConfigError(f"distributed training runs on cuda (nccl) or cpu (gloo), not {device.type}")
+        raise UserError(f"distributed training runs on cuda (nccl) or cpu (gloo), not {device.type}")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)

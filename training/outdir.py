@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from common import RunError
+from common import UserError
 from training.checkpoint import CKPT_RE, latest_checkpoint
 
 try:
@@ -74,19 +74,19 @@ class OutDir:
         else the latest)."""
         self.overwrite = overwrite
         if resume and overwrite:
-            raise RunError("--resume and --overwrite contradict each other: continue the run, or start it over")
+            raise UserError("--resume and --overwrite contradict each other: continue the run, or start it over")
         if self.path.exists() and not self.path.is_dir():
-            raise RunError(f"the out dir {self.path} is a file, not a directory")
+            raise UserError(f"the out dir {self.path} is a file, not a directory")
         if (self.path / ".lock").is_file():   # held from here to the end of the run
             try:
                 self.fd = os.open(self.path / ".lock", os.O_RDWR)
             except OSError as e:
-                raise RunError(f"cannot write to the out dir {self.path} ({e.strerror}): choose another --out_dir") \
+                raise UserError(f"cannot write to the out dir {self.path} ({e.strerror}): choose another --out_dir") \
                     from None
             if not _lock(self.fd):
                 pid = (self.path / ".lock").read_text(errors="replace").strip() or "unknown"
                 self.close()
-                raise RunError(f"{self.path} is in use by another run (PID {pid}); wait for it to end, or choose "
+                raise UserError(f"{self.path} is in use by another run (PID {pid}); wait for it to end, or choose "
                                f"another --out_dir")
         if back := coming_back(self.path):   # give the earlier run back
             for p in self.run_files() if back.name == ASIDE else []:   # (beside it: the killed run's files)
@@ -98,21 +98,21 @@ class OutDir:
             if checkpoint is not None:
                 return Path(checkpoint).resolve()
             if latest is None:
-                raise RunError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {self.path} to resume from; "
+                raise UserError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {self.path} to resume from; "
                                f"leave out --resume to start a new run")
             return latest
         theirs = [p.name for p in self.run_files()]
         if theirs and not overwrite and latest is None:
-            raise RunError(f"{self.path} holds {', '.join(theirs)}, which a run writes: choose another --out_dir, "
+            raise UserError(f"{self.path} holds {', '.join(theirs)}, which a run writes: choose another --out_dir, "
                            f"or --overwrite to replace them (kept in {self.path / ASIDE} until this run's first "
                            f"checkpoint)")
         if theirs and not overwrite:
-            raise RunError(f"{self.path} already holds {'checkpoints' if latest.name != 'best.pt' else 'best.pt'} of "
+            raise UserError(f"{self.path} already holds {'checkpoints' if latest.name != 'best.pt' else 'best.pt'} of "
                            f"a run: continue it with --resume, start over with --overwrite, or choose another "
                            f"--out_dir")
         parent = next(p for p in [self.path, *self.path.parents] if p.exists())
         if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise RunError(f"cannot create the out dir {self.path}: {parent} is not a writable directory")
+            raise UserError(f"cannot create the out dir {self.path}: {parent} is not a writable directory")
         self.new_run = True
         return None
 
@@ -132,7 +132,7 @@ class OutDir:
                 except FileExistsError:   # another run's, that started meanwhile, or one that ended
                     self.fd = os.open(lock, os.O_RDWR)
                 if not _lock(self.fd):
-                    raise RunError(f"{self.path} is in use by another run; choose another --out_dir")
+                    raise UserError(f"{self.path} is in use by another run; choose another --out_dir")
             os.ftruncate(self.fd, 0)
             os.write(self.fd, f"{os.getpid()}\n".encode())
             for tmp in self.path.glob(".*.tmp"):   # a save a kill cut short; other hidden files are the user's
@@ -140,7 +140,7 @@ class OutDir:
                     tmp.unlink()
             if self.new_run and (replaced := self.run_files()):
                 if not self.overwrite:   # a run that ended meanwhile: it is not this run's to replace
-                    raise RunError(f"{self.path} now holds a run that ended while this one was starting: continue "
+                    raise UserError(f"{self.path} now holds a run that ended while this one was starting: continue "
                                    f"it with --resume, start over with --overwrite, or choose another --out_dir")
                 (self.path / MOVING).mkdir()
                 self.set_aside = True
@@ -149,7 +149,7 @@ class OutDir:
                 os.replace(self.path / MOVING, self.path / ASIDE)
             self.opened = True
         except OSError as e:
-            raise RunError(f"cannot write to the out dir {self.path} ({e.strerror}): choose another --out_dir") \
+            raise UserError(f"cannot write to the out dir {self.path} ({e.strerror}): choose another --out_dir") \
                 from None
 
     def committed(self) -> None:

@@ -32,16 +32,16 @@ import time
 import numpy as np
 import torch
 
-from common import (ConfigError, Interrupted, Printer, RunError, StopRequest, TokenizerError,
-                    atomic_write, duration, first_line, is_out_of_memory, on_stop_signals)
-from data.cache import bits_per_byte, load_meta
+from common import Interrupted, Printer, StopRequest, UserError, atomic_write, duration, first_line, is_out_of_memory, on_stop_signals
+from data.cache import load_meta
+from model.gpt import bits_per_byte
 from data.loader import BatchLoader, strided_windows
 from data.prepare import prepare
 from data.sources import find_sources
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT, score
 from training.checkpoint import (FORMAT, VERSION, check_resumable, check_same_text, latest_checkpoint, link_best,
-                                 load_checkpoint, restore, rng_state, save_checkpoint)
+                                 read_checkpoint, restore, rng_state, save_checkpoint)
 from training.config import SAME_RUN_KEYS, Config, build_config, changes, describe, fmt, load_toml
 from training.device import autocast, busy_cpu_note, check_memory, cpu_times, pick_device, pick_dtype
 from training.optim import build_optimizer, lr_at, set_lr
@@ -70,12 +70,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         # ---- every check before the run's first write: the data's files, the out dir, the checkpoint, the memory
         dtype = pick_dtype(device, t.dtype)
         if t.fsdp and ddp and dtype == torch.float16:
-            raise ConfigError("train.fsdp with float16 needs a sharded gradient scaler: use --train.dtype=bfloat16")
+            raise UserError("train.fsdp with float16 needs a sharded gradient scaler: use --train.dtype=bfloat16")
         find_sources(cfg.data.path)
         resume_from = distributed.leader_first(lambda: out.check(resume, overwrite, checkpoint), rank == 0,
                                                others=False) if ddp else out.check(resume, overwrite, checkpoint)
         stored = load_toml(out.path / "config.toml") if resume_from and (out.path / "config.toml").is_file() else None
-        ckpt = load_checkpoint(resume_from, mmap=False) if resume_from else None   # read whole: the file may go
+        ckpt = read_checkpoint(resume_from) if resume_from else None   # read whole: the file may go
         if ckpt is not None:
             check_resumable(ckpt, resume_from, cfg)
         dataset = distributed.leader_first(lambda: prepare(cfg.data, cfg.model.block_size), local_rank == 0) \
@@ -86,13 +86,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             check_same_text(ckpt, resume_from, meta, cfg.data.path, say)
         cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
         if cfg.model.vocab_size < meta["vocab_size"]:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"{meta['vocab_size']}")
         if t.sample_prompt:
             try:   # a character the text never had is refused now, not at the first sample
                 tokenizer.encode(t.sample_prompt)
-            except TokenizerError as e:
-                raise ConfigError(f"train.sample_prompt has {e}") from None
+            except UserError as e:
+                raise UserError(f"train.sample_prompt has {e}") from None
         memory = check_memory(cfg, device, dtype, world)
 
         # ---- the data, the model (the same initial weights on every rank), the optimizer
@@ -162,7 +162,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                         if what:
                             say(f"step {step:6d} | non-finite {what}: update skipped ({skipped} so far)")
                         if in_a_row >= MAX_SKIPS_IN_A_ROW:
-                            raise RunError(f"non-finite {what} at {in_a_row} steps in a row (up to step {step}); "
+                            raise UserError(f"non-finite {what} at {in_a_row} steps in a row (up to step {step}); "
                                            f"stopped, {kept(saved_step)} (try a lower --train.lr)")
                     if on_step is not None and on_step(step, model):
                         end = step   # asked to end here, as stop_at would
@@ -232,7 +232,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             except BaseException as e:
                 out.abandon()   # (a resumed run, or one with a checkpoint of its own, keeps everything)
                 if is_out_of_memory(e):
-                    raise RunError(f"out of memory on {device} at step {step + 1} ({first_line(e, 80)}): try a "
+                    raise UserError(f"out of memory on {device} at step {step + 1} ({first_line(e, 80)}): try a "
                                    f"smaller --train.batch_size (with a larger --train.grad_accum to keep the tokens "
                                    f"per step; {kept(saved_step, resume=True)}) or a smaller --model.block_size") \
                         from None
@@ -284,7 +284,7 @@ class NonFinite:
     def check(self, saved_step: int | None) -> None:
         """Stop mode: raise, naming the first non-finite step, if there was one."""
         if self.stop and (first := int(self.first)):
-            raise RunError(f"non-finite {self.said(first)} at step {abs(first)}; stopped, {kept(saved_step)} (try a "
+            raise UserError(f"non-finite {self.said(first)} at step {abs(first)}; stopped, {kept(saved_step)} (try a "
                            f"lower --train.lr, or --train.on_nonfinite=skip to skip such steps)")
 
 
@@ -436,13 +436,13 @@ class Metrics:
             try:
                 import wandb
             except ImportError:
-                raise ConfigError("log.wandb = true but wandb is not installed (pip install wandb)") from None
+                raise UserError("log.wandb = true but wandb is not installed (pip install wandb)") from None
             try:
                 self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.wandb_run_name or out_dir.name,
                                         group=cfg.log.wandb_group or None, config=cfg.to_dict(), dir=str(out_dir),
                                         resume="allow")
             except Exception as e:   # no login, no network, a bad project: wandb's own errors
-                raise ConfigError(f"log.wandb = true but wandb did not start ({type(e).__name__}: "
+                raise UserError(f"log.wandb = true but wandb did not start ({type(e).__name__}: "
                                   f"{first_line(e, 100)}); run `wandb login`, set WANDB_MODE=offline, or leave "
                                   f"log.wandb off") from None
         self.path = out_dir / "metrics.jsonl"

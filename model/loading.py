@@ -1,0 +1,123 @@
+"""A trained model from a file, and where it computes: what sampling, scoring, drawing and exporting
+share (training writes the checkpoints: training/checkpoint.py).
+
+  reading   every member's checksum (torch.save writes a zip), then torch.load(weights_only=True):
+            tensors and plain data only, so a file cannot run code; one format and version check; the
+            weights loaded strictly into the model its config describes. Any failure is one line
+  sources   a checkpoint file; a run's out dir (its best.pt, else its latest ckpt_*.pt); a Hugging
+            Face GPT-2, by directory or hub name (the optional hf/ room)
+  device    auto = CUDA where there is a GPU, else the CPU; any name torch knows (cuda:1, mps)
+  dtype     auto = bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere. Lower precision runs
+            under autocast: the weights stay fp32, the matmuls run in the low format; on CUDA fp32
+            matmuls may use TF32 tensor cores (far below what training notices, and much faster)
+"""
+import os
+import re
+import zipfile
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common import UserError, first_line
+from data.tokenizers import load_tokenizer
+from model.config import ModelConfig
+from model.gpt import GPT
+
+FORMAT, VERSION = "gpt-checkpoint", 2
+CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
+
+
+def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
+    """(step, path) of the step checkpoints in out_dir, oldest first."""
+    names = os.listdir(out_dir) if Path(out_dir).is_dir() else []
+    return sorted((int(m[1]), Path(out_dir) / n) for n in names if (m := CKPT_RE.match(n)))
+
+
+def find_checkpoint(path) -> Path:
+    """A checkpoint file as it is; a run's out dir -> its best.pt, else its latest ckpt_*.pt."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    found = path / "best.pt" if (path / "best.pt").is_file() else (list_checkpoints(path) or [(0, None)])[-1][1]
+    if found is None:
+        raise UserError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
+    return found
+
+
+def read_checkpoint(path) -> dict:
+    """A checkpoint file's dict, read without running code; any problem is one line naming the file."""
+    if not Path(path).is_file():
+        raise UserError(f"checkpoint not found: {path}")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()   # torch.load itself reads a flipped bit in a tensor without a word
+        ckpt = None if damaged else torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:   # truncated, not a zip, or objects that could run code (the unpickler refuses them)
+        raise UserError(f"{path} is not a readable checkpoint ({first_line(e, 100)})") from None
+    if damaged:
+        raise UserError(f"{path} is damaged: {damaged} does not match its checksum")
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or ckpt.get("version") != VERSION:
+        raise UserError(f"{path} is not a checkpoint of this project (format {FORMAT} version {VERSION})")
+    return ckpt
+
+
+@dataclass
+class LoadedModel:
+    """A model read from a file, ready to use (eval mode), with what came with it."""
+    model: GPT
+    tokenizer: object
+    path: Path | str
+    description: str          # one line: where it came from, its step and val loss
+    step: int | None = None
+
+
+def load_model(source, device=torch.device("cpu")) -> LoadedModel:
+    """The model and tokenizer of a checkpoint (a file, or a run's out dir) or of a Hugging Face GPT-2
+    (a directory with config.json, or a hub name such as gpt2)."""
+    text, path = str(source), Path(source)
+    if (path / "config.json").is_file() and not list(path.glob("*.pt")) or not path.exists() and "/" not in text:
+        from hf.hub import load_gpt2   # (the optional Hugging Face room)
+        model, tokenizer, description = load_gpt2(text)
+        return LoadedModel(model.to(device), tokenizer, text, description)
+    path = find_checkpoint(path)
+    ckpt = read_checkpoint(path)
+    try:
+        model = GPT(ModelConfig(**ckpt["config"]["model"]))
+        model.load_state_dict(ckpt["model"])   # strict: every weight, each of its shape
+        tokenizer = load_tokenizer(ckpt["tokenizer"])
+    except Exception as e:
+        raise UserError(f"{path} does not hold a usable model ({first_line(e, 200)})") from None
+    best = ckpt.get("best_val_loss")
+    val = f", val loss {best:.4f}" if isinstance(best, float) else ""
+    return LoadedModel(model.to(device).eval(), tokenizer, path, f"{path} (step {ckpt['step']}{val})", ckpt["step"])
+
+
+def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
+    """auto: CUDA where there is a GPU, else the CPU; any other name is checked against this machine."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)   # the device exists here
+    except (RuntimeError, AssertionError):   # (a CPU-only build asserts)
+        raise UserError(f"{setting}={name!r} is not a device this machine has (cpu, cuda, cuda:N, mps)") from None
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        if device.index is not None:   # the GPU that random generators, graphs and streams act on
+            torch.cuda.set_device(device)
+    return device
+
+
+def pick_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """The context that runs matmuls in dtype (nothing in fp32)."""
+    return torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
