@@ -12,6 +12,7 @@ share (training writes the checkpoints: training/checkpoint.py).
             matmuls may use TF32 tensor cores (far below what training notices, and much faster)
 """
 import os
+import pickle
 import re
 import zipfile
 from contextlib import nullcontext
@@ -54,7 +55,9 @@ def read_checkpoint(path) -> dict:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()   # torch.load itself reads a flipped bit in a tensor without a word
         ckpt = None if damaged else torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:   # truncated, not a zip, or objects that could run code (the unpickler refuses them)
+    except pickle.UnpicklingError:   # weights_only's unpickler met something other than tensors and plain data
+        raise UserError(f"{path} was refused: it holds objects that could run code when loaded") from None
+    except Exception as e:   # truncated, not a zip
         raise UserError(f"{path} is not a readable checkpoint ({first_line(e, 100)})") from None
     if damaged:
         raise UserError(f"{path} is damaged: {damaged} does not match its checksum")

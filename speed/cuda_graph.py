@@ -28,21 +28,20 @@ def record(fn, warmup: int = 2):
     return graph, out
 
 
-def graph_step(step, windows: torch.Tensor, optimizer, state: list[torch.Tensor], capture: bool = True):
+def graph_step(step, windows: torch.Tensor, optimizer, capture: bool = True):
     """step(windows) recorded as a CUDA graph over windows, a static (grad_accum, B, T + 1) buffer that
     holds real data: returns run(next_windows), which copies them in and replays. capture=False runs
     the same static-buffer step without recording (how it is tested on a CPU).
 
     The learning rates become tensors on the device (set_lr fills them in place). The warm-up before
-    recording executes real updates: the parameters and `state` (the step's other tensors) are put back
-    afterwards, in place, with the optimizer's state as it was, so that training starts where it would
+    recording executes real updates: the parameters are put back afterwards, in place, with the optimizer's state as it was, so that training starts where it would
     have. Any failure puts the float learning rates back, for the eager step that replaces this one."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)
         if "capturable" in group:
             group["capturable"] = capture
-    saved = [t.detach().clone() for t in params + state]
+    saved = [p.detach().clone() for p in params]
     saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                    for p, s in optimizer.state.items()}
     graph = out = None
@@ -62,8 +61,8 @@ def graph_step(step, windows: torch.Tensor, optimizer, state: list[torch.Tensor]
         raise
     finally:   # back to the state before the warm-up, at the same addresses
         with torch.no_grad():
-            for t, s in zip(params + state, saved):
-                t.copy_(s)
+            for p, s in zip(params, saved):
+                p.copy_(s)
             for p, s in optimizer.state.items():
                 for k, v in s.items():
                     if torch.is_tensor(v):

@@ -268,6 +268,38 @@ def trained(tmp_path_factory):
     return root / "out"
 
 
+def records(out_dir, kind: str = "train", key: str = "loss") -> dict:
+    """{step: value} of a run's metrics.jsonl records of that kind (the losses it logged, say)."""
+    import json
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r[key] for r in map(json.loads, lines) if r["kind"] == kind}
+
+
+def resumed_copy(cfg, step: int, dest) -> Path:
+    """A copy of cfg's finished run, resumed from its checkpoint at `step` to the end (as a run stopped
+    there would be): its out dir, whose metrics the uninterrupted run's must equal."""
+    import shutil
+    from training.trainer import train
+    shutil.copytree(cfg.out_dir, dest)
+    cfg.out_dir = str(dest)
+    train(cfg, resume=True, checkpoint=Path(dest) / f"ckpt_{step:07d}.pt", quiet=True)
+    return Path(dest)
+
+
+def interrupt_at(monkeypatch, step: int, signum=None):
+    """The next runs get SIGINT (or signum) during their `step`-th step, as from a user's Ctrl-C."""
+    import signal
+    from data.loader import BatchLoader
+    real, drawn = BatchLoader.step_windows, [0]
+
+    def step_windows(self):
+        drawn[0] += 1
+        if drawn[0] == step:
+            signal.raise_signal(signum or signal.SIGINT)
+        return real(self)
+    monkeypatch.setattr(BatchLoader, "step_windows", step_windows)
+
+
 def write(path, content):
     path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     return path

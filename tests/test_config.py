@@ -6,7 +6,7 @@ import pytest
 import train as train_cli
 from common import UserError
 from tests.conftest import ROOT, TEXT, run_tool
-from training.config import PATHS, build_config, describe, get_key, load_toml
+from training.config import PATHS, build_config, describe, flat, load_toml
 
 SHIPPED = sorted((ROOT / "configs").glob("*.toml"))
 
@@ -52,18 +52,19 @@ def test_values_are_coerced_to_field_types():
 
 @pytest.mark.parametrize("args, message", [
     (["--model.n_layr=3"], "unknown config key 'model.n_layr' (did you mean 'model.n_layer'?)"),
-    (["--modle.n_layer=3"], "unknown config section 'modle'"),
+    (["--modle.n_layer=3"], "unknown config key 'modle.n_layer' (did you mean 'model.n_layer'?)"),
     (["--train.lr=fast"], "train.lr: expected float, got 'fast'"),
     (["--model.n_layer=2.5"], "model.n_layer: expected int"),
     (["--model.n_head=5"], "model.n_embd=128 is not divisible by model.n_head=5"),
     (["--model.n_layer=0"], "model.n_layer must be > 0"),
     (["--train.batch_size=-1"], "train.batch_size must be > 0"),
     (["--model.attention=magic"], "model.attention='magic' is not one of"),
-    (["--train.lr"], "--train.lr needs a value"),
+    (["--train.lr"], "unexpected argument '--train.lr'"),
     (["oops"], "unexpected argument 'oops'"),
     (["--train.optimizer=sgd"], "train.optimizer='sgd' is not one of adamw, muon"),
     (["--train.schedule=step"], "train.schedule='step' is not one of cosine, wsd"),
-    (["--train.optimizer=muon", "--train.fsdp=true"], "train.optimizer=muon needs whole matrices, train.fsdp shards them"),
+    (["--train.optimizer=muon", "--train.fsdp=true"], "train.fsdp shards what train.optimizer=muon"),
+    (["--train.beta1=1"], "train.beta1 must be >= 0 and < 1, got 1.0"),
 ])
 def test_bad_overrides_name_the_problem(args, message):
     with pytest.raises(UserError) as e:
@@ -72,13 +73,13 @@ def test_bad_overrides_name_the_problem(args, message):
 
 
 def test_toml_errors_name_the_file_and_key(tmp_path):
-    with pytest.raises(UserError, match="TOML syntax error"):
+    with pytest.raises(UserError, match="c.toml is not a TOML config file"):
         build_config(str(write(tmp_path, "[model\nn_layer = 3")), [])
     with pytest.raises(UserError, match=r"c.toml: unknown config key 'train.learning_rate'"):
         build_config(str(write(tmp_path, "[train]\nlearning_rate = 3")), [])
     with pytest.raises(UserError, match="model.n_layer: expected int, got 'four'"):
         build_config(str(write(tmp_path, '[model]\nn_layer = "four"')), [])
-    with pytest.raises(UserError, match="config file not found"):
+    with pytest.raises(FileNotFoundError):   # (said in one line by common.run_cli)
         build_config(str(tmp_path / "missing.toml"), [])
 
 
@@ -103,7 +104,7 @@ def test_a_shipped_config_loads_and_every_value_it_sets_is_the_runs(path):
     for section, values in settings:
         for key, value in values.items():
             resolved = str(ROOT / value) if f"{section}.{key}" in PATHS else value   # the repository's paths
-            assert get_key(cfg, f"{section}.{key}") == resolved, f"{section}.{key}"
+            assert flat(cfg.to_dict())[f"{section}.{key}"] == resolved, f"{section}.{key}"
 
 
 def test_paths_resolve_where_they_were_written_wherever_the_command_runs(tmp_path, monkeypatch):
@@ -137,19 +138,16 @@ def test_train_py_runs_from_another_directory(tmp_path):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda tmp: (tmp / "my.txt").write_text(TEXT) and tmp / "my.txt", "is not a config file (a .toml); to train on "
-                                                                         "it: --data "),
-    (lambda tmp: ROOT / "configs", "is a directory: give a config file, such as "),
+    (lambda tmp: (tmp / "my.txt").write_text(TEXT) and tmp / "my.txt", "is not a TOML config file"),
+    (lambda tmp: ROOT / "configs", "Is a directory: "),
 ])
 def test_a_config_that_is_not_one_says_what_it_is(make, message, tmp_path, capsys):
     rc, out, err = run_tool(train_cli, [make(tmp_path), "--out_dir", tmp_path / "o"], capsys)
     assert rc == 2 and err.count("\n") == 1 and message in err, err
 
 
-def test_a_run_that_would_be_all_warm_up_is_refused():
-    with pytest.raises(UserError, match="train.warmup_steps=100 is not below train.max_steps=50: the whole run "
-                                          "would be warm-up, with no decay"):
-        build_config(None, ["--train.max_steps=50"])
+def test_a_run_shorter_than_its_warm_up_just_runs():
+    assert build_config(None, ["--train.max_steps=5"]).train.warmup_steps == 100
 
 
 def test_a_value_with_control_characters_round_trips_through_config_toml(tmp_path):

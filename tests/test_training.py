@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from model.gpt import GPT
-from tests.conftest import TEXT
 from common import UserError
-from training.checkpoint import list_checkpoints, load_checkpoint, load_model
+from model.loading import list_checkpoints, load_model, read_checkpoint
+from tests.conftest import TEXT, records, resumed_copy
 from training.trainer import train
 
 
@@ -16,8 +16,8 @@ def test_a_tiny_model_overfits_a_short_text(tiny_cfg, text_file):
     cfg = tiny_cfg(**{"model.n_embd": 64, "train.max_steps": 300, "train.lr": 1e-2, "train.min_lr": 1e-3,
                       "train.batch_size": 16, "train.eval_interval": 300, "train.log_interval": 50,
                       "train.weight_decay": 0.0, "train.warmup_steps": 5})
-    summary = train(cfg, quiet=True)
-    assert summary["losses"][300] < 0.2, summary["losses"]   # from ln(42) = 3.7; ~0.1 give or take rounding
+    train(cfg, quiet=True)
+    assert records(cfg.out_dir)[300] < 0.2   # from ln(42) = 3.7; ~0.1 give or take rounding
 
 
 def test_save_then_load_gives_identical_logits(tiny_cfg):
@@ -36,16 +36,13 @@ def test_save_then_load_gives_identical_logits(tiny_cfg):
 
 def test_resume_is_exact(tmp_path, tiny_cfg):
     extra = {"model.dropout": 0.1}   # dropout too: the RNG state must resume as well
-    whole = train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
-    first = train(tiny_cfg(**extra, out_dir=tmp_path / "split"), quiet=True, stop_at=10)
-    assert first["step"] == 10 and sorted(first["losses"]) == list(range(1, 11))
-    rest = train(tiny_cfg(**extra, out_dir=tmp_path / "split"), quiet=True, resume=True)
-    assert sorted(rest["losses"]) == list(range(11, 21))
-    for step in range(11, 21):
-        assert rest["losses"][step] == pytest.approx(whole["losses"][step], abs=1e-6), step
-    assert rest["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-6)
-    lines = [json.loads(l) for l in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 21))
+    cfg = tiny_cfg(**extra, out_dir=tmp_path / "whole")
+    train(cfg, quiet=True)
+    whole = records(tmp_path / "whole")
+    resumed = resumed_copy(cfg, 10, tmp_path / "split")
+    assert list(records(resumed)) == list(range(1, 21)), "the records after the checkpoint are logged again"
+    assert records(resumed) == pytest.approx(whole, abs=1e-6)
+    assert records(resumed, "eval", "val_loss") == pytest.approx(records(tmp_path / "whole", "eval", "val_loss"))
 
 
 def test_out_dir_protection(tiny_cfg):
@@ -53,7 +50,7 @@ def test_out_dir_protection(tiny_cfg):
     with pytest.raises(UserError, match="no checkpoint"):
         train(cfg, resume=True, quiet=True)
     train(cfg, quiet=True)
-    with pytest.raises(UserError, match="already holds checkpoints"):
+    with pytest.raises(UserError, match="already holds a run"):
         train(cfg, quiet=True)
     assert train(cfg, overwrite=True, quiet=True)["step"] == 20
 
@@ -67,7 +64,7 @@ def test_resume_with_another_model_is_refused(tiny_cfg):
 def test_a_run_writes_its_config_and_metrics_as_it_ran(trained):
     """config.toml loads back as the run's resolved config; every log and eval line is a metrics record."""
     from training.config import build_config
-    ckpt = load_checkpoint(trained / "best.pt")
+    ckpt = read_checkpoint(trained / "best.pt")
     assert build_config(str(trained / "config.toml"), []).to_dict() == ckpt["config"]
     records = [json.loads(l) for l in open(trained / "metrics.jsonl")]
     steps = [r["step"] for r in records if r["kind"] == "train"]

@@ -1,36 +1,68 @@
-"""Checkpoints: writing them, reading them, a model to use from one, and a run continued from one.
+"""Checkpoints: the out dir they go to, writing them, and a run continued from one (reading one, and
+the model in it, is model/loading.py's).
 
-A run's out dir (training/outdir.py) holds ckpt_<step>.pt (the newest train.keep_checkpoints) and
-best.pt (the lowest val loss: a hard link to one of them, or a copy).
+An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (the lowest val loss: a
+hard link to one of them, or a copy), config.toml, metrics.jsonl and curves.png.
 
 Choices:
-  whole files   a checkpoint is written to a temporary file and renamed (common.atomic_write): a reader,
-                or a run killed mid-save, finds the old checkpoint or the new one, never part of one
-  safe reading  every member's checksum, then torch.load(weights_only=True): tensors and plain data
-                only, so a file cannot run code; the weights are loaded strictly into the model their
-                config describes, checked on shapes alone before memory is spent on them
-  exact resume  a checkpoint holds the whole training state: the optimizer, the data order and every
-                rank's random generators, besides the weights
+  one run      a folder holding a run is refused unless --resume or --overwrite, and so is one holding
+               files of the names a run writes (other files are left alone). --overwrite renames the
+               folder to <out_dir>.replaced-<UTC time> and starts afresh: one rename, nothing lost, no
+               state to recover. Two runs started into one folder at once are yours to avoid
+  whole files  a checkpoint is written to a temporary file and renamed (common.atomic_write): a reader,
+               or a run killed mid-save, finds the old checkpoint or the new one, never part of one
+  exact resume a checkpoint holds the whole training state: the optimizer, the data order and every
+               rank's random generators, besides the weights
 """
-import errno
-import json
 import os
 import shutil
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from common import UserError, atomic_write, first_line, os_error
-from model.loading import (CKPT_RE, FORMAT, VERSION, LoadedModel, find_checkpoint, list_checkpoints,  # noqa: F401
-                           load_model, read_checkpoint)
+from common import UserError, atomic_write, first_line
+from model.loading import CKPT_RE, list_checkpoints
+from training.config import fmt
 
-FOR_RESUMING = ("dataset", "optimizer", "scaler", "loader", "rng_ranks", "best_val_loss", "elapsed", "tokens",
-                "skipped_steps", "is_best")   # besides what sampling needs: config, tokenizer, model, step
+RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
+FOR_RESUMING = ("dataset", "optimizer", "scaler", "loader", "rng_ranks", "best_val_loss", "elapsed", "tokens")
 
 
-def latest_checkpoint(out_dir) -> Path | None:
-    return (list_checkpoints(out_dir) or [(0, None)])[-1][1]
+def run_files(out: Path) -> list[str]:
+    """The names in out of the files a run writes."""
+    return sorted(p.name for p in out.glob("*") if p.name in RUN_FILES or CKPT_RE.match(p.name))
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool, checkpoint=None) -> Path | None:
+    """The checkpoint a run continues (None: a new run), once out can take the run. Writes nothing."""
+    latest = (list_checkpoints(out) or [(0, out / "best.pt")])[-1][1]
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite contradict each other: continue the run, or start it over")
+    if resume and checkpoint is not None and not Path(checkpoint).is_file():
+        raise UserError(f"--resume {checkpoint}: no such checkpoint file")
+    if resume and checkpoint is None and not latest.is_file():
+        raise UserError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {out} to resume from; leave out "
+                        f"--resume to start a new run")
+    held = run_files(out) if out.is_dir() else []
+    kept = f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), or choose another --out_dir"
+    if held and not resume and not overwrite and latest.is_file():
+        raise UserError(f"{out} already holds a run: --resume continues it, {kept}")
+    if held and not resume and not overwrite:
+        raise UserError(f"{out} holds {', '.join(held)}, which a run writes: {kept}")
+    return Path(checkpoint or latest).resolve() if resume else None
+
+
+def open_out_dir(out: Path, overwrite: bool) -> Path | None:
+    """The run's first write: make out, after renaming (--overwrite) the folder holding an earlier run
+    to a fresh sibling, which it returns."""
+    aside = None
+    if overwrite and out.is_dir() and run_files(out):
+        aside = out.with_name(f"{out.name}.replaced-{datetime.now(timezone.utc):%Y%m%d-%H%M%S.%f}")
+        os.rename(out, aside)
+    out.mkdir(parents=True, exist_ok=True)
+    return aside
 
 
 def link_best(path: Path) -> None:
@@ -50,36 +82,38 @@ def link_best(path: Path) -> None:
 
 
 def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
-    """Write ckpt_<step>.pt, make it best.pt if it is the best, then delete all but the newest `keep`.
-    Any failure is one line and leaves the earlier checkpoints as they were."""
-    path = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt"
+    """Write ckpt_<step>.pt, make it best.pt if it is the best, then delete all but the newest `keep`
+    (and any later one, with a best.pt of theirs: a run resumed from an earlier checkpoint replaces them)."""
+    path, best = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt", Path(out_dir) / "best.pt"
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
-        if ckpt.get("is_best"):
-            link_best(path)
-    except (OSError, RuntimeError) as e:   # torch's zip writer reports a full disk as "unexpected pos ..."
-        full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "unexpected pos" in str(e)
-        reason = "the disk is full (no space left on device)" if full else os_error(e) if isinstance(e, OSError) \
-            else first_line(e, 120)
-        raise UserError(f"could not write the checkpoint {path}: {reason}; the checkpoints written before "
-                              f"are kept") from None
-    best = Path(out_dir) / "best.pt"
-    for step, later in list_checkpoints(out_dir):   # a run resumed from an earlier checkpoint replaces these
+    except RuntimeError as e:   # torch's zip writer says a full disk as "unexpected pos ..."
+        raise UserError(f"could not write {path} ({first_line(e, 80)}): is the disk full?") from None
+    if ckpt.get("is_best"):
+        link_best(path)
+    for step, later in list_checkpoints(out_dir):
         if step > ckpt["step"]:
-            if best.is_file() and os.path.samefile(best, later):   # (and a best.pt of theirs)
+            if best.is_file() and os.path.samefile(best, later):
                 best.unlink()
-            later.unlink(missing_ok=True)
+            later.unlink()
     for _, old in list_checkpoints(out_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+        old.unlink()
     return path
 
 
+def float_lrs(state: dict) -> dict:
+    """An optimizer state dict (or Muon + AdamW's list of them) with every lr a float: a CUDA graph
+    holds them in tensors, a checkpoint must load anywhere and resume with either kind of step."""
+    if "optimizers" in state:
+        return {**state, "optimizers": [float_lrs(s) for s in state["optimizers"]]}
+    return {**state, "param_groups": [{**g, "lr": float(g["lr"])} for g in state["param_groups"]]}
+
+
 def rng_state() -> dict:
-    """Every generator a run draws from, as tensors and plain data: numpy's, torch's CPU one, every GPU's, MPS's."""
+    """Every generator a run draws from: numpy's, torch's CPU one, this process's GPU's."""
     s = np.random.get_state()
     return {"numpy": s[1].tolist(), "numpy_pos": int(s[2]), "torch": torch.get_rng_state(),
-            "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],   # this process's GPU
-            "mps": torch.mps.get_rng_state() if torch.backends.mps.is_available() else None}
+            "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []}
 
 
 def set_rng_state(s: dict) -> None:
@@ -87,43 +121,33 @@ def set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch"])
     if s["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(s["cuda"][0])
-    if s.get("mps") is not None and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(s["mps"])
 
-
-# ---------------------------------------------------------------- resuming
 
 def check_resumable(ckpt: dict, path, cfg) -> None:
     """Resuming needs the whole training state, and goes on with the run's own model and tokenizer."""
     if missing := [k for k in FOR_RESUMING if k not in ckpt]:
         raise UserError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
     before = {f"model.{k}": v for k, v in ckpt["config"]["model"].items()}
-    before["data.tokenizer"] = ckpt["config"].get("data", {}).get("tokenizer")
-    for key, now in {**{f"model.{k}": v for k, v in cfg.to_dict()["model"].items()},
-                     "data.tokenizer": cfg.data.tokenizer}.items():
-        if before.get(key) != now and not (key == "model.vocab_size" and now == 0):
-            raise UserError(f"{key}: {json.dumps(before.get(key))} in the run, {json.dumps(now)} now: "
-                                  f"--resume goes on with the run's own model and tokenizer (another --out_dir starts "
-                                  f"a new run)")
+    before["data.tokenizer"] = ckpt["config"]["data"]["tokenizer"]
+    now = {f"model.{k}": v for k, v in cfg.to_dict()["model"].items()} | {"data.tokenizer": cfg.data.tokenizer}
+    for key in [k for k in now if before.get(k) != now[k] and not (k == "model.vocab_size" and now[k] == 0)]:
+        raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(now[key])} now: --resume goes on with "
+                        f"the run's own model and tokenizer (another --out_dir starts a new run)")
 
 
-def check_same_text(ckpt: dict, path, meta: dict, data_path: str, say) -> None:
+def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
     """A resumed run's text must give the tokens it was trained on (a char text that gained characters
     does not); another text of the same tokens is said, and goes on."""
     if ckpt["tokenizer"] != meta["tokenizer"]:
-        def vocab(tokenizer: dict) -> str:
-            return f"{len(tokenizer['chars'])} characters" if tokenizer["kind"] == "char" else tokenizer.get("name")
-        raise UserError(f"{path} was trained on a text of {vocab(ckpt['tokenizer'])}, {data_path} now gives "
-                              f"{vocab(meta['tokenizer'])}: the text changed, and --resume needs the one it was "
-                              f"trained on (or start a new run: --overwrite, or another --out_dir)")
-    if (was := ckpt["dataset"].get("sha256")) != (now := meta.get("sha256")):
-        say(f"warning: the training text changed since this checkpoint (sha256 {was[:12]}... then, {now[:12]}... "
-            f"now); training goes on with the new text")
+        raise UserError(f"{path} was trained on a text of other tokens than {cfg.data.path} now gives: the "
+                        f"text changed, and --resume needs the one it was trained on")
+    if ckpt["dataset"].get("sha256") != meta["sha256"]:
+        say(f"warning: the training text changed since {path} was saved; training goes on with the new text")
 
 
-def restore(ckpt, path, model, optimizer, scaler, loader, rank: int, world: int, seed: int):
+def restore(ckpt: dict, path, model, optimizer, scaler, loader, rank: int, world: int, seed: int):
     """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's generators;
-    (step, best val loss, tokens, seconds, skipped steps) of the run so far."""
+    (step, best val loss, tokens, seconds) of the run so far."""
     try:
         if world > 1:
             from training import distributed
@@ -140,4 +164,4 @@ def restore(ckpt, path, model, optimizer, scaler, loader, rank: int, world: int,
         raise UserError(f"{path} does not fit this run: {first_line(e)}") from None
     if len(rngs) != world and rank:   # another number of processes: new dropout streams per rank
         torch.manual_seed(seed + 1000 * ckpt["step"] + rank)
-    return ckpt["step"], ckpt["best_val_loss"], ckpt["tokens"], ckpt["elapsed"], ckpt["skipped_steps"]
+    return ckpt["step"], ckpt["best_val_loss"], ckpt["tokens"], ckpt["elapsed"]

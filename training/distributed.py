@@ -17,6 +17,7 @@ it runs and its gradients reduce-scattered back to their owners. Same maths, a f
 
 Backends: nccl between GPUs, gloo between CPU processes (what the tests use).
 """
+import atexit
 import gc
 import os
 
@@ -42,6 +43,7 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
+        atexit.register(leave, finished=False)   # a run that fails: while Python is still whole
     return device, rank, local_rank, world
 
 
@@ -129,7 +131,7 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def leave(finished: bool) -> None:
+def leave(finished: bool = True) -> None:
     """Destroy the process group while Python is still alive (gloo's threads can abort a process left to
     interpreter shutdown); after a clean run, free what still holds the group first (DDP and FSDP sit
     in reference cycles that only the garbage collector frees) and wait for every rank."""
