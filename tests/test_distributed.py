@@ -19,10 +19,10 @@ import sys
 import pytest
 import torch
 
-from training.checkpoint import load_checkpoint, load_model
+from model.loading import load_model, read_checkpoint
+from tests.conftest import ROOT, TEXT, tiny_overrides
 from training.config import build_config
 from training.trainer import train
-from tests.conftest import ROOT, TEXT, tiny_overrides
 
 pytestmark = pytest.mark.skipif(os.name == "nt" or not torch.distributed.is_available(),
                                 reason="torchrun and gloo as this project uses them: Linux and macOS (not tried on Windows)")
@@ -57,12 +57,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
     text_file = tmp / "tiny.txt"
     text_file.write_text(TEXT)
-    def run(out, resume=False, stop_at=None, **extra):
-        train(build_config(None, args(tmp, text_file, out, **extra)), resume=resume, stop_at=stop_at, quiet=True)
+    def run(out, resume=False, **extra):
+        train(build_config(None, args(tmp, text_file, out, **extra)), resume=resume, quiet=True)
 
-    run("base", stop_at=2)
+    run("base", **{"train.keep_checkpoints": 3})
     copy_checkpoint(tmp / "base", 2, tmp / "fsdp")
-    run("base", resume=True)
     run("accum", **{"train.batch_size": 4, "train.grad_accum": 2})
     ddp = torchrun(*args(tmp, text_file, "ddp", **{"train.batch_size": 4}))
     fsdp = torchrun(*args(tmp, text_file, "fsdp", **{"train.batch_size": 2, "train.grad_accum": 2,
@@ -75,7 +74,7 @@ def runs(tmp_path_factory):
 
 
 def final(tmp, name):
-    return load_checkpoint(tmp / name / f"ckpt_{STEPS:07d}.pt")
+    return read_checkpoint(tmp / name / f"ckpt_{STEPS:07d}.pt")
 
 
 @pytest.mark.parametrize("name", ["accum", "ddp", "fsdp", "r_ddp", "r_fsdp"])
@@ -102,7 +101,7 @@ def test_only_rank_0_writes(runs):
     assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, STEPS + 1))
     assert out["ddp"].stdout.count("step      1 |") == 1 and out["ddp"].stdout.count("# done") == 1
     assert "x 2 processes (DDP)" in out["ddp"].stdout and "x 2 processes (FSDP)" in out["fsdp"].stdout
-    assert sorted(os.listdir(tmp / "ddp")) == [".lock", "best.pt", "ckpt_0000004.pt", "ckpt_0000006.pt",
+    assert sorted(os.listdir(tmp / "ddp")) == ["best.pt", "ckpt_0000004.pt", "ckpt_0000006.pt",
                                                 "config.toml", "metrics.jsonl"]
 
 
@@ -110,7 +109,7 @@ def test_fsdp_checkpoint_loads_in_one_plain_process(runs):
     tmp, _ = runs
     path = tmp / "fsdp" / f"ckpt_{STEPS:07d}.pt"
     load_model(path)   # as sample.py reads it: full tensors under their plain names, each shape checked
-    assert len(load_checkpoint(path)["rng_ranks"]) == 2
+    assert len(read_checkpoint(path)["rng_ranks"]) == 2
 
 
 def test_gradients_are_synced_only_on_the_last_micro_step(tmp_path):

@@ -1,6 +1,6 @@
 """Stopping a run as users do, with real processes: Ctrl-C while the output goes through a pipe, a pipe
-whose reader ends, a closed terminal (SIGHUP), and Ctrl-C at any moment from the first instant on:
-the run saves and says so, or (before it began) ends quietly, never with a traceback."""
+whose reader ends, and Ctrl-C at any moment: the run saves and says so, or (before it began) ends
+quietly, never with a traceback."""
 import os
 import random
 import signal
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from model.loading import list_checkpoints, read_checkpoint
 from tests.conftest import ROOT, posix_signals, tiny_overrides
-from training.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = posix_signals
 
@@ -20,6 +20,10 @@ def start(script, args, **kw):
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, script, *map(str, args)], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def latest_checkpoint(out):
+    return (list_checkpoints(out) or [(0, None)])[-1][1]
 
 
 def read_until_step(proc, n):
@@ -35,36 +39,34 @@ def endless(tmp_path, text_file):
     return tiny_overrides(tmp_path, text_file, **{"train.max_steps": 100_000, "train.eval_interval": 100_000})
 
 
-@pytest.mark.parametrize("ctrl_c", [True, False], ids=["Ctrl-C with the output piped", "the pipe's reader ends"])
-def test_a_run_whose_stdout_goes_away_stops_saves_and_says_so_on_stderr(ctrl_c, endless, tmp_path):
+def test_ctrl_c_with_the_output_piped_and_gone_saves_and_says_so(endless, tmp_path):
+    """`python train.py | head`, or tee killed by the same Ctrl-C: the reader is gone, the run is not."""
     proc = start("train.py", endless)
     read_until_step(proc, 3)
-    proc.stdout.close()                  # `| head`, or tee killed by the same Ctrl-C: the reader is gone
-    if ctrl_c:
-        proc.send_signal(signal.SIGINT)
+    proc.stdout.close()
+    proc.send_signal(signal.SIGINT)
     err = proc.stderr.read()
-    rc = proc.wait(timeout=120)
-    assert rc == (130 if ctrl_c else 141), (rc, err)
-    assert "Traceback" not in err and "stopped by " in err and "--resume" in err, err
+    assert proc.wait(timeout=120) == 130 and "Traceback" not in err, err
+    assert "SIGINT: finishing this step and saving a checkpoint" in err, err
     ckpt = latest_checkpoint(tmp_path / "out")
-    assert ckpt is not None and load_checkpoint(ckpt)["step"] >= 3, "the stop saved no checkpoint"
+    assert ckpt is not None and read_checkpoint(ckpt)["step"] >= 3, "the stop saved no checkpoint"
 
 
-def test_a_closed_terminal_sighup_stops_like_ctrl_c(endless, tmp_path):
-    proc = start("train.py", endless)
-    read_until_step(proc, 2)
-    proc.send_signal(signal.SIGHUP)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 129 and "SIGHUP: finishing this step and saving a checkpoint" in err, err
-    stopped = [l for l in out.splitlines() if l.startswith("stopped by SIGHUP")]
-    assert stopped and latest_checkpoint(tmp_path / "out") is not None, out[-500:]
+def test_a_closed_stdout_stops_the_printing_not_the_run(tmp_path, text_file):
+    proc = start("train.py", tiny_overrides(tmp_path, text_file, **{"train.max_steps": 40}))
+    read_until_step(proc, 3)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and not err, err
+    assert read_checkpoint(latest_checkpoint(tmp_path / "out"))["step"] == 40
 
 
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
 def test_ctrl_c_in_the_first_instants_ends_quietly(script, trained, tmp_path, text_file):
-    """While Python and torch import (the first second or so), Ctrl-C ends the command at once."""
+    """While torch imports and the run sets up (the first second or so), Ctrl-C ends the command at once
+    (Python's own start, before the command's first line, is nothing a command can change)."""
     args = tiny_overrides(tmp_path, text_file) if script == "train.py" else [trained, "--max-new-tokens", 5]
-    for delay in (0.0, 0.02, 0.05, 0.1, 0.2, 0.3):
+    for delay in (0.15, 0.3, 0.6, 1.0):
         proc = start(script, args)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)

@@ -1,18 +1,17 @@
 """Every way of running the training step is the same step: the CUDA-graph step (run here without the
-capture, on its static buffer, tensor learning rates and device-side records) trains exactly as the eager
-one, resumes exactly and stops at a non-finite step; its speed figures time finished work; a step's
-micro-batches cast each weight once; a compile failure costs a warning line, not the run."""
+capture, on its static buffer and tensor learning rates) trains exactly as the eager one, resumes
+exactly and stops at a non-finite step; its speed figures time finished work; a step's micro-batches
+cast each weight once; a compile failure costs a warning line, not the run."""
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import training.trainer as trainer
 from common import UserError
+from tests.conftest import ROOT, interrupt_at, records, resumed_copy
 from training.config import TrainConfig, build_config
-from training.trainer import graph_blockers, train
-from tests.conftest import ROOT
+from training.trainer import graph_blocker, train
 
 EAGER = {"train.cuda_graph": False}
 
@@ -27,7 +26,7 @@ def graph_on_cpu(monkeypatch):
     def counted(*args, **kwargs):
         built.append(kwargs)
         return real(*args, **kwargs)
-    monkeypatch.setattr(trainer, "graph_blockers", lambda *a: [])
+    monkeypatch.setattr(trainer, "graph_blocker", lambda *a: None)
     monkeypatch.setattr(speed.cuda_graph, "graph_step", counted)
     return built
 
@@ -53,38 +52,47 @@ def test_the_gpu_configs_compile_only_where_it_pays_back():
     {"train.optimizer": "muon", "train.schedule": "wsd"},
 ], ids=["adamw", "dropout-accum", "muon"])
 def test_the_graph_step_trains_exactly_as_the_eager_step(extra, tiny_cfg, tmp_path, graph_on_cpu):
-    eager = train(tiny_cfg(**extra, **EAGER, out_dir=tmp_path / "eager"), quiet=True)
+    train(tiny_cfg(**extra, **EAGER, out_dir=tmp_path / "eager"), quiet=True)
     assert not graph_on_cpu
-    graph = train(tiny_cfg(**extra, out_dir=tmp_path / "graph"), quiet=True)
+    train(tiny_cfg(**extra, out_dir=tmp_path / "graph"), quiet=True)
     assert len(graph_on_cpu) == 1
-    assert sorted(graph["losses"]) == list(range(1, 21))
-    for step, loss in eager["losses"].items():
-        assert graph["losses"][step] == pytest.approx(loss, abs=1e-6), step
-    assert graph["val_loss"] == pytest.approx(eager["val_loss"], abs=1e-6)
+    assert list(records(tmp_path / "graph")) == list(range(1, 21))
+    assert records(tmp_path / "graph") == pytest.approx(records(tmp_path / "eager"), abs=1e-6)
+    assert records(tmp_path / "graph", "eval", "val_loss") == pytest.approx(records(tmp_path / "eager", "eval",
+                                                                                    "val_loss"), abs=1e-6)
 
 
 def test_the_graph_step_resumes_exactly(tiny_cfg, tmp_path, graph_on_cpu):
-    extra = {"model.dropout": 0.1}
-    whole = train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
-    train(tiny_cfg(**extra, out_dir=tmp_path / "split"), quiet=True, stop_at=7)
-    rest = train(tiny_cfg(**extra, out_dir=tmp_path / "split"), quiet=True, resume=True)
-    for step in range(8, 21):
-        assert rest["losses"][step] == pytest.approx(whole["losses"][step], abs=1e-6), step
-    assert len(graph_on_cpu) == 3
+    cfg = tiny_cfg(**{"model.dropout": 0.1}, out_dir=tmp_path / "whole")
+    train(cfg, quiet=True)
+    resumed = resumed_copy(cfg, 10, tmp_path / "split")
+    assert records(resumed) == pytest.approx(records(tmp_path / "whole"), abs=1e-6)
+    assert len(graph_on_cpu) == 2
+
+
+def nan_weights_before(monkeypatch, step: int) -> None:
+    """The norm gains and biases turn NaN in place before the given step (as a diverging update would
+    leave them, at the addresses a graph reads)."""
+    real, calls = trainer.set_lr, []
+
+    def set_lr(optimizer, factor):
+        calls.append(1)
+        if len(calls) == step:
+            with torch.no_grad():
+                for p in optimizer.param_groups[-1]["params"]:
+                    p.fill_(float("nan"))
+        return real(optimizer, factor)
+    monkeypatch.setattr(trainer, "set_lr", set_lr)
 
 
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
-def test_a_non_finite_step_is_named_from_the_device_side_record(graph, tiny_cfg, graph_on_cpu):
-    """A weight turned NaN in place after step 5 (as a diverging update would leave it, at the address a
-    graph reads) makes step 6's loss NaN; the record on the device names step 6 when the loop reads it at
-    its next log line, step 8, and no checkpoint holds the damage."""
-    def poison_after_5(step, model):
-        if step == 5:
-            with torch.no_grad():
-                model.norm_f.weight[0] = float("nan")
+def test_a_non_finite_step_is_named_where_the_loop_reads_the_loss(graph, tiny_cfg, graph_on_cpu, monkeypatch):
+    """NaN weights at step 6 make its loss NaN; the loop reads it at its next log line, step 8, and stops
+    there naming the steps between, with no checkpoint holding the damage."""
+    nan_weights_before(monkeypatch, 6)
     cfg = tiny_cfg(**{"train.log_interval": 4, **({} if graph else EAGER)})
-    with pytest.raises(UserError, match="non-finite loss at step 6; stopped, no checkpoint had been written yet"):
-        train(cfg, quiet=True, on_step=poison_after_5)
+    with pytest.raises(UserError, match="the loss became nan between steps 4 and 8; stopped, no checkpoint was written"):
+        train(cfg, quiet=True)
     assert len(graph_on_cpu) == graph
 
 
@@ -100,48 +108,44 @@ def test_the_log_line_times_finished_steps(tiny_cfg, monkeypatch):
     cfg = tiny_cfg(**{"train.log_interval": 4, "train.max_steps": 8, **EAGER})
     monkeypatch.setattr(torch.Tensor, "item", item_of_a_busy_device)
     train(cfg, quiet=True)
-    records = [r for r in trainer.read_records(f"{cfg.out_dir}/metrics.jsonl") if r["kind"] == "train"]
-    assert len(records) == 2 and all(r["ms_per_step"] >= 200 / 4 for r in records), records
+    timed = records(cfg.out_dir, key="ms_per_step")
+    assert len(timed) == 2 and all(ms >= 200 / 4 for ms in timed.values()), timed
 
 
-def weight_casts_per_step(tiny_cfg, accum: int) -> int:
-    """Casts (aten::_to_copy) of tensors shaped as the model's weights in one bf16 training step of
-    grad_accum `accum`: what autocast makes of the weights, told apart from the activations by shape."""
+def weight_casts_per_step(accum: int) -> int:
+    """Casts (aten::_to_copy) of tensors shaped as the model's weights in one bf16 train_step of grad_accum
+    `accum`: what autocast makes of the weights, told apart from the activations by shape."""
     from torch.profiler import ProfilerActivity, profile
-    counted = []
 
-    def profiled(step, model):
-        if step == 2:
-            counted.append(profile(activities=[ProfilerActivity.CPU], record_shapes=True).__enter__())
-        elif step == 3:
-            counted[0].__exit__(None, None, None)
-            shapes = {str([list(p.shape)]) for p in model.parameters() if p.dim() == 2}
-            counted[0] = sum(e.count for e in counted[0].key_averages(group_by_input_shape=True)
-                             if e.key == "aten::_to_copy" and str(e.input_shapes[:1]) in shapes)
-    train(tiny_cfg(**{"train.dtype": "bfloat16", "train.grad_accum": accum, "train.max_steps": 4, **EAGER},
-                   out_dir=f"{tiny_cfg().out_dir}-{accum}"), quiet=True, on_step=profiled)
-    return counted[0]
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    model = GPT(ModelConfig(vocab_size=48, n_layer=2, n_head=2, n_embd=32, block_size=32))
+    optimizer, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False)
+    windows = torch.randint(0, 48, (accum, 4, 33))
+    low = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
+    trainer.train_step(model, model, optimizer, scaler, low(), 1.0, None, windows)   # (allocations)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        trainer.train_step(model, model, optimizer, scaler, low(), 1.0, None, windows)
+    shapes = {str([list(p.shape)]) for p in model.parameters() if p.dim() == 2}
+    return sum(e.count for e in prof.key_averages(group_by_input_shape=True)
+               if e.key == "aten::_to_copy" and str(e.input_shapes[:1]) in shapes)
 
 
-def test_a_steps_micro_batches_cast_each_weight_once(tiny_cfg):
+def test_a_steps_micro_batches_cast_each_weight_once():
     """A step's micro-batches run in one autocast region: each weight, which does not change within a
     step, is cast to bf16 once per step; only its gradient's cast back to fp32 comes with every micro-batch.
-    (Casting per micro-batch, one_step would be 2 casts per weight and each micro-batch would add 2 more.)"""
-    one, four = weight_casts_per_step(tiny_cfg, 1), weight_casts_per_step(tiny_cfg, 4)
+    (Casting per micro-batch, one step would be 2 casts per weight and each micro-batch would add 2 more.)"""
+    one, four = weight_casts_per_step(1), weight_casts_per_step(4)
     per_micro = (four - one) / 3                  # what each micro-batch adds: its gradients' casts
     assert one - per_micro == per_micro >= 2 * 6 + 1, (one, four)   # once per step: as many, the weights'
 
 
-@pytest.mark.parametrize("kw, reason", [
-    ({"device": "cpu"}, "CUDA only"), ({"world": 2}, "several processes"),
-    ({"dtype": torch.float16}, "fp16 loss scaling"), ({"on_nonfinite": "skip"}, "on_nonfinite = skip"),
-])
-def test_what_keeps_the_step_eager_is_said(kw, reason):
-    t = SimpleNamespace(on_nonfinite=kw.get("on_nonfinite", "stop"))
-    reasons = graph_blockers(t, torch.device(kw.get("device", "cuda")), kw.get("world", 1),
-                             kw.get("dtype", torch.bfloat16))
-    assert len(reasons) == 1 and reason in reasons[0]
-    assert graph_blockers(SimpleNamespace(on_nonfinite="stop"), torch.device("cuda"), 1, torch.bfloat16) == []
+@pytest.mark.parametrize("device, world, dtype, reason", [
+    ("cpu", 1, torch.bfloat16, "graphs are CUDA's"), ("cuda", 2, torch.bfloat16, "several processes"),
+    ("cuda", 1, torch.float16, "fp16's loss scaling")])
+def test_what_keeps_the_step_eager_is_said(device, world, dtype, reason):
+    assert reason in graph_blocker(torch.device(device), world, dtype)
+    assert graph_blocker(torch.device("cuda"), 1, torch.bfloat16) is None
 
 
 def test_a_compiling_run_says_so_before_it_waits_and_a_failure_falls_back_to_eager(tiny_cfg, monkeypatch, capsys):
@@ -151,9 +155,9 @@ def test_a_compiling_run_says_so_before_it_waits_and_a_failure_falls_back_to_eag
     monkeypatch.setattr(torch, "compile", lambda model, **kw: Broken())
     summary = train(tiny_cfg(**{"train.compile": True, "train.max_steps": 4}))
     out, err = capsys.readouterr()
-    assert summary["step"] == 4 and out.index("# compiling the model: about half a minute") < out.index("step      1")
-    lines = [line for line in err.splitlines() if not line.startswith("note: other work keeps")]   # a busy machine
-    assert lines == ["warning: torch.compile failed, training without it (RuntimeError: C++ compiler not found)"]
+    assert summary["step"] == 4 and out.index("# compiling the model: about a minute") < out.index("step      1")
+    assert err.splitlines() == ["warning: torch.compile failed, training without it (RuntimeError: C++ compiler "
+                                "not found)"]
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and bf16 autocast need a CUDA GPU")
@@ -164,37 +168,36 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and
 def test_on_cuda_the_graph_step_follows_the_eager_step(tiny_cfg, tmp_path, compile):
     """bf16 on a GPU: the graph replays the same kernels, so the losses agree to bf16 rounding."""
     cfg = {"train.device": "cuda", "train.compile": compile, "train.max_steps": 30, "model.dropout": 0.0}
-    eager = train(tiny_cfg(**cfg, **EAGER, out_dir=tmp_path / "eager"), quiet=True)
-    graph = train(tiny_cfg(**cfg, out_dir=tmp_path / "graph"), quiet=True)
-    assert sorted(graph["losses"]) == list(range(1, 31))
+    train(tiny_cfg(**cfg, **EAGER, out_dir=tmp_path / "eager"), quiet=True)
+    assert "CUDA graph" in train(tiny_cfg(**cfg, out_dir=tmp_path / "graph"), quiet=True)["how"]
+    eager, graph = records(tmp_path / "eager"), records(tmp_path / "graph")
+    assert list(graph) == list(range(1, 31))
     for step in (1, 10, 30):
-        assert graph["losses"][step] == pytest.approx(eager["losses"][step], abs=2e-2), step
-    assert graph["losses"][30] < graph["losses"][1] - 0.3, "it learns"
+        assert graph[step] == pytest.approx(eager[step], abs=2e-2), step
+    assert graph[30] < graph[1] - 0.3, "it learns"
 
 
 @cuda
-def test_on_cuda_a_non_finite_step_under_a_recorded_graph_is_named(tiny_cfg):
-    def poison_after_5(step, model):
-        if step == 5:
-            with torch.no_grad():
-                model.norm_f.weight[0] = float("nan")
-    with pytest.raises(UserError, match="non-finite loss at step 6"):
-        train(tiny_cfg(**{"train.device": "cuda", "train.log_interval": 4}), quiet=True, on_step=poison_after_5)
+def test_on_cuda_a_non_finite_step_under_a_recorded_graph_is_named(tiny_cfg, monkeypatch):
+    nan_weights_before(monkeypatch, 6)
+    with pytest.raises(UserError, match="the loss became nan between steps 4 and 8"):
+        train(tiny_cfg(**{"train.device": "cuda", "train.log_interval": 4}), quiet=True)
 
 
 @cuda
 def test_on_cuda_the_default_device_is_the_gpu_with_bf16():
-    from training.device import pick_device, pick_dtype
+    from model.loading import pick_device, pick_dtype
     device = pick_device("auto")
     assert device.type == "cuda" and pick_dtype(device) in (torch.bfloat16, torch.float16)
 
 
 def test_a_graph_run_checkpoints_float_learning_rates_and_resumes_eagerly(tiny_cfg, graph_on_cpu, monkeypatch):
     """The graph step holds the lr in a device tensor; a checkpoint must not (it loads anywhere)."""
-    from training.checkpoint import load_checkpoint
+    from model.loading import read_checkpoint
     cfg = tiny_cfg(**{"train.optimizer": "muon"})
-    train(cfg, quiet=True, stop_at=10)
-    states = load_checkpoint(f"{cfg.out_dir}/ckpt_0000010.pt")["optimizer"]["optimizers"]
+    interrupt_at(monkeypatch, 7)
+    assert train(cfg, quiet=True)["step"] == 7
+    states = read_checkpoint(f"{cfg.out_dir}/ckpt_0000007.pt")["optimizer"]["optimizers"]
     assert len(states) == 2 and all(type(g["lr"]) is float for s in states for g in s["param_groups"])   # Muon, AdamW
     monkeypatch.undo()
     assert train(cfg, quiet=True, resume=True)["step"] == 20

@@ -210,23 +210,28 @@ def build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, worl
         from speed.compile import compiled_or_eager
         compiled = compiled_or_eager(wrapped, partial(compile_trial, model=model, loader=loader, device=device,
                                                       dtype=dtype), "training")
-        wrapped, how = compiled, "compiled" if compiled is not wrapped else how
+        wrapped, how = compiled, "eager, compiled" if compiled is not wrapped else how
     step = partial(train_step, model, wrapped, optimizer, scaler, autocast(device, dtype), t.grad_clip, ddp_module)
     eager = lambda windows: step(windows.to(device, non_blocking=True))   # noqa: E731
-    if not t.cuda_graph or device.type != "cuda":
-        return eager, how
-    if world > 1 or dtype == torch.float16:
-        say("# no CUDA graph: several processes (or fp16's loss scaling) decide on the host")
+    if not t.cuda_graph or (blocker := graph_blocker(device, world, dtype)):
+        say(f"# no CUDA graph: {blocker}" if t.cuda_graph and device.type == "cuda" else "", end="")
         return eager, how
     from speed.cuda_graph import graph_step
-    order = loader.state_dict()   # the warm-up's data, drawn without moving the data order on
-    warmup = loader.step_windows().to(device)
-    loader.load_state_dict(order)
+    buffer = torch.zeros(t.grad_accum, t.batch_size, loader.block_size + 1, dtype=torch.long, device=device)
     try:
-        return graph_step(step, warmup, optimizer), f"CUDA graph, {how}"
+        return graph_step(step, buffer, optimizer, capture=device.type == "cuda"), how.replace("eager", "CUDA graph")
     except Exception as e:   # what the recording cannot hold: the eager step does the same work
         say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
         return eager, how
+
+
+def graph_blocker(device: torch.device, world: int, dtype: torch.dtype) -> str | None:
+    """Why the step cannot be recorded as a CUDA graph here (None: it can)."""
+    if device.type != "cuda":
+        return f"graphs are CUDA's (device {device.type})"
+    if world > 1 or dtype == torch.float16:
+        return "several processes, and fp16's loss scaling, decide on the host"
+    return None
 
 
 def compile_trial(compiled, model, loader, device, dtype) -> None:
@@ -248,6 +253,7 @@ def stop_signals():
 
     def handler(signum, frame):
         if asked:
+            os.write(2, f"\n{signal.Signals(signum).name} again: exiting now\n".encode())
             os._exit(128 + signum)
         asked.append(signum)
         os.write(2, f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint (again to "
