@@ -152,7 +152,7 @@ def test_a_non_finite_step_stops_the_run_naming_the_steps_it_came_between(kind, 
     poison(monkeypatch, {23}, kind)
     rc, out, err = run_tool(train_cli, [*args, "--overwrite", "--train.eval_interval=10", "--train.max_steps=30"],
                             capsys)
-    assert rc == 2 and "between steps 20 and 25" in err and "the last checkpoint (step 20) is kept" in err, err
+    assert rc == 2 and "between steps 20 and 25" in err and "the checkpoint of step 20 is kept" in err, err
     assert [s for s, _ in list_checkpoints(tmp_path / "out")] == [10, 20]
     weights = read_checkpoint(tmp_path / "out" / "ckpt_0000020.pt")["model"]
     assert all(torch.isfinite(w).all() for w in weights.values())

@@ -46,7 +46,7 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, checkpoint=None) -> 
         raise UserError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {out} to resume from; leave out "
                         f"--resume to start a new run")
     held = run_files(out) if out.is_dir() else []
-    kept = f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), or choose another --out_dir"
+    kept = f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), or another --out_dir"
     if held and not resume and not overwrite and latest.is_file():
         raise UserError(f"{out} already holds a run: --resume continues it, {kept}")
     if held and not resume and not overwrite:
@@ -54,14 +54,17 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, checkpoint=None) -> 
     return Path(checkpoint or latest).resolve() if resume else None
 
 
-def open_out_dir(out: Path, overwrite: bool) -> Path | None:
+def open_out_dir(out: Path, overwrite: bool, best: Path | None = None) -> Path | None:
     """The run's first write: make out, after renaming (--overwrite) the folder holding an earlier run
-    to a fresh sibling, which it returns."""
+    to a fresh sibling, which it returns. best: a resumed checkpoint that was the best when saved; when it
+    is the out dir's latest, best.pt is linked to it again (a kill may have cut its linking short)."""
     aside = None
     if overwrite and out.is_dir() and run_files(out):
         aside = out.with_name(f"{out.name}.replaced-{datetime.now(timezone.utc):%Y%m%d-%H%M%S.%f}")
         os.rename(out, aside)
     out.mkdir(parents=True, exist_ok=True)
+    if best is not None and best == (list_checkpoints(out) or [(0, None)])[-1][1]:
+        link_best(best)
     return aside
 
 
@@ -129,10 +132,11 @@ def check_resumable(ckpt: dict, path, cfg) -> None:
         raise UserError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
     before = {f"model.{k}": v for k, v in ckpt["config"]["model"].items()}
     before["data.tokenizer"] = ckpt["config"]["data"]["tokenizer"]
-    now = {f"model.{k}": v for k, v in cfg.to_dict()["model"].items()} | {"data.tokenizer": cfg.data.tokenizer}
+    now = {f"model.{k}": v for k, v in cfg.to_dict()["model"].items()}
+    now["data.tokenizer"] = cfg.data.tokenizer
     for key in [k for k in now if before.get(k) != now[k] and not (k == "model.vocab_size" and now[k] == 0)]:
-        raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(now[key])} now: --resume goes on with "
-                        f"the run's own model and tokenizer (another --out_dir starts a new run)")
+        raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(now[key])} now: --resume goes on "
+                        f"with the run's own model and tokenizer (another --out_dir starts a new run)")
 
 
 def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:

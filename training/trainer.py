@@ -37,9 +37,9 @@ from data.loader import BatchLoader, strided_windows
 from data.prepare import prepare
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT, bits_per_byte, score
-from model.loading import FORMAT, VERSION, autocast, list_checkpoints, pick_device, pick_dtype, read_checkpoint
-from training.checkpoint import (check_out_dir, check_resumable, check_same_text, float_lrs, link_best, open_out_dir, restore,
-                                 rng_state, save_checkpoint)
+from model.loading import FORMAT, VERSION, autocast, pick_device, pick_dtype, read_checkpoint
+from training.checkpoint import (check_out_dir, check_resumable, check_same_text, float_lrs, open_out_dir,
+                                 restore, rng_state, save_checkpoint)
 from training.config import Config, build_config, describe, flat, fmt, load_toml
 from training.optim import build_optimizer, lr_at, set_lr
 
@@ -74,7 +74,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         check_same_text(ckpt, resume_from, cfg, meta, say)
     cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
     if cfg.model.vocab_size < meta["vocab_size"]:
-        raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's {meta['vocab_size']}")
+        raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
+                        f"{meta['vocab_size']}")
     try:   # a character the text never had is refused now, not at the first sample
         tokenizer.encode(t.sample_prompt)
     except UserError as e:
@@ -99,17 +100,14 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if ckpt is not None:
         step, best_val, tokens, seconds_before = restore(ckpt, resume_from, model, optimizer, scaler, loader,
                                                          rank, world, t.seed)
-    relink = ckpt is not None and ckpt["is_best"] and resume_from == (list_checkpoints(out) or [(0, 0)])[-1][1]
-    ckpt = None   # (its tensors live in the model and optimizer now)
+    best, ckpt = resume_from if ckpt is not None and ckpt["is_best"] else None, None   # (its tensors: moved)
     run_step, how = build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, world, say)
 
     # ---- the run's first write
     stored = flat(load_toml(out / "config.toml")) if resume_from and (out / "config.toml").is_file() else {}
     metrics = Metrics(cfg if rank == 0 else None, step if resume_from else None)
     if rank == 0:
-        aside = open_out_dir(out, overwrite)
-        if relink:   # a kill may have cut best.pt's linking short
-            link_best(resume_from)
+        aside = open_out_dir(out, overwrite, best)
         atomic_write(out / "config.toml", describe(cfg))
         metrics.open()
         banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, dataset)
@@ -133,9 +131,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 check_finite({"loss": loss_value} | ({} if scaler.is_enabled() else {"gradient norm": norm}),
                              checked, step, saved)   # (fp16's scaler skips an inf gradient itself)
                 intervals.append((step - checked, ms))
-                checked, left = step, (time.perf_counter() - start) / (step - first_step) * (t.max_steps - step)
+                checked, pace = step, (time.perf_counter() - start) / (step - first_step)   # evaluations too
                 say(f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
-                    f"{tokens_per_step * 1000 / ms:,.0f} tok/s | ETA {duration(left)}")
+                    f"{tokens_per_step * 1000 / ms:,.0f} tok/s | ETA {duration(pace * (t.max_steps - step))}")
                 metrics.log({"step": step, "kind": "train", "loss": loss_value, "lr": lr, "grad_norm": norm,
                              "ms_per_step": ms, "tokens_per_s": tokens_per_step * 1000 / ms})
                 interval_start = time.perf_counter()
@@ -148,7 +146,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                     log_eval(say, metrics, meta, step, losses, is_best, elapsed)
                 save(cfg, meta, dict(step=step, best_val_loss=best_val, elapsed=elapsed, tokens=tokens,
                                      is_best=is_best), model, optimizer, scaler, loader, ddp, rank)
-                saved, interval_start, checked = step, time.perf_counter(), step   # (evaluations are not timed)
+                saved, interval_start, checked = step, time.perf_counter(), step   # (not timed as steps)
             if t.sample_every and (step % t.sample_every == 0 or step == t.max_steps) and rank == 0:
                 text = sample(model, tokenizer, t, device, dtype)
                 say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
@@ -193,7 +191,7 @@ def train_step(model, wrapped, optimizer, scaler, low_precision, grad_clip: floa
         distributed.mean(loss_sum)
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm   # (FSDP's DTensor)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm   # (FSDP's)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -208,10 +206,11 @@ def build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, worl
     if t.compile:
         say("# compiling the model: about a minute (train.compile = false skips it)")
         from speed.compile import compiled_or_eager
-        compiled = compiled_or_eager(wrapped, partial(compile_trial, model=model, loader=loader, device=device,
-                                                      dtype=dtype), "training")
+        trial = partial(compile_trial, model=model, loader=loader, device=device, dtype=dtype)
+        compiled = compiled_or_eager(wrapped, trial, "training")
         wrapped, how = compiled, "eager, compiled" if compiled is not wrapped else how
-    step = partial(train_step, model, wrapped, optimizer, scaler, autocast(device, dtype), t.grad_clip, ddp_module)
+    step = partial(train_step, model, wrapped, optimizer, scaler, autocast(device, dtype), t.grad_clip,
+                   ddp_module)
     eager = lambda windows: step(windows.to(device, non_blocking=True))   # noqa: E731
     if not t.cuda_graph or (blocker := graph_blocker(device, world, dtype)):
         say(f"# no CUDA graph: {blocker}" if t.cuda_graph and device.type == "cuda" else "", end="")
@@ -219,7 +218,8 @@ def build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, worl
     from speed.cuda_graph import graph_step
     buffer = torch.zeros(t.grad_accum, t.batch_size, loader.block_size + 1, dtype=torch.long, device=device)
     try:
-        return graph_step(step, buffer, optimizer, capture=device.type == "cuda"), how.replace("eager", "CUDA graph")
+        replay = graph_step(step, buffer, optimizer, capture=device.type == "cuda")
+        return replay, how.replace("eager", "CUDA graph")
     except Exception as e:   # what the recording cannot hold: the eager step does the same work
         say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
         return eager, how
@@ -271,7 +271,7 @@ def check_finite(values: dict, since: int, step: int, saved: int | None) -> None
     """Stop the run, naming the steps between which it happened, if a value read is not finite."""
     for name, value in values.items():
         if not math.isfinite(value):
-            kept = f"the last checkpoint (step {saved}) is kept" if saved is not None else "no checkpoint was written"
+            kept = "no checkpoint was written" if saved is None else f"the checkpoint of step {saved} is kept"
             raise UserError(f"the {name} became {value} between steps {since} and {step}; stopped, {kept} "
                             f"(try a lower --train.lr)")
 
@@ -290,7 +290,8 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool)
         nats, count = score(wrapped, batches, autocast(device, dtype))
         if ddp and iters:   # every rank's share
             from training import distributed
-            nats, count = distributed.mean(torch.tensor([nats, count], dtype=torch.float64, device=device)).tolist()
+            both = torch.tensor([nats, count], dtype=torch.float64, device=device)
+            nats, count = distributed.mean(both).tolist()
         losses[split] = nats / count
     return losses
 
@@ -309,17 +310,19 @@ def save(cfg, meta, state: dict, model, optimizer, scaler, loader, ddp: bool, ra
     and curves.png. Under FSDP every rank gathers its shards; rank 0 writes."""
     if ddp:
         from training import distributed
-        (model_state, optimizer_state), rngs = distributed.full_state(model, optimizer), distributed.gather(rng_state())
+        model_state, optimizer_state = distributed.full_state(model, optimizer)
+        rngs = distributed.gather(rng_state())
     else:
         model_state, optimizer_state, rngs = model.state_dict(), optimizer.state_dict(), [rng_state()]
     if rank:
         return
     out = Path(cfg.out_dir)
     save_checkpoint({"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), **state,
-                     "tokenizer": meta["tokenizer"], "model": model_state, "optimizer": float_lrs(optimizer_state),
+                     "tokenizer": meta["tokenizer"], "model": model_state,
+                     "optimizer": float_lrs(optimizer_state), "loader": loader.state_dict(),
                      "dataset": {k: meta[k] for k in ("source", "sha256", "tokens", "bytes")},
-                     "loader": loader.state_dict(), "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                     "rng_ranks": rngs}, out, keep=cfg.train.keep_checkpoints)
+                     "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng_ranks": rngs},
+                    out, keep=cfg.train.keep_checkpoints)
     if cfg.log.curves:   # (matplotlib is imported here, on first use)
         from viz.curves import draw, read_records, run_panels
         records = read_records(out / "metrics.jsonl", warn=False)
@@ -335,9 +338,10 @@ def sample(model: GPT, tokenizer, t, device, dtype) -> str:
     was_training = model.training
     model.eval()
     with autocast(device, dtype):
-        new = torch.cat(list(generate(model, torch.tensor([ids], device=device), t.sample_tokens,
-                                      SAMPLE_TEMPERATURE, generator=generator, vocab_limit=tokenizer.vocab_size,
-                                      decoding=Decoding(compile=False))), dim=1)[0].tolist()
+        columns = generate(model, torch.tensor([ids], device=device), t.sample_tokens, SAMPLE_TEMPERATURE,
+                           generator=generator, vocab_limit=tokenizer.vocab_size,
+                           decoding=Decoding(compile=False))
+        new = torch.cat(list(columns), dim=1)[0].tolist()
     model.train(was_training)
     return t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")
 
@@ -374,34 +378,39 @@ class Metrics:
             return
         try:
             import wandb
-            self.wandb = wandb.init(project=log.wandb_project, name=log.wandb_run_name or self.path.parent.name,
-                                    group=log.wandb_group or None, config=self.cfg.to_dict(),
-                                    dir=str(self.path.parent), resume="allow")
+            self.wandb = wandb.init(project=log.wandb_project, group=log.wandb_group or None,
+                                    name=log.wandb_run_name or self.path.parent.name,
+                                    config=self.cfg.to_dict(), dir=str(self.path.parent), resume="allow")
         except Exception as e:   # not installed, no login, no network: wandb's own errors
-            raise UserError(f"log.wandb = true but wandb did not start ({type(e).__name__}: {first_line(e, 100)}); "
-                            f"pip install wandb, run `wandb login` or set WANDB_MODE=offline") from None
+            raise UserError(f"log.wandb = true but wandb did not start ({type(e).__name__}: "
+                            f"{first_line(e, 80)}); pip install wandb, run `wandb login` or set "
+                            f"WANDB_MODE=offline") from None
 
     def log(self, record: dict) -> None:
         if self.path is None:
             return
-        with open(self.path, "a", encoding="utf-8") as f:   # a line is whole, or (cut by a kill) skipped on reading
+        with open(self.path, "a", encoding="utf-8") as f:   # a line cut by a kill is skipped on reading
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind")}, step=record["step"])
+            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind")},
+                           step=record["step"])
 
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
 
 
-def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtype, how, world, dataset) -> None:
+def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtype, how, world,
+           dataset) -> None:
     """Where the run goes and what it is: its settings that are not the defaults (and, resumed, what
     changed since it began), then its size, device, dtype, step, processes, tokens per step, data."""
     out = Path(cfg.out_dir)
     say(f"# {out}: " + (f"resuming {resume_from} at step {step}" if resume_from else "a new run")
-        + f" (every setting: {out / 'config.toml'})" + (f"; the earlier run is kept in {aside}" if aside else ""))
+        + f" (every setting: {out / 'config.toml'})"
+        + (f"; the earlier run is kept in {aside}" if aside else ""))
     now, defaults = flat(cfg.to_dict()), flat(build_config().to_dict())
-    differ = [f"{k} = {fmt(v)}" for k, v in now.items() if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
+    differ = [f"{k} = {fmt(v)}" for k, v in now.items()
+              if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
     say("# not the defaults: " + ("; ".join(differ) if differ else "none"))
     for key in [k for k in now if k in stored and stored[k] != now[k]]:
         say(f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}")
