@@ -15,21 +15,17 @@ the paths of
 With --html FILE it writes instead one self-contained page where hovering or clicking a token shows
 where it looks, for every chosen layer and head, with an overview of all heads and the same summary;
 it suits long prompts (hundreds of tokens), where the PNGs' labels would not fit. Give --out as well
-to have both. The weights are the model's own, by its variant's math (model/inspect.py); the pictures
-are viz/'s. A prompt longer than the model's block_size is cut to its last block_size tokens.
+to have both. The weights are the model's own, by its variant's math (model/attention_maps.py); the
+pictures are viz/'s (attention_plots.py, attention_page.py). A prompt longer than the model's
+block_size is cut to its last block_size tokens.
 """
-try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
-    raise SystemExit(130)
-
 import sys
 from pathlib import Path
 
+from common import ArgumentParser, UserError, atomic_write, run_cli
+
 ROOT = Path(__file__).resolve().parent
 
-from common import ArgumentParser, UserError, atomic_write, run_cli  # noqa: E402
 
 def parse_args(argv):
     p = ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
@@ -40,7 +36,8 @@ def parse_args(argv):
     p.add_argument("--layers", default="", help="comma-separated layer numbers from 0 (default: all)")
     p.add_argument("--heads", default="", help="comma-separated head numbers from 0 (default: all)")
     p.add_argument("--html", default="", metavar="FILE",
-                   help="write the interactive page to FILE instead of the PNGs (give --out as well for both)")
+                   help="write the interactive page to FILE instead of the PNGs (give --out as well for "
+                   "both)")
     p.add_argument("--no-summary", action="store_true", help="skip attention_summary.png")
     p.add_argument("--dpi", type=int, default=100, help="pixels per inch of the PNGs (1 to 1000)")
     args = p.parse_args(argv)
@@ -99,9 +96,9 @@ def main(argv) -> int:
     import torch
 
     from data.sources import read_prompt
-    from model.inspect import attention_maps, head_scores
+    from model.attention_maps import attention_maps, head_scores
     from model.loading import load_model
-    from viz.attention_maps import BOX, label_fonts, plot_layer, plot_summary, visible
+    from viz.attention_plots import BOX, label_fonts, plot_layer, plot_summary, visible
     from viz.attention_page import SCORE_NAMES, attention_page
 
     loaded = load_model(args.checkpoint)
@@ -111,15 +108,16 @@ def main(argv) -> int:
 
     _, maps = attention_maps(loaded.model, torch.tensor([ids]))
     texts = token_texts(loaded.tokenizer, ids)
-    weights = [maps[layer][0, heads] for layer in layers]                        # each (heads, T, T)
-    scores = {name: s.numpy() for name, s in head_scores(torch.cat(weights), texts).items()}   # {name: (rows,)}
+    weights = [maps[layer][0, heads] for layer in layers]                # each (heads, T, T)
+    scores = {name: s.numpy() for name, s in head_scores(torch.cat(weights), texts).items()}   # (rows,)
     weights = [w.numpy() for w in weights]
     rows = [f"layer {layer} head {h}" for layer in layers for h in heads]
     kind = f"{cfg.attention}, pos={cfg.pos}"
     written = []
-    if html is None or args.out:   # the PNGs, one figure at a time (a large model's would not all fit at once)
-        beside = Path(loaded.path).parent / "attention" if Path(loaded.path).is_file() else None   # a run's
-        out_dir = Path(args.out) if args.out else beside or ROOT / "out" / "attention" / Path(str(loaded.path)).name
+    if html is None or args.out:   # the PNGs, a figure at a time (a large model's would not all fit at once)
+        path = Path(str(loaded.path))   # a checkpoint file, or GPT-2's directory or name
+        default = path.parent / "attention" if path.is_file() else ROOT / "out" / "attention" / path.name
+        out_dir = Path(args.out) if args.out else default
         out_dir.mkdir(parents=True, exist_ok=True)
         labels = [visible(t) for t in texts]
         if missing := label_fonts("".join(labels))[1]:
@@ -139,8 +137,8 @@ def main(argv) -> int:
         except OSError as e:
             raise UserError(f"cannot write the page {html}: {e.strerror or e}") from None
         written.append(html)
-    shares = [] if args.no_summary else [n for n in SCORE_NAMES if n != "distance" and not np.isnan(scores[n]).all()]
-    for name in shares:   # on stderr, the head that does most of each
+    shares = [n for n in SCORE_NAMES if n != "distance" and not np.isnan(scores[n]).all()]
+    for name in [] if args.no_summary else shares:   # on stderr, the head that does most of each
         best = int(np.nanargmax(scores[name]))
         print(f"# most on {SCORE_NAMES[name]}: {rows[best]} ({scores[name][best]:.2f})", file=sys.stderr)
     for p in written:

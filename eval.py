@@ -17,7 +17,8 @@ in one shorter window. With --stride S the windows start S tokens apart: the fir
 targets, each later one only its last S (the targets before those are context only), so every token
 after the first window is predicted from at least B - S + 1 tokens. S = B is the default; S = 1
 gives every token its full B tokens of context, for B times the compute. (data/loader.py's
-strided_windows makes the windows; model/gpt.py's score, which the trainer's evaluations share, scores them.)
+strided_windows makes the windows; model/gpt.py's score, which the trainer's evaluations share,
+scores them.)
 --max-tokens N scores each file's first N tokens only; --skip-unknown leaves out the characters a
 character model never saw (and says how many), instead of refusing the file.
 
@@ -30,37 +31,34 @@ The figures, per file and in total (the total is over all scored tokens: a token
 On CUDA the model runs under bf16 autocast (fp16 where the GPU lacks bf16), as in training; on the
 CPU in fp32. Every file is read and tokenized before any is scored, so a bad file stops the command
 at once. While scoring, a progress line goes to stderr (redrawn on a terminal, a line every 10 s into
-a log); the results go to stdout as a table, or with --json as one JSON object. Ctrl-C (or SIGTERM)
-stops the scoring and prints the figures of the tokens scored so far, then exits 128 + the signal.
+a log); the results go to stdout as a table, or with --json as one JSON object. Ctrl-C stops the
+scoring and prints the figures of the tokens scored so far, then exits 130.
 """
-try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
-    raise SystemExit(130)
-
 import json
 import math
 import sys
 
-from common import ArgumentParser, Interrupted, Progress, UserError, on_stop_signals, run_cli, unwind_on_stop  # noqa: E402
+from common import ArgumentParser, Progress, UserError, run_cli
 
 
 def parse_args(argv):
-    p = ArgumentParser(description="Loss, bits per byte and perplexity of a model on text files, over every token.")
+    p = ArgumentParser(description="Loss, bits per byte and perplexity of a model on text files, "
+                       "over every token.")
     p.add_argument("model", metavar="MODEL",
                    help="a run's out dir, a checkpoint file, or a Hugging Face GPT-2 (directory or name)")
     p.add_argument("files", nargs="+", metavar="FILE", help="a text file, a directory or a glob (quote it)")
     p.add_argument("--stride", type=int, default=None, metavar="S",
-                   help="start a window every S tokens and score only its last S (1 <= S <= the model's context; "
-                        "default: the context, i.e. windows that do not overlap)")
+                   help="start a window every S tokens and score only its last S (1 <= S <= the model's "
+                        "context; default: the context, i.e. windows that do not overlap)")
     p.add_argument("--batch-size", type=int, default=8, metavar="N",
                    help="windows per forward pass (lower it if memory is short)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--max-tokens", type=int, default=None, metavar="N", help="score each file's first N tokens only")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="score each file's first N tokens only")
     p.add_argument("--skip-unknown", action="store_true",
                    help="leave out the characters a character model never saw (default: refuse such a file)")
-    p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of a table")
+    p.add_argument("--json", action="store_true",
+                   help="print the results as one JSON object instead of a table")
     args = p.parse_args(argv)
     if args.max_tokens is not None and args.max_tokens < 1:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -74,8 +72,7 @@ def parse_args(argv):
 def main(argv) -> int:
     args = parse_args(argv)
     from data.sources import find_sources
-    from model.loading import load_model
-    from model.loading import autocast, pick_device, pick_dtype
+    from model.loading import autocast, load_model, pick_device, pick_dtype
 
     files = list(dict.fromkeys(path for pattern in args.files for path in find_sources(pattern)))
     device = pick_device(args.device, setting="--device")
@@ -84,29 +81,30 @@ def main(argv) -> int:
     stride = args.stride or block_size
     if stride > block_size:
         raise UserError(f"--stride must be at most the model's context of {block_size} tokens, got {stride}")
-    texts = [read_tokens(path, loaded.tokenizer, args.skip_unknown, args.max_tokens) for path in files]   # all first
+    # every file is read before any is scored: a bad one stops the command at once
+    texts = [read_tokens(path, loaded.tokenizer, args.skip_unknown, args.max_tokens) for path in files]
     dtype = pick_dtype(device)
     print(f"# {loaded.description}", file=sys.stderr)
-    print(f"# windows of {block_size} tokens, stride {stride}{' (no overlap)' if stride == block_size else ''}, "
+    overlap = " (no overlap)" if stride == block_size else ""
+    print(f"# windows of {block_size} tokens, stride {stride}{overlap}, "
           f"batch {args.batch_size}, {device} {str(dtype).removeprefix('torch.')}", file=sys.stderr)
-    rows, stopped = [], None
+    rows, stopped = [], False
     try:
-        with on_stop_signals(unwind_on_stop()):
-            score_files(loaded.model, loaded.tokenizer, files, texts, stride, args.batch_size, autocast(device, dtype),
-                        rows)
-    except Interrupted as e:   # the figures of what was scored, then the signal's exit code
-        stopped = e
+        score_files(loaded.model, loaded.tokenizer, files, texts, stride, args.batch_size,
+                    autocast(device, dtype), rows)
+    except KeyboardInterrupt:   # Ctrl-C: the figures of what was scored
+        stopped = True
     total = figures("total", *(sum(r[k] for r in rows) for k in ("tokens", "bytes", "nats")))
     if args.json:
-        print(json.dumps({"model": str(loaded.path), "block_size": block_size, "stride": stride, "files": rows,
-                          "total": total, "interrupted": stopped is not None}, indent=1, allow_nan=False))
+        print(json.dumps({"model": str(loaded.path), "block_size": block_size, "stride": stride,
+                          "files": rows, "total": total, "interrupted": stopped}, indent=1, allow_nan=False))
     elif rows:
         print(table(rows + [total] if len(rows) > 1 else rows))
-    if stopped is None:
+    if not stopped:
         return 0
-    print(f"interrupted: {stopped}; the figures are those of the {total['tokens']:,} tokens scored before it",
+    print(f"interrupted: the figures are those of the {total['tokens']:,} tokens scored before it",
           file=sys.stderr)
-    return stopped.exit_code
+    return 130
 
 
 def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | None = None):
@@ -117,7 +115,8 @@ def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | N
     if skip_unknown and hasattr(tokenizer, "chars"):   # a character model: leave out what it never saw
         kept = "".join(c for c in text if c in tokenizer.stoi)
         if len(kept) < len(text):
-            print(f"# {path}: left out {len(text) - len(kept):,} characters the model never saw", file=sys.stderr)
+            print(f"# {path}: left out {len(text) - len(kept):,} characters the model never saw",
+                  file=sys.stderr)
         text = kept
     try:
         ids = tokenizer.encode_array(text)[:None if max_tokens is None else max_tokens + 1]

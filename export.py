@@ -10,20 +10,15 @@ Only an architecture GPT-2 has can be exported (learned positions, LayerNorm, pl
 attention, no qk_norm): any other setting is an error naming it (hf/convert.py). The tokenizer
 (char, gpt2, bpe:N) is written for AutoTokenizer to read offline (hf/tokenizer.py).
 """
-try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
-    raise SystemExit(130)
-
 import sys
 from pathlib import Path
 
-from common import ArgumentParser, UserError, run_cli  # noqa: E402
+from common import ArgumentParser, UserError, run_cli
 
 
 def parse_args(argv):
-    p = ArgumentParser(description="Export a trained GPT as a Hugging Face directory (GPT-2 and its tokenizer).")
+    p = ArgumentParser(description="Export a trained GPT as a Hugging Face directory (GPT-2 and its "
+                       "tokenizer).")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("out_dir", help="the directory to write the model and tokenizer files to")
     p.add_argument("--force", action="store_true", help="write into out_dir even if it is not empty")
@@ -44,7 +39,8 @@ def main(argv) -> int:
     written = save_pretrained(out, cfg, loaded.model.state_dict(), meta)
     print(f"# {loaded.path} -> {out} (GPT2LMHeadModel: {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
           f"context {cfg.block_size}, vocab {cfg.vocab_size})")
-    print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} (AutoTokenizer.from_pretrained)")
+    print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} "
+          f"(AutoTokenizer.from_pretrained)")
     return 0
 
 

@@ -2,29 +2,30 @@
 named by the settings in which the runs' configs differ.
 
     python plot.py out/tinyshakespeare out/shakespeare_char_cpu_fast
-    python plot.py out/notes out/notes-bpe4096 --bpb --out compare.png   # bits per byte: fair across tokenizers
+    python plot.py out/notes out/notes-bpe4096 --bpb --out compare.png   # bits per byte
 
-Each RUN is a run's out dir (its metrics.jsonl and config.toml). The picture goes to --out (.png, .svg
-or .pdf; default out/runs.png in this repository, beside the runs) and its path is printed. A run's
-own curves are in its out dir, as curves.png.
+Each RUN is a run's out dir (its metrics.jsonl and config.toml). --bpb draws val bits per byte,
+which compares runs of different tokenizers fairly (val loss is per token). The picture goes to --out
+(.png, .svg or .pdf; default out/runs.png in this repository, beside the runs) and its path is
+printed. A run's own curves are in its out dir, as curves.png.
 """
-try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
-    raise SystemExit(130)
-
 import sys
+import tomllib
 from pathlib import Path
 
-from common import ArgumentParser, UserError, atomic_write, run_cli  # noqa: E402
+from common import ArgumentParser, UserError, atomic_write, run_cli
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "runs.png"   # out/ is where runs go, and git-ignored
+DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "runs.png"   # out/ is where runs go, git-ignored
+# what is shown or kept of a run, not what it computes: never named in the legend (keys and prefixes)
+SHOWN = ("out_dir", "data.prepared_dir", "log.", "train.log_interval", "train.keep_checkpoints",
+         "train.sample_")
 
 
 def parse_args(argv):
-    p = ArgumentParser(description="Overlay the loss curves of several runs, by step and by wall-clock time.")
-    p.add_argument("runs", nargs="+", metavar="RUN", help="a run's out dir (with metrics.jsonl and config.toml)")
+    p = ArgumentParser(description="Overlay the loss curves of several runs, by step and by wall-clock "
+                       "time.")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="a run's out dir (with metrics.jsonl and config.toml)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the picture's path, .png, .svg or .pdf "
                    "(default: out/runs.png in this repository)")
     p.add_argument("--bpb", action="store_true", help="val bits per byte instead of val loss per token")
@@ -34,12 +35,19 @@ def parse_args(argv):
     return args
 
 
+def flat(values: dict, prefix: str = "") -> dict:
+    """{'model': {'n_head': 4}} -> {'model.n_head': 4}"""
+    out = {}
+    for k, v in values.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def differences(configs: list[dict], most: int = 4) -> list[str]:
-    """For each config (flattened; a setting it lacks counts as its default), the settings that not
-    every config shares, as 'key=value, ...' (at most `most` of them, then how many more)."""
-    from training.config import WATCHING_KEYS, Config, flat
-    configs = [{**flat(Config().to_dict()), **c} for c in configs]
-    keys = sorted({k for c in configs for k in c if k not in WATCHING_KEYS and not k.startswith("log.")})
+    """For each config (flattened, as a run's config.toml holds every setting; one it lacks is None),
+    the settings that not every config shares, as 'key=value, ...' (at most `most` of them, then how
+    many more)."""
+    keys = sorted({k for c in configs for k in c if not k.startswith(SHOWN)})
     differing = [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
     more = f" and {len(differing) - most} more" if len(differing) > most else ""
     return [", ".join(f"{k}={c.get(k)}" for k in differing[:most]) + more for c in configs]
@@ -47,14 +55,17 @@ def differences(configs: list[dict], most: int = 4) -> list[str]:
 
 def read_run(path: Path) -> tuple[list[dict], dict]:
     """(eval records, flattened config) of a run's out dir; a one-line error if it has none."""
-    from training.config import flat, load_toml
     from viz.curves import read_records
     if not (path / "metrics.jsonl").is_file() or not (path / "config.toml").is_file():
         raise UserError(f"{path} holds no run (no metrics.jsonl and config.toml)")
     evals = [r for r in read_records(path / "metrics.jsonl") if r["kind"] == "eval"]
     if not evals:
         raise UserError(f"{path} has no evaluation yet to draw")
-    return evals, flat(load_toml(path / "config.toml"))
+    try:
+        config = tomllib.loads((path / "config.toml").read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path / 'config.toml'} is not readable TOML ({e})") from None
+    return evals, flat(config)
 
 
 def main(argv) -> int:

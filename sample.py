@@ -8,20 +8,14 @@ the first is streamed token by token, the others are printed when they are done.
 --max-new-tokens, at the end-of-text token (tokenizers that have one: gpt2, bpe:N), or just before a
 --stop string. Where stdout's encoding lacks a character (output redirected on Windows), it is '?'.
 """
-try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
-    raise SystemExit(130)
-
 import codecs
 import math
 import sys
 
-from common import ArgumentParser, UserError, run_cli  # noqa: E402
+from common import ArgumentParser, UserError, run_cli
 
-NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, more than it saves on a sample "
-                    "(bench.py sample measures both): leave out --compile")
+NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, more than it "
+                    "saves on a sample (bench.py sample measures both): leave out --compile")
 
 
 def parse_args(argv):
@@ -41,8 +35,9 @@ def parse_args(argv):
     p.add_argument("--device", default="auto")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole context for every token (slow; for comparison)")
-    p.add_argument("--compile", action="store_true", help="compile the decoding step, on CUDA replayed as a CUDA "
-                   "graph: many more tokens/s on a GPU once compiled (compiling takes a while: pays for long samples)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decoding step, on CUDA replayed as a CUDA graph: many more tokens/s "
+                   "on a GPU once compiled (compiling takes a while: pays for long samples)")
     args = p.parse_args(argv)
     checks = [(args.num_samples >= 1, "--num-samples must be >= 1"),
               (args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
@@ -57,6 +52,14 @@ def parse_args(argv):
     return args
 
 
+def extend(text: str, decoder, piece: bytes, stops: list[str]) -> tuple[str, bool]:
+    """(text followed by the decoded bytes of a new token, whether the sample ended): it ends just
+    before a stop string, looked for only where the new text could complete one."""
+    before, text = len(text), text + decoder.decode(piece)
+    cuts = [c for s in stops if (c := text.find(s, max(0, before - len(s) + 1))) >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
 def main(argv) -> int:
     args = parse_args(argv)
     if sys.stdout is None:   # `python sample.py ... >&-`: Python found no stdout at its start
@@ -64,9 +67,8 @@ def main(argv) -> int:
     import torch
 
     from data.sources import read_prompt
-    from model.sampling import Decoding, generate
-    from model.loading import load_model
-    from model.loading import autocast, pick_device, pick_dtype
+    from model.loading import autocast, load_model, pick_device, pick_dtype
+    from model.sampling import generate
 
     device = pick_device(args.device, setting="--device")
     loaded = load_model(args.checkpoint, device)
@@ -86,21 +88,24 @@ def main(argv) -> int:
     hold = max(map(len, args.stop), default=1) - 1   # what could still become a stop string is not shown yet
     new, done, streams, shown = [], [], [], 0   # each sample's text, whether it ended, its UTF-8 decoder
     print(("" if args.num_samples == 1 else "--- sample 1 ---\n") + text, end="", flush=True)
+    speed_up = None
+    if args.compile:
+        from speed.decoding import compiled as speed_up
     try:
         with autocast(device, dtype):   # the finite flags are read with each token, read for streaming anyway
-            decoding = Decoding(use_cache=not args.no_cache, cache_dtype=dtype, compile=args.compile, check_every=1)
-            for col in generate(loaded.model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                                generator, vocab_limit=tokenizer.vocab_size, decoding=decoding):
-                if not new:   # (made once the model has run: a batch too large for memory is refused there first)
+            for col in generate(loaded.model, idx, args.max_new_tokens, args.temperature, args.top_k,
+                                args.top_p, generator, vocab_limit=tokenizer.vocab_size,
+                                use_cache=not args.no_cache, cache_dtype=dtype, check_every=1,
+                                speed_up=speed_up):
+                if not new:   # (made once the model has run: a batch too large for memory is refused first)
                     new, done = [""] * args.num_samples, [False] * args.num_samples
                     streams = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in new]
                 for i, token in enumerate(col[:, 0].tolist()):
-                    if not done[i]:
-                        done[i], before = token == tokenizer.end_token, len(new[i])
-                        new[i] += "" if done[i] else streams[i].decode(tokenizer.decode_bytes([token]))
-                        cut = [c for s in args.stop if (c := new[i].find(s, max(0, before - len(s) + 1))) >= 0]
-                        if cut:   # (looked for where the new text could complete one)
-                            new[i], done[i] = new[i][:min(cut)], True
+                    if done[i] or token == tokenizer.end_token:
+                        done[i] = True
+                    else:
+                        piece = tokenizer.decode_bytes([token])
+                        new[i], done[i] = extend(new[i], streams[i], piece, args.stop)
                 show = len(new[0]) if done[0] else max(shown, len(new[0]) - hold)
                 print(new[0][shown:show], end="", flush=True)
                 shown = show
@@ -109,10 +114,11 @@ def main(argv) -> int:
     except UserError as e:
         print()
         raise UserError(f"{loaded.path}: {e}") from None
-    print(new[0][shown:] + ("" if done[0] else streams[0].decode(b"", final=True)) if new else "", flush=True)
+    # the bytes a decoder still holds (a character cut by the end of a sample) come out as �
+    new = [t + ("" if d else s.decode(b"", final=True)) for t, d, s in zip(new, done, streams)]
+    print(new[0][shown:] if new else "", flush=True)
     for i in range(1, args.num_samples):
-        rest = "" if not new or done[i] else streams[i].decode(b"", final=True)
-        print(f"--- sample {i + 1} ---\n{text}{new[i] if new else ''}{rest}", flush=True)
+        print(f"--- sample {i + 1} ---\n{text}{new[i] if new else ''}", flush=True)
     return 0
 
 

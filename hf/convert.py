@@ -31,21 +31,18 @@ import math
 
 import torch
 
-from common import UserError, type_problem
+from common import UserError
 from model.config import ModelConfig
 
 # GPT-2's activation names (transformers' ACT2FN) -> model.mlp
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu_python_tanh": "gelu_tanh", "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
 EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
-# The config.json keys read, their types, and GPT-2's defaults for those a config may leave out
-HF_TYPES = {"vocab_size": int, "n_positions": int, "n_layer": int, "n_head": int, "n_embd": int,
-            "activation_function": str, "n_inner": (int, type(None)), "resid_pdrop": float,
-            "layer_norm_epsilon": float, "scale_attn_weights": bool, "tie_word_embeddings": bool,
-            "scale_attn_by_inverse_layer_idx": bool, "add_cross_attention": bool}
-HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop": 0.1, "layer_norm_epsilon": 1e-5,
-               "scale_attn_weights": True, "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
-               "add_cross_attention": False}
+# GPT-2's defaults for the config.json keys read that a config may leave out
+HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop": 0.1,
+               "layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "tie_word_embeddings": True,
+               "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False}
+SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
 # A block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units of C, which
 # a Conv1D stores transposed, or None for a norm's (C,))
 BLOCK_TENSORS = [(["norm1"], "ln_1", None), (["attn.query", "attn.key", "attn.value"], "attn.c_attn", (1, 1)),
@@ -61,11 +58,14 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     if hf.get("model_type", "gpt2") != "gpt2":   # before the keys: a Llama's config.json has no n_layer
         refuse(f"model_type={json.dumps(hf['model_type'])} is not supported (only GPT-2 maps onto this GPT)")
     hf = {**HF_DEFAULTS, "n_positions": hf.get("n_ctx"), **hf}
-    if problem := type_problem(hf, HF_TYPES):
-        refuse(problem)
+    for key in SIZES + ("resid_pdrop", "layer_norm_epsilon"):   # (JSON's numbers have no declared type)
+        integer = key in SIZES
+        if type(hf.get(key)) not in ((int,) if integer else (int, float)):
+            refuse(f"{key}={json.dumps(hf.get(key))} is not {'an integer' if integer else 'a number'}")
     C, activation = hf["n_embd"], hf["activation_function"]
     for refused, key, why in [
-            (activation not in ACTIVATIONS, "activation_function", f"this GPT has {', '.join(sorted(ACTIVATIONS))}"),
+            (not isinstance(activation, str) or activation not in ACTIVATIONS, "activation_function",
+             f"this GPT has {', '.join(sorted(ACTIVATIONS))}"),
             (hf["n_inner"] not in (None, 4 * C), "n_inner", f"this GPT's MLP is 4 x n_embd = {4 * C} wide"),
             (hf["scale_attn_by_inverse_layer_idx"], "scale_attn_by_inverse_layer_idx",
              "this GPT scales every layer's scores alike"),
@@ -77,7 +77,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     cfg = ModelConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
                       n_head=hf["n_head"], n_embd=C, dropout=float(hf["resid_pdrop"]), bias=True,
                       attention="sdpa", pos="learned", norm="layernorm", mlp=ACTIVATIONS[activation],
-                      attn_scale=hf["scale_attn_weights"], tie_embeddings=hf["tie_word_embeddings"])
+                      attn_scale=bool(hf["scale_attn_weights"]),
+                      tie_embeddings=bool(hf["tie_word_embeddings"]))
     try:
         cfg.validate()
     except UserError as e:
@@ -91,7 +92,8 @@ def tensor_names(cfg: ModelConfig):
     C, V = cfg.n_embd, cfg.vocab_size
     yield ["tok_emb.weight"], "transformer.wte.weight", (V, C), False
     yield ["pos_emb.weight"], "transformer.wpe.weight", (cfg.block_size, C), False
-    for i, (ours, theirs, size), kind in itertools.product(range(cfg.n_layer), BLOCK_TENSORS, ("weight", "bias")):
+    blocks = itertools.product(range(cfg.n_layer), BLOCK_TENSORS, ("weight", "bias"))
+    for i, (ours, theirs, size), kind in blocks:
         conv = size is not None and kind == "weight"
         shape = (size[0] * C, size[1] * C) if conv else (size[0] * C,) if size else (C,)
         yield [f"blocks.{i}.{o}.{kind}" for o in ours], f"transformer.h.{i}.{theirs}.{kind}", shape, conv
@@ -122,7 +124,7 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
     if sd:
         names = sorted(k.removeprefix("transformer.") for k in sd)
         raise UserError(f"{where} holds tensors a GPT-2 of this config does not have: "
-                              f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}")
+                        f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}")
     return out
 
 
@@ -130,20 +132,23 @@ def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
     """This GPT's config and state dict -> (GPT-2 config.json dict, GPT-2 tensors as transformers
     names them). Tensors are new and contiguous (safetensors needs both). A setting GPT-2 cannot express
     is a UserError naming it."""
-    for key, allowed, why in [("pos", ["learned"], "GPT-2 has learned absolute positions"),
-                              ("norm", ["layernorm"], "GPT-2 has LayerNorm"),
-                              ("qk_norm", [False], "GPT-2 does not normalize queries and keys"),
-                              ("attention", ["naive", "sdpa"], "GPT-2 has plain multi-head attention: naive or sdpa")]:
+    for key, allowed, why in [
+            ("pos", ["learned"], "GPT-2 has learned absolute positions"),
+            ("norm", ["layernorm"], "GPT-2 has LayerNorm"),
+            ("qk_norm", [False], "GPT-2 does not normalize queries and keys"),
+            ("attention", ["naive", "sdpa"], "GPT-2 has plain multi-head attention: naive or sdpa")]:
         if getattr(cfg, key) not in allowed:
             raise UserError(f"model.{key}={getattr(cfg, key)!r} does not map onto GPT-2 ({why})")
     sd = {k: v.detach().cpu() for k, v in state_dict.items()}
     dtype, tensors = sd["tok_emb.weight"].dtype, {}
     for ours, theirs, shape, conv in tensor_names(cfg):   # model.bias = false: zero biases, the same function
-        t = torch.cat([torch.zeros(shape, dtype=dtype) if o.endswith("bias") and o not in sd else sd[o] for o in ours])
+        t = torch.cat([torch.zeros(shape, dtype=dtype) if o.endswith("bias") and o not in sd else sd[o]
+                       for o in ours])
         tensors[theirs] = t.t().contiguous() if conv else t
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-              "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-              "activation_function": EXPORT_ACTIVATION[cfg.mlp], "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
-              "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5, "scale_attn_weights": cfg.attn_scale,
+              "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+              "n_head": cfg.n_head, "activation_function": EXPORT_ACTIVATION[cfg.mlp],
+              "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+              "layer_norm_epsilon": 1e-5, "scale_attn_weights": cfg.attn_scale,
               "tie_word_embeddings": cfg.tie_embeddings}   # the rest as GPT2Config's defaults
     return config, tensors

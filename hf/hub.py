@@ -43,14 +43,15 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
         return path
     if name_or_dir not in HUB_MODELS and name_or_dir.count("/") != 1:
         raise UserError(f"{name_or_dir} is neither a directory nor a GPT-2 name "
-                              f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
+                        f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
     try:   # (huggingface_hub missing, offline, an unknown repo, no access, a full disk: all end here)
         from huggingface_hub import snapshot_download
         files = ["config.json", "model.safetensors", "model-*.safetensors"] if weights else ["config.json"]
         return Path(snapshot_download(HUB_MODELS.get(name_or_dir, [name_or_dir])[0], allow_patterns=files))
     except Exception as e:
         offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
-        detail = "not in the local cache, and the hub cannot be reached" if offline else first_line(e).split(". ")[0]
+        detail = ("not in the local cache, and the hub cannot be reached" if offline
+                  else first_line(e).split(". ")[0])
         raise UserError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
                               f"pass a local directory") from None
 
@@ -59,13 +60,14 @@ def pretrained_config(name_or_dir: str) -> ModelConfig:
     """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its config.json."""
     if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
         _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
-        return config_from_hf({"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer, "n_head": n_head,
-                               "n_embd": n_embd}, where=name_or_dir)
+        return config_from_hf({"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer,
+                               "n_head": n_head, "n_embd": n_embd}, where=name_or_dir)
     path = resolve_source(name_or_dir, weights=False) / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{path.parent} has no config.json: not a Hugging Face checkpoint directory") from None
+        raise UserError(f"{path.parent} has no config.json: not a Hugging Face checkpoint "
+                        f"directory") from None
     except ValueError as e:   # (a UnicodeDecodeError too)
         raise UserError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(hf, dict):
@@ -94,7 +96,8 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
     return cfg, state_dict_from_hf(tensors, cfg, where=f"{name_or_dir}: weights")
 
 
-def save_pretrained(directory, cfg: ModelConfig, state_dict: dict, tokenizer: dict | None = None) -> list[str]:
+def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
+                    tokenizer: dict | None = None) -> list[str]:
     """Write config.json, generation_config.json and model.safetensors, which transformers loads as
     GPT2LMHeadModel, and for a tokenizer's meta() its files (hf/tokenizer.py), each atomically; returns
     the tokenizer files' names."""
@@ -123,8 +126,9 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
     except UserError as e:
         raise UserError(f"train.init_from: {e}") from None
     if pretrained.vocab_size < GPT2_VOCAB:
-        raise UserError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, fewer than "
-                          f"GPT-2's {GPT2_VOCAB}: its tokenizer is not GPT-2's, which fine-tuning uses")
+        raise UserError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, "
+                        f"fewer than GPT-2's {GPT2_VOCAB}: its tokenizer is not GPT-2's, which "
+                        f"fine-tuning uses")
     for key in sorted(k.removeprefix("model.") for k in explicit if k.startswith("model.")):
         mine, theirs = getattr(cfg.model, key), getattr(pretrained, key)
         free = (key == "dropout" or (key == "attention" and mine in ("naive", "sdpa"))
@@ -132,11 +136,11 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
         if mine != theirs and not free:
             limit = f" (its n_positions: at most {theirs})" if key == "block_size" else ""
             raise UserError(f"model.{key}={mine} conflicts with {source}'s {key}={theirs}{limit} "
-                              f"(train.init_from); remove the override")
+                            f"(train.init_from); remove the override")
         setattr(pretrained, key, mine)
     if "data.tokenizer" in explicit and cfg.data.tokenizer != "gpt2":
         raise UserError(f"data.tokenizer={cfg.data.tokenizer} conflicts with train.init_from={source}, "
-                          f"whose tokenizer is gpt2; remove the override")
+                        f"whose tokenizer is gpt2; remove the override")
     cfg.model, cfg.data.tokenizer = pretrained, "gpt2"
 
 
@@ -148,7 +152,8 @@ def load_init_weights(model: GPT, source: str) -> None:
     try:
         model.load_state_dict(state)
     except RuntimeError as e:   # its files changed since its config was read
-        raise UserError(f"{source} does not fit the model its config.json describes: {first_line(e)}") from None
+        raise UserError(f"{source} does not fit the model its config.json describes: "
+                        f"{first_line(e)}") from None
 
 
 def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
@@ -157,7 +162,7 @@ def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
     cfg, state = load_pretrained(source)
     if cfg.vocab_size < GPT2_VOCAB:
         raise UserError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than GPT-2's "
-                              f"{GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
+                        f"{GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
     model = GPT(cfg)
     model.load_state_dict(state)
     size = f"{model.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, context {cfg.block_size}"

@@ -60,10 +60,12 @@ def tokenizer_files(meta: dict, max_length: int) -> tuple[dict, int | None]:
         split = {"type": "Split", "pattern": {"Regex": re.sub(r"(\{\d+(,\d*)?\})\+", r"\1", enc._pat_str)},
                  "behavior": "Isolated", "invert": False}
         pre = {"type": "Sequence", "pretokenizers": [split, decoder]}
-    added = [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": True} for token, i in special.items()]
+    added = [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for token, i in special.items()]
     tokenizer = {"version": "1.0", "added_tokens": added, "pre_tokenizer": pre, "decoder": decoder,
                  "model": {"type": "BPE", "ignore_merges": True, "vocab": vocab | special, "merges": pairs}}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "clean_up_tokenization_spaces": False} | ({"bos_token": EOT, "eos_token": EOT} if EOT in special else {})
+              "clean_up_tokenization_spaces": False}
+    if EOT in special:
+        config |= {"bos_token": EOT, "eos_token": EOT}
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config}, special.get(EOT)

@@ -5,7 +5,8 @@ from common import UserError, check, setting
 
 # model/attention/__init__.py maps each name to its module (and checks that the two lists agree)
 ATTENTIONS = ("naive", "sdpa", "gqa", "sliding_window", "linear", "mla")
-POSITIONS, NORMS, MLPS = ("learned", "rope", "alibi", "none"), ("layernorm", "rmsnorm"), ("gelu", "gelu_tanh", "relu2")
+POSITIONS, NORMS = ("learned", "rope", "alibi", "none"), ("layernorm", "rmsnorm")
+MLPS = ("gelu", "gelu_tanh", "relu2")
 
 
 @dataclass
@@ -46,14 +47,16 @@ class ModelConfig:
         for name, allowed in {"attention": ATTENTIONS, "pos": POSITIONS, "norm": NORMS, "mlp": MLPS}.items():
             check(f"model.{name}", getattr(self, name), one_of=allowed)
         if self.pos == "rope" and self.head_dim % 2:
-            raise UserError(f"model.pos='rope' needs an even head dim, but model.n_embd/model.n_head = {self.head_dim}")
+            raise UserError(f"model.pos='rope' needs an even head dim, but model.n_embd/model.n_head = "
+                            f"{self.head_dim}")
         self.validate_variant()
 
     def validate_variant(self) -> None:
         """Each variant's own setting must be given for it, and only for it."""
         own = {"n_kv_head": "gqa", "window": "sliding_window", "kv_latent_dim": "mla"}
         hints = {"n_kv_head": "1 = multi-query, model.n_head = plain multi-head",
-                 "window": f"at most model.block_size={self.block_size}", "kv_latent_dim": "e.g. model.n_embd / 4"}
+                 "window": f"at most model.block_size={self.block_size}",
+                 "kv_latent_dim": "e.g. model.n_embd / 4"}
         for name, variant in own.items():
             value = getattr(self, name)
             check(f"model.{name}", value, at_least=0)
@@ -61,11 +64,12 @@ class ModelConfig:
                 raise UserError(f"model.attention='{variant}' needs model.{name} > 0 ({hints[name]})")
             if self.attention != variant and value != 0:
                 raise UserError(f"model.{name}={value} only applies to model.attention='{variant}', "
-                                  f"not model.attention='{self.attention}'")
+                                f"not model.attention='{self.attention}'")
         if self.attention == "gqa" and self.n_head % self.n_kv_head:
-            raise UserError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}")
+            raise UserError(f"model.n_head={self.n_head} is not a multiple of "
+                            f"model.n_kv_head={self.n_kv_head}")
         if self.attention == "sliding_window" and self.window > self.block_size:
             raise UserError(f"model.window={self.window} is larger than model.block_size={self.block_size}")
         if self.attention == "linear" and self.pos == "alibi":
-            raise UserError("model.pos='alibi' biases attention scores, which model.attention='linear' never forms "
-                              "(use rope, learned or none)")
+            raise UserError("model.pos='alibi' biases attention scores, which model.attention='linear' "
+                            "never forms (use rope, learned or none)")

@@ -4,7 +4,8 @@ Architecture (the defaults are GPT-2's; each switch is a field of ModelConfig):
   - token embedding + learned absolute position embedding (or rotary, ALiBi, none: `pos`)
   - n_layer pre-norm blocks: x + attn(norm(x)), then x + mlp(norm(x))
   - masked multi-head self-attention, naive or fused, or a variant (`attention`, model/attention/)
-  - MLP 4x wide with GELU (exact, or GPT-2's tanh approximation; or ReLU²: `mlp`); LayerNorm (or RMSNorm: `norm`)
+  - MLP 4x wide with GELU (exact, or GPT-2's tanh approximation; or ReLU²: `mlp`)
+  - LayerNorm (or RMSNorm: `norm`)
   - final norm, LM head tied to the token embedding (`tie_embeddings`)
   - GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 n_layer)
     (or zero: `zero_init_proj`), so the residual stream's variance does not grow with depth
@@ -46,7 +47,7 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
         self.relu2 = cfg.mlp == "relu2"
-        self.gelu_approx = "tanh" if cfg.mlp == "gelu_tanh" else "none"   # GPT-2's weights were trained with tanh
+        self.gelu_approx = "tanh" if cfg.mlp == "gelu_tanh" else "none"   # GPT-2 was trained with tanh
 
     def forward(self, x):
         h = self.up(x)

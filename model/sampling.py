@@ -8,33 +8,19 @@ tokens (positions restart at 0, as learned position embeddings need), so the cos
 O(1) forwards of one token per step.
 
 The cache has fixed shapes and the position of the new token is a tensor, so every decoding step
-runs the same computation on the same buffers: torch.compile turns it into one graph, and on CUDA
-into one CUDA graph replayed for every token (at batch 1 a step is a hundred small kernels, and
-launching them one by one from Python costs more than running them).
+runs the same computation on the same buffers (decode_step): a compiler can turn it into one graph,
+and on CUDA into one CUDA graph replayed for every token. generate() takes that speed-up as a
+function (speed_up, e.g. speed/decoding.py's compiled), so the model needs nothing from speed/.
 """
-import functools
-import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from common import UserError, first_line
+from common import UserError
 from model.gpt import GPT, InferenceCache
 
 TINY = torch.finfo(torch.float32).tiny                                   # the smallest normal float32
-
-
-@dataclass
-class Decoding:
-    """How generate() computes, not what it samples: every choice gives the same tokens."""
-    use_cache: bool = True               # reuse the keys and values of earlier tokens (False: recompute the window)
-    cache_dtype: torch.dtype | None = None   # the cache's number format (default: the model's)
-    compile: bool | None = None          # compile the one-token step (on CUDA also replayed as a CUDA graph);
-                                         # None: on CUDA only (on CPU, compiling costs more than a sample saves)
-    check_every: int | None = None       # read the finite flags every this many tokens (default: every token
-                                         # on CPU, every 32 on a GPU, where a read waits for the device)
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -96,62 +82,42 @@ def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torc
     return next_id, ok
 
 
-def fast_decode_step(device: torch.device, args: tuple):
-    """decode_step compiled (speed/compile.py: a failure is one warning line and the eager step), and
-    on CUDA recorded as a CUDA graph (speed/cuda_graph.py), called with args (which it updates in
-    place). The compiled step asks for the explicit attention math, which a compiler fuses into a
-    few kernels of its own for one query (the fused attention kernels are made for many); on CUDA,
-    coordinate descent tuning makes inductor turn each one-row matmul into a reduction it tunes and
-    fuses with its neighbours (instead of a library call per matmul)."""
-    from speed.compile import compiled_or_eager   # the optional speed room
-    options = {"coordinate_descent_tuning": True} if device.type == "cuda" else None
-    decode = compiled_or_eager(functools.partial(decode_step, explicit=True), lambda fn: [fn(*args) for _ in range(2)],
-                               "decoding", fullgraph=True, dynamic=False, options=options)
-    if device.type != "cuda":
-        return decode
-    from speed.cuda_graph import record
-    try:
-        graph, out = record(lambda: decode(*args))
-    except Exception as e:
-        print(f"warning: recording the decoding step as a CUDA graph failed, decoding without it "
-              f"({type(e).__name__}: {first_line(e)})", file=sys.stderr, flush=True)
-        return decode
-
-    def replay(*same_args):
-        graph.replay()
-        return out                             # the graph's own output tensors, overwritten by the next replay
-    return replay
-
-
 @torch.inference_mode()   # like no_grad, and skips autograd's version counting too
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             vocab_limit: int | None = None, decoding: Decoding = Decoding()) -> Iterator[torch.Tensor]:
+             vocab_limit: int | None = None, use_cache: bool = True,
+             cache_dtype: torch.dtype | None = None, check_every: int | None = None,
+             speed_up: Callable | None = None) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T).
 
     vocab_limit: choose only among the first vocab_limit tokens (the tokenizer's vocabulary).
-    decoding: how to compute (the cache, compiling): the same tokens either way. Raises UserError
-    when the logits are not finite, naming the first new token whose logits were not."""
+    How it computes, which never changes the tokens:
+      use_cache    reuse the keys and values of earlier tokens (False: recompute the window)
+      cache_dtype  the cache's number format (default: the model's)
+      check_every  read the finite flags every this many tokens (default: every token on CPU,
+                   every 32 on a GPU, where a read waits for the device)
+      speed_up     speed_up(decode_step, args) -> a faster function of the same args, which it
+                   may call to warm up (the prefill resets the cache after it)
+    Raises UserError when the logits are not finite, naming the first new token whose were not."""
     block_size, device, batch = model.cfg.block_size, idx.device, idx.size(0)
-    check_every = decoding.check_every or (1 if device.type == "cpu" else 32)
-    compile = device.type == "cuda" if decoding.compile is None else decoding.compile
-    finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)   # one flag per new token
+    check_every = check_every or (1 if device.type == "cpu" else 32)
+    finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)   # a flag per new token
     vocab = min(vocab_limit or model.cfg.vocab_size, model.cfg.vocab_size)
-    noise = torch.ones(batch, vocab, device=device)   # Exponential(1) draws, redrawn per token when sampling
+    noise = torch.ones(batch, vocab, device=device)   # Exponential(1) draws, redrawn per token
     sampling = (noise, temperature, top_k, top_p)
-    if decoding.use_cache:
-        cache = InferenceCache(model, batch, device, decoding.cache_dtype or next(model.parameters()).dtype)
-        last = torch.zeros(batch, 1, dtype=torch.long, device=device)       # the newest tokens
-        pos = torch.zeros(1, dtype=torch.long, device=device)              # and their position
-        # (compiling and recording call the step on the cache: the prefill resets it)
-        decode = fast_decode_step(device, (model, cache, last, pos, *sampling)) if compile else decode_step
-    tokens, filled, checked = idx, 0, 0                                    # filled: positions in the cache
+    if use_cache:
+        cache = InferenceCache(model, batch, device, cache_dtype or next(model.parameters()).dtype)
+        last = torch.zeros(batch, 1, dtype=torch.long, device=device)    # the newest tokens
+        pos = torch.zeros(1, dtype=torch.long, device=device)           # and their position
+        args = (model, cache, last, pos, *sampling)
+        decode = speed_up(decode_step, args) if speed_up else decode_step
+    tokens, filled, checked = idx, 0, 0                                # filled: positions in the cache
     for i in range(max_new_tokens):
         if temperature > 0:
             draw_noise(noise, generator)
-        if not decoding.use_cache:
-            next_id, ok = step(model, None, tokens[:, -block_size:], None, *sampling)   # recompute the window
-        elif filled == 0 or filled == block_size:                          # prefill (the prompt, or a slide)
+        if not use_cache:                                              # recompute the window
+            next_id, ok = step(model, None, tokens[:, -block_size:], None, *sampling)
+        elif filled == 0 or filled == block_size:                      # prefill (the prompt, or a slide)
             keep = min(tokens.size(1), block_size if filled == 0 else max(1, block_size // 2))
             cache.reset()
             next_id, ok = step(model, cache, tokens[:, -keep:], torch.arange(keep, device=device), *sampling)
@@ -159,7 +125,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
             last.copy_(next_id)
             pos.fill_(filled)
         else:
-            next_id, ok = decode(model, cache, last, pos, *sampling)       # one new token
+            next_id, ok = decode(*args)                                # one new token
             filled += 1
         tokens = torch.cat([tokens, next_id], dim=1)
         finite[i] = ok
@@ -176,4 +142,4 @@ def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
     if not window.all():
         first = start + int((~window).nonzero()[0, 0]) + 1
         raise UserError(f"the model's logits are not finite at new token {first}: "
-                            "its weights are damaged or the model diverged")
+                        "its weights are damaged or the model diverged")

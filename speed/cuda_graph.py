@@ -5,7 +5,7 @@ while the GPU waits; a replay costs one launch. What a graph needs: everything i
 the same address (inputs are copied into a static buffer, the learning rate is a tensor, gradients
 and optimizer state are allocated once), and nothing in it waits for the host (no .item(), no Python
 branch on a tensor's value). Two users: the training step (graph_step) and the decoding step
-(model/sampling.py, with --compile).
+(speed/decoding.py, sample.py --compile).
 """
 import warnings
 

@@ -11,7 +11,7 @@ from model.attention.mha import causal_mask, consecutive_positions, merge_heads,
 from model.attention.mla import MultiHeadLatentAttention
 from model.config import ModelConfig
 from model.gpt import GPT
-from model.inspect import attention_maps, head_scores, line_up_positions, newline_positions
+from model.attention_maps import attention_maps, head_scores, line_up_positions, newline_positions
 from model.positions import rope_tables
 
 from tests.conftest import CHARS, ROOT, save_char_model
@@ -24,7 +24,8 @@ T = 12
 
 def layer_and_input(attention, pos, **kw):
     torch.manual_seed(0)
-    cfg = ModelConfig(n_embd=32, n_head=4, block_size=16, attention=attention, pos=pos, **OWN[attention], **kw)
+    cfg = ModelConfig(n_embd=32, n_head=4, block_size=16, attention=attention, pos=pos, **OWN[attention],
+                      **kw)
     attn = build_attention(cfg).eval()
     if attention == "linear":
         attn.chunk = 5        # several chunks: the weights must match the chunked output across them
@@ -86,7 +87,8 @@ def test_a_linear_layer_refuses_weights_with_a_cache():
         attn(x, cache=attn.new_cache(2, 16, "cpu", torch.float32), return_weights=True)
 
 
-@pytest.mark.parametrize("attention, pos", [("sdpa", "learned"), ("gqa", "alibi"), ("linear", "rope"), ("mla", "rope")])
+@pytest.mark.parametrize("attention, pos", [("sdpa", "learned"), ("gqa", "alibi"), ("linear", "rope"),
+                                            ("mla", "rope")])
 def test_attention_maps_collects_every_layer_and_leaves_the_model_as_it_was(attention, pos):
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=40, block_size=16, n_layer=3, n_head=4, n_embd=32, attention=attention,
@@ -150,7 +152,7 @@ def image_panels(fig):
 def test_a_layer_figure_has_a_labelled_panel_per_head():
     import matplotlib
     matplotlib.use("Agg")
-    from viz.attention_maps import plot_layer, visible
+    from viz.attention_plots import plot_layer, visible
     labels = [visible(c) for c in "To be\nor"]
     fig = plot_layer(torch.rand(3, 8, 8).numpy(), labels, heads=[0, 2, 3], title="layer 0")
     panels = image_panels(fig)
@@ -161,7 +163,7 @@ def test_a_layer_figure_has_a_labelled_panel_per_head():
 
 def test_bpe_tokens_are_labelled_with_their_text_and_visible_whitespace():
     from attention import token_texts
-    from viz.attention_maps import visible
+    from viz.attention_plots import visible
     from common import UserError
     from data.tokenizers import build_tokenizer
     try:
@@ -178,7 +180,7 @@ WORDS = "First Citizen: Before we proceed any further, hear me speak. All: Speak
 
 def bpe_labels(T):
     """T labels as a BPE model's tokens are: words and pieces of words, with their spaces and newlines."""
-    from viz.attention_maps import visible
+    from viz.attention_plots import visible
     pieces = [w for word in WORDS.split(" ") for w in (" " + word, "\n")[: 1 + (word[-1] in ":.")]]
     return [visible(pieces[i % len(pieces)]) for i in range(T)]
 
@@ -201,7 +203,7 @@ def test_the_title_and_every_label_lie_within_the_figure(T, n_heads):
     """A short prompt's figure is narrower than the title: the title is wrapped, not cut at both ends."""
     from matplotlib.text import Text
 
-    from viz.attention_maps import plot_layer
+    from viz.attention_plots import plot_layer
     fig = plot_layer(torch.rand(n_heads, T, T).numpy(), bpe_labels(T), list(range(n_heads)), TITLE)
     renderer = rendered(fig)
     title = fig.get_suptitle()
@@ -215,7 +217,7 @@ def test_the_title_and_every_label_lie_within_the_figure(T, n_heads):
 def test_bpe_labels_overlap_neither_each_other_nor_the_other_axis(T, n_heads):
     """Multi-character tokens: the rotated x labels, the y labels beside them (the last one too) and the
     axis titles each have their own room, whatever the length of the longest token."""
-    from viz.attention_maps import plot_layer
+    from viz.attention_plots import plot_layer
     fig = plot_layer(torch.rand(n_heads, T, T).numpy(), bpe_labels(T), list(range(n_heads)), TITLE)
     renderer = rendered(fig)
     for ax in image_panels(fig):
@@ -229,7 +231,7 @@ def test_bpe_labels_overlap_neither_each_other_nor_the_other_axis(T, n_heads):
 
 def test_labels_are_text_as_it_is_not_math():
     """GPT-2 has the tokens '$$' and ' $$', which matplotlib would parse as (empty, failing) math."""
-    from viz.attention_maps import plot_layer
+    from viz.attention_plots import plot_layer
     labels = ["$$", "␣$$", "$x^2$", "a_b"]
     fig = plot_layer(torch.rand(1, 4, 4).numpy(), labels, [0], "layer 0")
     rendered(fig)
@@ -242,19 +244,21 @@ def fonts(monkeypatch):
     label_fonts' memory of earlier answers cleared before and after."""
     from matplotlib import font_manager
 
-    from viz.attention_maps import label_fonts
+    from viz.attention_plots import label_fonts
     installed = font_manager.fontManager.ttflist
 
     def only(*names):
         label_fonts.cache_clear()
         if names:
-            monkeypatch.setattr(font_manager.fontManager, "ttflist", [f for f in installed if f.name in names])
+            kept = [f for f in installed if f.name in names]
+            monkeypatch.setattr(font_manager.fontManager, "ttflist", kept)
     yield only
     label_fonts.cache_clear()
 
 
 def glyph_warnings(caught):
-    return [str(w.message) for w in caught if "Glyph" in str(w.message) or "missing from font" in str(w.message)]
+    return [str(w.message) for w in caught
+            if "Glyph" in str(w.message) or "missing from font" in str(w.message)]
 
 
 @pytest.mark.parametrize("names", [(), ("DejaVu Sans", "STIXGeneral")])
@@ -262,7 +266,7 @@ def test_a_character_the_default_font_lacks_is_drawn_in_an_installed_font_that_h
     """Ⓐ is in none of matplotlib's DejaVu fonts, and in its STIX ones (which matplotlib brings along)."""
     import warnings
 
-    from viz.attention_maps import label_fonts, plot_layer
+    from viz.attention_plots import label_fonts, plot_layer
     fonts(*names)
     families, missing = label_fonts("ab␣Ⓐ⏎")
     assert missing == "" and families[0] == "sans-serif" and len(families) > 1, families
@@ -279,7 +283,7 @@ def test_a_character_the_default_font_lacks_is_drawn_in_an_installed_font_that_h
 def test_a_character_no_installed_font_has_is_drawn_as_a_box_without_a_warning_per_glyph(fonts):
     import warnings
 
-    from viz.attention_maps import label_fonts, plot_layer
+    from viz.attention_plots import label_fonts, plot_layer
     fonts("DejaVu Sans")
     assert label_fonts("to 日本語 be") == (("sans-serif",), "日本語")
     with warnings.catch_warnings(record=True) as caught:
@@ -295,10 +299,12 @@ def test_the_command_names_the_characters_it_cannot_draw_once(fonts, tmp_path, c
 
     import attention
     fonts("DejaVu Sans")
-    run = save_char_model(tmp_path / "run", chars=CHARS + "日本語", block_size=24, n_layer=2, n_head=2, n_embd=16)
+    run = save_char_model(tmp_path / "run", chars=CHARS + "日本語", block_size=24, n_layer=2, n_head=2,
+                          n_embd=16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert attention.main([str(run), "--prompt", "日本 to be, 語", "--out", str(tmp_path / "maps")]) == 0
+        rc = attention.main([str(run), "--prompt", "日本 to be, 語", "--out", str(tmp_path / "maps")])
+    assert rc == 0
     err = capsys.readouterr().err
     assert glyph_warnings(caught) == [] and "Glyph" not in err
     notes = [line for line in err.splitlines() if "font" in line]
@@ -308,8 +314,9 @@ def test_the_command_names_the_characters_it_cannot_draw_once(fonts, tmp_path, c
 def test_the_command_writes_a_png_per_layer_and_a_summary(run_dir, tmp_path):
     import matplotlib.image
     out = tmp_path / "maps"
-    result = subprocess.run([sys.executable, "attention.py", str(run_dir), "--prompt", "ROMEO:\nTo be, or not?",
-                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "attention.py", str(run_dir), "--prompt",
+                             "ROMEO:\nTo be, or not?", "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     names = ["attention_layer0.png", "attention_layer1.png", "attention_summary.png"]
     assert result.stdout.split() == [str(out / n) for n in names]
@@ -319,19 +326,20 @@ def test_the_command_writes_a_png_per_layer_and_a_summary(run_dir, tmp_path):
 
 def test_the_command_draws_the_chosen_heads_and_cuts_a_long_prompt(run_dir, capsys, monkeypatch):
     import attention
-    import viz.attention_maps
-    drawn, draw = [], viz.attention_maps.plot_layer
+    import viz.attention_plots
+    drawn, draw = [], viz.attention_plots.plot_layer
 
     def spy(weights, labels, heads, *rest):
         drawn.append((weights.shape, len(labels), heads, draw(weights, labels, heads, *rest)))
         return drawn[-1][-1]
-    monkeypatch.setattr(viz.attention_maps, "plot_layer", spy)
+    monkeypatch.setattr(viz.attention_plots, "plot_layer", spy)
     assert attention.main([str(run_dir), "--prompt", "a" * 30, "--layers", "1", "--heads", "0,2"]) == 0
     (shape, n_labels, heads, fig), = drawn
     assert shape == (2, 24, 24) and n_labels == 24 and heads == [0, 2] and len(image_panels(fig)) == 2
     printed = capsys.readouterr()
     assert "drawing the last 24" in printed.err
-    assert printed.out.split() == [str(run_dir / "attention" / n) for n in ("attention_layer1.png", "attention_summary.png")]
+    names = ("attention_layer1.png", "attention_summary.png")
+    assert printed.out.split() == [str(run_dir / "attention" / n) for n in names]
 
 
 @pytest.mark.parametrize("args, message", [

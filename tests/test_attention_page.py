@@ -33,7 +33,8 @@ def softmax_rows(n_heads, T, window=0, seed=0):
 
 
 def decode_weights(data: dict, n_heads: int, T: int) -> list[np.ndarray]:
-    """The stored weights read back as the page reads them: per layer (n_heads, T, T), zero above the diagonal."""
+    """The stored weights read back as the page reads them: per layer (n_heads, T, T), zero above the
+    diagonal."""
     codes = np.frombuffer(zlib.decompress(base64.b64decode(data["weights"])), dtype=np.uint8)
     codes = codes.reshape(len(data["scale"]), n_heads, T * (T + 1) // 2)
     rows, cols = np.tril_indices(T)
@@ -60,11 +61,13 @@ def test_the_stored_weights_round_trip_within_the_bound(signed):
         assert error.max() > bound.max() / 4, "one byte each, not lossless: the bound is the claim"
         assert np.all(decoded[original == 0] == 0), "zeros (the future, outside a window) stay exactly zero"
     small = (layers[0] > 0) & (layers[0] < 0.01)
-    assert small.any() and np.all(np.abs(back[0] - layers[0])[small] <= 0.0004 + 4e-6), "small weights keep digits"
+    assert small.any(), "the test needs small weights"
+    assert np.all(np.abs(back[0] - layers[0])[small] <= 0.0004 + 4e-6), "small weights keep digits"
 
 
 def inlined_data(html: str) -> dict:
-    return json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', html, re.S).group(1))
+    found = re.search(r'<script id="data" type="application/json">(.*?)</script>', html, re.S)
+    return json.loads(found.group(1))
 
 
 def test_the_page_inlines_its_data_and_refers_to_nothing_outside():
@@ -77,7 +80,8 @@ def test_the_page_inlines_its_data_and_refers_to_nothing_outside():
     assert "default-src 'none'" in html, "the browser refuses any request the page might make"
     data = inlined_data(html)
     assert data["tokens"] == texts and data["title"] == "a <b>title</b>" and data["layers"] == [3]
-    assert list(data["summary"]["values"]) == ["previous", "first", "self", "distance"], "all-NaN scores left out"
+    assert list(data["summary"]["values"]) == ["previous", "first", "self", "distance"], \
+        "all-NaN scores left out"
     assert data["summary"]["values"]["first"] == [0.1, None], "one NaN: null, shown blank"
     assert TEMPLATE.read_text().count(PLACEHOLDER) == 1
 
@@ -149,10 +153,12 @@ def missing_browser() -> str | None:
 def browser():
     missing = missing_browser()
     if missing:                       # skip, or fail where CI asks for a browser
-        (pytest.fail if os.environ.get("REQUIRE_BROWSER") == "1" else pytest.skip)(f"no browser test: {missing}")
+        refuse = pytest.fail if os.environ.get("REQUIRE_BROWSER") == "1" else pytest.skip
+        refuse(f"no browser test: {missing}")
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=shutil.which("chromium"), headless=True, args=CHROMIUM_ARGS)
+        chromium = p.chromium.launch(executable_path=shutil.which("chromium"), headless=True,
+                                     args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
 
@@ -181,11 +187,12 @@ def open_page(browser):
 
 def shown(page) -> list:
     """Per token: (the weight the page shows for it or None, its background, whether it is the query)."""
-    return page.eval_on_selector_all("#strip .tok", "spans => spans.map(s => "
-                                     "[s.dataset.weight ?? null, s.style.background, s.classList.contains('query')])")
+    return page.eval_on_selector_all("#strip .tok", "spans => spans.map(s => [s.dataset.weight ?? null, "
+                                     "s.style.background, s.classList.contains('query')])")
 
 
-def test_the_page_loads_without_errors_and_a_chosen_token_changes_the_highlight(checkpoints, tmp_path, open_page):
+def test_the_page_loads_without_errors_and_a_chosen_token_changes_the_highlight(checkpoints, tmp_path,
+                                                                                open_page):
     page = open_page(write_page(checkpoints["sdpa"], tmp_path / "page.html"))
     assert page.problems == []
     T = len(PROMPT)
@@ -210,8 +217,8 @@ def test_the_page_loads_without_errors_and_a_chosen_token_changes_the_highlight(
 
 def model_maps(run_dir, prompt=PROMPT):
     """The model's own weights for prompt: per layer (1, nh, T, T)."""
-    from model.inspect import attention_maps
-    from training.checkpoint import load_model
+    from model.attention_maps import attention_maps
+    from model.loading import load_model
     loaded = load_model(run_dir)
     return attention_maps(loaded.model, torch.tensor([loaded.tokenizer.encode(prompt)]))[1]
 
@@ -233,7 +240,7 @@ def assert_shows_the_models_row(page, data, maps, layer, head, query):
 
 @pytest.mark.parametrize("kind", ["sdpa", "linear"])
 def test_the_weights_and_scores_shown_are_the_models(checkpoints, tmp_path, open_page, kind):
-    from model.inspect import head_scores
+    from model.attention_maps import head_scores
     maps = model_maps(checkpoints[kind])
     assert (min(float(w.min()) for w in maps) < 0) == (kind == "linear"), "signed weights are what is tested"
     page_file = write_page(checkpoints[kind], tmp_path / "page.html")
@@ -251,17 +258,19 @@ def test_the_weights_and_scores_shown_are_the_models(checkpoints, tmp_path, open
     scores = head_scores(maps[1][0], list(PROMPT))
     row = table[3 + 2]                                      # layer 1, head 2
     names = list(data["summary"]["values"])                 # the columns after layer and head, in order
-    assert {"previous", "first", "newline", "distance"} <= set(names), "previous token, start of line, distance"
+    assert {"previous", "first", "newline", "distance"} <= set(names), "previous, start of line, distance"
     assert row[:2] == ["1", "2"] and len(row) == 2 + len(names)
     for name, cell in zip(names, row[2:]):                  # shown to 2 decimals (distance: 1)
-        assert float(cell) == pytest.approx(scores[name][2].item(), abs=0.05 if name == "distance" else 0.005), name
+        tolerance = 0.05 if name == "distance" else 0.005
+        assert float(cell) == pytest.approx(scores[name][2].item(), abs=tolerance), name
     assert page.problems == []
 
 
 def test_a_page_of_some_layers_and_heads_shows_them_by_the_models_numbers(checkpoints, tmp_path, open_page):
     page_file = write_page(checkpoints["sdpa"], tmp_path / "page.html", "--layers", "1", "--heads", "0,2")
     page = open_page(page_file)
-    assert page.eval_on_selector_all("#head option", "options => options.map(o => o.textContent)") == ["0", "2"]
+    heads = page.eval_on_selector_all("#head option", "options => options.map(o => o.textContent)")
+    assert heads == ["0", "2"]
     assert_shows_the_models_row(page, inlined_data(page_file.read_text(encoding="utf-8")),
                                 model_maps(checkpoints["sdpa"]), layer=1, head=2, query=30)
     assert page.problems == []

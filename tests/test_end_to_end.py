@@ -22,15 +22,16 @@ def test_train_then_sample(tmp_path, text_file):
     assert "model.vocab_size" not in changed and "parameters, vocab 48 |" in r.stdout, "the data's vocabulary is said"
     assert (out / "best.pt").exists() and (out / "metrics.jsonl").exists() and (out / "config.toml").exists()
 
-    r = run("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40", "--seed", "3")
+    sample = ("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40",
+              "--seed", "3")
+    r = run(*sample)
     assert r.returncode == 0, r.stderr
     samples = r.stdout.split("--- sample ")[1:]
     assert len(samples) == 2
     for s in samples:
         body = s.split("\n", 1)[1].rstrip("\n")
         assert body.startswith("First") and len(body) == len("First") + 40
-    again = run("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40", "--seed", "3")
-    assert again.stdout == r.stdout, "a seed fixes the samples"
+    assert run(*sample).stdout == r.stdout, "a seed fixes the samples"
 
     r = run("sample.py", str(out), "--prompt", "", "--max-new-tokens", "10", "--temperature", "0")
     assert r.returncode == 0 and len(r.stdout) == 11   # 10 characters and the final newline

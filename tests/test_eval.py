@@ -19,8 +19,8 @@ from data.loader import strided_windows
 from data.prepare import prepare
 from model.config import ModelConfig
 from model.gpt import GPT, score
+from model.loading import load_model
 from tests.conftest import ROOT, TEXT, gpt2_or_skip, posix_signals, run_tool, write
-from training.checkpoint import load_model
 from training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
@@ -64,7 +64,7 @@ def test_every_token_after_the_first_is_scored_once_with_at_least_its_context(n,
         for row in y:
             for position in torch.nonzero(row >= 0).flatten().tolist():
                 target = row[position].item()
-                assert position + 1 >= min(target, block_size - stride + 1), "a token scored with too little context"
+                assert position + 1 >= min(target, block_size - stride + 1), "too little context"
                 scored.append(target)
     assert scored == list(range(1, n))
     assert starts == list(range(0, stride * len(starts), stride))
@@ -105,14 +105,14 @@ def test_a_long_scoring_says_how_far_it_is_on_stderr(trained, tmp_path, capsys, 
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     a, b = write(tmp_path / "a.txt", TEXT[:301]), write(tmp_path / "b.txt", TEXT[301:602])
     rc, _, err = run_tool(eval_cli, [trained, a, b, "--device", "cpu", "--batch-size", "2"], capsys)
-    done = [(m[1], int(m[2].replace(",", "")), int(m[3].replace(",", "")))
-            for m in re.finditer(r"scoring (\S+) \(\d/2\): ([\d,]+) / ([\d,]+) tokens, [\d,]+ tokens/s, ETA", err)]
+    line = r"scoring (\S+) \(\d/2\): ([\d,]+) / ([\d,]+) tokens, [\d,]+ tokens/s, ETA"
+    done = [(m[1], int(m[2].replace(",", "")), int(m[3].replace(",", ""))) for m in re.finditer(line, err)]
     assert rc == 0 and len(done) >= 4, err
     assert [n for _, n, _ in done] == sorted(n for _, n, _ in done) and done[-1][1:] == (600, 600), done
     assert {name for name, _, _ in done} == {str(a), str(b)}, "each line names the file being scored"
 
 
-# ---------------------------------------------------------------- the same numbers as the trainer and transformers
+# ------------------------------------------------ the same numbers as the trainer and transformers
 
 def test_equals_the_trainers_val_loss_on_the_val_split(tiny_cfg, tmp_path, capsys):
     """The trainer's exact evaluation (train.eval_iters = 0) scores the val split in consecutive windows,
@@ -138,9 +138,11 @@ def test_max_tokens_scores_the_first_n_and_skip_unknown_leaves_out_what_the_mode
     first = scores([trained, write(tmp_path / "long.txt", TEXT[:1000]), "--max-tokens", 200], capsys)["total"]
     assert first["tokens"] == 200 and first == {**scores([trained, whole], capsys)["total"], "file": "total"}
     accents = write(tmp_path / "accents.txt", TEXT[:100] + "é" + TEXT[100:201] + "☃")
-    rc, out, err = run_tool(eval_cli, [trained, accents, "--device", "cpu", "--json", "--skip-unknown"], capsys)
+    rc, out, err = run_tool(eval_cli, [trained, accents, "--device", "cpu", "--json", "--skip-unknown"],
+                            capsys)
     assert rc == 0 and "left out 2 characters the model never saw" in err, err
-    assert json.loads(out)["total"]["loss"] == pytest.approx(scores([trained, whole], capsys)["total"]["loss"])
+    loss = scores([trained, whole], capsys)["total"]["loss"]
+    assert json.loads(out)["total"]["loss"] == pytest.approx(loss)
 
 
 @posix_signals
@@ -151,8 +153,8 @@ def test_ctrl_c_stops_the_scoring_and_prints_the_figures_of_what_was_scored(trai
     import sys
     text = write(tmp_path / "long.txt", TEXT * 300)   # minutes of scoring, one window at a time
     proc = subprocess.Popen([sys.executable, "eval.py", trained, text, "--device", "cpu", "--batch-size", "1",
-                             "--stride", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             "--stride", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for line in proc.stderr:
         if line.startswith("# windows of"):   # said just before the scoring starts
             break
@@ -163,7 +165,7 @@ def test_ctrl_c_stops_the_scoring_and_prints_the_figures_of_what_was_scored(trai
     row = out.splitlines()[1].split()
     scored = int(row[1].replace(",", ""))
     assert row[0] == str(text) and 0 < scored < len(TEXT) * 300 - 1 and math.isfinite(float(row[2])), out
-    assert err.strip().endswith(f"interrupted: stopped by SIGINT; the figures are those of the {scored:,} tokens "
+    assert err.strip().endswith(f"interrupted: the figures are those of the {scored:,} tokens "
                                 f"scored before it"), err
 
 
@@ -174,7 +176,8 @@ def tiny_gpt2(tmp_path_factory):
         pytest.skip("transformers is not installed (pip install -r requirements-dev.txt)")
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    model = randomize_(GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=50257)))
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=50257)
+    model = randomize_(GPT2LMHeadModel(config))
     path = tmp_path_factory.mktemp("gpt2_tiny")
     model.save_pretrained(path)
     return path, model
@@ -215,7 +218,7 @@ def test_a_glob_gives_a_row_per_file_and_a_token_weighted_total(trained, tmp_pat
     result = scores([trained, tmp_path / "*.txt"], capsys)
     rows, total = result["files"], result["total"]
     assert [r["file"] for r in rows] == [str(a), str(b)]
-    assert [r["tokens"] for r in rows] == [699, 299], "each file is its own text: its first token is not scored"
+    assert [r["tokens"] for r in rows] == [699, 299], "each file's first token is not scored"
     alone = scores([trained, b], capsys)["files"][0]
     assert alone["loss"] == pytest.approx(rows[1]["loss"], abs=1e-9), "no context crosses from a.txt to b.txt"
     assert total["tokens"] == 998
@@ -223,7 +226,8 @@ def test_a_glob_gives_a_row_per_file_and_a_token_weighted_total(trained, tmp_pat
     assert total["bits_per_byte"] == pytest.approx(total["loss"] / math.log(2))
     rc, out, _ = run_tool(eval_cli, [trained, tmp_path / "*.txt", "--device", "cpu"], capsys)
     lines = out.splitlines()
-    assert rc == 0 and len(lines) == 4 and lines[0].split() == ["file", "tokens", "loss", "bits/byte", "perplexity"]
+    assert rc == 0 and len(lines) == 4
+    assert lines[0].split() == ["file", "tokens", "loss", "bits/byte", "perplexity"]
     assert [line.split()[0] for line in lines[1:]] == [str(a), str(b), "total"]
     assert lines[3].split()[1:3] == ["998", f"{total['loss']:.4f}"]
 
@@ -243,7 +247,8 @@ MISTAKES = [   # (what, the file it makes in a directory, what the error line sa
 
 
 @pytest.mark.parametrize("make, message", [m[1:] for m in MISTAKES], ids=[m[0] for m in MISTAKES])
-def test_a_file_that_cannot_be_scored_is_one_line_and_nothing_is_scored(trained, tmp_path, capsys, make, message):
+def test_a_file_that_cannot_be_scored_is_one_line_and_nothing_is_scored(trained, tmp_path, capsys, make,
+                                                                        message):
     good = write(tmp_path / "good.txt", TEXT[:200])
     rc, out, err = run_tool(eval_cli, [trained, good, make(tmp_path), "--device", "cpu"], capsys)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
@@ -267,8 +272,8 @@ def test_a_bad_option_is_one_line(trained, tmp_path, capsys, args, message):
     (lambda d: "nonsense-name", "neither a directory nor a GPT-2 name"),
 ])
 def test_a_bad_model_is_one_line(tmp_path, capsys, model, message):
-    rc, out, err = run_tool(eval_cli, [model(tmp_path), write(tmp_path / "t.txt", TEXT[:100]), "--device", "cpu"],
-                            capsys)
+    text = write(tmp_path / "t.txt", TEXT[:100])
+    rc, out, err = run_tool(eval_cli, [model(tmp_path), text, "--device", "cpu"], capsys)
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
 
 

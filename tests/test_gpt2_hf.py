@@ -19,13 +19,15 @@ from tests.conftest import ROOT, gpt2_or_skip
 
 def run(*args, env=None):
     """A command-line tool in a subprocess that never reaches the network."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8", **(env or {})}
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8",
+           **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, encoding="utf-8",
                           timeout=300)
 
 
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is not installed (pip install -r requirements-dev.txt)")
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install -r requirements-dev.txt)")
 TOL = 1e-4   # fp32, max abs logit difference
 TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
 
@@ -58,7 +60,8 @@ def our_model(seed: int = 0, **overrides) -> GPT:
 
 
 def max_diff(ours: GPT, theirs, seed: int = 0) -> float:
-    idx = torch.randint(0, ours.cfg.vocab_size, (3, ours.cfg.block_size), generator=torch.Generator().manual_seed(seed))
+    idx = torch.randint(0, ours.cfg.vocab_size, (3, ours.cfg.block_size),
+                        generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         a, _ = ours(idx, all_logits=True)
         b = theirs(idx).logits
@@ -85,7 +88,8 @@ def test_import_gives_transformers_logits(tmp_path, overrides):
 
 @needs_transformers
 @pytest.mark.parametrize("overrides", [{}, {"mlp": "gelu_tanh"}, {"mlp": "relu2"}, {"bias": False},
-                                       {"tie_embeddings": False}, {"attn_scale": False}, {"attention": "naive"}],
+                                       {"tie_embeddings": False}, {"attn_scale": False},
+                                       {"attention": "naive"}],
                          ids=["default", "gelu_tanh", "relu2", "no-bias", "untied", "unscaled", "naive"])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, overrides):
     from transformers import GPT2LMHeadModel
@@ -99,7 +103,8 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, overrides):
     assert diff <= TOL
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": False, "mlp": "gelu_tanh", "attn_scale": False}],
+@pytest.mark.parametrize("overrides", [{},
+                                       {"tie_embeddings": False, "mlp": "gelu_tanh", "attn_scale": False}],
                          ids=["default", "untied-tanh-unscaled"])
 def test_round_trip_gives_identical_tensors_and_config(tmp_path, overrides):
     ours = our_model(dropout=0.1, **overrides)
@@ -133,7 +138,8 @@ def test_original_openai_layout_loads(tmp_path):
 def test_a_sharded_checkpoint_loads(tmp_path):
     theirs = hf_model()
     theirs.save_pretrained(tmp_path, max_shard_size="20KB")
-    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
     cfg, state = load_pretrained(str(tmp_path))
     ours = GPT(cfg).eval()
     ours.load_state_dict(state)
@@ -142,8 +148,8 @@ def test_a_sharded_checkpoint_loads(tmp_path):
 
 # ----------------------------------------------------------------------------- refusals
 
-@pytest.mark.parametrize("setting", [("pos", "rope"), ("pos", "alibi"), ("norm", "rmsnorm"), ("qk_norm", True),
-                                     ("attention", "linear"), ("attention", "mla")])
+@pytest.mark.parametrize("setting", [("pos", "rope"), ("pos", "alibi"), ("norm", "rmsnorm"),
+                                     ("qk_norm", True), ("attention", "linear"), ("attention", "mla")])
 def test_export_refuses_models_gpt2_cannot_express(tmp_path, setting):
     name, value = setting
     extra = {"kv_latent_dim": 8} if value == "mla" else {}
@@ -181,7 +187,8 @@ def test_import_refuses_damaged_checkpoints(tmp_path):
              ("transformer.wpe.weight", torch.zeros(8, 32), r"wpe.weight has shape \(8, 32\)"),
              ("transformer.h.2.ln_1.weight", torch.zeros(32), "does not have: h.2.ln_1.weight")]
     for key, tensor, message in cases:
-        broken = {k: v for k, v in hf_state.items() if k != key} | ({key: tensor} if tensor is not None else {})
+        broken = {k: v for k, v in hf_state.items() if k != key}
+        broken |= {key: tensor} if tensor is not None else {}
         save_file(broken, tmp_path / "model.safetensors")
         with pytest.raises(UserError, match=message):
             load_pretrained(str(tmp_path))
@@ -193,7 +200,8 @@ def test_import_refuses_damaged_checkpoints(tmp_path):
 def test_a_hub_name_that_cannot_be_downloaded_is_a_one_line_error(tmp_path):
     with pytest.raises(UserError, match="neither a directory nor a GPT-2 name"):
         load_pretrained(str(tmp_path / "no_such_dir"))
-    r = run("sample.py", "gpt2-medium", "--prompt", "Hi", env={"HF_HOME": str(tmp_path)})   # offline, empty cache
+    # offline, with an empty cache
+    r = run("sample.py", "gpt2-medium", "--prompt", "Hi", env={"HF_HOME": str(tmp_path)})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith(("error: could not download gpt2-medium from the Hugging Face hub",
                                 "error: downloading gpt2-medium needs huggingface_hub")), r.stderr
@@ -203,7 +211,8 @@ def test_a_hub_name_that_cannot_be_downloaded_is_a_one_line_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
-    """A tiny random GPT-2 with GPT-2's vocabulary (the tokenizer is tiktoken's gpt2), saved by transformers."""
+    """A tiny random GPT-2 with GPT-2's vocabulary (the tokenizer is tiktoken's gpt2), saved by
+    transformers."""
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed (pip install -r requirements-dev.txt)")
     path = tmp_path_factory.mktemp("gpt2_tiny")
@@ -214,13 +223,17 @@ def gpt2_dir(tmp_path_factory):
 def test_init_from_takes_the_model_section_and_refuses_conflicts(tmp_path, text_file, gpt2_dir):
     from training.config import build_config
     base = [f"--data={text_file}", f"--train.init_from={gpt2_dir}"]
-    cfg = build_config(None, base + ["--model.block_size=8", "--model.dropout=0.2", "--model.attention=naive"])
-    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.vocab_size, cfg.model.mlp) == (2, 32, 50257, "gelu_tanh")
+    cfg = build_config(None, base + ["--model.block_size=8", "--model.dropout=0.2",
+                                     "--model.attention=naive"])
+    m = cfg.model
+    assert (m.n_layer, m.n_embd, m.vocab_size, m.mlp) == (2, 32, 50257, "gelu_tanh")
     assert (cfg.model.block_size, cfg.model.dropout, cfg.model.attention) == (8, 0.2, "naive")
     assert cfg.data.tokenizer == "gpt2"
     assert build_config(None, base + ["--model.n_layer=2"]).model.n_layer == 2   # agreeing is no conflict
-    for override, key in [("--model.n_layer=4", "model.n_layer=4"), ("--model.block_size=32", "model.block_size=32"),
-                          ("--model.pos=rope", "model.pos=rope"), ("--model.vocab_size=50304", "model.vocab_size"),
+    for override, key in [("--model.n_layer=4", "model.n_layer=4"),
+                          ("--model.block_size=32", "model.block_size=32"),
+                          ("--model.pos=rope", "model.pos=rope"),
+                          ("--model.vocab_size=50304", "model.vocab_size"),
                           ("--data.tokenizer=char", "data.tokenizer=char")]:
         with pytest.raises(UserError, match=f"{key}.*conflicts with"):
             build_config(None, base + [override])
@@ -236,12 +249,13 @@ def test_the_shipped_finetune_config_is_gpt2_small_without_a_download(text_file)
     from training.config import build_config
     cfg = build_config(str(ROOT / "configs" / "finetune_gpt2.toml"), [f"--data={text_file}"])
     m = cfg.model
-    assert (m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.mlp) == (12, 12, 768, 50257, "gelu_tanh")   # GPT-2's
+    assert (m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.mlp) == (12, 12, 768, 50257, "gelu_tanh")
     assert m.block_size <= 1024, "GPT-2's position table has 1024 rows"
     assert cfg.data.tokenizer == "gpt2" and cfg.train.init_from == "gpt2"
-    with pytest.raises(UserError, match=r"model.n_layer=4 conflicts with gpt2's n_layer=12 \(train.init_from\); "
-                                          r"remove the override"):
-        build_config(str(ROOT / "configs" / "finetune_gpt2.toml"), [f"--data={text_file}", "--model.n_layer=4"])
+    with pytest.raises(UserError, match=r"model.n_layer=4 conflicts with gpt2's n_layer=12 "
+                                        r"\(train.init_from\); remove the override"):
+        build_config(str(ROOT / "configs" / "finetune_gpt2.toml"),
+                     [f"--data={text_file}", "--model.n_layer=4"])
 
 
 def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_cfg, gpt2_dir):
@@ -257,7 +271,8 @@ def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_
              "train.max_steps": 4, "train.eval_interval": 2, "train.lr": 1e-2, "train.warmup_steps": 0}
     whole = train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
     cfg = tiny_cfg(**extra, out_dir=tmp_path / "split")
-    windows = BatchLoader(prepare(cfg.data), 8, 4, seed=cfg.train.seed).step_windows()[0]   # the first step's batch
+    # the first step's batch
+    windows = BatchLoader(prepare(cfg.data), 8, 4, seed=cfg.train.seed).step_windows()[0]
     x, y = windows[:, :-1], windows[:, 1:].reshape(-1)
     with torch.no_grad():
         logits = GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()(x).logits
@@ -295,7 +310,7 @@ def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_doe
 def test_export_py_end_to_end(tmp_path, text_file, tiny_cfg):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
-    from training.checkpoint import load_model
+    from model.loading import load_model
     from training.trainer import train
     cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2})
     train(cfg, quiet=True)
@@ -304,11 +319,11 @@ def test_export_py_end_to_end(tmp_path, text_file, tiny_cfg):
     assert r.returncode == 0, r.stderr
     assert "# tokenizer char: tokenizer.json, tokenizer_config.json" in r.stdout   # a char-level run
     assert GPT2LMHeadModel.from_pretrained(out).config.vocab_size == cfg.model.vocab_size
-    assert AutoTokenizer.from_pretrained(out)("First Citizen:")["input_ids"] == load_model(cfg.out_dir).tokenizer.encode(
-        "First Citizen:")
+    theirs = AutoTokenizer.from_pretrained(out)("First Citizen:")["input_ids"]
+    assert theirs == load_model(cfg.out_dir).tokenizer.encode("First Citizen:")
     umask = os.umask(0)
     os.umask(umask)
-    for name in ("model.safetensors", "config.json", "tokenizer.json"):   # readable as any file the user writes
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):   # as any file the user writes
         assert os.stat(out / name).st_mode & 0o777 == 0o666 & ~umask, name
     r = run("export.py", cfg.out_dir, str(out))
     assert r.returncode == 2 and r.stderr.startswith("error:") and "--force" in r.stderr
@@ -327,7 +342,8 @@ def test_export_py_end_to_end(tmp_path, text_file, tiny_cfg):
 def test_training_does_not_import_transformers_or_safetensors_unless_asked():
     code = ("import sys; from training.config import build_config; build_config(None, []); "
             "import training.trainer, train, sample, export; "
-            "print(sorted(m for m in ('transformers', 'safetensors', 'huggingface_hub') if m in sys.modules))")
+            "print(sorted(m for m in ('transformers', 'safetensors', 'huggingface_hub') "
+            "if m in sys.modules))")
     r = run("-c", code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"

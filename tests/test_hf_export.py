@@ -57,7 +57,8 @@ def test_auto_tokenizer_encodes_and_decodes_as_ours(exported):
         assert theirs(text)["input_ids"] == ids, text
         assert theirs.decode(ids) == text
     eos = None if kind == "char" else tok.vocab_size - 1   # <|endoftext|> follows the BPE's ranks
-    assert theirs.eos_token_id == eos and json.loads((path / "config.json").read_text())["eos_token_id"] == eos
+    assert theirs.eos_token_id == eos
+    assert json.loads((path / "config.json").read_text())["eos_token_id"] == eos
     assert theirs.model_max_length == 32
 
 
@@ -77,7 +78,8 @@ def test_pipeline_continues_a_prompt_greedily_as_our_model_does(exported):
     assert text.startswith(prompt) and len(text) > len(prompt), text
     if kind == "char":   # one character a token: the text is exactly the tokens'
         assert text == prompt + tok.decode(ids[0, -4:].tolist())
-    assert generate(prompt)[0]["generated_text"].startswith(prompt)   # its defaults: sampling, up to the context
+    # its defaults: sampling, up to the context
+    assert generate(prompt)[0]["generated_text"].startswith(prompt)
 
 
 def test_a_vocabulary_in_rank_order_is_needed_for_merges():
@@ -86,7 +88,8 @@ def test_a_vocabulary_in_rank_order_is_needed_for_merges():
     ranks = {bytes([b]): b for b in range(256)} | {b"abc": 256, b"ab": 257}
     with pytest.raises(UserError, match="b'abc' cannot be made"):
         merges(ranks)
-    assert merges({bytes([b]): b for b in range(256)} | {b"ab": 256, b"abc": 257}) == [(b"a", b"b"), (b"ab", b"c")]
+    ranks = {bytes([b]): b for b in range(256)} | {b"ab": 256, b"abc": 257}
+    assert merges(ranks) == [(b"a", b"b"), (b"ab", b"c")]
 
 
 def test_export_says_which_tokenizer_files_it_wrote(tmp_path, capsys):
@@ -95,7 +98,8 @@ def test_export_says_which_tokenizer_files_it_wrote(tmp_path, capsys):
     assert rc == 0 and f"{run / 'best.pt'} -> " in out, err
     assert "# tokenizer char: tokenizer.json, tokenizer_config.json" in out
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json"]
 
 
 def test_export_refuses_a_directory_that_is_not_empty_without_force(tmp_path, capsys):
@@ -103,8 +107,8 @@ def test_export_refuses_a_directory_that_is_not_empty_without_force(tmp_path, ca
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     rc, _, err = run_tool(export, [tmp_path / "no_such_run", out], capsys)
-    assert rc == 2 and err.strip().splitlines() == [f"error: {out} is not empty; pass --force to write the model "
-                                                    f"and tokenizer files into it"]
+    assert rc == 2 and err.strip().splitlines() == [
+        f"error: {out} is not empty; pass --force to write the model and tokenizer files into it"]
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     (out / "best.pt").write_bytes(b"")
     rc, _, err = run_tool(export, [tmp_path / "no_such_run", out, "--force"], capsys)
@@ -113,7 +117,8 @@ def test_export_refuses_a_directory_that_is_not_empty_without_force(tmp_path, ca
 
 def test_an_unexportable_model_writes_no_tokenizer_files_either(tmp_path):
     tok = tokenizer("char")
-    model = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16, pos="rope"))
+    model = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                            pos="rope"))
     with pytest.raises(UserError, match="model.pos='rope'"):
         save_pretrained(tmp_path / "out", model.cfg, model.state_dict(), tok.meta())
     assert not (tmp_path / "out").exists()

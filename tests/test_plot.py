@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 import plot as plot_cli
-from tests.conftest import ROOT, assert_refused, run_tool
+from tests.conftest import ROOT, assert_refused, run_tool, write
 from viz.curves import Line, Panel, draw, read_records
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -53,10 +53,10 @@ def test_plot_py_overlays_runs_named_by_what_differs(runs, tmp_path, capsys):
     assert rc == 0 and stdout.strip() == str(out) and out.read_bytes().startswith(PNG), err
     rc, _, err = run_tool(plot_cli, [*runs, "--out", out, "--bpb"], capsys)
     assert rc == 0 and out.read_bytes().startswith(PNG), err
-    from training.config import flat, load_toml
-    labels = plot_cli.differences([flat(load_toml(run / "config.toml")) for run in runs])
+    labels = plot_cli.differences([plot_cli.read_run(run)[1] for run in runs])
     assert labels == ["train.lr=0.0001, train.min_lr=1e-05", "train.lr=0.01, train.min_lr=0.001"], labels
-    watched = plot_cli.differences([{"train.lr": 0.1, "train.sample_every": 5, "log.curves": False}, {"train.lr": 0.2}])
+    watched = plot_cli.differences([{"train.lr": 0.1, "train.sample_every": 5, "log.curves": False},
+                                    {"train.lr": 0.2}])
     assert watched == ["train.lr=0.1", "train.lr=0.2"], "watching a run does not name it"
     with open(runs[0] / "metrics.jsonl", "a") as f:   # a diverged evaluation, one without bits per byte
         f.write('{"step": 30, "kind": "eval", "val_loss": NaN, "val_bpb": NaN, "elapsed_s": 9}\n'
@@ -87,12 +87,12 @@ def test_plot_py_writes_out_runs_png_by_default_which_git_ignores(runs, tmp_path
     if shutil.which("git") and (ROOT / ".git").exists():
         ignored = subprocess.run(["git", "check-ignore", "-q", "out/runs.png"], cwd=ROOT)
         assert ignored.returncode == 0, "out/ is git-ignored: the picture is not left for a commit to pick up"
-    default = tmp_path / "repo" / "out" / "runs.png"             # not this checkout's out/, which is the user's
+    default = tmp_path / "repo" / "out" / "runs.png"   # not this checkout's out/, which is the user's
     monkeypatch.setattr(plot_cli, "DEFAULT_OUT", default)
     monkeypatch.chdir(tmp_path)
     rc, stdout, err = run_tool(plot_cli, runs, capsys)
     assert rc == 0 and stdout == f"{default}\n" and default.read_bytes().startswith(PNG), err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["quick", "repo", "slow"], "nothing in the current folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quick", "repo", "slow"], "nothing in the cwd"
 
 
 @pytest.mark.parametrize("name, start", [("p.svg", b"<?xml"), ("p.pdf", b"%PDF"), ("P.PNG", PNG)])
@@ -110,6 +110,8 @@ def test_plot_py_refuses_an_out_it_cannot_write_as_a_picture(runs, tmp_path, cap
 @pytest.mark.parametrize("make, message", [
     (lambda tmp: [tmp / "nothing"], "holds no run (no metrics.jsonl and config.toml)"),
     (lambda tmp: [tmp, "--bpb", "--bpb", "--nope"], "unrecognized arguments: --nope"),
+    (lambda tmp: [write(write_run(tmp / "run", 0.1, [4.0]) / "config.toml", "[train\n").parent],
+     "config.toml is not readable TOML"),
 ])
 def test_plot_py_mistakes_are_one_line(make, message, tmp_path, capsys):
     rc, _, err = run_tool(plot_cli, make(tmp_path), capsys)
@@ -120,7 +122,8 @@ def assert_every_point_in_view(fig):
     for ax in fig.axes:
         low, high = ax.get_ylim()
         for line in (line for line in ax.get_lines() if len(line.get_ydata())):
-            assert low <= min(line.get_ydata()) and max(line.get_ydata()) <= high, (ax.get_title(), line.get_label())
+            ys = line.get_ydata()
+            assert low <= min(ys) and max(ys) <= high, (ax.get_title(), line.get_label())
         for band in ax.collections:
             ys = band.get_paths()[0].vertices[:, 1]
             assert low <= ys.min() and ys.max() <= high, ax.get_title()
@@ -141,8 +144,8 @@ def test_ablate_s_curves_show_every_evaluation_and_every_seed(tmp_path, figures)
     from ablation.sweep import Sweep
     sweep = Sweep("lr", tmp_path, [1, 2], [("baseline", {}), ("higher", {"train": {"lr": 0.01}})], [])
     runs = [{"variant": v, "done": True, "steps": [0, 10, 20, 30], "val": list(val), "elapsed": [0, 1, 2, 3]}
-            for v, base in (("baseline", 2.5), ("higher", 2.3)) for val in (np.array([9.0, 3, 2.6, base]),
-                                                                              np.array([8.0, 3.1, 2.7, base + 0.1]))]
+            for v, base in (("baseline", 2.5), ("higher", 2.3))
+            for val in (np.array([9.0, 3, 2.6, base]), np.array([8.0, 3.1, 2.7, base + 0.1]))]
     plot(sweep, runs, tmp_path)
     (fig,) = figures
     assert (tmp_path / "loss_curves.png").read_bytes().startswith(PNG)
@@ -151,8 +154,9 @@ def test_ablate_s_curves_show_every_evaluation_and_every_seed(tmp_path, figures)
 
 
 def test_curves_draw_every_point_of_every_panel(figures):
-    panels = [Panel("loss", "step", "loss", [Line("a", [0, 1, 2, 3], [11.0, 2.0, 1.9, 1.85]),
-                                            Line("b", [0, 1], [10.5, 1.7], low=[10.0, 1.6], high=[12.0, 1.8])]),
+    panels = [Panel("loss", "step", "loss", [
+                  Line("a", [0, 1, 2, 3], [11.0, 2.0, 1.9, 1.85]),
+                  Line("b", [0, 1], [10.5, 1.7], low=[10.0, 1.6], high=[12.0, 1.8])]),
               Panel("empty", "step", "loss", [Line("nothing yet", [], [])])]
     assert draw(panels, "two").startswith(PNG)
     assert_every_point_in_view(figures[0])

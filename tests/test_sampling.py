@@ -4,10 +4,10 @@ against recomputation, for every attention variant and position encoding: tests/
 import pytest
 import torch
 
+from common import UserError
 from model.config import ModelConfig
 from model.gpt import GPT
-from common import UserError
-from model.sampling import Decoding, draw_noise, generate, sample_next
+from model.sampling import draw_noise, generate, sample_next
 
 
 def make_model(**kw):
@@ -24,8 +24,7 @@ def test_seeded_sampling_is_reproducible_and_the_same_with_or_without_cache():
     prompt = torch.zeros(2, 1, dtype=torch.long)
     a, b, other = (run(model, prompt, 20, generator=torch.Generator().manual_seed(s)) for s in (5, 5, 6))
     assert torch.equal(a, b) and not torch.equal(a, other)
-    recomputed = run(model, prompt, 11, generator=torch.Generator().manual_seed(5),
-                     decoding=Decoding(use_cache=False))
+    recomputed = run(model, prompt, 11, generator=torch.Generator().manual_seed(5), use_cache=False)
     assert torch.equal(recomputed, a[:, :11]), "one draw per token, whatever computes the logits"
 
 
@@ -36,7 +35,8 @@ def test_the_sampler_draws_each_token_with_its_probability():
     freq = torch.bincount(sample_next(logits, 1.0, noise=noise).flatten(), minlength=4) / 40_000
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)   # 4 standard errors
     hot = torch.bincount(sample_next(logits, 0.5, noise=noise).flatten(), minlength=4) / 40_000
-    torch.testing.assert_close(hot, probs ** 2 / (probs ** 2).sum(), atol=0.01, rtol=0)   # temperature 0.5: p²
+    # temperature 0.5: p²
+    torch.testing.assert_close(hot, probs ** 2 / (probs ** 2).sum(), atol=0.01, rtol=0)
 
 
 def test_top_k_and_top_p_only_sample_allowed_tokens():
@@ -73,23 +73,12 @@ def test_a_nan_weight_is_named_at_the_first_token(temperature):
 
 def test_the_first_non_finite_token_is_named_even_when_the_flags_are_read_later():
     model = make_model()
-    model.pos_emb.weight.data[4] = float("nan")     # the logits at position 4: new token 5 after a 1-token prompt
+    model.pos_emb.weight.data[4] = float("nan")   # position 4: new token 5 after a 1-token prompt
     tokens = []
     with pytest.raises(UserError, match="at new token 5:"):
-        for col in generate(model, torch.zeros(1, 1, dtype=torch.long), 12, decoding=Decoding(check_every=4)):
+        for col in generate(model, torch.zeros(1, 1, dtype=torch.long), 12, check_every=4):
             tokens.append(col)
     assert len(tokens) == 7, "the flags of tokens 5 to 8 are read at the 8th, before it is yielded"
-
-
-def test_the_compiled_decoding_step_is_recomputation():
-    """The step compiled by inductor (C++ on CPU; one compile), fed tokens one at a time
-    after a prefill: the logits of recomputing the whole sequence."""
-    from tests.test_variants import compiled_decoding_logits
-    torch._dynamo.reset()
-    model = make_model(pos="rope")
-    seq = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(4))
-    full, _ = model(seq, all_logits=True)
-    torch.testing.assert_close(compiled_decoding_logits(model, seq, 3), full[:, 2:-1], atol=1e-5, rtol=0)
 
 
 def test_a_padded_vocabulary_never_yields_a_token_the_tokenizer_lacks():
@@ -131,21 +120,19 @@ def test_a_sample_ends_at_the_end_of_text_token(tmp_path, capsys):
     import sample as sample_cli
     from data.tokenizers import load_tokenizer
     from tests.conftest import gpt2_or_skip, run_tool
-    from training.checkpoint import FORMAT, VERSION, save_checkpoint
-    from training.config import Config
+    from model.loading import FORMAT, VERSION
     gpt2_or_skip()
-    cfg = Config()
-    cfg.model = ModelConfig(vocab_size=50257, n_layer=1, n_head=1, n_embd=8, block_size=8)
-    model = GPT(cfg.model)
+    model = GPT(ModelConfig(vocab_size=50257, n_layer=1, n_head=1, n_embd=8, block_size=8))
     eot = load_tokenizer({"kind": "tiktoken", "name": "gpt2"}).enc.eot_token
     with torch.no_grad():
         model.norm_f.weight.zero_()
         model.norm_f.bias.copy_(torch.ones(8))
         model.tok_emb.weight[eot] = 10.0
-    save_checkpoint({"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), "model": model.state_dict(),
-                     "tokenizer": {"kind": "tiktoken", "name": "gpt2"}, "step": 0, "is_best": True}, tmp_path, keep=1)
-    rc, out, err = run_tool(sample_cli, [tmp_path, "--prompt", "Hello", "--temperature", 0, "--max-new-tokens", 20,
-                                         "--device", "cpu"], capsys)
+    torch.save({"format": FORMAT, "version": VERSION, "config": {"model": vars(model.cfg)}, "step": 0,
+                "model": model.state_dict(), "tokenizer": {"kind": "tiktoken", "name": "gpt2"}},
+               tmp_path / "best.pt")
+    rc, out, err = run_tool(sample_cli, [tmp_path, "--prompt", "Hello", "--temperature", 0,
+                                         "--max-new-tokens", 20, "--device", "cpu"], capsys)
     assert rc == 0 and out == "Hello\n", (out, err)
 
 
@@ -153,6 +140,6 @@ def test_compiling_the_decoding_step_on_a_cpu_is_said_not_to_pay(tmp_path, capsy
     import sample as sample_cli
     from tests.conftest import run_tool, save_char_model
     model = save_char_model(tmp_path / "m", n_layer=1, n_head=2, n_embd=16, block_size=16)
-    rc, _, err = run_tool(sample_cli, [model, "--compile", "--no-cache", "--max-new-tokens", 2, "--device", "cpu"],
-                          capsys)
+    rc, _, err = run_tool(sample_cli, [model, "--compile", "--no-cache", "--max-new-tokens", 2,
+                                       "--device", "cpu"], capsys)
     assert rc == 0 and sample_cli.NOTE_CPU_COMPILE in err, err

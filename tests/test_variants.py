@@ -3,13 +3,14 @@ the same logits with or without the cache, and the configs that cannot work are 
 import pytest
 import torch
 
-from model.attention.mha import naive_attention, sdpa_attention
+from common import UserError
 from model.attention.linear import causal_linear_attention, recurrent_linear_attention
+from model.attention.mha import naive_attention, sdpa_attention
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
+from model.loading import load_model
 from model.positions import alibi_slopes
-from common import UserError
-from model.sampling import Decoding, generate, sample_next
+from model.sampling import generate, sample_next
 from training.config import build_config
 
 OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
@@ -25,7 +26,7 @@ def make_model(attention="sdpa", pos="learned", **kw):
     model = GPT(ModelConfig(**settings)).eval()
     for block in model.blocks:
         if attention == "linear":
-            block.attn.chunk = 4      # several chunks in a block of 16: the state carried between them is tested
+            block.attn.chunk = 4   # several chunks in a block of 16: the state carried between them
     return model
 
 
@@ -43,7 +44,8 @@ def test_changing_a_token_never_changes_earlier_outputs(attention, pos):
         changed[:, j] = (changed[:, j] + 1) % 40
         out, _ = model(changed, all_logits=True)
         if attention == "linear":   # batched chunk matmuls round differently (1e-8); a leak is ~1e-3
-            torch.testing.assert_close(out[:, :j], base[:, :j], atol=1e-6, rtol=0, msg=f"position < {j} saw token {j}")
+            torch.testing.assert_close(out[:, :j], base[:, :j], atol=1e-6, rtol=0,
+                                       msg=f"position < {j} saw token {j}")
         else:
             assert torch.equal(out[:, :j], base[:, :j]), f"position < {j} saw token {j}"
         assert not torch.allclose(out[:, j], base[:, j]), "the changed token itself must matter"
@@ -65,10 +67,12 @@ def test_sliding_window_sees_only_its_window_per_layer():
 @pytest.mark.parametrize("t_query", [8, 3, 1])
 def test_naive_and_sdpa_math_agree_with_windows_alibi_and_cached_keys(window, alibi, t_query):
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 4, t_query, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    q = torch.randn(2, 4, t_query, 8, generator=g)
+    k, v = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
     slopes = alibi_slopes(4) if alibi else None
     expected, weights = naive_attention(q, k, v, scale=0.3, window=window, slopes=slopes)
-    torch.testing.assert_close(sdpa_attention(q, k, v, scale=0.3, window=window, slopes=slopes), expected, atol=1e-6, rtol=0)
+    fused = sdpa_attention(q, k, v, scale=0.3, window=window, slopes=slopes)
+    torch.testing.assert_close(fused, expected, atol=1e-6, rtol=0)
     visible = (weights > 0).sum(-1)
     assert visible.max() <= (window or 8) and visible[..., -1].min() == min(8, window or 8)
 
@@ -79,14 +83,15 @@ def test_alibi_slopes_are_the_papers():
 
 
 @pytest.mark.parametrize("pos", ["learned", "rope", "alibi"])
-@pytest.mark.parametrize("variant, settings", [("gqa", {"n_kv_head": 4}),            # as many kv heads as heads
-                                               ("sliding_window", {"window": 16})])  # a window as long as the block
+@pytest.mark.parametrize("variant, settings", [("gqa", {"n_kv_head": 4}),   # as many kv heads as heads
+                                               ("sliding_window", {"window": 16})])   # as long as the block
 def test_a_variant_at_its_limit_is_plain_multi_head_attention(pos, variant, settings):
     plain = make_model("sdpa", pos)
     other = make_model(variant, pos, **settings)
     other.load_state_dict(plain.state_dict())
     idx = tokens()
-    torch.testing.assert_close(other(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(other(idx, all_logits=True)[0], plain(idx, all_logits=True)[0],
+                               atol=1e-6, rtol=0)
 
 
 def test_gqa_is_multi_head_with_each_kv_head_shared_by_its_group():
@@ -98,7 +103,8 @@ def test_gqa_is_multi_head_with_each_kv_head_shared_by_its_group():
             state[name] = p.view(2, 8, *p.shape[1:]).repeat_interleave(2, dim=0).reshape(32, *p.shape[1:])
     plain.load_state_dict(state)
     idx = tokens()
-    torch.testing.assert_close(gqa(idx, all_logits=True)[0], plain(idx, all_logits=True)[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(gqa(idx, all_logits=True)[0], plain(idx, all_logits=True)[0],
+                               atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 64])
@@ -111,8 +117,8 @@ def test_linear_attention_chunked_form_equals_its_recurrent_form(chunk):
         out_r, state_r = recurrent_linear_attention(q, k, v, start)
         torch.testing.assert_close(out_c, out_r, atol=1e-5, rtol=0)
         torch.testing.assert_close(state_c, state_r, atol=1e-5, rtol=0)
-    explicit = torch.stack([sum((q[:, :, i] * k[:, :, j]).sum(-1, keepdim=True) * v[:, :, j] for j in range(i + 1))
-                            for i in range(10)], dim=2)
+    explicit = torch.stack([sum((q[:, :, i] * k[:, :, j]).sum(-1, keepdim=True) * v[:, :, j]
+                                for j in range(i + 1)) for i in range(10)], dim=2)
     torch.testing.assert_close(recurrent_linear_attention(q, k, v)[0], explicit, atol=1e-5, rtol=0)
 
 
@@ -157,48 +163,24 @@ def test_decoding_with_the_cache_is_recomputation_across_slides(attention, pos, 
     torch.testing.assert_close(torch.stack(seen), expected, atol=1e-5, rtol=0)
 
 
-@torch.inference_mode()
-def compiled_decoding_logits(model, seq, prompt_len):
-    """(B, n, V): the logits of seq's tokens after the prompt, fed one at a time to a compiled step
-    (replayed as a CUDA graph on CUDA), as generate() decodes, after an eager prefill of the prompt."""
-    from speed.compile import compiled_or_eager
-    from speed.cuda_graph import record
-    device, batch = seq.device, seq.size(0)
-    cache = InferenceCache(model, batch, device, torch.float32)
-    last, pos = torch.zeros(batch, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
-
-    def logits_step(model, cache, last, pos):
-        logits, _ = model(last, cache=cache, pos=pos, explicit_attention=True)
-        pos.add_(1)
-        return logits[:, -1]
-    args = (model, cache, last, pos)
-    fn = compiled_or_eager(logits_step, lambda f: f(*args), "decoding", fullgraph=True, dynamic=False)
-    if device.type == "cuda":
-        graph, out_logits = record(lambda: fn(*args))
-        fn = lambda *a: (graph.replay(), out_logits)[1]   # noqa: E731
-    cache.reset()
-    out = [model(seq[:, :prompt_len], cache=cache)[0][:, -1]]
-    pos.fill_(prompt_len)
-    for t in range(prompt_len, seq.size(1) - 1):
-        last.copy_(seq[:, t:t + 1])
-        out.append(fn(model, cache, last, pos).clone())
-    return torch.stack(out, dim=1)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the step replays a CUDA graph")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the compiled step replays a CUDA graph")
-@pytest.mark.parametrize("attention, pos", [("sdpa", "learned"), ("gqa", "rope"), ("sliding_window", "alibi"),
-                                            ("linear", "rope"), ("mla", "rope"), ("naive", "none")])
-def test_the_compiled_decoding_step_on_cuda_is_recomputation(attention, pos, capsys):
-    torch._dynamo.reset()   # each variant compiles its own graphs: forget the others' (8 at most per function)
-    model = make_model(attention, pos).cuda()
-    seq = tokens(b=2).cuda()
-    full, _ = model(seq, all_logits=True)
-    torch.testing.assert_close(compiled_decoding_logits(model, seq, 3), full[:, 2:-1], atol=1e-4, rtol=0)
-    new = torch.cat(list(generate(model, seq[:, :3], 30, temperature=0, decoding=Decoding(compile=True))), dim=1)   # (B, n)
+@pytest.mark.parametrize("device, attention, pos", [
+    ("cpu", "sdpa", "rope"),   # inductor's C++ on a CPU: one compile, a few seconds
+    *[pytest.param("cuda", a, p, marks=CUDA) for a, p in [("sdpa", "learned"), ("gqa", "rope"),
+      ("sliding_window", "alibi"), ("linear", "rope"), ("mla", "rope"), ("naive", "none")]]])
+def test_the_compiled_decoding_step_chooses_what_recomputation_does(device, attention, pos, capsys):
+    """generate() with speed/decoding.py's compiled step (on CUDA replayed as a CUDA graph), greedy
+    through slides of the cache: each token is the best by recomputing its context (up to rounding)."""
+    from speed.decoding import compiled
+    torch._dynamo.reset()   # each variant compiles its own graphs: forget the others' (8 at most)
+    model = make_model(attention, pos).to(device)
+    prompt = tokens(b=2, t=3).to(device)
+    new = torch.cat(list(generate(model, prompt, 30, temperature=0, speed_up=compiled)), dim=1)   # (B, n)
     assert "warning" not in capsys.readouterr().err, "compiling or recording the CUDA graph failed"
-    expected = recomputed_logits(model, torch.cat([seq[:, :3], new], dim=1), 3)                  # (n, B, V)
+    expected = recomputed_logits(model, torch.cat([prompt, new], dim=1), 3)                  # (n, B, V)
     chosen = expected.gather(-1, new.T.unsqueeze(-1)).squeeze(-1)
-    # greedy through the whole loop: each token is the best by recomputation (up to rounding)
     assert (chosen >= expected.max(dim=-1).values - 1e-4).all()
 
 
@@ -208,7 +190,8 @@ def test_cache_size_is_what_the_cache_holds(attention):
     cache = InferenceCache(model, 1, "cpu", torch.float32)
     model(tokens(b=1), cache=cache)
     for block, layer_cache in zip(model.blocks, cache.layers):
-        held = sum(t.numel() for t in vars(layer_cache).values()   # keys, values, latents, states: not positions
+        # keys, values, latents, states: not positions
+        held = sum(t.numel() for t in vars(layer_cache).values()
                    if isinstance(t, torch.Tensor) and t.is_floating_point())
         assert held == block.attn.cache_size(16)
     per_layer = {"naive": 2 * 32 * 16, "sdpa": 2 * 32 * 16, "gqa": 2 * 16 * 16, "sliding_window": 2 * 32 * 5,
@@ -218,10 +201,13 @@ def test_cache_size_is_what_the_cache_holds(attention):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"model.attention": "gqa", "model.n_kv_head": 3}, "model.n_head=4 is not a multiple of model.n_kv_head=3"),
+    ({"model.attention": "gqa", "model.n_kv_head": 3},
+     "model.n_head=4 is not a multiple of model.n_kv_head=3"),
     ({"model.attention": "gqa"}, "model.attention='gqa' needs model.n_kv_head > 0"),
-    ({"model.n_kv_head": 2}, "model.n_kv_head=2 only applies to model.attention='gqa', not model.attention='sdpa'"),
-    ({"model.attention": "sliding_window", "model.window": 65}, "model.window=65 is larger than model.block_size=64"),
+    ({"model.n_kv_head": 2},
+     "model.n_kv_head=2 only applies to model.attention='gqa', not model.attention='sdpa'"),
+    ({"model.attention": "sliding_window", "model.window": 65},
+     "model.window=65 is larger than model.block_size=64"),
     ({"model.attention": "sliding_window"}, "model.attention='sliding_window' needs model.window > 0"),
     ({"model.attention": "mla"}, "model.attention='mla' needs model.kv_latent_dim > 0"),
     ({"model.attention": "mla", "model.kv_latent_dim": 8, "model.window": 8},
@@ -239,19 +225,17 @@ def test_impossible_combinations_are_config_errors_naming_both_settings(override
 @pytest.mark.parametrize("attention, pos", [("naive", "alibi"), ("gqa", "rope"), ("sliding_window", "alibi"),
                                             ("linear", "rope"), ("mla", "rope"), ("mla", "learned")])
 def test_every_variant_trains_and_samples(tiny_cfg, attention, pos):
-    from training.checkpoint import load_checkpoint
     from training.trainer import train
     own = {f"model.{k}": v for k, v in OWN[attention].items()}
     cfg = tiny_cfg(**{"model.attention": attention, "model.pos": pos, "model.block_size": 16, **own,
-                      "train.max_steps": 12, "train.eval_interval": 12, "train.lr": 1e-2, "train.log_interval": 1})
+                      "train.max_steps": 12, "train.eval_interval": 12, "train.lr": 1e-2,
+                      "train.log_interval": 1})
     summary = train(cfg, quiet=True)
     assert summary["losses"][12] < summary["losses"][1] - 0.5, summary["losses"]
-    ckpt = load_checkpoint(f"{cfg.out_dir}/best.pt")
-    model = GPT(cfg.model).eval()
-    model.load_state_dict(ckpt["model"])
+    model = load_model(cfg.out_dir).model
     prompt = tokens(b=2, t=3) % cfg.model.vocab_size
     cached = torch.cat(list(generate(model, prompt, 40, temperature=0)), dim=1)   # slides past the block
-    fresh = torch.cat(list(generate(model, prompt, 13, temperature=0, decoding=Decoding(use_cache=False))), dim=1)
+    fresh = torch.cat(list(generate(model, prompt, 13, temperature=0, use_cache=False)), dim=1)
     assert cached.shape == (2, 40) and torch.equal(cached[:, :13], fresh)
 
 
@@ -262,7 +246,7 @@ def test_qk_norm_and_no_scale_reach_every_variant_and_keep_it_causal_and_cacheab
     switched.load_state_dict(default.state_dict())          # the switches add no parameters
     idx = tokens(b=2)
     out, _ = switched(idx, all_logits=True)
-    assert not torch.allclose(out, default(idx, all_logits=True)[0], atol=1e-4), "the switches changed nothing"
+    assert not torch.allclose(out, default(idx, all_logits=True)[0], atol=1e-4), "the switches did nothing"
     for scale_only in (True, False):                        # each switch on its own changes the output too
         one = make_model(attention, "rope", qk_norm=not scale_only, attn_scale=not scale_only)
         one.load_state_dict(default.state_dict())

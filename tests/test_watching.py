@@ -78,9 +78,11 @@ def test_every_run_draws_its_curves_at_each_evaluation(tiny_cfg, monkeypatch):
     train(cfg, quiet=True, resume=True)
     second = open(f"{cfg.out_dir}/curves.png", "rb").read()
     assert [t.split(": ")[1] for t in titles] == ["step 10", "step 20"], titles
-    assert first.startswith(PNG) and second.startswith(PNG) and first != second, "redrawn at the second evaluation"
+    assert first.startswith(PNG) and second.startswith(PNG), "a PNG at each evaluation"
+    assert first != second, "redrawn at the second evaluation"
     monkeypatch.setattr(viz.curves, "draw", lambda *a, **kw: pytest.fail("log.curves=false draws nothing"))
-    train(tiny_cfg(**{"log.curves": "false", "train.max_steps": 10}, out_dir=f"{cfg.out_dir}-off"), quiet=True)
+    off = tiny_cfg(**{"log.curves": "false", "train.max_steps": 10}, out_dir=f"{cfg.out_dir}-off")
+    train(off, quiet=True)
 
 
 def test_every_sample_draws_with_the_same_seed_and_is_printed(tiny_cfg, capsys):
@@ -97,8 +99,7 @@ def test_every_sample_draws_with_the_same_seed_and_is_printed(tiny_cfg, capsys):
 
 
 def test_a_run_s_curves_are_its_losses_and_bits_per_byte(tiny_cfg):
-    from viz.curves import read_records
-    from viz.curves import run_panels
+    from viz.curves import read_records, run_panels
     cfg = tiny_cfg(**{"train.log_interval": 5})
     train(cfg, quiet=True)
     logged, evals = records(cfg.out_dir, "train"), records(cfg.out_dir, "eval")
@@ -107,7 +108,8 @@ def test_a_run_s_curves_are_its_losses_and_bits_per_byte(tiny_cfg):
     assert drawn["train (logged steps)"] == ([r["step"] for r in logged], [r["loss"] for r in logged])
     assert drawn["train (evaluation)"] == ([r["step"] for r in evals], [r["train_loss"] for r in evals])
     assert drawn["val"] == ([r["step"] for r in evals], [r["val_loss"] for r in evals])
-    assert [(line.x, line.y) for line in bpb.lines] == [([r["step"] for r in evals], [r["val_bpb"] for r in evals])]
+    assert [(line.x, line.y) for line in bpb.lines] == [([r["step"] for r in evals],
+                                                         [r["val_bpb"] for r in evals])]
 
 
 def test_samples_curves_scoring_and_the_page_on_a_text_that_is_not_shakespeare(tiny_cfg, tmp_path, capsys):

@@ -332,15 +332,14 @@ def save(cfg, meta, state: dict, model, optimizer, scaler, loader, ddp: bool, ra
 def sample(model: GPT, tokenizer, t, device, dtype) -> str:
     """A short sample of the model as it is now: the same prompt and seed every time, so that samples
     compare across steps; its own generator and eval mode leave every later loss as it would have been."""
-    from model.sampling import Decoding, generate   # (only where a run samples: train.sample_every)
+    from model.sampling import generate   # (only where a run samples: train.sample_every)
     ids = tokenizer.encode(t.sample_prompt) if t.sample_prompt else [tokenizer.start_token]
     generator = torch.Generator(device=device).manual_seed(SAMPLE_SEED)
     was_training = model.training
     model.eval()
     with autocast(device, dtype):
         columns = generate(model, torch.tensor([ids], device=device), t.sample_tokens, SAMPLE_TEMPERATURE,
-                           generator=generator, vocab_limit=tokenizer.vocab_size,
-                           decoding=Decoding(compile=False))
+                           generator=generator, vocab_limit=tokenizer.vocab_size)
         new = torch.cat(list(columns), dim=1)[0].tolist()
     model.train(was_training)
     return t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from viz.attention_maps import SCORE_NAMES as SHARE_NAMES
+from viz.attention_plots import SCORE_NAMES as SHARE_NAMES
 
 TEMPLATE = Path(__file__).with_name("attention_page.html")
 PLACEHOLDER = "/*ATTENTION_DATA*/"
@@ -39,15 +39,17 @@ SCORE_NAMES = {**{name: title.replace("\n", " ") for name, title in SHARE_NAMES.
 def attention_page(texts: list[str], weights: list[np.ndarray], scores: dict, title: str, layers: list[int],
                    heads: list[int]) -> str:
     """The page's HTML. texts: each token's text; weights: per layer shown, its attention weights
-    (heads, T, T), row i query i, column j key j; scores: model.inspect.head_scores as numpy, {name:
+    (heads, T, T), row i query i, column j key j; scores: model.attention_maps.head_scores as numpy, {name:
     one per head, layer by layer}, NaN where undefined; title: a line naming the model and prompt;
     layers, heads: the model's numbers for those shown."""
     data = {"title": title, "tokens": texts, "layers": layers, "heads": heads, **encode_weights(weights)}
-    values = {name: [None if math.isnan(v) else float(v) for v in scores[name]]   # JSON has no NaN: null
-              for name in SCORE_NAMES if not np.isnan(scores[name]).all()}   # a score NaN for every head: left out
+    # JSON has no NaN: null; a score NaN for every head is left out
+    values = {name: [None if math.isnan(v) else float(v) for v in scores[name]]
+              for name in SCORE_NAMES if not np.isnan(scores[name]).all()}
     data["summary"] = {"names": {name: SCORE_NAMES[name] for name in values}, "values": values}
     # '<' as \u003c, the same string to JSON: no token's text can close the <script> element holding it
-    text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":")).replace("<", "\\u003c")
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    text = text.replace("<", "\\u003c")
     return TEMPLATE.read_text(encoding="utf-8").replace(PLACEHOLDER, text)
 
 

@@ -43,7 +43,8 @@ def draw(panels: list[Panel], title: str, legend_below: bool = False, format: st
     colors = colormaps["tab10" if max(len(panel.lines) for panel in panels) <= 10 else "tab20"].colors
     for ax, panel in zip(axes[0], panels):
         for i, line in enumerate(panel.lines):
-            style = {"color": "black", "lw": 2.2} if line.emphasis else {"color": colors[i % len(colors)], "lw": 1.4}
+            style = ({"color": "black", "lw": 2.2} if line.emphasis
+                     else {"color": colors[i % len(colors)], "lw": 1.4})
             ax.plot(line.x, line.y, label=line.label, marker="o" if len(line.x) < 3 else None, **style)
             if line.low is not None:
                 ax.fill_between(line.x, line.low, line.high, color=style["color"], alpha=0.15, lw=0)
@@ -77,7 +78,8 @@ def run_panels(records: list[dict]) -> list[Panel]:
         Line("train (logged steps)", *points(train, "step", "loss")),
         Line("train (evaluation)", *points(evals, "step", "train_loss")),
         Line("val", *points(evals, "step", "val_loss"))])
-    bpb = Panel("val bits per byte by step", "step", "bits per byte", [Line("val", *points(evals, "step", "val_bpb"))])
+    bpb = Panel("val bits per byte by step", "step", "bits per byte",
+                [Line("val", *points(evals, "step", "val_bpb"))])
     return [loss, bpb]
 
 
@@ -89,7 +91,8 @@ def read_records(path, warn=True) -> list[dict]:
     for line in text.splitlines():
         try:
             record = json.loads(line)
-            ok = isinstance(record, dict) and type(record.get("step")) is int and isinstance(record.get("kind"), str)
+            ok = (isinstance(record, dict) and type(record.get("step")) is int
+                  and isinstance(record.get("kind"), str))
         except ValueError:
             ok = False
         if ok:

@@ -19,7 +19,7 @@ Every variant is an nn.Module with one interface, which the GPT and the sampler 
                                                 tokens (the KV-cache column of an ablation)
 
 forward(..., return_weights=True) also returns the (B, nh, T, T) attention weights, computed by the
-variant's own math (sdpa through the explicit path): what model/inspect.py collects.
+variant's own math (sdpa through the explicit path): what model/attention_maps.py collects.
 forward(..., explicit=True) computes softmax attention by its explicit steps instead of the fused
 kernel, which a compiled one-token decoding step asks for (model/sampling.py).
 """

@@ -5,7 +5,8 @@ RNNs").
 Because φ(q_i)·φ(k_j) factorizes, the sum over the past can be computed once and reused:
 
     out_i = Σ_{j≤i} (φ(q_i)·φ(k_j)) v_j / Σ_{j≤i} φ(q_i)·φ(k_j)
-          = φ(q_i) S_i / φ(q_i) z_i,    S_i = Σ_{j≤i} φ(k_j) v_jᵀ  (hs, hs),   z_i = Σ_{j≤i} φ(k_j)  (hs,)
+          = φ(q_i) S_i / φ(q_i) z_i,    with S_i = Σ_{j≤i} φ(k_j) v_jᵀ  (hs, hs)
+                                         and  z_i = Σ_{j≤i} φ(k_j)       (hs,)
 
 Two forms of the same numbers:
   recurrent  S += φ(k_t) v_tᵀ, one token at a time: sampling keeps only (S, z), a constant-size state.
@@ -35,7 +36,8 @@ CHUNK = 64
 
 def causal_linear_attention(q, k, v, state=None, chunk: int = CHUNK):
     """Σ_{j≤i} (q_i·k_j) v_j for every i, chunk by chunk. q, k (B, nh, T, dk), v (B, nh, T, dv),
-    state (B, nh, dk, dv): Σ k_j v_jᵀ over earlier tokens (None = none) -> out (B, nh, T, dv), new state."""
+    state (B, nh, dk, dv): Σ k_j v_jᵀ over earlier tokens (None = none)
+    -> out (B, nh, T, dv), the new state."""
     B, nh, T, dk = q.shape
     n = math.ceil(T / chunk)
     pad = n * chunk - T                        # zero keys and values at the end add nothing
@@ -64,7 +66,8 @@ def recurrent_linear_attention(q, k, v, state=None):
 def linear_attention_weights(q, k, q_num, k_num):
     """The weight each value gets, written out as a (B, nh, T, T) matrix (for attention maps):
 
-        a_ij = q_num_i·k_num_j / Σ_{j'≤i} q_i·k_j'   for j ≤ i, 0 for j > i,   so that out_i = Σ_j a_ij v_j
+        a_ij = q_num_i·k_num_j / Σ_{j'≤i} q_i·k_j'   for j ≤ i, 0 for j > i
+                                                     (so that out_i = Σ_j a_ij v_j)
 
     q, k are the features φ(q), φ(k); q_num, k_num the same rotated by rope (or the same tensors).
     Without rope each row is a distribution over the past. With rope the numerator is rotated and the
@@ -117,12 +120,13 @@ class LinearAttention(nn.Module):
         if return_weights and cache is not None:
             raise ValueError("linear attention's weights need the whole sequence, not a cache")
         B, T, C = x.shape
-        q, k, v = (split_heads(proj(x), self.n_head) for proj in (self.query, self.key, self.value))   # (B, nh, T, hs)
+        q, k, v = (split_heads(proj(x), self.n_head)                     # (B, nh, T, hs)
+                   for proj in (self.query, self.key, self.value))
         if self.qk_norm:
             q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         q, k = F.elu(q * self.scale) + 1, F.elu(k) + 1                   # φ: positive features
-        q_num, k_num = (apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)) if rope is not None else (q, k)
-        ones = v.new_ones(B, self.n_head, T, 1)                          # Σ φ(q)·φ(k) · 1 = the denominator
+        q_num, k_num = (q, k) if rope is None else (apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope))
+        ones = v.new_ones(B, self.n_head, T, 1)              # Σ φ(q)·φ(k) · 1: the denominator
 
         if cache is not None and T == 1:
             attend = recurrent_linear_attention

@@ -19,7 +19,7 @@ Two implementations of the same math, chosen by `model.attention`:
   naive  the explicit steps above, materializing the (T, T) weights (naive_attention).
   sdpa   torch's fused scaled_dot_product_attention (flash / memory-efficient kernels where present).
 With return_weights=True either one takes the explicit path and also returns the weights (for
-attention maps, model/inspect.py); training never asks for them, so it pays nothing.
+attention maps, model/attention_maps.py); training never asks for them, so it pays nothing.
 Cost: O(T²·C) time per sequence; the KV cache holds 2·C numbers per token per layer.
 
 Two variants are settings of the same module:
@@ -86,7 +86,7 @@ def naive_attention(q, k, v, *, scale: float, dropout_p: float = 0.0, window: in
         scores = scores + alibi_bias(slopes, q_pos, k_pos)
     future = ~causal_mask(q_pos, k_pos, window)
     scores = scores.masked_fill(future, float("-inf"))
-    weights = F.softmax(scores, dim=-1)                                # rows sum to 1, zero above the diagonal
+    weights = F.softmax(scores, dim=-1)                                # rows sum to 1, 0 above the diagonal
     out = F.dropout(weights, dropout_p) @ v                            # (B, nh, Tq, hv)
     return out, weights
 
@@ -143,15 +143,16 @@ class WindowKVCache:
         self.k = torch.zeros(batch, n_head, window, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.window = window
-        self.k_pos = torch.full((window,), -window, device=device)    # the position in each slot (-window: none)
+        self.k_pos = torch.full((window,), -window, device=device)    # each slot's position (-window: none)
 
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Return the cached keys and values followed by k, v (B, nh, T, hs) of the positions pos (T,),
         and the position of each (the mask limits each query to its window); then store the last
         `window` of the new ones in their slots."""
-        keys, values = torch.cat([self.k, k.to(self.k.dtype)], dim=2), torch.cat([self.v, v.to(self.v.dtype)], dim=2)
+        keys = torch.cat([self.k, k.to(self.k.dtype)], dim=2)
+        values = torch.cat([self.v, v.to(self.v.dtype)], dim=2)
         k_pos = torch.cat([self.k_pos, pos])                           # (window + T,)
-        kept = pos[-self.window:]                                      # (earlier ones would share their slots)
+        kept = pos[-self.window:]                                      # (earlier ones would share slots)
         slots = kept % self.window
         self.k.index_copy_(2, slots, keys[:, :, -kept.size(0):])
         self.v.index_copy_(2, slots, values[:, :, -kept.size(0):])
@@ -191,7 +192,8 @@ class CausalSelfAttention(nn.Module):
         per key/value head per token (per token of the window at most)."""
         return 2 * self.n_kv_head * self.head_dim * (min(seq_len, self.window) if self.window else seq_len)
 
-    def forward(self, x, rope=None, cache=None, pos=None, return_weights: bool = False, explicit: bool = False):
+    def forward(self, x, rope=None, cache=None, pos=None, return_weights: bool = False,
+                explicit: bool = False):
         """x (B, T, C) -> (B, T, C). With a cache, pos (T,) are the positions of x's tokens: they are
         stored at those positions and attend to every cached one up to their own. With return_weights
         also the (B, nh, T, T_all) weights (GQA: each query head's; sliding window: zero outside the
@@ -211,8 +213,8 @@ class CausalSelfAttention(nn.Module):
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
-        settings = dict(scale=self.scale, dropout_p=self.dropout_p if self.training else 0.0, window=self.window,
-                        slopes=self.alibi_slopes, q_pos=q_pos, k_pos=k_pos)
+        settings = dict(scale=self.scale, dropout_p=self.dropout_p if self.training else 0.0,
+                        window=self.window, slopes=self.alibi_slopes, q_pos=q_pos, k_pos=k_pos)
         if self.explicit or explicit or return_weights:
             out, weights = naive_attention(q, k, v, **settings)
         else:

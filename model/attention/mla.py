@@ -35,7 +35,8 @@ class LatentCache:
 
     def __init__(self, batch: int, max_len: int, latent_dim: int, rope_dim: int, device, dtype):
         self.c = torch.zeros(batch, max_len, latent_dim, device=device, dtype=dtype)
-        self.k_rope = torch.zeros(batch, 1, max_len, rope_dim, device=device, dtype=dtype) if rope_dim else None
+        self.k_rope = (torch.zeros(batch, 1, max_len, rope_dim, device=device, dtype=dtype)
+                       if rope_dim else None)
         self.k_pos = torch.arange(max_len, device=device)              # the position in each slot
 
     def update(self, pos, c, k_rope):
@@ -66,7 +67,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.value_up = nn.Linear(self.latent_dim, C, bias=cfg.bias)     # latent -> every head's values
         if self.rope:
             self.query_rope = nn.Linear(C, C, bias=cfg.bias)             # per head, rotated
-            self.key_rope = nn.Linear(C, self.head_dim, bias=cfg.bias)   # shared by the heads, rotated, cached
+            self.key_rope = nn.Linear(C, self.head_dim, bias=cfg.bias)   # shared by the heads, cached
         self.proj = nn.Linear(C, C, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         slopes = alibi_slopes(cfg.n_head) if cfg.pos == "alibi" else None

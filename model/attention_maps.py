@@ -23,7 +23,8 @@ Each is averaged over the queries from the second token on (the first can only l
 """
 import torch
 
-SCORES = ("previous", "first", "self", "newline", "line_up")   # shares of attention, in [0, 1] for softmax heads
+# shares of attention, in [0, 1] for softmax heads
+SCORES = ("previous", "first", "self", "newline", "line_up")
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Attention weights as PNG figures: a heatmap panel per head for one layer (plot_layer), and the
-per-head summary of model/inspect.py's head_scores as two annotated heatmaps (plot_summary). Each
-returns a matplotlib Figure; attention.py saves them.
+per-head summary of model/attention_maps.py's head_scores as two annotated heatmaps (plot_summary).
+Each returns a matplotlib Figure; attention.py saves them.
 
     fig = plot_layer(weights, [visible(t) for t in texts], heads, "layer 0")   # weights (heads, T, T)
 
@@ -61,12 +61,17 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
     font = min(9.0, max(3.0, 0.7 * size * 72 / T))                      # points: a label per token must fit
     families, missing = label_fonts("".join(labels))
     labels = [label.translate({ord(c): BOX for c in missing}) for label in labels]
-    prop = FontProperties(family=families, size=font)    # room: inches left of and below a heatmap, for its labels
-    room = max(TextToPath().get_text_width_height_descent(label, prop, False)[0] for label in labels) / 72 + 0.35
-    fig = Figure(figsize=(cols * (size + room) + 1.2, rows * (size + room + 0.3) + 0.6), dpi=dpi, layout="constrained")
+    prop = FontProperties(family=families, size=font)
+    widest = max(TextToPath().get_text_width_height_descent(label, prop, False)[0] for label in labels)
+    room = widest / 72 + 0.35                  # inches left of and below a heatmap, for its labels
+    fig = Figure(figsize=(cols * (size + room) + 1.2, rows * (size + room + 0.3) + 0.6), dpi=dpi,
+                 layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
     signed, m = bool((weights < 0).any()), float(abs(weights).max())
-    norm, cmap = (Normalize(-m, m), "RdBu_r") if signed else (PowerNorm(0.5, vmin=0.0, vmax=max(1.0, m)), "Blues")
+    if signed:
+        norm, cmap = Normalize(-m, m), "RdBu_r"
+    else:
+        norm, cmap = PowerNorm(0.5, vmin=0.0, vmax=max(1.0, m)), "Blues"
     for ax, h, w in zip(axes.flat, heads, weights):
         image = ax.imshow(w, cmap=cmap, norm=norm, interpolation="nearest")
         ax.set_title(f"head {h}", fontsize=10)
@@ -85,7 +90,7 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
 
 def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
     """rows: a name per head ('layer 0 head 1'); scores: {name: (len(rows),) numpy} from
-    model.inspect.head_scores -> a Figure of two annotated heatmaps, shares and mean distance."""
+    model.attention_maps.head_scores -> a Figure of two annotated heatmaps, shares and mean distance."""
     from matplotlib.figure import Figure
 
     names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
@@ -94,7 +99,8 @@ def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
     fig = Figure(figsize=(3.8 + 1.0 * len(names), 1.2 + 0.28 * len(rows)), dpi=dpi, layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[len(names), 1.3])
     panels = ((left, shares, [SCORE_NAMES[s] for s in names], "Blues", (0.0, 1.0), "{:.2f}"),
-              (right, distance, ["mean\ndistance"], "Oranges", (0.0, max(1.0, float(np.nanmax(distance)))), "{:.1f}"))
+              (right, distance, ["mean\ndistance"], "Oranges", (0.0, max(1.0, float(np.nanmax(distance)))),
+               "{:.1f}"))
     for ax, values, columns, cmap, (lo, hi), fmt in panels:
         ax.imshow(values, cmap=cmap, vmin=lo, vmax=hi, aspect="auto", interpolation="nearest")
         ax.set_xticks(range(len(columns)), columns, fontsize=8)
@@ -103,7 +109,8 @@ def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
         ax.tick_params(length=0)
         for (r, c), v in np.ndenumerate(values):
             dark = (v - lo) / (hi - lo) > 0.6
-            ax.text(c, r, fmt.format(v), ha="center", va="center", fontsize=7, color="white" if dark else "black")
+            ax.text(c, r, fmt.format(v), ha="center", va="center", fontsize=7,
+                    color="white" if dark else "black")
     left.set_title("share of each head's attention on ...", fontsize=9)
     right.set_title("tokens back", fontsize=9)
     return fig
