@@ -86,12 +86,14 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
         return LoadedModel(model.to(device), tokenizer, text, description)
     path = find_checkpoint(path)
     ckpt = read_checkpoint(path)
+    tokenizer = load_tokenizer(ckpt["tokenizer"])   # (a tiktoken name whose files are missing: said as such)
     try:
         model = GPT(ModelConfig(**ckpt["config"]["model"]))
         model.load_state_dict(ckpt["model"])   # strict: every weight, each of its shape
-        tokenizer = load_tokenizer(ckpt["tokenizer"])
-    except Exception as e:
-        raise UserError(f"{path} does not hold a usable model ({first_line(e, 200)})") from None
+        if tokenizer.vocab_size > model.cfg.vocab_size:
+            raise ValueError(f"its tokenizer has {tokenizer.vocab_size} tokens, its model {model.cfg.vocab_size}")
+    except Exception as e:   # torch says which weight in the lines after its first
+        raise UserError(f"{path} does not hold a usable model ({' '.join(str(e).split())[:200]})") from None
     best = ckpt.get("best_val_loss")
     val = f", val loss {best:.4f}" if isinstance(best, float) else ""
     return LoadedModel(model.to(device).eval(), tokenizer, path, f"{path} (step {ckpt['step']}{val})", ckpt["step"])
