@@ -51,7 +51,7 @@ class DataConfig:
     tokenizer: str = setting("char", "char | bpe:N (N tokens, trained on the data) | a tiktoken name "
                              "(gpt2, ...)")
     val_fraction: float = setting(0.1, "the last 10% of the text is the validation split")
-    prepared_dir: str = setting("data/prepared", "where prepared token files are cached (safe to delete)")
+    prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
     encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes")
 
     def validate(self) -> None:
@@ -96,31 +96,31 @@ def prepare(data: DataConfig, block_size: int | None = None, say_cached: bool = 
 def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, block_size) -> dict:
     """Scan, train (bpe:N), encode: the entry at out; its meta.json."""
     char = data.tokenizer == "char"
-    counts, chars = scan(files, data.encoding_errors, char, mb_progress("scanning", total))
-    documents = sum(map(bool, counts))   # (the files with any text)
-    n_chars = sum(counts) + (documents - 1 if char else 0)   # char: + the newlines between documents
+    documents, n_chars, chars = scan(files, data.encoding_errors, char, mb_progress("scanning", total))
+    n_chars += len(documents) - 1 if char else 0   # char: + the newlines between documents
     split_at = int(n_chars * (1.0 - data.val_fraction))
 
     def text(label: str, train_chars: int):   # (split, piece) pairs, train_chars in "train"
-        return pieces(files, counts, data.encoding_errors, train_chars, not char, mb_progress(label, total))
+        return pieces(documents, data.encoding_errors, train_chars, not char, mb_progress(label, total))
     if char:   # with the newline between documents, which none of them may hold
-        tok = CharTokenizer("".join(sorted(set(chars) | {"\n"})) if documents > 1 else chars)
+        tok = CharTokenizer("".join(sorted(set(chars) | {"\n"})) if len(documents) > 1 else chars)
     elif bpe_vocab_size(data.tokenizer) is None:
         tok = build_tokenizer(data.tokenizer)
-    else:   # (takewhile: reading stops at the end of the train split)
+    else:   # bpe:N, trained on (the start of) the train split: takewhile stops reading at its end
         train = takewhile(lambda item: item[0] == "train", text("training", min(split_at, TRAIN_MAX_CHARS)))
-        tok = trained(data.tokenizer, (piece for _, piece in train if piece))
+        tok_meta, took = train_bpe((piece for _, piece in train if piece), bpe_vocab_size(data.tokenizer))
+        tok = load_tokenizer(tok_meta)
+        print(f"trained {data.tokenizer} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()   # (os.mkdir: the mode the umask gives, as for any file; tempfile.mkdtemp's is 0700)
     try:
         encoded = encode(text("encoding", split_at), tok, tmp)
         check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
-        meta = {"format": FORMAT, "source": str(Path(data.path).absolute()), "sha256": sha,
-                "files": len(files), "tokenizer_spec": data.tokenizer, **encoded,
-                "encoding_errors": data.encoding_errors, "split": {"val_fraction": data.val_fraction,
-                                                                   "train_chars": split_at,
-                                                                   "val_chars": n_chars - split_at}}
+        meta = {"format": FORMAT, "source": str(Path(data.path).absolute()), "sha256": sha, "files": len(files),
+                "tokenizer_spec": data.tokenizer, "encoding_errors": data.encoding_errors, **encoded,
+                "split": {"val_fraction": data.val_fraction, "train_chars": split_at,
+                          "val_chars": n_chars - split_at}}
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))   # last: what makes it usable
         publish(tmp, out)
     finally:   # (after publish's rename there is nothing left to remove)
@@ -128,29 +128,22 @@ def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, 
     return meta
 
 
-def scan(files, errors: str, want_chars: bool, progress) -> tuple[list[int], str | None]:
-    """Characters per file (0 for a blank one) and (want_chars) the sorted set of them all."""
-    seen, counts = np.zeros(0x110000, dtype=bool), []
+def scan(files, errors: str, want_chars: bool, progress) -> tuple[list[Path], int, str]:
+    """The files with any text (the documents), their characters in all, and (want_chars) the
+    sorted set of those characters."""
+    documents, n_chars, seen = [], 0, np.zeros(0x110000, dtype=bool)
     for path in files:
         n, blank = 0, True
         for text in iter_text(path, errors, progress):
             n, blank = n + len(text), blank and text.isspace()
             if want_chars:
                 seen[code_points(text)] = True
-        counts.append(0 if blank else n)
-    if not any(counts):
+        if not blank:
+            documents, n_chars = documents + [path], n_chars + n
+    if not documents:
         raise UserError(f"data file is empty: {files[0]}" if len(files) == 1 else
                         f"the data files are all empty ({len(files)} files, first {files[0]})")
-    return counts, "".join(map(chr, np.flatnonzero(seen)))
-
-
-def trained(spec: str, texts):
-    """The bpe:N tokenizer trained on the str pieces in texts."""
-    tok_meta, took = train_bpe(texts, bpe_vocab_size(spec))
-    tok = load_tokenizer(tok_meta)
-    short = "" if tok.vocab_size == bpe_vocab_size(spec) else " (the text has too few distinct pairs for more)"
-    print(f"trained {spec} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens{short}")
-    return tok
+    return documents, n_chars, "".join(map(chr, np.flatnonzero(seen)))
 
 
 # Cutting BPE input at these points gives the same tokens as encoding the whole text: no token of
@@ -165,13 +158,12 @@ def safe_cut(text: str) -> int:
     return m.end() if m else 0
 
 
-def pieces(files, counts, errors: str, split_at: int, bpe: bool, progress=None):
+def pieces(documents, errors: str, split_at: int, bpe: bool, progress=None):
     """The text as (split, piece) in order: its first split_at characters in "train", the rest in
     "val"; between documents a piece of its own: a newline (char) or None, the end-of-text token
     (BPE). A piece holds PIECE_CHARS to 2 x PIECE_CHARS characters (fewer at a document's end or
     the split point); BPE's are cut at a safe_cut point."""
     split, pos, buffer = "train", 0, ""
-    documents = [path for path, count in zip(files, counts) if count]   # (not the blank ones)
     for i, path in enumerate(documents):
         if i:   # between documents
             if buffer:
