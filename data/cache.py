@@ -4,10 +4,10 @@
   an entry   train.bin, val.bin: the token ids (uint16, or uint32 for a larger vocabulary), and
              meta.json: FORMAT, the tokenizer, dtype, tokens and UTF-8 bytes per split, ... Its
              name holds the text's sha256 and the settings: another text or setting, another entry
-  usable     a meta.json of this FORMAT and .bin files of the size its token counts say: nothing
-             more is checked, since meta.json is written whole and last (a new layout comes with
-             a new FORMAT). An entry that is not usable is prepared again (where only the entry is
-             at hand: an error that says to delete it)
+  usable     a meta.json of this FORMAT and .bin files of the sizes it says; nothing more is checked,
+             since meta.json is written whole and last (a new layout comes with a new FORMAT). An
+             entry that is not usable is prepared again, or, where the text is not at hand, named in
+             an error that says to delete it
   published  built in a temporary directory beside it (.<entry>.tmp-<random>), renamed into place
 """
 import glob

@@ -1,12 +1,8 @@
-"""The text to prepare: which files a data path names, their sha256, and their text as a stream.
-
-  files      a file; every regular file under a directory (hidden ones skipped); or a glob's
-             matches; in sorted path order
-  reading    READ_BYTES at a time, whatever a file's size; the text comes as str chunks that never
-             split a character
-  bad bytes  a non-UTF-8 byte is an error naming its offset, with advice: a file that looks binary
-             (a NUL byte in its first 8 KB, git's test) is to be left out; a text with a stray
-             byte can be read with encoding_errors=replace
+"""The text to prepare: which files a data path names (a file; every regular file under a
+directory, hidden ones skipped; or a glob's matches; in sorted path order), their sha256, and their
+text as str chunks, read READ_BYTES at a time whatever a file's size. A non-UTF-8 byte is an error
+naming its offset, with advice: a file that looks binary (a NUL byte in its first 8 KB, git's test)
+is to be left out; a text with a stray byte can be read with encoding_errors=replace.
 """
 import codecs
 import glob
@@ -42,8 +38,8 @@ def find_sources(source) -> list[Path]:
 def describe(source, files: list[Path], total: int) -> str:
     """What a directory or glob took, in one line: 'data: books (3 files: 2 .txt, 1 .py; 3.2 MB)',
     so a stray script among the books shows."""
-    kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(p.suffix or "no extension" for p in files)
-                      .most_common())
+    counts = Counter(p.suffix or "no extension" for p in files).most_common()
+    kinds = ", ".join(f"{n} {kind}" for kind, n in counts)
     return f"data: {source} ({len(files)} file{'s' * (len(files) > 1)}: {kinds}; {total / 1e6:.1f} MB)"
 
 
@@ -70,9 +66,8 @@ def sha256(files: list[Path], progress=None) -> str:
 
 
 def iter_text(path: Path, errors: str = "strict", progress=None, hint: str | None = REPLACE_HINT):
-    """The file's text as str chunks that never split a character. A non-UTF-8 byte is a UserError
-    naming its offset, with advice: a file that looks binary is to be left out; in a text, hint
-    (with errors='replace' each such byte is read as U+FFFD)."""
+    """The file's text as str chunks that never split a character; a non-UTF-8 byte is a UserError
+    (its advice, for a text: hint), or with errors='replace' a U+FFFD."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors)   # holds a character cut at a read's end
     offset = 0   # bytes read before raw
     for raw in chain(read_bytes(path, progress), [b""]):   # b"": the end, where a cut character is an error

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,13 +52,14 @@ def test_streaming_gives_the_tokens_of_the_whole_text(tmp_path, small_reads, tok
     assert meta["split"] == {"val_fraction": 0.2, "train_chars": split, "val_chars": len(text) - split}
 
 
-def test_a_bad_byte_deep_in_the_file_is_named_by_its_offset(tmp_path, small_reads):
+def test_a_bad_byte_deep_in_the_file_is_named_by_its_offset(tmp_path, small_reads, capsys):
     path = tmp_path / "bad.txt"
     path.write_bytes(TEXT[:1000].encode() + b"\xff" + TEXT[1000:].encode())
     with pytest.raises(UserError, match=r"byte 0xff at offset 1000; set --data.encoding_errors=replace"):
         prepare_text(path, "char", 0.1, tmp_path / "prep")
     assert not (tmp_path / "prep").exists() or not os.listdir(tmp_path / "prep")
-    out = prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
+    prep.main([str(path), "--root", str(tmp_path / "prep"), "--data.encoding_errors=replace"])   # as advised
+    out = Path(capsys.readouterr().out.split(" -> ")[-1].strip())
     tok = load_tokenizer(read_split(out, "train")[1]["tokenizer"])
     assert tok.decode(read_split(out, "train")[0])[1000] == "\ufffd"
 
