@@ -26,9 +26,9 @@ SPLITS = ("train", "val")
 
 
 def entry_name(source: str, tokenizer: str, sha256: str, val_fraction: float, errors: str) -> str:
-    """The entry's name: the text's (a glob's: its folder's, cut to 64 characters: a file system
-    allows 255 bytes) and all that changes the token files."""
-    stem = Path(source).parent.name if glob.has_magic(source) else Path(source).stem
+    """The entry's name: the text's (a glob's folder's), cut to 64 characters (a file system allows
+    255 bytes), then all that changes the token files."""
+    stem = Path(source).parent.name if glob.has_magic(str(source)) else Path(source).stem
     label = re.sub(r"[^A-Za-z0-9_.]", "", tokenizer)   # bpe:4096 -> bpe4096
     return f"{stem[:64]}-{label}-{sha256[:12]}-val{val_fraction!r}{'-replace' * (errors == 'replace')}"
 
