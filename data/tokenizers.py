@@ -8,7 +8,7 @@ is saved with the dataset and in every checkpoint, so a model always comes with 
          <|endoftext|>), so tiktoken rebuilds it from the meta alone, with no file and no network.
 
 encode_array(text) is encode() as a numpy array, without a Python int per token: what preparing
-large files uses (it releases the GIL for BPE, so threads encode in parallel).
+large files uses.
 """
 import base64
 import time
@@ -61,7 +61,7 @@ class CharTokenizer:
             unknown = sorted(set(text) - set(self.stoi))
             shown = ", ".join(repr(c) for c in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
             raise UserError(f"{len(unknown)} character(s) not in the {self.vocab_size}-character "
-                                 f"vocabulary: {shown}")
+                            f"vocabulary: {shown}")
         return ids
 
     def decode(self, ids) -> str:
@@ -82,7 +82,7 @@ def check_tokenizer_spec(spec: str) -> None:
     names = tiktoken.list_encoding_names()
     if spec not in names:
         raise UserError(f"unknown tokenizer {spec!r}: use 'char', 'bpe:N' (a BPE of N tokens trained on "
-                             f"the data) or a tiktoken encoding ({', '.join(names)})")
+                        f"the data) or a tiktoken encoding ({', '.join(names)})")
 
 
 class TiktokenTokenizer:
@@ -98,8 +98,8 @@ class TiktokenTokenizer:
         try:
             enc = tiktoken.get_encoding(name)
         except Exception as e:   # the BPE files are downloaded on first use
-            raise UserError(f"could not load tiktoken's {name!r} files ({type(e).__name__}); without a network, "
-                                 f"set TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+            raise UserError(f"could not load tiktoken's {name!r} files ({type(e).__name__}); without a "
+                            f"network, set TIKTOKEN_CACHE_DIR to a folder that holds them") from None
         return cls(enc, {"kind": "tiktoken", "name": name})
 
     @property
@@ -173,7 +173,8 @@ def load_tokenizer(meta: dict):
     if not isinstance(meta, dict) or meta.get("kind") not in ("char", "tiktoken", "bpe"):
         raise UserError(f"not a tokenizer description: {str(meta)[:80]}")
     if meta["kind"] == "char":
-        if not isinstance(meta.get("chars"), str) or not meta["chars"] or len(set(meta["chars"])) != len(meta["chars"]):
+        chars = meta.get("chars")
+        if not isinstance(chars, str) or not chars or len(set(chars)) != len(chars):
             raise UserError("damaged char tokenizer description: its characters are missing or repeated")
         return CharTokenizer(meta["chars"])
     if meta["kind"] == "bpe":
@@ -211,9 +212,10 @@ def bpe_vocab_size(spec: str) -> int | None:
     if spec != "bpe" and not spec.startswith("bpe:"):
         return None
     n = spec[4:]
-    if not (n.isascii() and n.isdigit()) or not MIN_VOCAB <= int(n) <= MAX_VOCAB:   # ('²' is a digit to isdigit)
+    # isascii too: '²' passes isdigit, but int('²') fails
+    if not (n.isascii() and n.isdigit()) or not MIN_VOCAB <= int(n) <= MAX_VOCAB:
         raise UserError(f"tokenizer {spec!r}: write bpe:N with N the vocabulary size, "
-                             f"{MIN_VOCAB} to {MAX_VOCAB:,} (e.g. bpe:4096)")
+                        f"{MIN_VOCAB} to {MAX_VOCAB:,} (e.g. bpe:4096)")
     return int(n)
 
 
@@ -231,5 +233,6 @@ def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
     trainer.train_from_iterator(texts, vocab_size - 1, buffer_size=batch, pattern=PATTERN)
     tokens = [bytes(token) for token, _ in sorted(trainer.get_mergeable_ranks(), key=lambda item: item[1])]
     meta = {"kind": "bpe", "name": f"bpe{len(tokens) + 1}", "pattern": PATTERN,
-            "ranks": [base64.b64encode(t).decode("ascii") for t in tokens], "special_tokens": {EOT: len(tokens)}}
+            "ranks": [base64.b64encode(t).decode("ascii") for t in tokens],
+            "special_tokens": {EOT: len(tokens)}}
     return meta, time.perf_counter() - start

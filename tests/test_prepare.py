@@ -1,11 +1,12 @@
-"""Streaming preparation: the same tokens as encoding the whole text, bounded memory, directories and
-globs (and what they took), errors that name the byte, nothing left behind that looks finished, and
-what the command says and makes (a cached dataset, the umask)."""
+"""Streaming preparation: the same tokens as encoding the whole text, bounded memory, directories
+and globs (and what they took), errors that name the byte, nothing left behind that looks finished,
+and what the command says and makes (a cached dataset, the umask), run from any directory."""
 import itertools
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +15,9 @@ import torch
 import common
 import data.prepare as prep
 import data.sources
-from data.loader import BatchLoader
+from benchmarks.prepare import STREAM, measure
 from common import UserError
-from benchmarks.prepare import measure
+from data.loader import BatchLoader
 from data.tokenizers import CharTokenizer, load_tokenizer
 from tests.conftest import ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text
 
@@ -41,47 +42,51 @@ def test_streaming_gives_the_tokens_of_the_whole_text(tmp_path, small_reads, tok
     text = TEXT[:1200] + TRICKY + TEXT[1200:]
     path = tmp_path / "t.txt"
     path.write_text(text, encoding="utf-8")
-    tok = CharTokenizer.from_text(text) if tokenizer == "char" else gpt2_or_skip() if tokenizer == "gpt2" else None
+    if tokenizer == "gpt2":
+        gpt2_or_skip()
     out = prepare_text(path, tokenizer, 0.2, tmp_path / "prep")
     split = int(len(text) * 0.8)
-    train, meta = read_split(out, "train")
-    tok = tok or load_tokenizer(meta["tokenizer"])   # the trained BPE, applied to the whole text
+    train, meta = read_split(out, "train")   # (bpe:300: as trained, applied to the whole text)
+    tok = CharTokenizer.from_text(text) if tokenizer == "char" else load_tokenizer(meta["tokenizer"])
     assert train == tok.encode(text[:split]) and read_split(out, "val")[0] == tok.encode(text[split:])
     assert meta["split"] == {"val_fraction": 0.2, "train_chars": split, "val_chars": len(text) - split}
 
 
-def test_a_bad_byte_deep_in_the_file_is_named_by_its_offset(tmp_path, small_reads):
+def test_a_bad_byte_deep_in_the_file_is_named_by_its_offset(tmp_path, small_reads, capsys):
     path = tmp_path / "bad.txt"
     path.write_bytes(TEXT[:1000].encode() + b"\xff" + TEXT[1000:].encode())
     with pytest.raises(UserError, match=r"byte 0xff at offset 1000; set --data.encoding_errors=replace"):
         prepare_text(path, "char", 0.1, tmp_path / "prep")
     assert not (tmp_path / "prep").exists() or not os.listdir(tmp_path / "prep")
-    out = prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
+    prep.main([str(path), "--root", str(tmp_path / "prep"), "--data.encoding_errors=replace"])   # as advised
+    out = Path(capsys.readouterr().out.split(" -> ")[-1].strip())
     tok = load_tokenizer(read_split(out, "train")[1]["tokenizer"])
     assert tok.decode(read_split(out, "train")[0])[1000] == "\ufffd"
 
 
 def test_a_binary_file_is_told_to_be_left_out_not_replaced(tmp_path):
-    """Reading a binary file with encoding_errors=replace would train on junk: a file with a NUL byte near
-    its start (a compiled .mo catalogue here) is said to look binary, with a glob that leaves it out."""
+    """Reading a binary file with encoding_errors=replace would train on junk: a file with a NUL byte
+    near its start (a compiled .mo catalogue here) is said to look binary, with a glob that leaves it
+    out, in one line."""
     (tmp_path / "books").mkdir()
     (tmp_path / "books" / "a.txt").write_text(TEXT)
     mo = tmp_path / "books" / "messages.mo"
-    mo.write_bytes(b"\xde\x12\x04\x95\x00\x00\x00\x00\x02\x00\x00\x00\x1c\x00\x00\x00" + b"\xff\xfe msgid" * 20)
+    mo.write_bytes(b"\xde\x12\x04\x95\x00\x00\x00\x00\x02\x00\x00\x00\x1c\x00" + b"\xff\xfe msgid" * 20)
     with pytest.raises(UserError) as e:
         prepare_text(tmp_path / "books", "char", 0.1, tmp_path / "prep")
-    assert str(e.value) == (f"{mo} is not UTF-8: byte 0xde at offset 0; it looks binary: leave it out of the data "
-                            f"(e.g. with a glob such as '{mo.parent}/*.txt')"), e.value
-    assert "encoding_errors" not in str(e.value)
+    assert str(e.value) == (f"{mo} is not UTF-8: byte 0xde at offset 0; it looks binary: leave it out of "
+                            f"the data (e.g. with a glob such as '{mo.parent}/*.txt')"), e.value
     out = prepare_text(tmp_path / "books" / "*.txt", "char", 0.1, tmp_path / "prep")   # as advised
-    assert load_tokenizer(read_split(out, "train")[1]["tokenizer"]).decode(read_split(out, "train")[0]) == \
-        TEXT[:int(len(TEXT) * 0.9)]
+    train, meta = read_split(out, "train")
+    assert load_tokenizer(meta["tokenizer"]).decode(train) == TEXT[:int(len(TEXT) * 0.9)]
 
 
 def prepare_command(*argv, umask=None):
-    """(exit code, stdout, stderr) of `python -m data.prepare ARGV` run as a user runs it."""
-    r = subprocess.run([sys.executable, "-m", "data.prepare", *map(str, argv)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+    """(exit code, stdout, stderr) of `python <repository>/data/prepare.py ARGV` run as a user runs
+    it, from another directory."""
+    r = subprocess.run([sys.executable, ROOT / "data" / "prepare.py", *map(str, argv)],
+                       cwd=argv[0].parent, capture_output=True, text=True, timeout=120,   # (beside the text)
+                       preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
     return r.returncode, r.stdout, r.stderr
 
 
@@ -94,7 +99,7 @@ def test_a_directory_or_a_glob_says_what_it_took(tmp_path):
     (books / "extract.py").write_text("import sys\nprint(sys.argv)\n")
     rc, out, err = prepare_command(books, "--root", tmp_path / "prep")
     size = sum(p.stat().st_size for p in books.iterdir()) / 1e6
-    assert rc == 0 and out.splitlines()[0] == f"data: {books} (3 files: 2 .txt, 1 .py; {size:.1f} MB)", (out, err)
+    assert rc == 0 and out.splitlines()[0] == f"data: {books} (3 files: 2 .txt, 1 .py; {size:.1f} MB)", err
     rc, out, err = prepare_command(books / "*.txt", "--root", tmp_path / "prep")
     assert rc == 0 and out.splitlines()[0].startswith(f"data: {books}/*.txt (2 files: 2 .txt; "), (out, err)
     rc, out, err = prepare_command(books / "a.txt", "--root", tmp_path / "prep")
@@ -108,8 +113,8 @@ def test_a_cached_dataset_is_said_to_be_prepared_already(tmp_path, text_file):
     meta = json.loads((tmp_path / "prep" / os.path.basename(out) / "meta.json").read_text())
     rc, again, err = prepare_command(text_file, "--root", tmp_path / "prep")
     assert rc == 0 and err == ""
-    assert again == (f"already prepared: {out} ({meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val "
-                     f"tokens)\n"), again
+    tokens = meta["tokens"]
+    assert again == f"already prepared: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)\n"
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX file modes and umask")
@@ -156,8 +161,9 @@ def test_missing_and_empty_inputs_are_clear_errors(tmp_path):
     (tmp_path / "emptydir").mkdir()
     cases.update({tmp_path / "empty.txt": "data file is empty", tmp_path / "blank.txt": "data file is empty",
                   tmp_path / "emptydir": "no files in the data directory"})
-    if os.path.exists("/dev/null"):
-        cases["/dev/null"] = "data path /dev/null is not a regular file: save the text to a file and pass that"
+    (tmp_path / "docs").mkdir()   # in a directory, only regular files are documents (a pipe never ends)
+    os.mkfifo(tmp_path / "docs" / "pipe")
+    cases[tmp_path / "docs"] = "no files in the data directory"
     for path, message in cases.items():
         with pytest.raises(UserError, match=message):
             prepare_text(path, "char", 0.1, tmp_path / "prep")
@@ -168,7 +174,8 @@ def test_missing_and_empty_inputs_are_clear_errors(tmp_path):
     (b"\x00\x01\xff binary", "is not UTF-8: byte 0xff at offset 2; it looks binary"),
     (b" \n\t\n", "data file is empty"),
 ], ids=["a stray byte", "binary", "blank"])
-def test_a_text_that_cannot_be_used_is_one_line_and_writes_nothing(tmp_path, text_file, capsys, content, message):
+def test_a_text_that_cannot_be_used_is_one_line_and_writes_nothing(tmp_path, text_file, capsys, content,
+                                                                  message):
     """Refused before anything is written: not even a temporary directory comes and goes in the cache."""
     prepare_text(text_file, "char", 0.1, tmp_path / "prep")   # a cache that exists already
     bad = tmp_path / "bad.txt"
@@ -183,9 +190,12 @@ def test_the_command_refuses_a_val_fraction_outside_0_to_1(tmp_path, text_file, 
     assert not (tmp_path / "prep").exists()
 
 
-def test_an_interrupted_preparation_leaves_nothing_that_looks_finished(tmp_path, text_file, monkeypatch, small_reads):
+def test_an_interrupted_preparation_leaves_nothing_that_looks_finished(tmp_path, text_file, monkeypatch,
+                                                                      small_reads):
+    """Ctrl-C while the token files are being written: the temporary directory goes with it."""
     calls = []
     real = CharTokenizer.encode_array
+
     def failing(self, text):
         calls.append(1)
         if len(calls) == 5:
@@ -201,38 +211,34 @@ def test_an_interrupted_preparation_leaves_nothing_that_looks_finished(tmp_path,
 
 
 def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, capsys):
-    """(A log gets a progress line every 10 s: here every reading of the clock is 20 s after the last.)"""
+    """(A log gets a progress line every 10 s: here every reading of the clock is 20 s after the
+    last.)"""
     monkeypatch.setattr(prep, "PROGRESS_MIN_BYTES", 0)
     monkeypatch.setattr(common.time, "perf_counter", lambda clock=itertools.count(): 20.0 * next(clock))
     prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     err = capsys.readouterr().err
-    assert all(f"{phase}: " in err for phase in ("hashing", "scanning", "encoding")) and "MB/s, ETA" in err, err
+    assert all(f"{phase}: " in err for phase in ("hashing", "scanning", "encoding")), err
+    assert "MB/s, ETA" in err, err
 
 
-# A child process that prepares as if the machine had 32 cores (32 encoding threads).
-AS_IF_32_CORES = "import sys, data.prepare as p; p.available_cpus = lambda: 32; sys.exit(p.main(sys.argv[1:]))"
-
-
-@pytest.mark.skipif(os.name == "nt", reason="a child's peak memory comes from /proc or the resource module, "
-                    "which Windows lacks")
+@pytest.mark.skipif(os.name == "nt", reason="a child's peak memory comes from /proc or the resource "
+                    "module, which Windows lacks")
 def test_memory_does_not_grow_with_the_file(tmp_path):
-    """The bound: preparing 30 MB takes less than 40 MB more peak memory than preparing 3 MB, on any
-    number of cores (here as if there were 32). At most IN_FLIGHT_CHARS = 4M characters are being
-    encoded or waiting to be written, in smaller pieces on more cores, at ~8 bytes each (text, code
-    points, ids). Without that cap (2 pieces of 1M characters per core) 32 cores would hold 64M
-    characters, far past the bound; reading the file whole costs ~10 bytes per character. Peak
+    """The bound: preparing 30 MB takes less than 40 MB more peak memory than preparing 3 MB. A piece
+    of at most 2 x PIECE_CHARS = 2M characters is being encoded at a time, at ~8 bytes a character
+    (text, code points, ids); reading the file whole costs ~10 bytes a character, 300 MB here. Peak
     memory is the child process's (see benchmarks/prepare.py)."""
     line = (TEXT.replace("\n", " ") + "\n").encode()
     peaks = []
     for name, size in (("small", 3_000_000), ("big", 30_000_000)):
         (tmp_path / f"{name}.txt").write_bytes(line * (size // len(line)))
-        peaks.append(measure(AS_IF_32_CORES, [str(tmp_path / f"{name}.txt"), "--root", str(tmp_path / "p")])[1])
+        peaks.append(measure(STREAM, [str(tmp_path / f"{name}.txt"), "--root", str(tmp_path / "p")])[1])
     assert len(list((tmp_path / "p").glob("*/meta.json"))) == 2
-    assert peaks[1] - peaks[0] < 40, f"peak memory grew from {peaks[0]:.0f} to {peaks[1]:.0f} MB for 27 MB more text"
+    assert peaks[1] - peaks[0] < 40, f"peak memory grew from {peaks[0]:.0f} to {peaks[1]:.0f} MB"
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads resident memory from Linux's /proc "
-                    "(and a 2 GB sparse file)")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads resident memory from Linux's "
+                    "/proc (and a 2 GB sparse file)")
 def test_batches_are_read_from_disk_not_memory(tmp_path, text_file):
     """2 GB (sparse) token files: a batch costs the batch, not the file."""
     out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
@@ -243,6 +249,7 @@ def test_batches_are_read_from_disk_not_memory(tmp_path, text_file):
             f.truncate(2 * n)
     meta["tokens"] = {"train": n, "val": n}
     (out / "meta.json").write_text(json.dumps(meta))
+
     def rss_mb():
         return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
     before = rss_mb()
