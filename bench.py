@@ -1,118 +1,298 @@
-"""Benchmarks: each prints its figures, measured in one run on this machine (ratios travel, absolute
-times drift on a shared machine).
+"""Benchmarks, each measured in one run; the first line printed names the machine and its load
+(ratios travel, absolute times drift on a shared machine). A bad argument is one line, exit 2.
 
-    python bench.py race                           classic config vs fast recipe: time from launch to the classic's
-                                                   best val loss (the CPU pair, or on a GPU the GPU pair)
-    python bench.py train CONFIG [--key=value ...] matmul peak, ms/step, tokens/s, MFU of the trainer's own loop
-                                                   (on CUDA: eager, compiled, CUDA graph, both), against plain PyTorch
-    python bench.py sample [--device cuda]         tokens/s with and without the KV cache, ms/token by position
-                                                   (CUDA: batch 1 and 16, with and without the compiled step)
-    python bench.py scaling                        step time vs block size and width; sampling time vs samples
-    python bench.py tokenizers [--seconds 120]     char vs gpt2 vs bpe:4096 in bits per byte at equal training time
-    python bench.py prepare [--mb 1000]            data preparation speed and memory; writes a 1 GB text file (--mb)
-                                                   in the temp dir and removes it afterwards (benchmarks/prepare.py)
-    python bench.py gpu [--out DIR] [--quick]      on a GPU: the CUDA-only tests, train (classic config, 124M shape),
-                                                   sample and race, in one report with raw logs (benchmarks/gpu.py)
+    python bench.py train CONFIG [--steps 10] [--rounds 3] [--section.key=value ...]
+        ms/step, tokens/s and MFU of the trainer's own step (the median of the ms/step the trainer
+        measured over --rounds log intervals of --steps steps, after a warm-up interval), against
+        plain PyTorch's step on the same tokens (eager, fp32, torch.optim.AdamW's defaults)
+    python bench.py sample [--device auto] [--new-tokens 256]
+        tokens/s of sampling with and without the KV cache, at batch 1 and 16
+    python bench.py race [--classic CONFIG] [--fast CONFIG] [--evals 20] [--section.key=value ...]
+        the classic config against the fast recipe: seconds from launching `python train.py` to the
+        classic's best val loss (by default the CPU pair, or on a GPU the GPU pair)
 
-Every bad argument is refused before any work, in one line (exit 2); race, train, tokenizers and gpu
-also take config overrides (--section.key=value), which are checked as train.py checks them.
+MFU = the model's training FLOPs per second / the matmul peak measured in the same run (the best
+torch.mm rate, in the trainer's dtype). Per token: 6N FLOPs for the N weights of the Linear layers,
+LM head included (2 forward, 4 backward), plus 6 L T C for causal attention (the scores and the
+weighted sum cost 2C each per pair of positions, T/2 visible positions on average, x3 with backward).
 """
-try:   # from here on Ctrl-C ends the command at once, quietly (see common.run_cli)
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-except KeyboardInterrupt:   # Ctrl-C came while signal itself was being imported
-    raise SystemExit(130)
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import argparse  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
+from common import ArgumentParser, UserError, check, run_cli
 
-from common import ArgumentParser, check, run_cli  # noqa: E402
-
-TAKE_OVERRIDES = ("race", "train", "tokenizers", "gpu")   # the rest refuse what they do not know
-
-
-def config_file(path: str) -> str:
-    """An argparse type: path, if it is a file (argparse's refusal names the option)."""
-    if not os.path.isfile(path):
-        raise argparse.ArgumentTypeError(f"no config file {path}")
-    return path
+ROOT = Path(__file__).resolve().parent
+# (classic, fast) by the kind of machine: the race on a GPU races the GPU pair
+PAIRS = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
+         "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}
+# what sample decodes: the classic GPU shape, random weights (speed does not depend on what they know)
+SAMPLE_SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
 
 
+def machine() -> str:
+    """One line: the processor, the GPU, torch and its threads, the load (other jobs slow every figure)."""
+    import torch
+    try:   # (on Linux platform.processor() names only the architecture)
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "unknown"
+    return (f"# {cpu} x {os.cpu_count()} cores, {gpu} | torch {torch.__version__}, {torch.get_num_threads()} "
+            f"threads (OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')}) | load average {load}")
+
+
+def now(device) -> float:
+    """time.perf_counter() once the device has done what it was given."""
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+# ---------------------------------------------------------------- train
+def matmul_peak(device, dtype) -> float:
+    """The best FLOP/s of n x n torch.mm over a few sizes: what MFU divides by."""
+    import torch
+    from torch.utils import benchmark
+    best = 0.0
+    for n in (1024, 2048) if device.type == "cpu" else (4096, 8192):
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        # (Timer warms up and waits for the device; it runs on one thread unless told otherwise)
+        timer = benchmark.Timer("mm(a, b)", globals={"mm": torch.mm, "a": a, "b": b},
+                                num_threads=torch.get_num_threads())
+        best = max(best, 2 * n ** 3 / min(timer.blocked_autorange(min_run_time=0.5).times))
+    return best
+
+
+def flops_per_token(model) -> tuple[float, float]:
+    """(6N, attention): training FLOPs per token; N counts every Linear's weights (the LM head's too)."""
+    import torch
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return 6.0 * n, 6.0 * model.cfg.n_layer * model.cfg.block_size * model.cfg.n_embd
+
+
+def run_trainer(cfg, steps: int, rounds: int) -> dict:
+    """train(cfg) for rounds + 1 log intervals of `steps` steps, quietly, in a temporary out dir: its
+    summary, whose "intervals" hold the trainer's ms/step. Its one evaluation (of one batch) and
+    checkpoint come after the last interval, outside every timing."""
+    from training.trainer import train
+    t = cfg.train
+    t.log_interval, t.max_steps = steps, steps * (rounds + 1)
+    t.eval_interval, t.eval_iters, t.sample_every = t.max_steps, 1, 0
+    cfg.log.wandb = cfg.log.curves = False
+    with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
+        cfg.out_dir = str(Path(tmp) / "run")
+        return train(cfg, quiet=True)
+
+
+def plain_ms_per_step(cfg, device, steps: int, rounds: int) -> float:
+    """The median ms/step of `rounds` rounds of `steps` steps, after a warm-up round, of a training step
+    as plain PyTorch writes it (eager, fp32, torch.optim.AdamW's defaults) over as many micro-batches
+    as the config's: the same tokens per step as the trainer's."""
+    import torch
+    from model.gpt import GPT
+    torch.manual_seed(0)
+    model = GPT(cfg.model).to(device)
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.block_size), device=device)
+    optimizer, accum, ms = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr), cfg.train.grad_accum, []
+    for _ in range(rounds + 1):
+        start = now(device)
+        for _ in range(steps):
+            for _ in range(accum):
+                _, loss = model(x, x)
+                (loss / accum).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        ms.append((now(device) - start) * 1000 / steps)
+    return statistics.median(ms[1:])
+
+
+def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> int:
+    import torch
+    from data.cache import load_meta
+    from data.prepare import prepare
+    from model.gpt import GPT
+    from model.loading import pick_device, pick_dtype
+    from training.config import build_config
+    cfg = build_config(config, overrides)
+    m, t, device = cfg.model, cfg.train, pick_device(cfg.train.device)
+    dtype = pick_dtype(device, t.dtype)
+    m.vocab_size = m.vocab_size or load_meta(prepare(cfg.data, m.block_size))["vocab_size"]
+    with torch.device("meta"):   # the config's model, its shapes only
+        dense, attn = flops_per_token(GPT(m))
+    tokens, dtype_name = t.batch_size * t.grad_accum * m.block_size, str(dtype).removeprefix("torch.")
+    peak = matmul_peak(device, dtype)
+    print(f"# {device}, {dtype_name} | matmul peak {peak / 1e9:,.1f} GFLOP/s (torch.mm, measured now)\n"
+          f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, batch {t.batch_size} x "
+          f"{t.grad_accum} ({tokens:,} tokens/step) | FLOPs/token 6N + attention = {dense / 1e6:.2f}M + "
+          f"{attn / 1e6:.2f}M", flush=True)
+    summary = run_trainer(cfg, steps, rounds)
+    if summary["exit_code"]:   # a signal stopped it (the trainer said so on stderr)
+        return summary["exit_code"]
+    warm_up, *timed = (ms for _, ms in summary["intervals"])
+    if device.type == "cuda":   # (one model at a time on the GPU)
+        torch.cuda.empty_cache()
+    ms = {"trainer": statistics.median(timed), "plain": plain_ms_per_step(cfg, device, steps, rounds)}
+    print(f"{'step':8s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
+    for name, how in (("trainer", f"{summary['how']}, {dtype_name}; warm-up {warm_up:.1f} ms/step"),
+                      ("plain", "eager, float32, torch.optim.AdamW")):
+        per_s = tokens * 1000 / ms[name]
+        print(f"{name:8s} {ms[name]:9.2f} {per_s:10,.0f} {(dense + attn) * per_s / peak:6.1%}  {how}")
+    print(f"trainer: {ms['plain'] / ms['trainer']:.2f}x plain PyTorch's speed (median of {rounds} intervals "
+          f"of {steps} steps, after a warm-up one)")
+    return 0
+
+
+# ---------------------------------------------------------------- sample
+def decode_rate(model, batch: int, new_tokens: int, use_cache: bool) -> float:
+    """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts, until the device
+    has made the last. (The one call of model.sampling: adapt it here if that API changes.)"""
+    import torch
+    from model.sampling import Decoding, generate
+    device = next(model.parameters()).device
+    prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    start = now(device)
+    *_, last = generate(model, prompt, new_tokens, generator=generator,
+                        decoding=Decoding(use_cache=use_cache, compile=False))
+    last.cpu()   # waits for the device
+    return batch * new_tokens / (time.perf_counter() - start)
+
+
+def bench_sample(device, new_tokens: int) -> int:
+    import torch
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    torch.manual_seed(0)
+    model, s = GPT(ModelConfig(**SAMPLE_SHAPE)).to(device).eval(), SAMPLE_SHAPE
+    print(f"# {new_tokens} new tokens after a 1-token prompt | {s['n_layer']} layers x {s['n_embd']}, block "
+          f"{s['block_size']}, random weights | {device}, float32, eager, one decode each after a warm-up")
+    print(f"{'batch':>5s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'cached / recomputed':>20s}")
+    for batch in (1, 16):
+        for cache in (True, False):   # a short warm-up decode (allocations)
+            decode_rate(model, batch, 8, cache)
+        cached, recomputed = (decode_rate(model, batch, new_tokens, cache) for cache in (True, False))
+        print(f"{batch:5d} {cached:13,.1f} {recomputed:17,.1f} {cached / recomputed:19.1f}x", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- race
+def exact_val_loss(cfg, checkpoint) -> float:
+    """A checkpoint's mean loss over every token of cfg's val split (as train.eval_iters = 0 scores)."""
+    from data.loader import BatchLoader, strided_windows
+    from data.prepare import prepare
+    from model.gpt import score
+    from model.loading import autocast, load_model, pick_device, pick_dtype
+    device, block = pick_device(cfg.train.device), cfg.model.block_size
+    windows = strided_windows(BatchLoader(prepare(cfg.data, block), block, 1).splits["val"], block, block,
+                              cfg.train.batch_size)
+    nats, count = score(load_model(checkpoint, device).model, windows,
+                        autocast(device, pick_dtype(device, cfg.train.dtype)))
+    return nats / count
+
+
+def run_and_score(config: str, overrides: list[str], evals: int, out_dir: Path, label: str) -> list[dict]:
+    """Train config as a user does (`python train.py CONFIG`, in a process of its own), evaluating (one
+    batch: next to free) and keeping a checkpoint every 1/evals of its steps; its curve [{step, seconds,
+    val}]: seconds from the launch to the evaluation (Python's start, the data, the model and compiling
+    count, as a user waits for them) and the exact val loss of its checkpoint, scored afterwards."""
+    from model.loading import list_checkpoints
+    from training.config import build_config
+    cfg = build_config(config, overrides)
+    every = max(1, cfg.train.max_steps // evals)
+    flags = [f"--train.eval_interval={every}", "--train.eval_iters=1", "--log.curves=false",
+             f"--train.keep_checkpoints={-(-cfg.train.max_steps // every)}", f"--out_dir={out_dir}"]
+    print(f"# {label}: python train.py {' '.join([config, *overrides])} ({cfg.train.max_steps} steps, an "
+          f"evaluation every {every})", flush=True)
+    launch = time.time()   # (the clock of the records' "time")
+    # (its stdout is not read; its stderr, errors included, is this command's; Ctrl-C reaches it too)
+    code = subprocess.run([sys.executable, str(ROOT / "train.py"), config, *overrides, *flags],
+                          stdout=subprocess.DEVNULL).returncode
+    if code:
+        raise UserError(f"the {label} run (python train.py {config}) failed with exit code {code}")
+    with open(out_dir / "metrics.jsonl", encoding="utf-8") as f:
+        seconds = {r["step"]: r["time"] - launch for r in map(json.loads, f) if r["kind"] == "eval"}
+    curve = []
+    for step, path in list_checkpoints(out_dir):
+        curve.append({"step": step, "seconds": seconds[step], "val": exact_val_loss(cfg, path)})
+        print(f"{label:8s} step {step:5d} | {seconds[step]:7.1f} s from launch | val {curve[-1]['val']:.4f}")
+    return curve
+
+
+def race(classic: str, fast: str, overrides: list[str], evals: int) -> dict:
+    """Train classic, then fast; print and return the race: the time from launch to the classic's
+    best val loss (the target), and to the fast run's first evaluation at or below it."""
+    with tempfile.TemporaryDirectory(prefix="bench_race_", ignore_cleanup_errors=True) as tmp:
+        curves = {label: run_and_score(path, overrides, evals, Path(tmp) / label, label)
+                  for label, path in (("classic", classic), ("fast", fast))}
+    best = min(curves["classic"], key=lambda p: p["val"])   # a long run may overfit after its best
+    target, last = best["val"], curves["fast"][-1]
+    hit = next((p for p in curves["fast"] if p["val"] <= target), None)   # the first evaluation at it
+    print(f"classic  {classic}: best val {target:.4f} at step {best['step']}, "
+          f"{best['seconds']:.1f} s from launch")
+    reached = f"val {hit['val']:.4f} at step {hit['step']}, {hit['seconds']:.1f} s from launch" if hit else \
+        f"never reached val {target:.4f}"
+    print(f"fast     {fast}: {reached} (it ends at val {last['val']:.4f}, {last['seconds']:.1f} s)")
+    if ratio := hit and hit["seconds"] / best["seconds"]:   # (a time ratio in words: 0.49 is 2.04x faster)
+        words = f"{max(ratio, 1 / ratio):.2f}x " + ("slower" if ratio > 1 else "faster")
+        print(f"ratio    fast / classic time from launch to val {target:.4f}: {ratio:.3f} ({words})")
+    return {"curves": curves, "target": target, "hit": hit, "ratio": ratio}
+
+
+# ---------------------------------------------------------------- the command
 def parser() -> ArgumentParser:
-    """The command's parser (its subcommands' errors are common.ArgumentParser's one line too)."""
-    from benchmarks.prepare import add_options
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True)   # (each a common.ArgumentParser: one-line errors)
+    t = sub.add_parser("train", help="ms/step, tokens/s and MFU of the trainer's step against plain PyTorch")
+    t.add_argument("config")
+    t.add_argument("--steps", type=int, default=10, help="steps per log interval")
+    t.add_argument("--rounds", type=int, default=3, help="timed intervals after a warm-up one (their median)")
+    s = sub.add_parser("sample", help="tokens/s with and without the KV cache, at batch 1 and 16")
+    s.add_argument("--device", default="auto", help="auto (cuda > cpu), cpu, cuda, cuda:N, mps")
+    s.add_argument("--new-tokens", type=int, default=256, help="new tokens per decode (256: one whole block)")
     r = sub.add_parser("race", help="classic vs fast recipe: time from launch to the classic's best val loss")
-    r.add_argument("--classic", type=config_file, help="default: the classic config of this machine's kind (CPU, GPU)")
-    r.add_argument("--fast", type=config_file, help="default: the fast recipe of this machine's kind")
+    r.add_argument("--classic", help="default: the classic config of this machine's kind")
+    r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
     r.add_argument("--evals", type=int, default=20, help="evaluations per run (the race's resolution)")
-    t = sub.add_parser("train", help="matmul peak, the trainer's ms/step, tokens/s and MFU for a config")
-    t.add_argument("config", type=config_file)
-    t.add_argument("--steps", type=int, default=10, help="steps per round")
-    t.add_argument("--rounds", type=int, default=3, help="timed rounds, after one warm-up round (the median counts)")
-    s = sub.add_parser("sample", help="sampling with and without the KV cache")
-    s.add_argument("--new-tokens", type=int, default=500)
-    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
-    sub.add_parser("scaling", help="how step and sampling time grow with block size, width and samples")
-    k = sub.add_parser("tokenizers", help="bits per byte of char, gpt2 and bpe:4096 at equal training time")
-    k.add_argument("--config", type=config_file, help="default: configs/shakespeare_char_cpu.toml")
-    k.add_argument("--seconds", type=float, default=120.0, help="training time per tokenizer (a run ends by 1.25x it)")
-    add_options(sub.add_parser("prepare", help="data preparation speed and peak memory, streaming vs reading whole"))
-    g = sub.add_parser("gpu", help="the CUDA tests, train, sample and race on a GPU: one report, raw logs")
-    g.add_argument("--out", help="report directory (default out/bench_gpu/<date>-<time>-<commit>)")
-    g.add_argument("--quick", action="store_true", help="few steps and tokens, no race: checks the command")
     return p
 
 
-def check_args(p: ArgumentParser, args, overrides: list[str]) -> None:
-    """Refuse, before any work, what the command cannot use, in one line naming the option; settle the
-    defaults that depend on the machine (race's configs, sample's device)."""
-    from training.config import ROOT, build_config
-    if overrides and args.command not in TAKE_OVERRIDES:
-        p.error(f"unrecognized arguments: {' '.join(overrides)}")
-    if args.command == "race":
-        import torch
-        from benchmarks.race import PAIRS
-        check("--evals", args.evals, at_least=1)
-        classic, fast = (str(ROOT / p) for p in PAIRS["cuda" if torch.cuda.is_available() else "cpu"])
-        args.classic, args.fast = args.classic or classic, args.fast or fast
-        for path in (args.classic, args.fast):
-            build_config(path, overrides)
-    elif args.command == "train":
-        check("--steps", args.steps, at_least=1)
-        check("--rounds", args.rounds, at_least=1)
-        build_config(args.config, overrides)
-    elif args.command == "sample":
-        from model.loading import pick_device
-        check("--new-tokens", args.new_tokens, at_least=1)
-        args.device = pick_device(args.device, setting="--device")
-    elif args.command == "tokenizers":
-        check("--seconds", args.seconds, above=0)
-        args.config = args.config or str(ROOT / "configs" / "shakespeare_char_cpu.toml")
-        build_config(args.config, overrides)
-    elif args.command == "prepare":
-        from benchmarks.prepare import checked
-        args.prepare = checked(args)
-    elif args.command == "gpu":   # (the overrides go to every part: checked against the GPU pair's classic)
-        build_config(str(ROOT / "configs" / "shakespeare_char.toml"), overrides)
-
-
 def main(argv: list[str]) -> int:
+    from model.loading import pick_device
+    from training.config import build_config
     p = parser()
     args, overrides = p.parse_known_args(argv)
-    check_args(p, args, overrides)
-    from benchmarks import gpu, machine, prepare, race, sampling, step, tokenizers
-    print(machine.header(), flush=True)
-    code = {"race": lambda: race.race(args.classic, args.fast, overrides, evals=args.evals),
-            "train": lambda: step.bench_train(args.config, overrides, steps=args.steps, rounds=args.rounds),
-            "sample": lambda: sampling.bench_sample(args.new_tokens, args.device),
-            "scaling": lambda: step.bench_scaling() or sampling.bench_samples_scaling(),
-            "tokenizers": lambda: tokenizers.bench_tokenizers(args.config, overrides, seconds=args.seconds),
-            "prepare": lambda: prepare.bench_prepare(**args.prepare),
-            "gpu": lambda: gpu.bench_gpu(["bench.py", *argv], args.out, args.quick, overrides)}[args.command]()
-    return code if args.command == "gpu" else 0   # (the others return their figures)
+    if overrides and args.command == "sample":   # every check before any work
+        p.error(f"unrecognized arguments: {' '.join(overrides)}")
+    for option in ("steps", "rounds", "new_tokens", "evals"):
+        if hasattr(args, option):
+            check("--" + option.replace("_", "-"), getattr(args, option), at_least=1)
+    if args.command == "sample":
+        args.device = pick_device(args.device, setting="--device")
+    else:
+        if args.command == "race":   # (auto: cuda where there is a GPU, else cpu)
+            pair = PAIRS[pick_device("auto").type]
+            args.classic, args.fast = args.classic or str(ROOT / pair[0]), args.fast or str(ROOT / pair[1])
+        for path in [args.config] if args.command == "train" else [args.classic, args.fast]:
+            build_config(path, overrides)   # (a missing file: the OSError's one line)
+    print(machine(), flush=True)
+    if args.command == "train":
+        return bench_train(args.config, overrides, args.steps, args.rounds)
+    if args.command == "sample":
+        return bench_sample(args.device, args.new_tokens)
+    race(args.classic, args.fast, overrides, args.evals)
+    return 0
 
 
 if __name__ == "__main__":
