@@ -159,13 +159,12 @@ def decode_rate(model, batch: int, new_tokens: int, use_cache: bool) -> float:
     """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts, until the device
     has made the last. (The one call of model.sampling: adapt it here if that API changes.)"""
     import torch
-    from model.sampling import Decoding, generate
+    from model.sampling import generate
     device = next(model.parameters()).device
     prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     start = now(device)
-    *_, last = generate(model, prompt, new_tokens, generator=generator,
-                        decoding=Decoding(use_cache=use_cache, compile=False))
+    *_, last = generate(model, prompt, new_tokens, generator=generator, use_cache=use_cache)
     last.cpu()   # waits for the device
     return batch * new_tokens / (time.perf_counter() - start)
 

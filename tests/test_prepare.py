@@ -15,11 +15,10 @@ import torch
 import common
 import data.prepare as prep
 import data.sources
-from benchmarks.prepare import STREAM, measure
 from common import UserError
 from data.loader import BatchLoader
 from data.tokenizers import CharTokenizer, load_tokenizer
-from tests.conftest import ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text
+from tests.conftest import ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text, run_limited
 
 TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
           + "héllo wörld ✓ 😀 <|endoftext|> it's 've\n" * 3)
@@ -221,18 +220,18 @@ def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, c
     assert "MB/s, ETA" in err, err
 
 
-@pytest.mark.skipif(os.name == "nt", reason="a child's peak memory comes from /proc or the resource "
-                    "module, which Windows lacks")
 def test_memory_does_not_grow_with_the_file(tmp_path):
     """The bound: preparing 30 MB takes less than 40 MB more peak memory than preparing 3 MB. A piece
-    of at most 2 x PIECE_CHARS = 2M characters is being encoded at a time, at ~8 bytes a character
-    (text, code points, ids); reading the file whole costs ~10 bytes a character, 300 MB here. Peak
-    memory is the child process's (see benchmarks/prepare.py)."""
+    of at most 2M characters is being encoded at a time, at ~8 bytes a character (text, code points,
+    ids); reading the file whole costs ~10 bytes a character, 300 MB here. Peak memory is the child
+    process's own (os.wait4)."""
     line = (TEXT.replace("\n", " ") + "\n").encode()
     peaks = []
     for name, size in (("small", 3_000_000), ("big", 30_000_000)):
         (tmp_path / f"{name}.txt").write_bytes(line * (size // len(line)))
-        peaks.append(measure(STREAM, [str(tmp_path / f"{name}.txt"), "--root", str(tmp_path / "p")])[1])
+        rc, _, err, peak = run_limited(["data/prepare.py", tmp_path / f"{name}.txt", "--root", tmp_path / "p"])
+        assert rc == 0, err
+        peaks.append(peak / 1e6)
     assert len(list((tmp_path / "p").glob("*/meta.json"))) == 2
     assert peaks[1] - peaks[0] < 40, f"peak memory grew from {peaks[0]:.0f} to {peaks[1]:.0f} MB"
 
