@@ -120,7 +120,7 @@ def plain_ms_per_step(cfg, device, steps: int, rounds: int) -> float:
 
 def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> int:
     import torch
-    from data.cache import load_meta
+    from data.prepare import load_meta
     from data.prepare import prepare
     from model.gpt import GPT
     from model.loading import pick_device, pick_dtype

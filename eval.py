@@ -110,8 +110,8 @@ def main(argv) -> int:
 def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | None = None):
     """The token ids of a text file (up to max_tokens + 1: the first is context only); a file that cannot be
     scored (missing, empty, not UTF-8, a character the tokenizer lacks, under 2 tokens) is one line."""
-    from data.sources import read_text
-    text = read_text(path, hint=None)
+    from data.sources import iter_text
+    text = "".join(iter_text(path, hint=None))
     if skip_unknown and hasattr(tokenizer, "chars"):   # a character model: leave out what it never saw
         kept = "".join(c for c in text if c in tokenizer.stoi)
         if len(kept) < len(text):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from common import UserError
-from data.cache import SPLITS, check_split_sizes, load_meta
+from data.prepare import SPLITS, check_split_sizes, load_meta
 
 
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):

@@ -1,25 +1,23 @@
 """Turn text (a file, a directory of files, or a glob) into train/val token files and a meta.json:
-an entry of the cache (data/cache.py), reused when the same bytes come with the same settings.
+an entry of the cache under data.prepared_dir (data/prepared/ by default; deleting it, or any entry
+in it, is always safe), reused when the same bytes come with the same settings.
 
-  streaming  the text is never held whole: files are read a chunk at a time and encoded a piece
-             (PIECE_CHARS to twice as many characters) at a time, so memory stays bounded
-  passes     hash: the sha256 of the bytes, the cache key (all that a cache hit costs); scan:
-             decode (a bad byte is an error naming its offset), count the characters (the split
-             point is a character index), collect char's vocabulary; train: bpe:N only, on the
-             train split (data/tokenizers.py); encode, appending the ids to the token files
-  one thread encoding on a thread pool measured under 1.3x faster end to end (2 cores): not worth it
-  split      the last val_fraction of the characters is the validation split
-  documents  several files are one text in sorted path order, with the end-of-text token (BPE) or
-             a newline (char) between documents; a blank file among them is skipped
-  BPE        its text is cut only where cutting does not change the tokens (safe_cut)
-  failures   the entry is built in a temporary directory, renamed into place once complete and
-             removed on any error or Ctrl-C: nothing left looks finished. The text must not change
-             meanwhile (the entry is named after the bytes the hash read)
+  streaming  read a chunk, encoded a piece (PIECE_CHARS to twice as many characters) at a time:
+             memory stays bounded whatever the text's size
+  passes     hash (the cache key: all a cache hit costs); scan (decode; count the characters: the
+             split point is a character index; char's vocabulary); train (bpe:N); encode (one thread)
+  documents  several files are one text in sorted path order, with the end-of-text token (BPE) or a
+             newline (char) between them; BPE's text is cut only where that keeps its tokens
+  an entry   train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and meta.json, named by
+             the text's sha256 and every setting that changes the ids; built in a temporary folder,
+             renamed into place once whole. Usable: a meta.json of this FORMAT (written last) and
+             .bin files of the sizes it says; else prepared again
 
-    python -m data.prepare FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096] [--val-fraction 0.1]
-    python path/to/data/prepare.py ...      (the same, from any directory)
+    python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096] [--val-fraction 0.1]
 """
+import glob
 import json
+import os
 import re
 import secrets
 import shutil
@@ -33,12 +31,14 @@ if __name__ == "__main__" and not __package__:   # run as a file: imports start 
 
 import numpy as np  # noqa: E402
 
-from common import ArgumentParser, Progress, UserError, atomic_write, check, run_cli, setting  # noqa: E402
-from data.cache import FORMAT, SPLITS, check_split_sizes, entry_name, publish, read_entry  # noqa: E402
+from common import (ArgumentParser, Progress, UserError, atomic_write, check_fields, run_cli,  # noqa: E402
+                    setting)
 from data.sources import describe, find_sources, iter_text, sha256  # noqa: E402
 from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer,  # noqa: E402
                              check_tokenizer_spec, code_points, load_tokenizer, train_bpe)
 
+FORMAT = 3                      # meta.json's layout
+SPLITS = ("train", "val")
 PIECE_CHARS = 1 << 20           # characters encoded at a time (up to twice as many)
 TRAIN_MAX_CHARS = 256_000_000   # bpe:N learns from the first 256M characters of the train split at most
 PROGRESS_MIN_BYTES = 64 << 20   # a progress line for inputs at least this large
@@ -46,18 +46,15 @@ PROGRESS_MIN_BYTES = 64 << 20   # a progress line for inputs at least this large
 
 @dataclass
 class DataConfig:
-    path: str = setting("data/tinyshakespeare.txt", "the text to train on: a file, a directory or a glob "
-                        "(the default ships with the repo: data/README.md says where it comes from)")
-    tokenizer: str = setting("char", "char | bpe:N (N tokens, trained on the data) | a tiktoken name "
-                             "(gpt2, ...)")
-    val_fraction: float = setting(0.1, "the last 10% of the text is the validation split")
+    path: str = setting("data/tinyshakespeare.txt", "the text to train on: a file, a folder or a glob")
+    tokenizer: str = setting("char", "char | bpe:N (N tokens, trained on the data) | gpt2, or any tiktoken")
+    val_fraction: float = setting(0.1, "the last 10% of the text is for validation", above=0.0, below=1.0)
     prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
-    encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes")
+    encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes",
+                                   one_of=("strict", "replace"))
 
     def validate(self) -> None:
-        """A UserError naming the setting that cannot be used (the text is checked as it is read)."""
-        check("data.val_fraction", self.val_fraction, above=0.0, below=1.0)
-        check("data.encoding_errors", self.encoding_errors, one_of=("strict", "replace"))
+        check_fields(self, "data")
         check_tokenizer_spec(self.tokenizer)
 
 
@@ -66,30 +63,26 @@ def mb_progress(label: str, total: int) -> Progress:
     return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=total < PROGRESS_MIN_BYTES)
 
 
-def prepare(data: DataConfig, block_size: int | None = None, say_cached: bool = False) -> Path:
+def prepare(data: DataConfig, block_size: int | None = None) -> Path:
     """The dataset's directory: data.path prepared, or an earlier preparation of the same bytes with
-    the same settings (say_cached: say so). block_size: each split must hold block_size + 1 tokens
-    (one training window), checked before anything is published."""
+    the same settings. block_size: each split must hold block_size + 1 tokens (one training window),
+    checked before anything is published."""
     data.validate()
     files = find_sources(data.path)
     total = sum(p.stat().st_size for p in files)
     sha = sha256(files, mb_progress("hashing", total))
-    out = Path(data.prepared_dir) / entry_name(data.path, data.tokenizer, sha, data.val_fraction,
-                                               data.encoding_errors)
-    meta, problem = read_entry(out)
-    if not Path(data.path).is_file() and (say_cached or meta is None):   # what a directory or glob took
+    out = Path(data.prepared_dir) / entry_name(data, sha)
+    meta = read_entry(out)
+    if not Path(data.path).is_file():   # what a directory or glob took
         print(describe(data.path, files, total))
-    if meta is not None:
-        check_split_sizes(meta["tokens"], block_size)
-        if say_cached:
-            print(f"already prepared: {out} ({meta['tokens']['train']:,} train and "
-                  f"{meta['tokens']['val']:,} val tokens)")
-        return out
-    if problem:
-        print(f"notice: {out} {problem}; preparing it again", file=sys.stderr)
-    meta = build(out, files, total, sha, data, block_size)
-    print(f"prepared {data.path} with tokenizer {data.tokenizer}: {meta['tokens']['train']:,} train "
-          f"and {meta['tokens']['val']:,} val tokens (vocab {meta['vocab_size']:,}) -> {out}")
+    if meta is None and out.exists():
+        print(f"notice: {out} is unfinished, damaged or of an older format: preparing it again",
+              file=sys.stderr)
+    if meta is None:
+        meta = build(out, files, total, sha, data, block_size)
+        print(f"prepared {data.path} with tokenizer {data.tokenizer}: {meta['tokens']['train']:,} train "
+              f"and {meta['tokens']['val']:,} val tokens (vocab {meta['vocab_size']:,}) -> {out}")
+    check_split_sizes(meta["tokens"], block_size)
     return out
 
 
@@ -122,15 +115,15 @@ def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, 
                 "files": len(files), "tokenizer_spec": data.tokenizer, **encoded,
                 "encoding_errors": data.encoding_errors, "split": split}
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))   # last: what makes it usable
-        publish(tmp, out)
-    finally:   # (after publish's rename there is nothing left to remove)
+        shutil.rmtree(out, ignore_errors=True)   # (an unusable entry, or the same one just published)
+        os.rename(tmp, out)
+    finally:   # (after the rename there is nothing left to remove)
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
 
 
 def scan(files, errors: str, want_chars: bool, progress) -> tuple[list[Path], int, str]:
-    """The files with any text (the documents), their characters in all, and (want_chars) the
-    sorted set of those characters."""
+    """The files with any text (the documents), their characters in all, (want_chars) their set."""
     documents, n_chars, seen = [], 0, np.zeros(0x110000, dtype=bool)
     for path in files:
         n, blank = 0, True
@@ -205,20 +198,57 @@ def encode(text, tok, tmp: Path) -> dict:
             "tokens": tokens, "bytes": nbytes}
 
 
+# ---------------------------------------------------------------- the cache
+
+def entry_name(data: DataConfig, sha256: str) -> str:
+    """The entry's name: the text's (a glob's folder's), cut to 64 characters (a file system allows
+    255 bytes), then all that changes the token files."""
+    stem = Path(data.path).parent.name if glob.has_magic(data.path) else Path(data.path).stem
+    label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)   # bpe:4096 -> bpe4096
+    errors = "-replace" * (data.encoding_errors == "replace")
+    return f"{stem[:64]}-{label}-{sha256[:12]}-val{data.val_fraction!r}{errors}"
+
+
+def read_entry(entry: Path) -> dict | None:
+    """The meta.json of a usable entry: of this FORMAT (written whole, last), its .bin files of the
+    sizes it says; None for any other (none, unfinished, damaged, of an older format)."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
+        usable = meta["format"] == FORMAT and all((entry / f"{s}.bin").stat().st_size == meta["tokens"][s] *
+                                                  np.dtype(meta["dtype"]).itemsize for s in SPLITS)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return meta if usable else None
+
+
+def load_meta(entry) -> dict:
+    """The meta.json of a usable prepared dataset; an unusable one is a UserError naming it."""
+    if (meta := read_entry(Path(entry))) is None:
+        raise UserError(f"the prepared dataset {entry} is missing, unfinished, damaged or of an older "
+                        f"format: delete it and prepare the data again")
+    return meta
+
+
+def check_split_sizes(tokens: dict, block_size: int | None) -> None:
+    """Each split must hold one training window: block_size + 1 tokens (None: no check)."""
+    for split in SPLITS:
+        if block_size is not None and tokens[split] < block_size + 1:
+            raise UserError(f"the {split} split has {tokens[split]} tokens, fewer than block_size + 1 = "
+                            f"{block_size + 1}; use a longer text or a smaller --model.block_size")
+
+
 def main(argv: list[str]) -> int:
-    p = ArgumentParser(description="Prepare a text file, directory or glob into token files, cached "
-                                   "in --root (safe to delete).")
-    p.add_argument("source", help="a text file, a directory of them, or a quoted glob")
-    p.add_argument("--tokenizer", default=DataConfig.tokenizer,
-                   help="char | bpe:N (trained on the data) | a tiktoken encoding")
-    p.add_argument("--val-fraction", type=float, default=DataConfig.val_fraction)
-    p.add_argument("--root", default=str(Path(__file__).resolve().parent / "prepared"),
-                   help="where the prepared datasets are (default: the repository's data/prepared)")
-    p.add_argument("--encoding-errors", "--data.encoding_errors", default=DataConfig.encoding_errors,
-                   help="strict | replace")   # (the second name: as an error's advice says it)
+    p = ArgumentParser(description="Prepare a text (a file, a folder or a quoted glob) into token files, "
+                                   "cached in --root (safe to delete).")
+    p.add_argument("source")
+    p.add_argument("--tokenizer", default="char", help="char | bpe:N | gpt2, or any tiktoken name")
+    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--root", default=str(Path(__file__).resolve().parent / "prepared"))
+    p.add_argument("--encoding-errors", "--data.encoding_errors", default="strict", help="strict | replace")
     args = p.parse_args(argv)
-    data = DataConfig(args.source, args.tokenizer, args.val_fraction, args.root, args.encoding_errors)
-    prepare(data, say_cached=True)
+    out = prepare(DataConfig(args.source, args.tokenizer, args.val_fraction, args.root, args.encoding_errors))
+    tokens = load_meta(out)["tokens"]
+    print(f"ready: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)")
     return 0
 
 

@@ -16,7 +16,6 @@ from common import UserError
 
 READ_BYTES = 1 << 20        # bytes read at a time
 PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
-REPLACE_HINT = "set --data.encoding_errors=replace to replace such bytes"
 
 
 def find_sources(source) -> list[Path]:
@@ -36,15 +35,13 @@ def find_sources(source) -> list[Path]:
 
 
 def describe(source, files: list[Path], total: int) -> str:
-    """What a directory or glob took, in one line: 'data: books (3 files: 2 .txt, 1 .py; 3.2 MB)',
-    so a stray script among the books shows."""
+    """What a folder or glob took: 'data: books (3 files: 2 .txt, 1 .py; 3.2 MB)' (a stray script shows)."""
     counts = Counter(p.suffix or "no extension" for p in files).most_common()
     kinds = ", ".join(f"{n} {kind}" for kind, n in counts)
     return f"data: {source} ({len(files)} file{'s' * (len(files) > 1)}: {kinds}; {total / 1e6:.1f} MB)"
 
 
-def read_bytes(path: Path, progress=None):
-    """The file's bytes, READ_BYTES at a time; progress: a Progress advanced by their count."""
+def read_bytes(path: Path, progress=None):   # (progress: a Progress advanced by their count)
     with open(path, "rb") as f:
         while data := f.read(READ_BYTES):
             progress and progress.advance(len(data))
@@ -65,7 +62,8 @@ def sha256(files: list[Path], progress=None) -> str:
     return digests[0] if len(files) == 1 else hashlib.sha256(listing.encode()).hexdigest()
 
 
-def iter_text(path: Path, errors: str = "strict", progress=None, hint: str | None = REPLACE_HINT):
+def iter_text(path: Path, errors: str = "strict", progress=None,
+              hint: str | None = "set --data.encoding_errors=replace to replace such bytes"):
     """The file's text as str chunks that never split a character; a non-UTF-8 byte is a UserError
     (its advice, for a text: hint), or with errors='replace' a U+FFFD."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors)   # holds a character cut at a read's end
@@ -86,25 +84,12 @@ def iter_text(path: Path, errors: str = "strict", progress=None, hint: str | Non
         offset += len(raw)
 
 
-def read_text(path, errors: str = "strict", hint: str | None = REPLACE_HINT) -> str:
-    """A whole (small) file as text, with the checks of preparing: not UTF-8 (the message ends with
-    hint, if any), empty."""
-    text = "".join(iter_text(Path(path), errors, hint=hint))
-    if not text.strip():
-        raise UserError(f"data file is empty: {path}")
-    return text
-
-
 def read_prompt(prompt: str) -> str:
     """A prompt argument's text: itself, or with @FILE the file's (UTF-8, at most PROMPT_FILE_MAX
     bytes: a model sees only its last block_size tokens anyway, and /dev/zero never ends)."""
     if not prompt.startswith("@"):
         return prompt
-    path = Path(prompt[1:])
-    if not path.exists():
-        raise UserError(f"prompt file not found: {path}")
-    with open(path, "rb") as f:
+    with open(prompt[1:], "rb") as f:   # (a missing file: one line, from common.run_cli)
         if len(f.read(PROMPT_FILE_MAX + 1)) > PROMPT_FILE_MAX:
-            raise UserError(f"the prompt file {path} is larger than {PROMPT_FILE_MAX >> 20} MB (a model "
-                            f"sees only its last block_size tokens)")
-    return "".join(iter_text(path, hint=None))
+            raise UserError(f"the prompt file {prompt[1:]} is larger than {PROMPT_FILE_MAX >> 20} MB")
+    return "".join(iter_text(Path(prompt[1:]), hint=None))

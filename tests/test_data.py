@@ -9,7 +9,7 @@ import torch
 
 from data.loader import BatchLoader
 from common import UserError
-from data.sources import read_text
+from data.sources import iter_text
 from data.tokenizers import CharTokenizer, build_tokenizer, load_tokenizer
 from tests.conftest import TEXT, gpt2_or_skip, prepare_text
 
@@ -77,8 +77,8 @@ def test_non_utf8_names_the_byte_offset(tmp_path):
     path = tmp_path / "bad.txt"
     path.write_bytes(b"hello \xff world")
     with pytest.raises(UserError, match="offset 6"):
-        read_text(path)
-    assert "\ufffd" in read_text(path, errors="replace")
+        "".join(iter_text(path))
+    assert "\ufffd" in "".join(iter_text(path, errors="replace"))
 
 
 def test_batches_are_windows_shifted_by_one_and_seeded(tmp_path, text_file):
@@ -118,7 +118,7 @@ def test_the_default_data_ships_with_the_repo_and_prepares_offline(tmp_path, mon
 
 
 def test_bits_per_byte_divides_by_the_bytes_of_the_text(tmp_path, text_file):
-    from data.cache import load_meta
+    from data.prepare import load_meta
     from model.gpt import bits_per_byte
 
     def tokens_per_byte(meta, split):
@@ -147,7 +147,7 @@ def test_bits_per_byte_divides_by_the_bytes_of_the_text(tmp_path, text_file):
 
 def test_bytes_of_several_documents_count_their_text(tmp_path):
     """char: the newline between documents is text (a byte); BPE: the end-of-text token is not."""
-    from data.cache import load_meta
+    from data.prepare import load_meta
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text("Première. " * 30)

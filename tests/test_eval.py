@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import eval as eval_cli
-from data.cache import load_meta
+from data.prepare import load_meta
 from data.loader import strided_windows
 from data.prepare import prepare
 from model.config import ModelConfig
@@ -237,7 +237,7 @@ def test_a_glob_gives_a_row_per_file_and_a_token_weighted_total(trained, tmp_pat
 
 MISTAKES = [   # (what, the file it makes in a directory, what the error line says)
     ("missing", lambda d: d / "nope.txt", "data file not found"),
-    ("empty", lambda d: write(d / "empty.txt", ""), "is empty"),
+    ("empty", lambda d: write(d / "empty.txt", ""), "has 0 token"),
     ("not UTF-8", lambda d: write(d / "latin1.txt", "caf\xe9\n".encode("latin-1")),
      r"latin1.txt is not UTF-8: byte 0xe9 at offset 3$"),
     ("no match", lambda d: d / "*.md", r"no files match .*\*\.md"),

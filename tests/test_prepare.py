@@ -58,7 +58,7 @@ def test_a_bad_byte_deep_in_the_file_is_named_by_its_offset(tmp_path, small_read
         prepare_text(path, "char", 0.1, tmp_path / "prep")
     assert not (tmp_path / "prep").exists() or not os.listdir(tmp_path / "prep")
     prep.main([str(path), "--root", str(tmp_path / "prep"), "--data.encoding_errors=replace"])   # as advised
-    out = Path(capsys.readouterr().out.split(" -> ")[-1].strip())
+    out = Path(capsys.readouterr().out.splitlines()[0].split(" -> ")[-1].strip())
     tok = load_tokenizer(read_split(out, "train")[1]["tokenizer"])
     assert tok.decode(read_split(out, "train")[0])[1000] == "\ufffd"
 
@@ -108,12 +108,13 @@ def test_a_directory_or_a_glob_says_what_it_took(tmp_path):
 def test_a_cached_dataset_is_said_to_be_prepared_already(tmp_path, text_file):
     rc, first, err = prepare_command(text_file, "--root", tmp_path / "prep")
     assert rc == 0 and first.startswith(f"prepared {text_file}"), (first, err)
-    out = first.split(" -> ")[-1].strip()
+    out = first.splitlines()[0].split(" -> ")[-1].strip()
     meta = json.loads((tmp_path / "prep" / os.path.basename(out) / "meta.json").read_text())
     rc, again, err = prepare_command(text_file, "--root", tmp_path / "prep")
     assert rc == 0 and err == ""
     tokens = meta["tokens"]
-    assert again == f"already prepared: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)\n"
+    assert again == f"ready: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)\n"
+    assert first.splitlines()[1] == again.strip(), "said after a preparation too"
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX file modes and umask")

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from common import UserError, atomic_write, duration, first_line, silence_stdout
-from data.cache import load_meta
+from data.prepare import load_meta
 from data.loader import BatchLoader, strided_windows
 from data.prepare import prepare
 from data.sources import find_sources
