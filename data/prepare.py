@@ -142,20 +142,14 @@ def scan(files, errors: str, want_chars: bool, progress) -> tuple[list[Path], in
 # Cutting BPE input at these points gives the same tokens as encoding the whole text: no token of
 # the gpt2 / cl100k / o200k pre-tokenizers (nor bpe:N's) runs across "x\n|y" or "x| y" (x, y not
 # whitespace). The greedy .* makes a match end at the last such point.
-_LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
-
-
-def safe_cut(text: str) -> int:
-    """The last index (> 0) at which text can be cut without changing its BPE tokens; 0 if none."""
-    m = _LAST_SAFE_CUT.match(text)
-    return m.end() if m else 0
+LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
 def pieces(documents, errors: str, split_at: int, bpe: bool, progress=None):
     """The text as (split, piece) in order: its first split_at characters in "train", the rest in
     "val"; between documents a piece of its own: a newline (char) or None, the end-of-text token
     (BPE). A piece holds PIECE_CHARS to 2 x PIECE_CHARS characters (fewer at a document's end or
-    the split point); BPE's are cut at a safe_cut point."""
+    the split point); BPE's are cut at its LAST_SAFE_CUT."""
     split, pos, buffer = "train", 0, ""
     for i, path in enumerate(documents):
         if i:   # between documents
@@ -172,7 +166,8 @@ def pieces(documents, errors: str, split_at: int, bpe: bool, progress=None):
             pos += len(text)
             buffer += text
             if len(buffer) >= PIECE_CHARS:   # (no safe cut in a whole piece: cut anyway)
-                end = (safe_cut(buffer) or len(buffer)) if bpe else len(buffer)
+                cut = LAST_SAFE_CUT.match(buffer) if bpe else None
+                end = cut.end() if cut else len(buffer)
                 yield split, buffer[:end]
                 buffer = buffer[end:]
     if buffer:

@@ -194,7 +194,7 @@ def load_tokenizer(meta: dict):
 #   bytes        the 256 byte values are tokens 0..255, so every text encodes, characters never seen
 #                in training included
 #   pattern      GPT-4's (cl100k) pre-tokenizer regex: no merge crosses a split point, and cutting the
-#                text where prepare.safe_cut does gives the tokens of the whole text
+#                text where prepare.LAST_SAFE_CUT does gives the tokens of the whole text
 #   vocabulary   N tokens: the 256 bytes, N - 257 merges, and <|endoftext|> (id N - 1), which goes
 #                between documents like gpt2's
 #   input        the training split only (the validation text never shapes the merges), streamed in
