@@ -38,9 +38,11 @@ def main(argv: list[str]) -> int:
     sweep = load_sweep(argv[0], [a for a in argv[1:] if a != "--report"])
     print(f"# sweep {sweep.name}: {plural(len(sweep.variants), 'variant')} x "
           f"{plural(len(sweep.seeds), 'seed')} = {plural(len(sweep.runs), 'run')} -> {sweep.out_dir}")
-    stopped = 0 if "--report" in argv else run_sweep(sweep)
+    stopped, failed = (0, []) if "--report" in argv else run_sweep(sweep)
     write_report(sweep, "python ablate.py " + shlex.join(argv))
     print((sweep.out_dir / "results.md").read_text(encoding="utf-8"))
+    if failed:
+        raise UserError(f"{len(failed)} run(s) failed, first {failed[0]}; the same command runs them again")
     return stopped   # 0, or 128 + the signal that stopped a run
 
 

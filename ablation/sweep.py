@@ -76,8 +76,7 @@ def load_sweep(path: str, overrides=()) -> Sweep:
     return Sweep(name, out_dir, seeds, named, runs)
 
 
-def read_json(path: Path) -> dict:
-    """A JSON object the sweep wrote; {} where it is missing, cut or damaged (that run is done again)."""
+def read_json(path: Path) -> dict:   # ({} where it is missing, cut or damaged: that run is done again)
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -94,20 +93,21 @@ def train_run(run: Run, resume: bool) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     summary = train(cfg, resume=resume, overwrite=not resume)   # (a run killed before it saved: set aside)
-    peaks = [torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-             read_json(result).get("peak_gpu_bytes")]   # (a resumed run's: the largest of its attempts)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None   # (its last attempt's)
     with torch.device("meta"):   # the model's shape, no weights (cfg now has the data's vocab size)
         model, block = GPT(cfg.model), cfg.model.block_size
     atomic_write(result, json.dumps({
         "done": summary["exit_code"] == 0 and summary["step"] >= cfg.train.max_steps,
-        "params": model.num_params(), "peak_gpu_bytes": max(filter(None, peaks), default=None),
+        "params": model.num_params(), "peak_gpu_bytes": peak,
         "kv_bytes_per_token": model.kv_cache_bytes(block, pick_dtype(device, cfg.train.dtype)) / block}))
     return summary
 
 
-def run_sweep(sweep: Sweep) -> int:
-    """Train the unfinished runs in order: 0, or the exit code of the run a signal stopped (and the sweep)."""
+def run_sweep(sweep: Sweep) -> tuple[int, list[str]]:
+    """Train the unfinished runs in order: (0, or the exit code of the run a signal stopped, and with it
+    the sweep; each run that failed, and why: the others go on)."""
     prepare(sweep.runs[0].cfg.data)   # a data problem is said once, before any run starts
+    failed = []
     for i, run in enumerate(sweep.runs, 1):
         label, resume = f"{run.variant} seed {run.seed}", bool(list_checkpoints(run.dir))
         if read_json(run.dir / "result.json").get("done") is True:
@@ -116,9 +116,11 @@ def run_sweep(sweep: Sweep) -> int:
         print(f"[{i}/{len(sweep.runs)}] {label}: {'resuming' if resume else 'training'}", flush=True)
         try:
             code = train_run(run, resume)["exit_code"]
-        except UserError as e:   # (a diverged loss, say) said with the run it ended
-            raise UserError(f"{label}: {e}") from None
+        except UserError as e:   # (a diverged loss, say)
+            failed.append(f"{label}: {e}")
+            print(f"    failed: {e}", flush=True)
+            continue
         if code:   # stopped by a signal, with a checkpoint
             print(f"stopped during {label}: the same command continues it (finished runs are skipped)")
-            return code
-    return 0
+            return code, failed
+    return 0, failed

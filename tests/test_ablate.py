@@ -114,15 +114,14 @@ def test_a_failed_run_is_one_line_naming_it_and_the_same_command_runs_it_again(t
     path.write_text(path.read_text().replace("seeds = [1, 2]", "seeds = [1]").replace("max_steps = 10",
                                                                                      "max_steps = 4"))
     with monkeypatch.context() as patch:
-        poison(patch, {6})   # the second run's loss becomes inf at its 2nd step
+        poison(patch, {2})   # the first run's loss becomes inf at its 2nd step; the second run goes on
         rc, out, err = run_tool(ablate, [path], capsys)
-    assert rc == 2 and err.startswith("error: mqa seed 1: the loss became ")
+    assert rc == 2 and err.startswith("error: 1 run(s) failed, first sdpa seed 1: the loss became "), err
     assert len(err.strip().splitlines()) == 1 and "[2/2] mqa seed 1: training" in out
+    assert "| mqa | model.attention=gqa model.n_kv_head=1 | " in out, "the report has the runs that finished"
     rc, out, _ = run_tool(ablate, [path], capsys)
-    assert rc == 0 and "[1/2] sdpa seed 1: done before, skipped" in out
-    assert "[2/2] mqa seed 1: training" in out
-    assert len(list((tmp_path / "sweep" / "mqa").glob("seed1.replaced-*"))) == 1, "what it left is set aside"
-    assert "| mqa | model.attention=gqa model.n_kv_head=1 | " in out
+    assert rc == 0 and "[1/2] sdpa seed 1: training" in out and "[2/2] mqa seed 1: done before, skipped" in out
+    assert len(list((tmp_path / "sweep" / "sdpa").glob("seed1.replaced-*"))) == 1, "what it left is set aside"
 
 
 @pytest.mark.parametrize("variants, message", [
