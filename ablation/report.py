@@ -1,10 +1,10 @@
 """A sweep's results: results.csv and .md (a row per variant), runs.csv (a row per run), loss_curves.png."""
 import csv
 import io
-import math
 import os
 import platform
 import statistics
+from math import isnan, nan, sqrt
 
 import numpy as np
 import torch
@@ -32,8 +32,8 @@ def read_run(run) -> dict:
     last = evals[-1] if evals else {}
     return {"variant": run.variant, "seed": run.seed, "done": result.get("done") is True,
             "steps": [r["step"] for r in evals], "val": [r["val_loss"] for r in evals],
-            "elapsed": [r.get("elapsed_s", math.nan) for r in evals], "final_val": last.get("val_loss", math.nan),
-            "wall_s": last.get("elapsed_s", math.nan), "tokens_per_s": statistics.median(speeds or [math.nan]),
+            "elapsed": [r.get("elapsed_s", nan) for r in evals], "final_val": last.get("val_loss", nan),
+            "wall_s": last.get("elapsed_s", nan), "tokens_per_s": statistics.median(speeds or [nan]),
             **{k: result.get(k) for k in ("params", "peak_gpu_bytes", "kv_bytes_per_token")}}
 
 
@@ -47,14 +47,14 @@ def summarize(sweep, runs: list[dict]) -> list[dict]:
                "_final": [r["final_val"] for r in done]}
         for key in FIGURES:
             known = [r[key] for r in done if r[key] is not None]
-            row[key] = statistics.fmean(known) if known else math.nan
-        rows.append(row | {"final_val_std": statistics.stdev(row["_final"]) if len(done) > 1 else math.nan})
+            row[key] = statistics.fmean(known) if known else nan
+        rows.append(row | {"final_val_std": statistics.stdev(row["_final"]) if len(done) > 1 else nan})
     variances = [statistics.variance(r["_final"]) for r in rows if len(r["_final"]) > 1]
-    sigma, base = math.sqrt(statistics.fmean(variances)) if variances else math.nan, rows[0]
+    sigma, base = sqrt(statistics.fmean(variances)) if variances else nan, rows[0]
     for row in rows:
         n, n0 = len(row["_final"]), len(base["_final"])
-        se, delta = sigma * math.sqrt(1 / n + 1 / n0) if n * n0 else math.nan, row["final_val"] - base["final_val"]
-        verdict = "n/a" if math.isnan(se + delta) else "yes" if abs(delta) > NOISE_Z * se else "no"
+        se, delta = sigma * sqrt(1 / n + 1 / n0) if n * n0 else nan, row["final_val"] - base["final_val"]
+        verdict = "n/a" if isnan(se + delta) else "yes" if abs(delta) > NOISE_Z * se else "no"
         row.update(delta=delta, sigma=sigma, noise_se=se, beyond_noise="baseline" if row is base else verdict)
     return rows
 
@@ -62,16 +62,16 @@ def summarize(sweep, runs: list[dict]) -> list[dict]:
 def write_csv(path, rows: list[dict]) -> None:
     """rows as CSV: every column but the lists (a run's curve, a variant's final val losses)."""
     text = io.StringIO(newline="")
-    w = csv.DictWriter(text, [k for k, v in rows[0].items() if not isinstance(v, list)], extrasaction="ignore")
+    w = csv.DictWriter(text, [k for k, v in rows[0].items() if not isinstance(v, list)], "", "ignore")
     w.writeheader()
     w.writerows({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in r.items()} for r in rows)
     atomic_write(path, text.getvalue())
 
 
-def fmt(x, digits=0, std=math.nan) -> str:
-    if x is None or math.isnan(x):
+def fmt(x, digits=0, std=nan) -> str:
+    if x is None or isnan(x):
         return "—"
-    return f"{x:.{digits}f}" + ("" if math.isnan(std) else f" ± {std:.{digits}f}")
+    return f"{x:.{digits}f}" + ("" if isnan(std) else f" ± {std:.{digits}f}")
 
 
 def table_row(r: dict) -> str:
