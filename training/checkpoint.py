@@ -19,7 +19,6 @@ import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from common import UserError, atomic_write, first_line
@@ -116,14 +115,12 @@ def float_lrs(state: dict) -> dict:
 
 
 def rng_state() -> dict:
-    """Every generator a run draws from: numpy's, torch's CPU one, this process's GPU's."""
-    s = np.random.get_state()
-    return {"numpy": s[1].tolist(), "numpy_pos": int(s[2]), "torch": torch.get_rng_state(),
-            "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []}
+    """Every generator a run draws from (dropout's): torch's CPU one, this process's GPU's."""
+    cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
+    return {"torch": torch.get_rng_state(), "cuda": cuda}
 
 
 def set_rng_state(s: dict) -> None:
-    np.random.set_state(("MT19937", np.array(s["numpy"], dtype=np.uint32), s["numpy_pos"], 0, 0.0))
     torch.set_rng_state(s["torch"])
     if s["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(s["cuda"][0])

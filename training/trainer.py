@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from common import UserError, atomic_write, duration, first_line, silence_stdout
@@ -86,7 +85,6 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     # ---- the data, the model (the same initial weights on every rank), the optimizer
     loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,
                          grad_accum=t.grad_accum, rank=rank, world=world)
-    np.random.seed(t.seed)
     torch.manual_seed(t.seed)
     model = GPT(cfg.model).to(device)
     if t.init_from and ckpt is None:   # pretrained weights (a resumed run restores its own instead)
@@ -126,7 +124,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             loss, grad_norm = run_step(loader.step_windows())
             step, tokens = step + 1, tokens + tokens_per_step
             logged = step % t.log_interval == 0 or step == t.max_steps
-            stopping = bool(stop) if not ddp else logged and distributed.any_rank(bool(stop), device)
+            asked = bool(stop) and step < t.max_steps   # (a stop at the last step: the run ends as it would)
+            stopping = asked if not ddp else logged and distributed.any_rank(asked, device)
             if logged or stopping:
                 loss_value, norm = loss.item(), grad_norm.item()   # waits for the device: the steps have run
                 ms = (time.perf_counter() - interval_start) * 1000 / (step - checked)
@@ -158,16 +157,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 break
     metrics.close()
     seconds = seconds_before + time.perf_counter() - start
-    if stop:
-        say(f"stopped by {signal.Signals(stop[0]).name} at step {step}: checkpoint saved in {out}; "
+    signum = (stop or [signal.SIGTERM])[0]   # (none here: another rank's)
+    if step < t.max_steps:
+        say(f"stopped by {signal.Signals(signum).name} at step {step}: checkpoint saved in {out}; "
             f"the same command with --resume continues it")
-    elif step >= t.max_steps:
+    else:
         say(f"# done: step {step}, best val loss {best_val:.4f}, {duration(seconds)} ({seconds:.1f} s), "
             f"{tokens:,} tokens")
     if ddp:
         distributed.leave()
     return {"step": step, "best_val_loss": best_val, "elapsed_s": seconds, "how": how,
-            "intervals": intervals, "exit_code": 128 + stop[0] if stop else 0}
+            "intervals": intervals, "exit_code": 128 + signum if step < t.max_steps else 0}
 
 
 # ---------------------------------------------------------------- the step
