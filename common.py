@@ -57,8 +57,8 @@ def run_cli(main, argv: list[str]) -> int:
     except (MemoryError, RuntimeError) as e:   # (torch's OutOfMemoryError is a RuntimeError)
         if not (isinstance(e, MemoryError) or "out of memory" in str(e) or "can't allocate memory" in str(e)):
             raise
-        code, message = 3, (f"error: out of memory ({first_line(e, 100)}): try a smaller batch, block size or "
-                            f"model (checkpoints already written are kept)")
+        code, message = 3, (f"error: out of memory ({first_line(e, 100)}): try a smaller batch, block size "
+                            f"or model (checkpoints already written are kept)")
     print(message, file=sys.stderr)
     return code
 
@@ -127,7 +127,7 @@ class Progress:
     """How far a long job is, on stderr: 'label: done / total unit, rate unit/s, ETA'. On a terminal the
     line is redrawn at most 5 times a second; into a log a line is written every 10 s. quiet: nothing."""
 
-    def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}", quiet: bool = False):
+    def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}", quiet=False):
         self.label, self.total, self.unit, self.amount, self.quiet = label, total, unit, amount, quiet
         self.done, self.drawn, self.tty = 0, False, sys.stderr.isatty()
         self.start = self.last = time.perf_counter()
@@ -139,9 +139,11 @@ class Progress:
             return
         self.last, self.drawn = now, True
         rate = self.done / max(now - self.start, 1e-9)
+        left = duration((self.total - self.done) / max(rate, 1e-9))
         line = (f"{self.label}: {self.amount(self.done)} / {self.amount(self.total)} {self.unit}, "
-                f"{self.amount(rate)} {self.unit}/s, ETA {duration((self.total - self.done) / max(rate, 1e-9))}")
-        print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+                f"{self.amount(rate)} {self.unit}/s, ETA {left}")
+        print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr,
+              flush=True)
 
     def close(self) -> None:
         if self.drawn and self.tty:

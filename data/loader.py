@@ -31,7 +31,7 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
     token scored after the first window has at least block_size - stride + 1 tokens of context. The
     last window, the one that reaches the last token, may be shorter and comes in a batch of its own.
     With stride = block_size no target is context only."""
-    n, context = len(tokens), block_size - stride   # context: targets at the start of a later window not scored
+    n, context = len(tokens), block_size - stride   # context: a later window's first targets, not scored
     last = max(0, -(-(n - 1 - block_size) // stride))   # the index of the window that reaches the last token
     starts = np.arange(last + 1) * stride
     full = starts[starts + block_size < n]             # the windows with all block_size + 1 tokens
@@ -70,9 +70,9 @@ class BatchLoader:
         starts = torch.randint(len(self.splits[split]) - self.block_size, shape, generator=generator).numpy()
         tokens = self.splits[split][starts[..., self.rank, :, None] + self.offsets]
         if (top := int(tokens.max())) >= self.vocab_size:
-            raise UserError(f"the prepared dataset {self.dataset_dir} holds token id {top} in "
-                            f"{split}.bin, outside its vocabulary of {self.vocab_size}: it is damaged; delete it "
-                            f"and prepare the data again")
+            raise UserError(f"the prepared dataset {self.dataset_dir} holds token id {top} in {split}.bin, "
+                            f"outside its vocabulary of {self.vocab_size}: it is damaged; delete it and "
+                            f"prepare the data again")
         return torch.from_numpy(tokens.astype(np.int64))
 
     def step_windows(self) -> torch.Tensor:
@@ -83,8 +83,9 @@ class BatchLoader:
 
     def batch(self, split: str, generator: torch.Generator):
         """(x, y) on the device: this rank's B of world x B windows drawn from generator."""
-        windows = self._draw(split, generator)   # (pinned on CUDA: the copy does not wait for the queued work)
-        windows = (windows.pin_memory() if self.device.type == "cuda" else windows).to(self.device, non_blocking=True)
+        windows = self._draw(split, generator)   # (pinned on CUDA: the copy does not wait for queued work)
+        windows = windows.pin_memory() if self.device.type == "cuda" else windows
+        windows = windows.to(self.device, non_blocking=True)
         return windows[:, :-1], windows[:, 1:]
 
     def state_dict(self) -> dict:

@@ -41,7 +41,8 @@ def find_checkpoint(path) -> Path:
     path = Path(path)
     if not path.is_dir():
         return path
-    found = path / "best.pt" if (path / "best.pt").is_file() else (list_checkpoints(path) or [(0, None)])[-1][1]
+    latest = (list_checkpoints(path) or [(0, None)])[-1][1]
+    found = path / "best.pt" if (path / "best.pt").is_file() else latest
     if found is None:
         raise UserError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
     return found
@@ -55,7 +56,7 @@ def read_checkpoint(path) -> dict:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()   # torch.load itself reads a flipped bit in a tensor without a word
         ckpt = None if damaged else torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:   # weights_only's unpickler met something other than tensors and plain data
+    except pickle.UnpicklingError:   # weights_only's unpickler met more than tensors and plain data
         raise UserError(f"{path} was refused: it holds objects that could run code when loaded") from None
     except Exception as e:   # truncated, not a zip
         raise UserError(f"{path} is not a readable checkpoint ({first_line(e, 100)})") from None
@@ -80,7 +81,8 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
     """The model and tokenizer of a checkpoint (a file, or a run's out dir) or of a Hugging Face GPT-2
     (a directory with config.json, or a hub name such as gpt2)."""
     text, path = str(source), Path(source)
-    if (path / "config.json").is_file() and not list(path.glob("*.pt")) or not path.exists() and "/" not in text:
+    hugging_face = (path / "config.json").is_file() and not list(path.glob("*.pt"))
+    if hugging_face or not path.exists() and "/" not in text:   # a folder of its files, or a hub name
         from hf.hub import load_gpt2   # (the optional Hugging Face room)
         model, tokenizer, description = load_gpt2(text)
         return LoadedModel(model.to(device), tokenizer, text, description)
@@ -91,12 +93,14 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
         model = GPT(ModelConfig(**ckpt["config"]["model"]))
         model.load_state_dict(ckpt["model"])   # strict: every weight, each of its shape
         if tokenizer.vocab_size > model.cfg.vocab_size:
-            raise ValueError(f"its tokenizer has {tokenizer.vocab_size} tokens, its model {model.cfg.vocab_size}")
+            raise ValueError(f"its tokenizer has {tokenizer.vocab_size} tokens, its model "
+                             f"{model.cfg.vocab_size}")
     except Exception as e:   # torch says which weight in the lines after its first
         raise UserError(f"{path} does not hold a usable model ({' '.join(str(e).split())[:200]})") from None
     best = ckpt.get("best_val_loss")
     val = f", val loss {best:.4f}" if isinstance(best, float) else ""
-    return LoadedModel(model.to(device).eval(), tokenizer, path, f"{path} (step {ckpt['step']}{val})", ckpt["step"])
+    description = f"{path} (step {ckpt['step']}{val})"
+    return LoadedModel(model.to(device).eval(), tokenizer, path, description, ckpt["step"])
 
 
 def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
@@ -107,7 +111,8 @@ def pick_device(name: str = "auto", setting: str = "train.device") -> torch.devi
         device = torch.device(name)
         torch.empty(0, device=device)   # the device exists here
     except (RuntimeError, AssertionError):   # (a CPU-only build asserts)
-        raise UserError(f"{setting}={name!r} is not a device this machine has (cpu, cuda, cuda:N, mps)") from None
+        raise UserError(f"{setting}={name!r} is not a device this machine has (cpu, cuda, cuda:N, "
+                        f"mps)") from None
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         if device.index is not None:   # the GPU that random generators, graphs and streams act on

@@ -29,13 +29,14 @@ def record(fn, warmup: int = 2):
 
 
 def graph_step(step, windows: torch.Tensor, optimizer, capture: bool = True):
-    """step(windows) recorded as a CUDA graph over windows, a static (grad_accum, B, T + 1) buffer that
-    holds real data: returns run(next_windows), which copies them in and replays. capture=False runs
-    the same static-buffer step without recording (how it is tested on a CPU).
+    """step(windows) recorded as a CUDA graph over windows, a static (grad_accum, B, T + 1) buffer:
+    returns run(next_windows), which copies them in and replays. capture=False runs the same
+    static-buffer step without recording (how it is tested on a CPU).
 
     The learning rates become tensors on the device (set_lr fills them in place). The warm-up before
-    recording executes real updates: the parameters are put back afterwards, in place, with the optimizer's state as it was, so that training starts where it would
-    have. Any failure puts the float learning rates back, for the eager step that replaces this one."""
+    recording executes real updates: the parameters and the optimizer's state are put back afterwards,
+    in place, so that training starts where it would have. Any failure puts the float learning rates
+    back, for the eager step that replaces this one."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)
@@ -47,7 +48,7 @@ def graph_step(step, windows: torch.Tensor, optimizer, capture: bool = True):
     graph = out = None
     try:
         with torch.random.fork_rng(devices=[windows.device] if capture else []), warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # "capturable=True ... running without graph capture": on purpose
+            warnings.simplefilter("ignore")   # "capturable=True ... without graph capture": on purpose
             if capture:
                 graph, out = record(lambda: step(windows), warmup=3)
             else:

@@ -2,7 +2,8 @@
 Imported only under torchrun (WORLD_SIZE > 1).
 
     torchrun --standalone --nproc_per_node=8 train.py CONFIG                  # 8 GPUs, one machine
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST --master_port=29500 train.py CONFIG
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST --master_port=29500 \
+             train.py CONFIG                                                                # 2 machines
 
 torchrun starts one process per device and tells each who it is in the environment: RANK (0 ..
 WORLD_SIZE-1 over all machines), LOCAL_RANK (its device on its machine), WORLD_SIZE, and
@@ -23,8 +24,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -66,7 +68,8 @@ def leader_first(fn, leader: bool, others: bool = True):
 def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool) -> torch.nn.Module:
     """DDP(model), or model sharded in place by FSDP2 (each block a unit of gathering and freeing)."""
     if not fsdp:
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                   gradient_as_bucket_view=True)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -108,7 +111,8 @@ def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     index = {}
     groups = [{**g, "params": [index.setdefault(name, len(index)) for name in g["params"]]}
               for g in optim_state["param_groups"]]
-    return model_state, {"state": {index[n]: s for n, s in optim_state["state"].items()}, "param_groups": groups}
+    return model_state, {"state": {index[n]: s for n, s in optim_state["state"].items()},
+                         "param_groups": groups}
 
 
 def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
@@ -119,7 +123,8 @@ def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optim_
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     by_name = {"state": {order[i]: s for i, s in optim_state["state"].items()},
-               "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_state["param_groups"]]}
+               "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
+                                for g in optim_state["param_groups"]]}
     set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 

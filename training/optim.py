@@ -49,7 +49,8 @@ def fast_matmul_dtype(device: torch.device) -> torch.dtype:
         return torch.bfloat16
     if device.type == "cpu":
         cpu = torch.cpu
-        if any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")):
+        names = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        if any(getattr(cpu, name, lambda: False)() for name in names):
             return torch.bfloat16
     return torch.float32
 
@@ -87,7 +88,8 @@ class Muon(torch.optim.Optimizer):
     bf16 where that is faster (the iteration only needs singular values near 1, not exact ones).
     """
 
-    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5):
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 ns_steps: int = 5):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
 
     @torch.no_grad()
@@ -98,7 +100,7 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.ndim != 2:
-                    raise ValueError(f"Muon updates 2-D matrices only, got a parameter of shape {tuple(p.shape)}")
+                    raise ValueError(f"Muon updates 2-D matrices only, got one of shape {tuple(p.shape)}")
                 buf = self.state[p].setdefault("momentum", torch.zeros_like(p.grad))
                 buf.mul_(group["momentum"]).add_(p.grad)
                 g = p.grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
@@ -108,7 +110,7 @@ class Muon(torch.optim.Optimizer):
                 fast = stacked.to(fast_matmul_dtype(stacked.device))
                 updates = orthogonalize(fast, group["ns_steps"]).to(stacked.dtype)
                 shape_scale = -max(1.0, rows / cols) ** 0.5
-                step = updates * shape_scale * group["lr"]   # lr: a float, or a tensor (CUDA graphs): same rounding
+                step = updates * shape_scale * group["lr"]   # lr: a float, or a (CUDA graph's) tensor
                 torch._foreach_add_([p for p, _ in items], list(step.unbind(0)))
 
 
