@@ -35,7 +35,7 @@ from common import (ArgumentParser, Progress, UserError, atomic_write, check_fie
                     setting)
 from data.sources import describe, find_sources, iter_text, sha256  # noqa: E402
 from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer,  # noqa: E402
-                             check_tokenizer_spec, code_points, load_tokenizer, train_bpe)
+                             check_tokenizer_spec, code_points, load_tokenizer)
 
 FORMAT = 3                      # meta.json's layout
 SPLITS = ("train", "val")
@@ -101,6 +101,7 @@ def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, 
         tok = build_tokenizer(data.tokenizer)
     else:   # bpe:N, trained on (the start of) the train split: takewhile stops reading at its end
         train = takewhile(lambda item: item[0] == "train", text("training", min(split_at, TRAIN_MAX_CHARS)))
+        from data.bpe import train_bpe
         tok_meta, took = train_bpe((piece for _, piece in train if piece), bpe_vocab_size(data.tokenizer))
         tok = load_tokenizer(tok_meta)
         print(f"trained {data.tokenizer} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens")

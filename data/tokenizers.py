@@ -2,17 +2,12 @@
 is saved with the dataset and in every checkpoint, so a model always comes with its tokenizer.
 
   char   one token per character; the vocabulary is the sorted set of characters of the text.
-  BPE    any tiktoken encoding by name ("gpt2", "cl100k_base", ...).
-  bpe:N  a byte-level BPE with N tokens trained on the data's training split (train_bpe, below);
-         its meta holds the whole tokenizer (pattern, base64 token bytes in rank order,
-         <|endoftext|>), so tiktoken rebuilds it from the meta alone, with no file and no network.
+  BPE    any tiktoken encoding by name ("gpt2", "cl100k_base", ...), or bpe:N, a byte-level BPE of
+         N tokens trained on the data's training split: data/bpe.py, imported where a run uses one.
 
 encode_array(text) is encode() as a numpy array, without a Python int per token: what preparing
 large files uses.
 """
-import base64
-import time
-
 import numpy as np
 
 from common import UserError
@@ -85,86 +80,12 @@ def check_tokenizer_spec(spec: str) -> None:
                         f"the data) or a tiktoken encoding ({', '.join(names)})")
 
 
-class TiktokenTokenizer:
-    """BPE encoded by tiktoken: a named encoding, or one trained on the data (see trained_bpe)."""
-
-    def __init__(self, enc, meta: dict):
-        self.enc, self._meta = enc, meta
-
-    @classmethod
-    def named(cls, name: str = "gpt2") -> "TiktokenTokenizer":
-        import tiktoken
-        check_tokenizer_spec(name)
-        try:
-            enc = tiktoken.get_encoding(name)
-        except Exception as e:   # the BPE files are downloaded on first use
-            raise UserError(f"could not load tiktoken's {name!r} files ({type(e).__name__}); without a "
-                            f"network, set TIKTOKEN_CACHE_DIR to a folder that holds them") from None
-        return cls(enc, {"kind": "tiktoken", "name": name})
-
-    @property
-    def vocab_size(self) -> int:
-        return self.enc.n_vocab
-
-    @property
-    def start_token(self) -> int:
-        return self.enc.eot_token
-
-    @property
-    def end_token(self) -> int:
-        """<|endoftext|>: what goes between documents, and where a sample ends."""
-        return self.enc.eot_token
-
-    def encode(self, text: str) -> list[int]:
-        return self.enc.encode_ordinary(text)   # "<|endoftext|>" in a text is just text
-
-    def encode_array(self, text: str) -> np.ndarray:
-        return self.enc.encode_to_numpy(text, disallowed_special=())   # uint32, no Python list in between
-
-    def decode(self, ids) -> str:
-        return self.enc.decode(list(ids))
-
-    def decode_bytes(self, ids) -> bytes:
-        return self.enc.decode_bytes(list(ids))
-
-    def meta(self) -> dict:
-        return self._meta
-
-
-def trained_bpe(meta: dict) -> TiktokenTokenizer:
-    """The tokenizer train_bpe() describes, checked: a damaged description is a UserError. tiktoken
-    itself checks only the pattern and the types; a missing byte or a repeated token would panic in Rust."""
-    import tiktoken
-
-    def damaged(why: str) -> UserError:
-        return UserError(f"damaged BPE tokenizer description: {why}")
-
-    name, pattern, ranks, special = (meta.get(k) for k in ("name", "pattern", "ranks", "special_tokens"))
-    if not isinstance(name, str) or not isinstance(pattern, str) or not pattern:
-        raise damaged("its name or pattern is missing")
-    try:
-        tokens = [base64.b64decode(r, validate=True) for r in ranks]
-    except (TypeError, ValueError):   # not a list of str, or a str that is not base64 (a binascii.Error)
-        raise damaged("its ranks are not a list of base64 strings") from None
-    mergeable = {t: i for i, t in enumerate(tokens)}
-    if len(mergeable) != len(tokens) or b"" in mergeable:
-        raise damaged("a token is empty or appears twice")
-    if any(bytes([b]) not in mergeable for b in range(256)):
-        raise damaged("not every byte is a token, so some text could not be encoded")
-    if special != {EOT: len(tokens)}:
-        raise damaged(f"its special tokens must be {EOT} alone, with the id after the {len(tokens)} ranks")
-    try:
-        enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable, special_tokens=special)
-    except (TypeError, ValueError) as e:   # the pattern is not a valid regex; an id is not an int
-        raise damaged(str(e)[:160]) from None
-    return TiktokenTokenizer(enc, meta)
-
-
 def build_tokenizer(name: str, text: str | None = None):
     """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name. ('bpe:N' is
-    trained while preparing the data, on the training split: see train_bpe and data/prepare.py.)"""
+    trained while preparing the data, on the training split: data/bpe.py's train_bpe.)"""
     if name == "char":
         return CharTokenizer.from_text(text)
+    from data.bpe import TiktokenTokenizer
     return TiktokenTokenizer.named(name)
 
 
@@ -177,6 +98,7 @@ def load_tokenizer(meta: dict):
         if not isinstance(chars, str) or not chars or len(set(chars)) != len(chars):
             raise UserError("damaged char tokenizer description: its characters are missing or repeated")
         return CharTokenizer(meta["chars"])
+    from data.bpe import TiktokenTokenizer, trained_bpe
     if meta["kind"] == "bpe":
         return trained_bpe(meta)
     if not isinstance(meta.get("name"), str):
@@ -184,25 +106,6 @@ def load_tokenizer(meta: dict):
     return TiktokenTokenizer.named(meta["name"])
 
 
-# ---------------------------------------------------------------- a BPE trained on the data (bpe:N)
-#
-# Choices:
-#   trainer      rustbpe (nanochat's BPE trainer, Rust): it returns tiktoken's mergeable ranks (token
-#                bytes -> rank) directly, so the result encodes with tiktoken exactly like gpt2 does.
-#                Hugging Face `tokenizers` trains as well, but keeps byte-level tokens in a remapped
-#                alphabet that would need translating back to bytes (and trains more slowly).
-#   bytes        the 256 byte values are tokens 0..255, so every text encodes, characters never seen
-#                in training included
-#   pattern      GPT-4's (cl100k) pre-tokenizer regex: no merge crosses a split point, and cutting the
-#                text where prepare.LAST_SAFE_CUT does gives the tokens of the whole text
-#   vocabulary   N tokens: the 256 bytes, N - 257 merges, and <|endoftext|> (id N - 1), which goes
-#                between documents like gpt2's
-#   input        the training split only (the validation text never shapes the merges), streamed in
-#                pieces, at most prepare.TRAIN_MAX_CHARS characters of it
-#   determinism  the same text and N give the same ranks (tests/test_bpe.py), whatever the thread count
-
-PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
-           r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
 MIN_VOCAB = 257          # the 256 bytes and <|endoftext|>
 MAX_VOCAB = 1 << 20
 
@@ -217,22 +120,3 @@ def bpe_vocab_size(spec: str) -> int | None:
         raise UserError(f"tokenizer {spec!r}: write bpe:N with N the vocabulary size, "
                         f"{MIN_VOCAB} to {MAX_VOCAB:,} (e.g. bpe:4096)")
     return int(n)
-
-
-def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
-    """(tokenizer meta, seconds) of a BPE of vocab_size tokens trained on the str pieces in texts.
-    rustbpe holds `batch` pieces at a time and counts them in parallel. A text with too few distinct
-    pairs gives fewer tokens than asked for (the meta says how many). The meta holds the whole
-    tokenizer: the pattern, each token's bytes in base64 in rank (and id) order, <|endoftext|> after them."""
-    try:
-        import rustbpe
-    except ImportError:
-        raise UserError("training a bpe:N tokenizer needs rustbpe: pip install rustbpe") from None
-    start = time.perf_counter()
-    trainer = rustbpe.Tokenizer()
-    trainer.train_from_iterator(texts, vocab_size - 1, buffer_size=batch, pattern=PATTERN)
-    tokens = [bytes(token) for token, _ in sorted(trainer.get_mergeable_ranks(), key=lambda item: item[1])]
-    meta = {"kind": "bpe", "name": f"bpe{len(tokens) + 1}", "pattern": PATTERN,
-            "ranks": [base64.b64encode(t).decode("ascii") for t in tokens],
-            "special_tokens": {EOT: len(tokens)}}
-    return meta, time.perf_counter() - start

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from common import UserError, atomic_write, first_line
-from data.tokenizers import TiktokenTokenizer
+from data.bpe import TiktokenTokenizer
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
 from hf.tokenizer import tokenizer_files
 from model.config import ModelConfig

@@ -9,7 +9,8 @@ import torch
 
 import export
 from common import UserError
-from data.tokenizers import CharTokenizer, load_tokenizer, train_bpe
+from data.bpe import train_bpe
+from data.tokenizers import CharTokenizer, load_tokenizer
 from hf.hub import save_pretrained
 from model.config import ModelConfig
 from model.gpt import GPT

@@ -23,22 +23,22 @@ variant's own math (sdpa through the explicit path): what model/attention_maps.p
 forward(..., explicit=True) computes softmax attention by its explicit steps instead of the fused
 kernel, which a compiled one-token decoding step asks for (model/sampling.py).
 """
-from model.attention.linear import LinearAttention
-from model.attention.mha import CausalSelfAttention
-from model.attention.mla import MultiHeadLatentAttention
+import importlib
+
 from model.config import ATTENTIONS, ModelConfig
 
-REGISTRY = {
-    "naive": CausalSelfAttention,
-    "sdpa": CausalSelfAttention,
-    "gqa": CausalSelfAttention,
-    "sliding_window": CausalSelfAttention,
-    "linear": LinearAttention,
-    "mla": MultiHeadLatentAttention,
+REGISTRY = {   # name -> module.Class (a variant's module is imported when a model first uses it)
+    "naive": "mha.CausalSelfAttention",
+    "sdpa": "mha.CausalSelfAttention",
+    "gqa": "mha.CausalSelfAttention",
+    "sliding_window": "mha.CausalSelfAttention",
+    "linear": "linear.LinearAttention",
+    "mla": "mla.MultiHeadLatentAttention",
 }
 assert tuple(REGISTRY) == ATTENTIONS, "model/config.py's ATTENTIONS must list the registry's names"
 
 
 def build_attention(cfg: ModelConfig):
     """The attention module that cfg.attention names."""
-    return REGISTRY[cfg.attention](cfg)
+    module, name = REGISTRY[cfg.attention].split(".")
+    return getattr(importlib.import_module(f"model.attention.{module}"), name)(cfg)
