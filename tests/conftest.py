@@ -1,9 +1,8 @@
-"""The suite's shared text, fixtures and helpers: tiny runs (tiny_cfg, tiny_overrides, trained), running a
-command as a user would (run_tool in-process, run_limited as a memory-limited subprocess), and snapshots
-of a directory tree (tree, settled) for the promise that a failed command writes nothing; what a test
-needs of the system (LINUX, posix_signals) where not every system has it.
-
-(Over 300 lines on purpose: what several test files share lives where pytest finds it.)"""
+"""The suite's shared text, fixtures and helpers: tiny runs (tiny_cfg, tiny_overrides, trained, and a run's
+records, a run resumed from its own checkpoint, a Ctrl-C at a chosen step), running a command as a user
+would (run_tool in-process, run_limited as a memory-limited subprocess), a snapshot of a directory tree
+(tree) for the promise that a failed command writes nothing; what a test needs of the system
+(posix_signals) where not every system has it."""
 import os
 import subprocess
 import sys
@@ -109,23 +108,6 @@ def at_most_two_threads():
     """At most two intra-op threads for the session: the tests' tiny models gain nothing from more,
     and the suite shares its machine."""
     with num_threads(min(2, torch.get_num_threads())):
-        yield
-
-
-@pytest.fixture(autouse=True, scope="session")
-def text_files_as_written():
-    """On Windows, Path.write_text and read_text in UTF-8 and with the newlines as written: there they
-    would use the ANSI code page (no 日本語, é as one byte) and write \\n as \\r\\n. A test's text stands
-    for a user's file of exactly those bytes. The commands never rely on these defaults (they read
-    bytes, or name UTF-8), and tests/test_windows.py simulates them. Elsewhere nothing changes."""
-    if os.name != "nt":
-        yield
-        return
-    write, read = Path.write_text, Path.read_text
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Path, "write_text", lambda self, data, encoding="utf-8", errors=None, newline="\n":
-                      write(self, data, encoding, errors, newline))
-        patch.setattr(Path, "read_text", lambda self, encoding="utf-8", errors=None: read(self, encoding, errors))
         yield
 
 
@@ -238,12 +220,6 @@ def run_limited(argv, memory=2 << 30, timeout=120):
 def tree(root):
     """Everything under root, with sizes and modification times: any write shows up as a difference."""
     return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
-
-
-def settled(snapshot):
-    """A tree() snapshot without the directories' modification times, which show only that files came
-    and went: what a run that removes what it wrote leaves comparable."""
-    return {path: entry if not entry[0] else "dir" for path, entry in snapshot.items()}
 
 
 class Evil:
