@@ -372,11 +372,11 @@ class Metrics:
     def open(self) -> None:
         log = self.cfg.log
         try:
-            import wandb
-            self.wandb = wandb.init(project=log.wandb_project, group=log.wandb_group or None,
-                                    name=log.wandb_run_name or self.path.parent.name,
-                                    config=self.cfg.to_dict(), dir=str(self.path.parent),
-                                    resume="allow") if log.wandb else None
+            if log.wandb:
+                import wandb
+                self.wandb = wandb.init(project=log.wandb_project, group=log.wandb_group or None,
+                                        name=log.wandb_run_name or self.path.parent.name,
+                                        config=self.cfg.to_dict(), dir=str(self.path.parent), resume="allow")
         except Exception as e:   # not installed, no login, no network: wandb's own errors
             raise UserError(f"log.wandb = true but wandb did not start ({type(e).__name__}: "
                             f"{first_line(e, 80)}); pip install wandb, run `wandb login` or set "
