@@ -6,7 +6,8 @@
         measured over --rounds log intervals of --steps steps, after a warm-up interval), against
         plain PyTorch's step on the same tokens (eager, fp32, torch.optim.AdamW's defaults)
     python bench.py sample [--device auto] [--new-tokens 256]
-        tokens/s of sampling with and without the KV cache, at batch 1 and 16
+        tokens/s of sampling with and without the KV cache, and with it compiled (on CUDA replayed as
+        a CUDA graph: sample.py --compile), at batch 1 and 16
     python bench.py race [--classic CONFIG] [--fast CONFIG] [--evals 20] [--section.key=value ...]
         the classic config against the fast recipe: seconds from launching `python train.py` to the
         classic's best val loss (by default the CPU pair, or on a GPU the GPU pair)
@@ -120,8 +121,7 @@ def plain_ms_per_step(cfg, device, steps: int, rounds: int) -> float:
 
 def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> int:
     import torch
-    from data.prepare import load_meta
-    from data.prepare import prepare
+    from data.prepare import load_meta, prepare
     from model.gpt import GPT
     from model.loading import pick_device, pick_dtype
     from training.config import build_config
@@ -155,16 +155,16 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
 
 
 # ---------------------------------------------------------------- sample
-def decode_rate(model, batch: int, new_tokens: int, use_cache: bool) -> float:
-    """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts, until the device
-    has made the last. (The one call of model.sampling: adapt it here if that API changes.)"""
+def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=None) -> float:
+    """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts (the device done)."""
     import torch
     from model.sampling import generate
     device = next(model.parameters()).device
     prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     start = now(device)
-    *_, last = generate(model, prompt, new_tokens, generator=generator, use_cache=use_cache)
+    *_, last = generate(model, prompt, new_tokens, generator=generator, use_cache=use_cache,
+                        speed_up=speed_up)
     last.cpu()   # waits for the device
     return batch * new_tokens / (time.perf_counter() - start)
 
@@ -173,16 +173,18 @@ def bench_sample(device, new_tokens: int) -> int:
     import torch
     from model.config import ModelConfig
     from model.gpt import GPT
+    from speed.decoding import compiled
     torch.manual_seed(0)
     model, s = GPT(ModelConfig(**SAMPLE_SHAPE)).to(device).eval(), SAMPLE_SHAPE
     print(f"# {new_tokens} new tokens after a 1-token prompt | {s['n_layer']} layers x {s['n_embd']}, block "
-          f"{s['block_size']}, random weights | {device}, float32, eager, one decode each after a warm-up")
-    print(f"{'batch':>5s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'cached / recomputed':>20s}")
+          f"{s['block_size']}, random weights | {device}, float32, one decode each after a warm-up")
+    print(f"{'batch':>5s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'compiled tok/s':>15s}  ratios")
+    ways = ((True, None), (False, None), (True, compiled))   # cached, recomputed, cached and compiled
     for batch in (1, 16):
-        for cache in (True, False):   # a short warm-up decode (allocations)
-            decode_rate(model, batch, 8, cache)
-        cached, recomputed = (decode_rate(model, batch, new_tokens, cache) for cache in (True, False))
-        print(f"{batch:5d} {cached:13,.1f} {recomputed:17,.1f} {cached / recomputed:19.1f}x", flush=True)
+        [decode_rate(model, batch, 8, *way) for way in ways]   # a short warm-up (allocations, compiling)
+        cached, recomputed, fast = (decode_rate(model, batch, new_tokens, *way) for way in ways)
+        print(f"{batch:5d} {cached:13,.1f} {recomputed:17,.1f} {fast:15,.1f}  cached "
+              f"{cached / recomputed:.1f}x recomputed, compiled {fast / cached:.1f}x cached", flush=True)
     return 0
 
 
@@ -257,7 +259,7 @@ def parser() -> ArgumentParser:
     t.add_argument("config")
     t.add_argument("--steps", type=int, default=10, help="steps per log interval")
     t.add_argument("--rounds", type=int, default=3, help="timed intervals after a warm-up one (their median)")
-    s = sub.add_parser("sample", help="tokens/s with and without the KV cache, at batch 1 and 16")
+    s = sub.add_parser("sample", help="tokens/s with and without the KV cache, and compiled")
     s.add_argument("--device", default="auto", help="auto (cuda > cpu), cpu, cuda, cuda:N, mps")
     s.add_argument("--new-tokens", type=int, default=256, help="new tokens per decode (256: one whole block)")
     r = sub.add_parser("race", help="classic vs fast recipe: time from launch to the classic's best val loss")

@@ -47,6 +47,7 @@ train.eval_interval = 5
 train.eval_iters = 2
 train.log_interval = 5
 log.curves = false
+train.device = "cpu"   # (what these tests check is the same on a GPU; the failed run's poison is eager's)
 {extra}
 {variants}""")
     return path

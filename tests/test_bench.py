@@ -100,11 +100,16 @@ def test_bench_sample_times_decodes_with_and_without_the_cache_at_batch_1_and_16
         calls.append((idx.size(0), kw["use_cache"], new_tokens))
         return real(model, idx, new_tokens, **kw)
     monkeypatch.setattr(model.sampling, "generate", generate)
+    import speed.decoding
+    compiled = []   # (compiling on a CPU takes tens of seconds: the hook itself is sample.py's tests')
+    monkeypatch.setattr(speed.decoding, "compiled", lambda step, args: compiled.append(1) or step)
     rc, out, err = run_tool(bench, ["sample", "--device", "cpu", "--new-tokens", "12"], capsys)
     assert rc == 0, (out, err)
-    assert {c for c in calls if c[2] == 12} == {(1, True, 12), (1, False, 12), (16, True, 12), (16, False, 12)}
+    assert sorted({c for c in calls if c[2] == 12}) == [(1, False, 12), (1, True, 12), (16, False, 12), (16, True, 12)]
+    assert compiled, "the compiled decode is timed too"
     for batch in (1, 16):
-        row = re.search(rf"^ +{batch} +([\d,.]+) +([\d,.]+) +([\d.]+)x$", out, re.M)
+        row = re.search(rf"^ +{batch} +([\d,.]+) +([\d,.]+) +([\d,.]+)  cached [\d.]+x recomputed, compiled "
+                        rf"[\d.]+x cached$", out, re.M)
         assert row, out
 
 
