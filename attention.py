@@ -131,11 +131,8 @@ def main(argv) -> int:
             plot_summary(rows, scores, args.dpi).savefig(written[-1])
     if html is not None:   # the page is written whole or not at all
         page = attention_page(texts, weights, scores, f"{loaded.description}: {kind}", layers, heads)
-        try:
-            html.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(html, page)
-        except OSError as e:
-            raise UserError(f"cannot write the page {html}: {e.strerror or e}") from None
+        html.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(html, page)
         written.append(html)
     shares = [n for n in SCORE_NAMES if n != "distance" and not np.isnan(scores[n]).all()]
     for name in [] if args.no_summary else shares:   # on stderr, the head that does most of each

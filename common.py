@@ -89,6 +89,14 @@ def check(key: str, value, *, above=None, at_least=None, below=None, at_most=Non
         raise UserError(f"{key} must be {' and '.join(f'{op} {b}' for op, b in bounds)}, got {value}")
 
 
+def flat(values: dict, prefix: str = "") -> dict:
+    """A config's nested tables as dotted keys: {'model': {'n_head': 4}} -> {'model.n_head': 4}."""
+    out = {}
+    for k, v in values.items():
+        out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
+    return out
+
+
 def check_fields(config, section: str) -> None:
     """check() every field of a config dataclass against the bounds its setting() gave."""
     for f in dataclasses.fields(config):

@@ -156,7 +156,8 @@ def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
     (None where it is not a finite number: no bytes, or a loss whose exp overflows a float)."""
     from model.gpt import bits_per_byte
     loss = nats / tokens if tokens and math.isfinite(nats) else None   # (a diverged model's: no number)
-    return {"file": name, "tokens": tokens, "bytes": nbytes, "nats": nats, "loss": loss,
+    return {"file": name, "tokens": tokens, "bytes": nbytes, "nats": nats if math.isfinite(nats) else None,
+            "loss": loss,
             "bits_per_byte": bits_per_byte(loss, tokens, nbytes) if loss is not None and nbytes else None,
             "perplexity": math.exp(loss) if loss is not None and loss < 700 else None}
 

@@ -13,7 +13,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from common import ArgumentParser, UserError, atomic_write, run_cli
+from common import ArgumentParser, UserError, atomic_write, flat, run_cli
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "runs.png"   # out/ is where runs go, git-ignored
 # what is shown or kept of a run, not what it computes: never named in the legend (keys and prefixes)
@@ -33,14 +33,6 @@ def parse_args(argv):
     if args.out.suffix.lower() not in (".png", ".svg", ".pdf"):
         p.error(f"--out {args.out}: the picture is written as .png, .svg or .pdf, named by its ending")
     return args
-
-
-def flat(values: dict, prefix: str = "") -> dict:
-    """{'model': {'n_head': 4}} -> {'model.n_head': 4}"""
-    out = {}
-    for k, v in values.items():
-        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def differences(configs: list[dict], most: int = 4) -> list[str]:
@@ -84,11 +76,8 @@ def main(argv) -> int:
         panels[0].lines.append(Line(label, *points(evals, "step", metric)))
         panels[1].lines.append(Line(label, *points(evals, "elapsed_s", metric)))
     picture = draw(panels, f"{len(runs)} runs", legend_below=True, format=args.out.suffix[1:].lower())
-    try:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.out, picture)
-    except OSError as e:
-        raise UserError(f"could not write {args.out}: {e.strerror or e}") from None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(args.out, picture)
     print(args.out)
     return 0
 

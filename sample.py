@@ -6,7 +6,7 @@
 A run dir means its best.pt (else its latest checkpoint). All samples are generated as one batch;
 the first is streamed token by token, the others are printed when they are done. A sample ends at
 --max-new-tokens, at the end-of-text token (tokenizers that have one: gpt2, bpe:N), or just before a
---stop string. Where stdout's encoding lacks a character (output redirected on Windows), it is '?'.
+--stop string. Where stdout's encoding lacks a character, it is printed as '?'.
 """
 import codecs
 import math

@@ -10,8 +10,7 @@ import numpy as np
 import torch
 
 from ablation.sweep import read_json
-from common import atomic_write
-from training.config import flat
+from common import atomic_write, flat
 from viz.curves import Line, Panel, draw, read_records
 
 NOISE_Z = 2.0   # a difference beyond this many standard errors is beyond the noise

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from common import UserError, atomic_write
+from common import UserError, atomic_write, first_line, flat
 from data.prepare import prepare
 from model.gpt import GPT
 from model.loading import list_checkpoints, pick_device, pick_dtype
-from training.config import PATHS, ROOT, absolute, build_config, flat, load_toml, parse_overrides
+from training.config import PATHS, ROOT, absolute, build_config, load_toml, parse_overrides
 from training.trainer import train
 
 KINDS = {"name": (str, "a string"), "base": (str, "a string"), "out_dir": (str, "a string"),
@@ -97,7 +97,7 @@ def train_run(run: Run, resume: bool) -> dict:
     with torch.device("meta"):   # the model's shape, no weights (cfg now has the data's vocab size)
         model, block = GPT(cfg.model), cfg.model.block_size
     atomic_write(result, json.dumps({
-        "done": summary["exit_code"] == 0 and summary["step"] >= cfg.train.max_steps,
+        "done": summary["step"] >= cfg.train.max_steps,
         "params": model.num_params(), "peak_gpu_bytes": peak,
         "kv_bytes_per_token": model.kv_cache_bytes(block, pick_dtype(device, cfg.train.dtype)) / block}))
     return summary
@@ -106,7 +106,7 @@ def train_run(run: Run, resume: bool) -> dict:
 def run_sweep(sweep: Sweep) -> tuple[int, list[str]]:
     """Train the unfinished runs in order: (0, or the exit code of the run a signal stopped, and with it
     the sweep; each run that failed, and why: the others go on)."""
-    prepare(sweep.runs[0].cfg.data)   # a data problem is said once, before any run starts
+    prepare(sweep.runs[0].cfg.data, sweep.runs[0].cfg.model.block_size)   # (a data problem, said once)
     failed = []
     for i, run in enumerate(sweep.runs, 1):
         label, resume = f"{run.variant} seed {run.seed}", bool(list_checkpoints(run.dir))
@@ -116,9 +116,9 @@ def run_sweep(sweep: Sweep) -> tuple[int, list[str]]:
         print(f"[{i}/{len(sweep.runs)}] {label}: {'resuming' if resume else 'training'}", flush=True)
         try:
             code = train_run(run, resume)["exit_code"]
-        except UserError as e:   # (a diverged loss, say)
-            failed.append(f"{label}: {e}")
-            print(f"    failed: {e}", flush=True)
+        except (UserError, MemoryError, torch.OutOfMemoryError) as e:   # (a diverged loss; a variant too big)
+            failed.append(f"{label}: {first_line(e)}")
+            print(f"    failed: {failed[-1]}", flush=True)
             continue
         if code:   # stopped by a signal, with a checkpoint
             print(f"stopped during {label}: the same command continues it (finished runs are skipped)")

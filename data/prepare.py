@@ -58,8 +58,7 @@ class DataConfig:
         check_tokenizer_spec(self.tokenizer)
 
 
-def mb_progress(label: str, total: int) -> Progress:
-    """A progress line in MB on stderr, for an input of at least PROGRESS_MIN_BYTES."""
+def mb_progress(label: str, total: int) -> Progress:   # (in MB on stderr, for PROGRESS_MIN_BYTES or more)
     return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=total < PROGRESS_MIN_BYTES)
 
 
@@ -88,7 +87,7 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
 
 def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, block_size) -> dict:
     """Scan, train (bpe:N), encode: the entry at out; its meta.json."""
-    char = data.tokenizer == "char"
+    char, stamp = data.tokenizer == "char", [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     documents, n_chars, chars = scan(files, data.encoding_errors, char, mb_progress("scanning", total))
     n_chars += len(documents) - 1 if char else 0   # char: + the newlines between documents
     split_at = int(n_chars * (1.0 - data.val_fraction))
@@ -111,13 +110,16 @@ def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, 
     try:
         encoded = encode(text("encoding", split_at), tok, tmp)
         check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
+        if [(p.stat().st_size, p.stat().st_mtime_ns) for p in files] != stamp:   # (the hash names the entry)
+            raise UserError(f"{data.path} changed while it was prepared: try again once it no longer changes")
         split = {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}
         meta = {"format": FORMAT, "source": str(Path(data.path).absolute()), "sha256": sha,
                 "files": len(files), "tokenizer_spec": data.tokenizer, **encoded,
                 "encoding_errors": data.encoding_errors, "split": split}
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))   # last: what makes it usable
-        shutil.rmtree(out, ignore_errors=True)   # (an unusable entry, or the same one just published)
-        os.rename(tmp, out)
+        if read_entry(out) is None:   # (one that another process has just published stays)
+            shutil.rmtree(out, ignore_errors=True)
+            os.rename(tmp, out)
     finally:   # (after the rename there is nothing left to remove)
         shutil.rmtree(tmp, ignore_errors=True)
     return meta

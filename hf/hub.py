@@ -53,7 +53,7 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
         detail = ("not in the local cache, and the hub cannot be reached" if offline
                   else first_line(e).split(". ")[0])
         raise UserError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
-                              f"pass a local directory") from None
+                        f"pass a local directory") from None
 
 
 def pretrained_config(name_or_dir: str) -> ModelConfig:
@@ -86,7 +86,7 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
     if not files:
         found = ", ".join(sorted(p.name for p in directory.iterdir())[:5])
         raise UserError(f"{directory} has no model.safetensors (found: {found}); pickled .bin weights "
-                              f"are not loaded, since they can run code")
+                        f"are not loaded, since they can run code")
     tensors = {}
     for f in files:
         try:

@@ -128,14 +128,16 @@ def test_a_bad_html_path_is_one_line_and_exit_2(checkpoints, tmp_path, capsys, w
 
 def test_a_page_that_cannot_be_written_is_one_line_and_exit_2(checkpoints, tmp_path, capsys, monkeypatch):
     import attention
+    import common
     from common import run_cli
 
-    def full_disk(path, data):
+    def full_disk(f):   # (the page's bytes, written to the temporary file atomic_write renames)
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(attention, "atomic_write", full_disk)
+    monkeypatch.setattr(attention, "atomic_write", lambda path, data: common.atomic_write(path, full_disk))
     path = tmp_path / "page.html"
     assert run_cli(attention.main, [str(checkpoints["sdpa"]), "--prompt", PROMPT, "--html", str(path)]) == 2
-    assert capsys.readouterr().err == f"error: cannot write the page {path}: No space left on device\n"
+    assert capsys.readouterr().err == f"error: No space left on device: {path}\n"
+    assert not path.exists() and not list(tmp_path.glob(".page.html*")), "nothing half written"
 
 
 # --- in a browser ---

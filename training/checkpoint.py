@@ -26,7 +26,9 @@ from model.loading import CKPT_RE, list_checkpoints
 from training.config import fmt
 
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
-FOR_RESUMING = ("dataset", "optimizer", "scaler", "loader", "rng_ranks", "best_val_loss", "elapsed", "tokens")
+FOR_RESUMING = ("dataset", "optimizer", "scaler", "loader", "rng_ranks", "best_val_loss", "elapsed", "tokens",
+                "is_best")
+HYPERPARAMETERS = ("base_lr", "betas", "weight_decay", "momentum")   # a resumed run's own: its config's
 
 
 def run_files(out: Path) -> list[str]:
@@ -65,8 +67,9 @@ def open_out_dir(out: Path, overwrite: bool, best: Path | None = None) -> Path |
         aside = out.with_name(f"{out.name}.replaced-{datetime.now(timezone.utc):%Y%m%d-%H%M%S.%f}")
         os.rename(out, aside)
     out.mkdir(parents=True, exist_ok=True)
-    if best is not None and best == (list_checkpoints(out) or [(0, None)])[-1][1]:
-        link_best(best)
+    latest = (list_checkpoints(out) or [(0, None)])[-1][1]
+    if best is not None and latest is not None and best.name == latest.name:
+        link_best(latest)
     return aside
 
 
@@ -152,6 +155,7 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
 def restore(ckpt: dict, path, model, optimizer, scaler, loader, rank: int, world: int, seed: int):
     """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's generators;
     (step, best val loss, tokens, seconds) of the run so far."""
+    now = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
     try:
         if world > 1:
             from training import distributed
@@ -159,6 +163,8 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, rank: int, world
         else:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
+        for group, values in zip(optimizer.param_groups, now):   # (a checkpoint's would undo --train.lr=...)
+            group.update(values)
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])

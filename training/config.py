@@ -17,7 +17,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import UserError, check_fields, first_line, setting
+from common import UserError, check_fields, first_line, flat, setting  # noqa: F401 (flat: the config's)
 from data.prepare import DataConfig
 from model.config import ModelConfig
 
@@ -93,14 +93,6 @@ FIELDS = {"out_dir": dataclasses.fields(Config)[0]} | {   # every key: its datac
     f"{s.name}.{f.name}": f for s in dataclasses.fields(Config)[1:] for f in dataclasses.fields(s.type)}
 PATHS = ("out_dir", "data.path", "data.prepared_dir")
 BOOLS = dict.fromkeys(("true", "1", "yes", "on"), True) | dict.fromkeys(("false", "0", "no", "off"), False)
-
-
-def flat(values: dict, prefix: str = "") -> dict:
-    """{'model': {'n_head': 4}} -> {'model.n_head': 4}"""
-    out = {}
-    for k, v in values.items():
-        out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
-    return out
 
 
 def set_key(cfg: Config, key: str, value) -> None:

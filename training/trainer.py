@@ -10,13 +10,14 @@
 Choices:
   exact resume  the weights, the optimizer, the LR schedule, the data order and every random generator
                 continue where the checkpoint left them: the later losses are the uninterrupted run's
-  non-finite    the loss and gradient norm are read where the loop waits for the device anyway (log
-                lines, evaluations): one that is not finite stops the run, naming the steps it came
-                between, and no checkpoint is written after it
+  non-finite    the loss and gradient norm the loop reads anyway (log lines; the eval losses at
+                evaluations): one that is not finite stops the run, naming the steps it came between,
+                and no checkpoint is written after it
   true speed    ms/step is timed once a log line has read the loss: the device has finished the steps
   one cast      a step's micro-batches run in one autocast region: each weight is cast to bf16 once a step
-  signals       SIGINT or SIGTERM: the step finishes, a checkpoint is saved (no evaluation), and the run
-                exits 128 + the signal (130, 143); a second one exits at once
+  signals       SIGINT or SIGTERM: the step finishes (under torchrun: the steps to the next log line), a
+                checkpoint is saved (no extra evaluation), and the run exits 128 + the signal (130,
+                143); a second one exits at once
 """
 import json
 import math
@@ -24,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager, suppress
 from functools import partial
 from pathlib import Path
 
@@ -73,14 +74,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     tokenizer = load_tokenizer(meta["tokenizer"])
     if ckpt is not None:
         check_same_text(ckpt, resume_from, cfg, meta, say)
-    cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
-    if cfg.model.vocab_size < meta["vocab_size"]:
-        raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
-                        f"{meta['vocab_size']}")
-    try:   # a character the text never had is refused now, not at the first sample
-        tokenizer.encode(t.sample_prompt)
-    except UserError as e:
-        raise UserError(f"train.sample_prompt has {e}") from None
+    fit_to_data(cfg, meta, tokenizer)
 
     # ---- the data, the model (the same initial weights on every rank), the optimizer
     loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,
@@ -100,7 +94,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if ckpt is not None:
         step, best_val, tokens, seconds_before = restore(ckpt, resume_from, model, optimizer, scaler, loader,
                                                          rank, world, t.seed)
-    best, ckpt = resume_from if ckpt is not None and ckpt["is_best"] else None, None   # (its tensors: moved)
+    best, ckpt = resume_from if ckpt is not None and ckpt["is_best"] else None, None   # (copied: let it go)
     run_step, how = build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, world, say)
 
     # ---- the run's first write
@@ -108,7 +102,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     metrics = Metrics(cfg if rank == 0 else None, step if resume_from else None)
     if rank == 0:
         aside = open_out_dir(out, overwrite, best)
-        metrics.open()   # (wandb first: one that cannot start leaves the out dir as it was)
+        metrics.open()   # (wandb first: one that cannot start leaves no file of this run)
         atomic_write(out / "config.toml", describe(cfg))
         banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, dataset)
 
@@ -116,46 +110,48 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.block_size
     saved, checked, first_step, intervals = step if resume_from else None, step, step, []
     start = interval_start = time.perf_counter()
-    with stop_signals() as stop:
+    timed = 0   # the steps since interval_start (evaluations and samples are not timed as steps)
+    with stop_signals() as stop, closing(metrics):
         while step < t.max_steps:
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
                        schedule=t.schedule, warmdown_frac=t.warmdown_frac)
             set_lr(optimizer, lr / t.lr if t.lr > 0 else 0.0)
             loss, grad_norm = run_step(loader.step_windows())
-            step, tokens = step + 1, tokens + tokens_per_step
+            step, tokens, timed = step + 1, tokens + tokens_per_step, timed + 1
             logged = step % t.log_interval == 0 or step == t.max_steps
+            evaluated = step % t.eval_interval == 0 or step == t.max_steps
+            sampled = t.sample_every and (step % t.sample_every == 0 or step == t.max_steps)
             asked = bool(stop) and step < t.max_steps   # (a stop at the last step: the run ends as it would)
             stopping = asked if not ddp else logged and distributed.any_rank(asked, device)
-            if logged or stopping:
+            if logged or stopping or sampled:   # (a sample of weights a non-finite step touched says nothing)
                 loss_value, norm = loss.item(), grad_norm.item()   # waits for the device: the steps have run
-                ms = (time.perf_counter() - interval_start) * 1000 / (step - checked)
+                ms = (time.perf_counter() - interval_start) * 1000 / timed
                 check_finite({"loss": loss_value} | ({} if scaler.is_enabled() else {"gradient norm": norm}),
                              checked, step, saved)   # (fp16's scaler skips an inf gradient itself)
-                intervals.append((step - checked, ms))
+                intervals.append((timed, ms))
                 checked, pace = step, (time.perf_counter() - start) / (step - first_step)   # evaluations too
                 say(f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
                     f"{tokens_per_step * 1000 / ms:,.0f} tok/s | ETA {duration(pace * (t.max_steps - step))}")
                 metrics.log({"step": step, "kind": "train", "loss": loss_value, "lr": lr, "grad_norm": norm,
                              "ms_per_step": ms, "tokens_per_s": tokens_per_step * 1000 / ms})
-                interval_start = time.perf_counter()
-            if step % t.eval_interval == 0 or step == t.max_steps or stopping:
+                interval_start, timed = time.perf_counter(), 0
+            if evaluated or stopping:
                 elapsed, is_best = seconds_before + time.perf_counter() - start, False
-                if not stopping:   # (a stop saves at once: an evaluation can take a minute)
+                if evaluated:   # (a stop alone saves at once: an evaluation can take a minute)
                     losses = evaluate(wrapped, loader, t.eval_iters, dtype, device, ddp)
                     check_finite({f"{s} loss": v for s, v in losses.items()}, checked, step, saved)
                     is_best, best_val = losses["val"] < best_val, min(best_val, losses["val"])
                     log_eval(say, metrics, meta, step, losses, is_best, elapsed)
                 save(cfg, meta, dict(step=step, best_val_loss=best_val, elapsed=elapsed, tokens=tokens,
                                      is_best=is_best), model, optimizer, scaler, loader, ddp, rank)
-                saved, interval_start, checked = step, time.perf_counter(), step   # (not timed as steps)
-            if t.sample_every and (step % t.sample_every == 0 or step == t.max_steps) and rank == 0:
+                saved, checked, interval_start, timed = step, step, time.perf_counter(), 0
+            if sampled and rank == 0:
                 text = sample(model, tokenizer, t, device, dtype)
                 say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
                 metrics.log({"step": step, "kind": "sample", "text": text})
-                interval_start = time.perf_counter()
+                interval_start, timed = time.perf_counter(), 0
             if stopping:
                 break
-    metrics.close()
     seconds = seconds_before + time.perf_counter() - start
     signum = (stop or [signal.SIGTERM])[0]   # (none here: another rank's)
     if step < t.max_steps:
@@ -167,10 +163,23 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if ddp:
         distributed.leave()
     return {"step": step, "best_val_loss": best_val, "elapsed_s": seconds, "how": how,
-            "intervals": intervals, "exit_code": 128 + signum if step < t.max_steps else 0}
+            "intervals": intervals, "exit_code": 128 + signum if stop or step < t.max_steps else 0}
 
 
 # ---------------------------------------------------------------- the step
+
+def fit_to_data(cfg: Config, meta: dict, tokenizer) -> None:
+    """The model's vocabulary from the data's (model.vocab_size = 0), and the checks that need the
+    data's tokenizer: a sample prompt's character the text never had is refused now, not at a sample."""
+    cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
+    if cfg.model.vocab_size < meta["vocab_size"]:
+        raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
+                        f"{meta['vocab_size']}")
+    try:
+        tokenizer.encode(cfg.train.sample_prompt)
+    except UserError as e:
+        raise UserError(f"train.sample_prompt has {e}") from None
+
 
 def train_step(model, wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp_module,
                windows: torch.Tensor):
@@ -215,12 +224,13 @@ def build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, worl
                    ddp_module)
     eager = lambda windows: step(windows.to(device, non_blocking=True))   # noqa: E731
     if not t.cuda_graph or (blocker := graph_blocker(device, world, dtype)):
-        say(f"# no CUDA graph: {blocker}" if t.cuda_graph and device.type == "cuda" else "", end="")
+        if t.cuda_graph and device.type == "cuda":
+            say(f"# no CUDA graph: {blocker}")
         return eager, how
     from speed.cuda_graph import graph_step
     buffer = torch.zeros(t.grad_accum, t.batch_size, loader.block_size + 1, dtype=torch.long, device=device)
     try:
-        replay = graph_step(step, buffer, optimizer, capture=device.type == "cuda")
+        replay = graph_step(step, buffer, optimizer, capture=device.type == "cuda")   # (CPU: the tests')
         return replay, how.replace("eager", "CUDA graph")
     except Exception as e:   # what the recording cannot hold: the eager step does the same work
         say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
@@ -231,8 +241,10 @@ def graph_blocker(device: torch.device, world: int, dtype: torch.dtype) -> str |
     """Why the step cannot be recorded as a CUDA graph here (None: it can)."""
     if device.type != "cuda":
         return f"graphs are CUDA's (device {device.type})"
-    if world > 1 or dtype == torch.float16:
-        return "several processes, and fp16's loss scaling, decide on the host"
+    if world > 1:
+        return "several processes synchronize their gradients from the host"
+    if dtype == torch.float16:
+        return "fp16's loss scaling decides on the host"
     return None
 
 
@@ -254,19 +266,24 @@ def stop_signals():
     asked = []
 
     def handler(signum, frame):
-        if asked:
-            os.write(2, f"\n{signal.Signals(signum).name} again: exiting now\n".encode())
-            os._exit(128 + signum)
+        again, name = bool(asked), signal.Signals(signum).name
         asked.append(signum)
-        os.write(2, f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint (again to "
-                    f"exit at once)\n".encode())
+        said = "again: exiting now" if again else \
+            "finishing this step and saving a checkpoint (again to exit at once)"
+        with suppress(OSError):   # (a stderr whose reader is gone must not end the run unsaved)
+            os.write(2, f"\n{name}: {said}\n".encode())
+        if again:
+            os._exit(128 + signum)
     main = threading.current_thread() is threading.main_thread()   # (only it can set handlers)
-    before = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    for s, h in before.items():
+        if h is not signal.SIG_IGN:   # (a signal the shell ignores, as for `cmd &`, stays ignored)
+            signal.signal(s, handler)
     try:
         yield asked
     finally:
         for s, h in before.items():
-            signal.signal(s, h)
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
 def check_finite(values: dict, since: int, step: int, saved: int | None) -> None:
