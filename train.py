@@ -39,7 +39,10 @@ def main(argv: list[str]) -> int:
     checkpoint = args.resume if isinstance(args.resume, str) else None
     if checkpoint and checkpoint.endswith(".toml") and config_file is None:   # train.py --resume CONFIG
         config_file, checkpoint = checkpoint, None
-    if checkpoint:   # that checkpoint's run goes on, in the folder it is in
+    if checkpoint and Path(checkpoint).is_dir():   # train.py --resume OUT_DIR: its latest checkpoint
+        rest.append(f"--out_dir={checkpoint}")
+        checkpoint = None
+    elif checkpoint:   # that checkpoint's run goes on, in the folder it is in
         rest.append(f"--out_dir={Path(checkpoint).resolve().parent}")
     cfg = build_config(config_file, rest, resume=bool(args.resume))
     return train(cfg, resume=bool(args.resume), overwrite=args.overwrite, checkpoint=checkpoint)["exit_code"]

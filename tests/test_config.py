@@ -160,3 +160,8 @@ def test_a_value_with_control_characters_round_trips_through_config_toml(tmp_pat
 def test_an_empty_path_is_refused_not_taken_as_the_working_directory(key):
     with pytest.raises(UserError, match=f"^{key} is empty"):
         build_config(None, [f"--{key}="])
+
+
+def test_an_empty_out_dir_in_a_config_file_means_out_name(tmp_path):
+    path = write(tmp_path, 'out_dir = ""\n[model]\nn_layer = 3\n')
+    assert build_config(str(path), []).out_dir == str(ROOT / "out" / "c")

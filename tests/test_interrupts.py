@@ -91,3 +91,15 @@ def test_ctrl_c_at_random_moments_of_a_run_then_resume_never_a_traceback(tmp_pat
     proc = start("train.py", args + (["--resume"] if latest_checkpoint(tmp_path / "out") else []))
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0 and "# done: step 60" in out, err
+
+
+def test_ctrl_c_with_both_outputs_gone_still_saves(endless, tmp_path):
+    """`python train.py 2>&1 | tee log`, and the same Ctrl-C ends tee first: the run's word of the stop
+    goes nowhere, and the run saves all the same."""
+    proc = start("train.py", endless)
+    read_until_step(proc, 3)
+    proc.stdout.close()
+    proc.stderr.close()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    assert read_checkpoint(latest_checkpoint(tmp_path / "out"))["step"] >= 3

@@ -258,3 +258,21 @@ def test_batches_are_read_from_disk_not_memory(tmp_path, text_file):
         assert loader.step_windows().shape == (2, 16, 257)
         loader.batch("val", torch.Generator())
     assert rss_mb() - before < 100
+
+
+def test_a_text_that_changes_while_it_is_prepared_is_refused_and_nothing_is_kept(tmp_path, text_file,
+                                                                                 monkeypatch):
+    """The entry is named after the bytes hashed first: a text grown meanwhile would be cached under
+    a name that is not its own."""
+    import data.prepare
+    real_scan = data.prepare.scan
+
+    def scan_then_grow(files, *args):
+        counted = real_scan(files, *args)
+        with open(files[0], "a") as f:
+            f.write("More words.\n")
+        return counted
+    monkeypatch.setattr(data.prepare, "scan", scan_then_grow)
+    with pytest.raises(UserError, match="changed while it was prepared"):
+        prepare_text(text_file, "char", 0.1, tmp_path / "prep")
+    assert list((tmp_path / "prep").iterdir()) == []

@@ -139,3 +139,30 @@ def test_best_pt_is_never_a_checkpoint_that_a_resumed_run_replaces(tmp_path, tin
     kept = [p for _, p in list_checkpoints(out)]
     assert [p.name for p in kept] == ["ckpt_0000005.pt", "ckpt_0000010.pt"]
     assert not best.exists() or any(os.path.samefile(best, p) for p in kept), "best.pt of a replaced checkpoint"
+
+
+def test_a_setting_changed_on_resume_is_the_one_that_trains(tmp_path, text_file, capsys):
+    """--train.lr changed on --resume is named, and is the learning rate the optimizer uses from then on
+    (the checkpoint's optimizer state does not bring the old one back)."""
+    args = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 10, "train.min_lr": 1e-5})
+    assert run_tool(train_cli, args, capsys)[0] == 0
+    rc, out, _ = run_tool(train_cli, [*args, "--train.max_steps=12", "--train.lr=1e-4", "--resume"], capsys)
+    assert rc == 0 and "# resuming with train.lr: 0.001 -> 0.0001" in out
+    ckpt = read_checkpoint(tmp_path / "out" / "ckpt_0000012.pt")
+    lrs = [g["lr"] for g in ckpt["optimizer"]["param_groups"]]
+    assert lrs and all(lr == pytest.approx(records(tmp_path / "out", key="lr")[12]) for lr in lrs)
+    assert all(lr <= 1e-4 for lr in lrs), lrs
+
+
+def test_a_stop_at_an_evaluation_step_still_evaluates_it(tmp_path, tiny_cfg, monkeypatch):
+    cfg = tiny_cfg()
+    interrupt_at(monkeypatch, 10)   # eval_interval 10: the stop lands on an evaluation step
+    assert train(cfg, quiet=True)["exit_code"] == 130
+    assert list(records(cfg.out_dir, "eval", "val_loss")) == [10]
+
+
+def test_resume_takes_a_run_s_folder_too(tmp_path, text_file, capsys):
+    args = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 4})
+    assert run_tool(train_cli, args, capsys)[0] == 0
+    rc, out, err = run_tool(train_cli, ["--resume", tmp_path / "out", "--train.max_steps=6"], capsys)
+    assert rc == 0 and "resuming" in out and "at step 4" in out, err

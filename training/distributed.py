@@ -49,20 +49,20 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
     return device, rank, local_rank, world
 
 
-def leader_first(fn, leader: bool, others: bool = True):
-    """fn() on the leading processes first, then (others) on the rest, which find its work done or get
-    its result; an error of a leader is raised on every process, so that none waits for ever."""
-    result, error = None, None
+def leader_first(fn, leader: bool):
+    """fn() on the leading processes first, then on the rest, which find its work done; an error of a
+    leader is raised on every process, so that none waits for ever."""
+    error = None
     if leader:
         try:
             result = fn()
         except Exception as e:
             error = e
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (error, result if not others else None))
-    if errors := [e for e, _ in gathered if e is not None]:
+    dist.all_gather_object(gathered, error)
+    if errors := [e for e in gathered if e is not None]:
         raise errors[0]
-    return result if leader else fn() if others else gathered[0][1]
+    return result if leader else fn()
 
 
 def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool) -> torch.nn.Module:
