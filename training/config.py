@@ -143,7 +143,7 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
     """Defaults, then (resume) the out dir's config.toml, then the TOML file, then the command line
     (overrides: ['--train.lr=1e-3', ...]); each path made absolute where it is read; validated."""
     values = flat(load_toml(config_file)) if config_file else {}
-    values = {k: v for k, v in values.items() if (k, v) != ("out_dir", "")}   # ("": out/<name>, as by default)
+    values = {k: v for k, v in values.items() if (k, v) != ("out_dir", "")}   # ("": out/<name>, the default)
     folder = ROOT if Path(config_file or ROOT).resolve().is_relative_to(ROOT) else Path(config_file).parent
     values |= {k: absolute(k, v, folder) for k, v in values.items() if k in PATHS}
     given = {k: absolute(k, v, Path.cwd()) if k in PATHS else v for k, v in parse_overrides(overrides)}
