@@ -24,10 +24,19 @@ import time
 import numpy as np
 
 from common import UserError
-from data.tokenizers import EOT, check_tokenizer_spec
+
+EOT = "<|endoftext|>"   # the end-of-text token between documents (gpt2's name for it)
 
 PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
            r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+
+
+def check_encoding(name: str) -> None:
+    """A UserError unless name is a tiktoken encoding (its files are not loaded)."""
+    import tiktoken
+    if name not in (names := tiktoken.list_encoding_names()):
+        raise UserError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N tokens trained on "
+                        f"the data) or a tiktoken encoding ({', '.join(names)})")
 
 
 class TiktokenTokenizer:
@@ -39,7 +48,7 @@ class TiktokenTokenizer:
     @classmethod
     def named(cls, name: str = "gpt2") -> "TiktokenTokenizer":
         import tiktoken
-        check_tokenizer_spec(name)
+        check_encoding(name)
         try:
             enc = tiktoken.get_encoding(name)
         except Exception as e:   # the BPE files are downloaded on first use

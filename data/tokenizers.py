@@ -12,7 +12,6 @@ import numpy as np
 
 from common import UserError
 
-EOT = "<|endoftext|>"   # the end-of-text token between documents (gpt2's name for it)
 
 
 def code_points(text: str) -> np.ndarray:
@@ -73,11 +72,8 @@ def check_tokenizer_spec(spec: str) -> None:
     """A UserError unless spec is char, bpe:N or a tiktoken encoding name (its files are not loaded)."""
     if spec == "char" or bpe_vocab_size(spec) is not None:
         return   # (without importing tiktoken)
-    import tiktoken
-    names = tiktoken.list_encoding_names()
-    if spec not in names:
-        raise UserError(f"unknown tokenizer {spec!r}: use 'char', 'bpe:N' (a BPE of N tokens trained on "
-                        f"the data) or a tiktoken encoding ({', '.join(names)})")
+    from data.bpe import check_encoding
+    check_encoding(spec)
 
 
 def build_tokenizer(name: str, text: str | None = None):

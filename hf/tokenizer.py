@@ -23,7 +23,8 @@ has no possessive {n,m}+, written {n,m}: the same where nothing follows it (GPT-
 import re
 
 from common import UserError
-from data.tokenizers import EOT, load_tokenizer
+from data.bpe import EOT
+from data.tokenizers import load_tokenizer
 
 _PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
 _OTHERS = iter(range(256, 512))

@@ -8,7 +8,8 @@ import pytest
 
 import data.prepare as prep
 from common import UserError
-from data.tokenizers import EOT, load_tokenizer
+from data.bpe import EOT
+from data.tokenizers import load_tokenizer
 from tests.conftest import TEXT, prepare_text
 
 UNSEEN = "héllo wörld, naïve café — 日本語のテキスト 😀🎉 ∑ x² \t\r\n <|endoftext|> \x00 \U0010fffd"
