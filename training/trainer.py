@@ -116,7 +116,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
                        schedule=t.schedule, warmdown_frac=t.warmdown_frac)
             set_lr(optimizer, lr / t.lr if t.lr > 0 else 0.0)
-            loss, grad_norm = run_step(loader.step_windows())
+            loss, grad_norm = run_step(loader.step_windows())   # train_step (below), or its CUDA graph
             step, tokens, timed = step + 1, tokens + tokens_per_step, timed + 1
             logged = step % t.log_interval == 0 or step == t.max_steps
             evaluated = step % t.eval_interval == 0 or step == t.max_steps
