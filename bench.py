@@ -8,9 +8,9 @@
     python bench.py sample [--device auto] [--new-tokens 256]
         tokens/s of sampling with and without the KV cache, and with it compiled (on CUDA replayed as
         a CUDA graph: sample.py --compile), at batch 1 and 16
-    python bench.py race [--classic CONFIG] [--fast CONFIG] [--evals 20] [--section.key=value ...]
-        the classic config against the fast recipe: seconds from launching `python train.py` to the
-        classic's best val loss (by default the CPU pair, or on a GPU the GPU pair)
+    python bench.py race [--classic CONFIG] [--fast CONFIG] [--section.key=value ...]
+        the classic config against the fast recipe, each run as a user runs it: seconds from launching
+        `python train.py` to the classic's best val loss (by default the CPU pair, on a GPU the GPU pair)
 
 MFU = the model's training FLOPs per second / the matmul peak measured in the same run (the best
 torch.mm rate, in the trainer's dtype). Per token: 6N FLOPs for the N weights of the Linear layers,
@@ -189,53 +189,30 @@ def bench_sample(device, new_tokens: int) -> int:
 
 
 # ---------------------------------------------------------------- race
-def exact_val_loss(cfg, checkpoint) -> float:
-    """A checkpoint's mean loss over every token of cfg's val split (as train.eval_iters = 0 scores)."""
-    from data.loader import BatchLoader, strided_windows
-    from data.prepare import prepare
-    from model.gpt import score
-    from model.loading import autocast, load_model, pick_device, pick_dtype
-    device, block = pick_device(cfg.train.device), cfg.model.block_size
-    windows = strided_windows(BatchLoader(prepare(cfg.data, block), block, 1).splits["val"], block, block,
-                              cfg.train.batch_size)
-    nats, count = score(load_model(checkpoint, device).model, windows,
-                        autocast(device, pick_dtype(device, cfg.train.dtype)))
-    return nats / count
-
-
-def run_and_score(config: str, overrides: list[str], evals: int, out_dir: Path, label: str) -> list[dict]:
-    """Train config as a user does (`python train.py CONFIG`, in a process of its own), evaluating (one
-    batch: next to free) and keeping a checkpoint every 1/evals of its steps; its curve [{step, seconds,
-    val}]: seconds from the launch to the evaluation (Python's start, the data, the model and compiling
-    count, as a user waits for them) and the exact val loss of its checkpoint, scored afterwards."""
-    from model.loading import list_checkpoints
-    from training.config import build_config
-    cfg = build_config(config, overrides)
-    every = max(1, cfg.train.max_steps // evals)
-    flags = [f"--train.eval_interval={every}", "--train.eval_iters=1", "--log.curves=false",
-             f"--train.keep_checkpoints={-(-cfg.train.max_steps // every)}", f"--out_dir={out_dir}"]
-    print(f"# {label}: python train.py {' '.join([config, *overrides])} ({cfg.train.max_steps} steps, an "
-          f"evaluation every {every})", flush=True)
+def run(config: str, overrides: list[str], out_dir: Path, label: str) -> list[dict]:
+    """Train config as a user does (`python train.py CONFIG`, in a process of its own, with its own
+    evaluations); its curve [{step, seconds, val}]: seconds from the launch to each evaluation's end
+    (Python's start, the data, the model, compiling and the evaluations count, as a user waits for them)."""
+    print(f"# {label}: python train.py {' '.join([config, *overrides])}", flush=True)
     launch = time.time()   # (the clock of the records' "time")
     # (its stdout is not read; its stderr, errors included, is this command's; Ctrl-C reaches it too)
-    code = subprocess.run([sys.executable, str(ROOT / "train.py"), config, *overrides, *flags],
-                          stdout=subprocess.DEVNULL).returncode
+    argv = [sys.executable, str(ROOT / "train.py"), config, *overrides, f"--out_dir={out_dir}"]
+    code = subprocess.run(argv, stdout=subprocess.DEVNULL).returncode
     if code:
         raise UserError(f"the {label} run (python train.py {config}) failed with exit code {code}")
     with open(out_dir / "metrics.jsonl", encoding="utf-8") as f:
-        seconds = {r["step"]: r["time"] - launch for r in map(json.loads, f) if r["kind"] == "eval"}
-    curve = []
-    for step, path in list_checkpoints(out_dir):
-        curve.append({"step": step, "seconds": seconds[step], "val": exact_val_loss(cfg, path)})
-        print(f"{label:8s} step {step:5d} | {seconds[step]:7.1f} s from launch | val {curve[-1]['val']:.4f}")
+        curve = [{"step": r["step"], "seconds": r["time"] - launch, "val": r["val_loss"]}
+                 for r in map(json.loads, f) if r["kind"] == "eval"]
+    for p in curve:
+        print(f"{label:8s} step {p['step']:5d} | {p['seconds']:7.1f} s from launch | val {p['val']:.4f}")
     return curve
 
 
-def race(classic: str, fast: str, overrides: list[str], evals: int) -> dict:
+def race(classic: str, fast: str, overrides: list[str]) -> dict:
     """Train classic, then fast; print and return the race: the time from launch to the classic's
     best val loss (the target), and to the fast run's first evaluation at or below it."""
     with tempfile.TemporaryDirectory(prefix="bench_race_", ignore_cleanup_errors=True) as tmp:
-        curves = {label: run_and_score(path, overrides, evals, Path(tmp) / label, label)
+        curves = {label: run(path, overrides, Path(tmp) / label, label)
                   for label, path in (("classic", classic), ("fast", fast))}
     best = min(curves["classic"], key=lambda p: p["val"])   # a long run may overfit after its best
     target, last = best["val"], curves["fast"][-1]
@@ -265,7 +242,6 @@ def parser() -> ArgumentParser:
     r = sub.add_parser("race", help="classic vs fast recipe: time from launch to the classic's best val loss")
     r.add_argument("--classic", help="default: the classic config of this machine's kind")
     r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
-    r.add_argument("--evals", type=int, default=20, help="evaluations per run (the race's resolution)")
     return p
 
 
@@ -276,7 +252,7 @@ def main(argv: list[str]) -> int:
     args, overrides = p.parse_known_args(argv)
     if overrides and args.command == "sample":   # every check before any work
         p.error(f"unrecognized arguments: {' '.join(overrides)}")
-    for option in ("steps", "rounds", "new_tokens", "evals"):
+    for option in ("steps", "rounds", "new_tokens"):
         if hasattr(args, option):
             check("--" + option.replace("_", "-"), getattr(args, option), at_least=1)
     if args.command == "sample":
@@ -292,7 +268,7 @@ def main(argv: list[str]) -> int:
         return bench_train(args.config, overrides, args.steps, args.rounds)
     if args.command == "sample":
         return bench_sample(args.device, args.new_tokens)
-    race(args.classic, args.fast, overrides, args.evals)
+    race(args.classic, args.fast, overrides)
     return 0
 
 

@@ -13,10 +13,14 @@ settings: only what the config file and the command line set changes them), --ov
 an out dir that holds an earlier run, which is kept beside it as <out_dir>.replaced-<time>).
 Runs go to out/<name> in the repository, and prepared data to data/prepared/, wherever you run from.
 """
-import sys
-from pathlib import Path
+import time
 
-from common import ArgumentParser, run_cli
+STARTED = time.perf_counter()   # (before the imports: the banner says where the time to the first step goes)
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from common import ArgumentParser, run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -45,7 +49,8 @@ def main(argv: list[str]) -> int:
     elif checkpoint:   # that checkpoint's run goes on, in the folder it is in
         rest.append(f"--out_dir={Path(checkpoint).resolve().parent}")
     cfg = build_config(config_file, rest, resume=bool(args.resume))
-    return train(cfg, resume=bool(args.resume), overwrite=args.overwrite, checkpoint=checkpoint)["exit_code"]
+    return train(cfg, resume=bool(args.resume), overwrite=args.overwrite, checkpoint=checkpoint,
+                 started=STARTED)["exit_code"]
 
 
 if __name__ == "__main__":

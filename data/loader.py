@@ -1,18 +1,25 @@
-"""Batches of windows from memory-mapped token files.
+"""Batches of windows of a prepared dataset, drawn where the model runs.
 
 A window is block_size + 1 consecutive tokens: x is its first block_size, y the same shifted by one,
-so y[b, t] is the token that follows x[b, :t+1]. Training draws windows at random offsets; memory and
-time per batch are O(B * block_size) whatever the dataset's size, since only the windows are read
-from disk. On CUDA a step's windows are copied through pinned memory, asynchronously.
+so y[b, t] is the token that follows x[b, :t+1]. Training draws windows at random offsets.
+
+Where the tokens live: a dataset under a quarter of the device's free memory is copied to the device
+once (int32), and each step's offsets are drawn there by a generator of the device, so a step needs
+nothing from the host: a CUDA graph holds the draw with the step. A larger one stays memory-mapped
+(np.memmap): only each step's windows are read from disk, whatever the corpus's size, and are copied
+to the device through pinned memory. Either way the generator's state is in every checkpoint, so a
+resumed run draws the batches the uninterrupted run would have (on the same kind of device).
 
 Many processes (torch.distributed): every rank holds the same generator and, each optimizer step,
-draws the offsets of the whole global batch, world x grad_accum x B windows (a few KB of integers),
-then keeps only its own B windows per micro-step. So which windows a step trains on depends only on
-the global batch size: 1 process with batch 2B, 1 process with batch B and 2 accumulation steps, and
-2 processes with batch B each see exactly the same data (the tests check that they end with the same
-weights), and rank 0's generator state in a checkpoint resumes any world size. Seeding each rank
-differently would give each its windows too, but runs could then not be compared across world sizes.
+draws the offsets of the whole global batch, world x grad_accum x B windows, then keeps only its own
+B windows per micro-step. So which windows a step trains on depends only on the global batch size: 1
+process with batch 2B, 1 with batch B and 2 accumulation steps, and 2 with batch B each see exactly
+the same data (the tests check that they end with the same weights).
+
+Evaluation (eval_windows) scores fixed windows: every window of the val split, consecutive (the
+first EVAL_MAX_WINDOWS of a larger one), and as many train windows at evenly spaced offsets.
 """
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +27,9 @@ import torch
 
 from common import UserError
 from data.prepare import SPLITS, check_split_sizes, load_meta
+
+EVAL_MAX_WINDOWS = 4096       # an exact evaluation's windows per split at most (bounded cost, any corpus)
+EVAL_BATCH_TOKENS = 16384     # an evaluation batch: this many tokens (at least batch_size windows)
 
 
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
@@ -48,6 +58,17 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
         yield w[:, :-1], y
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes free on the device: CUDA's count, or the host's available memory for the CPU (0 where
+    unknown: the dataset stays memory-mapped)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if device.type == "cpu" else 0
+    except (ValueError, OSError, AttributeError):   # (a system without these names)
+        return 0
+
+
 class BatchLoader:
     def __init__(self, dataset_dir: Path, block_size: int, batch_size: int, seed: int = 0, device="cpu",
                  grad_accum: int = 1, rank: int = 0, world: int = 1):
@@ -58,38 +79,75 @@ class BatchLoader:
         self.grad_accum, self.rank, self.world = grad_accum, rank, world
         self.splits = {split: np.memmap(self.dataset_dir / f"{split}.bin", dtype=meta["dtype"], mode="r",
                                         shape=(meta["tokens"][split],)) for split in SPLITS}
-        self.offsets = np.arange(block_size + 1)
-        self.generator = torch.Generator().manual_seed(seed)   # the training data order
+        self.resident = 4 * sum(meta["tokens"].values()) < free_memory(self.device) / 4
+        if self.resident:   # int32 on the device, checked once (torch has no uint16 arithmetic)
+            for split, tokens in self.splits.items():
+                self.splits[split] = torch.from_numpy(tokens.astype(np.int32)).to(self.device)
+                self.check_ids(split, int(self.splits[split].max()))
+        self.generator = torch.Generator(self.device if self.resident else "cpu").manual_seed(seed)
+        self.offsets = torch.arange(block_size + 1, device=self.generator.device)
 
-    def _draw(self, split: str, generator: torch.Generator, *lead: int) -> torch.Tensor:
-        """This rank's B of (*lead, world, B) windows of block_size + 1 tokens at offsets drawn from
-        generator: a host tensor (*lead, B, T + 1). A token id outside the vocabulary is a UserError
-        before the embedding fails on it: the files were damaged after the cache checked them (from
-        meta.json and file sizes)."""
-        shape = (*lead, self.world, self.batch_size)
-        starts = torch.randint(len(self.splits[split]) - self.block_size, shape, generator=generator).numpy()
-        tokens = self.splits[split][starts[..., self.rank, :, None] + self.offsets]
-        if (top := int(tokens.max())) >= self.vocab_size:
+    def check_ids(self, split: str, top: int) -> None:
+        """A token id outside the vocabulary is a UserError before the embedding fails on it: the files
+        were damaged after the cache checked them (from meta.json and file sizes)."""
+        if top >= self.vocab_size:
             raise UserError(f"the prepared dataset {self.dataset_dir} holds token id {top} in {split}.bin, "
                             f"outside its vocabulary of {self.vocab_size}: it is damaged; delete it and "
                             f"prepare the data again")
-        return torch.from_numpy(tokens.astype(np.int64))
+
+    def windows(self, split: str, starts: torch.Tensor) -> torch.Tensor:
+        """The windows of block_size + 1 tokens at starts (...,): (..., T + 1) int64 on the device."""
+        index = starts[..., None] + self.offsets.to(starts.device)
+        tokens = self.splits[split]
+        if self.resident:
+            return tokens[index.to(self.device)].long()
+        windows = tokens[index.numpy()]
+        self.check_ids(split, int(windows.max()))
+        windows = torch.from_numpy(windows.astype(np.int64))   # (pinned on CUDA: the copy does not wait)
+        pinned = windows.pin_memory() if self.device.type == "cuda" else windows
+        return pinned.to(self.device, non_blocking=True)
+
+    def draw(self, split: str, generator: torch.Generator, *lead: int) -> torch.Tensor:
+        """This rank's B of (*lead, world, B) windows at offsets drawn from generator: (*lead, B, T + 1)."""
+        high = len(self.splits[split]) - self.block_size
+        starts = torch.randint(high, (*lead, self.world, self.batch_size), generator=generator,
+                               device=generator.device)
+        return self.windows(split, starts[..., self.rank, :])
 
     def step_windows(self) -> torch.Tensor:
-        """This rank's training windows of the next optimizer step, (grad_accum, B, T + 1) on the host,
-        pinned on CUDA so that copying them to the device does not wait."""
-        windows = self._draw("train", self.generator, self.grad_accum)
-        return windows.pin_memory() if self.device.type == "cuda" else windows
+        """This rank's training windows of the next optimizer step, (grad_accum, B, T + 1) on the device:
+        with a resident dataset, drawn there without the host (what a CUDA graph can hold)."""
+        return self.draw("train", self.generator, self.grad_accum)
 
     def batch(self, split: str, generator: torch.Generator):
-        """(x, y) on the device: this rank's B of world x B windows drawn from generator."""
-        windows = self._draw(split, generator)   # (pinned on CUDA: the copy does not wait for queued work)
-        windows = windows.pin_memory() if self.device.type == "cuda" else windows
-        windows = windows.to(self.device, non_blocking=True)
+        """(x, y) on the device: this rank's B of world x B windows at offsets drawn from generator (a
+        CPU one: the same batches on any device)."""
+        windows = self.draw(split, generator)
         return windows[:, :-1], windows[:, 1:]
 
+    def eval_windows(self, split: str):
+        """(x, y) batches on the device that an exact evaluation scores: val's windows, consecutive, each
+        token a target once (the first EVAL_MAX_WINDOWS of a larger split); train's, as many windows
+        at evenly spaced offsets (a fixed sample of the same size)."""
+        n, T = len(self.splits["val"]), self.block_size
+        count = min(EVAL_MAX_WINDOWS, -(-(n - 1) // T))   # (val's last window may be shorter)
+        starts = torch.arange(count) * T if split == "val" else \
+            torch.linspace(0, len(self.splits["train"]) - T - 1, count).long()
+        full = count - (split == "val" and count * T + 1 > n)
+        per_batch = max(self.batch_size, EVAL_BATCH_TOKENS // T)
+        for i in range(0, full, per_batch):
+            w = self.windows(split, starts[i:min(i + per_batch, full)])
+            yield w[:, :-1], w[:, 1:]
+        if full < count:   # the tokens after the last whole window
+            tail = self.splits["val"][full * T:]
+            w = (tail if self.resident else torch.from_numpy(tail.astype(np.int64))).long().to(self.device)
+            yield w[None, :-1], w[None, 1:]
+
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        """The data order where the checkpoint left it; a generator of another kind of device (a run
+        moved from a CPU to a GPU) cannot take its state: the order goes on from the run's seed."""
+        if state.get("device", "cpu") == self.generator.device.type:
+            self.generator.set_state(state["generator"])

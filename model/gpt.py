@@ -168,23 +168,26 @@ class GPT(nn.Module):
         return logits, loss
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def score(model, batches, autocast=nullcontext()) -> tuple[float, int]:
     """(total next-token loss in nats, targets scored) of model (a GPT, or one wrapped or compiled) over
     (x, y) batches (moved to its device), targets of -1 being context only: the one loss over a text that
     the trainer's evaluations, bench.py's race and eval.py share. In eval mode (the model's mode is restored
-    after); the total is summed in float64 on the host, so that a long text loses no precision."""
+    after). Each batch's total stays on the device, and the host reads them once, at the end, to sum them
+    in float64: the device is never waited for between batches, and a long text loses no precision."""
     was_training, device = model.training, next(model.parameters()).device
     model.eval()
-    total, count = 0.0, 0
+    totals, counts = [], []
     for x, y in batches:
         x, y = x.to(device), y.to(device)
         with autocast:
             _, loss = model(x, y)                     # the mean over the scored targets
-        scored = int((y >= 0).sum())
-        total, count = total + loss.float().item() * scored, count + scored
+        counts.append((y >= 0).sum())
+        totals.append(loss.float() * counts[-1])
     model.train(was_training)
-    return total, count
+    if not totals:
+        return 0.0, 0
+    return torch.stack(totals).cpu().double().sum().item(), int(torch.stack(counts).sum())
 
 
 def bits_per_byte(loss_nats_per_token: float, tokens: int, nbytes: int) -> float:

@@ -263,17 +263,18 @@ def resumed_copy(cfg, step: int, dest) -> Path:
 
 
 def interrupt_at(monkeypatch, step: int, signum=None):
-    """The next runs get SIGINT (or signum) during their `step`-th step, as from a user's Ctrl-C."""
+    """The next runs get SIGINT (or signum) during their `step`-th step (counted across them), as from a
+    user's Ctrl-C: when the loop asks for that step's learning rate, once a step whichever way it runs."""
     import signal
-    from data.loader import BatchLoader
-    real, drawn = BatchLoader.step_windows, [0]
+    import training.trainer
+    real, steps = training.trainer.lr_at, [0]
 
-    def step_windows(self):
-        drawn[0] += 1
-        if drawn[0] == step:
+    def lr_at(*args, **kwargs):
+        steps[0] += 1
+        if steps[0] == step:
             signal.raise_signal(signum or signal.SIGINT)
-        return real(self)
-    monkeypatch.setattr(BatchLoader, "step_windows", step_windows)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(training.trainer, "lr_at", lr_at)
 
 
 def write(path, content):

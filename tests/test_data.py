@@ -156,3 +156,45 @@ def test_bytes_of_several_documents_count_their_text(tmp_path):
     char = load_meta(prepare_text(docs, "char", 0.1, tmp_path / "prep"))
     bpe = load_meta(prepare_text(docs, "bpe:300", 0.1, tmp_path / "prep"))
     assert sum(char["bytes"].values()) == total + 1 and sum(bpe["bytes"].values()) == total
+
+
+def test_batches_drawn_on_the_device_and_from_the_memory_mapped_files_are_the_same(tmp_path, text_file,
+                                                                                 monkeypatch):
+    """A dataset is copied to the device when it fits, else read memory-mapped: on one device both draw the
+    same windows from the same generator, and evaluate the same fixed windows."""
+    import data.loader
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
+    resident = BatchLoader(out, block_size=16, batch_size=4, seed=3, grad_accum=2)
+    monkeypatch.setattr(data.loader, "free_memory", lambda device: 0)
+    mapped = BatchLoader(out, block_size=16, batch_size=4, seed=3, grad_accum=2)
+    assert resident.resident and not mapped.resident
+    for _ in range(3):
+        assert torch.equal(resident.step_windows(), mapped.step_windows())
+    for split in ("train", "val"):
+        for (x, y), (x2, y2) in zip(resident.eval_windows(split), mapped.eval_windows(split), strict=True):
+            assert torch.equal(x, x2) and torch.equal(y, y2) and x.dtype == torch.long
+
+
+def test_an_exact_evaluation_scores_every_val_token_once_and_a_train_sample_as_large(tmp_path, text_file):
+    from data.loader import strided_windows
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
+    loader = BatchLoader(out, block_size=16, batch_size=4)
+    val = [torch.cat([t.flatten() for t in pair]) for pair in zip(*loader.eval_windows("val"))]
+    every = [torch.cat([t.flatten() for t in pair]) for pair in zip(*strided_windows(
+        np.asarray(loader.splits["val"].cpu()), 16, 16, 4))]
+    assert torch.equal(val[0], every[0]) and torch.equal(val[1], every[1]), "every target once, in order"
+    assert len(val[1]) == loader.meta["tokens"]["val"] - 1
+    train = list(loader.eval_windows("train"))
+    assert sum(len(x) for x, _ in train) == -(-(loader.meta["tokens"]["val"] - 1) // 16), "as many windows"
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(train, loader.eval_windows("train"))), "fixed"
+
+
+def test_damaged_token_ids_in_a_memory_mapped_dataset_are_one_line(tmp_path, text_file, monkeypatch):
+    import data.loader
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
+    tokens = np.fromfile(out / "train.bin", dtype=np.uint16)
+    tokens[::3] = 60_000
+    tokens.tofile(out / "train.bin")
+    monkeypatch.setattr(data.loader, "free_memory", lambda device: 0)
+    with pytest.raises(UserError, match=f"{out} holds token id 60000 in train.bin"):
+        BatchLoader(out, block_size=16, batch_size=4).step_windows()

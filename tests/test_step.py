@@ -201,3 +201,16 @@ def test_a_graph_run_checkpoints_float_learning_rates_and_resumes_eagerly(tiny_c
     assert len(states) == 2 and all(type(g["lr"]) is float for s in states for g in s["param_groups"])   # Muon, AdamW
     monkeypatch.undo()
     assert train(cfg, quiet=True, resume=True)["step"] == 20
+
+
+def test_the_graph_step_fed_from_memory_mapped_files_trains_as_the_one_that_draws_on_the_device(
+        tiny_cfg, tmp_path, graph_on_cpu, monkeypatch):
+    """A dataset too large for the device stays memory-mapped: the graph then replays on a buffer refilled
+    before each step, and trains exactly as the step that draws its own windows on the device."""
+    import data.loader
+    train(tiny_cfg(out_dir=tmp_path / "resident"), quiet=True)
+    monkeypatch.setattr(data.loader, "free_memory", lambda device: 0)
+    train(tiny_cfg(out_dir=tmp_path / "mapped"), quiet=True)
+    assert [built["generators"] != [] for built in graph_on_cpu] == [True, False]
+    assert records(tmp_path / "mapped") == records(tmp_path / "resident")
+    assert records(tmp_path / "mapped", "eval", "val_loss") == records(tmp_path / "resident", "eval", "val_loss")

@@ -1,5 +1,6 @@
 """The loop learns, checkpoints round-trip, and a resumed run is the run it would have been."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +73,35 @@ def test_a_run_writes_its_config_and_metrics_as_it_ran(trained):
     assert steps == [1, 2, 3, 4] and [r["step"] for r in evals] == [2, 4]
     assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in records if r["kind"] == "train")
     assert ckpt["best_val_loss"] == min(r["val_loss"] for r in evals), "best.pt is the lowest val loss recorded"
+
+
+def test_a_checkpoint_is_written_while_the_steps_go_on_and_is_on_disk_when_the_run_returns(tiny_cfg,
+                                                                                          monkeypatch):
+    """The state is copied to host memory at the checkpoint's step, then written by another thread: a slow
+    disk holds up no step, what is written is the state of that step, and train() returns once it is on
+    disk. A write that fails ends the run with its error."""
+    import threading
+    import time
+    import training.trainer as trainer
+    real, writers, steps_meanwhile = trainer.save_checkpoint, [], []
+
+    def slow(ckpt, out, keep):
+        writers.append(threading.current_thread() is not threading.main_thread())
+        before = len(records(out))
+        time.sleep(0.5)
+        steps_meanwhile.append(len(records(out)) - before)
+        return real(ckpt, out, keep)
+    monkeypatch.setattr(trainer, "save_checkpoint", slow)
+    cfg = tiny_cfg(**{"train.max_steps": 20, "train.eval_interval": 5})
+    train(cfg, quiet=True)
+    assert writers == [True] * 4 and max(steps_meanwhile) > 0, "steps ran while a checkpoint was written"
+    assert [s for s, _ in list_checkpoints(cfg.out_dir)] == [15, 20]
+    assert read_checkpoint(f"{cfg.out_dir}/ckpt_0000015.pt")["step"] == 15
+    resumed = resumed_copy(cfg, 15, Path(cfg.out_dir).parent / "resumed")
+    assert records(resumed) == pytest.approx(records(cfg.out_dir), abs=1e-6), "the state of its own step"
+
+    def failing(ckpt, out, keep):
+        raise UserError("could not write the checkpoint: is the disk full?")
+    monkeypatch.setattr(trainer, "save_checkpoint", failing)
+    with pytest.raises(UserError, match="is the disk full"):
+        train(tiny_cfg(out_dir=Path(cfg.out_dir).parent / "failing"), quiet=True)

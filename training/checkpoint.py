@@ -109,6 +109,17 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
     return path
 
 
+def to_host(obj):
+    """obj with a copy of each of its tensors in host memory (in dicts, lists and tuples): what a
+    checkpoint's write can read while the steps go on changing the originals."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, (dict, list, tuple)):
+        items = [(k, to_host(v)) for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj))]
+        return dict(items) if isinstance(obj, dict) else type(obj)(v for _, v in items)
+    return obj
+
+
 def float_lrs(state: dict) -> dict:
     """An optimizer state dict (or Muon + AdamW's list of them) with every lr a float: a CUDA graph
     holds them in tensors, a checkpoint must load anywhere and resume with either kind of step."""

@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager, suppress
 from functools import partial
 from pathlib import Path
@@ -33,14 +34,14 @@ import torch
 
 from common import UserError, atomic_write, duration, first_line, silence_stdout
 from data.prepare import load_meta
-from data.loader import BatchLoader, strided_windows
+from data.loader import BatchLoader
 from data.prepare import prepare
 from data.sources import find_sources
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT, bits_per_byte, score
 from model.loading import FORMAT, VERSION, autocast, pick_device, pick_dtype, read_checkpoint
 from training.checkpoint import (check_out_dir, check_resumable, check_same_text, float_lrs, open_out_dir,
-                                 restore, rng_state, save_checkpoint)
+                                 restore, rng_state, save_checkpoint, to_host)
 from training.config import Config, build_config, describe, flat, fmt, load_toml
 from training.optim import build_optimizer, lr_at, set_lr
 
@@ -50,11 +51,11 @@ SAMPLE_TEMPERATURE = 0.8     # a little below 1: the likelier tokens, without gr
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
-          checkpoint=None) -> dict:
-    """Run (or continue: resume, from `checkpoint` or the out dir's latest) the training cfg describes.
-    Returns how it ended: its step, losses and seconds, how its step ran and the ms/step of each log
-    interval (what bench.py reads), and the exit code (0, or 128 + the signal that stopped it)."""
-    t, out = cfg.train, Path(cfg.out_dir)
+          checkpoint=None, started: float | None = None) -> dict:
+    """Run (or continue: resume, from `checkpoint` or the out dir's latest) the training cfg describes, in a
+    process begun at perf_counter() `started`. Returns its step, losses and seconds, how its step ran, the
+    ms/step of each log interval (what bench.py reads) and the exit code (0, or 128 + the stopping signal)."""
+    t, out, laps = cfg.train, Path(cfg.out_dir), [("", started), ("imports", time.perf_counter())]
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device, rank, local_rank, world = pick_device(t.device), 0, 0, 1
     if ddp:
@@ -75,6 +76,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if ckpt is not None:
         check_same_text(ckpt, resume_from, cfg, meta, say)
     fit_to_data(cfg, meta, tokenizer)
+    laps.append(("data", time.perf_counter()))
 
     # ---- the data, the model (the same initial weights on every rank), the optimizer
     loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,
@@ -95,7 +97,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         step, best_val, tokens, seconds_before = restore(ckpt, resume_from, model, optimizer, scaler, loader,
                                                          rank, world, t.seed)
     best, ckpt = resume_from if ckpt is not None and ckpt["is_best"] else None, None   # (copied: let it go)
+    laps.append(("model", time.perf_counter()))
     run_step, how = build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, world, say)
+    laps.append(("step", time.perf_counter()))
 
     # ---- the run's first write
     stored = flat(load_toml(out / "config.toml")) if resume_from and (out / "config.toml").is_file() else {}
@@ -104,19 +108,20 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         aside = open_out_dir(out, overwrite, best)
         metrics.open()   # (wandb first: one that cannot start leaves no file of this run)
         atomic_write(out / "config.toml", describe(cfg))
-        banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, dataset)
+        banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, loader, laps)
 
     # ---- the loop
     tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.block_size
     saved, checked, first_step, intervals = step if resume_from else None, step, step, []
     start = interval_start = time.perf_counter()
     timed = 0   # the steps since interval_start (evaluations and samples are not timed as steps)
-    with stop_signals() as stop, closing(metrics):
+    writing = None   # the checkpoint being written
+    with stop_signals() as stop, closing(metrics), ThreadPoolExecutor(1) as writer:
         while step < t.max_steps:
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
                        schedule=t.schedule, warmdown_frac=t.warmdown_frac)
             set_lr(optimizer, lr / t.lr if t.lr > 0 else 0.0)
-            loss, grad_norm = run_step(loader.step_windows())   # train_step (below), or its CUDA graph
+            loss, grad_norm = run_step()   # train_step (below) on the next windows, or its CUDA graph
             step, tokens, timed = step + 1, tokens + tokens_per_step, timed + 1
             logged = step % t.log_interval == 0 or step == t.max_steps
             evaluated = step % t.eval_interval == 0 or step == t.max_steps
@@ -142,8 +147,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                     check_finite({f"{s} loss": v for s, v in losses.items()}, checked, step, saved)
                     is_best, best_val = losses["val"] < best_val, min(best_val, losses["val"])
                     log_eval(say, metrics, meta, step, losses, is_best, elapsed)
-                save(cfg, meta, dict(step=step, best_val_loss=best_val, elapsed=elapsed, tokens=tokens,
-                                     is_best=is_best), model, optimizer, scaler, loader, ddp, rank)
+                writing = save(cfg, meta, dict(step=step, tokens=tokens, elapsed=elapsed, is_best=is_best,
+                    best_val_loss=best_val), model, optimizer, scaler, loader, ddp, rank, writer, writing)
                 saved, checked, interval_start, timed = step, step, time.perf_counter(), 0
             if sampled and rank == 0:
                 text = sample(model, tokenizer, t, device, dtype)
@@ -152,6 +157,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 interval_start, timed = time.perf_counter(), 0
             if stopping:
                 break
+        writing and writing.result()   # the last checkpoint is on disk before the run says it is done
     seconds = seconds_before + time.perf_counter() - start
     signum = (stop or [signal.SIGTERM])[0]   # (none here: another rank's)
     if step < t.max_steps:
@@ -210,9 +216,10 @@ def train_step(model, wrapped, optimizer, scaler, low_precision, grad_clip: floa
 
 
 def build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, world: int, say):
-    """(the step as the loop calls it: host windows -> (loss, grad norm), how it runs in words):
-    train_step, compiled (train.compile) and recorded as a CUDA graph (train.cuda_graph) where asked
-    for and possible."""
+    """(the step as the loop calls it: () -> (loss, grad norm), how it runs in words): train_step on
+    the loader's next windows, compiled (train.compile) and recorded as a CUDA graph (train.cuda_graph)
+    where asked for and possible. A graph holds the draw of the windows too where the data is on the
+    device; else it reads them from a buffer, refilled before each replay."""
     how, ddp_module = "eager", wrapped if world > 1 else None
     if t.compile:
         say("# compiling the model: about a minute (train.compile = false skips it)")
@@ -222,19 +229,26 @@ def build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, worl
         wrapped, how = compiled, "eager, compiled" if compiled is not wrapped else how
     step = partial(train_step, model, wrapped, optimizer, scaler, autocast(device, dtype), t.grad_clip,
                    ddp_module)
-    eager = lambda windows: step(windows.to(device, non_blocking=True))   # noqa: E731
+    eager = lambda: step(loader.step_windows())   # noqa: E731
     if not t.cuda_graph or (blocker := graph_blocker(device, world, dtype)):
         if t.cuda_graph and device.type == "cuda":
             say(f"# no CUDA graph: {blocker}")
         return eager, how
     from speed.cuda_graph import graph_step
-    buffer = torch.zeros(t.grad_accum, t.batch_size, loader.block_size + 1, dtype=torch.long, device=device)
-    try:
-        replay = graph_step(step, buffer, optimizer, capture=device.type == "cuda")   # (CPU: the tests')
-        return replay, how.replace("eager", "CUDA graph")
+    buffer = None if loader.resident else \
+        torch.zeros(t.grad_accum, t.batch_size, loader.block_size + 1, dtype=torch.long, device=device)
+    try:   # (on the CPU the same step runs without recording: the tests')
+        replay = graph_step(eager if buffer is None else lambda: step(buffer), optimizer,
+                            capture=device.type == "cuda", generators=[loader.generator] * loader.resident)
     except Exception as e:   # what the recording cannot hold: the eager step does the same work
         say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
         return eager, how
+    how = how.replace("eager", "CUDA graph")
+
+    def refill_and_replay():
+        buffer.copy_(loader.step_windows(), non_blocking=True)
+        return replay()
+    return (replay if buffer is None else refill_and_replay), how
 
 
 def graph_blocker(device: torch.device, world: int, dtype: torch.dtype) -> str | None:
@@ -298,14 +312,15 @@ def check_finite(values: dict, since: int, step: int, saved: int | None) -> None
 # ---------------------------------------------------------------- evaluation, checkpoints and samples
 
 def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool) -> dict:
-    """Mean loss of each split over the same `iters` batches every time (a fixed generator; each rank
-    scores its share of every batch), or with iters = 0 over every token of the split in consecutive
-    windows (every rank all of them: as many forwards on every rank, which FSDP's gathers need)."""
+    """Mean loss of each split: with iters = 0 over fixed windows (data/loader.py eval_windows: every val
+    token, and a train sample of the same size; every rank all of them: as many forwards on every rank,
+    which FSDP's gathers need), in large batches; else over the same `iters` random batches every time
+    (a fixed generator; each rank scores its share of every batch)."""
     losses = {}
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(EVAL_SEED)
-        batches = (loader.batch(split, generator) for _ in range(iters)) if iters else \
-            strided_windows(loader.splits[split], loader.block_size, loader.block_size, loader.batch_size)
+        batches = loader.eval_windows(split) if not iters else \
+            (loader.batch(split, generator) for _ in range(iters))
         nats, count = score(wrapped, batches, autocast(device, dtype))
         if ddp and iters:   # every rank's share
             from training import distributed
@@ -324,9 +339,11 @@ def log_eval(say, metrics, meta, step: int, losses: dict, is_best: bool, elapsed
                  "train_bpb": bpb["train"], "val_bpb": bpb["val"], "elapsed_s": elapsed, "time": time.time()})
 
 
-def save(cfg, meta, state: dict, model, optimizer, scaler, loader, ddp: bool, rank: int) -> None:
-    """A checkpoint of the whole training state (state: step, best_val_loss, elapsed, tokens, is_best),
-    and curves.png. Under FSDP every rank gathers its shards; rank 0 writes."""
+def save(cfg, meta, state: dict, model, optimizer, scaler, loader, ddp: bool, rank: int, writer, writing):
+    """A checkpoint of the whole training state (state: step, best_val_loss, elapsed, tokens, is_best)
+    and curves.png: the state is copied to host memory now, and written by writer (a thread: the steps
+    go on meanwhile) once the previous write (writing, its Future) is done and has raised its error if
+    it failed; returns the new write's Future. Under FSDP every rank gathers its shards; rank 0 writes."""
     if ddp:
         from training import distributed
         model_state, optimizer_state = distributed.full_state(model, optimizer)
@@ -334,18 +351,23 @@ def save(cfg, meta, state: dict, model, optimizer, scaler, loader, ddp: bool, ra
     else:
         model_state, optimizer_state, rngs = model.state_dict(), optimizer.state_dict(), [rng_state()]
     if rank:
-        return
-    out = Path(cfg.out_dir)
-    save_checkpoint({"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), **state,
-                     "tokenizer": meta["tokenizer"], "model": model_state,
-                     "optimizer": float_lrs(optimizer_state), "loader": loader.state_dict(),
-                     "dataset": {k: meta[k] for k in ("source", "sha256", "tokens", "bytes")},
-                     "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng_ranks": rngs},
-                    out, keep=cfg.train.keep_checkpoints)
-    if cfg.log.curves:   # (matplotlib is imported here, on first use)
+        return None
+    writing and writing.result()
+    ckpt = to_host({"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), **state,
+                    "tokenizer": meta["tokenizer"], "model": model_state,
+                    "optimizer": float_lrs(optimizer_state), "loader": loader.state_dict(),
+                    "dataset": {k: meta[k] for k in ("source", "sha256", "tokens", "bytes")},
+                    "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng_ranks": rngs})
+    out, t = Path(cfg.out_dir), cfg.train
+    return writer.submit(write_checkpoint, ckpt, out, t.keep_checkpoints, cfg.log.curves)
+
+
+def write_checkpoint(ckpt: dict, out: Path, keep: int, curves: bool) -> None:
+    save_checkpoint(ckpt, out, keep=keep)
+    if curves:   # (matplotlib is imported here, on first use)
         from viz.curves import draw, read_records, run_panels
         records = read_records(out / "metrics.jsonl", warn=False)
-        atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {state['step']}"))
+        atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {ckpt['step']}"))
 
 
 def sample(model: GPT, tokenizer, t, device, dtype) -> str:
@@ -417,8 +439,8 @@ class Metrics:
             self.wandb.finish()
 
 
-def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtype, how, world,
-           dataset) -> None:
+def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtype, how, world, loader,
+           laps) -> None:
     """Where the run goes and what it is: its settings that are not the defaults (and, resumed, what
     changed since it began), then its size, device, dtype, step, processes, tokens per step, data."""
     out = Path(cfg.out_dir)
@@ -435,4 +457,8 @@ def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtyp
     procs = f" x {world} processes ({'FSDP' if t.fsdp else 'DDP'})" if world > 1 else ""
     say(f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | {device}, "
         f"{str(dtype).removeprefix('torch.')}, {how}{procs} | "
-        f"{t.batch_size * t.grad_accum * world * cfg.model.block_size:,} tokens/step | data {dataset}")
+        f"{t.batch_size * t.grad_accum * world * cfg.model.block_size:,} tokens/step | "
+        f"data {loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})")
+    laps = (laps if laps[0][1] is not None else laps[1:]) + [("out dir", time.perf_counter())]
+    say(f"# start-up {laps[-1][1] - laps[0][1]:.1f} s: " + ", ".join(
+        f"{name} {b - a:.1f}" for (_, a), (name, b) in zip(laps, laps[1:])))
