@@ -214,3 +214,15 @@ def test_the_graph_step_fed_from_memory_mapped_files_trains_as_the_one_that_draw
     assert [built["generators"] != [] for built in graph_on_cpu] == [True, False]
     assert records(tmp_path / "mapped") == records(tmp_path / "resident")
     assert records(tmp_path / "mapped", "eval", "val_loss") == records(tmp_path / "resident", "eval", "val_loss")
+
+
+@cuda
+def test_on_cuda_a_graph_that_draws_its_own_batches_resumes_where_it_stopped(tiny_cfg, tmp_path):
+    """The windows are drawn inside the graph from a generator on the GPU; its state in the checkpoint
+    resumes the same batches (bf16 and the GPU's atomic adds: the same losses to well under a batch's noise)."""
+    cfg = tiny_cfg(**{"train.device": "cuda", "model.dropout": 0.1}, out_dir=tmp_path / "whole")
+    assert "CUDA graph" in train(cfg, quiet=True)["how"]
+    resumed = resumed_copy(cfg, 10, tmp_path / "resumed")
+    whole = records(tmp_path / "whole")
+    assert records(resumed) == pytest.approx(whole, abs=5e-3)
+    assert max(abs(whole[s] - whole[s + 1]) for s in range(11, 20)) > 2e-2, "a batch's noise is larger"

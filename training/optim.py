@@ -95,23 +95,24 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            by_shape = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.ndim != 2:
-                    raise ValueError(f"Muon updates 2-D matrices only, got one of shape {tuple(p.shape)}")
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(p.grad))
-                buf.mul_(group["momentum"]).add_(p.grad)
-                g = p.grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
-                by_shape.setdefault(tuple(p.shape), []).append((p, g))
-            for (rows, cols), items in by_shape.items():
-                stacked = torch.stack([g for _, g in items])
-                fast = stacked.to(fast_matmul_dtype(stacked.device))
-                updates = orthogonalize(fast, group["ns_steps"]).to(stacked.dtype)
-                shape_scale = -max(1.0, rows / cols) ** 0.5
-                step = updates * shape_scale * group["lr"]   # lr: a float, or a (CUDA graph's) tensor
-                torch._foreach_add_([p for p, _ in items], list(step.unbind(0)))
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.ndim != 2 for p in params):
+                raise ValueError("Muon updates 2-D matrices only")
+            grads = [p.grad for p in params]
+            bufs = [self.state[p].setdefault("momentum", torch.zeros_like(p)) for p in params]
+            torch._foreach_mul_(bufs, group["momentum"])   # M <- momentum M + G, every matrix at once
+            torch._foreach_add_(bufs, grads)
+            updates = torch._foreach_add(grads, bufs, alpha=group["momentum"]) if group["nesterov"] else bufs
+            by_shape = {}   # a tall matrix goes with the wide ones of its transposed shape: fewer, larger batches
+            for p, g in zip(params, updates):
+                tall = p.size(0) > p.size(1)
+                by_shape.setdefault(tuple(sorted(p.shape)), []).append((p, g.mT if tall else g, tall))
+            for items in by_shape.values():
+                stacked = torch.stack([g for _, g, _ in items])   # (n, rows, cols), rows <= cols
+                ortho = orthogonalize(stacked.to(fast_matmul_dtype(stacked.device)), group["ns_steps"])
+                for (p, _, tall), o in zip(items, ortho.to(stacked.dtype).unbind(0)):
+                    scale = -max(1.0, p.size(0) / p.size(1)) ** 0.5 * group["lr"]   # lr: float or graph's tensor
+                    p.add_((o.mT if tall else o) * scale)
 
 
 class Optimizers:
