@@ -46,21 +46,6 @@ def parse_args(argv):
     return args
 
 
-def encode_prompt(tokenizer, text: str, block_size: int) -> list[int]:
-    """The prompt's token ids, at most the last block_size of them (with a notice on stderr)."""
-    try:
-        ids = tokenizer.encode(text)
-    except UserError as e:
-        raise UserError(f"the prompt has {e}") from None
-    if len(ids) < 2:
-        raise UserError(f"the prompt has {len(ids)} token(s): attention needs at least 2 to show anything")
-    if len(ids) > block_size:
-        print(f"note: the prompt has {len(ids)} tokens, the model sees at most {block_size}: "
-              f"drawing the last {block_size}", file=sys.stderr)
-        ids = ids[-block_size:]
-    return ids
-
-
 def pick(spec: str, n: int, option: str) -> list[int]:
     """'0,2' -> [0, 2], each in range(n); '' -> all of range(n)."""
     try:
@@ -97,13 +82,15 @@ def main(argv) -> int:
 
     from data.sources import read_prompt
     from model.attention_maps import attention_maps, head_scores
-    from model.loading import load_model
+    from model.loading import load_model, prompt_ids
     from viz.attention_plots import BOX, label_fonts, plot_layer, plot_summary, visible
     from viz.attention_page import SCORE_NAMES, attention_page
 
     loaded = load_model(args.checkpoint)
     cfg = loaded.model.cfg
-    ids = encode_prompt(loaded.tokenizer, read_prompt(args.prompt), cfg.block_size)
+    ids = prompt_ids(loaded.tokenizer, read_prompt(args.prompt), cfg.block_size, "drawing")[-cfg.block_size:]
+    if len(ids) < 2:
+        raise UserError(f"the prompt has {len(ids)} token(s): attention needs at least 2 to show anything")
     layers, heads = pick(args.layers, cfg.n_layer, "--layers"), pick(args.heads, cfg.n_head, "--heads")
 
     _, maps = attention_maps(loaded.model, torch.tensor([ids]))
