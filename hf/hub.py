@@ -105,8 +105,9 @@ def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
     config, tensors = to_hf(cfg, state_dict)   # refuses unmappable settings before any write
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
     config.update(bos_token_id=eos, eos_token_id=eos)
-    # generate() stops at the context (transformers' pipeline would add 256 new tokens to any prompt)
-    generation = {"max_length": cfg.block_size, "bos_token_id": eos, "eos_token_id": eos}
+    # by default half the context (transformers' pipeline would add 256 tokens, past a small model's context);
+    # a max_length instead would make every call that gives max_new_tokens warn of the two
+    generation = {"max_new_tokens": cfg.block_size // 2, "bos_token_id": eos, "eos_token_id": eos}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", save(tensors, metadata={"format": "pt"}))
