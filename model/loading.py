@@ -29,6 +29,7 @@ from model.gpt import GPT
 
 FORMAT, VERSION = "gpt-checkpoint", 2
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
+ROOT = Path(__file__).resolve().parents[1]   # the repository: runs go to its out/ by default
 
 
 def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
@@ -51,8 +52,9 @@ def find_checkpoint(path) -> Path:
 
 def read_checkpoint(path) -> dict:
     """A checkpoint file's dict, read without running code; any problem is one line naming the file."""
-    if not Path(path).is_file():
-        raise UserError(f"checkpoint not found: {path}")
+    if not Path(path).is_file():   # (a run's path typed from another folder: the repository's is named)
+        near = f"; did you mean {ROOT / path}?" if (ROOT / path).exists() else ""
+        raise UserError(f"checkpoint not found: {path}{near}")
     try:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()   # torch.load itself reads a flipped bit in a tensor without a word
