@@ -76,6 +76,7 @@ def setting(default, help: str, **bounds):
     return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
+ROOT = Path(__file__).resolve().parent   # the repository: runs go to its out/ wherever a command runs
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 

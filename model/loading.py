@@ -22,14 +22,13 @@ from pathlib import Path
 
 import torch
 
-from common import UserError, first_line
+from common import ROOT, UserError, first_line
 from data.tokenizers import load_tokenizer
 from model.config import ModelConfig
 from model.gpt import GPT
 
 FORMAT, VERSION = "gpt-checkpoint", 2
 CKPT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
-ROOT = Path(__file__).resolve().parents[1]   # the repository: runs go to its out/ by default
 
 
 def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
@@ -43,11 +42,10 @@ def find_checkpoint(path) -> Path:
     path = Path(path)
     if not path.is_dir():
         return path
-    latest = (list_checkpoints(path) or [(0, None)])[-1][1]
-    found = path / "best.pt" if (path / "best.pt").is_file() else latest
-    if found is None:
+    found = [path / "best.pt"] if (path / "best.pt").is_file() else [p for _, p in list_checkpoints(path)]
+    if not found:
         raise UserError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
-    return found
+    return found[-1]
 
 
 def read_checkpoint(path) -> dict:
@@ -77,7 +75,6 @@ class LoadedModel:
     tokenizer: object
     path: Path | str
     description: str          # one line: where it came from, its step and val loss
-    step: int | None = None
 
 
 def load_model(source, device=torch.device("cpu")) -> LoadedModel:
@@ -100,15 +97,13 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
                              f"{model.cfg.vocab_size}")
     except Exception as e:   # torch says which weight in the lines after its first
         raise UserError(f"{path} does not hold a usable model ({' '.join(str(e).split())[:200]})") from None
-    best = ckpt.get("best_val_loss")
-    val = f", val loss {best:.4f}" if isinstance(best, float) else ""
+    val = f", val loss {ckpt['best_val_loss']:.4f}" if isinstance(ckpt.get("best_val_loss"), float) else ""
     description = f"{path} (step {ckpt['step']}{val})"
-    return LoadedModel(model.to(device).eval(), tokenizer, path, description, ckpt["step"])
+    return LoadedModel(model.to(device).eval(), tokenizer, path, description)
 
 
 def prompt_ids(tokenizer, text: str, block_size: int, doing: str) -> list[int]:
-    """A prompt's token ids (an empty prompt: the start token). The model sees at most its last block_size
-    tokens: a longer prompt is said once, on stderr, with what the command does (`doing`) with those."""
+    """A prompt's token ids (empty: the start token); one past block_size, the most a model sees, is said."""
     try:
         ids = tokenizer.encode(text) if text else [tokenizer.start_token]
     except UserError as e:

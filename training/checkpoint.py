@@ -23,7 +23,7 @@ import torch
 
 from common import UserError, atomic_write, first_line
 from model.loading import CKPT_RE, list_checkpoints
-from training.config import fmt
+from training.config import flat, fmt
 
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
 FOR_RESUMING = ("dataset", "optimizer", "scaler", "loader", "rng_ranks", "best_val_loss", "elapsed", "tokens",
@@ -133,10 +133,8 @@ def check_resumable(ckpt: dict, path, cfg) -> None:
     """Resuming needs the whole training state, and goes on with the run's own model and tokenizer."""
     if missing := [k for k in FOR_RESUMING if k not in ckpt]:
         raise UserError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
-    before = {f"model.{k}": v for k, v in ckpt["config"]["model"].items()}
-    before["data.tokenizer"] = ckpt["config"]["data"]["tokenizer"]
-    now = {f"model.{k}": v for k, v in cfg.to_dict()["model"].items()}
-    now["data.tokenizer"] = cfg.data.tokenizer
+    before, now = ({k: v for k, v in flat(c).items() if k.startswith("model.") or k == "data.tokenizer"}
+                   for c in (ckpt["config"], cfg.to_dict()))
     for key in [k for k in now if before.get(k) != now[k] and not (k == "model.vocab_size" and now[k] == 0)]:
         raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(now[key])} now: --resume goes on "
                         f"with the run's own model and tokenizer (another --out_dir starts a new run)")
