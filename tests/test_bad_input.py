@@ -137,7 +137,7 @@ CASES = [
     ]
 ] + [
     ("fresh run over a run", train_cli, lambda e: in_out_dir(e, e["ckpt"])[:-1],
-     "already holds a run: --resume continues it, --overwrite starts over"),
+     "--resume continues it, --overwrite starts over"),
     ("resume, other model", train_cli, lambda e: in_out_dir(e, e["ckpt"]) + ["--model.n_layer=3"],
      "model.n_layer: 2 in the run, 3 now"),
 ] + [
