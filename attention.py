@@ -4,8 +4,7 @@
     python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 --out maps/
     python attention.py out/shakespeare_char_cpu --prompt @scene.txt --html attention.html
 
-writes, into --out (default: <run dir>/attention/; for GPT-2 by name out/attention/<name>/), and prints
-the paths of
+writes, and prints the paths of, into --out (default <run dir>/attention/; GPT-2 by name out/attention/NAME/)
     attention_layer<i>.png   one panel per head: row i is query token i, column j the token it looks
                              at, the colour the weight a_ij; the prompt's tokens label both axes
                              (spaces as ␣, newlines as ⏎; a character no installed font has as □)
@@ -22,9 +21,7 @@ block_size is cut to its last block_size tokens.
 import sys
 from pathlib import Path
 
-from common import ArgumentParser, UserError, atomic_write, run_cli
-
-ROOT = Path(__file__).resolve().parent
+from common import ROOT, ArgumentParser, UserError, atomic_write, run_cli
 
 
 def parse_args(argv):
@@ -36,8 +33,7 @@ def parse_args(argv):
     p.add_argument("--layers", default="", help="comma-separated layer numbers from 0 (default: all)")
     p.add_argument("--heads", default="", help="comma-separated head numbers from 0 (default: all)")
     p.add_argument("--html", default="", metavar="FILE",
-                   help="write the interactive page to FILE instead of the PNGs (give --out as well for "
-                   "both)")
+                   help="write the interactive page to FILE instead of the PNGs (with --out as well: both)")
     p.add_argument("--no-summary", action="store_true", help="skip attention_summary.png")
     p.add_argument("--dpi", type=int, default=100, help="pixels per inch of the PNGs (1 to 1000)")
     args = p.parse_args(argv)
@@ -46,30 +42,14 @@ def parse_args(argv):
     return args
 
 
-def encode_prompt(tokenizer, text: str, block_size: int) -> list[int]:
-    """The prompt's token ids, at most the last block_size of them (with a notice on stderr)."""
-    try:
-        ids = tokenizer.encode(text)
-    except UserError as e:
-        raise UserError(f"the prompt has {e}") from None
-    if len(ids) < 2:
-        raise UserError(f"the prompt has {len(ids)} token(s): attention needs at least 2 to show anything")
-    if len(ids) > block_size:
-        print(f"note: the prompt has {len(ids)} tokens, the model sees at most {block_size}: "
-              f"drawing the last {block_size}", file=sys.stderr)
-        ids = ids[-block_size:]
-    return ids
-
-
 def pick(spec: str, n: int, option: str) -> list[int]:
     """'0,2' -> [0, 2], each in range(n); '' -> all of range(n)."""
     try:
         chosen = [int(s) for s in spec.split(",")] if spec else list(range(n))
     except ValueError:
         raise UserError(f"{option} takes comma-separated numbers, got {spec!r}") from None
-    for i in chosen:
-        if not 0 <= i < n:
-            raise UserError(f"{option}: {i} is out of range, the model has {n} (0 to {n - 1})")
+    if bad := [i for i in chosen if not 0 <= i < n]:
+        raise UserError(f"{option}: {bad[0]} is out of range, the model has {n} (0 to {n - 1})")
     return chosen
 
 
@@ -97,13 +77,15 @@ def main(argv) -> int:
 
     from data.sources import read_prompt
     from model.attention_maps import attention_maps, head_scores
-    from model.loading import load_model
+    from model.loading import load_model, prompt_ids
     from viz.attention_plots import BOX, label_fonts, plot_layer, plot_summary, visible
     from viz.attention_page import SCORE_NAMES, attention_page
 
     loaded = load_model(args.checkpoint)
     cfg = loaded.model.cfg
-    ids = encode_prompt(loaded.tokenizer, read_prompt(args.prompt), cfg.block_size)
+    ids = prompt_ids(loaded.tokenizer, read_prompt(args.prompt), cfg.block_size, "drawing")[-cfg.block_size:]
+    if len(ids) < 2:
+        raise UserError(f"the prompt has {len(ids)} token(s): attention needs at least 2 to show anything")
     layers, heads = pick(args.layers, cfg.n_layer, "--layers"), pick(args.heads, cfg.n_head, "--heads")
 
     _, maps = attention_maps(loaded.model, torch.tensor([ids]))

@@ -28,9 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ArgumentParser, UserError, check, run_cli
+from common import ROOT, ArgumentParser, UserError, check, run_cli
 
-ROOT = Path(__file__).resolve().parent
 # (classic, fast) by the kind of machine: the race on a GPU races the GPU pair
 PAIRS = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
          "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import operator
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ def setting(default, help: str, **bounds):
     return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
+ROOT = Path(__file__).resolve().parent   # the repository: runs go to its out/ wherever a command runs
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
@@ -123,6 +125,16 @@ def atomic_write(path, data) -> None:
         if isinstance(e, OSError):   # said of the file the user knows, not of its temporary twin
             e.filename = str(path)
         raise
+
+
+def typed(p) -> str:
+    """A path as a user here types it: relative to the working directory when under it, else absolute."""
+    return os.path.relpath(p) if Path(p).absolute().is_relative_to(Path.cwd()) else os.path.abspath(p)
+
+
+def command(script: str, *args: str) -> str:
+    """The command line that runs this repository's script with args from here, quoted for a shell."""
+    return shlex.join(["python", typed(ROOT / script), *args])
 
 
 def duration(seconds: float) -> str:

@@ -17,8 +17,7 @@ from common import ArgumentParser, UserError, run_cli
 
 
 def parse_args(argv):
-    p = ArgumentParser(description="Export a trained GPT as a Hugging Face directory (GPT-2 and its "
-                       "tokenizer).")
+    p = ArgumentParser(description="Export a trained GPT as a Hugging Face GPT-2 directory and tokenizer.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("out_dir", help="the directory to write the model and tokenizer files to")
     p.add_argument("--force", action="store_true", help="write into out_dir even if it is not empty")
@@ -39,8 +38,7 @@ def main(argv) -> int:
     written = save_pretrained(out, cfg, loaded.model.state_dict(), meta)
     print(f"# {loaded.path} -> {out} (GPT2LMHeadModel: {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
           f"context {cfg.block_size}, vocab {cfg.vocab_size})")
-    print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} "
-          f"(AutoTokenizer.from_pretrained)")
+    print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} (for AutoTokenizer)")
     return 0
 
 

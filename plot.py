@@ -13,17 +13,16 @@ import sys
 import tomllib
 from pathlib import Path
 
-from common import ArgumentParser, UserError, atomic_write, flat, run_cli
+from common import ROOT, ArgumentParser, UserError, atomic_write, flat, run_cli
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "runs.png"   # out/ is where runs go, git-ignored
+DEFAULT_OUT = ROOT / "out" / "runs.png"   # out/ is where runs go, git-ignored
 # what is shown or kept of a run, not what it computes: never named in the legend (keys and prefixes)
 SHOWN = ("out_dir", "data.prepared_dir", "log.", "train.log_interval", "train.keep_checkpoints",
          "train.sample_")
 
 
 def parse_args(argv):
-    p = ArgumentParser(description="Overlay the loss curves of several runs, by step and by wall-clock "
-                       "time.")
+    p = ArgumentParser(description="Overlay the loss curves of several runs, by step and by wall-clock time.")
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="a run's out dir (with metrics.jsonl and config.toml)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the picture's path, .png, .svg or .pdf "

@@ -67,17 +67,14 @@ def main(argv) -> int:
     import torch
 
     from data.sources import read_prompt
-    from model.loading import autocast, load_model, pick_device, pick_dtype
+    from model.loading import autocast, load_model, pick_device, pick_dtype, prompt_ids
     from model.sampling import generate
 
     device = pick_device(args.device, setting="--device")
     loaded = load_model(args.checkpoint, device)
     tokenizer, dtype = loaded.tokenizer, pick_dtype(device)
     text = read_prompt(args.prompt)
-    try:
-        ids = tokenizer.encode(text) if text else [tokenizer.start_token]
-    except UserError as e:
-        raise UserError(f"the prompt has {e}") from None
+    ids = prompt_ids(tokenizer, text, loaded.model.cfg.block_size, "continuing")
     print(f"# {loaded.description}", file=sys.stderr)
     if args.compile and device.type == "cpu":
         print(NOTE_CPU_COMPILE, file=sys.stderr)

@@ -20,7 +20,7 @@ STARTED = time.perf_counter()   # (before the imports: the banner says where the
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from common import ArgumentParser, run_cli  # noqa: E402
+from common import ArgumentParser, command, run_cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -46,11 +46,13 @@ def main(argv: list[str]) -> int:
     if checkpoint and Path(checkpoint).is_dir():   # train.py --resume OUT_DIR: its latest checkpoint
         rest.append(f"--out_dir={checkpoint}")
         checkpoint = None
-    elif checkpoint:   # that checkpoint's run goes on, in the folder it is in
+    elif checkpoint:   # that checkpoint's run goes on, in the folder it is in (again: from its latest)
         rest.append(f"--out_dir={Path(checkpoint).resolve().parent}")
     cfg = build_config(config_file, rest, resume=bool(args.resume))
-    return train(cfg, resume=bool(args.resume), overwrite=args.overwrite, checkpoint=checkpoint,
-                 started=STARTED)["exit_code"]
+    words = [str(Path(a).parent) if a == checkpoint else a for a in argv if a != "--overwrite"]
+    again = command("train.py", *words, *([] if args.resume else ["--resume"]))
+    return train(cfg, bool(args.resume), args.overwrite, checkpoint=checkpoint, started=STARTED,
+                 again=again)["exit_code"]
 
 
 if __name__ == "__main__":

@@ -98,15 +98,14 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
 
 def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
                     tokenizer: dict | None = None) -> list[str]:
-    """Write config.json, generation_config.json and model.safetensors, which transformers loads as
-    GPT2LMHeadModel, and for a tokenizer's meta() its files (hf/tokenizer.py), each atomically; returns
-    the tokenizer files' names."""
+    """Write config.json, generation_config.json and model.safetensors (GPT2LMHeadModel to transformers),
+    and a tokenizer meta()'s files (hf/tokenizer.py), each atomically; returns the tokenizer files' names."""
     from safetensors.torch import save
     config, tensors = to_hf(cfg, state_dict)   # refuses unmappable settings before any write
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
     config.update(bos_token_id=eos, eos_token_id=eos)
-    # generate() stops at the context (transformers' pipeline would add 256 new tokens to any prompt)
-    generation = {"max_length": cfg.block_size, "bos_token_id": eos, "eos_token_id": eos}
+    # half the context by default (the pipeline's 256 overrun a small one; a max_length makes calls warn)
+    generation = {"max_new_tokens": cfg.block_size // 2, "bos_token_id": eos, "eos_token_id": eos}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", save(tensors, metadata={"format": "pt"}))
@@ -126,9 +125,8 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
     except UserError as e:
         raise UserError(f"train.init_from: {e}") from None
     if pretrained.vocab_size < GPT2_VOCAB:
-        raise UserError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, "
-                        f"fewer than GPT-2's {GPT2_VOCAB}: its tokenizer is not GPT-2's, which "
-                        f"fine-tuning uses")
+        raise UserError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, fewer "
+                        f"than GPT-2's {GPT2_VOCAB}: its tokenizer is not GPT-2's, which fine-tuning uses")
     for key in sorted(k.removeprefix("model.") for k in explicit if k.startswith("model.")):
         mine, theirs = getattr(cfg.model, key), getattr(pretrained, key)
         free = (key == "dropout" or (key == "attention" and mine in ("naive", "sdpa"))

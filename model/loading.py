@@ -14,6 +14,7 @@ share (training writes the checkpoints: training/checkpoint.py).
 import os
 import pickle
 import re
+import sys
 import zipfile
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common import UserError, first_line
+from common import ROOT, UserError, first_line
 from data.tokenizers import load_tokenizer
 from model.config import ModelConfig
 from model.gpt import GPT
@@ -41,17 +42,17 @@ def find_checkpoint(path) -> Path:
     path = Path(path)
     if not path.is_dir():
         return path
-    latest = (list_checkpoints(path) or [(0, None)])[-1][1]
-    found = path / "best.pt" if (path / "best.pt").is_file() else latest
-    if found is None:
+    found = [path / "best.pt"] if (path / "best.pt").is_file() else [p for _, p in list_checkpoints(path)]
+    if not found:
         raise UserError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
-    return found
+    return found[-1]
 
 
 def read_checkpoint(path) -> dict:
     """A checkpoint file's dict, read without running code; any problem is one line naming the file."""
-    if not Path(path).is_file():
-        raise UserError(f"checkpoint not found: {path}")
+    if not Path(path).is_file():   # (a run's path typed from another folder: the repository's is named)
+        near = f"; did you mean {ROOT / path}?" if (ROOT / path).exists() else ""
+        raise UserError(f"checkpoint not found: {path}{near}")
     try:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()   # torch.load itself reads a flipped bit in a tensor without a word
@@ -74,7 +75,6 @@ class LoadedModel:
     tokenizer: object
     path: Path | str
     description: str          # one line: where it came from, its step and val loss
-    step: int | None = None
 
 
 def load_model(source, device=torch.device("cpu")) -> LoadedModel:
@@ -97,10 +97,21 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
                              f"{model.cfg.vocab_size}")
     except Exception as e:   # torch says which weight in the lines after its first
         raise UserError(f"{path} does not hold a usable model ({' '.join(str(e).split())[:200]})") from None
-    best = ckpt.get("best_val_loss")
-    val = f", val loss {best:.4f}" if isinstance(best, float) else ""
+    val = f", val loss {ckpt['best_val_loss']:.4f}" if isinstance(ckpt.get("best_val_loss"), float) else ""
     description = f"{path} (step {ckpt['step']}{val})"
-    return LoadedModel(model.to(device).eval(), tokenizer, path, description, ckpt["step"])
+    return LoadedModel(model.to(device).eval(), tokenizer, path, description)
+
+
+def prompt_ids(tokenizer, text: str, block_size: int, doing: str) -> list[int]:
+    """A prompt's token ids (empty: the start token); one past block_size, the most a model sees, is said."""
+    try:
+        ids = tokenizer.encode(text) if text else [tokenizer.start_token]
+    except UserError as e:
+        raise UserError(f"the prompt has {e}") from None
+    if len(ids) > block_size:
+        print(f"note: the prompt has {len(ids):,} tokens, the model sees at most {block_size}: {doing} the "
+              f"last {block_size}", file=sys.stderr)
+    return ids
 
 
 def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:

@@ -137,7 +137,7 @@ CASES = [
     ]
 ] + [
     ("fresh run over a run", train_cli, lambda e: in_out_dir(e, e["ckpt"])[:-1],
-     "already holds a run: --resume continues it, --overwrite starts over"),
+     "--resume continues it, --overwrite starts over"),
     ("resume, other model", train_cli, lambda e: in_out_dir(e, e["ckpt"]) + ["--model.n_layer=3"],
      "model.n_layer: 2 in the run, 3 now"),
 ] + [
@@ -212,6 +212,24 @@ def test_bad_input_is_one_line_a_non_zero_exit_and_writes_nothing(name, tool, ma
            "base": lambda **kw: tiny_overrides(tmp_path, text, **kw)}
     assert_refused(tool, make_argv(env), capsys, tmp_path, message)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_run_path_typed_from_another_folder_names_the_repository_s_run(tmp_path, trained, monkeypatch, capsys):
+    """Runs go to the repository's out/ from wherever train.py runs, but a path typed is the working
+    directory's: where out/x is not here and the repository has one, every command's refusal names it."""
+    import model.loading
+    repo = tmp_path / "repo"
+    shutil.copytree(trained, repo / "out" / "x")
+    monkeypatch.setattr(model.loading, "ROOT", repo)
+    monkeypatch.chdir(mkdir(tmp_path / "elsewhere"))
+    import eval as eval_cli
+    for tool, argv in [(sample_cli, ["out/x"]), (attention_cli, ["out/x", "--prompt", "First"]),
+                       (export_cli, ["out/x", "hf"]), (eval_cli, ["out/x", write(tmp_path / "t.txt", TEXT)]),
+                       (sample_cli, ["out/x/best.pt"])]:
+        rc, _, err = run_tool(tool, argv, capsys)
+        assert rc == 2 and err == f"error: checkpoint not found: {argv[0]}; did you mean {repo / argv[0]}?\n", err
+    rc, _, err = run_tool(sample_cli, ["out/y"], capsys)   # nothing of that name anywhere: no guess
+    assert rc == 2 and err == "error: checkpoint not found: out/y\n", err
 
 
 def test_bad_input_through_the_real_entry_points(tmp_path, trained):

@@ -83,6 +83,29 @@ def test_pipeline_continues_a_prompt_greedily_as_our_model_does(exported):
     assert generate(prompt)[0]["generated_text"].startswith(prompt)
 
 
+def test_generation_config_bounds_a_default_call_without_a_warning_for_max_new_tokens(tmp_path):
+    """generation_config.json holds no max_length: with one, every call giving max_new_tokens (as the docs'
+    calls do) warns that both are set. Its max_new_tokens, half the context, keeps a call with none within
+    the context (the pipeline's own default, 256 new tokens, runs past a small model's position table)."""
+    import logging
+
+    from transformers import pipeline
+    _, _, path = export_tiny(tmp_path, "char")
+    assert json.loads((path / "generation_config.json").read_text()) == {
+        "max_new_tokens": 16, "bos_token_id": None, "eos_token_id": None}
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        generate = pipeline("text-generation", model=str(path))
+        assert len(generate("Hello world", max_new_tokens=5, do_sample=False)[0]["generated_text"]) == 16
+        assert len(generate("Hello world")[0]["generated_text"]) == 11 + 16
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [m for m in said if "max_length" in m], said
+
+
 def test_a_vocabulary_in_rank_order_is_needed_for_merges():
     """A token no lower-ranked pair makes cannot be a merge: said, not written wrong."""
     from hf.tokenizer import merges

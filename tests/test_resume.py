@@ -69,7 +69,7 @@ def test_an_out_dir_holding_only_best_pt_is_resumed_as_the_refusal_says(tmp_path
     out = mkdir(tmp_path / "out")
     shutil.copy(trained / "best.pt", out / "best.pt")
     rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file), capsys)
-    assert rc == 2 and "already holds a run: --resume continues it" in err, err
+    assert rc == 2 and "already holds a run: python " in err and " --resume continues it" in err, err
     rc, stdout, err = run_tool(train_cli, [*tiny_overrides(tmp_path, text_file, **{"train.max_steps": 6}), "--resume"],
                                capsys)
     assert rc == 0 and f"resuming {out / 'best.pt'} at step 4" in stdout, err

@@ -1,6 +1,7 @@
 """What a run promises its user besides a trained model: a warning when a resume trains on another
 text, a --help that documents every setting, and log lines that say how long is left."""
 import re
+from pathlib import Path
 
 import pytest
 
@@ -80,9 +81,10 @@ def test_the_final_line_gives_the_whole_run_s_time_and_tokens(tiny_cfg, capsys, 
     monkeypatch.undo()
     rest = train(cfg, resume=True)
     done = capsys.readouterr().out.splitlines()[-1]
-    m = re.fullmatch(r"# done: step 20, best val loss (\d+\.\d{4}), ((?:\d+:)?\d?\d:\d\d) \((\d+\.\d) s\), ([\d,]+) tokens",
-                     done)
-    assert m, done
+    m = re.fullmatch(r"# done: step 20, best val loss (\d+\.\d{4}), ((?:\d+:)?\d?\d:\d\d) \((\d+\.\d) s\), ([\d,]+) tokens"
+                     r"; to sample it: python (\S+) (\S+)", done)
+    assert m and Path(m[5]).absolute() == ROOT / "sample.py", done
+    assert Path(m[6]).absolute() == Path(cfg.out_dir), "the sample command of this run, from here"
     assert float(m.group(1)) == pytest.approx(rest["best_val_loss"], abs=5e-5)
     assert float(m.group(3)) == pytest.approx(rest["elapsed_s"], abs=0.05) and rest["elapsed_s"] > first["elapsed_s"]
     assert abs(seconds(m.group(2)) - rest["elapsed_s"]) <= 0.5

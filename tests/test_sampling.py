@@ -143,3 +143,21 @@ def test_compiling_the_decoding_step_on_a_cpu_is_said_not_to_pay(tmp_path, capsy
     rc, _, err = run_tool(sample_cli, [model, "--compile", "--no-cache", "--max-new-tokens", 2,
                                        "--device", "cpu"], capsys)
     assert rc == 0 and sample_cli.NOTE_CPU_COMPILE in err, err
+
+
+def test_a_prompt_longer_than_the_context_is_said_once_as_attention_py_says_it(tmp_path, capsys):
+    """The model sees only a prompt's last block_size tokens: sample.py says so, once, in attention.py's words
+    (model/loading.py's prompt_ids, which both use); a prompt that fits is not mentioned."""
+    import attention
+    import sample as sample_cli
+    from tests.conftest import run_tool, save_char_model
+    model = save_char_model(tmp_path / "m", n_layer=1, n_head=2, n_embd=16, block_size=16)
+    note = "note: the prompt has 30 tokens, the model sees at most 16: {} the last 16\n"
+    rc, out, err = run_tool(sample_cli, [model, "--prompt", "ab" * 15, "--max-new-tokens", 40, "--num-samples", 2,
+                                         "--device", "cpu"], capsys)
+    assert rc == 0 and out.startswith("--- sample 1 ---\n" + "ab" * 15), out
+    assert err.count("note:") == 1 and note.format("continuing") in err, err
+    rc, _, err = run_tool(attention, [model, "--prompt", "ab" * 15, "--out", tmp_path / "maps"], capsys)
+    assert rc == 0 and err.count("note:") == 1 and note.format("drawing") in err, err
+    rc, _, err = run_tool(sample_cli, [model, "--prompt", "ab" * 8, "--max-new-tokens", 40, "--device", "cpu"], capsys)
+    assert rc == 0 and "note:" not in err, err

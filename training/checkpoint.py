@@ -23,7 +23,7 @@ import torch
 
 from common import UserError, atomic_write, first_line
 from model.loading import CKPT_RE, list_checkpoints
-from training.config import fmt
+from training.config import flat, fmt, load_toml
 
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
 FOR_RESUMING = ("dataset", "optimizer", "scaler", "loader", "rng_ranks", "best_val_loss", "elapsed", "tokens",
@@ -36,8 +36,9 @@ def run_files(out: Path) -> list[str]:
     return sorted(p.name for p in out.glob("*") if p.name in RUN_FILES or CKPT_RE.match(p.name))
 
 
-def check_out_dir(out: Path, resume: bool, overwrite: bool, checkpoint=None) -> Path | None:
-    """The checkpoint a run continues (None: a new run), once out can take the run. Writes nothing."""
+def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=None, again="--resume"):
+    """The checkpoint a run on `data` continues (None: a new run), once out can take the run; a refusal
+    names `again`, the command that would continue the run out holds. Writes nothing."""
     latest = (list_checkpoints(out) or [(0, out / "best.pt")])[-1][1]
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other: continue the run, or start it over")
@@ -52,7 +53,12 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool, checkpoint=None) -> 
     held = run_files(out) if out.is_dir() else []
     kept = f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), or another --out_dir"
     if held and not resume and not overwrite and latest.is_file():
-        raise UserError(f"{out} already holds a run: --resume continues it, {kept}")
+        run = flat(load_toml(out / "config.toml")) if (out / "config.toml").is_file() else {}
+        was, now = (run.get("data.path"), run.get("data.tokenizer")), (data.path, data.tokenizer)
+        if run and was != now:   # (an out dir given twice, or texts of one name in two folders)
+            raise UserError(f"{out} already holds a run trained on {was[0]} ({was[1]}), not {now[0]} "
+                            f"({now[1]}): {again} would continue that run on other data; {kept}")
+        raise UserError(f"{out} already holds a run: {again} continues it, {kept}")
     if held and not resume and not overwrite:
         raise UserError(f"{out} holds {', '.join(held)}, which a run writes: {kept}")
     return Path(checkpoint or latest).resolve() if resume else None
@@ -144,10 +150,8 @@ def check_resumable(ckpt: dict, path, cfg) -> None:
     """Resuming needs the whole training state, and goes on with the run's own model and tokenizer."""
     if missing := [k for k in FOR_RESUMING if k not in ckpt]:
         raise UserError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
-    before = {f"model.{k}": v for k, v in ckpt["config"]["model"].items()}
-    before["data.tokenizer"] = ckpt["config"]["data"]["tokenizer"]
-    now = {f"model.{k}": v for k, v in cfg.to_dict()["model"].items()}
-    now["data.tokenizer"] = cfg.data.tokenizer
+    before, now = ({k: v for k, v in flat(c).items() if k.startswith("model.") or k == "data.tokenizer"}
+                   for c in (ckpt["config"], cfg.to_dict()))
     for key in [k for k in now if before.get(k) != now[k] and not (k == "model.vocab_size" and now[k] == 0)]:
         raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(now[key])} now: --resume goes on "
                         f"with the run's own model and tokenizer (another --out_dir starts a new run)")

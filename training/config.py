@@ -17,11 +17,9 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import UserError, check_fields, first_line, flat, setting  # noqa: F401 (flat: the config's)
+from common import ROOT, UserError, check_fields, first_line, flat, setting  # noqa: F401 (the config's)
 from data.prepare import DataConfig
 from model.config import ModelConfig
-
-ROOT = Path(__file__).resolve().parents[1]   # the repository: where the defaults' paths point
 
 
 @dataclass

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common import UserError, atomic_write, duration, first_line, silence_stdout
+from common import UserError, atomic_write, command, duration, first_line, silence_stdout, typed
 from data.prepare import load_meta
 from data.loader import BatchLoader
 from data.prepare import prepare
@@ -51,10 +51,10 @@ SAMPLE_TEMPERATURE = 0.8     # a little below 1: the likelier tokens, without gr
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
-          checkpoint=None, started: float | None = None) -> dict:
+          checkpoint=None, started: float | None = None, again: str = "the same command with --resume") -> dict:
     """Run (or continue: resume, from `checkpoint` or the out dir's latest) the training cfg describes, in a
-    process begun at perf_counter() `started`. Returns its step, losses and seconds, how its step ran, the
-    ms/step of each log interval (what bench.py reads) and the exit code (0, or 128 + the stopping signal)."""
+    process begun at perf_counter() `started`; the command `again` resumes it. Returns its step, losses,
+    seconds, how its step ran, each log interval's ms/step (bench.py's) and the exit code (0, or 128 + signal)."""
     t, out, laps = cfg.train, Path(cfg.out_dir), [("", started), ("imports", time.perf_counter())]
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device, rank, local_rank, world = pick_device(t.device), 0, 0, 1
@@ -65,7 +65,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
 
     # ---- every check before the run's first write: the data's files, the out dir, the checkpoint, the data
     find_sources(cfg.data.path)
-    resume_from = check_out_dir(out, resume, overwrite, checkpoint)
+    resume_from = check_out_dir(out, cfg.data, resume, overwrite, checkpoint, again)
     ckpt = read_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
         check_resumable(ckpt, resume_from, cfg)
@@ -162,10 +162,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     signum = (stop or [signal.SIGTERM])[0]   # (none here: another rank's)
     if step < t.max_steps:
         say(f"stopped by {signal.Signals(signum).name} at step {step}: checkpoint saved in {out}; "
-            f"the same command with --resume continues it")
+            f"{again} continues it")
     else:
         say(f"# done: step {step}, best val loss {best_val:.4f}, {duration(seconds)} ({seconds:.1f} s), "
-            f"{tokens:,} tokens")
+            f"{tokens:,} tokens; to sample it: {command('sample.py', typed(out))}")
     if ddp:
         distributed.leave()
     return {"step": step, "best_val_loss": best_val, "elapsed_s": seconds, "how": how,
