@@ -103,7 +103,7 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_mul_(bufs, group["momentum"])   # M <- momentum M + G, every matrix at once
             torch._foreach_add_(bufs, grads)
             updates = torch._foreach_add(grads, bufs, alpha=group["momentum"]) if group["nesterov"] else bufs
-            by_shape = {}   # a tall matrix goes with the wide ones of its transposed shape: fewer, larger batches
+            by_shape = {}   # a tall matrix joins the wide ones of its transposed shape: fewer batches
             for p, g in zip(params, updates):
                 tall = p.size(0) > p.size(1)
                 by_shape.setdefault(tuple(sorted(p.shape)), []).append((p, g.mT if tall else g, tall))
@@ -111,7 +111,7 @@ class Muon(torch.optim.Optimizer):
                 stacked = torch.stack([g for _, g, _ in items])   # (n, rows, cols), rows <= cols
                 ortho = orthogonalize(stacked.to(fast_matmul_dtype(stacked.device)), group["ns_steps"])
                 for (p, _, tall), o in zip(items, ortho.to(stacked.dtype).unbind(0)):
-                    scale = -max(1.0, p.size(0) / p.size(1)) ** 0.5 * group["lr"]   # lr: float or graph's tensor
+                    scale = -max(1.0, p.size(0) / p.size(1)) ** 0.5 * group["lr"]   # (a graph's lr: a tensor)
                     p.add_((o.mT if tall else o) * scale)
 
 

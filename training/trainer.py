@@ -51,10 +51,10 @@ SAMPLE_TEMPERATURE = 0.8     # a little below 1: the likelier tokens, without gr
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
-          checkpoint=None, started: float | None = None, again: str = "the same command with --resume") -> dict:
+          checkpoint=None, started: float | None = None, again="the same command with --resume") -> dict:
     """Run (or continue: resume, from `checkpoint` or the out dir's latest) the training cfg describes, in a
     process begun at perf_counter() `started`; the command `again` resumes it. Returns its step, losses,
-    seconds, how its step ran, each log interval's ms/step (bench.py's) and the exit code (0, or 128 + signal)."""
+    seconds, how its step ran, each log interval's ms/step (bench.py's), the exit code (0, 128 + signal)."""
     t, out, laps = cfg.train, Path(cfg.out_dir), [("", started), ("imports", time.perf_counter())]
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device, rank, local_rank, world = pick_device(t.device), 0, 0, 1
