@@ -3,23 +3,19 @@
 A window is block_size + 1 consecutive tokens: x is its first block_size, y the same shifted by one,
 so y[b, t] is the token that follows x[b, :t+1]. Training draws windows at random offsets.
 
-Where the tokens live: a dataset under a quarter of the device's free memory is copied to the device
-once (int32), and each step's offsets are drawn there by a generator of the device, so a step needs
-nothing from the host: a CUDA graph holds the draw with the step. A larger one stays memory-mapped
-(np.memmap): only each step's windows are read from disk, whatever the corpus's size, and are copied
-to the device through pinned memory. Either way the generator's state is in every checkpoint, so a
-resumed run draws the batches the uninterrupted run would have (on the same kind of device).
+Where the tokens are: a dataset under a quarter of the device's free memory is copied there once, and
+each step's offsets are drawn there by the device's own generator, so a step needs nothing from the
+host (a CUDA graph holds the draw with the step). A larger one stays memory-mapped: only each step's
+windows are read, whatever the corpus's size. The generator's state is in every checkpoint.
 
 Many processes (torch.distributed): every rank holds the same generator and, each optimizer step,
 draws the offsets of the whole global batch, world x grad_accum x B windows, then keeps only its own
 B windows per micro-step. So which windows a step trains on depends only on the global batch size: 1
 process with batch 2B, 1 with batch B and 2 accumulation steps, and 2 with batch B each see exactly
 the same data (the tests check that they end with the same weights).
-
-Evaluation (eval_windows) scores fixed windows: every window of the val split, consecutive (the
-first EVAL_MAX_WINDOWS of a larger one), and as many train windows at evenly spaced offsets.
 """
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -59,14 +55,12 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free on the device: CUDA's count, or the host's available memory for the CPU (0 where
-    unknown: the dataset stays memory-mapped)."""
+    """Bytes free on the device: CUDA's count, the host's available memory for the CPU, else 0."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if device.type == "cpu" else 0
-    except (ValueError, OSError, AttributeError):   # (a system without these names)
-        return 0
+    names = ("SC_AVPHYS_PAGES", "SC_PAGE_SIZE")   # (POSIX's; Windows and macOS lack the first)
+    return os.sysconf(names[0]) * os.sysconf(names[1]) if device.type == "cpu" and \
+        set(names) <= set(getattr(os, "sysconf_names", {})) else 0
 
 
 class BatchLoader:
@@ -77,15 +71,14 @@ class BatchLoader:
         self.dataset_dir, self.meta, self.vocab_size = Path(dataset_dir), meta, meta["vocab_size"]
         self.block_size, self.batch_size, self.device = block_size, batch_size, torch.device(device)
         self.grad_accum, self.rank, self.world = grad_accum, rank, world
-        self.splits = {split: np.memmap(self.dataset_dir / f"{split}.bin", dtype=meta["dtype"], mode="r",
+        self.mapped = {split: np.memmap(self.dataset_dir / f"{split}.bin", dtype=meta["dtype"], mode="r",
                                         shape=(meta["tokens"][split],)) for split in SPLITS}
-        self.resident = 4 * sum(meta["tokens"].values()) < free_memory(self.device) / 4
-        if self.resident:   # int32 on the device, checked once (torch has no uint16 arithmetic)
-            for split, tokens in self.splits.items():
-                self.splits[split] = torch.from_numpy(tokens.astype(np.int32)).to(self.device)
-                self.check_ids(split, int(self.splits[split].max()))
+        self.resident = 4 * sum(meta["tokens"].values()) < free_memory(self.device) / 4   # as int32
+        self.splits = dict(self.mapped)
+        for split, tokens in self.splits.items() if self.resident else ():   # (torch: no uint16 arithmetic)
+            self.splits[split] = torch.from_numpy(tokens.astype(np.int32)).to(self.device)
+            self.check_ids(split, int(self.splits[split].max()))   # once
         self.generator = torch.Generator(self.device if self.resident else "cpu").manual_seed(seed)
-        self.offsets = torch.arange(block_size + 1, device=self.generator.device)
 
     def check_ids(self, split: str, top: int) -> None:
         """A token id outside the vocabulary is a UserError before the embedding fails on it: the files
@@ -97,22 +90,20 @@ class BatchLoader:
 
     def windows(self, split: str, starts: torch.Tensor) -> torch.Tensor:
         """The windows of block_size + 1 tokens at starts (...,): (..., T + 1) int64 on the device."""
-        index = starts[..., None] + self.offsets.to(starts.device)
-        tokens = self.splits[split]
+        index = starts[..., None] + torch.arange(self.block_size + 1, device=starts.device)
         if self.resident:
-            return tokens[index.to(self.device)].long()
-        windows = tokens[index.numpy()]
+            return self.splits[split][index.to(self.device)].long()
+        windows = self.mapped[split][index.numpy()]
         self.check_ids(split, int(windows.max()))
         windows = torch.from_numpy(windows.astype(np.int64))   # (pinned on CUDA: the copy does not wait)
-        pinned = windows.pin_memory() if self.device.type == "cuda" else windows
-        return pinned.to(self.device, non_blocking=True)
+        windows = windows.pin_memory() if self.device.type == "cuda" else windows
+        return windows.to(self.device, non_blocking=True)
 
     def draw(self, split: str, generator: torch.Generator, *lead: int) -> torch.Tensor:
         """This rank's B of (*lead, world, B) windows at offsets drawn from generator: (*lead, B, T + 1)."""
-        high = len(self.splits[split]) - self.block_size
-        starts = torch.randint(high, (*lead, self.world, self.batch_size), generator=generator,
-                               device=generator.device)
-        return self.windows(split, starts[..., self.rank, :])
+        shape, high = (*lead, self.world, self.batch_size), len(self.mapped[split]) - self.block_size
+        return self.windows(split, torch.randint(high, shape, generator=generator, device=generator.device)
+                            [..., self.rank, :])
 
     def step_windows(self) -> torch.Tensor:
         """This rank's training windows of the next optimizer step, (grad_accum, B, T + 1) on the device:
@@ -120,34 +111,25 @@ class BatchLoader:
         return self.draw("train", self.generator, self.grad_accum)
 
     def batch(self, split: str, generator: torch.Generator):
-        """(x, y) on the device: this rank's B of world x B windows at offsets drawn from generator (a
-        CPU one: the same batches on any device)."""
+        """(x, y): this rank's B of world x B windows at offsets from generator (a CPU one: any device)."""
         windows = self.draw(split, generator)
         return windows[:, :-1], windows[:, 1:]
 
     def eval_windows(self, split: str):
-        """(x, y) batches on the device that an exact evaluation scores: val's windows, consecutive, each
-        token a target once (the first EVAL_MAX_WINDOWS of a larger split); train's, as many windows
-        at evenly spaced offsets (a fixed sample of the same size)."""
-        n, T = len(self.splits["val"]), self.block_size
-        count = min(EVAL_MAX_WINDOWS, -(-(n - 1) // T))   # (val's last window may be shorter)
-        starts = torch.arange(count) * T if split == "val" else \
-            torch.linspace(0, len(self.splits["train"]) - T - 1, count).long()
-        full = count - (split == "val" and count * T + 1 > n)
-        per_batch = max(self.batch_size, EVAL_BATCH_TOKENS // T)
-        for i in range(0, full, per_batch):
-            w = self.windows(split, starts[i:min(i + per_batch, full)])
-            yield w[:, :-1], w[:, 1:]
-        if full < count:   # the tokens after the last whole window
-            tail = self.splits["val"][full * T:]
-            w = (tail if self.resident else torch.from_numpy(tail.astype(np.int64))).long().to(self.device)
-            yield w[None, :-1], w[None, 1:]
+        """(x, y) batches that an exact evaluation scores: val's consecutive windows, each token a target
+        once (of its first EVAL_MAX_WINDOWS windows); train's, as many at evenly spaced offsets."""
+        T, per_batch = self.block_size, max(self.batch_size, EVAL_BATCH_TOKENS // self.block_size)
+        val = self.mapped["val"][:EVAL_MAX_WINDOWS * T + 1]
+        if split == "val":
+            return strided_windows(val, T, T, per_batch)
+        starts = torch.linspace(0, len(self.mapped["train"]) - T - 1, -(-(len(val) - 1) // T)).long()
+        return ((w[:, :-1], w[:, 1:]) for w in map(partial(self.windows, "train"), starts.split(per_batch)))
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
     def load_state_dict(self, state: dict) -> None:
-        """The data order where the checkpoint left it; a generator of another kind of device (a run
-        moved from a CPU to a GPU) cannot take its state: the order goes on from the run's seed."""
+        """The data order where the checkpoint left it (a generator of another kind of device, as for a run
+        moved from a CPU to a GPU, cannot take its state: the order then goes on from the run's seed)."""
         if state.get("device", "cpu") == self.generator.device.type:
             self.generator.set_state(state["generator"])
