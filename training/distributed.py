@@ -65,8 +65,11 @@ def leader_first(fn, leader: bool):
     return result if leader else fn()
 
 
-def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool) -> torch.nn.Module:
-    """DDP(model), or model sharded in place by FSDP2 (each block a unit of gathering and freeing)."""
+def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool, seed: int) -> torch.nn.Module:
+    """DDP(model), or model sharded in place by FSDP2 (each block a unit of gathering and freeing); the
+    weights are every rank's same ones, and from here each rank draws its own dropout masks."""
+    if dist.get_rank():
+        torch.manual_seed(seed + dist.get_rank())
     if not fsdp:
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                    gradient_as_bucket_view=True)

@@ -69,6 +69,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     ckpt = read_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
         check_resumable(ckpt, resume_from, cfg)
+    threading.Thread(target=import_dynamo).start()   # (while the data and the model are made)
     dataset = distributed.leader_first(lambda: prepare(cfg.data, cfg.model.block_size), local_rank == 0) \
         if ddp else prepare(cfg.data, cfg.model.block_size)
     meta = load_meta(dataset)
@@ -86,9 +87,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if t.init_from and ckpt is None:   # pretrained weights (a resumed run restores its own instead)
         from hf.hub import load_init_weights
         load_init_weights(model, t.init_from)
-    if rank:
-        torch.manual_seed(t.seed + rank)   # each rank its own dropout masks
-    wrapped = distributed.wrap(model, device, t.fsdp) if ddp else model   # (FSDP shards before the optimizer)
+    wrapped = distributed.wrap(model, device, t.fsdp, t.seed) if ddp else model   # (before the optimizer: FSDP)
     optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
                                 weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -173,6 +172,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
 
 
 # ---------------------------------------------------------------- the step
+
+def import_dynamo() -> None:
+    """torch.optim's first use imports torch._dynamo (1 s on a laptop CPU, up to 5 s where CUDA brings
+    triton with it): a thread can import it while the run prepares its data and model."""
+    import torch._dynamo  # noqa: F401
 
 def fit_to_data(cfg: Config, meta: dict, tokenizer) -> None:
     """The model's vocabulary from the data's (model.vocab_size = 0), and the checks that need the
