@@ -69,7 +69,6 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     ckpt = read_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
         check_resumable(ckpt, resume_from, cfg)
-    threading.Thread(target=import_dynamo).start()   # (while the data and the model are made)
     dataset = distributed.leader_first(lambda: prepare(cfg.data, cfg.model.block_size), local_rank == 0) \
         if ddp else prepare(cfg.data, cfg.model.block_size)
     meta = load_meta(dataset)
@@ -172,11 +171,6 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
 
 
 # ---------------------------------------------------------------- the step
-
-def import_dynamo() -> None:
-    """torch.optim's first use imports torch._dynamo (1 s on a laptop CPU, up to 5 s where CUDA brings
-    triton with it): a thread can import it while the run prepares its data and model."""
-    import torch._dynamo  # noqa: F401
 
 def fit_to_data(cfg: Config, meta: dict, tokenizer) -> None:
     """The model's vocabulary from the data's (model.vocab_size = 0), and the checks that need the
