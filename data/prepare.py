@@ -6,9 +6,8 @@ in it, is always safe), reused when the same bytes come with the same settings.
              memory stays bounded whatever the text's size
   passes     hash (the cache key: all a cache hit costs); scan (decode; count the characters: the
              split point is a character index; char's vocabulary); train (bpe:N); encode (one thread)
-  documents  text files, JSONL lines, Parquet rows (data/sources.py) are one text in order, with the
-             end-of-text token (BPE) or a newline (char) between them; BPE's text is cut only where
-             that keeps its tokens
+  documents  text files, JSONL lines and Parquet rows are one text in order, with the end-of-text
+             token (BPE) or a newline (char) between them; BPE's is cut only where that keeps its tokens
   an entry   train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and meta.json, named by
              the text's sha256 and every setting that changes the ids; built in a temporary folder,
              renamed into place once whole. Usable: a meta.json of this FORMAT (written last) and

@@ -1,9 +1,8 @@
 """The text to prepare: which files a data path names (a file; every regular file under a directory,
 hidden ones skipped; or a glob's matches; in sorted path order), its name, their sha256, and their
-documents as str chunks in bounded memory: a text file is one (read READ_BYTES at a time), a JSONL line
-(.jsonl, .jsonl.gz) or a Parquet row (.parquet, with pyarrow) is one. A non-UTF-8 byte is an error
-naming its offset (or line), with advice: a file that looks binary (a NUL byte in its first 8 KB,
-git's test) is to be left out; a text with a stray byte can be read with encoding_errors=replace.
+documents as str chunks in bounded memory: a text file (read READ_BYTES at a time), a JSONL line, a
+Parquet row (KINDS). A non-UTF-8 byte is an error naming its offset, with advice: a file that looks
+binary (a NUL byte in its first 8 KB, git's test) is to be left out; in a text, encoding_errors=replace.
 """
 import codecs
 import glob
@@ -114,10 +113,12 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
     if not (suffix := kind_suffix(path.name)):
         yield iter_text(path, errors, progress)
         return
-    for n, text in (parquet_texts if suffix == ".parquet" else jsonl_texts)(path, errors, field, progress):
-        if not isinstance(text, str):   # (None: no such field)
-            raise UserError(f"{path}, {'row' if suffix == '.parquet' else 'line'} {n}: no string {field!r} "
-                            f"({type(text).__name__}); --data.text_field names the field that holds the text")
+    where = "row" if suffix == ".parquet" else "line"
+    for n, text in (parquet_texts if where == "row" else jsonl_texts)(path, errors, field, progress):
+        if not isinstance(text, str):   # (None: no such field, or null)
+            got = type(text).__name__ if text is not None else "missing or null"
+            raise UserError(f"{path}, {where} {n}: no string in {field!r} ({got}); --data.text_field names "
+                            f"the field that holds the text")
         if text and not text.isspace():
             yield (text,)
 
@@ -126,17 +127,17 @@ def jsonl_texts(path: Path, errors: str, field: str, progress):
     """(line number, its record's field or None) of each line of a JSON Lines file (.gz: gzip), read
     READ_BYTES of lines at a time; blank lines are skipped, one that is not JSON is a UserError."""
     with open(path, "rb") as raw, (gzip.open(raw) if path.name.lower().endswith(".gz") else raw) as f:
-        n, done = 0, 0
+        first, done = 1, 0   # the first line's number, the bytes read before
         while lines := f.readlines(READ_BYTES):
-            progress and progress.advance(raw.tell() - done)   # (gzip: the compressed bytes read)
-            done = raw.tell()
-            for n, line in enumerate(lines, n + 1):
+            progress and progress.advance(-done + (done := raw.tell()))   # (gzip: the compressed bytes)
+            for n, line in enumerate(lines, first):
                 try:
                     record = json.loads(line.decode("utf-8", errors)) if not line.isspace() else {field: ""}
                 except ValueError as e:   # UnicodeDecodeError, json.JSONDecodeError
                     why = f"UTF-8 ({e.reason})" if isinstance(e, UnicodeDecodeError) else f"JSON ({e.msg})"
                     raise UserError(f"{path}, line {n}: not {why}") from None
                 yield n, record.get(field) if isinstance(record, dict) else None
+            first += len(lines)
 
 
 def parquet_texts(path: Path, errors: str, field: str, progress):
