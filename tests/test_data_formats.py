@@ -82,7 +82,7 @@ def test_jsonl_records_give_the_tokens_of_the_same_documents_as_text_files(tmp_p
 
 def test_parquet_rows_give_the_tokens_of_the_same_documents_as_text_files(tmp_path, small_reads):
     """Row groups of 4 rows read 3 at a time: batches end at row groups too."""
-    import pyarrow.parquet as pq
+    pq = pytest.importorskip("pyarrow.parquet")
     path = write_parquet(tmp_path / "docs.parquet", DOCS, field="content")
     assert pq.ParquetFile(path).num_row_groups == 2
     same_as_text_files(tmp_path, path, text_field="content")
