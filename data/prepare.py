@@ -153,11 +153,10 @@ LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
 def pieces(documents, split_at: int, bpe: bool):
-    """The documents (each an iterable of str chunks) as one text of (split, piece) in order: its first
-    split_at characters in "train", the rest in "val"; between documents a newline (char: a character
-    of the text) or a piece None, the end-of-text token (BPE). A piece holds PIECE_CHARS to 2 x PIECE_CHARS
-    characters (fewer at a BPE document's end or the split point; held as chunks: small documents
-    cost no copying), BPE's cut at its LAST_SAFE_CUT."""
+    """The documents (iterables of str chunks) as one text of (split, piece) in order: its first split_at
+    characters in "train", the rest in "val"; between documents a newline (char: a character of the text)
+    or a piece None, the end-of-text token (BPE). A piece, held as chunks until whole, has PIECE_CHARS to
+    2 x PIECE_CHARS characters (fewer at a BPE document's end or the split), BPE's cut at LAST_SAFE_CUT."""
     split, pos, held, size = "train", 0, [], 0   # held: the next piece's chunks, size characters
     for i, document in enumerate(documents):
         if i and bpe:   # between documents

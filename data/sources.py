@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 from collections import Counter
-from itertools import chain
+from itertools import chain, count
 from pathlib import Path
 
 from common import UserError
@@ -114,30 +114,31 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
         yield iter_text(path, errors, progress)
         return
     where = "row" if suffix == ".parquet" else "line"
-    for n, text in (parquet_texts if where == "row" else jsonl_texts)(path, errors, field, progress):
-        if not isinstance(text, str):   # (None: no such field, or null)
-            got = type(text).__name__ if text is not None else "missing or null"
-            raise UserError(f"{path}, {where} {n}: no string in {field!r} ({got}); --data.text_field names "
-                            f"the field that holds the text")
-        if text and not text.isspace():
-            yield (text,)
+    try:
+        for n, text in (parquet_texts if where == "row" else jsonl_texts)(path, errors, field, progress):
+            if not isinstance(text, str):   # (None: no such field, or null)
+                got = type(text).__name__ if text is not None else "missing or null"
+                raise UserError(f"{path}, {where} {n}: no string in {field!r} ({got}); --data.text_field "
+                                f"names the field that holds the text")
+            if text and not text.isspace():
+                yield (text,)
+    except (OSError, EOFError, ValueError) as e:   # damaged: not gzip, cut short, not Parquet (LFS pointer)
+        raise UserError(f"{path} cannot be read as {suffix}: {e}") from None
 
 
 def jsonl_texts(path: Path, errors: str, field: str, progress):
-    """(line number, its record's field or None) of each line of a JSON Lines file (.gz: gzip), read
-    READ_BYTES of lines at a time; blank lines are skipped, one that is not JSON is a UserError."""
+    """(line number, its record's field or None) of each line of a JSON Lines file (.gz: gzip)."""
     with open(path, "rb") as raw, (gzip.open(raw) if path.name.lower().endswith(".gz") else raw) as f:
-        first, done = 1, 0   # the first line's number, the bytes read before
+        numbers, done = count(1), 0   # line numbers; the bytes read before these lines
         while lines := f.readlines(READ_BYTES):
             progress and progress.advance(-done + (done := raw.tell()))   # (gzip: the compressed bytes)
-            for n, line in enumerate(lines, first):
+            for line, n in zip(lines, numbers):   # (lines first: zip stops before taking a number)
                 try:
                     record = json.loads(line.decode("utf-8", errors)) if not line.isspace() else {field: ""}
                 except ValueError as e:   # UnicodeDecodeError, json.JSONDecodeError
                     why = f"UTF-8 ({e.reason})" if isinstance(e, UnicodeDecodeError) else f"JSON ({e.msg})"
                     raise UserError(f"{path}, line {n}: not {why}") from None
                 yield n, record.get(field) if isinstance(record, dict) else None
-            first += len(lines)
 
 
 def parquet_texts(path: Path, errors: str, field: str, progress):
@@ -151,11 +152,11 @@ def parquet_texts(path: Path, errors: str, field: str, progress):
     if field not in (names := f.schema_arrow.names):
         raise UserError(f"{path} has no column {field!r} (it has: {', '.join(names)}); --data.text_field "
                         f"names the column that holds the text")
-    n, size = 0, path.stat().st_size
-    for batch in f.iter_batches(PARQUET_ROWS, columns=[field]):
-        progress and progress.advance(size * batch.num_rows / f.metadata.num_rows)
-        for text in batch.column(0).to_pylist():
-            yield (n := n + 1), text
+    row_bytes = path.stat().st_size / max(f.metadata.num_rows, 1)   # (a row's share, for progress)
+    batches = f.iter_batches(PARQUET_ROWS, columns=[field])
+    for n, text in enumerate(chain.from_iterable(batch.column(0).to_pylist() for batch in batches), 1):
+        progress and progress.advance(row_bytes)
+        yield n, text
 
 
 def read_prompt(prompt: str) -> str:

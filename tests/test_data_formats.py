@@ -153,6 +153,19 @@ def test_parquet_errors_name_the_columns_and_the_row(tmp_path):
         prepare_text(path, "char", 0.1, tmp_path / "p")
 
 
+def test_a_damaged_file_is_one_line_naming_it(tmp_path):
+    """A download cut short, a file that is not what its name says, a Git LFS pointer where the Parquet
+    file should be (a clone without git-lfs): one line, not a traceback."""
+    whole = gzip.compress(write_jsonl(tmp_path / "docs.jsonl", DOCS * 50).read_bytes())
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "plain.jsonl.gz").write_bytes((tmp_path / "docs.jsonl").read_bytes())
+    (tmp_path / "pointer.parquet").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\n")
+    pytest.importorskip("pyarrow")
+    for name in ("cut.jsonl.gz", "plain.jsonl.gz", "pointer.parquet"):
+        with pytest.raises(UserError, match=rf"^{tmp_path / name} cannot be read as \.(jsonl\.gz|parquet): "):
+            prepare_text(tmp_path / name, "char", 0.1, tmp_path / "p")
+
+
 def test_pyarrow_is_needed_for_parquet_only(tmp_path, monkeypatch):
     """Without pyarrow (an import of it fails) text and JSONL prepare, and a Parquet file says what to
     install."""
