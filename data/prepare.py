@@ -52,7 +52,7 @@ class DataConfig:
     prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
     encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes",
                                    one_of=("strict", "replace"))
-    text_field: str = setting("text", "the JSONL field or Parquet column that holds each document's text")
+    text_field: str = setting("text", "the JSONL field or Parquet column that holds the text")
 
     def validate(self) -> None:
         check_fields(self, "data")
