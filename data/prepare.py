@@ -6,8 +6,8 @@ in it, is always safe), reused when the same bytes come with the same settings.
              memory stays bounded whatever the text's size
   passes     hash (the cache key: all a cache hit costs); scan (decode; count the characters: the
              split point is a character index; char's vocabulary); train (bpe:N); encode (one thread)
-  documents  several files are one text in sorted path order, with the end-of-text token (BPE) or a
-             newline (char) between them; BPE's text is cut only where that keeps its tokens
+  documents  text files, JSONL lines and Parquet rows are one text in order, with the end-of-text
+             token (BPE) or a newline (char) between them; BPE's is cut only where that keeps its tokens
   an entry   train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and meta.json, named by
              the text's sha256 and every setting that changes the ids; built in a temporary folder,
              renamed into place once whole. Usable: a meta.json of this FORMAT (written last) and
@@ -15,7 +15,7 @@ in it, is always safe), reused when the same bytes come with the same settings.
 
     python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096] [--val-fraction 0.1]
 """
-import glob
+import hashlib
 import json
 import os
 import re
@@ -23,7 +23,7 @@ import secrets
 import shutil
 import sys
 from dataclasses import dataclass
-from itertools import takewhile
+from itertools import chain, takewhile
 from pathlib import Path
 
 if __name__ == "__main__" and not __package__:   # run as a file: imports start at the repository,
@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from common import (ArgumentParser, Progress, UserError, atomic_write, check_fields, run_cli,  # noqa: E402
                     setting)
-from data.sources import describe, find_sources, iter_text, sha256  # noqa: E402
+from data.sources import data_name, describe, find_sources, iter_documents, kind_suffix, sha256  # noqa: E402
 from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer,  # noqa: E402
                              check_tokenizer_spec, code_points, load_tokenizer)
 
@@ -52,6 +52,7 @@ class DataConfig:
     prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
     encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes",
                                    one_of=("strict", "replace"))
+    text_field: str = setting("text", "the JSONL field or Parquet column that holds the text")
 
     def validate(self) -> None:
         check_fields(self, "data")
@@ -70,7 +71,7 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
     files = find_sources(data.path)
     total = sum(p.stat().st_size for p in files)
     sha = sha256(files, mb_progress("hashing", total))
-    out = Path(data.prepared_dir) / entry_name(data, sha)
+    out = Path(data.prepared_dir) / entry_name(data, sha, records=any(kind_suffix(p.name) for p in files))
     meta = read_entry(out)
     if not Path(data.path).is_file():   # what a directory or glob took
         print(describe(data.path, files, total))
@@ -88,14 +89,16 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
 def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, block_size) -> dict:
     """Scan, train (bpe:N), encode: the entry at out; its meta.json."""
     char, stamp = data.tokenizer == "char", [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    documents, n_chars, chars = scan(files, data.encoding_errors, char, mb_progress("scanning", total))
-    n_chars += len(documents) - 1 if char else 0   # char: + the newlines between documents
+    read = (data.encoding_errors, data.text_field)
+    kept, n_docs, n_chars, chars = scan(files, *read, char, mb_progress("scanning", total))
+    n_chars += n_docs - 1 if char else 0   # char: + the newlines between documents
     split_at = int(n_chars * (1.0 - data.val_fraction))
 
     def text(label: str, train_chars: int):   # (split, piece) pairs, train_chars in "train"
-        return pieces(documents, data.encoding_errors, train_chars, not char, mb_progress(label, total))
+        progress = mb_progress(label, total)
+        return pieces((d for p in kept for d in iter_documents(p, *read, progress)), train_chars, not char)
     if char:   # with the newline between documents, which none of them may hold
-        tok = CharTokenizer("".join(sorted(set(chars) | {"\n"})) if len(documents) > 1 else chars)
+        tok = CharTokenizer("".join(sorted(set(chars) | {"\n"})) if n_docs > 1 else chars)
     elif bpe_vocab_size(data.tokenizer) is None:
         tok = build_tokenizer(data.tokenizer)
     else:   # bpe:N, trained on (the start of) the train split: takewhile stops reading at its end
@@ -115,7 +118,7 @@ def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, 
         split = {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}
         meta = {"format": FORMAT, "source": str(Path(data.path).absolute()), "sha256": sha,
                 "files": len(files), "tokenizer_spec": data.tokenizer, **encoded,
-                "encoding_errors": data.encoding_errors, "split": split}
+                "encoding_errors": data.encoding_errors, "text_field": data.text_field, "split": split}
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))   # last: what makes it usable
         if read_entry(out) is None:   # (one that another process has just published stays)
             shutil.rmtree(out, ignore_errors=True)
@@ -125,21 +128,22 @@ def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, 
     return meta
 
 
-def scan(files, errors: str, want_chars: bool, progress) -> tuple[list[Path], int, str]:
-    """The files with any text (the documents), their characters in all, (want_chars) their set."""
-    documents, n_chars, seen = [], 0, np.zeros(0x110000, dtype=bool)
+def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple[list[Path], int, int, str]:
+    """The files with any text; their documents (blank ones left out), characters, (want_chars) set."""
+    kept, n_docs, n_chars, seen = {}, 0, 0, np.zeros(0x110000, dtype=bool)   # kept: a dict, as an ordered set
     for path in files:
-        n, blank = 0, True
-        for text in iter_text(path, errors, progress):
-            n, blank = n + len(text), blank and text.isspace()
-            if want_chars:
-                seen[code_points(text)] = True
-        if not blank:
-            documents, n_chars = documents + [path], n_chars + n
-    if not documents:
+        for document in iter_documents(path, errors, field, progress):
+            n, blank = 0, True
+            for text in document:
+                n, blank = n + len(text), blank and text.isspace()
+                if want_chars:
+                    seen[code_points(text)] = True
+            if not blank:
+                kept[path], n_docs, n_chars = True, n_docs + 1, n_chars + n
+    if not kept:
         raise UserError(f"data file is empty: {files[0]}" if len(files) == 1 else
                         f"the data files are all empty ({len(files)} files, first {files[0]})")
-    return documents, n_chars, "".join(map(chr, np.flatnonzero(seen)))
+    return list(kept), n_docs, n_chars, "".join(map(chr, np.flatnonzero(seen)))
 
 
 # Cutting BPE input at these points gives the same tokens as encoding the whole text: no token of
@@ -148,33 +152,34 @@ def scan(files, errors: str, want_chars: bool, progress) -> tuple[list[Path], in
 LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
-def pieces(documents, errors: str, split_at: int, bpe: bool, progress=None):
-    """The text as (split, piece) in order: its first split_at characters in "train", the rest in
-    "val"; between documents a piece of its own: a newline (char) or None, the end-of-text token
-    (BPE). A piece holds PIECE_CHARS to 2 x PIECE_CHARS characters (fewer at a document's end or
-    the split point); BPE's are cut at its LAST_SAFE_CUT."""
-    split, pos, buffer = "train", 0, ""
-    for i, path in enumerate(documents):
-        if i:   # between documents
-            if buffer:
-                yield split, buffer
-            yield split, None if bpe else "\n"
-            buffer, pos = "", pos if bpe else pos + 1   # (a newline is a character of the text)
-        for text in iter_text(path, errors, progress):
+def pieces(documents, split_at: int, bpe: bool):
+    """The documents (iterables of str chunks) as one text of (split, piece) in order: its first split_at
+    characters in "train", the rest in "val"; between documents a newline (char: a character of the text)
+    or a piece None, the end-of-text token (BPE). A piece, held as chunks until whole, has PIECE_CHARS to
+    2 x PIECE_CHARS characters (fewer at a BPE document's end or the split), BPE's cut at LAST_SAFE_CUT."""
+    split, pos, held, size = "train", 0, [], 0   # held: the next piece's chunks, size characters
+    for i, document in enumerate(documents):
+        if i and bpe:   # between documents
+            if size:
+                yield split, "".join(held)
+            yield split, None
+            held, size = [], 0
+        for text in chain(["\n"] if i and not bpe else [], document):
             if split == "train" and pos + len(text) >= split_at:   # the end of the train split
-                head, text = buffer + text[:split_at - pos], text[split_at - pos:]
+                head, text = "".join(held) + text[:split_at - pos], text[split_at - pos:]
                 if head:
                     yield split, head
-                split, buffer = "val", ""
-            pos += len(text)
-            buffer += text
-            if len(buffer) >= PIECE_CHARS:   # (no safe cut in a whole piece: cut anyway)
+                split, held, size = "val", [], 0
+            pos, size = pos + len(text), size + len(text)
+            held.append(text)
+            if size >= PIECE_CHARS:   # (no safe cut in a whole piece: cut anyway)
+                buffer = "".join(held)
                 cut = LAST_SAFE_CUT.match(buffer) if bpe else None
                 end = cut.end() if cut else len(buffer)
                 yield split, buffer[:end]
-                buffer = buffer[end:]
-    if buffer:
-        yield split, buffer
+                held, size = [buffer[end:]], len(buffer) - end
+    if size:
+        yield split, "".join(held)
 
 
 def encode(text, tok, tmp: Path) -> dict:
@@ -182,10 +187,10 @@ def encode(text, tok, tmp: Path) -> dict:
     entries that describe them."""
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens, nbytes, low, high = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), tok.vocab_size, -1
-    with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
-        for split, piece in text:   # (a piece is never empty)
+    with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:   # (buffered writes:
+        for split, piece in text:   # a piece is never empty)             many small documents cost little)
             ids = tok.encode_array(piece) if piece is not None else np.array([tok.end_token])
-            ids.astype(dtype, copy=False).tofile(train if split == "train" else val)
+            (train if split == "train" else val).write(ids.astype(dtype, copy=False).tobytes())
             tokens[split] += len(ids)
             nbytes[split] += 0 if piece is None else len(piece.encode("utf-8"))
             low, high = min(low, int(ids.min())), max(high, int(ids.max()))
@@ -198,13 +203,13 @@ def encode(text, tok, tmp: Path) -> dict:
 
 # ---------------------------------------------------------------- the cache
 
-def entry_name(data: DataConfig, sha256: str) -> str:
-    """The entry's name: the text's (a glob's folder's), cut to 64 characters (a file system allows
-    255 bytes), then all that changes the token files."""
-    stem = Path(data.path).parent.name if glob.has_magic(data.path) else Path(data.path).stem
+def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
+    """The entry's name: the data's (sources.data_name), cut to 64 characters (a file system allows
+    255 bytes), then all that changes the token files (for records, the key holds the text_field)."""
     label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)   # bpe:4096 -> bpe4096
     errors = "-replace" * (data.encoding_errors == "replace")
-    return f"{stem[:64]}-{label}-{sha256[:12]}-val{data.val_fraction!r}{errors}"
+    key = hashlib.sha256(f"{sha256}\0{data.text_field}".encode()).hexdigest() if records else sha256
+    return f"{data_name(data.path)[:64]}-{label}-{key[:12]}-val{data.val_fraction!r}{errors}"
 
 
 def read_entry(entry: Path) -> dict | None:
@@ -238,13 +243,13 @@ def check_split_sizes(tokens: dict, block_size: int | None) -> None:
 def main(argv: list[str]) -> int:
     p = ArgumentParser(description="Prepare a text (a file, a folder or a quoted glob) into token files, "
                                    "cached in --root (safe to delete).")
-    p.add_argument("source")
+    p.add_argument("path", metavar="source")
     p.add_argument("--tokenizer", default="char", help="char | bpe:N | gpt2, or any tiktoken name")
     p.add_argument("--val-fraction", type=float, default=0.1)
-    p.add_argument("--root", default=str(Path(__file__).resolve().parent / "prepared"))
+    p.add_argument("--root", dest="prepared_dir", default=str(Path(__file__).resolve().parent / "prepared"))
     p.add_argument("--encoding-errors", "--data.encoding_errors", default="strict", help="strict | replace")
-    args = p.parse_args(argv)
-    out = prepare(DataConfig(args.source, args.tokenizer, args.val_fraction, args.root, args.encoding_errors))
+    p.add_argument("--text-field", "--data.text_field", default="text", help="JSONL field or Parquet column")
+    out = prepare(DataConfig(**vars(p.parse_args(argv))))
     tokens = load_meta(out)["tokens"]
     print(f"ready: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)")
     return 0

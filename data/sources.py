@@ -1,21 +1,26 @@
-"""The text to prepare: which files a data path names (a file; every regular file under a
-directory, hidden ones skipped; or a glob's matches; in sorted path order), their sha256, and their
-text as str chunks, read READ_BYTES at a time whatever a file's size. A non-UTF-8 byte is an error
-naming its offset, with advice: a file that looks binary (a NUL byte in its first 8 KB, git's test)
-is to be left out; a text with a stray byte can be read with encoding_errors=replace.
+"""The text to prepare: which files a data path names (a file; every regular file under a directory,
+hidden ones skipped; or a glob's matches; in sorted path order), its name, their sha256, and their
+documents as str chunks in bounded memory: a text file (read READ_BYTES at a time), a JSONL line, a
+Parquet row (KINDS). A non-UTF-8 byte is an error naming its offset, with advice: a file that looks
+binary (a NUL byte in its first 8 KB, git's test) is to be left out; in a text, encoding_errors=replace.
 """
 import codecs
 import glob
+import gzip
 import hashlib
+import json
 import os
 from collections import Counter
-from itertools import chain
+from itertools import chain, count
 from pathlib import Path
 
 from common import UserError
 
 READ_BYTES = 1 << 20        # bytes read at a time
 PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
+PARQUET_ROWS = 1024         # rows read at a time
+KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}   # by a name's ending; else text
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".tex", ".html", ".xml", ".json", ".csv", ".py", ".c", ".h", ".js"}
 
 
 def find_sources(source) -> list[Path]:
@@ -26,17 +31,35 @@ def find_sources(source) -> list[Path]:
     pattern = os.path.join(glob.escape(str(source)), "**", "*") if source.is_dir() else str(source)
     # (glob skips hidden files; a pipe or a device is no file: reading it could block, or never end)
     files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-    if files:
-        return files
-    if source.is_dir():
-        raise UserError(f"no files in the data directory {source}")
-    raise UserError(f"no files match {source}" if glob.has_magic(str(source)) else
-                    f"data file not found: {source}")
+    if not files:
+        raise UserError(f"no files in the data directory {source}" if source.is_dir() else f"no files match "
+                        f"{source}" if glob.has_magic(str(source)) else f"data file not found: {source}")
+    return files
+
+
+def kind_suffix(name: str) -> str:
+    """The ending that makes a file records ('.jsonl', '.jsonl.gz', '.parquet'), or '' (a text)."""
+    return next((suffix for suffix in KINDS if name.lower().endswith(suffix)), "")
+
+
+def data_name(path) -> str:
+    """The name of a data path's runs (out/<name>) and cache entries: a file's or folder's name without
+    its extension (my_notes.txt -> my_notes); a glob's last folder and file part, each where it holds no
+    glob character (books/*.txt -> books, /usr/share/doc/*/copyright -> doc-copyright; neither: data).
+    Records add their kind (licenses.jsonl -> licenses-jsonl): never the name of the same-named text."""
+    path, suffix = Path(path), kind_suffix(Path(path).name)
+    stem = path.name[:-len(suffix)] if suffix else path.stem
+    if glob.has_magic(str(path)):
+        folders = [p for p in path.parent.parts if p not in (path.anchor, "..") and not glob.has_magic(p)]
+        stem = "-".join(folders[-1:] + [stem] * (not glob.has_magic(stem)))
+    return (stem or "data") + (f"-{KINDS[suffix]}" if suffix else "")
 
 
 def describe(source, files: list[Path], total: int) -> str:
-    """What a folder or glob took: 'data: books (3 files: 2 .txt, 1 .py; 3.2 MB)' (a stray script shows)."""
-    counts = Counter(p.suffix or "no extension" for p in files).most_common()
+    """What a folder or glob took: 'data: books (4 files: 2 .txt, 1 .jsonl, 1 other; 3.2 MB)' (a
+    stray file shows). A kind is named for records and known text extensions only (foo.so.0: other)."""
+    known = [kind_suffix(p.name) or p.suffix.lower() for p in files]
+    counts = Counter(s if s in KINDS or s in TEXT_SUFFIXES else "other" for s in known).most_common()
     kinds = ", ".join(f"{n} {kind}" for kind, n in counts)
     return f"data: {source} ({len(files)} file{'s' * (len(files) > 1)}: {kinds}; {total / 1e6:.1f} MB)"
 
@@ -82,6 +105,58 @@ def iter_text(path: Path, errors: str = "strict", progress=None,
         if text:
             yield text
         offset += len(raw)
+
+
+def iter_documents(path: Path, errors: str = "strict", field: str = "text", progress=None):
+    """The file's documents, each an iterable of str chunks, by its kind (KINDS): a text is one; a
+    JSONL line or a Parquet row, its field's text, one each (blank ones skipped, as blank files are)."""
+    if not (suffix := kind_suffix(path.name)):
+        yield iter_text(path, errors, progress)
+        return
+    where = "row" if suffix == ".parquet" else "line"
+    try:
+        for n, text in (parquet_texts if where == "row" else jsonl_texts)(path, errors, field, progress):
+            if not isinstance(text, str):   # (None: no such field, or null)
+                got = type(text).__name__ if text is not None else "missing or null"
+                raise UserError(f"{path}, {where} {n}: no string in {field!r} ({got}); --data.text_field "
+                                f"names the field that holds the text")
+            if text and not text.isspace():
+                yield (text,)
+    except (OSError, EOFError, ValueError) as e:   # damaged: not gzip, cut short, not Parquet (LFS pointer)
+        raise UserError(f"{path} cannot be read as {suffix}: {e}") from None
+
+
+def jsonl_texts(path: Path, errors: str, field: str, progress):
+    """(line number, its record's field or None) of each line of a JSON Lines file (.gz: gzip)."""
+    with open(path, "rb") as raw, (gzip.open(raw) if path.name.lower().endswith(".gz") else raw) as f:
+        numbers, done = count(1), 0   # line numbers; the bytes read before these lines
+        while lines := f.readlines(READ_BYTES):
+            progress and progress.advance(-done + (done := raw.tell()))   # (gzip: the compressed bytes)
+            for line, n in zip(lines, numbers):   # (lines first: zip stops before taking a number)
+                try:
+                    record = json.loads(line.decode("utf-8", errors)) if not line.isspace() else {field: ""}
+                except ValueError as e:   # UnicodeDecodeError, json.JSONDecodeError
+                    why = f"UTF-8 ({e.reason})" if isinstance(e, UnicodeDecodeError) else f"JSON ({e.msg})"
+                    raise UserError(f"{path}, line {n}: not {why}") from None
+                yield n, record.get(field) if isinstance(record, dict) else None
+
+
+def parquet_texts(path: Path, errors: str, field: str, progress):
+    """(row number, its text) of each row of a Parquet file's column `field`, PARQUET_ROWS at a time
+    (a row group at most is read at once). pyarrow is imported only here: it is needed only here."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    f = pq.ParquetFile(path)
+    if field not in (names := f.schema_arrow.names):
+        raise UserError(f"{path} has no column {field!r} (it has: {', '.join(names)}); --data.text_field "
+                        f"names the column that holds the text")
+    row_bytes = path.stat().st_size / max(f.metadata.num_rows, 1)   # (a row's share, for progress)
+    batches = f.iter_batches(PARQUET_ROWS, columns=[field])
+    for n, text in enumerate(chain.from_iterable(batch.column(0).to_pylist() for batch in batches), 1):
+        progress and progress.advance(row_bytes)
+        yield n, text
 
 
 def read_prompt(prompt: str) -> str:

@@ -9,7 +9,6 @@
 """
 import dataclasses
 import difflib
-import glob
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from common import ROOT, UserError, check_fields, first_line, flat, setting  # noqa: F401 (the config's)
 from data.prepare import DataConfig
+from data.sources import data_name
 from model.config import ModelConfig
 
 
@@ -168,13 +168,13 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
 
 
 def default_out_dir(config_file: str | None, values: dict, given: set[str]) -> str:
-    """out/<name>: the config file's name, then the data's (a file's stem, a glob's folder) where the
-    command line set it or no config file is given, then the tokenizer's likewise (char is left out):
-    runs on other data or tokens never meet in one out dir."""
+    """out/<name>: the config file's name, then the data's (data.sources.data_name: the cache entry's
+    too) where the command line set it or no config file is given, then the tokenizer's likewise (char
+    is left out): runs on other data or tokens never meet in one out dir."""
     data, tokenizer = values.get("data.path", DataConfig.path), values.get("data.tokenizer", "char")
     parts = [Path(config_file).stem] if config_file else []
     if "data.path" in given or not config_file:
-        parts.append(Path(data).parent.name if glob.has_magic(data) else Path(data).stem)
+        parts.append(data_name(data))
     if "data.tokenizer" in given or not config_file and tokenizer != "char":
         parts.append(re.sub(r"[^A-Za-z0-9_.]", "", tokenizer))
     return "out/" + "-".join(parts)
