@@ -5,6 +5,7 @@ beforehand. Where a command would train or score for minutes, its arguments get 
 two steps); one that needs the network or hardware this machine lacks is skipped, with why. A command
 this test does not know fails it, and so does an entry for a command the README no longer has: the README
 cannot drift from what runs."""
+import json
 import os
 import re
 import shutil
@@ -34,6 +35,10 @@ RUNS = {
     "python train.py --data my_notes.txt": TINY,
     "python train.py --data my_notes.txt --data.tokenizer=bpe:4096": TINY,
     "python train.py --data 'books/*.txt' --data.tokenizer=gpt2": TINY,
+    "python train.py --data posts.jsonl --data.text_field=body": TINY,
+    'hf download roneneldan/TinyStories --repo-type dataset --include "data/*.parquet" --local-dir tinystories':
+        NETWORK + "downloads a dataset from the Hugging Face Hub",
+    "python train.py --data tinystories --data.tokenizer=gpt2": NETWORK + "trains on the download above",
     'python train.py --out_dir=out/watched --train.sample_every=250 --train.sample_prompt="ROMEO:"': TINY,
     "python eval.py out/tinyshakespeare data/tinyshakespeare.txt": "--max-tokens 500",
     "python train.py configs/shakespeare_char_cpu_fast.toml": TINY,
@@ -54,7 +59,8 @@ SKIPPED = ("skip: ", NETWORK)
 # the user's own texts the README's commands name, which a user would have: made in the copy first (a BPE of
 # 4,096 tokens needs more than a page)
 OWN_TEXTS = {"my_notes.txt": (ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:100_000],
-             "books/plays.txt": TEXT, "books/more.txt": TEXT.upper()}
+             "books/plays.txt": TEXT, "books/more.txt": TEXT.upper(),
+             "posts.jsonl": "".join(json.dumps({"id": i, "body": line}) + "\n" for i, line in enumerate(TEXT.split("\n\n")))}
 
 
 def readme_commands() -> list[str]:

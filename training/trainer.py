@@ -86,7 +86,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if t.init_from and ckpt is None:   # pretrained weights (a resumed run restores its own instead)
         from hf.hub import load_init_weights
         load_init_weights(model, t.init_from)
-    wrapped = distributed.wrap(model, device, t.fsdp, t.seed) if ddp else model   # (before the optimizer: FSDP)
+    wrapped = distributed.wrap(model, device, t.fsdp, t.seed) if ddp else model   # (FSDP: before the optimizer)
     optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
                                 weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
