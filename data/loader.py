@@ -3,16 +3,13 @@
 A window is block_size + 1 consecutive tokens: x is its first block_size, y the same shifted by one,
 so y[b, t] is the token that follows x[b, :t+1]. Training draws windows at random offsets.
 
-Where the tokens are: a dataset under a quarter of the device's free memory is copied there once, and
-each step's offsets are drawn there by the device's own generator, so a step needs nothing from the
-host (a CUDA graph holds the draw with the step). A larger one stays memory-mapped: only each step's
-windows are read, whatever the corpus's size. The generator's state is in every checkpoint.
+A dataset under a quarter of the device's free memory is copied there, and each step's offsets are
+drawn there by the device's own generator: a step needs nothing from the host, and a CUDA graph holds
+the draw with the step. A larger one stays memory-mapped: a step reads only its windows.
 
-Many processes (torch.distributed): every rank holds the same generator and, each optimizer step,
-draws the offsets of the whole global batch, world x grad_accum x B windows, then keeps only its own
-B windows per micro-step. So which windows a step trains on depends only on the global batch size: 1
-process with batch 2B, 1 with batch B and 2 accumulation steps, and 2 with batch B each see exactly
-the same data (the tests check that they end with the same weights).
+Many processes (torch.distributed): every rank draws the offsets of the whole global batch from the
+same generator and keeps its own B windows per micro-step, so the windows a step trains on depend
+only on the global batch size (the tests check that 1 and 2 processes end with the same weights).
 """
 import os
 from functools import partial
@@ -25,7 +22,7 @@ from common import UserError
 from data.prepare import SPLITS, check_split_sizes, load_meta
 
 EVAL_MAX_WINDOWS = 4096       # an exact evaluation's windows per split at most (bounded cost, any corpus)
-EVAL_BATCH_TOKENS = 16384     # an evaluation batch: this many tokens (at least batch_size windows)
+EVAL_BATCH_TOKENS = 4096      # an evaluation batch: this many tokens (at least batch_size windows)
 
 
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
@@ -106,8 +103,7 @@ class BatchLoader:
                             [..., self.rank, :])
 
     def step_windows(self) -> torch.Tensor:
-        """This rank's training windows of the next optimizer step, (grad_accum, B, T + 1) on the device:
-        with a resident dataset, drawn there without the host (what a CUDA graph can hold)."""
+        """This rank's windows of the next optimizer step, (grad_accum, B, T + 1) on the device."""
         return self.draw("train", self.generator, self.grad_accum)
 
     def batch(self, split: str, generator: torch.Generator):
@@ -129,7 +125,6 @@ class BatchLoader:
         return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
     def load_state_dict(self, state: dict) -> None:
-        """The data order where the checkpoint left it (a generator of another kind of device, as for a run
-        moved from a CPU to a GPU, cannot take its state: the order then goes on from the run's seed)."""
+        """The data order where the checkpoint left it (on another kind of device: from the seed)."""
         if state.get("device", "cpu") == self.generator.device.type:
             self.generator.set_state(state["generator"])

@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 from itertools import chain, count
 from pathlib import Path
@@ -20,6 +21,7 @@ READ_BYTES = 1 << 20        # bytes read at a time
 PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
 PARQUET_ROWS = 1024         # rows read at a time
 KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}   # by a name's ending; else text
+SURROGATE = re.compile("[\ud800-\udfff]")   # JSON's "\ud800" alone: a code point no UTF-8 text holds
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".tex", ".html", ".xml", ".json", ".csv", ".py", ".c", ".h", ".js"}
 
 
@@ -120,8 +122,11 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
                 got = type(text).__name__ if text is not None else "missing or null"
                 raise UserError(f"{path}, {where} {n}: no string in {field!r} ({got}); --data.text_field "
                                 f"names the field that holds the text")
+            if (lone := SURROGATE.search(text)) and errors != "replace":
+                raise UserError(f"{path}, {where} {n}: a lone surrogate \\u{ord(lone[0]):04x} is no "
+                                f"character; set --data.encoding_errors=replace to replace it")
             if text and not text.isspace():
-                yield (text,)
+                yield (SURROGATE.sub("\ufffd", text) if lone else text,)
     except (OSError, EOFError, ValueError) as e:   # damaged: not gzip, cut short, not Parquet (LFS pointer)
         raise UserError(f"{path} cannot be read as {suffix}: {e}") from None
 

@@ -172,9 +172,8 @@ class GPT(nn.Module):
 def score(model, batches, autocast=nullcontext()) -> tuple[float, int]:
     """(total next-token loss in nats, targets scored) of model (a GPT, or one wrapped or compiled) over
     (x, y) batches (moved to its device), targets of -1 being context only: the one loss over a text that
-    the trainer's evaluations, bench.py's race and eval.py share. In eval mode (the model's mode is restored
-    after). Each batch's total stays on the device, and the host reads them once, at the end, to sum them
-    in float64: the device is never waited for between batches, and a long text loses no precision."""
+    the trainer's evaluations and eval.py share. In eval mode (the model's mode is restored after). The
+    totals stay on the device until the end (no wait between batches), then are summed in float64."""
     was_training, device = model.training, next(model.parameters()).device
     model.eval()
     totals, counts = [], []

@@ -130,11 +130,19 @@ def test_text_field_picks_the_field_and_is_part_of_the_cache_entry(tmp_path):
     ([b'{"text": 5}'], "line 1: no string in 'text' (int)"),
     ([b'["text"]'], "line 1: no string in 'text'"),
     ([b'{"text": "a"}', b'{"text": "caf\xe9"}'], "line 2: not UTF-8 (invalid continuation byte)"),
-], ids=["not JSON", "no field", "null", "a number", "not an object", "not UTF-8"])
+    ([b'{"text": "a"}', b'{"text": "x\\ud800y"}'], "line 2: a lone surrogate \\ud800 is no character; set --data"),
+], ids=["not JSON", "no field", "null", "a number", "not an object", "not UTF-8", "lone surrogate"])
 def test_a_bad_record_is_one_line_naming_the_file_and_line(tmp_path, capsys, lines, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b"\n".join(lines) + b"\n")
     assert_refused(prep, [bad, "--root", tmp_path / "prep"], capsys, tmp_path, f"{bad}, {message}")
+
+
+def test_a_lone_surrogate_is_replaced_when_asked(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    path.write_bytes(b'{"text": "ab\\ud800cd ab"}\n')
+    out = prepare(DataConfig(str(path), prepared_dir=str(tmp_path / "prep"), encoding_errors="replace"))
+    assert "\ufffd" in json.loads((out / "meta.json").read_text())["tokenizer"]["chars"]
 
 
 def test_blank_records_are_left_out_and_none_left_is_an_empty_file(tmp_path):

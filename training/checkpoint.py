@@ -116,8 +116,8 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
 
 
 def to_host(obj):
-    """obj with a copy of each of its tensors in host memory (in dicts, lists and tuples): what a
-    checkpoint's write can read while the steps go on changing the originals."""
+    """obj with its tensors (in dicts, lists, tuples) copied to host memory: a write reads them while
+    the steps change the originals."""
     if torch.is_tensor(obj):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, (dict, list, tuple)):

@@ -39,7 +39,7 @@ class TrainConfig:
     beta1: float = setting(0.9, "AdamW's momentum", at_least=0, below=1)
     beta2: float = setting(0.99, "AdamW's second-moment decay", at_least=0, below=1)
     grad_clip: float = setting(1.0, "max global gradient norm (0 = off)", at_least=0)
-    eval_interval: int = setting(250, "evaluate (and checkpoint) every this many steps", above=0)
+    eval_interval: int = setting(500, "evaluate (and checkpoint) every this many steps", above=0)
     eval_iters: int = setting(0, "0 = every val window (4,096 at most), as many train ones; N = N fixed "
                                  "random batches a split", at_least=0)
     log_interval: int = setting(50, "print and record the training loss every this many steps", above=0)

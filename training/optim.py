@@ -43,18 +43,6 @@ def set_lr(optimizer, factor: float) -> None:
             group["lr"] = value
 
 
-def fast_matmul_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where its matmuls are faster than fp32's (CUDA, CPUs with AVX512-BF16 or AMX), else fp32."""
-    if device.type == "cuda":
-        return torch.bfloat16
-    if device.type == "cpu":
-        cpu = torch.cpu
-        names = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-        if any(getattr(cpu, name, lambda: False)() for name in names):
-            return torch.bfloat16
-    return torch.float32
-
-
 def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """The nearest semi-orthogonal matrix to g (..., m, n), approximately: U Vᵀ of g = U S Vᵀ.
 
@@ -85,7 +73,7 @@ class Muon(torch.optim.Optimizer):
 
     Adam's update is dominated by a few large singular directions of the gradient; equalizing them
     lets the rare directions learn too. Same-shaped matrices are orthogonalized as one batch, in
-    bf16 where that is faster (the iteration only needs singular values near 1, not exact ones).
+    bf16 on a GPU (the iteration only needs singular values near 1, not exact ones).
     """
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
@@ -109,7 +97,8 @@ class Muon(torch.optim.Optimizer):
                 by_shape.setdefault(tuple(sorted(p.shape)), []).append((p, g.mT if tall else g, tall))
             for items in by_shape.values():
                 stacked = torch.stack([g for _, g, _ in items])   # (n, rows, cols), rows <= cols
-                ortho = orthogonalize(stacked.to(fast_matmul_dtype(stacked.device)), group["ns_steps"])
+                fast = torch.bfloat16 if stacked.is_cuda else stacked.dtype   # (where its matmuls are faster)
+                ortho = orthogonalize(stacked.to(fast), group["ns_steps"])
                 for (p, _, tall), o in zip(items, ortho.to(stacked.dtype).unbind(0)):
                     scale = -max(1.0, p.size(0) / p.size(1)) ** 0.5 * group["lr"]   # (a graph's lr: a tensor)
                     p.add_((o.mT if tall else o) * scale)

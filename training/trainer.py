@@ -86,7 +86,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if t.init_from and ckpt is None:   # pretrained weights (a resumed run restores its own instead)
         from hf.hub import load_init_weights
         load_init_weights(model, t.init_from)
-    wrapped = distributed.wrap(model, device, t.fsdp, t.seed) if ddp else model   # (FSDP: before the optimizer)
+    wrapped = distributed.wrap(model, device, t.fsdp, t.seed) if ddp else model   # (before the optimizer)
     optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
                                 weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -214,10 +214,9 @@ def train_step(model, wrapped, optimizer, scaler, low_precision, grad_clip: floa
 
 
 def build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, world: int, say):
-    """(the step as the loop calls it: () -> (loss, grad norm), how it runs in words): train_step on
-    the loader's next windows, compiled (train.compile) and recorded as a CUDA graph (train.cuda_graph)
-    where asked for and possible. A graph holds the draw of the windows too where the data is on the
-    device; else it reads them from a buffer, refilled before each replay."""
+    """(the step as the loop calls it: () -> (loss, grad norm), how it runs in words): train_step on the
+    loader's next windows, compiled (train.compile) and as a CUDA graph (train.cuda_graph) where possible,
+    which draws the windows itself with the data on the device, else reads a buffer refilled each step."""
     how, ddp_module = "eager", wrapped if world > 1 else None
     if t.compile:
         say("# compiling the model: about a minute (train.compile = false skips it)")
@@ -310,10 +309,8 @@ def check_finite(values: dict, since: int, step: int, saved: int | None) -> None
 # ---------------------------------------------------------------- evaluation, checkpoints and samples
 
 def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool) -> dict:
-    """Mean loss of each split: with iters = 0 over fixed windows (data/loader.py eval_windows: every val
-    token, and a train sample of the same size; every rank all of them: as many forwards on every rank,
-    which FSDP's gathers need), in large batches; else over the same `iters` random batches every time
-    (a fixed generator; each rank scores its share of every batch)."""
+    """Mean loss of each split: over loader.eval_windows (iters = 0; every rank all of them, as FSDP's
+    gathers need), else over the same `iters` random batches every time (each rank its share)."""
     losses = {}
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(EVAL_SEED)
@@ -338,10 +335,9 @@ def log_eval(say, metrics, meta, step: int, losses: dict, is_best: bool, elapsed
 
 
 def save(cfg, meta, state: dict, model, optimizer, scaler, loader, ddp: bool, rank: int, writer, writing):
-    """A checkpoint of the whole training state (state: step, best_val_loss, elapsed, tokens, is_best)
-    and curves.png: the state is copied to host memory now, and written by writer (a thread: the steps
-    go on meanwhile) once the previous write (writing, its Future) is done and has raised its error if
-    it failed; returns the new write's Future. Under FSDP every rank gathers its shards; rank 0 writes."""
+    """A checkpoint of the whole training state (state: step, best_val_loss, elapsed, tokens, is_best) and
+    curves.png, copied to host memory now and written by the writer thread once the previous write (the
+    Future writing) has ended, or raised its error; returns its Future. Under FSDP all ranks gather."""
     if ddp:
         from training import distributed
         model_state, optimizer_state = distributed.full_state(model, optimizer)
