@@ -12,6 +12,8 @@ same generator and keeps its own B windows per micro-step, so the windows a step
 only on the global batch size (the tests check that 1 and 2 processes end with the same weights).
 """
 import os
+import sys
+import zlib
 from functools import partial
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from data.prepare import SPLITS, check_split_sizes, load_meta
 
 EVAL_MAX_WINDOWS = 4096       # an exact evaluation's windows per split at most (bounded cost, any corpus)
 EVAL_BATCH_TOKENS = 4096      # an evaluation batch: this many tokens (at least batch_size windows)
+COPY_TOKENS = 1 << 26         # tokens copied to the device at a time
 
 
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
@@ -70,10 +73,15 @@ class BatchLoader:
         self.grad_accum, self.rank, self.world = grad_accum, rank, world
         self.mapped = {split: np.memmap(self.dataset_dir / f"{split}.bin", dtype=meta["dtype"], mode="r",
                                         shape=(meta["tokens"][split],)) for split in SPLITS}
-        self.resident = 4 * sum(meta["tokens"].values()) < free_memory(self.device) / 4   # as int32
-        self.splits = dict(self.mapped)
+        int32_bytes = 4 * sum(meta["tokens"].values())
+        fits = torch.tensor(int(int32_bytes < free_memory(self.device) / 4), device=self.device)
+        if world > 1 and torch.distributed.is_initialized():   # every rank alike: one draw, the global batch
+            torch.distributed.all_reduce(fits, torch.distributed.ReduceOp.MIN)
+        self.resident, self.splits = bool(fits), dict(self.mapped)
         for split, tokens in self.splits.items() if self.resident else ():   # (torch: no uint16 arithmetic)
-            self.splits[split] = torch.from_numpy(tokens.astype(np.int32)).to(self.device)
+            self.splits[split] = on_device = torch.empty(len(tokens), dtype=torch.int32, device=self.device)
+            for i in range(0, len(tokens), COPY_TOKENS):   # a part at a time: little host memory
+                on_device[i:i + COPY_TOKENS] = torch.from_numpy(tokens[i:i + COPY_TOKENS].astype(np.int32))
             self.check_ids(split, int(self.splits[split].max()))   # once
         self.generator = torch.Generator(self.device if self.resident else "cpu").manual_seed(seed)
 
@@ -118,13 +126,19 @@ class BatchLoader:
         val = self.mapped["val"][:EVAL_MAX_WINDOWS * T + 1]
         if split == "val":
             return strided_windows(val, T, T, per_batch)
-        starts = torch.linspace(0, len(self.mapped["train"]) - T - 1, -(-(len(val) - 1) // T)).long()
+        count = -(-(len(val) - 1) // T)   # (integers: float32 offsets of a long split could pass its end)
+        starts = torch.arange(count) * (len(self.mapped["train"]) - T - 1) // max(count - 1, 1)
         return ((w[:, :-1], w[:, 1:]) for w in map(partial(self.windows, "train"), starts.split(per_batch)))
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
     def load_state_dict(self, state: dict) -> None:
-        """The data order where the checkpoint left it (on another kind of device: from the seed)."""
+        """The data order where the checkpoint left it; a generator of another kind (the data on the device
+        then, memory-mapped now, or the reverse) cannot take its state: a new order, seeded from it."""
         if state.get("device", "cpu") == self.generator.device.type:
-            self.generator.set_state(state["generator"])
+            return self.generator.set_state(state["generator"])
+        self.generator.manual_seed(zlib.crc32(state["generator"].numpy().tobytes()))
+        print(f"notice: the checkpoint drew its batches on {state.get('device', 'cpu')}, this run on "
+              f"{self.generator.device.type}: they go on in another order than the uninterrupted run's",
+              file=sys.stderr)

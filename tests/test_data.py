@@ -198,3 +198,32 @@ def test_damaged_token_ids_in_a_memory_mapped_dataset_are_one_line(tmp_path, tex
     monkeypatch.setattr(data.loader, "free_memory", lambda device: 0)
     with pytest.raises(UserError, match=f"{out} holds token id 60000 in train.bin"):
         BatchLoader(out, block_size=16, batch_size=4).step_windows()
+
+
+def test_the_train_sample_of_a_long_split_ends_at_its_last_window(tmp_path, text_file, monkeypatch):
+    """Evenly spaced offsets computed in integers: float32 ones of a split past 2^24 tokens could pass its end."""
+    import data.loader
+    monkeypatch.setattr(data.loader, "free_memory", lambda device: 0)
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
+    meta = json.loads((out / "meta.json").read_text())
+    n = 56_777_236
+    with open(out / "train.bin", "wb") as f:   # (sparse: zeros, a valid id)
+        f.truncate(2 * n)
+    meta["tokens"]["train"] = n
+    (out / "meta.json").write_text(json.dumps(meta))
+    loader = BatchLoader(out, block_size=16, batch_size=4)
+    starts = []
+    monkeypatch.setattr(loader, "windows", lambda split, s: starts.append(s) or torch.zeros(len(s), 17).long())
+    list(loader.eval_windows("train"))
+    assert int(torch.cat(starts)[-1]) == n - 17 and int(torch.cat(starts)[0]) == 0
+
+
+def test_a_checkpoint_s_data_order_from_another_kind_of_generator_goes_on_in_a_new_order(tmp_path, text_file,
+                                                                                        capsys):
+    """Data on the device then, memory-mapped now (or the reverse): the saved state cannot be taken; the run
+    says so and draws a new order, not the one it began with."""
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
+    fresh, moved = (BatchLoader(out, block_size=16, batch_size=4, seed=1) for _ in range(2))
+    moved.load_state_dict({"generator": torch.Generator().manual_seed(5).get_state(), "device": "cuda"})
+    assert "notice: the checkpoint drew its batches on cuda, this run on cpu" in capsys.readouterr().err
+    assert not torch.equal(fresh.step_windows(), moved.step_windows())

@@ -84,6 +84,8 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             if any(p.ndim != 2 for p in params):
                 raise ValueError("Muon updates 2-D matrices only")
             grads = [p.grad for p in params]
