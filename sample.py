@@ -67,7 +67,8 @@ def main(argv) -> int:
     import torch
 
     from data.sources import read_prompt
-    from model.loading import autocast, load_model, pick_device, pick_dtype, prompt_ids
+    from model.loading import autocast, load_model, pick_device, pick_dtype
+    from model.sampling import prompt_ids
     from model.sampling import generate
 
     device = pick_device(args.device, setting="--device")

@@ -14,7 +14,6 @@ share (training writes the checkpoints: training/checkpoint.py).
 import os
 import pickle
 import re
-import sys
 import zipfile
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -100,18 +99,6 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
     val = f", val loss {ckpt['best_val_loss']:.4f}" if isinstance(ckpt.get("best_val_loss"), float) else ""
     description = f"{path} (step {ckpt['step']}{val})"
     return LoadedModel(model.to(device).eval(), tokenizer, path, description)
-
-
-def prompt_ids(tokenizer, text: str, block_size: int, doing: str) -> list[int]:
-    """A prompt's token ids (empty: the start token); one past block_size, the most a model sees, is said."""
-    try:
-        ids = tokenizer.encode(text) if text else [tokenizer.start_token]
-    except UserError as e:
-        raise UserError(f"the prompt has {e}") from None
-    if len(ids) > block_size:
-        print(f"note: the prompt has {len(ids):,} tokens, the model sees at most {block_size}: {doing} the "
-              f"last {block_size}", file=sys.stderr)
-    return ids
 
 
 def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:

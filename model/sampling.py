@@ -12,6 +12,7 @@ runs the same computation on the same buffers (decode_step): a compiler can turn
 and on CUDA into one CUDA graph replayed for every token. generate() takes that speed-up as a
 function (speed_up, e.g. speed/decoding.py's compiled), so the model needs nothing from speed/.
 """
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -143,3 +144,15 @@ def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
         first = start + int((~window).nonzero()[0, 0]) + 1
         raise UserError(f"the model's logits are not finite at new token {first}: "
                         "its weights are damaged or the model diverged")
+
+
+def prompt_ids(tokenizer, text: str, block_size: int, doing: str) -> list[int]:
+    """A prompt's token ids (empty: the start token); one past block_size, the most a model sees, is said."""
+    try:
+        ids = tokenizer.encode(text) if text else [tokenizer.start_token]
+    except UserError as e:
+        raise UserError(f"the prompt has {e}") from None
+    if len(ids) > block_size:
+        print(f"note: the prompt has {len(ids):,} tokens, the model sees at most {block_size}: {doing} the "
+              f"last {block_size}", file=sys.stderr)
+    return ids

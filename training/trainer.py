@@ -414,9 +414,10 @@ class Metrics:
             raise UserError(f"log.wandb = true but wandb did not start ({type(e).__name__}: "
                             f"{first_line(e, 80)}); pip install wandb, run `wandb login` or set "
                             f"WANDB_MODE=offline") from None
-        from viz.curves import read_records
-        kept = [r for r in read_records(self.path) if r["step"] <= self.resume_step] \
-            if self.resume_step is not None else []
+        kept = []
+        if self.resume_step is not None:   # (viz/curves.py loaded only here and for curves.png)
+            from viz.curves import read_records
+            kept = [r for r in read_records(self.path) if r["step"] <= self.resume_step]
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, record: dict) -> None:
