@@ -352,8 +352,8 @@ def save(cfg, meta, state: dict, model, optimizer, scaler, loader, ddp: bool, ra
                     "optimizer": float_lrs(optimizer_state), "loader": loader.state_dict(),
                     "dataset": {k: meta[k] for k in ("source", "sha256", "tokens", "bytes")},
                     "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng_ranks": rngs})
-    out, t = Path(cfg.out_dir), cfg.train
-    return writer.submit(write_checkpoint, ckpt, out, t.keep_checkpoints, cfg.log.curves)
+    return writer.submit(write_checkpoint, ckpt, Path(cfg.out_dir), cfg.train.keep_checkpoints,
+                         cfg.log.curves)
 
 
 def write_checkpoint(ckpt: dict, out: Path, keep: int, curves: bool) -> None:
