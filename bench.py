@@ -12,6 +12,11 @@
         the classic config against the fast recipe, each run as a user runs it: seconds from launching
         `python train.py` to the classic's best val loss (by default the CPU pair, on a GPU the GPU pair)
 
+    python bench.py threads [CONFIG] [--steps 20] [--section.key=value ...]
+        ms/step of `python train.py CONFIG` (the classic CPU config) with 1 thread, with one per core
+        and with the default (threads fitted to the cores other processes leave free), on the
+        machine as it is and beside 1 and 2 other busy processes (Python loops spinning)
+
 MFU = the model's training FLOPs per second / the matmul peak measured in the same run (the best
 torch.mm rate, in the trainer's dtype). Per token: 6N FLOPs for the N weights of the Linear layers,
 LM head included (2 forward, 4 backward), plus 6 L T C for causal attention (the scores and the
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -122,7 +128,7 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
     import torch
     from data.prepare import load_meta, prepare
     from model.gpt import GPT
-    from model.loading import pick_device, pick_dtype
+    from model.device import pick_device, pick_dtype
     from training.config import build_config
     cfg = build_config(config, overrides)
     m, t, device = cfg.model, cfg.train, pick_device(cfg.train.device)
@@ -227,6 +233,43 @@ def race(classic: str, fast: str, overrides: list[str]) -> dict:
     return {"curves": curves, "target": target, "hit": hit, "ratio": ratio}
 
 
+# ---------------------------------------------------------------- threads on a busy machine
+def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: int) -> tuple:
+    """(ms/step of `python train.py CONFIG` over its second log interval of `steps` steps, with
+    OMP_NUM_THREADS=threads (None: unset, the default); the threads it used then)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env |= {"OMP_NUM_THREADS": threads} if threads else {}
+    with tempfile.TemporaryDirectory(prefix="bench_threads_", ignore_cleanup_errors=True) as tmp:
+        settings = [f"--train.max_steps={2 * steps}", f"--train.log_interval={steps}",
+                    f"--train.eval_interval={2 * steps}", "--train.eval_iters=1", "--log.curves=false",
+                    "--train.device=cpu", f"--out_dir={tmp}/run"]
+        argv = [sys.executable, str(ROOT / "train.py"), config, *overrides, *settings]
+        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, env=env)
+        if done.returncode:
+            raise UserError(f"python train.py {config} failed with exit code {done.returncode}")
+        with open(Path(tmp) / "run" / "metrics.jsonl", encoding="utf-8") as f:
+            ms = [r for r in map(json.loads, f) if r["kind"] == "train"][-1]["ms_per_step"]
+    # the banner's "cpu x N threads", then each "# threads a -> b" of the log lines
+    return ms, re.findall(r"cpu x (\d+) thread|# threads \d+ -> (\d+)", done.stdout)[-1]
+
+
+def bench_threads(config: str, overrides: list[str], steps: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"busy | 1 thread ms | {cores} threads ms | default ms (threads) | default / best", flush=True)
+    for busy in (0, 1, 2):
+        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        try:
+            runs = [ms_per_step(config, overrides, threads, steps) for threads in ("1", str(cores), None)]
+        finally:
+            for p in spin:
+                p.kill()
+                p.wait()
+        (one, _), (every, _), (default, used) = runs
+        print(f"{busy:4d} | {one:11.1f} | {every:{len(str(cores)) + 11}.1f} | "
+              f"{default:10.1f} ({max(used)}) | {default / min(one, every):.2f}", flush=True)
+    return 0
+
+
 # ---------------------------------------------------------------- the command
 def parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -241,11 +284,14 @@ def parser() -> ArgumentParser:
     r = sub.add_parser("race", help="classic vs fast recipe: time from launch to the classic's best val loss")
     r.add_argument("--classic", help="default: the classic config of this machine's kind")
     r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
+    b = sub.add_parser("threads", help="ms/step with 1 thread, all, and the default, beside busy processes")
+    b.add_argument("config", nargs="?", default=str(ROOT / PAIRS["cpu"][0]))
+    b.add_argument("--steps", type=int, default=20, help="steps per log interval (the second is timed)")
     return p
 
 
 def main(argv: list[str]) -> int:
-    from model.loading import pick_device
+    from model.device import pick_device
     from training.config import build_config
     p = parser()
     args, overrides = p.parse_known_args(argv)
@@ -260,13 +306,15 @@ def main(argv: list[str]) -> int:
         if args.command == "race":   # (auto: cuda where there is a GPU, else cpu)
             pair = PAIRS[pick_device("auto").type]
             args.classic, args.fast = args.classic or str(ROOT / pair[0]), args.fast or str(ROOT / pair[1])
-        for path in [args.config] if args.command == "train" else [args.classic, args.fast]:
+        for path in [args.classic, args.fast] if args.command == "race" else [args.config]:
             build_config(path, overrides)   # (a missing file: the OSError's one line)
     print(machine(), flush=True)
     if args.command == "train":
         return bench_train(args.config, overrides, args.steps, args.rounds)
     if args.command == "sample":
         return bench_sample(args.device, args.new_tokens)
+    if args.command == "threads":
+        return bench_threads(args.config, overrides, args.steps)
     race(args.classic, args.fast, overrides)
     return 0
 

@@ -6,6 +6,8 @@
              check_fields() holds every field to its bounds
   files      a file is written whole or not at all (atomic_write)
   progress   a long job says how far it is, on stderr (Progress)
+  the CPU    how busy other processes keep the cores this one may use (cpu_clock): a CPU run leaves
+             them their cores (model/device.py)
 
 Exit codes: 2 for a mistake (or the machine's fault: a full disk), 3 for out of memory, 130 for Ctrl-C
 (a run stopped by a signal: 128 + its number).
@@ -141,6 +143,29 @@ def duration(seconds: float) -> str:
     """3725 -> '1:02:05', 65 -> '1:05'."""
     h, rest = divmod(max(0, int(round(seconds))), 3600)
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def cpu_clock() -> tuple[float, float, float] | None:
+    """A reading of (seconds, busy seconds of the cores this process may run on, this process's own
+    CPU seconds), from Linux's /proc/stat; None where there is none. Two readings tell how many cores
+    other processes kept busy in between."""
+    try:
+        cores = os.sched_getaffinity(0)
+        lines = Path("/proc/stat").read_text().splitlines()
+    except (AttributeError, OSError):
+        return None
+    busy = 0
+    for line in lines:
+        name, *ticks = line.split()
+        if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cores:
+            # user nice system idle iowait irq softirq steal: all but idle and iowait are work
+            t = [int(n) for n in ticks[:8]]
+            busy += sum(t) - t[3] - t[4]
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
+# taken as the process starts: a command's first reading spans its imports
+CPU_AT_START = cpu_clock()
 
 
 class Progress:

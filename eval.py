@@ -72,7 +72,8 @@ def parse_args(argv):
 def main(argv) -> int:
     args = parse_args(argv)
     from data.sources import find_sources
-    from model.loading import autocast, load_model, pick_device, pick_dtype
+    from model.device import autocast, pick_device, pick_dtype
+    from model.loading import load_model
 
     files = list(dict.fromkeys(path for pattern in args.files for path in find_sources(pattern)))
     device = pick_device(args.device, setting="--device")

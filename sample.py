@@ -67,7 +67,8 @@ def main(argv) -> int:
     import torch
 
     from data.sources import read_prompt
-    from model.loading import autocast, load_model, pick_device, pick_dtype
+    from model.device import autocast, pick_device, pick_dtype
+    from model.loading import load_model
     from model.sampling import prompt_ids
     from model.sampling import generate
 

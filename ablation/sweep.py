@@ -10,7 +10,8 @@ import torch
 from common import UserError, atomic_write, first_line, flat
 from data.prepare import prepare
 from model.gpt import GPT
-from model.loading import list_checkpoints, pick_device, pick_dtype
+from model.device import pick_device, pick_dtype
+from model.loading import list_checkpoints
 from training.config import PATHS, ROOT, absolute, build_config, load_toml, parse_overrides
 from training.trainer import train
 

@@ -1,21 +1,16 @@
-"""A trained model from a file, and where it computes: what sampling, scoring, drawing and exporting
-share (training writes the checkpoints: training/checkpoint.py).
+"""A trained model from a file: what sampling, scoring, drawing and exporting share (training writes
+the checkpoints: training/checkpoint.py; where a model computes: model/device.py).
 
   reading   every member's checksum (torch.save writes a zip), then torch.load(weights_only=True):
             tensors and plain data only, so a file cannot run code; one format and version check; the
             weights loaded strictly into the model its config describes. Any failure is one line
   sources   a checkpoint file; a run's out dir (its best.pt, else its latest ckpt_*.pt); a Hugging
             Face GPT-2, by directory or hub name (the optional hf/ room)
-  device    auto = CUDA where there is a GPU, else the CPU; any name torch knows (cuda:1, mps)
-  dtype     auto = bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere. Lower precision runs
-            under autocast: the weights stay fp32, the matmuls run in the low format; on CUDA fp32
-            matmuls may use TF32 tensor cores (far below what training notices, and much faster)
 """
 import os
 import pickle
 import re
 import zipfile
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,33 +94,3 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
     val = f", val loss {ckpt['best_val_loss']:.4f}" if isinstance(ckpt.get("best_val_loss"), float) else ""
     description = f"{path} (step {ckpt['step']}{val})"
     return LoadedModel(model.to(device).eval(), tokenizer, path, description)
-
-
-def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
-    """auto: CUDA where there is a GPU, else the CPU; any other name is checked against this machine."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-        torch.empty(0, device=device)   # the device exists here
-    except (RuntimeError, AssertionError):   # (a CPU-only build asserts)
-        raise UserError(f"{setting}={name!r} is not a device this machine has (cpu, cuda, cuda:N, "
-                        f"mps)") from None
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        if device.index is not None:   # the GPU that random generators, graphs and streams act on
-            torch.cuda.set_device(device)
-    return device
-
-
-def pick_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    """The context that runs matmuls in dtype (nothing in fp32)."""
-    return torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()

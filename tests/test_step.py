@@ -186,7 +186,7 @@ def test_on_cuda_a_non_finite_step_under_a_recorded_graph_is_named(tiny_cfg, mon
 
 @cuda
 def test_on_cuda_the_default_device_is_the_gpu_with_bf16():
-    from model.loading import pick_device, pick_dtype
+    from model.device import pick_device, pick_dtype
     device = pick_device("auto")
     assert device.type == "cuda" and pick_dtype(device) in (torch.bfloat16, torch.float16)
 

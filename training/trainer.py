@@ -32,14 +32,16 @@ from pathlib import Path
 
 import torch
 
-from common import UserError, atomic_write, command, duration, first_line, silence_stdout, typed
+from common import (UserError, atomic_write, command, cpu_clock, duration, first_line, silence_stdout,
+                    typed)
 from data.prepare import load_meta
 from data.loader import BatchLoader
 from data.prepare import prepare
 from data.sources import find_sources
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT, bits_per_byte, score
-from model.loading import FORMAT, VERSION, autocast, pick_device, pick_dtype, read_checkpoint
+from model.device import autocast, fit_threads, pick_device, pick_dtype
+from model.loading import FORMAT, VERSION, read_checkpoint
 from training.checkpoint import (check_out_dir, check_resumable, check_same_text, float_lrs, open_out_dir,
                                  restore, rng_state, save_checkpoint, to_host)
 from training.config import Config, build_config, describe, flat, fmt, load_toml
@@ -113,6 +115,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     saved, checked, first_step, intervals = step if resume_from else None, step, step, []
     start = interval_start = time.perf_counter()
     timed = 0   # the steps since interval_start (evaluations and samples are not timed as steps)
+    # the cores other processes keep busy, read again at each log line
+    cpu = cpu_clock()
     writing = None   # the checkpoint being written
     with stop_signals() as stop, closing(metrics), ThreadPoolExecutor(1) as writer:
         while step < t.max_steps:
@@ -137,6 +141,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                     f"{tokens_per_step * 1000 / ms:,.0f} tok/s | ETA {duration(pace * (t.max_steps - step))}")
                 metrics.log({"step": step, "kind": "train", "loss": loss_value, "lr": lr, "grad_norm": norm,
                              "ms_per_step": ms, "tokens_per_s": tokens_per_step * 1000 / ms})
+                if device.type == "cpu":
+                    cpu, change = fit_threads(cpu)
+                    change and say(change)
                 interval_start, timed = time.perf_counter(), 0
             if evaluated or stopping:
                 elapsed, is_best = seconds_before + time.perf_counter() - start, False
@@ -450,7 +457,9 @@ def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtyp
         say(f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}")
     t = cfg.train
     procs = f" x {world} processes ({'FSDP' if t.fsdp else 'DDP'})" if world > 1 else ""
-    say(f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | {device}, "
+    threads = torch.get_num_threads()
+    where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
+    say(f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | {where}, "
         f"{str(dtype).removeprefix('torch.')}, {how}{procs} | "
         f"{t.batch_size * t.grad_accum * world * cfg.model.block_size:,} tokens/step | "
         f"data {loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})")

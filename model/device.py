@@ -1,0 +1,78 @@
+"""Where a model computes: the device, the dtype, and on a CPU how many threads.
+
+  device   auto = CUDA where there is a GPU, else the CPU; any name torch knows (cuda:1, mps)
+  dtype    auto = bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere. Lower precision
+           runs under autocast: the weights stay fp32, the matmuls run in the low format; on CUDA
+           fp32 matmuls may use TF32 tensor cores (far below what training notices, much faster)
+  threads  PyTorch's CPU threads meet at a barrier after every operation, and wait there spinning.
+           When another process runs on one of the cores, a thread that lost its core holds the
+           others at each barrier: on 2 busy cores a step with 2 threads can take 30x as long as
+           with 1. So a CPU run takes only the cores that other processes leave free (at least
+           one), measured over its start-up and again whenever fit_threads is called (the trainer:
+           at each log line). OMP_NUM_THREADS, when set, is kept as it is.
+"""
+import math
+import os
+from contextlib import nullcontext
+
+import torch
+
+from common import CPU_AT_START, UserError, cpu_clock
+
+# all the threads torch starts with: one per core this process may use
+CORES = torch.get_num_threads()
+
+
+def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
+    """auto: CUDA where there is a GPU, else the CPU; any other name is checked against this machine.
+    On the CPU, the threads are fitted to the cores other processes leave free."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+        # the device exists here (a CPU-only build asserts)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError):
+        raise UserError(f"{setting}={name!r} is not a device this machine has (cpu, cuda, cuda:N, "
+                        f"mps)") from None
+    if device.type == "cpu":
+        fit_threads(CPU_AT_START)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        # the GPU that random generators, graphs and streams act on
+        if device.index is not None:
+            torch.cuda.set_device(device)
+    return device
+
+
+def fit_threads(since):
+    """Use as many threads as cores other processes left free since the cpu_clock() reading
+    `since`. Returns (the reading now, for the next call; a line saying a change, or None)."""
+    now = cpu_clock()
+    if now is None or since is None or "OMP_NUM_THREADS" in os.environ or now[0] - since[0] < 0.05:
+        return now, None
+    seconds, busy, own = (b - a for a, b in zip(since, now))
+    others = max(0.0, (busy - own) / seconds)
+    # a core counts as taken once another process keeps it a quarter busy
+    threads = max(1, CORES - math.floor(others + 0.75))
+    before = torch.get_num_threads()
+    if threads == before:
+        return now, None
+    torch.set_num_threads(threads)
+    return now, (f"# threads {before} -> {threads}: other processes keep {others:.1f} of "
+                 f"{CORES} cores busy")
+
+
+def pick_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """The context that runs matmuls in dtype (nothing in fp32)."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
