@@ -13,7 +13,9 @@ from model.loading import VERSION, read_checkpoint
 from tests.conftest import ROOT, run_tool, save_char_model, tiny_overrides
 from training.checkpoint import why_unwritten
 
-LIMIT = 100_000   # bytes: room for the prepared tiny text and the logs, not for a checkpoint
+# bytes: room for the prepared tiny text and the logs, not for a checkpoint
+LIMIT = 100_000
+UNIX = pytest.mark.skipif(os.name != "posix", reason="a file-size limit (RLIMIT_FSIZE) is Unix's")
 
 
 def limit_file_size():
@@ -22,7 +24,7 @@ def limit_file_size():
     resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.RLIM_INFINITY))
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="a file-size limit (RLIMIT_FSIZE) is Unix's")
+@UNIX
 def test_a_file_size_limit_while_saving_a_checkpoint_is_said_as_that_limit(tmp_path, text_file):
     out = tmp_path / "out"
     args = tiny_overrides(tmp_path, text_file, out_dir=out)
@@ -49,6 +51,7 @@ def raised(error: OSError, wrapped: bool) -> Exception:
         return e
 
 
+@UNIX
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_a_full_disk_and_a_file_system_s_size_limit_are_told_apart(wrapped):
     import resource

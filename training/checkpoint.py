@@ -200,12 +200,13 @@ def why_unwritten(error: Exception) -> str:
     would kill it) or the file system's (FAT32: 4 GiB)."""
     cause = error if isinstance(error, OSError) else error.__context__
     if getattr(cause, "errno", None) == errno.EFBIG:
-        # (Unix alone has the limit and its module)
-        import resource
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY:
-            return (f"it is larger than this process's file-size limit of {limit:,} bytes "
-                    f"(ulimit -f; `ulimit -f unlimited` lifts it)")
+        # (Unix alone has the limit, and the module that reads it)
+        if os.name == "posix":
+            import resource
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            if limit != resource.RLIM_INFINITY:
+                return (f"it is larger than this process's file-size limit of {limit:,} bytes "
+                        f"(ulimit -f; `ulimit -f unlimited` lifts it)")
         return "it is larger than its file system allows (FAT32: 4 GiB): write it to another one"
     if isinstance(cause, OSError):
         return cause.strerror or str(cause)
