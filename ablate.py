@@ -40,7 +40,9 @@ def main(argv: list[str]) -> int:
           f"{plural(len(sweep.seeds), 'seed')} = {plural(len(sweep.runs), 'run')} -> {sweep.out_dir}")
     stopped, failed = (0, []) if "--report" in argv else run_sweep(sweep)
     write_report(sweep, "python ablate.py " + shlex.join(argv))
-    print((sweep.out_dir / "results.md").read_text(encoding="utf-8"))
+    results = sweep.out_dir / "results.md"
+    print(results.read_text(encoding="utf-8"))
+    print(f"# {results} (beside it: results.csv, runs.csv, loss_curves.png)")
     if failed:
         raise UserError(f"{len(failed)} run(s) failed, first {failed[0]}; the same command runs them again")
     return stopped   # 0, or 128 + the signal that stopped a run

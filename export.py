@@ -6,10 +6,14 @@
     >>> from transformers import pipeline
     >>> pipeline("text-generation", model="hf_model")("Hello", max_new_tokens=20)
 
+The prompt's tokens plus max_new_tokens must fit the model's context (its block size, as GPT-2's
+n_positions); generation_config.json asks for half of it when a call gives no max_new_tokens.
+
 Only an architecture GPT-2 has can be exported (learned positions, LayerNorm, plain multi-head
 attention, no qk_norm): any other setting is an error naming it (hf/convert.py). The tokenizer
 (char, gpt2, bpe:N) is written for AutoTokenizer to read offline (hf/tokenizer.py).
 """
+import json
 import sys
 from pathlib import Path
 
@@ -39,6 +43,10 @@ def main(argv) -> int:
     print(f"# {loaded.path} -> {out} (GPT2LMHeadModel: {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
           f"context {cfg.block_size}, vocab {cfg.vocab_size})")
     print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} (for AutoTokenizer)")
+    # past the context transformers' GPT-2 fails with an IndexError: the limit is said here
+    default = json.loads((out / "generation_config.json").read_text(encoding="utf-8"))["max_new_tokens"]
+    print(f"# the prompt plus max_new_tokens must fit the context: {cfg.block_size} tokens in all "
+          f"(max_new_tokens {default} unless given)")
     return 0
 
 

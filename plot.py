@@ -6,16 +6,23 @@ named by the settings in which the runs' configs differ.
 
 Each RUN is a run's out dir (its metrics.jsonl and config.toml). --bpb draws val bits per byte,
 which compares runs of different tokenizers fairly (val loss is per token). The picture goes to --out
-(.png, .svg or .pdf; default out/runs.png in this repository, beside the runs) and its path is
-printed. A run's own curves are in its out dir, as curves.png.
+(.png, .svg or .pdf) and its path is printed. By default it is named by the runs it draws, in out/
+of this repository, beside the runs (for the first command above:
+out/runs-tinyshakespeare+shakespeare_char_cpu_fast.png): the same runs again redraw their picture,
+other runs never replace it. A run's own curves are in its out dir, as curves.png.
 """
+import hashlib
+import os
 import sys
 import tomllib
 from pathlib import Path
 
 from common import ROOT, ArgumentParser, UserError, atomic_write, flat, run_cli
 
-DEFAULT_OUT = ROOT / "out" / "runs.png"   # out/ is where runs go, git-ignored
+# where runs go, git-ignored: a default picture's folder
+DEFAULT_DIR = ROOT / "out"
+# bytes of a default picture's name (file systems allow 255)
+LONGEST_NAME = 120
 # what is shown or kept of a run, not what it computes: never named in the legend (keys and prefixes)
 SHOWN = ("out_dir", "data.prepared_dir", "log.", "train.log_interval", "train.keep_checkpoints",
          "train.sample_")
@@ -25,13 +32,29 @@ def parse_args(argv):
     p = ArgumentParser(description="Overlay the loss curves of several runs, by step and by wall-clock time.")
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="a run's out dir (with metrics.jsonl and config.toml)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the picture's path, .png, .svg or .pdf "
-                   "(default: out/runs.png in this repository)")
+    p.add_argument("--out", type=Path, help="the picture's path, .png, .svg or .pdf (default: "
+                   "out/runs-<the runs' names>.png in this repository)")
     p.add_argument("--bpb", action="store_true", help="val bits per byte instead of val loss per token")
     args = p.parse_args(argv)
-    if args.out.suffix.lower() not in (".png", ".svg", ".pdf"):
+    if args.out is not None and args.out.suffix.lower() not in (".png", ".svg", ".pdf"):
         p.error(f"--out {args.out}: the picture is written as .png, .svg or .pdf, named by its ending")
     return args
+
+
+def default_out(paths: list[Path], bpb: bool) -> Path:
+    """out/runs-<names>.png: each run named by its path below the folder the runs share (one run by
+    its folder's name), '+' between them; -bpb for bits per byte. A name too long for a file keeps
+    its start and a hash of the whole, so that other runs still get another name."""
+    resolved = [p.resolve() for p in paths]
+    common = Path(os.path.commonpath(resolved))
+    names = [r.relative_to(common).as_posix().replace("/", "_") if r != common else r.name
+             for r in resolved]
+    name = "runs-" + "+".join(names) + ("-bpb" if bpb else "")
+    if len(whole := os.fsencode(name)) > LONGEST_NAME:
+        # its start, in whole characters, then 8 hex digits of the whole
+        start = whole[:LONGEST_NAME - 9].decode("utf-8", errors="ignore")
+        name = f"{start}-{hashlib.sha256(whole).hexdigest()[:8]}"
+    return DEFAULT_DIR / f"{name}.png"
 
 
 def differences(configs: list[dict], most: int = 4) -> list[str]:
@@ -74,10 +97,11 @@ def main(argv) -> int:
         label = f"{path}: {diff}" if diff else str(path)
         panels[0].lines.append(Line(label, *points(evals, "step", metric)))
         panels[1].lines.append(Line(label, *points(evals, "elapsed_s", metric)))
-    picture = draw(panels, f"{len(runs)} runs", legend_below=True, format=args.out.suffix[1:].lower())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(args.out, picture)
-    print(args.out)
+    out = args.out or default_out(paths, args.bpb)
+    picture = draw(panels, f"{len(runs)} runs", legend_below=True, format=out.suffix[1:].lower())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, picture)
+    print(out)
     return 0
 
 

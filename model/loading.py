@@ -57,8 +57,13 @@ def read_checkpoint(path) -> dict:
         raise UserError(f"{path} is not a readable checkpoint ({first_line(e, 100)})") from None
     if damaged:
         raise UserError(f"{path} is damaged: {damaged} does not match its checksum")
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or ckpt.get("version") != VERSION:
+    version = ckpt.get("version") if isinstance(ckpt, dict) else None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or type(version) is not int:
         raise UserError(f"{path} is not a checkpoint of this project (format {FORMAT} version {VERSION})")
+    if version != VERSION:
+        reads = "an earlier" if version < VERSION else "a later"
+        raise UserError(f"{path} is a checkpoint of format version {version}, this code reads "
+                        f"version {VERSION}: {reads} commit of this repository reads it")
     return ckpt
 
 

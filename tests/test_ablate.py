@@ -27,6 +27,9 @@ model.attention = "gqa"
 model.n_kv_head = 1
 """
 
+# the last line of ablate.py's output, after the path of results.md
+BESIDE = "(beside it: results.csv, runs.csv, loss_curves.png)"
+
 
 def write_sweep(tmp_path, text_file, variants=VARIANTS, extra=""):
     path = tmp_path / "tiny_sweep.toml"
@@ -72,7 +75,8 @@ def test_ctrl_c_stops_a_sweep_with_a_checkpoint_and_the_same_command_resumes_it(
     assert not sweep.runs[2].dir.exists(), "no later run started"
 
     rc, out, _ = run_tool(ablate, [path], capsys)
-    assert rc == 0
+    assert rc == 0 and out.splitlines()[-1] == f"# {tmp_path / 'sweep' / 'results.md'} {BESIDE}", \
+        "it ends with where the results are"
     assert "[1/4] sdpa seed 1: done before, skipped" in out and "[2/4] sdpa seed 2: resuming" in out
     assert f"resuming {stopped.dir / 'ckpt_0000003.pt'} at step 3" in out, "train()'s own words"
     alone = stopped.cfg
@@ -121,6 +125,7 @@ def test_a_failed_run_is_one_line_naming_it_and_the_same_command_runs_it_again(t
     assert rc == 2 and err.startswith("error: 1 run(s) failed, first sdpa seed 1: the loss became "), err
     assert len(err.strip().splitlines()) == 1 and "[2/2] mqa seed 1: training" in out
     assert "| mqa | model.attention=gqa model.n_kv_head=1 | " in out, "the report has the runs that finished"
+    assert out.splitlines()[-1] == f"# {tmp_path / 'sweep' / 'results.md'} {BESIDE}"
     rc, out, _ = run_tool(ablate, [path], capsys)
     assert rc == 0 and "[1/2] sdpa seed 1: training" in out and "[2/2] mqa seed 1: done before, skipped" in out
     assert len(list((tmp_path / "sweep" / "sdpa").glob("seed1.replaced-*"))) == 1, "what it left is set aside"
@@ -263,6 +268,7 @@ def test_ablate_runs_from_another_directory_with_an_absolute_sweep_path(tmp_path
     assert r.returncode == 0, r.stderr
     assert f"# sweep attention_cpu: 9 variants x 2 seeds = 18 runs -> {tmp_path / 'report'}" in r.stdout
     assert "| sdpa | (baseline) | no finished run |" in (tmp_path / "report" / "results.md").read_text()
+    assert r.stdout.splitlines()[-1] == f"# {tmp_path / 'report' / 'results.md'} {BESIDE}"
 
 
 def test_a_command_line_setting_applies_to_every_run_last(tmp_path, text_file):

@@ -49,7 +49,7 @@ def damaged(trained, tmp, kind):
     ckpt = torch.load(trained / "ckpt_0000004.pt", weights_only=True)
     model = ckpt["config"]["model"]
     if kind == "version":
-        ckpt["version"] = 99
+        ckpt["version"] = 1
     elif kind == "foreign":
         ckpt = {"state_dict": ckpt["model"]}
     elif kind == "mismatched":   # its config says 3 layers, its weights have 2
@@ -143,7 +143,7 @@ CASES = [
 ] + [
     (f"resume, {kind} checkpoint", train_cli, lambda e, kind=kind: in_out_dir(e, damaged(e["trained"], e["tmp"], kind)), message)
     for kind, message in [("empty", "not a readable checkpoint"), ("truncated", "not a readable checkpoint"),
-                          ("random", "not a readable checkpoint"), ("version", "is not a checkpoint of this project"),
+                          ("random", "not a readable checkpoint"), ("version", "of format version 1, this code"),
                           ("foreign", "not a checkpoint of this project"), ("evil", "was refused"),
                           ("flipped", "does not match its checksum")]
 ] + [
@@ -153,7 +153,7 @@ CASES = [
                           ("truncated", "is not a readable checkpoint"),
                           ("random", "is not a readable checkpoint"),
                           ("text", "is not a readable checkpoint"),
-                          ("version", "is not a checkpoint of this project"),
+                          ("version", "is a checkpoint of format version 1, this code reads"),
                           ("foreign", "is not a checkpoint of this project"),
                           ("evil", "was refused: it holds objects that could run code"),
                           ("mismatched", "does not hold a usable model"), ("flipped", "is damaged: archive/"),

@@ -83,6 +83,24 @@ def test_toml_errors_name_the_file_and_key(tmp_path):
         build_config(str(tmp_path / "missing.toml"), [])
 
 
+@pytest.mark.parametrize("text, override, message", [
+    ("[model]\nn_layer = [1, 2]\n", "--model.n_layer=1", "model.n_layer: expected int, got [1, 2]"),
+    ('[train]\nlr = "fast"\n', "--train.lr=0.01", "train.lr: expected float, got 'fast'"),
+    ("[train]\nlearning_rate = 3\n", "--train.lr=0.01", "unknown config key 'train.learning_rate'"),
+])
+def test_a_config_file_with_an_error_is_refused_whatever_the_command_line_sets(
+        tmp_path, capsys, text, override, message):
+    """The command line setting the same key does not hide the file's mistake: the file is the
+    user's to fix."""
+    path = write(tmp_path, text)
+    with pytest.raises(UserError) as e:
+        build_config(str(path), [override])
+    assert str(e.value).startswith(f"{path}: {message}")
+    rc, _, err = run_tool(train_cli, [path, override, f"--out_dir={tmp_path / 'out'}"], capsys)
+    assert rc == 2 and err.startswith(f"error: {path}: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_described_config_is_valid_toml_that_round_trips(tmp_path):
     cfg = build_config(None, ["--model.n_layer=3", "--out_dir=o", "--log.wandb_run_name=a \"b\""])
     path = write(tmp_path, describe(cfg))

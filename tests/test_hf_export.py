@@ -126,6 +126,16 @@ def test_export_says_which_tokenizer_files_it_wrote(tmp_path, capsys):
         "tokenizer_config.json"]
 
 
+def test_export_says_that_the_prompt_and_the_new_tokens_must_fit_the_context(tmp_path, capsys):
+    """Past the context (here 8 positions) transformers' pipeline ends in an IndexError: the export
+    names the limit, and the default it wrote to generation_config.json."""
+    run = save_char_model(tmp_path / "run", block_size=8, n_layer=1, n_head=2, n_embd=16)
+    rc, out, err = run_tool(export, [run, tmp_path / "hf"], capsys)
+    assert rc == 0, err
+    assert out.splitlines()[-1] == ("# the prompt plus max_new_tokens must fit the context: 8 tokens in "
+                                    "all (max_new_tokens 4 unless given)")
+
+
 def test_export_refuses_a_directory_that_is_not_empty_without_force(tmp_path, capsys):
     out = tmp_path / "hf"
     out.mkdir()

@@ -1,9 +1,12 @@
 """plot.py and the loss curves (viz/curves.py) on runs written by hand (metrics.jsonl and config.toml,
 as a run leaves them): each run's val curve by step and by wall-clock time, named by what its config
-changes; where the picture goes (out/runs.png by default, .png, .svg or .pdf); every evaluation in view."""
+changes; where the picture goes (by default out/runs-<the runs>.png, else --out: .png, .svg or
+.pdf); every evaluation in view."""
 import json
+import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -82,17 +85,50 @@ def test_plot_py_draws_each_run_s_val_curve_by_step_and_by_wall_time(runs, tmp_p
             assert (time_line.x, time_line.y) == ([r["elapsed_s"] for r in evals], [r[key] for r in evals])
 
 
-def test_plot_py_writes_out_runs_png_by_default_which_git_ignores(runs, tmp_path, capsys, monkeypatch):
-    assert plot_cli.DEFAULT_OUT == ROOT / "out" / "runs.png"
+def test_plot_py_writes_into_out_by_default_which_git_ignores(runs, tmp_path, capsys, monkeypatch):
+    assert plot_cli.DEFAULT_DIR == ROOT / "out"
     if shutil.which("git") and (ROOT / ".git").exists():
-        ignored = subprocess.run(["git", "check-ignore", "-q", "out/runs.png"], cwd=ROOT)
+        ignored = subprocess.run(["git", "check-ignore", "-q", "out/runs-a+b.png"], cwd=ROOT)
         assert ignored.returncode == 0, "out/ is git-ignored: the picture is not left for a commit to pick up"
-    default = tmp_path / "repo" / "out" / "runs.png"   # not this checkout's out/, which is the user's
-    monkeypatch.setattr(plot_cli, "DEFAULT_OUT", default)
+    default = tmp_path / "repo" / "out"   # not this checkout's out/, which is the user's
+    monkeypatch.setattr(plot_cli, "DEFAULT_DIR", default)
     monkeypatch.chdir(tmp_path)
     rc, stdout, err = run_tool(plot_cli, runs, capsys)
-    assert rc == 0 and stdout == f"{default}\n" and default.read_bytes().startswith(PNG), err
+    picture = default / "runs-slow+quick.png"
+    assert rc == 0 and stdout == f"{picture}\n" and picture.read_bytes().startswith(PNG), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["quick", "repo", "slow"], "nothing in the cwd"
+
+
+def test_plot_py_never_replaces_the_picture_of_other_runs_by_default(runs, tmp_path, capsys,
+                                                                     monkeypatch):
+    """Each set of runs has a picture of its own (one name for all would lose the earlier picture
+    without a word); the same runs again redraw theirs."""
+    monkeypatch.setattr(plot_cli, "DEFAULT_DIR", tmp_path / "out")
+    third = write_run(tmp_path / "third", 1e-3, [4.2, 2.0])
+    said = {}
+    for argv in ([*runs], [runs[0], third], [*runs, "--bpb"], [*runs], [third]):
+        rc, stdout, err = run_tool(plot_cli, argv, capsys)
+        assert rc == 0, err
+        said.setdefault(stdout.strip(), []).append(argv)
+    out = tmp_path / "out"
+    assert list(said) == [str(out / name) for name in (
+        "runs-slow+quick.png", "runs-slow+third.png", "runs-slow+quick-bpb.png", "runs-third.png")]
+    assert len(said[str(out / "runs-slow+quick.png")]) == 2, "the same runs again: their picture"
+    assert sorted(p.name for p in out.iterdir()) == sorted(Path(name).name for name in said)
+    rc, stdout, err = run_tool(plot_cli, [*runs, "--out", tmp_path / "mine.svg"], capsys)
+    assert rc == 0 and stdout == f"{tmp_path / 'mine.svg'}\n", "--out still chooses"
+
+
+def test_a_default_picture_s_name_names_runs_below_the_folder_they_share(tmp_path, monkeypatch):
+    """A sweep's runs (variant/seed) are named by both parts; a name too long for a file ends in a
+    hash of the whole, so that two long sets of runs still get two pictures."""
+    monkeypatch.setattr(plot_cli, "DEFAULT_DIR", tmp_path / "out")
+    sweep = [tmp_path / "sweep" / v / "seed1" for v in ("sdpa", "mqa")]
+    assert plot_cli.default_out(sweep, False).name == "runs-sdpa_seed1+mqa_seed1.png"
+    many = [tmp_path / f"a_rather_long_run_name_{i}_é" for i in range(12)]
+    names = {plot_cli.default_out(many[:n], False).name for n in (11, 12)}
+    assert len(names) == 2 and all(len(os.fsencode(n)) <= plot_cli.LONGEST_NAME + 4 for n in names)
+    assert all(n.startswith("runs-a_rather_long_run_name_0_é+") for n in names), names
 
 
 @pytest.mark.parametrize("name, start", [("p.svg", b"<?xml"), ("p.pdf", b"%PDF"), ("P.PNG", PNG)])

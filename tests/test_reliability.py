@@ -76,7 +76,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_does_not(tmp_path, trai
 # ---------------------------------------------------------------- failures in the middle of a run
 
 @pytest.mark.parametrize("failure, message", [
-    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "error: No space left on device: "),
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "error: could not write "),
     # what torch.save's zip writer raises when the disk fills (a RuntimeError, not an OSError)
     (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 2048"), "error: could not write "),
 ], ids=["OSError", "RuntimeError"])

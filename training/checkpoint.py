@@ -14,6 +14,7 @@ Choices:
   exact resume a checkpoint holds the whole training state: the optimizer, the data order and every
                rank's random generators, besides the weights
 """
+import errno
 import os
 import shutil
 from datetime import datetime, timezone
@@ -101,8 +102,8 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
     path, best = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt", Path(out_dir) / "best.pt"
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
-    except RuntimeError as e:   # torch's zip writer says a full disk as "unexpected pos ..."
-        raise UserError(f"could not write {path} ({first_line(e, 80)}): is the disk full?") from None
+    except (OSError, RuntimeError) as e:
+        raise UserError(f"could not write {path}: {why_unwritten(e)}") from None
     if ckpt.get("is_best"):
         link_best(path)
     for step, later in list_checkpoints(out_dir):
@@ -190,3 +191,23 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, rank: int, world
     if len(rngs) != world and rank:   # another number of processes: new dropout streams per rank
         torch.manual_seed(seed + 1000 * ckpt["step"] + rank)
     return ckpt["step"], ckpt["best_val_loss"], ckpt["tokens"], ckpt["elapsed"]
+
+
+def why_unwritten(error: Exception) -> str:
+    """Why a file could not be written, in words. The file's own OSError is the error, or the
+    context of the RuntimeError of torch's zip writer ("unexpected pos ..."). EFBIG is a limit on
+    a file's size: this process's (RLIMIT_FSIZE, `ulimit -f`; Python ignores the SIGXFSZ that
+    would kill it) or the file system's (FAT32: 4 GiB)."""
+    cause = error if isinstance(error, OSError) else error.__context__
+    if getattr(cause, "errno", None) == errno.EFBIG:
+        # (Unix alone has the limit, and the module that reads it)
+        if os.name == "posix":
+            import resource
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            if limit != resource.RLIM_INFINITY:
+                return (f"it is larger than this process's file-size limit of {limit:,} bytes "
+                        f"(ulimit -f; `ulimit -f unlimited` lifts it)")
+        return "it is larger than its file system allows (FAT32: 4 GiB): write it to another one"
+    if isinstance(cause, OSError):
+        return cause.strerror or str(cause)
+    return f"{first_line(error, 80)}: is the disk full?"

@@ -141,12 +141,13 @@ def absolute(key: str, path, folder: Path):
 def build_config(config_file: str | None = None, overrides=(), resume: bool = False) -> Config:
     """Defaults, then (resume) the out dir's config.toml, then the TOML file, then the command line
     (overrides: ['--train.lr=1e-3', ...]); each path made absolute where it is read; validated."""
-    values = flat(load_toml(config_file)) if config_file else {}
-    values = {k: v for k, v in values.items() if (k, v) != ("out_dir", "")}   # ("": out/<name>, the default)
+    in_file = flat(load_toml(config_file)) if config_file else {}
+    # out_dir = "": out/<name>, the default
+    in_file = {k: v for k, v in in_file.items() if (k, v) != ("out_dir", "")}
     folder = ROOT if Path(config_file or ROOT).resolve().is_relative_to(ROOT) else Path(config_file).parent
-    values |= {k: absolute(k, v, folder) for k, v in values.items() if k in PATHS}
+    in_file |= {k: absolute(k, v, folder) for k, v in in_file.items() if k in PATHS}
     given = {k: absolute(k, v, Path.cwd()) if k in PATHS else v for k, v in parse_overrides(overrides)}
-    values |= given
+    values = in_file | given
     if "out_dir" not in given and ({"data.path", "data.tokenizer"} & set(given) or "out_dir" not in values):
         values["out_dir"] = str(ROOT / default_out_dir(config_file, values, set(given)))
     stored = Path(values["out_dir"]) / "config.toml"
@@ -155,11 +156,15 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
     for key in PATHS[1:]:
         values.setdefault(key, absolute(key, getattr(DataConfig, key[5:]), ROOT))
     cfg = Config()
-    for key, value in values.items():
-        try:
-            set_key(cfg, key, value)
-        except UserError as e:
-            raise UserError(f"{config_file}: {e}" if key not in given and config_file else str(e)) from None
+    # the file's own values are set, and so checked, first: a wrong one is refused even where the
+    # command line sets that key again
+    for layer, file_only in ((in_file, True), (values, False)):
+        for key, value in layer.items():
+            try:
+                set_key(cfg, key, value)
+            except UserError as e:
+                named = config_file and (file_only or key not in given)
+                raise UserError(f"{config_file}: {e}" if named else str(e)) from None
     if cfg.train.init_from and not resumed:   # the model section is the pretrained checkpoint's
         from hf.hub import resolve_init_from   # (the optional Hugging Face room)
         resolve_init_from(cfg, set(values))
