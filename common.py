@@ -10,7 +10,7 @@
              them their cores (model/device.py)
 
 Exit codes: 2 for a mistake (or the machine's fault: a full disk), 3 for out of memory, 130 for Ctrl-C
-(a run stopped by a signal: 128 + its number).
+and 143 for SIGTERM (a run stopped by a signal: 128 + its number).
 """
 import argparse
 import dataclasses
@@ -18,7 +18,9 @@ import math
 import operator
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,26 +44,75 @@ def silence_stdout() -> None:
         pass
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what kill, timeout and job schedulers send), raised where Ctrl-C raises
+    KeyboardInterrupt: a command cleans up after either alike."""
+
+
+def terminate(signum, frame):
+    raise Terminated()
+
+
+# how running out of memory reads: torch's allocators, C++'s, Python's
+OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "bad_alloc")
+
+
+def causes(error: BaseException) -> list[BaseException]:
+    """error, the error it was raised from or while handling, and so on down."""
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def verdict(error: BaseException) -> tuple[int, str] | None:
+    """(exit code, one line) for what a user or the machine can cause; None for a bug. A Ctrl-C
+    that lands while Python builds a class comes out as another error: its causes tell."""
+    chain = causes(error)
+    if isinstance(error, UserError):
+        return 2, f"error: {error}"
+    stop = next((e for e in chain if isinstance(e, KeyboardInterrupt)), None)
+    if stop is not None:
+        return (143, "terminated") if isinstance(stop, Terminated) else (130, "interrupted")
+    if isinstance(error, OSError):
+        # the machine's: a full disk, a read-only folder, a file that went away
+        where = f": {error.filename}" if error.filename else ""
+        return 2, f"error: {error.strerror or error}{where}"
+    # Python's own allocations fail as MemoryError, or as a SystemError when a C function
+    # could not even make the exception; torch's as a RuntimeError
+    memory = [e for e in chain if isinstance(e, (MemoryError, SystemError))
+              or isinstance(e, RuntimeError) and any(w in str(e) for w in OUT_OF_MEMORY)]
+    if memory:
+        return 3, (f"error: out of memory ({first_line(memory[0], 100)}): try a smaller batch, "
+                   f"block size or model (checkpoints already written are kept)")
+    return None
+
+
 def run_cli(main, argv: list[str]) -> int:
-    """main(argv)'s exit code; what a user can cause is one line on stderr instead of a traceback."""
+    """main(argv)'s exit code; what a user can cause is one line on stderr instead of a traceback.
+    SIGTERM is a Ctrl-C here (exit 143); the training loop takes both signals over itself."""
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(errors="replace")   # a character the terminal cannot show prints as '?'
+        # a character the terminal cannot show prints as '?'
+        sys.stdout.reconfigure(errors="replace")
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main_thread else None
+    if before is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, terminate)
     try:
         return main(argv)
-    except UserError as e:
-        code, message = 2, f"error: {e}"
-    except KeyboardInterrupt:
-        code, message = 130, "interrupted"
-    except BrokenPipeError:   # `python sample.py ... | head`
+    except BrokenPipeError:
+        # `python sample.py ... | head`
         silence_stdout()
         return 0
-    except OSError as e:   # the machine's: a full disk, a read-only folder, a file that went away
-        code, message = 2, f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-    except (MemoryError, RuntimeError) as e:   # (torch's OutOfMemoryError is a RuntimeError)
-        if not (isinstance(e, MemoryError) or "out of memory" in str(e) or "can't allocate memory" in str(e)):
+    except BaseException as e:
+        said = None if isinstance(e, SystemExit) else verdict(e)
+        if said is None:
             raise
-        code, message = 3, (f"error: out of memory ({first_line(e, 100)}): try a smaller batch, block size "
-                            f"or model (checkpoints already written are kept)")
+        code, message = said
+    finally:
+        if before is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, before)
     print(message, file=sys.stderr)
     return code
 

@@ -24,6 +24,9 @@ from common import UserError
 from data.prepare import SPLITS, check_split_sizes, load_meta
 
 EVAL_MAX_WINDOWS = 4096       # an exact evaluation's windows per split at most (bounded cost, any corpus)
+# train's windows in an evaluation, per val window: the train column is a check on overfitting,
+# which a fixed sample shows as well as the whole split, at a fraction of the cost
+EVAL_TRAIN_SHARE = 0.25
 EVAL_BATCH_TOKENS = 4096      # an evaluation batch: this many tokens (at least batch_size windows)
 COPY_TOKENS = 1 << 26         # tokens copied to the device at a time
 
@@ -121,12 +124,14 @@ class BatchLoader:
 
     def eval_windows(self, split: str):
         """(x, y) batches that an exact evaluation scores: val's consecutive windows, each token a target
-        once (of its first EVAL_MAX_WINDOWS windows); train's, as many at evenly spaced offsets."""
+        once (of its first EVAL_MAX_WINDOWS windows); train's, a quarter as many at evenly spaced
+        offsets."""
         T, per_batch = self.block_size, max(self.batch_size, EVAL_BATCH_TOKENS // self.block_size)
         val = self.mapped["val"][:EVAL_MAX_WINDOWS * T + 1]
         if split == "val":
             return strided_windows(val, T, T, per_batch)
-        count = -(-(len(val) - 1) // T)   # (integers: float32 offsets of a long split could pass its end)
+        # (integers: float32 offsets of a long split could pass its end)
+        count = max(1, round(-(-(len(val) - 1) // T) * EVAL_TRAIN_SHARE))
         starts = torch.arange(count) * (len(self.mapped["train"]) - T - 1) // max(count - 1, 1)
         return ((w[:, :-1], w[:, 1:]) for w in map(partial(self.windows, "train"), starts.split(per_batch)))
 

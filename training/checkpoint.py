@@ -24,7 +24,7 @@ import torch
 
 from common import UserError, atomic_write, first_line
 from model.loading import CKPT_RE, list_checkpoints
-from training.config import flat, fmt, load_toml
+from training.config import FIELDS, flat, fmt, load_toml
 
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
 FOR_RESUMING = ("dataset", "optimizer", "scaler", "loader", "rng_ranks", "best_val_loss", "elapsed", "tokens",
@@ -52,9 +52,12 @@ def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=Non
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write the out dir {out}: {parent} is not a writable folder")
     held = run_files(out) if out.is_dir() else []
+    run = run_config(out)
+    if not latest.is_file() and run:
+        # a run stopped before its first checkpoint: the folder holds no run, and it starts again
+        held = []
     kept = f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), or another --out_dir"
     if held and not resume and not overwrite and latest.is_file():
-        run = flat(load_toml(out / "config.toml")) if (out / "config.toml").is_file() else {}
         was, now = (run.get("data.path"), run.get("data.tokenizer")), (data.path, data.tokenizer)
         if run and was != now:   # (an out dir given twice, or texts of one name in two folders)
             raise UserError(f"{out} already holds a run trained on {was[0]} ({was[1]}), not {now[0]} "
@@ -65,19 +68,36 @@ def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=Non
     return Path(checkpoint or latest).resolve() if resume else None
 
 
+def run_config(out: Path) -> dict:
+    """The settings of the run in out, from its config.toml ({}: none, or a file no run wrote)."""
+    try:
+        run = flat(load_toml(out / "config.toml"))
+    except (OSError, UserError):
+        return {}
+    return run if set(run) == set(FIELDS) else {}
+
+
 def open_out_dir(out: Path, overwrite: bool, best: Path | None = None) -> Path | None:
     """The run's first write: make out, after renaming (--overwrite) the folder holding an earlier run
-    to a fresh sibling, which it returns. best: a resumed checkpoint that was the best when saved; when it
-    is the out dir's latest, best.pt is linked to it again (a kill may have cut its linking short)."""
+    to a fresh sibling, which it returns. best: a resumed checkpoint that was the best when saved, and
+    so is the best of the run that goes on from it: best.pt is linked to it (again, where a kill cut
+    its linking short; or instead of a later checkpoint that the resumed run abandons)."""
     aside = None
     if overwrite and out.is_dir() and run_files(out):
         aside = out.with_name(f"{out.name}.replaced-{datetime.now(timezone.utc):%Y%m%d-%H%M%S.%f}")
         os.rename(out, aside)
     out.mkdir(parents=True, exist_ok=True)
-    latest = (list_checkpoints(out) or [(0, None)])[-1][1]
-    if best is not None and latest is not None and best.name == latest.name:
-        link_best(latest)
+    if best is not None:
+        link_best(best)
     return aside
+
+
+def close_out_dir(out: Path, made: bool, aside: Path | None) -> None:
+    """Undo open_out_dir: a folder it made goes, an earlier run it set aside comes back."""
+    if made or aside:
+        shutil.rmtree(out, ignore_errors=True)
+    if aside:
+        os.rename(aside, out)
 
 
 def link_best(path: Path) -> None:
@@ -100,6 +120,9 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
     """Write ckpt_<step>.pt, make it best.pt if it is the best, then delete all but the newest `keep`
     (and any later one, with a best.pt of theirs: a run resumed from an earlier checkpoint replaces them)."""
     path, best = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt", Path(out_dir) / "best.pt"
+    # a checkpoint of this step from an abandoned run (resumed from an earlier one) is replaced
+    if path.is_file() and best.is_file() and os.path.samefile(best, path):
+        best.unlink()
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
     except (OSError, RuntimeError) as e:

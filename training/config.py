@@ -40,8 +40,8 @@ class TrainConfig:
     beta2: float = setting(0.99, "AdamW's second-moment decay", at_least=0, below=1)
     grad_clip: float = setting(1.0, "max global gradient norm (0 = off)", at_least=0)
     eval_interval: int = setting(500, "evaluate (and checkpoint) every this many steps", above=0)
-    eval_iters: int = setting(0, "0 = every val window (4,096 at most), as many train ones; N = N fixed "
-                                 "random batches a split", at_least=0)
+    eval_iters: int = setting(0, "0 = every val window (4,096 at most), a quarter as many train "
+                                 "ones; N = N fixed random batches a split", at_least=0)
     log_interval: int = setting(50, "print and record the training loss every this many steps", above=0)
     sample_every: int = setting(0, "print and record a sample every this many steps (0 = none)", at_least=0)
     sample_prompt: str = setting("", "what those samples continue (\"\" = a newline, or end-of-text)")

@@ -42,8 +42,8 @@ from data.tokenizers import load_tokenizer
 from model.gpt import GPT, bits_per_byte, score
 from model.device import autocast, fit_threads, pick_device, pick_dtype
 from model.loading import FORMAT, VERSION, read_checkpoint
-from training.checkpoint import (check_out_dir, check_resumable, check_same_text, float_lrs, open_out_dir,
-                                 restore, rng_state, save_checkpoint, to_host)
+from training.checkpoint import (check_out_dir, check_resumable, check_same_text, close_out_dir, float_lrs,
+                                 open_out_dir, restore, rng_state, save_checkpoint, to_host)
 from training.config import Config, build_config, describe, flat, fmt, load_toml
 from training.optim import build_optimizer, lr_at, set_lr
 
@@ -71,6 +71,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     ckpt = read_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
         check_resumable(ckpt, resume_from, cfg)
+    if ckpt is not None and ckpt["step"] >= t.max_steps:
+        say(f"# {out}: the run is at step {ckpt['step']}, train.max_steps = {t.max_steps}: nothing to "
+            f"train, nothing changed (a larger --train.max_steps continues it)")
+        if ddp:
+            distributed.leave()
+        return {"step": ckpt["step"], "best_val_loss": ckpt["best_val_loss"], "elapsed_s": ckpt["elapsed"],
+                "how": "", "intervals": [], "exit_code": 0}
     dataset = distributed.leader_first(lambda: prepare(cfg.data, cfg.model.block_size), local_rank == 0) \
         if ddp else prepare(cfg.data, cfg.model.block_size)
     meta = load_meta(dataset)
@@ -105,8 +112,14 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     stored = flat(load_toml(out / "config.toml")) if resume_from and (out / "config.toml").is_file() else {}
     metrics = Metrics(cfg if rank == 0 else None, step if resume_from else None)
     if rank == 0:
+        made = not out.exists()
         aside = open_out_dir(out, overwrite, best)
-        metrics.open()   # (wandb first: one that cannot start leaves no file of this run)
+        try:
+            metrics.open()
+        except UserError:
+            # wandb that cannot start: the out dir goes back to what it was
+            close_out_dir(out, made, aside)
+            raise
         atomic_write(out / "config.toml", describe(cfg))
         banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, loader, laps)
 
@@ -453,6 +466,10 @@ def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtyp
     differ = [f"{k} = {fmt(v)}" for k, v in now.items()
               if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
     say("# not the defaults: " + ("; ".join(differ) if differ else "none"))
+    if cfg.train.warmup_steps >= cfg.train.max_steps:
+        say(f"# note: train.warmup_steps = {cfg.train.warmup_steps} is not below train.max_steps = "
+            f"{cfg.train.max_steps}: the learning rate never reaches its peak nor decays (e.g. "
+            f"--train.warmup_steps={max(1, cfg.train.max_steps // 10)})")
     for key in [k for k in now if k in stored and stored[k] != now[k]]:
         say(f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}")
     t = cfg.train
