@@ -74,6 +74,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if ckpt is not None and ckpt["step"] >= t.max_steps:
         say(f"# {out}: the run is at step {ckpt['step']}, train.max_steps = {t.max_steps}: nothing to "
             f"train, nothing changed (a larger --train.max_steps continues it)")
+        cfg.model.vocab_size = ckpt["config"]["model"]["vocab_size"]
         if ddp:
             distributed.leave()
         return {"step": ckpt["step"], "best_val_loss": ckpt["best_val_loss"], "elapsed_s": ckpt["elapsed"],
