@@ -90,10 +90,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
                                 weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    step, best_val, tokens, seconds_before = 0, math.inf, 0, 0.0
+    step, best_val, tokens, seconds_before, was = 0, math.inf, 0, 0.0, None
     if ckpt is not None:
         step, best_val, tokens, seconds_before = restore(ckpt, resume_from, model, optimizer, scaler, loader,
                                                          rank, world, t.seed)
+        # the global batch so far (sequences per step), and processes: the banner says a change
+        before, procs = ckpt["config"]["train"], len(ckpt["rng_ranks"])
+        was = (before["batch_size"] * before["grad_accum"] * procs, procs)
     best, ckpt = resume_from if ckpt is not None and ckpt["is_best"] else None, None   # (copied: let it go)
     laps.append(("model", time.perf_counter()))
     run_step, how = build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, world, say)
@@ -106,7 +109,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         aside = open_out_dir(out, overwrite, best)
         metrics.open()   # (wandb first: one that cannot start leaves no file of this run)
         atomic_write(out / "config.toml", describe(cfg))
-        banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, loader, laps)
+        banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, loader,
+               laps, was)
 
     # ---- the loop
     tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.block_size
@@ -114,7 +118,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     start = interval_start = time.perf_counter()
     timed = 0   # the steps since interval_start (evaluations and samples are not timed as steps)
     writing = None   # the checkpoint being written
-    with stop_signals() as stop, closing(metrics), ThreadPoolExecutor(1) as writer:
+    with stop_signals(local_rank == 0) as stop, closing(metrics), ThreadPoolExecutor(1) as writer:
         while step < t.max_steps:
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
                        schedule=t.schedule, warmdown_frac=t.warmdown_frac)
@@ -270,10 +274,11 @@ def compile_trial(compiled, model, loader, device, dtype) -> None:
 
 
 @contextmanager
-def stop_signals():
+def stop_signals(loud: bool = True):
     """While inside, SIGINT and SIGTERM ask the run to stop: the list it yields gets the signal's number,
     the step in progress finishes and the loop saves a checkpoint; a second signal ends the process at
-    once. (os.write: a print() here could land inside the print() the signal interrupted.)"""
+    once. Said on stderr when loud (under torchrun, which passes a signal to every process of its
+    machine: local rank 0 alone). (os.write: a print() here could land inside one it cut short.)"""
     asked = []
 
     def handler(signum, frame):
@@ -282,7 +287,7 @@ def stop_signals():
         said = "again: exiting now" if again else \
             "finishing this step and saving a checkpoint (again to exit at once)"
         with suppress(OSError):   # (a stderr whose reader is gone must not end the run unsaved)
-            os.write(2, f"\n{name}: {said}\n".encode())
+            loud and os.write(2, f"\n{name}: {said}\n".encode())
         if again:
             os._exit(128 + signum)
     main = threading.current_thread() is threading.main_thread()   # (only it can set handlers)
@@ -435,9 +440,10 @@ class Metrics:
 
 
 def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtype, how, world, loader,
-           laps) -> None:
+           laps, was=None) -> None:
     """Where the run goes and what it is: its settings that are not the defaults (and, resumed, what
-    changed since it began), then its size, device, dtype, step, processes, tokens per step, data."""
+    changed since it began: was, the checkpoint's global batch and processes), then its size,
+    device, dtype, step, processes, tokens per step, data."""
     out = Path(cfg.out_dir)
     say(f"# {out}: " + (f"resuming {resume_from} at step {step}" if resume_from else "a new run")
         + f" (every setting: {out / 'config.toml'})"
@@ -449,6 +455,8 @@ def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtyp
     for key in [k for k in now if k in stored and stored[k] != now[k]]:
         say(f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}")
     t = cfg.train
+    if was and was[0] != t.batch_size * t.grad_accum * world:
+        say(resized(was, t, world, cfg.model.block_size))
     procs = f" x {world} processes ({'FSDP' if t.fsdp else 'DDP'})" if world > 1 else ""
     say(f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | {device}, "
         f"{str(dtype).removeprefix('torch.')}, {how}{procs} | "
@@ -457,3 +465,19 @@ def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtyp
     laps = (laps if laps[0][1] is not None else laps[1:]) + [("out dir", time.perf_counter())]
     say(f"# start-up {laps[-1][1] - laps[0][1]:.1f} s: " + ", ".join(
         f"{name} {b - a:.1f}" for (_, a), (name, b) in zip(laps, laps[1:])))
+
+
+def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
+    """The banner's line for a run resumed at another global batch (was: its sequences per step
+    and processes so far): the tokens per step before and now, and the setting that keeps the
+    earlier one."""
+    (seqs, procs), now = was, t.batch_size * t.grad_accum * world
+    if seqs % (t.batch_size * world) == 0:
+        keep = f"--train.grad_accum={seqs // (t.batch_size * world)}"
+    elif seqs % (t.grad_accum * world) == 0:
+        keep = f"--train.batch_size={seqs // (t.grad_accum * world)}"
+    else:
+        keep = "no whole --train.grad_accum or --train.batch_size"
+    processes = f" ({procs} processes -> {world})" if procs != world else ""
+    tokens = f"{seqs * block_size:,} -> {now * block_size:,}{processes}"
+    return f"# resuming with tokens/step: {tokens}: {keep} keeps it"
