@@ -11,13 +11,14 @@ LOCAL_WORLD_SIZE (processes on each machine), GROUP_WORLD_SIZE and GROUP_RANK (m
 this one's rank), and MASTER_ADDR/MASTER_PORT (where rank 0 listens). torchrun's own arguments
 never reach a process's argv: the command that continues a run (relaunch) is rebuilt from them.
 
-A process that dies is ended by its own machine's torchrun, which then ends the others there. On
+When a process dies, its machine's torchrun ends the others there and names it in its report. On
 the other machines, the processes learn it from the collective they are in, which fails: gloo's
 at once (the connection closes), NCCL's when its watchdog sees the error, else at the process
 group's timeout (torch's default, which this project keeps: 30 min for gloo, 10 min for NCCL):
 also how long a process waits for a peer that stopped answering without going away (a frozen
-machine, a cut network). Each machine then ends with one line from its local rank 0
-(lost_peer_line), and the checkpoints on disk are whole.
+machine, a cut network); only the wait for the data's preparation is longer (leader_first).
+Each machine then ends with one line from its local rank 0 (lost_peer_line), and the
+checkpoints on disk are whole.
 
 Data parallel (DDP, the default): every rank holds the whole model and optimizer, computes the
 gradients of its own slice of the batch, and backward averages them over the ranks (all-reduce), so
@@ -200,9 +201,9 @@ def lost_peer_line(out_dir, again: str):
         if int(os.environ.get("LOCAL_RANK", "0")):
             sys.exit(2)
         step = (list_checkpoints(out_dir) or [(None, None)])[-1][0]
-        kept = "no checkpoint was written" if step is None else \
-            f"the checkpoint of step {step} is kept in {out_dir}"
+        kept = f"no checkpoint in {out_dir}" if step is None else \
+            f"the checkpoint of step {step} is kept in {out_dir}: {again} continues it"
         # gloo says "[file:line] What happened. What to do."
         why = first_line(e).split("] ", 1)[-1].split(". ")[0]
-        raise UserError(f"another process of this run ended or stopped answering ({why}); {kept}: "
-                        f"{again} continues it") from None
+        raise UserError(f"another process of this run ended or stopped answering ({why}); {kept}") \
+            from None
