@@ -153,11 +153,12 @@ def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optim_
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether any rank says flag (a stop asked for): every rank gets the same answer, at the same step."""
-    t = torch.tensor([float(flag)], device=device)
+def agreed_stop(signum: int, device: torch.device) -> int:
+    """The signal that stops the run (0: none), the same on every rank at the same step: the largest
+    number any rank was sent (a Ctrl-C on one machine stops them all)."""
+    t = torch.tensor([float(signum)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def leave(finished: bool = True) -> None:

@@ -128,8 +128,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             logged = step % t.log_interval == 0 or step == t.max_steps
             evaluated = step % t.eval_interval == 0 or step == t.max_steps
             sampled = t.sample_every and (step % t.sample_every == 0 or step == t.max_steps)
-            asked = bool(stop) and step < t.max_steps   # (a stop at the last step: the run ends as it would)
-            stopping = asked if not ddp else logged and distributed.any_rank(asked, device)
+            # the signal a stop was asked by (0: none; at the last step the run ends as it would)
+            asked = stop[0] if stop and step < t.max_steps else 0
+            stopping = asked if not ddp else logged and distributed.agreed_stop(asked, device)
             if logged or stopping or sampled:   # (a sample of weights a non-finite step touched says nothing)
                 loss_value, norm = loss.item(), grad_norm.item()   # waits for the device: the steps have run
                 ms = (time.perf_counter() - interval_start) * 1000 / timed
@@ -161,7 +162,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 break
         writing and writing.result()   # the last checkpoint is on disk before the run says it is done
     seconds = seconds_before + time.perf_counter() - start
-    signum = (stop or [signal.SIGTERM])[0]   # (none here: another rank's)
+    # the signal that stopped the run: this process's, or under torchrun another one's
+    signum = stopping if step < t.max_steps else (stop or [0])[0]
     if step < t.max_steps:
         say(f"stopped by {signal.Signals(signum).name} at step {step}: checkpoint saved in {out}; "
             f"{again} continues it")
