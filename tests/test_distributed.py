@@ -1,6 +1,7 @@
 """Distributed training on CPU (gloo): 2 processes launched by torchrun, as a user would, give the
 run that 1 process gives with the same global batch; only rank 0 writes; checkpoints cross world
-sizes and FSDP.
+sizes and FSDP, and a resume at another global batch says what keeps it; the processes wait for
+their data's leaders longer than the run's own collective timeout.
 
 One tiny run shape, six ways, all ending at step 6 with the same weights:
   base   1 process, batch 8                      (in this process)
