@@ -17,7 +17,9 @@ import time
 
 STARTED = time.perf_counter()   # (before the imports: the banner says where the time to the first step goes)
 
+import os  # noqa: E402
 import sys  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from common import ArgumentParser, command, run_cli  # noqa: E402
@@ -50,9 +52,16 @@ def main(argv: list[str]) -> int:
         rest.append(f"--out_dir={Path(checkpoint).resolve().parent}")
     cfg = build_config(config_file, rest, resume=bool(args.resume))
     words = [str(Path(a).parent) if a == checkpoint else a for a in argv if a != "--overwrite"]
-    again = command("train.py", *words, *([] if args.resume else ["--resume"]))
-    return train(cfg, bool(args.resume), args.overwrite, checkpoint=checkpoint, started=STARTED,
-                 again=again)["exit_code"]
+    words += [] if args.resume else ["--resume"]
+    again, lost = command("train.py", *words), nullcontext()
+    # under torchrun: torchrun's command, and a lost peer said in one line
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from training import distributed
+        again = distributed.relaunch(*words)
+        lost = distributed.lost_peer_line(cfg.out_dir, again)
+    with lost:
+        return train(cfg, bool(args.resume), args.overwrite, checkpoint=checkpoint, started=STARTED,
+                     again=again)["exit_code"]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Distributed training on CPU (gloo): 2 processes launched by torchrun, as a user would, give the
 run that 1 process gives with the same global batch; only rank 0 writes; checkpoints cross world
-sizes and FSDP.
+sizes and FSDP, and a resume at another global batch says what keeps it; the processes wait for
+their data's leaders longer than the run's own collective timeout.
 
 One tiny run shape, six ways, all ending at step 6 with the same weights:
   base   1 process, batch 8                      (in this process)
@@ -22,7 +23,7 @@ import torch
 from model.loading import load_model, read_checkpoint
 from tests.conftest import ROOT, TEXT, tiny_overrides
 from training.config import build_config
-from training.trainer import train
+from training.trainer import resized, train
 
 pytestmark = pytest.mark.skipif(os.name == "nt" or not torch.distributed.is_available(),
                                 reason="torchrun and gloo as this project uses them: Linux and macOS (not tried on Windows)")
@@ -105,11 +106,57 @@ def test_only_rank_0_writes(runs):
                                                 "config.toml", "metrics.jsonl"]
 
 
+def test_a_resume_at_another_global_batch_says_what_keeps_it(runs, capsys):
+    """ddp's checkpoint (2 processes x batch 4) resumed on one process: at batch 4 the global batch
+    halves, and the banner says so with the setting that keeps it; at batch 4 x 2 it says nothing."""
+    tmp, _ = runs
+    for name, accum in (("half", 1), ("same", 2)):
+        copy_checkpoint(tmp / "ddp", 4, tmp / name)
+        capsys.readouterr()
+        train(build_config(None, args(tmp, tmp / "tiny.txt", name, **{"train.batch_size": 4,
+                                                                         "train.grad_accum": accum})), resume=True)
+        banner = [line for line in capsys.readouterr().out.splitlines() if "tokens/step:" in line]
+        assert banner == (["# resuming with tokens/step: 256 -> 128 (2 processes -> 1): --train.grad_accum=2 "
+                           "keeps it"] if name == "half" else []), banner
+
+
+@pytest.mark.parametrize("batch, accum, line", [
+    (2, 1, "256 -> 64 (2 processes -> 1): --train.grad_accum=4 keeps it"),
+    (3, 2, "256 -> 192 (2 processes -> 1): --train.batch_size=4 keeps it"),
+    (3, 3, "256 -> 288 (2 processes -> 1): no whole --train.grad_accum or --train.batch_size keeps it")])
+def test_the_setting_named_to_keep_the_global_batch(batch, accum, line):
+    """grad_accum first (the memory a step takes stays), else batch_size, where a whole number does."""
+    t = build_config(None, [f"--train.batch_size={batch}", f"--train.grad_accum={accum}"]).train
+    assert resized((8, 2), t, 1, 32) == f"# resuming with tokens/step: {line}"
+
+
 def test_fsdp_checkpoint_loads_in_one_plain_process(runs):
     tmp, _ = runs
     path = tmp / "fsdp" / f"ckpt_{STEPS:07d}.pt"
     load_model(path)   # as sample.py reads it: full tensors under their plain names, each shape checked
     assert len(read_checkpoint(path)["rng_ranks"]) == 2
+
+
+def prepare_slowly(rank: int, store: str) -> None:
+    """One of 2 processes whose group times out after 1 s: the leader's work takes 3."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from training.distributed import leader_first
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=1))
+    try:
+        assert leader_first(lambda: time.sleep(3 if rank == 0 else 0) or rank, rank == 0) == rank
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_others_wait_for_a_leader_longer_than_the_run_timeout(tmp_path):
+    """Data preparation can take hours; the process group's timeout (10 min under NCCL) must not end
+    the processes that wait for it."""
+    torch.multiprocessing.spawn(prepare_slowly, args=(str(tmp_path / "store"),), nprocs=2)
 
 
 def test_gradients_are_synced_only_on_the_last_micro_step(tmp_path):

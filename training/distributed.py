@@ -6,9 +6,19 @@ Imported only under torchrun (WORLD_SIZE > 1).
              train.py CONFIG                                                                # 2 machines
 
 torchrun starts one process per device and tells each who it is in the environment: RANK (0 ..
-WORLD_SIZE-1 over all machines), LOCAL_RANK (its device on its machine), WORLD_SIZE, and
-MASTER_ADDR/MASTER_PORT (where rank 0 listens). If a process dies, torchrun ends the others and
-names it in its report.
+WORLD_SIZE-1 over all machines), LOCAL_RANK (its device on its machine), WORLD_SIZE,
+LOCAL_WORLD_SIZE (processes on each machine), GROUP_WORLD_SIZE and GROUP_RANK (machines, and
+this one's rank), and MASTER_ADDR/MASTER_PORT (where rank 0 listens). torchrun's own arguments
+never reach a process's argv: the command that continues a run (relaunch) is rebuilt from them.
+
+When a process dies, its machine's torchrun ends the others there and names it in its report. On
+the other machines, the processes learn it from the collective they are in, which fails: gloo's
+at once (the connection closes), NCCL's when its watchdog sees the error, else at the process
+group's timeout (torch's default, which this project keeps: 30 min for gloo, 10 min for NCCL):
+also how long a process waits for a peer that stopped answering without going away (a frozen
+machine, a cut network); only the wait for the data's preparation is longer (leader_first).
+Each machine then ends with one line from its local rank 0 (lost_peer_line), and the
+checkpoints on disk are whole.
 
 Data parallel (DDP, the default): every rank holds the whole model and optimizer, computes the
 gradients of its own slice of the batch, and backward averages them over the ranks (all-reduce), so
@@ -21,6 +31,10 @@ Backends: nccl between GPUs, gloo between CPU processes (what the tests use).
 import atexit
 import gc
 import os
+import shlex
+import sys
+from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,7 +45,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import UserError
+from common import ROOT, UserError, first_line, typed
+from model.loading import list_checkpoints
+
+LEADERS_TIMEOUT = timedelta(days=1)   # how long processes wait for their leaders' data preparation
 
 
 def join(device: torch.device) -> tuple[torch.device, int, int, int]:
@@ -51,7 +68,11 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
 
 def leader_first(fn, leader: bool):
     """fn() on the leading processes first, then on the rest, which find its work done; an error of a
-    leader is raised on every process, so that none waits for ever."""
+    leader is raised on every process, so that none waits for ever. The rest wait in a gloo group
+    of their own, for up to LEADERS_TIMEOUT: the run's own timeout (10 min under NCCL) would end
+    them while a leader prepares tens of GB of text, which takes hours."""
+    # (made by every process before any leader starts: making it waits for all of them)
+    waiting = dist.new_group(backend="gloo", timeout=LEADERS_TIMEOUT)
     error = None
     if leader:
         try:
@@ -59,7 +80,7 @@ def leader_first(fn, leader: bool):
         except Exception as e:
             error = e
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, error)
+    dist.all_gather_object(gathered, error, group=waiting)
     if errors := [e for e in gathered if e is not None]:
         raise errors[0]
     return result if leader else fn()
@@ -132,11 +153,12 @@ def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optim_
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether any rank says flag (a stop asked for): every rank gets the same answer, at the same step."""
-    t = torch.tensor([float(flag)], device=device)
+def agreed_stop(signum: int, device: torch.device) -> int:
+    """The signal that stops the run (0: none), the same on every rank at the same step: the largest
+    number any rank was sent (a Ctrl-C on one machine stops them all)."""
+    t = torch.tensor([float(signum)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def leave(finished: bool = True) -> None:
@@ -148,3 +170,41 @@ def leave(finished: bool = True) -> None:
             gc.collect()
             dist.barrier()
         dist.destroy_process_group()
+
+
+def relaunch(*args: str) -> str:
+    """The command that starts this run's processes as torchrun started them, train.py given args:
+    as many processes on each machine, and on several machines the same rendezvous (the command
+    of this machine, and the note that each machine runs it with its own --node_rank)."""
+    env = os.environ
+    per_node = env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+    script = [typed(ROOT / "train.py"), *args]
+    if env.get("GROUP_WORLD_SIZE", "1") == "1":
+        return shlex.join(["torchrun", "--standalone", f"--nproc_per_node={per_node}", *script])
+    words = [f"--nnodes={env['GROUP_WORLD_SIZE']}", f"--node_rank={env['GROUP_RANK']}",
+             f"--nproc_per_node={per_node}", f"--master_addr={env['MASTER_ADDR']}",
+             f"--master_port={env['MASTER_PORT']}"]
+    return shlex.join(["torchrun", *words, *script]) + " (on each machine, with its own --node_rank)"
+
+
+@contextmanager
+def lost_peer_line(out_dir, again: str):
+    """A collective that fails because another process of the run ended or stopped answering
+    (gloo's transport errors, torch.distributed's own) ends this process with one line, said by
+    local rank 0 alone (the machine's other processes end quietly, exit 2 all the same): the
+    checkpoint kept and `again`, the command that continues the run from it. Any other error goes
+    on as it is."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not (isinstance(e, dist.DistError) or "gloo/transport/" in str(e)):
+            raise
+        if int(os.environ.get("LOCAL_RANK", "0")):
+            sys.exit(2)
+        step = (list_checkpoints(out_dir) or [(None, None)])[-1][0]
+        kept = f"no checkpoint in {out_dir}" if step is None else \
+            f"the checkpoint of step {step} is kept in {out_dir}: {again} continues it"
+        # gloo says "[file:line] What happened. What to do."
+        why = first_line(e).split("] ", 1)[-1].split(". ")[0]
+        raise UserError(f"another process of this run ended or stopped answering ({why}); {kept}") \
+            from None

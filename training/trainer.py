@@ -100,10 +100,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
                                 weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    step, best_val, tokens, seconds_before = 0, math.inf, 0, 0.0
+    step, best_val, tokens, seconds_before, was = 0, math.inf, 0, 0.0, None
     if ckpt is not None:
         step, best_val, tokens, seconds_before = restore(ckpt, resume_from, model, optimizer, scaler, loader,
                                                          rank, world, t.seed)
+        # the global batch so far (sequences per step), and processes: the banner says a change
+        before, procs = ckpt["config"]["train"], len(ckpt["rng_ranks"])
+        was = (before["batch_size"] * before["grad_accum"] * procs, procs)
     best, ckpt = resume_from if ckpt is not None and ckpt["is_best"] else None, None   # (copied: let it go)
     laps.append(("model", time.perf_counter()))
     run_step, how = build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, world, say)
@@ -122,7 +125,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             close_out_dir(out, made, aside)
             raise
         atomic_write(out / "config.toml", describe(cfg))
-        banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, loader, laps)
+        banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, loader,
+               laps, was)
 
     # ---- the loop
     tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.block_size
@@ -132,7 +136,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     # the cores other processes keep busy, read again at each log line
     cpu = cpu_clock()
     writing = None   # the checkpoint being written
-    with stop_signals() as stop, closing(metrics), ThreadPoolExecutor(1) as writer:
+    with stop_signals(local_rank == 0) as stop, closing(metrics), ThreadPoolExecutor(1) as writer:
         while step < t.max_steps:
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
                        schedule=t.schedule, warmdown_frac=t.warmdown_frac)
@@ -142,8 +146,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             logged = step % t.log_interval == 0 or step == t.max_steps
             evaluated = step % t.eval_interval == 0 or step == t.max_steps
             sampled = t.sample_every and (step % t.sample_every == 0 or step == t.max_steps)
-            asked = bool(stop) and step < t.max_steps   # (a stop at the last step: the run ends as it would)
-            stopping = asked if not ddp else logged and distributed.any_rank(asked, device)
+            # the signal a stop was asked by (0: none; at the last step the run ends as it would)
+            asked = stop[0] if stop and step < t.max_steps else 0
+            stopping = asked if not ddp else logged and distributed.agreed_stop(asked, device)
             if logged or stopping or sampled:   # (a sample of weights a non-finite step touched says nothing)
                 loss_value, norm = loss.item(), grad_norm.item()   # waits for the device: the steps have run
                 ms = (time.perf_counter() - interval_start) * 1000 / timed
@@ -178,7 +183,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 break
         writing and writing.result()   # the last checkpoint is on disk before the run says it is done
     seconds = seconds_before + time.perf_counter() - start
-    signum = (stop or [signal.SIGTERM])[0]   # (none here: another rank's)
+    # the signal that stopped the run: this process's, or under torchrun another one's
+    signum = stopping if step < t.max_steps else (stop or [0])[0]
     if step < t.max_steps:
         say(f"stopped by {signal.Signals(signum).name} at step {step}: checkpoint saved in {out}; "
             f"{again} continues it")
@@ -291,10 +297,11 @@ def compile_trial(compiled, model, loader, device, dtype) -> None:
 
 
 @contextmanager
-def stop_signals():
+def stop_signals(loud: bool = True):
     """While inside, SIGINT and SIGTERM ask the run to stop: the list it yields gets the signal's number,
     the step in progress finishes and the loop saves a checkpoint; a second signal ends the process at
-    once. (os.write: a print() here could land inside the print() the signal interrupted.)"""
+    once. Said on stderr when loud (under torchrun, which passes a signal to every process of its
+    machine: local rank 0 alone). (os.write: a print() here could land inside one it cut short.)"""
     asked = []
 
     def handler(signum, frame):
@@ -303,7 +310,7 @@ def stop_signals():
         said = "again: exiting now" if again else \
             "finishing this step and saving a checkpoint (again to exit at once)"
         with suppress(OSError):   # (a stderr whose reader is gone must not end the run unsaved)
-            os.write(2, f"\n{name}: {said}\n".encode())
+            loud and os.write(2, f"\n{name}: {said}\n".encode())
         if again:
             os._exit(128 + signum)
     main = threading.current_thread() is threading.main_thread()   # (only it can set handlers)
@@ -456,9 +463,10 @@ class Metrics:
 
 
 def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtype, how, world, loader,
-           laps) -> None:
+           laps, was=None) -> None:
     """Where the run goes and what it is: its settings that are not the defaults (and, resumed, what
-    changed since it began), then its size, device, dtype, step, processes, tokens per step, data."""
+    changed since it began: was, the checkpoint's global batch and processes), then its size,
+    device, dtype, step, processes, tokens per step, data."""
     out = Path(cfg.out_dir)
     say(f"# {out}: " + (f"resuming {resume_from} at step {step}" if resume_from else "a new run")
         + f" (every setting: {out / 'config.toml'})"
@@ -474,6 +482,8 @@ def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtyp
     for key in [k for k in now if k in stored and stored[k] != now[k]]:
         say(f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}")
     t = cfg.train
+    if was and was[0] != t.batch_size * t.grad_accum * world:
+        say(resized(was, t, world, cfg.model.block_size))
     procs = f" x {world} processes ({'FSDP' if t.fsdp else 'DDP'})" if world > 1 else ""
     threads = torch.get_num_threads()
     where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
@@ -484,3 +494,19 @@ def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtyp
     laps = (laps if laps[0][1] is not None else laps[1:]) + [("out dir", time.perf_counter())]
     say(f"# start-up {laps[-1][1] - laps[0][1]:.1f} s: " + ", ".join(
         f"{name} {b - a:.1f}" for (_, a), (name, b) in zip(laps, laps[1:])))
+
+
+def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
+    """The banner's line for a run resumed at another global batch (was: its sequences per step
+    and processes so far): the tokens per step before and now, and the setting that keeps the
+    earlier one."""
+    (seqs, procs), now = was, t.batch_size * t.grad_accum * world
+    if seqs % (t.batch_size * world) == 0:
+        keep = f"--train.grad_accum={seqs // (t.batch_size * world)}"
+    elif seqs % (t.grad_accum * world) == 0:
+        keep = f"--train.batch_size={seqs // (t.grad_accum * world)}"
+    else:
+        keep = "no whole --train.grad_accum or --train.batch_size"
+    processes = f" ({procs} processes -> {world})" if procs != world else ""
+    tokens = f"{seqs * block_size:,} -> {now * block_size:,}{processes}"
+    return f"# resuming with tokens/step: {tokens}: {keep} keeps it"
