@@ -77,7 +77,7 @@ def main(argv) -> int:
 
     from data.sources import read_prompt
     from model.attention_maps import attention_maps, head_scores
-    from model.loading import load_model
+    from loading import load_model
     from model.sampling import prompt_ids
     from viz.attention_plots import BOX, label_fonts, plot_layer, plot_summary, visible
     from viz.attention_page import SCORE_NAMES, attention_page

@@ -73,7 +73,7 @@ def main(argv) -> int:
     args = parse_args(argv)
     from data.sources import find_sources
     from model.device import autocast, pick_device, pick_dtype
-    from model.loading import load_model
+    from loading import load_model
 
     files = list(dict.fromkeys(path for pattern in args.files for path in find_sources(pattern)))
     device = pick_device(args.device, setting="--device")

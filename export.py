@@ -36,7 +36,7 @@ def main(argv) -> int:
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise UserError(f"{out} is not empty; pass --force to write the model and tokenizer files into it")
     from hf.hub import save_pretrained
-    from model.loading import load_model
+    from loading import load_model
     loaded = load_model(args.checkpoint)
     cfg, meta = loaded.model.cfg, loaded.tokenizer.meta()
     written = save_pretrained(out, cfg, loaded.model.state_dict(), meta)

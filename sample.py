@@ -68,7 +68,7 @@ def main(argv) -> int:
 
     from data.sources import read_prompt
     from model.device import autocast, pick_device, pick_dtype
-    from model.loading import load_model
+    from loading import load_model
     from model.sampling import prompt_ids
     from model.sampling import generate
 

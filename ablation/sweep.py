@@ -11,7 +11,7 @@ from common import UserError, atomic_write, first_line, flat
 from data.prepare import prepare
 from model.gpt import GPT
 from model.device import pick_device, pick_dtype
-from model.loading import list_checkpoints
+from loading import list_checkpoints
 from training.config import PATHS, ROOT, absolute, build_config, load_toml, parse_overrides
 from training.trainer import train
 

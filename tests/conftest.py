@@ -359,7 +359,7 @@ def save_char_model(out, sharpen: float = 1.0, seed: int = 0, chars: str = CHARS
     from data.tokenizers import CharTokenizer
     from model.config import ModelConfig
     from model.gpt import GPT
-    from model.loading import FORMAT, VERSION
+    from loading import FORMAT, VERSION
     from training.checkpoint import save_checkpoint
     from training.config import Config
     Path(out).mkdir(parents=True, exist_ok=True)

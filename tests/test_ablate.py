@@ -14,7 +14,7 @@ from ablation.sweep import load_sweep
 from common import UserError
 from model.config import ATTENTIONS
 from model.device import pick_device, pick_dtype
-from model.loading import list_checkpoints
+from loading import list_checkpoints
 from tests.conftest import ROOT, assert_refused, interrupt_at, mkdir, poison, records, run_tool
 
 VARIANTS = """

@@ -220,7 +220,7 @@ def test_the_page_loads_without_errors_and_a_chosen_token_changes_the_highlight(
 def model_maps(run_dir, prompt=PROMPT):
     """The model's own weights for prompt: per layer (1, nh, T, T)."""
     from model.attention_maps import attention_maps
-    from model.loading import load_model
+    from loading import load_model
     loaded = load_model(run_dir)
     return attention_maps(loaded.model, torch.tensor([loaded.tokenizer.encode(prompt)]))[1]
 

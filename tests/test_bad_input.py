@@ -217,10 +217,10 @@ def test_bad_input_is_one_line_a_non_zero_exit_and_writes_nothing(name, tool, ma
 def test_a_run_path_typed_from_another_folder_names_the_repository_s_run(tmp_path, trained, monkeypatch, capsys):
     """Runs go to the repository's out/ from wherever train.py runs, but a path typed is the working
     directory's: where out/x is not here and the repository has one, every command's refusal names it."""
-    import model.loading
+    import loading
     repo = tmp_path / "repo"
     shutil.copytree(trained, repo / "out" / "x")
-    monkeypatch.setattr(model.loading, "ROOT", repo)
+    monkeypatch.setattr(loading, "ROOT", repo)
     monkeypatch.chdir(mkdir(tmp_path / "elsewhere"))
     import eval as eval_cli
     for tool, argv in [(sample_cli, ["out/x"]), (attention_cli, ["out/x", "--prompt", "First"]),

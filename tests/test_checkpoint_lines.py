@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sample as sample_cli
-from model.loading import VERSION, read_checkpoint
+from loading import VERSION, read_checkpoint
 from tests.conftest import ROOT, run_tool, save_char_model, tiny_overrides
 from training.checkpoint import why_unwritten
 

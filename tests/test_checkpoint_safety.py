@@ -5,7 +5,7 @@ import subprocess
 import pytest
 
 import train as train_cli
-from model.loading import list_checkpoints, read_checkpoint
+from loading import list_checkpoints, read_checkpoint
 from tests.conftest import run_tool, tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread

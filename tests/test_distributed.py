@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from model.loading import load_model, read_checkpoint
+from loading import load_model, read_checkpoint
 from tests.conftest import ROOT, TEXT, tiny_overrides
 from training.config import build_config
 from training.trainer import resized, train

@@ -19,7 +19,7 @@ from data.loader import strided_windows
 from data.prepare import prepare
 from model.config import ModelConfig
 from model.gpt import GPT, score
-from model.loading import load_model
+from loading import load_model
 from tests.conftest import ROOT, TEXT, gpt2_or_skip, posix_signals, records, run_tool, write
 from training.trainer import train
 

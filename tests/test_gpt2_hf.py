@@ -311,7 +311,7 @@ def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_doe
 def test_export_py_end_to_end(tmp_path, text_file, tiny_cfg):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
-    from model.loading import load_model
+    from loading import load_model
     from training.trainer import train
     cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2})
     train(cfg, quiet=True)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from model.loading import list_checkpoints, read_checkpoint
+from loading import list_checkpoints, read_checkpoint
 from tests.conftest import ROOT, posix_signals, tiny_overrides
 
 pytestmark = posix_signals

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.loading import list_checkpoints, load_model, read_checkpoint
+from loading import list_checkpoints, load_model, read_checkpoint
 from tests.conftest import ROOT, posix_signals, records, tiny_overrides
 from training.config import build_config
 from training.trainer import train

@@ -10,7 +10,7 @@ import pytest
 
 import sample as sample_cli
 import train as train_cli
-from model.loading import list_checkpoints, read_checkpoint
+from loading import list_checkpoints, read_checkpoint
 from tests.conftest import ROOT, interrupt_at, poison, run_tool, tiny_overrides, tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread

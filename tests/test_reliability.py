@@ -12,7 +12,7 @@ import torch
 import sample as sample_cli
 import train as train_cli
 from common import UserError
-from model.loading import FORMAT, VERSION, list_checkpoints, read_checkpoint
+from loading import FORMAT, VERSION, list_checkpoints, read_checkpoint
 from tests.conftest import TEXT, Evil, poison, prepare_text, run_limited, run_tool, tiny_overrides, tree, write
 from training.trainer import train
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from model.loading import list_checkpoints, read_checkpoint
+from loading import list_checkpoints, read_checkpoint
 from tests.conftest import ROOT, num_threads, posix_signals, records, tiny_overrides
 from training.config import build_config
 from training.trainer import train

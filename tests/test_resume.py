@@ -9,7 +9,7 @@ import torch
 
 import train as train_cli
 from common import UserError
-from model.loading import list_checkpoints, read_checkpoint
+from loading import list_checkpoints, read_checkpoint
 from tests.conftest import TEXT, interrupt_at, mkdir, records, run_tool, tiny_overrides, tree
 from training.trainer import train
 

@@ -120,7 +120,7 @@ def test_a_sample_ends_at_the_end_of_text_token(tmp_path, capsys):
     import sample as sample_cli
     from data.tokenizers import load_tokenizer
     from tests.conftest import gpt2_or_skip, run_tool
-    from model.loading import FORMAT, VERSION
+    from loading import FORMAT, VERSION
     gpt2_or_skip()
     model = GPT(ModelConfig(vocab_size=50257, n_layer=1, n_head=1, n_embd=8, block_size=8))
     eot = load_tokenizer({"kind": "tiktoken", "name": "gpt2"}).enc.eot_token
@@ -147,7 +147,7 @@ def test_compiling_the_decoding_step_on_a_cpu_is_said_not_to_pay(tmp_path, capsy
 
 def test_a_prompt_longer_than_the_context_is_said_once_as_attention_py_says_it(tmp_path, capsys):
     """The model sees only a prompt's last block_size tokens: sample.py says so, once, in attention.py's words
-    (model/loading.py's prompt_ids, which both use); a prompt that fits is not mentioned."""
+    (loading.py's prompt_ids, which both use); a prompt that fits is not mentioned."""
     import attention
     import sample as sample_cli
     from tests.conftest import run_tool, save_char_model

@@ -193,7 +193,7 @@ def test_on_cuda_the_default_device_is_the_gpu_with_bf16():
 
 def test_a_graph_run_checkpoints_float_learning_rates_and_resumes_eagerly(tiny_cfg, graph_on_cpu, monkeypatch):
     """The graph step holds the lr in a device tensor; a checkpoint must not (it loads anywhere)."""
-    from model.loading import read_checkpoint
+    from loading import read_checkpoint
     cfg = tiny_cfg(**{"train.optimizer": "muon"})
     interrupt_at(monkeypatch, 7)
     assert train(cfg, quiet=True)["step"] == 7

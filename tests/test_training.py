@@ -7,7 +7,7 @@ import torch
 
 from model.gpt import GPT
 from common import UserError
-from model.loading import list_checkpoints, load_model, read_checkpoint
+from loading import list_checkpoints, load_model, read_checkpoint
 from tests.conftest import TEXT, records, resumed_copy
 from training.trainer import train
 

@@ -8,7 +8,7 @@ from model.attention.linear import causal_linear_attention, recurrent_linear_att
 from model.attention.mha import naive_attention, sdpa_attention
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
-from model.loading import load_model
+from loading import load_model
 from model.positions import alibi_slopes
 from model.sampling import generate, sample_next
 from tests.conftest import records

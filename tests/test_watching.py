@@ -123,7 +123,7 @@ def test_samples_curves_scoring_and_the_page_on_a_text_that_is_not_shakespeare(t
     import eval as eval_cli
     from data.prepare import load_meta
     from data.prepare import prepare
-    from model.loading import load_model
+    from loading import load_model
     source = open(argparse.__file__, encoding="utf-8").read()[:30_000]
     text_file = tmp_path / "argparse.txt"
     text_file.write_bytes(source.encode("utf-8"))

@@ -1,5 +1,5 @@
 """Checkpoints: the out dir they go to, writing them, and a run continued from one (reading one, and
-the model in it, is model/loading.py's).
+the model in it, is loading.py's).
 
 An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (the lowest val loss: a
 hard link to one of them, or a copy), config.toml, metrics.jsonl and curves.png.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from common import UserError, atomic_write, first_line
-from model.loading import CKPT_RE, list_checkpoints
+from loading import CKPT_RE, list_checkpoints
 from training.config import FIELDS, flat, fmt, load_toml
 
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt

@@ -46,7 +46,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import ROOT, UserError, first_line, typed
-from model.loading import list_checkpoints
+from loading import list_checkpoints
 
 LEADERS_TIMEOUT = timedelta(days=1)   # how long processes wait for their leaders' data preparation
 

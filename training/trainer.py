@@ -41,7 +41,7 @@ from data.sources import find_sources
 from data.tokenizers import load_tokenizer
 from model.gpt import GPT, bits_per_byte, score
 from model.device import autocast, fit_threads, pick_device, pick_dtype
-from model.loading import FORMAT, VERSION, read_checkpoint
+from loading import FORMAT, VERSION, read_checkpoint
 from training.checkpoint import (check_out_dir, check_resumable, check_same_text, close_out_dir, float_lrs,
                                  open_out_dir, restore, rng_state, save_checkpoint, to_host)
 from training.config import Config, build_config, describe, flat, fmt, load_toml

@@ -1,5 +1,5 @@
-"""A trained model from a file: what sampling, scoring, drawing and exporting share (training writes
-the checkpoints: training/checkpoint.py; where a model computes: model/device.py).
+"""A trained model from a file: what sampling, scoring, drawing, exporting and resuming read
+(training writes the checkpoints: training/checkpoint.py). The model itself reads no file.
 
   reading   every member's checksum (torch.save writes a zip), then torch.load(weights_only=True):
             tensors and plain data only, so a file cannot run code; one format and version check; the
