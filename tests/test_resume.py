@@ -83,7 +83,7 @@ def test_resume_continues_the_run_s_own_settings_naming_each_change(tmp_path, te
     assert rc == 0, err
     bare = [f"--data={text_file}", f"--out_dir={tmp_path / 'out'}", f"--data.prepared_dir={tmp_path / 'prepared'}"]
     rc, stdout, err = run_tool(train_cli, [*bare, "--resume"], capsys)   # max_steps would be 2000 by default
-    assert rc == 0 and "# done: step 12" in stdout and "# resuming with" not in stdout, stdout
+    assert rc == 0 and "at step 12, train.max_steps = 12: nothing to train" in stdout, stdout
     rc, stdout, err = run_tool(train_cli, [*bare, "--resume", "--train.max_steps=16", "--train.log_interval=4"], capsys)
     assert rc == 0 and "# resuming with train.max_steps: 12 -> 16" in stdout and "train.log_interval: 1 -> 4" in stdout
     ckpt = read_checkpoint(tmp_path / "out" / "ckpt_0000016.pt")

@@ -29,7 +29,7 @@ def test_samples_while_training_change_no_loss_bit_for_bit(tiny_cfg, tmp_path):
 
 def test_sampling_from_a_resumed_run_is_named_but_not_called_a_different_run(tiny_cfg, capsys):
     train(tiny_cfg(**{"train.max_steps": 10}), quiet=True)
-    train(tiny_cfg(**{"train.sample_every": 5, "train.sample_tokens": 5, "train.max_steps": 10}), resume=True)
+    train(tiny_cfg(**{"train.sample_every": 5, "train.sample_tokens": 5, "train.max_steps": 12}), resume=True)
     out, err = capsys.readouterr()
     assert "# resuming with train.sample_every: 0 -> 5" in out and not err, err
 

@@ -17,18 +17,21 @@ Choices:
 import errno
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from common import UserError, atomic_write, first_line
-from loading import CKPT_RE, list_checkpoints
+from loading import CKPT_RE, FORMAT, VERSION, list_checkpoints
 from training.config import FIELDS, flat, fmt, load_toml
 
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
-FOR_RESUMING = ("dataset", "optimizer", "scaler", "loader", "rng_ranks", "best_val_loss", "elapsed", "tokens",
-                "is_best")
+# A checkpoint's keys: what loading.py reads of any trained model, then what a run needs besides
+# to continue exactly
+FOR_USING = ("format", "version", "config", "tokenizer", "model", "step", "best_val_loss")
+FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed", "tokens", "is_best")
 HYPERPARAMETERS = ("base_lr", "betas", "weight_decay", "momentum")   # a resumed run's own: its config's
 
 
@@ -114,6 +117,40 @@ def link_best(path: Path) -> None:
             atomic_write(best, lambda f: shutil.copyfileobj(src, f))
         return
     os.replace(tmp, best)
+
+
+class Saver:
+    """Checkpoints written by a thread of their own while the steps go on.
+
+    save(state) takes the checkpoint's keys from state (all but format and version), copies them
+    to host memory (the steps change the originals) and hands the write to the thread. A save
+    waits for the write before it, so one copy at most is held, and raises that write's error;
+    then(fn, ...) runs fn on the thread after the writes; wait() waits for all of them."""
+
+    def __init__(self, out: Path, keep: int):
+        self.out, self.keep = out, keep
+        self.thread = ThreadPoolExecutor(1)
+        self.pending = []
+
+    def save(self, state: dict) -> None:
+        self.wait()
+        ckpt = {"format": FORMAT, "version": VERSION} | {k: state[k] for k in FOR_USING[2:] + FOR_RESUMING}
+        ckpt["optimizer"] = float_lrs(ckpt["optimizer"])
+        self.then(save_checkpoint, to_host(ckpt), self.out, self.keep)
+
+    def then(self, fn, *args) -> None:
+        self.pending.append(self.thread.submit(fn, *args))
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        for write in pending:
+            write.result()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        self.thread.shutdown()
 
 
 def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:

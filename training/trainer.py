@@ -25,7 +25,6 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager, suppress
 from functools import partial
 from pathlib import Path
@@ -42,8 +41,8 @@ from data.tokenizers import load_tokenizer
 from model.gpt import GPT, bits_per_byte, score
 from model.device import autocast, fit_threads, pick_device, pick_dtype
 from loading import FORMAT, VERSION, read_checkpoint
-from training.checkpoint import (check_out_dir, check_resumable, check_same_text, close_out_dir, float_lrs,
-                                 open_out_dir, restore, rng_state, save_checkpoint, to_host)
+from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text, close_out_dir,
+                                 open_out_dir, restore, rng_state)
 from training.config import Config, build_config, describe, flat, fmt, load_toml
 from training.optim import build_optimizer, lr_at, set_lr
 
@@ -135,8 +134,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     timed = 0   # the steps since interval_start (evaluations and samples are not timed as steps)
     # the cores other processes keep busy, read again at each log line
     cpu = cpu_clock()
-    writing = None   # the checkpoint being written
-    with stop_signals(local_rank == 0) as stop, closing(metrics), ThreadPoolExecutor(1) as writer:
+    saver = Saver(out, t.keep_checkpoints)
+    with stop_signals(local_rank == 0) as stop, closing(metrics), saver:
         while step < t.max_steps:
             lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
                        schedule=t.schedule, warmdown_frac=t.warmdown_frac)
@@ -171,8 +170,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                     check_finite({f"{s} loss": v for s, v in losses.items()}, checked, step, saved)
                     is_best, best_val = losses["val"] < best_val, min(best_val, losses["val"])
                     log_eval(say, metrics, meta, step, losses, is_best, elapsed)
-                writing = save(cfg, meta, dict(step=step, tokens=tokens, elapsed=elapsed, is_best=is_best,
-                    best_val_loss=best_val), model, optimizer, scaler, loader, ddp, rank, writer, writing)
+                state = training_state(cfg, meta, model, optimizer, scaler, loader, ddp)
+                if rank == 0:
+                    saver.save(state | dict(step=step, tokens=tokens, elapsed=elapsed, is_best=is_best,
+                                            best_val_loss=best_val))
+                    cfg.log.curves and saver.then(draw_curves, out, step)
                 saved, checked, interval_start, timed = step, step, time.perf_counter(), 0
             if sampled and rank == 0:
                 text = sample(model, tokenizer, t, device, dtype)
@@ -181,7 +183,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 interval_start, timed = time.perf_counter(), 0
             if stopping:
                 break
-        writing and writing.result()   # the last checkpoint is on disk before the run says it is done
+        # the last checkpoint is on disk before the run says it is done
+        saver.wait()
     seconds = seconds_before + time.perf_counter() - start
     # the signal that stopped the run: this process's, or under torchrun another one's
     signum = stopping if step < t.max_steps else (stop or [0])[0]
@@ -362,34 +365,25 @@ def log_eval(say, metrics, meta, step: int, losses: dict, is_best: bool, elapsed
                  "train_bpb": bpb["train"], "val_bpb": bpb["val"], "elapsed_s": elapsed, "time": time.time()})
 
 
-def save(cfg, meta, state: dict, model, optimizer, scaler, loader, ddp: bool, rank: int, writer, writing):
-    """A checkpoint of the whole training state (state: step, best_val_loss, elapsed, tokens, is_best) and
-    curves.png, copied to host memory now and written by the writer thread once the previous write (the
-    Future writing) has ended, or raised its error; returns its Future. Under FSDP all ranks gather."""
+def training_state(cfg, meta, model, optimizer, scaler, loader, ddp: bool) -> dict:
+    """What a checkpoint holds of the run besides its progress: the weights, the optimizer, the
+    data order and every rank's generators (under FSDP every rank gathers; rank 0 keeps them)."""
     if ddp:
-        from training import distributed
         model_state, optimizer_state = distributed.full_state(model, optimizer)
         rngs = distributed.gather(rng_state())
     else:
         model_state, optimizer_state, rngs = model.state_dict(), optimizer.state_dict(), [rng_state()]
-    if rank:
-        return None
-    writing and writing.result()
-    ckpt = to_host({"format": FORMAT, "version": VERSION, "config": cfg.to_dict(), **state,
-                    "tokenizer": meta["tokenizer"], "model": model_state,
-                    "optimizer": float_lrs(optimizer_state), "loader": loader.state_dict(),
-                    "dataset": {k: meta[k] for k in ("source", "sha256", "tokens", "bytes")},
-                    "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng_ranks": rngs})
-    return writer.submit(write_checkpoint, ckpt, Path(cfg.out_dir), cfg.train.keep_checkpoints,
-                         cfg.log.curves)
+    return {"config": cfg.to_dict(), "tokenizer": meta["tokenizer"], "model": model_state,
+            "optimizer": optimizer_state, "loader": loader.state_dict(),
+            "dataset": {k: meta[k] for k in ("source", "sha256", "tokens", "bytes")},
+            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng_ranks": rngs}
 
 
-def write_checkpoint(ckpt: dict, out: Path, keep: int, curves: bool) -> None:
-    save_checkpoint(ckpt, out, keep=keep)
-    if curves:   # (matplotlib is imported here, on first use)
-        from viz.curves import draw, read_records, run_panels
-        records = read_records(out / "metrics.jsonl", warn=False)
-        atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {ckpt['step']}"))
+def draw_curves(out: Path, step: int) -> None:
+    """curves.png: the run's losses so far (matplotlib is imported here, on first use)."""
+    from viz.curves import draw, read_records, run_panels
+    records = read_records(out / "metrics.jsonl", warn=False)
+    atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {step}"))
 
 
 def sample(model: GPT, tokenizer, t, device, dtype) -> str:
