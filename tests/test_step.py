@@ -34,7 +34,7 @@ def graph_on_cpu(monkeypatch):
 def test_the_step_is_a_cuda_graph_by_default_wherever_one_can_hold_it(tiny_cfg, graph_on_cpu, capsys):
     assert TrainConfig().cuda_graph is True
     train(tiny_cfg(**{"train.max_steps": 2}), quiet=False)
-    assert len(graph_on_cpu) == 1 and "| cpu, float32, CUDA graph |" in capsys.readouterr().out
+    assert len(graph_on_cpu) == 1 and "| cpu x 1 thread, float32, CUDA graph |" in capsys.readouterr().out
     train(tiny_cfg(**EAGER, **{"train.max_steps": 2}, out_dir=tiny_cfg().out_dir + "-eager"), quiet=True)
     assert len(graph_on_cpu) == 1, "train.cuda_graph = false turns it off"
 
