@@ -13,19 +13,16 @@ settings: only what the config file and the command line set changes them), --ov
 an out dir that holds an earlier run, which is kept beside it as <out_dir>.replaced-<time>).
 Runs go to out/<name> in the repository, and prepared data to data/prepared/, wherever you run from.
 """
-import time
+import sys
+from contextlib import nullcontext
+from pathlib import Path
 
-STARTED = time.perf_counter()   # (before the imports: the banner says where the time to the first step goes)
-
-import os  # noqa: E402
-import sys  # noqa: E402
-from contextlib import nullcontext  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from common import ArgumentParser, command, run_cli  # noqa: E402
+from common import ArgumentParser, command, run_cli
 
 
 def main(argv: list[str]) -> int:
+    # imported here, under run_cli: a Ctrl-C while torch loads is one quiet line
+    from training import distributed
     from training.config import FIELDS, Config, build_config, flat, fmt
     from training.trainer import train
 
@@ -55,12 +52,11 @@ def main(argv: list[str]) -> int:
     words += [] if args.resume else ["--resume"]
     again, lost = command("train.py", *words), nullcontext()
     # under torchrun: torchrun's command, and a lost peer said in one line
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from training import distributed
+    if distributed.launched():
         again = distributed.relaunch(*words)
         lost = distributed.lost_peer_line(cfg.out_dir, again)
     with lost:
-        return train(cfg, bool(args.resume), args.overwrite, checkpoint=checkpoint, started=STARTED,
+        return train(cfg, bool(args.resume), args.overwrite, checkpoint=checkpoint,
                      again=again)["exit_code"]
 
 

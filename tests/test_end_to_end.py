@@ -1,10 +1,8 @@
 """train.py then sample.py, run as a user would: subprocesses, exit codes, what they print."""
 import os
-import re
 import subprocess
 import sys
 
-import pytest
 
 from tests.conftest import ROOT, tiny_overrides
 
@@ -24,9 +22,6 @@ def test_train_then_sample(tmp_path, text_file):
     assert "model.dropout" not in changed and "train.lr" not in changed, "a default is not a change"
     assert "model.vocab_size" not in changed and "parameters, vocab 48 |" in r.stdout, "the data's vocabulary is said"
     assert (out / "best.pt").exists() and (out / "metrics.jsonl").exists() and (out / "config.toml").exists()
-    laps = re.search(r"^# start-up ([\d.]+) s: imports ([\d.]+), data ([\d.]+), model ([\d.]+), step ([\d.]+), "
-                     r"out dir ([\d.]+)$", r.stdout, re.M)
-    assert laps and 0 < float(laps[1]) == pytest.approx(sum(map(float, laps.groups()[1:])), abs=0.31), r.stdout   # (6 figures rounded to 0.1)
     assert "(on the device)" in r.stdout, "a small dataset is copied to the device"
 
     sample = ("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40",

@@ -82,7 +82,7 @@ def test_a_checkpoint_is_written_while_the_steps_go_on_and_is_on_disk_when_the_r
     disk. A write that fails ends the run with its error."""
     import threading
     import time
-    import training.trainer as trainer
+    import training.checkpoint as trainer
     real, writers, steps_meanwhile = trainer.save_checkpoint, [], []
 
     def slow(ckpt, out, keep):

@@ -25,6 +25,7 @@ import torch
 
 from common import UserError, atomic_write, first_line
 from loading import CKPT_RE, FORMAT, VERSION, list_checkpoints
+from training import distributed
 from training.config import FIELDS, flat, fmt, load_toml
 
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
@@ -228,29 +229,33 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
         say(f"warning: the training text changed since {path} was saved; training goes on with the new text")
 
 
-def restore(ckpt: dict, path, model, optimizer, scaler, loader, rank: int, world: int, seed: int):
-    """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's generators;
-    (step, best val loss, tokens, seconds) of the run so far."""
+def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
+    """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's generators (at:
+    this process's rank and world). Returns the run's progress so far: step, tokens, best val loss,
+    elapsed seconds."""
+    rank, world = at.rank, at.world
+    # this run's hyperparameters: a checkpoint's would undo --train.lr=...
     now = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
     try:
         if world > 1:
-            from training import distributed
             distributed.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
         else:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
-        for group, values in zip(optimizer.param_groups, now):   # (a checkpoint's would undo --train.lr=...)
+        for group, values in zip(optimizer.param_groups, now):
             group.update(values)
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])
-        rngs = ckpt["rng_ranks"]   # one per rank of the run that saved it
+        # one per rank of the run that saved it
+        rngs = ckpt["rng_ranks"]
         set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
         raise UserError(f"{path} does not fit this run: {first_line(e)}") from None
-    if len(rngs) != world and rank:   # another number of processes: new dropout streams per rank
-        torch.manual_seed(seed + 1000 * ckpt["step"] + rank)
-    return ckpt["step"], ckpt["best_val_loss"], ckpt["tokens"], ckpt["elapsed"]
+    # another number of processes: new dropout streams per rank
+    if len(rngs) != world and rank:
+        torch.manual_seed(ckpt["config"]["train"]["seed"] + 1000 * ckpt["step"] + rank)
+    return {k: ckpt[k] for k in ("step", "tokens", "best_val_loss", "elapsed")}
 
 
 def why_unwritten(error: Exception) -> str:

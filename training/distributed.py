@@ -1,5 +1,5 @@
 """One training run on many processes, with PyTorch's own engine (torch.distributed, via torchrun).
-Imported only under torchrun (WORLD_SIZE > 1).
+Used only under torchrun (WORLD_SIZE > 1); DDP's and FSDP's modules are imported where used.
 
     torchrun --standalone --nproc_per_node=8 train.py CONFIG                  # 8 GPUs, one machine
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST --master_port=29500 \
@@ -38,17 +38,16 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import ROOT, UserError, first_line, typed
 from loading import list_checkpoints
 
 LEADERS_TIMEOUT = timedelta(days=1)   # how long processes wait for their leaders' data preparation
+
+
+def launched() -> bool:
+    """Whether torchrun started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def join(device: torch.device) -> tuple[torch.device, int, int, int]:
@@ -89,6 +88,10 @@ def leader_first(fn, leader: bool):
 def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool, seed: int) -> torch.nn.Module:
     """DDP(model), or model sharded in place by FSDP2 (each block a unit of gathering and freeing); the
     weights are every rank's same ones, and from here each rank draws its own dropout masks."""
+    # DDP and FSDP cost seconds to import (torch._dynamo with them): only a run of many processes
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
     if dist.get_rank():
         torch.manual_seed(seed + dist.get_rank())
     if not fsdp:
@@ -127,6 +130,8 @@ def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     Under FSDP every rank must call it: the shards are gathered to rank 0, on the CPU."""
     if not hasattr(model, "set_requires_gradient_sync"):
         return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
     optim_state = get_optimizer_state_dict(model, optimizer, options=options)   # keyed by parameter name
@@ -144,6 +149,8 @@ def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optim_
     if not hasattr(model, "set_requires_gradient_sync"):
         model.load_state_dict(model_state)
         return optimizer.load_state_dict(optim_state)
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     by_name = {"state": {order[i]: s for i, s in optim_state["state"].items()},

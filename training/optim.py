@@ -19,24 +19,26 @@ import numpy as np
 import torch
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, schedule: str = "cosine",
-          warmdown_frac: float = 0.2) -> float:
-    """The base (AdamW) learning rate of optimizer step `step` (0-based): peak lr, floor min_lr."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if schedule == "wsd":
-        decay_steps = max(1, round(warmdown_frac * max_steps))
-        progress = min(1.0, max(0.0, (step - (max_steps - decay_steps)) / decay_steps))
-        return lr + progress * (min_lr - lr)
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+def lr_at(step: int, t) -> float:
+    """The learning-rate multiplier (0..1) of optimizer step `step` (0-based) under t's schedule:
+    every group's lr is its base lr times it. The floor is t.min_lr / t.lr."""
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    floor = t.min_lr / t.lr if t.lr > 0 else 0.0
+    if t.schedule == "wsd":
+        decay_steps = max(1, round(t.warmdown_frac * t.max_steps))
+        progress = (step - (t.max_steps - decay_steps)) / decay_steps
+        return 1.0 + min(1.0, max(0.0, progress)) * (floor - 1.0)
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
 
 
 def set_lr(optimizer, factor: float) -> None:
     """Set every group's lr to its base_lr times factor (the schedule moves all groups together). A
     tensor lr (which a CUDA graph reads from its address) is filled in place."""
     for group in optimizer.param_groups:
-        value = float(np.float32(group["base_lr"] * factor))   # rounded as a tensor lr holds it
+        # rounded as a tensor lr holds it
+        value = float(np.float32(group["base_lr"] * factor))
         if torch.is_tensor(group["lr"]):
             group["lr"].fill_(value)
         else:
@@ -138,15 +140,16 @@ class Optimizers:
             opt.load_state_dict(s)
 
 
-def build_optimizer(model: torch.nn.Module, kind: str, device: torch.device, *, lr: float, betas: tuple,
-                    weight_decay: float, muon_lr: float = 0.02, muon_momentum: float = 0.95):
-    """The optimizer `kind` (adamw | muon) over model's parameters (a tied weight once); weight decay on
-    matrices only. Every group carries base_lr, which set_lr scales by the schedule.
+def build_optimizer(model: torch.nn.Module, t, device: torch.device):
+    """The optimizer t.optimizer (adamw | muon) over model's parameters (a tied weight once), with
+    t's learning rates, betas and momentum; weight decay on matrices only. Every group carries
+    base_lr, which set_lr scales by the schedule.
 
     AdamW runs its fused kernel (one pass over each tensor) on CUDA and CPU, where it beats the default
     per-tensor loop and the multi-tensor (foreach) one; foreach elsewhere."""
     params = list(model.parameters())
-    if kind == "adamw":
+    lr, weight_decay = t.lr, t.weight_decay
+    if t.optimizer == "adamw":
         hidden = []
     else:
         in_blocks = {id(p) for p in model.blocks.parameters()}
@@ -155,8 +158,8 @@ def build_optimizer(model: torch.nn.Module, kind: str, device: torch.device, *, 
     groups = [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": weight_decay, "base_lr": lr},
               {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0, "base_lr": lr}]
     impl = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, **impl)
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(t.beta1, t.beta2), **impl)
     if not hidden:
         return opt
-    muon = Muon([{"params": hidden, "base_lr": muon_lr}], lr=muon_lr, momentum=muon_momentum)
+    muon = Muon([{"params": hidden, "base_lr": t.muon_lr}], lr=t.muon_lr, momentum=t.muon_momentum)
     return Optimizers(muon, opt)

@@ -26,94 +26,115 @@ import signal
 import threading
 import time
 from contextlib import closing, contextmanager, suppress
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from common import (UserError, atomic_write, command, cpu_clock, duration, first_line, silence_stdout,
-                    typed)
-from data.prepare import load_meta
+from common import UserError, atomic_write, command, cpu_clock, duration, first_line, silence_stdout, typed
 from data.loader import BatchLoader
 from data.prepare import prepare
-from data.sources import find_sources
 from data.tokenizers import load_tokenizer
-from model.gpt import GPT, bits_per_byte, score
+from loading import read_checkpoint
 from model.device import autocast, fit_threads, pick_device, pick_dtype
-from loading import FORMAT, VERSION, read_checkpoint
+from model.gpt import GPT, bits_per_byte, score
+from model.sampling import generate, prompt_ids
+from training import distributed
 from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text, close_out_dir,
-                                 open_out_dir, restore, rng_state)
-from training.config import Config, build_config, describe, flat, fmt, load_toml
+                                 open_out_dir, restore, rng_state, run_config)
+from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
 
-EVAL_SEED = 4242             # evaluation draws the same batches every time, whatever the training seed
-SAMPLE_SEED = 1337           # and samples while training the same draws
-SAMPLE_TEMPERATURE = 0.8     # a little below 1: the likelier tokens, without greedy decoding's loops
+# evaluation draws the same batches every time, whatever the training seed
+EVAL_SEED = 4242
+# and samples while training the same draws
+SAMPLE_SEED = 1337
+# a little below 1: the likelier tokens, without greedy decoding's loops
+SAMPLE_TEMPERATURE = 0.8
+
+
+@dataclass
+class Progress:
+    """Where a run is, as its checkpoints record it."""
+    step: int = 0
+    tokens: int = 0
+    best_val_loss: float = math.inf
+    # seconds of training before this process (a resumed run's)
+    elapsed: float = 0.0
+    is_best: bool = False
+
+
+@dataclass
+class Place:
+    """Where the run computes: the device and dtype, and under torchrun this process's ranks."""
+    device: torch.device
+    dtype: torch.dtype
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+
+
+def place(t) -> Place:
+    """The device and dtype t asks for; under torchrun, after joining the other processes."""
+    device, ranks = pick_device(t.device), ()
+    if distributed.launched():
+        device, *ranks = distributed.join(device)
+    return Place(device, pick_dtype(device, t.dtype), *ranks)
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
-          checkpoint=None, started: float | None = None, again="the same command with --resume") -> dict:
-    """Run (or continue: resume, from `checkpoint` or the out dir's latest) the training cfg describes, in a
-    process begun at perf_counter() `started`; the command `again` resumes it. Returns its step, losses,
-    seconds, how its step ran, each log interval's ms/step (bench.py's), the exit code (0, 128 + signal)."""
-    t, out, laps = cfg.train, Path(cfg.out_dir), [("", started), ("imports", time.perf_counter())]
-    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    device, rank, local_rank, world = pick_device(t.device), 0, 0, 1
-    if ddp:
-        from training import distributed   # only under torchrun
-        device, rank, local_rank, world = distributed.join(device)
-    say, dtype = printer(rank == 0 and not quiet), pick_dtype(device, t.dtype)
+          checkpoint=None, again="the same command with --resume") -> dict:
+    """Run (or continue: resume, from `checkpoint` or the out dir's latest) the training cfg
+    describes; the command `again` resumes it. Returns its step, best val loss, seconds, how its
+    step ran, each log interval's (steps, ms/step) (bench.py's), the exit code (0, 128 + signal)."""
+    t, out = cfg.train, Path(cfg.out_dir)
+    at = place(t)
+    ddp, rank = at.world > 1, at.rank
+    say = printer(rank == 0 and not quiet)
 
-    # ---- every check before the run's first write: the data's files, the out dir, the checkpoint, the data
-    find_sources(cfg.data.path)
+    # ---- every check before the run's first write: the out dir, the checkpoint, the data
     resume_from = check_out_dir(out, cfg.data, resume, overwrite, checkpoint, again)
     ckpt = read_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
         check_resumable(ckpt, resume_from, cfg)
-    if ckpt is not None and ckpt["step"] >= t.max_steps:
-        say(f"# {out}: the run is at step {ckpt['step']}, train.max_steps = {t.max_steps}: nothing to "
-            f"train, nothing changed (a larger --train.max_steps continues it)")
-        cfg.model.vocab_size = ckpt["config"]["model"]["vocab_size"]
-        if ddp:
-            distributed.leave()
-        return {"step": ckpt["step"], "best_val_loss": ckpt["best_val_loss"], "elapsed_s": ckpt["elapsed"],
-                "how": "", "intervals": [], "exit_code": 0}
-    dataset = distributed.leader_first(lambda: prepare(cfg.data, cfg.model.block_size), local_rank == 0) \
-        if ddp else prepare(cfg.data, cfg.model.block_size)
-    meta = load_meta(dataset)
+        if ckpt["step"] >= t.max_steps:
+            return finished(cfg, ckpt, say, ddp)
+    make = partial(prepare, cfg.data, cfg.model.block_size)
+    dataset = distributed.leader_first(make, at.local_rank == 0) if ddp else make()
+    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=at.device,
+                         grad_accum=t.grad_accum, rank=rank, world=at.world)
+    meta = loader.meta
     tokenizer = load_tokenizer(meta["tokenizer"])
     if ckpt is not None:
         check_same_text(ckpt, resume_from, cfg, meta, say)
     fit_to_data(cfg, meta, tokenizer)
-    laps.append(("data", time.perf_counter()))
 
-    # ---- the data, the model (the same initial weights on every rank), the optimizer
-    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=device,
-                         grad_accum=t.grad_accum, rank=rank, world=world)
+    # ---- the model (the same initial weights on every rank), the optimizer, the step
     torch.manual_seed(t.seed)
-    model = GPT(cfg.model).to(device)
-    if t.init_from and ckpt is None:   # pretrained weights (a resumed run restores its own instead)
+    model = GPT(cfg.model).to(at.device)
+    if t.init_from and ckpt is None:
+        # pretrained weights (a resumed run restores its own instead)
         from hf.hub import load_init_weights
         load_init_weights(model, t.init_from)
-    wrapped = distributed.wrap(model, device, t.fsdp, t.seed) if ddp else model   # (before the optimizer)
-    optimizer = build_optimizer(model, t.optimizer, device, lr=t.lr, betas=(t.beta1, t.beta2),
-                                weight_decay=t.weight_decay, muon_lr=t.muon_lr, muon_momentum=t.muon_momentum)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    step, best_val, tokens, seconds_before, was = 0, math.inf, 0, 0.0, None
+    # DDP and FSDP wrap the model before the optimizer is built over its parameters
+    wrapped = distributed.wrap(model, at.device, t.fsdp, t.seed) if ddp else model
+    optimizer = build_optimizer(model, t, at.device)
+    scaler = torch.amp.GradScaler(at.device.type, enabled=at.dtype == torch.float16)
+    run = Progress()
     if ckpt is not None:
-        step, best_val, tokens, seconds_before = restore(ckpt, resume_from, model, optimizer, scaler, loader,
-                                                         rank, world, t.seed)
-        # the global batch so far (sequences per step), and processes: the banner says a change
-        before, procs = ckpt["config"]["train"], len(ckpt["rng_ranks"])
-        was = (before["batch_size"] * before["grad_accum"] * procs, procs)
-    best, ckpt = resume_from if ckpt is not None and ckpt["is_best"] else None, None   # (copied: let it go)
-    laps.append(("model", time.perf_counter()))
-    run_step, how = build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, world, say)
-    laps.append(("step", time.perf_counter()))
+        run = Progress(**restore(ckpt, resume_from, model, optimizer, scaler, loader, at))
+    best = resume_from if ckpt is not None and ckpt["is_best"] else None
+    # the global batch so far (sequences per step) and processes: the banner says a change
+    was = ckpt and (global_batch(ckpt["config"]["train"], len(ckpt["rng_ranks"])),
+                    len(ckpt["rng_ranks"]))
+    # (copied into the model and optimizer: let it go)
+    ckpt = None
+    run_step, how = build_step(wrapped, optimizer, scaler, loader, at, t, say)
 
     # ---- the run's first write
-    stored = flat(load_toml(out / "config.toml")) if resume_from and (out / "config.toml").is_file() else {}
-    metrics = Metrics(cfg if rank == 0 else None, step if resume_from else None)
+    stored = run_config(out) if resume_from else {}
+    metrics = Metrics(cfg if rank == 0 else None, run.step if resume_from else None)
     if rank == 0:
         made = not out.exists()
         aside = open_out_dir(out, overwrite, best)
@@ -124,60 +145,77 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             close_out_dir(out, made, aside)
             raise
         atomic_write(out / "config.toml", describe(cfg))
-        banner(say, cfg, resume_from, aside, stored, step, model, device, dtype, how, world, loader,
-               laps, was)
+        say(f"# {out}: " + (f"resuming {resume_from} at step {run.step}" if resume_from else "a new run")
+            + f" (every setting: {out / 'config.toml'})"
+            + (f"; the earlier run is kept in {aside}" if aside else ""))
+        banner(say, cfg, stored, was, at.world)
+        say(shape(cfg, model, loader, at, how))
 
     # ---- the loop
-    tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.block_size
-    saved, checked, first_step, intervals = step if resume_from else None, step, step, []
+    tokens_per_step = global_batch(t, at.world) * cfg.model.block_size
+    # the last checkpoint's step, and the last step whose loss was read
+    saved = run.step if resume_from else None
+    checked = first_step = run.step
+    # each log interval's (steps, ms/step); the steps since interval_start (not evaluations)
+    intervals, timed = [], 0
+    before = run.elapsed
     start = interval_start = time.perf_counter()
-    timed = 0   # the steps since interval_start (evaluations and samples are not timed as steps)
     # the cores other processes keep busy, read again at each log line
     cpu = cpu_clock()
     saver = Saver(out, t.keep_checkpoints)
-    with stop_signals(local_rank == 0) as stop, closing(metrics), saver:
-        while step < t.max_steps:
-            lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
-                       schedule=t.schedule, warmdown_frac=t.warmdown_frac)
-            set_lr(optimizer, lr / t.lr if t.lr > 0 else 0.0)
-            loss, grad_norm = run_step()   # train_step (below) on the next windows, or its CUDA graph
-            step, tokens, timed = step + 1, tokens + tokens_per_step, timed + 1
+    with stop_signals(at.local_rank == 0) as stop, closing(metrics), saver:
+        while run.step < t.max_steps:
+            lr = lr_at(run.step, t)
+            set_lr(optimizer, lr)
+            loss, grad_norm = run_step()
+            run.step += 1
+            run.tokens += tokens_per_step
+            timed += 1
+            step = run.step
             logged = step % t.log_interval == 0 or step == t.max_steps
             evaluated = step % t.eval_interval == 0 or step == t.max_steps
             sampled = t.sample_every and (step % t.sample_every == 0 or step == t.max_steps)
             # the signal a stop was asked by (0: none; at the last step the run ends as it would)
             asked = stop[0] if stop and step < t.max_steps else 0
-            stopping = asked if not ddp else logged and distributed.agreed_stop(asked, device)
-            if logged or stopping or sampled:   # (a sample of weights a non-finite step touched says nothing)
-                loss_value, norm = loss.item(), grad_norm.item()   # waits for the device: the steps have run
+            stopping = asked if not ddp else logged and distributed.agreed_stop(asked, at.device)
+            # a sample of weights that a non-finite step touched would say nothing
+            if logged or stopping or sampled:
+                # .item() waits for the device: the steps have run, and the timing is true
+                loss_value, norm = loss.item(), grad_norm.item()
                 ms = (time.perf_counter() - interval_start) * 1000 / timed
-                check_finite({"loss": loss_value} | ({} if scaler.is_enabled() else {"gradient norm": norm}),
-                             checked, step, saved)   # (fp16's scaler skips an inf gradient itself)
+                # (fp16's scaler skips an inf gradient itself)
+                finite = {"loss": loss_value} | ({} if scaler.is_enabled() else {"gradient norm": norm})
+                check_finite(finite, checked, step, saved)
                 intervals.append((timed, ms))
-                checked, pace = step, (time.perf_counter() - start) / (step - first_step)   # evaluations too
-                say(f"step {step:6d} | loss {loss_value:.4f} | lr {lr:.2e} | {ms:7.1f} ms/step | "
+                checked = step
+                # the pace of the whole run, evaluations included
+                pace = (time.perf_counter() - start) / (step - first_step)
+                say(f"step {step:6d} | loss {loss_value:.4f} | lr {t.lr * lr:.2e} | {ms:7.1f} ms/step | "
                     f"{tokens_per_step * 1000 / ms:,.0f} tok/s | ETA {duration(pace * (t.max_steps - step))}")
-                metrics.log({"step": step, "kind": "train", "loss": loss_value, "lr": lr, "grad_norm": norm,
-                             "ms_per_step": ms, "tokens_per_s": tokens_per_step * 1000 / ms})
-                if device.type == "cpu":
+                metrics.log({"step": step, "kind": "train", "loss": loss_value, "lr": t.lr * lr,
+                             "grad_norm": norm, "ms_per_step": ms, "tokens_per_s": tokens_per_step * 1000 / ms})
+                if at.device.type == "cpu":
                     cpu, change = fit_threads(cpu)
                     change and say(change)
                 interval_start, timed = time.perf_counter(), 0
             if evaluated or stopping:
-                elapsed, is_best = seconds_before + time.perf_counter() - start, False
-                if evaluated:   # (a stop alone saves at once: an evaluation can take a minute)
-                    losses = evaluate(wrapped, loader, t.eval_iters, dtype, device, ddp)
+                run.elapsed = before + time.perf_counter() - start
+                run.is_best = False
+                # a stop alone saves at once: an evaluation can take a minute
+                if evaluated:
+                    losses = evaluate(wrapped, loader, t.eval_iters, at)
                     check_finite({f"{s} loss": v for s, v in losses.items()}, checked, step, saved)
-                    is_best, best_val = losses["val"] < best_val, min(best_val, losses["val"])
-                    log_eval(say, metrics, meta, step, losses, is_best, elapsed)
-                state = training_state(cfg, meta, model, optimizer, scaler, loader, ddp)
+                    run.is_best = losses["val"] < run.best_val_loss
+                    run.best_val_loss = min(run.best_val_loss, losses["val"])
+                    log_eval(say, metrics, meta, run, losses)
+                state = training_state(cfg, model, optimizer, scaler, loader, ddp)
                 if rank == 0:
-                    saver.save(state | dict(step=step, tokens=tokens, elapsed=elapsed, is_best=is_best,
-                                            best_val_loss=best_val))
+                    saver.save(state | asdict(run))
                     cfg.log.curves and saver.then(draw_curves, out, step)
-                saved, checked, interval_start, timed = step, step, time.perf_counter(), 0
+                saved, checked = step, step
+                interval_start, timed = time.perf_counter(), 0
             if sampled and rank == 0:
-                text = sample(model, tokenizer, t, device, dtype)
+                text = sample(model, tokenizer, t, at)
                 say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
                 metrics.log({"step": step, "kind": "sample", "text": text})
                 interval_start, timed = time.perf_counter(), 0
@@ -185,19 +223,39 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 break
         # the last checkpoint is on disk before the run says it is done
         saver.wait()
-    seconds = seconds_before + time.perf_counter() - start
+    run.elapsed = before + time.perf_counter() - start
     # the signal that stopped the run: this process's, or under torchrun another one's
-    signum = stopping if step < t.max_steps else (stop or [0])[0]
-    if step < t.max_steps:
-        say(f"stopped by {signal.Signals(signum).name} at step {step}: checkpoint saved in {out}; "
+    signum = stopping if run.step < t.max_steps else (stop or [0])[0]
+    if run.step < t.max_steps:
+        say(f"stopped by {signal.Signals(signum).name} at step {run.step}: checkpoint saved in {out}; "
             f"{again} continues it")
     else:
-        say(f"# done: step {step}, best val loss {best_val:.4f}, {duration(seconds)} ({seconds:.1f} s), "
-            f"{tokens:,} tokens; to sample it: {command('sample.py', typed(out))}")
+        say(f"# done: step {run.step}, best val loss {run.best_val_loss:.4f}, {duration(run.elapsed)} "
+            f"({run.elapsed:.1f} s), {run.tokens:,} tokens; to sample it: "
+            f"{command('sample.py', typed(out))}")
     if ddp:
         distributed.leave()
-    return {"step": step, "best_val_loss": best_val, "elapsed_s": seconds, "how": how,
-            "intervals": intervals, "exit_code": 128 + signum if stop or step < t.max_steps else 0}
+    return {"step": run.step, "best_val_loss": run.best_val_loss, "elapsed_s": run.elapsed, "how": how,
+            "intervals": intervals, "exit_code": 128 + signum if stop or run.step < t.max_steps else 0}
+
+
+def finished(cfg: Config, ckpt: dict, say, ddp: bool) -> dict:
+    """A run resumed at or past its train.max_steps: nothing trains, nothing is written."""
+    t = cfg.train
+    say(f"# {cfg.out_dir}: the run is at step {ckpt['step']}, train.max_steps = {t.max_steps}: "
+        f"nothing to train, nothing changed (a larger --train.max_steps continues it)")
+    # the config handed back is the run's (a sweep sizes the model from it)
+    cfg.model.vocab_size = ckpt["config"]["model"]["vocab_size"]
+    if ddp:
+        distributed.leave()
+    return {"step": ckpt["step"], "best_val_loss": ckpt["best_val_loss"], "elapsed_s": ckpt["elapsed"],
+            "how": "", "intervals": [], "exit_code": 0}
+
+
+def global_batch(t, world: int) -> int:
+    """Sequences per optimizer step, over every process (t: a TrainConfig, or its dict)."""
+    t = t if isinstance(t, dict) else asdict(t)
+    return t["batch_size"] * t["grad_accum"] * world
 
 
 # ---------------------------------------------------------------- the step
@@ -215,88 +273,95 @@ def fit_to_data(cfg: Config, meta: dict, tokenizer) -> None:
         raise UserError(f"train.sample_prompt has {e}") from None
 
 
-def train_step(model, wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp_module,
+def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp: bool,
                windows: torch.Tensor):
-    """One optimizer step on windows (grad_accum, B, T + 1) on the device -> (mean loss over the global
-    batch, gradient norm before clipping), both left on the device: nothing here waits for the host, so
-    a CUDA graph can hold it. wrapped is the model as the step calls it (DDP's, compiled)."""
-    if ddp_module is not None:
-        from training import distributed
+    """One optimizer step on windows (grad_accum, B, T + 1) on the device -> (mean loss over the
+    global batch, gradient norm before clipping), both left on the device: nothing here waits for
+    the host, so a CUDA graph can hold it. wrapped is the model as the step calls it (DDP's,
+    compiled)."""
     accum = windows.size(0)
     loss_sum = torch.zeros((), device=windows.device)
-    with low_precision:   # one region: each weight is cast once per step
+    # one autocast region: each weight is cast once per step
+    with low_precision:
         for micro in range(accum):
-            x, y = windows[micro, :, :-1], windows[micro, :, 1:]   # (B, T) each: y is x shifted by one
-            if ddp_module is not None:   # only the last micro-step averages the gradients over the ranks
-                distributed.sync_gradients(ddp_module, micro == accum - 1)
+            # (B, T) each: y is x shifted by one
+            x, y = windows[micro, :, :-1], windows[micro, :, 1:]
+            # only the last micro-step averages the gradients over the ranks
+            if ddp:
+                distributed.sync_gradients(wrapped, micro == accum - 1)
             _, loss = wrapped(x, y)
             loss_sum += loss.detach()
             scaler.scale(loss / accum).backward()
-    if ddp_module is not None:   # the loss of the whole global batch, on every rank
+    # the loss of the whole global batch, on every rank
+    if ddp:
         distributed.mean(loss_sum)
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm   # (FSDP's)
+    clip = grad_clip if grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
+    # FSDP's norm is a sharded tensor
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / accum, grad_norm
 
 
-def build_step(model, wrapped, optimizer, scaler, loader, device, dtype, t, world: int, say):
-    """(the step as the loop calls it: () -> (loss, grad norm), how it runs in words): train_step on the
-    loader's next windows, compiled (train.compile) and as a CUDA graph (train.cuda_graph) where possible,
-    which draws the windows itself with the data on the device, else reads a buffer refilled each step."""
-    how, ddp_module = "eager", wrapped if world > 1 else None
+def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
+    """(the step as the loop calls it: () -> (loss, grad norm), how it runs in words): train_step
+    on the loader's next windows, compiled (train.compile) and recorded as a CUDA graph
+    (train.cuda_graph) where possible. The graph reads its windows from a buffer, refilled before
+    each replay; on the CPU the same step runs without recording (the tests')."""
+    how = "eager"
     if t.compile:
         say("# compiling the model: about a minute (train.compile = false skips it)")
         from speed.compile import compiled_or_eager
-        trial = partial(compile_trial, model=model, loader=loader, device=device, dtype=dtype)
+        trial = partial(compile_trial, loader=loader, at=at)
         compiled = compiled_or_eager(wrapped, trial, "training")
         wrapped, how = compiled, "eager, compiled" if compiled is not wrapped else how
-    step = partial(train_step, model, wrapped, optimizer, scaler, autocast(device, dtype), t.grad_clip,
-                   ddp_module)
+    step = partial(train_step, wrapped, optimizer, scaler, autocast(at.device, at.dtype), t.grad_clip,
+                   at.world > 1)
     eager = lambda: step(loader.step_windows())   # noqa: E731
-    if not t.cuda_graph or (blocker := graph_blocker(device, world, dtype)):
-        if t.cuda_graph and device.type == "cuda":
+    if not t.cuda_graph or (blocker := graph_blocker(at)):
+        if t.cuda_graph and at.device.type == "cuda":
             say(f"# no CUDA graph: {blocker}")
         return eager, how
     from speed.cuda_graph import graph_step
-    buffer = None if loader.resident else \
-        torch.zeros(t.grad_accum, t.batch_size, loader.block_size + 1, dtype=torch.long, device=device)
-    try:   # (on the CPU the same step runs without recording: the tests')
-        replay = graph_step(eager if buffer is None else lambda: step(buffer), optimizer,
-                            capture=device.type == "cuda", generators=[loader.generator] * loader.resident)
-    except Exception as e:   # what the recording cannot hold: the eager step does the same work
-        say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: {first_line(e)})")
+    shape = (t.grad_accum, t.batch_size, loader.block_size + 1)
+    buffer = torch.zeros(shape, dtype=torch.long, device=at.device)
+    try:
+        replay = graph_step(lambda: step(buffer), optimizer, capture=at.device.type == "cuda")
+    except Exception as e:
+        # what the recording cannot hold: the eager step does the same work
+        say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: "
+            f"{first_line(e)})")
         return eager, how
-    how = how.replace("eager", "CUDA graph")
 
     def refill_and_replay():
         buffer.copy_(loader.step_windows(), non_blocking=True)
         return replay()
-    return (replay if buffer is None else refill_and_replay), how
+    return refill_and_replay, how.replace("eager", "CUDA graph")
 
 
-def graph_blocker(device: torch.device, world: int, dtype: torch.dtype) -> str | None:
+def graph_blocker(at: Place) -> str | None:
     """Why the step cannot be recorded as a CUDA graph here (None: it can)."""
-    if device.type != "cuda":
-        return f"graphs are CUDA's (device {device.type})"
-    if world > 1:
+    if at.device.type != "cuda":
+        return f"graphs are CUDA's (device {at.device.type})"
+    if at.world > 1:
         return "several processes synchronize their gradients from the host"
-    if dtype == torch.float16:
+    if at.dtype == torch.float16:
         return "fp16's loss scaling decides on the host"
     return None
 
 
-def compile_trial(compiled, model, loader, device, dtype) -> None:
-    """One forward and backward of the compiled model on a batch laid out as the step's (views of one
-    (B, T + 1) batch: other strides would compile again), leaving no gradients and the generators as
-    they were."""
-    w = torch.zeros(loader.batch_size, loader.block_size + 1, dtype=torch.long, device=device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast(device, dtype):
+def compile_trial(compiled, loader, at: Place) -> None:
+    """One forward and backward of the compiled model on a batch laid out as the step's (views of
+    one (B, T + 1) batch: other strides would compile again), leaving no gradients and the
+    generators as they were."""
+    w = torch.zeros(loader.batch_size, loader.block_size + 1, dtype=torch.long, device=at.device)
+    devices = [at.device] if at.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), autocast(at.device, at.dtype):
         compiled(w[:, :-1], w[:, 1:])[1].backward()
-    model.zero_grad(set_to_none=True)
+    compiled.zero_grad(set_to_none=True)
 
 
 @contextmanager
@@ -339,40 +404,45 @@ def check_finite(values: dict, since: int, step: int, saved: int | None) -> None
 
 # ---------------------------------------------------------------- evaluation, checkpoints and samples
 
-def evaluate(wrapped, loader: BatchLoader, iters: int, dtype, device, ddp: bool) -> dict:
-    """Mean loss of each split: over loader.eval_windows (iters = 0; every rank all of them, as FSDP's
-    gathers need), else over the same `iters` random batches every time (each rank its share)."""
+def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
+    """Mean loss of each split: over loader.eval_windows (iters = 0; every rank all of them, as
+    FSDP's gathers need), else over the same `iters` random batches every time (each rank its
+    share)."""
     losses = {}
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(EVAL_SEED)
         batches = loader.eval_windows(split) if not iters else \
             (loader.batch(split, generator) for _ in range(iters))
-        nats, count = score(wrapped, batches, autocast(device, dtype))
-        if ddp and iters:   # every rank's share
-            from training import distributed
-            both = torch.tensor([nats, count], dtype=torch.float64, device=device)
+        nats, count = score(wrapped, batches, autocast(at.device, at.dtype))
+        # every rank's share
+        if at.world > 1 and iters:
+            both = torch.tensor([nats, count], dtype=torch.float64, device=at.device)
             nats, count = distributed.mean(both).tolist()
         losses[split] = nats / count
     return losses
 
 
-def log_eval(say, metrics, meta, step: int, losses: dict, is_best: bool, elapsed: float) -> None:
-    """An evaluation's line, and its record (bits per byte besides: comparable across tokenizers)."""
+def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
+    """An evaluation's line, and its record (bits per byte besides: comparable across
+    tokenizers)."""
     bpb = {s: bits_per_byte(losses[s], meta["tokens"][s], meta["bytes"][s]) for s in losses}
-    say(f"eval {step:6d} | train {losses['train']:.4f} | val {losses['val']:.4f} | val {bpb['val']:.4f} "
-        f"bits/byte{' (best)' if is_best else ''}")
-    metrics.log({"step": step, "kind": "eval", "train_loss": losses["train"], "val_loss": losses["val"],
-                 "train_bpb": bpb["train"], "val_bpb": bpb["val"], "elapsed_s": elapsed, "time": time.time()})
+    say(f"eval {run.step:6d} | train {losses['train']:.4f} | val {losses['val']:.4f} | "
+        f"val {bpb['val']:.4f} bits/byte{' (best)' if run.is_best else ''}")
+    metrics.log({"step": run.step, "kind": "eval", "train_loss": losses["train"],
+                 "val_loss": losses["val"], "train_bpb": bpb["train"], "val_bpb": bpb["val"],
+                 "elapsed_s": run.elapsed, "time": time.time()})
 
 
-def training_state(cfg, meta, model, optimizer, scaler, loader, ddp: bool) -> dict:
+def training_state(cfg, model, optimizer, scaler, loader, ddp: bool) -> dict:
     """What a checkpoint holds of the run besides its progress: the weights, the optimizer, the
     data order and every rank's generators (under FSDP every rank gathers; rank 0 keeps them)."""
     if ddp:
         model_state, optimizer_state = distributed.full_state(model, optimizer)
         rngs = distributed.gather(rng_state())
     else:
-        model_state, optimizer_state, rngs = model.state_dict(), optimizer.state_dict(), [rng_state()]
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+        rngs = [rng_state()]
+    meta = loader.meta
     return {"config": cfg.to_dict(), "tokenizer": meta["tokenizer"], "model": model_state,
             "optimizer": optimizer_state, "loader": loader.state_dict(),
             "dataset": {k: meta[k] for k in ("source", "sha256", "tokens", "bytes")},
@@ -386,17 +456,18 @@ def draw_curves(out: Path, step: int) -> None:
     atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {step}"))
 
 
-def sample(model: GPT, tokenizer, t, device, dtype) -> str:
-    """A short sample of the model as it is now: the same prompt and seed every time, so that samples
-    compare across steps; its own generator and eval mode leave every later loss as it would have been."""
-    from model.sampling import generate   # (only where a run samples: train.sample_every)
-    ids = tokenizer.encode(t.sample_prompt) if t.sample_prompt else [tokenizer.start_token]
-    generator = torch.Generator(device=device).manual_seed(SAMPLE_SEED)
+def sample(model: GPT, tokenizer, t, at: Place) -> str:
+    """A short sample of the model as it is now: the same prompt and seed every time, so that
+    samples compare across steps; its own generator and eval mode leave every later loss as it
+    would have been."""
+    ids = prompt_ids(tokenizer, t.sample_prompt, model.cfg.block_size, "sampling")
+    generator = torch.Generator(device=at.device).manual_seed(SAMPLE_SEED)
     was_training = model.training
     model.eval()
-    with autocast(device, dtype):
-        columns = generate(model, torch.tensor([ids], device=device), t.sample_tokens, SAMPLE_TEMPERATURE,
-                           generator=generator, vocab_limit=tokenizer.vocab_size)
+    with autocast(at.device, at.dtype):
+        prompt = torch.tensor([ids], device=at.device)
+        columns = generate(model, prompt, t.sample_tokens, SAMPLE_TEMPERATURE, generator=generator,
+                           vocab_limit=tokenizer.vocab_size)
         new = torch.cat(list(columns), dim=1)[0].tolist()
     model.train(was_training)
     return t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")
@@ -456,45 +527,43 @@ class Metrics:
             self.wandb.finish()
 
 
-def banner(say, cfg, resume_from, aside, stored: dict, step, model, device, dtype, how, world, loader,
-           laps, was=None) -> None:
-    """Where the run goes and what it is: its settings that are not the defaults (and, resumed, what
-    changed since it began: was, the checkpoint's global batch and processes), then its size,
-    device, dtype, step, processes, tokens per step, data."""
-    out = Path(cfg.out_dir)
-    say(f"# {out}: " + (f"resuming {resume_from} at step {step}" if resume_from else "a new run")
-        + f" (every setting: {out / 'config.toml'})"
-        + (f"; the earlier run is kept in {aside}" if aside else ""))
+def banner(say, cfg, stored: dict, was, world: int) -> None:
+    """The run's settings that are not the defaults; resumed, what changed since it began (stored:
+    its config.toml; was: its sequences per step and processes); a schedule that cannot work as
+    meant."""
     now, defaults = flat(cfg.to_dict()), flat(build_config().to_dict())
     differ = [f"{k} = {fmt(v)}" for k, v in now.items()
               if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
     say("# not the defaults: " + ("; ".join(differ) if differ else "none"))
-    if cfg.train.warmup_steps >= cfg.train.max_steps:
-        say(f"# note: train.warmup_steps = {cfg.train.warmup_steps} is not below train.max_steps = "
-            f"{cfg.train.max_steps}: the learning rate never reaches its peak nor decays (e.g. "
-            f"--train.warmup_steps={max(1, cfg.train.max_steps // 10)})")
     for key in [k for k in now if k in stored and stored[k] != now[k]]:
         say(f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}")
     t = cfg.train
-    if was and was[0] != t.batch_size * t.grad_accum * world:
+    if was and was[0] != global_batch(t, world):
         say(resized(was, t, world, cfg.model.block_size))
-    procs = f" x {world} processes ({'FSDP' if t.fsdp else 'DDP'})" if world > 1 else ""
+    if t.warmup_steps >= t.max_steps:
+        say(f"# note: train.warmup_steps = {t.warmup_steps} is not below train.max_steps = "
+            f"{t.max_steps}: the learning rate never reaches its peak nor decays (e.g. "
+            f"--train.warmup_steps={max(1, t.max_steps // 10)})")
+
+
+def shape(cfg, model, loader, at: Place, how: str) -> str:
+    """The banner's line of what runs: the model's size, the device, dtype and processes, the
+    tokens per step, the data."""
+    t, device = cfg.train, at.device
+    procs = f" x {at.world} processes ({'FSDP' if t.fsdp else 'DDP'})" if at.world > 1 else ""
     threads = torch.get_num_threads()
     where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
-    say(f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | {where}, "
-        f"{str(dtype).removeprefix('torch.')}, {how}{procs} | "
-        f"{t.batch_size * t.grad_accum * world * cfg.model.block_size:,} tokens/step | "
-        f"data {loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})")
-    laps = (laps if laps[0][1] is not None else laps[1:]) + [("out dir", time.perf_counter())]
-    say(f"# start-up {laps[-1][1] - laps[0][1]:.1f} s: " + ", ".join(
-        f"{name} {b - a:.1f}" for (_, a), (name, b) in zip(laps, laps[1:])))
+    tokens = global_batch(t, at.world) * cfg.model.block_size
+    data = f"{loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})"
+    return (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | {where}, "
+            f"{str(at.dtype).removeprefix('torch.')}, {how}{procs} | {tokens:,} tokens/step | data {data}")
 
 
 def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
     """The banner's line for a run resumed at another global batch (was: its sequences per step
     and processes so far): the tokens per step before and now, and the setting that keeps the
     earlier one."""
-    (seqs, procs), now = was, t.batch_size * t.grad_accum * world
+    (seqs, procs), now = was, global_batch(t, world)
     if seqs % (t.batch_size * world) == 0:
         keep = f"--train.grad_accum={seqs // (t.batch_size * world)}"
     elif seqs % (t.grad_accum * world) == 0:
