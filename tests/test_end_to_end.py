@@ -3,7 +3,6 @@ import os
 import subprocess
 import sys
 
-
 from tests.conftest import ROOT, tiny_overrides
 
 
