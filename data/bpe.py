@@ -81,11 +81,11 @@ class TiktokenTokenizer:
         it encodes as the token and never merges across. Pieces side by side are one text (prepare
         cuts a document where that changes no token). A piece that holds <|endoftext|> as text:
         each piece on its own."""
-        if any(EOT in p for p in pieces if p):
-            eot = np.array([self.end_token], dtype=np.uint32)
-            return np.concatenate([eot if p is None else self.encode_array(p) for p in pieces])
-        text = "".join(EOT if p is None else p for p in pieces)
-        return self.enc.encode_to_numpy(text, allowed_special={EOT})
+        text = "".join([EOT if p is None else p for p in pieces])
+        if text.count(EOT) == pieces.count(None):   # (the marker cannot overlap itself)
+            return self.enc.encode_to_numpy(text, allowed_special={EOT})
+        eot = np.array([self.end_token], dtype=np.uint32)
+        return np.concatenate([eot if p is None else self.encode_array(p) for p in pieces])
 
     def decode(self, ids) -> str:
         return self.enc.decode(list(ids))

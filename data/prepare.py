@@ -5,10 +5,9 @@ in it, is always safe), reused when the same bytes come with the same settings.
   streaming  read a chunk, encoded a piece (PIECE_CHARS to twice as many characters) at a time:
              memory stays bounded whatever the text's size
   passes     hash (the cache key: all a cache hit costs); scan (decode; count the characters: the
-             split point is a character index; char's vocabulary); train (bpe:N); encode (a batch of
-             pieces a call, on data.workers threads: tiktoken and numpy let go of the GIL)
-  validation the last val_fraction of the text, or data.val_path's files (left out of the training
-             files): the dataset's own split
+             split point is a character index; char's vocabulary); train (bpe:N); encode (BPE: a
+             batch a call on data.workers threads, as tiktoken lets go of the GIL)
+  val        the text's last val_fraction, or data.val_path's files (not trained on)
   documents  text files, JSONL lines and Parquet rows are one text in order, with the end-of-text
              token (BPE) or a newline (char) between them; BPE's is cut only where that keeps its tokens
   an entry   train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and meta.json, named by
@@ -136,7 +135,9 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     tmp = out.parent / f".{out.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()   # (os.mkdir: the mode the umask gives, as for any file; tempfile.mkdtemp's is 0700)
     changed = f"{data.path} changed while it was prepared: try again once it no longer changes"
-    workers = 1 if char else data.workers or cores()   # (char: threads do not pay, docs/data.md)
+    # data.workers = 0: a thread per core it may run on (its affinity, where the OS tells it)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = 1 if char else data.workers or cores   # (char: threads do not pay, docs/data.md)
     try:
         encoded = encode(text("encoding", split_at), tok, tmp, workers)
         check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
@@ -166,11 +167,6 @@ def stamps(files: list[Path]) -> list[tuple[int, int]]:
     return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
-def cores() -> int:
-    """The cores this process may run on (taskset's or a container's share, where the OS says)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 # A build's temporary folder: .<entry>.tmp-<host>-<pid>-<random>: the next build tells whose it is.
 TMP = f".tmp-{socket.gethostname()}-"
 
@@ -180,20 +176,13 @@ def remove_leftovers(folder: Path) -> None:
     power cut leaves one, as large as the tokens written so far. (Windows' os.kill(pid, 0) would
     stop the process: left alone there.)"""
     for tmp in folder.glob(f".*{TMP}*") if os.name == "posix" else ():
-        pid = re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2])
-        if pid and not running(int(pid[1])):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def running(pid: int) -> bool:
-    """Whether a process of this id runs here (signal 0 sends nothing; it only checks)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's
-        pass
-    return True
+        if pid := re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2]):
+            try:   # signal 0 sends nothing: it asks whether the process runs
+                os.kill(int(pid[1]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(tmp, ignore_errors=True)
+            except OSError:   # (another user's: it runs)
+                pass
 
 
 def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple[list[Path], int, int, str]:
@@ -265,32 +254,29 @@ def batches(text):
 
 
 def in_order(fn, items, workers: int):
-    """fn(item) for each item, in order, on `workers` threads (1: on this one), workers + 1 items at
-    most at a time: memory stays bounded however many items come."""
-    if workers == 1:
-        yield from map(fn, items)
-        return
+    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at most at a time:
+    memory stays bounded however many items come."""
     with ThreadPoolExecutor(workers) as pool:
         jobs = deque()
         for item in items:
             jobs.append(pool.submit(fn, item))
             if len(jobs) > workers:
                 yield jobs.popleft().result()
-        while jobs:
-            yield jobs.popleft().result()
+        yield from (job.result() for job in jobs)
 
 
 def encode(text, tok, tmp: Path, workers: int) -> dict:
-    """Encode the (split, piece) pairs of text, a batch at a time on `workers` threads, appending
-    their ids in order to tmp/<split>.bin (the same bytes whatever the workers); the meta entries
-    that describe them."""
+    """Encode the (split, piece) pairs of text, a batch at a time on `workers` threads (1: this one),
+    appending their ids in order to tmp/<split>.bin; the meta entries that describe them."""
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens, nbytes, low, high = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), tok.vocab_size, -1
 
     def encode_batch(batch):   # (split, ids, the pieces' UTF-8 bytes)
-        return batch[0], tok.encode_pieces(batch[1]), sum(len(p.encode()) for p in batch[1] if p)
+        return batch[0], tok.encode_pieces(batch[1]), len("".join(filter(None, batch[1])).encode())
     with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
-        for split, ids, n in in_order(encode_batch, batches(text), workers):
+        results = in_order(encode_batch, batches(text), workers) if workers > 1 else \
+            map(encode_batch, batches(text))
+        for split, ids, n in results:
             (train if split == "train" else val).write(ids.astype(dtype, copy=False).tobytes())
             tokens[split], nbytes[split] = tokens[split] + len(ids), nbytes[split] + n
             low, high = min(low, int(ids.min())), max(high, int(ids.max()))

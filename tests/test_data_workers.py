@@ -106,3 +106,22 @@ def test_the_workers_take_a_bounded_number_of_items_ahead_and_keep_their_order()
         for i, result in enumerate(prep.in_order(lambda x: time.sleep(0.002 * (x % 3)) or -x, items(),
                                                  workers)):
             assert result == -i and len(taken) <= i + 1 + workers, (workers, i, len(taken))
+
+
+def test_ctrl_c_or_an_error_in_a_worker_leaves_nothing(tmp_path, small_pieces, monkeypatch):
+    """A worker's exception (Ctrl-C's KeyboardInterrupt here) reaches the command, and the temporary
+    folder goes with it."""
+    from data.bpe import TiktokenTokenizer
+    gpt2_or_skip()
+    (tmp_path / "t.txt").write_text("".join(DOCS))
+    calls, real = [], TiktokenTokenizer.encode_pieces
+
+    def failing(self, pieces):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(self, pieces)
+    monkeypatch.setattr(TiktokenTokenizer, "encode_pieces", failing)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(DataConfig(str(tmp_path / "t.txt"), "gpt2", 0.1, str(tmp_path / "p"), workers=3))
+    assert list((tmp_path / "p").iterdir()) == []
