@@ -120,8 +120,8 @@ def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | N
     if skip_unknown and hasattr(tokenizer, "chars"):   # a character model: leave out what it never saw
         text = "".join(pieces)
         pieces = ["".join(c for c in text if c in tokenizer.stoi)]
-        if len(pieces[0]) < len(text):
-            print(f"# {path}: left out {len(text) - len(pieces[0]):,} characters the model never saw",
+        if left_out := len(text) - len(pieces[0]):
+            print(f"# {path}: left out {left_out:,} characters the model never saw",
                   file=sys.stderr)
     try:
         ids = tokenizer.encode_pieces(pieces)[:None if max_tokens is None else max_tokens + 1]

@@ -59,7 +59,7 @@ class DataConfig:
     encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes",
                                    one_of=("strict", "replace"))
     text_field: str = setting("text", "the JSONL field or Parquet column that holds the text")
-    val_path: str = setting("", "a validation text of its own: a file, folder or glob (\"\" = none)")
+    val_path: str = setting("", "its own validation text: a file, folder or glob (\"\" = none)")
     workers: int = setting(0, "threads that encode BPE (0 = one per core)", at_least=0)
 
     def validate(self) -> None:
@@ -116,7 +116,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
 
     def text(label: str, train_chars: int):   # (split, piece) pairs, train_chars in "train"
         progress = mb_progress(label, total)
-        texts = [(d for p in kept for d in iter_documents(p, *read, progress)) for kept, *_ in scans]
+        texts = [(d for p in s[0] for d in iter_documents(p, *read, progress)) for s in scans]
         # (the val files' text: "val" from its first character on)
         return chain(*(pieces(docs, at, not char) for docs, at in zip(texts, (train_chars, 0))))
     if char:   # (no document may hold the newline between documents)
@@ -240,8 +240,8 @@ def pieces(documents, split_at: int, bpe: bool):
 
 
 def batches(text):
-    """The (split, piece) pairs of text as (split, [piece, ...]) of one split, PIECE_CHARS characters
-    or more each (fewer at a split's end): what a worker encodes at once."""
+    """The (split, piece) pairs of text as (split, [piece, ...]) of one split, PIECE_CHARS
+    characters or more each (fewer at a split's end): what a worker encodes at once."""
     batch, size, last = [], 0, None
     for split, piece in text:
         if batch and (split != last or size >= PIECE_CHARS):
@@ -266,8 +266,8 @@ def in_order(fn, items, workers: int):
 
 
 def encode(text, tok, tmp: Path, workers: int) -> dict:
-    """Encode the (split, piece) pairs of text, a batch at a time on `workers` threads (1: this one),
-    appending their ids in order to tmp/<split>.bin; the meta entries that describe them."""
+    """Encode the (split, piece) pairs of text, a batch at a time on `workers` threads (1: this
+    one), appending their ids in order to tmp/<split>.bin; the meta entries that describe them."""
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens, nbytes, low, high = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), tok.vocab_size, -1
 
@@ -337,8 +337,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--root", dest="prepared_dir", default=str(Path(__file__).resolve().parent / "prepared"))
     p.add_argument("--encoding-errors", "--data.encoding_errors", default="strict", help="strict | replace")
     p.add_argument("--text-field", "--data.text_field", default="text", help="JSONL field or Parquet column")
-    p.add_argument("--val-path", "--data.val_path", default="", help="validation text: file, folder, glob")
-    p.add_argument("--workers", "--data.workers", type=int, default=0, help="BPE threads (0: a core each)")
+    p.add_argument("--val-path", "--data.val_path", default="", help="validation text: a path")
+    p.add_argument("--workers", "--data.workers", type=int, default=0, help="BPE threads")
     out = prepare(DataConfig(**vars(p.parse_args(argv))))
     tokens = load_meta(out)["tokens"]
     print(f"ready: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)")

@@ -9,7 +9,7 @@ import pytest
 
 import eval as eval_cli
 from common import UserError
-from data.prepare import DataConfig, prepare
+from data.prepare import SPLITS, DataConfig, prepare
 from tests.conftest import TEXT, gpt2_or_skip, records, run_tool, tiny_overrides
 from tests.test_data_formats import write_jsonl, write_parquet
 
@@ -21,7 +21,7 @@ VAL = ["Zounds! quoth he, a validation story.", TEXT[1200:]]   # (Z: no train do
 
 def splits(out: Path) -> tuple[list[int], list[int], dict]:
     meta = json.loads((out / "meta.json").read_text())
-    train, val = (np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]).tolist() for s in ("train", "val"))
+    train, val = (np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]).tolist() for s in SPLITS)
     return train, val, meta
 
 
@@ -31,7 +31,7 @@ def gpt2_ids(docs) -> list[int]:
     return [i for n, doc in enumerate(docs) for i in [tok.end_token] * (n > 0) + tok.encode(doc)]
 
 
-def test_a_hub_folder_s_validation_files_are_the_val_split_and_never_trained_on(tmp_path):
+def test_a_hub_folder_s_validation_files_are_the_val_split_and_never_trained_on(tmp_path, capsys):
     """--data hub/data --data.val_path 'hub/data/validation-*.parquet': the train files alone are
     the train split, whole, and the validation file is the val split."""
     pytest.importorskip("pyarrow")
@@ -51,6 +51,9 @@ def test_a_hub_folder_s_validation_files_are_the_val_split_and_never_trained_on(
             assert "".join(chars[i] for i in train) == "\n".join(TRAIN)
             assert "".join(chars[i] for i in val) == "\n".join(VAL)
         assert meta["split"]["val_path"] == str(hub / "validation-*.parquet")
+    said = capsys.readouterr().out
+    assert f"data: {hub} (2 files: 2 .parquet;" in said, "the train files only"
+    assert f"val: {hub / 'validation-*.parquet'} (1 file: 1 .parquet;" in said
 
 
 def test_a_pair_of_jsonl_files_and_the_cache_key_of_both(tmp_path, capsys):
@@ -93,8 +96,9 @@ def test_eval_py_scores_a_val_jsonl_as_the_trainers_val_split(tmp_path, capsys):
         "model.block_size": 16}))
     train(cfg, quiet=True)
     val_loss = records(cfg.out_dir, "eval", "val_loss")[10]
-    rc, out, err = run_tool(eval_cli, [cfg.out_dir + "/ckpt_0000010.pt", str(tmp_path / "val.jsonl"),
-                                       "--device", "cpu", "--json"], capsys)
+    ckpt = cfg.out_dir + "/ckpt_0000010.pt"
+    argv = [ckpt, tmp_path / "val.jsonl", "--device", "cpu", "--json"]
+    rc, out, err = run_tool(eval_cli, argv, capsys)
     assert rc == 0, err
     total = json.loads(out)["total"]
     assert total["tokens"] == len("\n".join(VAL)) - 1

@@ -1,6 +1,6 @@
-"""BPE encoded on every core (data.workers threads): the token files are byte for byte those of one
-worker, whatever the batches and the documents hold (a literal <|endoftext|> too); the workers are no
-part of the cache key; memory stays bounded, however large the text."""
+"""BPE encoded on every core (data.workers threads): the token files are byte for byte those of
+one worker, whatever the batches and the documents hold (a literal <|endoftext|> too); the workers
+are no part of the cache key; memory stays bounded, however large the text."""
 import json
 import time
 import tracemalloc
@@ -49,9 +49,9 @@ def test_every_worker_count_writes_the_bytes_of_one(tmp_path, small_pieces, toke
 
 
 def test_a_batch_of_documents_encodes_as_each_document_alone(tmp_path):
-    """encode_pieces joins a batch's documents by <|endoftext|> for one call to tiktoken: the ids are
-    those of each document encoded alone, the end-of-text token between them; a document holding
-    the marker as text encodes it as text."""
+    """encode_pieces joins a batch's documents by <|endoftext|> for one call to tiktoken: the ids
+    are those of each document encoded alone, the end-of-text token between them; a document
+    holding the marker as text encodes it as text."""
     tok = gpt2_or_skip()
     eot = tok.end_token
     for docs in ([TEXT[:500], "a", " b ", "\n\nc"], ["x <|endoftext|> y", TEXT[:200]]):
@@ -103,8 +103,10 @@ def test_the_workers_take_a_bounded_number_of_items_ahead_and_keep_their_order()
             yield i
     for workers in (1, 4):
         taken.clear()
-        for i, result in enumerate(prep.in_order(lambda x: time.sleep(0.002 * (x % 3)) or -x, items(),
-                                                 workers)):
+        def slowly(x):
+            time.sleep(0.002 * (x % 3))
+            return -x
+        for i, result in enumerate(prep.in_order(slowly, items(), workers)):
             assert result == -i and len(taken) <= i + 1 + workers, (workers, i, len(taken))
 
 

@@ -214,8 +214,8 @@ def test_a_killed_preparation_s_folder_is_removed_by_the_next(tmp_path, text_fil
     """kill -9 (or a power cut) leaves the temporary folder: the next preparation removes those of
     processes on this machine that are gone, and keeps a running one's (and another machine's)."""
     root = tmp_path / "prep"
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
     left = [root / f".{name}-char-0123456789ab-val0.1{prep.TMP}{pid}-0a1b2c3d"
             for name, pid in (("dead", gone), ("live", os.getpid()))]
     left.append(root / f".other.tmp-another-host-{gone}-0a1b2c3d")
@@ -228,7 +228,8 @@ def test_a_killed_preparation_s_folder_is_removed_by_the_next(tmp_path, text_fil
 
 @pytest.mark.parametrize("tokenizer, phases", [("char", ["hashing", "scanning", "encoding"]),
                                                ("bpe:300", ["training the tokenizer", "encoding"])])
-def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, capsys, tokenizer, phases):
+def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, capsys, tokenizer,
+                                             phases):
     """(A log gets a progress line every 10 s: here every reading of the clock is 20 s after the
     last.) bpe:N's training is the tokenizer's, not the model's."""
     monkeypatch.setattr(prep, "PROGRESS_MIN_BYTES", 0)
@@ -297,6 +298,6 @@ def test_a_text_that_changes_while_it_is_prepared_is_refused_and_nothing_is_kept
             f.write(more)
         return counted
     monkeypatch.setattr(data.prepare, "scan", scan_then_grow)
-    with pytest.raises(UserError, match=f"^{text_file} changed while it was prepared: try again once"):
+    with pytest.raises(UserError, match=f"^{text_file} changed while it was prepared: try again"):
         prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     assert list((tmp_path / "prep").iterdir()) == []
