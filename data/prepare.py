@@ -114,6 +114,12 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     split_at = counts[0] if sources[1] else int(counts[0] * (1.0 - data.val_fraction))
     chars = "".join(s[3] for s in scans) + "\n" * any(s[1] > 1 for s in scans)
 
+    def unchanged() -> None:   # (the hash names the entry: a text that changed meanwhile is refused)
+        for path, was, now in zip(files, stamp, stamps(files)):
+            if was != now:
+                raise UserError(f"{path} changed while it was prepared: try again once it no longer "
+                                f"changes")
+
     def text(label: str, train_chars: int):   # (split, piece) pairs, train_chars in "train"
         progress = mb_progress(label, total)
         texts = [(d for p in s[0] for d in iter_documents(p, *read, progress)) for s in scans]
@@ -134,15 +140,13 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     remove_leftovers(out.parent)
     tmp = out.parent / f".{out.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()   # (os.mkdir: the mode the umask gives, as for any file; tempfile.mkdtemp's is 0700)
-    changed = f"{data.path} changed while it was prepared: try again once it no longer changes"
     # data.workers = 0: a thread per core it may run on (its affinity, where the OS tells it)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = 1 if char else data.workers or cores   # (char: threads do not pay, docs/data.md)
     try:
         encoded = encode(text("encoding", split_at), tok, tmp, workers)
         check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
-        if stamps(files) != stamp:   # (the hash names the entry)
-            raise UserError(changed)
+        unchanged()
         split = {"val_path": str(Path(data.val_path).absolute())} if sources[1] else \
             {"val_fraction": data.val_fraction}
         split |= {"train_chars": split_at, "val_chars": sum(counts) - split_at}
@@ -154,8 +158,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
             shutil.rmtree(out, ignore_errors=True)
             os.rename(tmp, out)
     except UserError:   # of a text that changed (an unknown character appended): its change
-        if stamps(files) != stamp:
-            raise UserError(changed) from None
+        unchanged()
         raise
     finally:   # (after the rename there is nothing left to remove)
         shutil.rmtree(tmp, ignore_errors=True)
