@@ -7,7 +7,9 @@
 MODEL is a run's out dir (its best.pt, else its latest checkpoint), a checkpoint file, or a Hugging
 Face GPT-2 (a directory with config.json, or a name such as gpt2). Each FILE is a file, a directory
 (the files under it) or a glob; every file is its own text, tokenized whole with the model's
-tokenizer and scored with no context from any other file.
+tokenizer and scored with no context from any other file. A JSONL or Parquet file's records (their
+"text" field) are its documents, with the end-of-text token (BPE) or a newline (char) between them,
+as in training: a run's --data.val_path file scores as its val split.
 
 Which tokens are scored: every token of a text after the first, each exactly once, predicted from
 the tokens before it in its window of the model's context (B = block_size tokens). By default the
@@ -111,16 +113,19 @@ def main(argv) -> int:
 def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | None = None):
     """The token ids of a text file (up to max_tokens + 1: the first is context only); a file that cannot be
     scored (missing, empty, not UTF-8, a character the tokenizer lacks, under 2 tokens) is one line."""
-    from data.sources import iter_text
-    text = "".join(iter_text(path, hint=None))
+    from data.sources import iter_documents, iter_text, kind_suffix
+    docs = [iter_text(path, hint=None)] if not kind_suffix(path.name) else iter_documents(path)
+    # between documents: a newline (char), or the end-of-text token (None: BPE)
+    sep = "\n" if tokenizer.end_token is None else None
+    pieces = [piece for doc in docs for piece in (sep, "".join(doc))][1:]
     if skip_unknown and hasattr(tokenizer, "chars"):   # a character model: leave out what it never saw
-        kept = "".join(c for c in text if c in tokenizer.stoi)
-        if len(kept) < len(text):
-            print(f"# {path}: left out {len(text) - len(kept):,} characters the model never saw",
+        text = "".join(pieces)
+        pieces = ["".join(c for c in text if c in tokenizer.stoi)]
+        if left_out := len(text) - len(pieces[0]):
+            print(f"# {path}: left out {left_out:,} characters the model never saw",
                   file=sys.stderr)
-        text = kept
     try:
-        ids = tokenizer.encode_array(text)[:None if max_tokens is None else max_tokens + 1]
+        ids = tokenizer.encode_pieces(pieces)[:None if max_tokens is None else max_tokens + 1]
     except UserError as e:
         raise UserError(f"{path} has {e} (--skip-unknown leaves them out)") from None
     if len(ids) < 2:

@@ -5,15 +5,18 @@ in it, is always safe), reused when the same bytes come with the same settings.
   streaming  read a chunk, encoded a piece (PIECE_CHARS to twice as many characters) at a time:
              memory stays bounded whatever the text's size
   passes     hash (the cache key: all a cache hit costs); scan (decode; count the characters: the
-             split point is a character index; char's vocabulary); train (bpe:N); encode (one thread)
+             split point is a character index; char's vocabulary); train (bpe:N); encode (BPE: a
+             batch a call on data.workers threads, as tiktoken lets go of the GIL)
+  val        the text's last val_fraction, or data.val_path's files (not trained on)
   documents  text files, JSONL lines and Parquet rows are one text in order, with the end-of-text
              token (BPE) or a newline (char) between them; BPE's is cut only where that keeps its tokens
   an entry   train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and meta.json, named by
              the text's sha256 and every setting that changes the ids; built in a temporary folder,
-             renamed into place once whole. Usable: a meta.json of this FORMAT (written last) and
-             .bin files of the sizes it says; else prepared again
+             renamed into place once whole (a killed process's is removed by the next). Usable:
+             a meta.json of this FORMAT (written last) and .bin files of the sizes it says
 
     python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096] [--val-fraction 0.1]
+                           [--val-path FILE|DIR|GLOB] [--workers N]
 """
 import hashlib
 import json
@@ -21,7 +24,10 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import sys
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain, takewhile
 from pathlib import Path
@@ -53,6 +59,8 @@ class DataConfig:
     encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes",
                                    one_of=("strict", "replace"))
     text_field: str = setting("text", "the JSONL field or Parquet column that holds the text")
+    val_path: str = setting("", "its own validation text: a file, folder or glob (\"\" = none)")
+    workers: int = setting(0, "threads that encode BPE (0 = one per core)", at_least=0)
 
     def validate(self) -> None:
         check_fields(self, "data")
@@ -68,54 +76,80 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
     the same settings. block_size: each split must hold block_size + 1 tokens (one training window),
     checked before anything is published."""
     data.validate()
-    files = find_sources(data.path)
-    total = sum(p.stat().st_size for p in files)
-    sha = sha256(files, mb_progress("hashing", total))
-    out = Path(data.prepared_dir) / entry_name(data, sha, records=any(kind_suffix(p.name) for p in files))
+    val = find_sources(data.val_path) if data.val_path else []
+    taken = {p.resolve() for p in val}   # val_path's files are never trained on too
+    if not (files := [p for p in find_sources(data.path) if p.resolve() not in taken]):
+        raise UserError(f"{data.path} holds no files but those of --data.val_path {data.val_path}")
+    progress = mb_progress("hashing", sum(p.stat().st_size for p in files + val))
+    sha = sha256(files, progress)
+    if val:   # the key covers both texts
+        sha = hashlib.sha256(f"{sha}\0{sha256(val, progress)}".encode()).hexdigest()
+    records = any(kind_suffix(p.name) for p in files + val)
+    out = Path(data.prepared_dir) / entry_name(data, sha, records)
     meta = read_entry(out)
-    if not Path(data.path).is_file():   # what a directory or glob took
-        print(describe(data.path, files, total))
+    for path, group, label in ((data.path, files, "data"), (data.val_path, val, "val")):
+        if group and not Path(path).is_file():   # what a directory or glob took
+            print(describe(path, group, sum(p.stat().st_size for p in group), label))
     if meta is None and out.exists():
         print(f"notice: {out} is unfinished, damaged or of an older format: preparing it again",
               file=sys.stderr)
     if meta is None:
-        meta = build(out, files, total, sha, data, block_size)
+        meta = build(out, (files, val), sha, data, block_size)
         print(f"prepared {data.path} with tokenizer {data.tokenizer}: {meta['tokens']['train']:,} train "
               f"and {meta['tokens']['val']:,} val tokens (vocab {meta['vocab_size']:,}) -> {out}")
     check_split_sizes(meta["tokens"], block_size)
     return out
 
 
-def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, block_size) -> dict:
-    """Scan, train (bpe:N), encode: the entry at out; its meta.json."""
-    char, stamp = data.tokenizer == "char", [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    read = (data.encoding_errors, data.text_field)
-    kept, n_docs, n_chars, chars = scan(files, *read, char, mb_progress("scanning", total))
-    n_chars += n_docs - 1 if char else 0   # char: + the newlines between documents
-    split_at = int(n_chars * (1.0 - data.val_fraction))
+def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> dict:
+    """Scan, train (bpe:N), encode: the entry at out; its meta.json. sources: the train files and
+    the val files: each a text (none: the val split is the train text's last val_fraction)."""
+    files, char = sources[0] + sources[1], data.tokenizer == "char"
+    stamp, read = stamps(files), (data.encoding_errors, data.text_field)
+    total = sum(size for size, _ in stamp)
+    progress = mb_progress("scanning", total)
+    scans = [scan(group, *read, char, progress) for group in sources if group]
+    # each text's characters (char: + the newlines between its documents)
+    counts = [n + (docs - 1) * char for _, docs, n, _ in scans]
+    split_at = counts[0] if sources[1] else int(counts[0] * (1.0 - data.val_fraction))
+    chars = "".join(s[3] for s in scans) + "\n" * any(s[1] > 1 for s in scans)
+
+    def unchanged() -> None:   # (the hash names the entry: a text that changed meanwhile is refused)
+        for path, was, now in zip(files, stamp, stamps(files)):
+            if was != now:
+                raise UserError(f"{path} changed while it was prepared: try again once it no longer "
+                                f"changes")
 
     def text(label: str, train_chars: int):   # (split, piece) pairs, train_chars in "train"
         progress = mb_progress(label, total)
-        return pieces((d for p in kept for d in iter_documents(p, *read, progress)), train_chars, not char)
-    if char:   # with the newline between documents, which none of them may hold
-        tok = CharTokenizer("".join(sorted(set(chars) | {"\n"})) if n_docs > 1 else chars)
+        texts = [(d for p in s[0] for d in iter_documents(p, *read, progress)) for s in scans]
+        # (the val files' text: "val" from its first character on)
+        return chain(*(pieces(docs, at, not char) for docs, at in zip(texts, (train_chars, 0))))
+    if char:   # (no document may hold the newline between documents)
+        tok = CharTokenizer("".join(sorted(set(chars))))
     elif bpe_vocab_size(data.tokenizer) is None:
         tok = build_tokenizer(data.tokenizer)
     else:   # bpe:N, trained on (the start of) the train split: takewhile stops reading at its end
-        train = takewhile(lambda item: item[0] == "train", text("training", min(split_at, TRAIN_MAX_CHARS)))
+        train = takewhile(lambda item: item[0] == "train",
+                          text("training the tokenizer", min(split_at, TRAIN_MAX_CHARS)))
         from data.bpe import train_bpe
         tok_meta, took = train_bpe((piece for _, piece in train if piece), bpe_vocab_size(data.tokenizer))
         tok = load_tokenizer(tok_meta)
         print(f"trained {data.tokenizer} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    remove_leftovers(out.parent)
+    tmp = out.parent / f".{out.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()   # (os.mkdir: the mode the umask gives, as for any file; tempfile.mkdtemp's is 0700)
+    # data.workers = 0: a thread per core it may run on (its affinity, where the OS tells it)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = 1 if char else data.workers or cores   # (char: threads do not pay, docs/data.md)
     try:
-        encoded = encode(text("encoding", split_at), tok, tmp)
+        encoded = encode(text("encoding", split_at), tok, tmp, workers)
         check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
-        if [(p.stat().st_size, p.stat().st_mtime_ns) for p in files] != stamp:   # (the hash names the entry)
-            raise UserError(f"{data.path} changed while it was prepared: try again once it no longer changes")
-        split = {"val_fraction": data.val_fraction, "train_chars": split_at, "val_chars": n_chars - split_at}
+        unchanged()
+        split = {"val_path": str(Path(data.val_path).absolute())} if sources[1] else \
+            {"val_fraction": data.val_fraction}
+        split |= {"train_chars": split_at, "val_chars": sum(counts) - split_at}
         meta = {"format": FORMAT, "source": str(Path(data.path).absolute()), "sha256": sha,
                 "files": len(files), "tokenizer_spec": data.tokenizer, **encoded,
                 "encoding_errors": data.encoding_errors, "text_field": data.text_field, "split": split}
@@ -123,9 +157,35 @@ def build(out: Path, files: list[Path], total: int, sha: str, data: DataConfig, 
         if read_entry(out) is None:   # (one that another process has just published stays)
             shutil.rmtree(out, ignore_errors=True)
             os.rename(tmp, out)
+    except UserError:   # of a text that changed (an unknown character appended): its change
+        unchanged()
+        raise
     finally:   # (after the rename there is nothing left to remove)
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+def stamps(files: list[Path]) -> list[tuple[int, int]]:
+    """Each file's size and modification time: what tells that a text changed while it was read."""
+    return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+# A build's temporary folder: .<entry>.tmp-<host>-<pid>-<random>: the next build tells whose it is.
+TMP = f".tmp-{socket.gethostname()}-"
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Remove the temporary folders of builds on this machine whose process is gone: a SIGKILL or a
+    power cut leaves one, as large as the tokens written so far. (Windows' os.kill(pid, 0) would
+    stop the process: left alone there.)"""
+    for tmp in folder.glob(f".*{TMP}*") if os.name == "posix" else ():
+        if pid := re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2]):
+            try:   # signal 0 sends nothing: it asks whether the process runs
+                os.kill(int(pid[1]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(tmp, ignore_errors=True)
+            except OSError:   # (another user's: it runs)
+                pass
 
 
 def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple[list[Path], int, int, str]:
@@ -182,17 +242,46 @@ def pieces(documents, split_at: int, bpe: bool):
         yield split, "".join(held)
 
 
-def encode(text, tok, tmp: Path) -> dict:
-    """Encode the (split, piece) pairs of text, appending their ids to tmp/<split>.bin; the meta
-    entries that describe them."""
+def batches(text):
+    """The (split, piece) pairs of text as (split, [piece, ...]) of one split, PIECE_CHARS
+    characters or more each (fewer at a split's end): what a worker encodes at once."""
+    batch, size, last = [], 0, None
+    for split, piece in text:
+        if batch and (split != last or size >= PIECE_CHARS):
+            yield last, batch
+            batch, size = [], 0
+        batch.append(piece)
+        size, last = size + len(piece or ""), split
+    if batch:
+        yield last, batch
+
+
+def in_order(fn, items, workers: int):
+    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at most at a time:
+    memory stays bounded however many items come."""
+    with ThreadPoolExecutor(workers) as pool:
+        jobs = deque()
+        for item in items:
+            jobs.append(pool.submit(fn, item))
+            if len(jobs) > workers:
+                yield jobs.popleft().result()
+        yield from (job.result() for job in jobs)
+
+
+def encode(text, tok, tmp: Path, workers: int) -> dict:
+    """Encode the (split, piece) pairs of text, a batch at a time on `workers` threads (1: this
+    one), appending their ids in order to tmp/<split>.bin; the meta entries that describe them."""
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens, nbytes, low, high = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), tok.vocab_size, -1
-    with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:   # (buffered writes:
-        for split, piece in text:   # a piece is never empty)             many small documents cost little)
-            ids = tok.encode_array(piece) if piece is not None else np.array([tok.end_token])
+
+    def encode_batch(batch):   # (split, ids, the pieces' UTF-8 bytes)
+        return batch[0], tok.encode_pieces(batch[1]), len("".join(filter(None, batch[1])).encode())
+    with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
+        results = in_order(encode_batch, batches(text), workers) if workers > 1 else \
+            map(encode_batch, batches(text))
+        for split, ids, n in results:
             (train if split == "train" else val).write(ids.astype(dtype, copy=False).tobytes())
-            tokens[split] += len(ids)
-            nbytes[split] += 0 if piece is None else len(piece.encode("utf-8"))
+            tokens[split], nbytes[split] = tokens[split] + len(ids), nbytes[split] + n
             low, high = min(low, int(ids.min())), max(high, int(ids.max()))
     if low == high:
         raise UserError(f"the text holds a single distinct token (id {high}, {tok.decode([high])!r}): "
@@ -205,11 +294,13 @@ def encode(text, tok, tmp: Path) -> dict:
 
 def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
     """The entry's name: the data's (sources.data_name), cut to 64 characters (a file system allows
-    255 bytes), then all that changes the token files (for records, the key holds the text_field)."""
+    255 bytes), then all that changes the token files (for records, the key holds the text_field;
+    with val_path, the sha256 covers both texts)."""
     label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)   # bpe:4096 -> bpe4096
     errors = "-replace" * (data.encoding_errors == "replace")
     key = hashlib.sha256(f"{sha256}\0{data.text_field}".encode()).hexdigest() if records else sha256
-    return f"{data_name(data.path)[:64]}-{label}-{key[:12]}-val{data.val_fraction!r}{errors}"
+    val = "files" if data.val_path else repr(data.val_fraction)
+    return f"{data_name(data.path)[:64]}-{label}-{key[:12]}-val{val}{errors}"
 
 
 def read_entry(entry: Path) -> dict | None:
@@ -249,6 +340,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--root", dest="prepared_dir", default=str(Path(__file__).resolve().parent / "prepared"))
     p.add_argument("--encoding-errors", "--data.encoding_errors", default="strict", help="strict | replace")
     p.add_argument("--text-field", "--data.text_field", default="text", help="JSONL field or Parquet column")
+    p.add_argument("--val-path", "--data.val_path", default="", help="validation text: a path")
+    p.add_argument("--workers", "--data.workers", type=int, default=0, help="BPE threads")
     out = prepare(DataConfig(**vars(p.parse_args(argv))))
     tokens = load_meta(out)["tokens"]
     print(f"ready: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)")

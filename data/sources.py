@@ -1,8 +1,9 @@
 """The text to prepare: which files a data path names (a file; every regular file under a directory,
 hidden ones skipped; or a glob's matches; in sorted path order), its name, their sha256, and their
-documents as str chunks in bounded memory: a text file (read READ_BYTES at a time), a JSONL line, a
-Parquet row (KINDS). A non-UTF-8 byte is an error naming its offset, with advice: a file that looks
-binary (a NUL byte in its first 8 KB, git's test) is to be left out; in a text, encoding_errors=replace.
+documents as str chunks in bounded memory: a text file (read READ_BYTES at a time; a .gz one
+gunzipped as it is read), a JSONL line, a Parquet row (KINDS). A non-UTF-8 byte is an error naming
+its offset, with advice: a file that looks binary (a NUL byte in its first 8 KB, git's test) is to
+be left out; in a text, encoding_errors=replace.
 """
 import codecs
 import glob
@@ -11,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import zlib
 from collections import Counter
 from itertools import chain, count
 from pathlib import Path
@@ -22,7 +24,10 @@ PROMPT_FILE_MAX = 1 << 20   # a prompt read from a file: at most this many bytes
 PARQUET_ROWS = 1024         # rows read at a time
 KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}   # by a name's ending; else text
 SURROGATE = re.compile("[\ud800-\udfff]")   # JSON's "\ud800" alone: a code point no UTF-8 text holds
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".tex", ".html", ".xml", ".json", ".csv", ".py", ".c", ".h", ".js"}
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".tex", ".html", ".xml", ".json", ".csv", ".py", ".c", ".h",
+                 ".js", ".gz"}
+# what reading a damaged file raises: a .gz cut short or not gzip; a .parquet that is not Parquet
+DAMAGED = (OSError, EOFError, zlib.error, ValueError)
 
 
 def find_sources(source) -> list[Path]:
@@ -48,29 +53,40 @@ def data_name(path) -> str:
     """The name of a data path's runs (out/<name>) and cache entries: a file's or folder's name without
     its extension (my_notes.txt -> my_notes); a glob's last folder and file part, each where it holds no
     glob character (books/*.txt -> books, /usr/share/doc/*/copyright -> doc-copyright; neither: data).
-    Records add their kind (licenses.jsonl -> licenses-jsonl): never the name of the same-named text."""
+    Records add their kind (licenses.jsonl -> licenses-jsonl): never the name of the same-named
+    text. A text's .gz goes too (notes.txt.gz -> notes)."""
     path, suffix = Path(path), kind_suffix(Path(path).name)
-    stem = path.name[:-len(suffix)] if suffix else path.stem
+    stem = path.name[:-len(suffix)] if suffix else Path(path.name.removesuffix(".gz")).stem
     if glob.has_magic(str(path)):
         folders = [p for p in path.parent.parts if p not in (path.anchor, "..") and not glob.has_magic(p)]
         stem = "-".join(folders[-1:] + [stem] * (not glob.has_magic(stem)))
     return (stem or "data") + (f"-{KINDS[suffix]}" if suffix else "")
 
 
-def describe(source, files: list[Path], total: int) -> str:
+def describe(source, files: list[Path], total: int, label: str = "data") -> str:
     """What a folder or glob took: 'data: books (4 files: 2 .txt, 1 .jsonl, 1 other; 3.2 MB)' (a
-    stray file shows). A kind is named for records and known text extensions only (foo.so.0: other)."""
+    stray file shows; label: 'val' for data.val_path's). A kind is named for records and known text
+    extensions only (foo.so.0: other)."""
     known = [kind_suffix(p.name) or p.suffix.lower() for p in files]
     counts = Counter(s if s in KINDS or s in TEXT_SUFFIXES else "other" for s in known).most_common()
     kinds = ", ".join(f"{n} {kind}" for kind, n in counts)
-    return f"data: {source} ({len(files)} file{'s' * (len(files) > 1)}: {kinds}; {total / 1e6:.1f} MB)"
+    return (f"{label}: {source} ({len(files)} file{'s' * (len(files) > 1)}: {kinds}; "
+            f"{total / 1e6:.1f} MB)")
 
 
-def read_bytes(path: Path, progress=None):   # (progress: a Progress advanced by their count)
-    with open(path, "rb") as f:
-        while data := f.read(READ_BYTES):
-            progress and progress.advance(len(data))
-            yield data
+def read_bytes(path: Path, progress=None, gz: bool = False):
+    """The file's bytes, READ_BYTES at a time (gz: gunzipped); progress: a Progress advanced by the
+    bytes read from the file. A damaged .gz is a UserError naming it."""
+    with open(path, "rb") as raw, (gzip.open(raw) if gz else raw) as f:
+        done = 0   # bytes read from the file (gz: fewer than data's)
+        try:
+            while data := f.read(READ_BYTES):
+                progress and progress.advance(-done + (done := raw.tell()))
+                yield data
+        except DAMAGED as e:
+            if not gz:
+                raise
+            raise UserError(f"{path} cannot be read as gzip: {e}") from None
 
 
 def sha256(files: list[Path], progress=None) -> str:
@@ -90,15 +106,16 @@ def sha256(files: list[Path], progress=None) -> str:
 def iter_text(path: Path, errors: str = "strict", progress=None,
               hint: str | None = "set --data.encoding_errors=replace to replace such bytes"):
     """The file's text as str chunks that never split a character; a non-UTF-8 byte is a UserError
-    (its advice, for a text: hint), or with errors='replace' a U+FFFD."""
+    (its advice, for a text: hint), or with errors='replace' a U+FFFD. A .gz file is gunzipped."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors)   # holds a character cut at a read's end
-    offset = 0   # bytes read before raw
-    for raw in chain(read_bytes(path, progress), [b""]):   # b"": the end, where a cut character is an error
+    offset, gz = 0, path.name.lower().endswith(".gz")   # offset: bytes read before raw
+    # b"": the end, where a cut character is an error
+    for raw in chain(read_bytes(path, progress, gz), [b""]):
         held = len(decoder.getstate()[0])
         try:
             text = decoder.decode(raw, final=not raw)
         except UnicodeDecodeError as e:   # e.object: the held bytes, then raw
-            with open(path, "rb") as f:
+            with (gzip.open if gz else open)(path, "rb") as f:
                 if b"\0" in f.read(8192):   # it looks binary (git's test)
                     hint = f"it looks binary: leave it out of the data (e.g. with a glob such as " \
                            f"'{path.parent}/*.txt')"
@@ -127,7 +144,7 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
                                 f"character; set --data.encoding_errors=replace to replace it")
             if text and not text.isspace():
                 yield (SURROGATE.sub("\ufffd", text) if lone else text,)
-    except (OSError, EOFError, ValueError) as e:   # damaged: not gzip, cut short, not Parquet (LFS pointer)
+    except DAMAGED as e:   # not gzip, cut short, not Parquet (a Git LFS pointer)
         raise UserError(f"{path} cannot be read as {suffix}: {e}") from None
 
 

@@ -5,8 +5,8 @@ is saved with the dataset and in every checkpoint, so a model always comes with 
   BPE    any tiktoken encoding by name ("gpt2", "cl100k_base", ...), or bpe:N, a byte-level BPE of
          N tokens trained on the data's training split: data/bpe.py, imported where a run uses one.
 
-encode_array(text) is encode() as a numpy array, without a Python int per token: what preparing
-large files uses.
+encode_array(text) is encode() as a numpy array, without a Python int per token, and
+encode_pieces(pieces) that of many texts at once: what preparing large files uses.
 """
 import numpy as np
 
@@ -45,11 +45,13 @@ class CharTokenizer:
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        """The ids as int32: one table lookup per code point (the table is built on first use). A character
-        not in the vocabulary is a UserError that names it."""
+        """The ids as int32: one table lookup per code point (the table is built on first use, whole
+        before it is kept: threads share it). A character not in the vocabulary is a UserError that
+        names it."""
         if not hasattr(self, "_table"):
-            self._table = np.full(0x110000, -1, dtype=np.int32)
-            self._table[[ord(c) for c in self.chars]] = np.arange(len(self.chars), dtype=np.int32)
+            table = np.full(0x110000, -1, dtype=np.int32)
+            table[[ord(c) for c in self.chars]] = np.arange(len(self.chars), dtype=np.int32)
+            self._table = table
         ids = self._table[code_points(text)]
         if len(ids) and ids.min() < 0:
             unknown = sorted(set(text) - set(self.stoi))
@@ -57,6 +59,10 @@ class CharTokenizer:
             raise UserError(f"{len(unknown)} character(s) not in the {self.vocab_size}-character "
                             f"vocabulary: {shown}")
         return ids
+
+    def encode_pieces(self, pieces: list[str]) -> np.ndarray:
+        """The ids of the pieces in order (a piece None, an end-of-text token, is BPE's only)."""
+        return self.encode_array("".join(pieces))
 
     def decode(self, ids) -> str:
         return "".join(self.chars[i] for i in ids)

@@ -174,6 +174,39 @@ def test_a_damaged_file_is_one_line_naming_it(tmp_path):
             prepare_text(tmp_path / name, "char", 0.1, tmp_path / "p")
 
 
+@pytest.mark.parametrize("tokenizer", ["char", "gpt2"])
+def test_gzipped_text_gives_the_tokens_of_the_text(tmp_path, small_reads, tokenizer):
+    """A folder of man pages (ls.1.gz) and notes (notes.txt.gz) is read as the same text
+    uncompressed, in the same streaming pass."""
+    if tokenizer == "gpt2":
+        gpt2_or_skip()
+    man = ".TH LS 1\n.SH NAME\nls \\- list directory contents\n.SH DESCRIPTION\n" + DOCS[1] + TEXT
+    texts = {"ls.1": man, "notes.txt": TEXT[:900]}
+    for folder, zipped in (("plain", False), ("gz", True)):
+        (tmp_path / folder).mkdir()
+        for name, text in texts.items():
+            (tmp_path / folder / (name + ".gz" * zipped)).write_bytes(
+                gzip.compress(text.encode()) if zipped else text.encode())
+    plain, gz = (prepared(prepare_text(tmp_path / folder, tokenizer, 0.1, tmp_path / "p"))
+                 for folder in ("plain", "gz"))
+    assert gz[0] == plain[0] and gz[1]["bytes"] == plain[1]["bytes"]
+
+
+def test_a_damaged_gz_text_is_one_line_naming_it(tmp_path):
+    whole = gzip.compress(TEXT.encode() * 20)
+    bad_block = bytearray(whole)
+    bad_block[10] |= 0b110   # the first deflate block's type: 3, which does not exist
+    damaged = {"cut.txt.gz": whole[:len(whole) // 2], "plain.txt.gz": TEXT.encode(),
+               "bad.1.gz": bytes(bad_block)}
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(UserError, match=rf"^{tmp_path / name} cannot be read as gzip: \S"):
+            prepare_text(tmp_path / name, "char", 0.1, tmp_path / "p")
+    (tmp_path / "docs.jsonl.gz").write_bytes(bytes(bad_block))
+    with pytest.raises(UserError, match=r"docs.jsonl.gz cannot be read as .jsonl.gz: .*block type"):
+        prepare_text(tmp_path / "docs.jsonl.gz", "char", 0.1, tmp_path / "p")
+
+
 def test_pyarrow_is_needed_for_parquet_only(tmp_path, monkeypatch):
     """Without pyarrow (an import of it fails) text and JSONL prepare, and a Parquet file says what to
     install."""

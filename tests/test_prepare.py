@@ -210,14 +210,33 @@ def test_an_interrupted_preparation_leaves_nothing_that_looks_finished(tmp_path,
     assert CharTokenizer.from_text(TEXT).decode(read_split(out, "train")[0]) == TEXT[:int(len(TEXT) * 0.9)]
 
 
-def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, capsys):
+def test_a_killed_preparation_s_folder_is_removed_by_the_next(tmp_path, text_file):
+    """kill -9 (or a power cut) leaves the temporary folder: the next preparation removes those of
+    processes on this machine that are gone, and keeps a running one's (and another machine's)."""
+    root = tmp_path / "prep"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    left = [root / f".{name}-char-0123456789ab-val0.1{prep.TMP}{pid}-0a1b2c3d"
+            for name, pid in (("dead", gone), ("live", os.getpid()))]
+    left.append(root / f".other.tmp-another-host-{gone}-0a1b2c3d")
+    for folder in left:
+        folder.mkdir(parents=True)
+        (folder / "train.bin").write_bytes(bytes(1000))
+    prepare_text(text_file, "char", 0.1, root)
+    assert [folder.exists() for folder in left] == [False, True, True]
+
+
+@pytest.mark.parametrize("tokenizer, phases", [("char", ["hashing", "scanning", "encoding"]),
+                                               ("bpe:300", ["training the tokenizer", "encoding"])])
+def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, capsys, tokenizer,
+                                             phases):
     """(A log gets a progress line every 10 s: here every reading of the clock is 20 s after the
-    last.)"""
+    last.) bpe:N's training is the tokenizer's, not the model's."""
     monkeypatch.setattr(prep, "PROGRESS_MIN_BYTES", 0)
     monkeypatch.setattr(common.time, "perf_counter", lambda clock=itertools.count(): 20.0 * next(clock))
-    prepare_text(text_file, "char", 0.1, tmp_path / "prep")
+    prepare_text(text_file, tokenizer, 0.1, tmp_path / "prep")
     err = capsys.readouterr().err
-    assert all(f"{phase}: " in err for phase in ("hashing", "scanning", "encoding")), err
+    assert all(f"\n{phase}: " in "\n" + err for phase in phases), err
     assert "MB/s, ETA" in err, err
 
 
@@ -264,19 +283,21 @@ def test_batches_are_read_from_disk_not_memory(tmp_path, text_file, monkeypatch)
     assert rss_mb() - before < 100
 
 
+@pytest.mark.parametrize("more", ["More words.\n", "Жар-птица: characters the vocabulary lacks\n"])
 def test_a_text_that_changes_while_it_is_prepared_is_refused_and_nothing_is_kept(tmp_path, text_file,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, more):
     """The entry is named after the bytes hashed first: a text grown meanwhile would be cached under
-    a name that is not its own."""
+    a name that is not its own. What grew is said, not what the encoder made of it (an unknown
+    character)."""
     import data.prepare
     real_scan = data.prepare.scan
 
     def scan_then_grow(files, *args):
         counted = real_scan(files, *args)
         with open(files[0], "a") as f:
-            f.write("More words.\n")
+            f.write(more)
         return counted
     monkeypatch.setattr(data.prepare, "scan", scan_then_grow)
-    with pytest.raises(UserError, match="changed while it was prepared"):
+    with pytest.raises(UserError, match=f"^{text_file} changed while it was prepared: try again"):
         prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     assert list((tmp_path / "prep").iterdir()) == []
