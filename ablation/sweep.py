@@ -18,8 +18,9 @@ from training.trainer import train
 KINDS = {"name": (str, "a string"), "base": (str, "a string"), "out_dir": (str, "a string"),
          "seeds": (list, "a list"), "overrides": (dict, "a table"), "variants": (list, "a list")}
 # what a variant may not set: the data, the token budget, how the runs are scored
-SHARED_KEYS = {"data.path", "data.tokenizer", "data.val_fraction", "train.max_steps", "train.batch_size",
-               "train.grad_accum", "model.block_size", "train.eval_interval", "train.eval_iters"}
+SHARED_KEYS = {"data.path", "data.tokenizer", "data.val_fraction", "data.val_path", "train.max_steps",
+               "train.batch_size", "train.grad_accum", "model.block_size", "train.eval_interval",
+               "train.eval_iters"}
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")   # a variant's name is a folder's
 Run = namedtuple("Run", "variant seed dir cfg")
 Sweep = namedtuple("Sweep", "name out_dir seeds variants runs")   # variants: (name, settings), baseline first

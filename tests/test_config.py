@@ -183,3 +183,10 @@ def test_an_empty_path_is_refused_not_taken_as_the_working_directory(key):
 def test_an_empty_out_dir_in_a_config_file_means_out_name(tmp_path):
     path = write(tmp_path, 'out_dir = ""\n[model]\nn_layer = 3\n')
     assert build_config(str(path), []).out_dir == str(ROOT / "out" / "c")
+
+
+def test_a_val_path_is_taken_from_where_it_is_typed_and_none_stays_none(tmp_path, monkeypatch):
+    """A relative data.val_path resumes from any folder: it is stored absolute, as data.path is."""
+    monkeypatch.chdir(tmp_path)
+    assert build_config(None, ["--data.val_path=val.jsonl"]).data.val_path == str(tmp_path / "val.jsonl")
+    assert build_config(None, []).data.val_path == ""

@@ -90,7 +90,7 @@ class Config:
 
 FIELDS = {"out_dir": dataclasses.fields(Config)[0]} | {   # every key: its dataclass field
     f"{s.name}.{f.name}": f for s in dataclasses.fields(Config)[1:] for f in dataclasses.fields(s.type)}
-PATHS = ("out_dir", "data.path", "data.prepared_dir")
+PATHS = ("out_dir", "data.path", "data.prepared_dir", "data.val_path")
 BOOLS = dict.fromkeys(("true", "1", "yes", "on"), True) | dict.fromkeys(("false", "0", "no", "off"), False)
 
 
@@ -132,7 +132,10 @@ def parse_overrides(args) -> list[tuple[str, str]]:
 
 
 def absolute(key: str, path, folder: Path):
-    """path made absolute against folder ('~' is the home folder); an empty one is refused."""
+    """path made absolute against folder ('~' is the home folder); an empty one is refused, but
+    for data.val_path, where it means none."""
+    if key == "data.val_path" and path == "":
+        return path
     if isinstance(path, str) and not path.strip():
         raise UserError(f"{key} is empty")
     return os.path.abspath(folder / os.path.expanduser(path)) if isinstance(path, str) else path
