@@ -126,7 +126,8 @@ class Saver:
     save(state) takes the checkpoint's keys from state (all but format and version), copies them
     to host memory (the steps change the originals) and hands the write to the thread. A save
     waits for the write before it, so one copy at most is held, and raises that write's error;
-    then(fn, ...) runs fn on the thread after the writes; wait() waits for all of them."""
+    then(fn, ...) runs fn on the thread after the writes; wait() waits for all of them. A Saver
+    of no out dir (ranks other than 0) writes nothing."""
 
     def __init__(self, out: Path, keep: int):
         self.out, self.keep = out, keep
@@ -134,12 +135,16 @@ class Saver:
         self.pending = []
 
     def save(self, state: dict) -> None:
+        if self.out is None:
+            return
         self.wait()
         ckpt = {"format": FORMAT, "version": VERSION} | {k: state[k] for k in FOR_USING[2:] + FOR_RESUMING}
         ckpt["optimizer"] = float_lrs(ckpt["optimizer"])
         self.then(save_checkpoint, to_host(ckpt), self.out, self.keep)
 
     def then(self, fn, *args) -> None:
+        if self.out is None:
+            return
         self.pending.append(self.thread.submit(fn, *args))
 
     def wait(self) -> None:

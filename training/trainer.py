@@ -1,23 +1,25 @@
 """Training a GPT, top to bottom: `python train.py` calls train(cfg).
 
-    set-up     the device and the processes; every check before the run's first write (the out dir,
-               the checkpoint to resume, the data); the data, the model, the optimizer
-    the step   train_step: forward and backward over grad_accum micro-batches, gradient clipping, the
-               update; on one CUDA GPU recorded once as a CUDA graph and replayed
-    the loop   a log line every log_interval steps; an evaluation and a checkpoint every eval_interval
-               steps and at the end; a sample every sample_every steps
+    set-up     the device and the processes; every check before the run's first write (the
+               out dir, the checkpoint to resume, the data); the data, the model, the optimizer
+    the step   train_step: forward and backward over grad_accum micro-batches, gradient
+               clipping, the update; on one CUDA GPU recorded once as a CUDA graph and replayed
+    the loop   a log line every log_interval steps; an evaluation and a checkpoint every
+               eval_interval steps and at the end; a sample every sample_every steps
 
 Choices:
-  exact resume  the weights, the optimizer, the LR schedule, the data order and every random generator
-                continue where the checkpoint left them: the later losses are the uninterrupted run's
+  exact resume  the weights, the optimizer, the LR schedule, the data order and every random
+                generator continue where the checkpoint left them: the later losses are the
+                uninterrupted run's
   non-finite    the loss and gradient norm the loop reads anyway (log lines; the eval losses at
-                evaluations): one that is not finite stops the run, naming the steps it came between,
-                and no checkpoint is written after it
-  true speed    ms/step is timed once a log line has read the loss: the device has finished the steps
-  one cast      a step's micro-batches run in one autocast region: each weight is cast to bf16 once a step
-  signals       SIGINT or SIGTERM: the step finishes (under torchrun: the steps to the next log line), a
-                checkpoint is saved (no extra evaluation), and the run exits 128 + the signal (130,
-                143); a second one exits at once
+                evaluations): one that is not finite stops the run, naming the steps it came
+                between, and no checkpoint is written after it
+  true speed    ms/step is timed once a log line has read the loss: the device has finished
+  one cast      a step's micro-batches run in one autocast region: each weight is cast to bf16
+                once a step
+  signals       SIGINT or SIGTERM: the step finishes (under torchrun: the steps to the next log
+                line), a checkpoint is saved (no extra evaluation), and the run exits 128 + the
+                signal (130, 143); a second one exits at once
 """
 import json
 import math
@@ -32,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from common import UserError, atomic_write, command, cpu_clock, duration, first_line, silence_stdout, typed
+from common import (UserError, atomic_write, command, cpu_clock, duration, first_line,
+                    silence_stdout, typed)
 from data.loader import BatchLoader
 from data.prepare import prepare
 from data.tokenizers import load_tokenizer
@@ -41,8 +44,8 @@ from model.device import autocast, fit_threads, pick_device, pick_dtype
 from model.gpt import GPT, bits_per_byte, score
 from model.sampling import generate, prompt_ids
 from training import distributed
-from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text, close_out_dir,
-                                 open_out_dir, restore, rng_state, run_config)
+from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
+                                 close_out_dir, open_out_dir, restore, rng_state, run_config)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
 
@@ -74,6 +77,10 @@ class Place:
     local_rank: int = 0
     world: int = 1
 
+    @property
+    def ddp(self) -> bool:
+        return self.world > 1
+
 
 def place(t) -> Place:
     """The device and dtype t asks for; under torchrun, after joining the other processes."""
@@ -90,8 +97,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     step ran, each log interval's (steps, ms/step) (bench.py's), the exit code (0, 128 + signal)."""
     t, out = cfg.train, Path(cfg.out_dir)
     at = place(t)
-    ddp, rank = at.world > 1, at.rank
-    say = printer(rank == 0 and not quiet)
+    say = printer(at.rank == 0 and not quiet)
 
     # ---- every check before the run's first write: the out dir, the checkpoint, the data
     resume_from = check_out_dir(out, cfg.data, resume, overwrite, checkpoint, again)
@@ -99,11 +105,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if ckpt is not None:
         check_resumable(ckpt, resume_from, cfg)
         if ckpt["step"] >= t.max_steps:
-            return finished(cfg, ckpt, say, ddp)
-    make = partial(prepare, cfg.data, cfg.model.block_size)
-    dataset = distributed.leader_first(make, at.local_rank == 0) if ddp else make()
-    loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=at.device,
-                         grad_accum=t.grad_accum, rank=rank, world=at.world)
+            return finished(cfg, ckpt, say, at.ddp)
+    loader = data_loader(cfg, at)
     meta = loader.meta
     tokenizer = load_tokenizer(meta["tokenizer"])
     if ckpt is not None:
@@ -111,14 +114,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     fit_to_data(cfg, meta, tokenizer)
 
     # ---- the model (the same initial weights on every rank), the optimizer, the step
-    torch.manual_seed(t.seed)
-    model = GPT(cfg.model).to(at.device)
-    if t.init_from and ckpt is None:
-        # pretrained weights (a resumed run restores its own instead)
-        from hf.hub import load_init_weights
-        load_init_weights(model, t.init_from)
+    model = build_model(cfg, at, resumed=ckpt is not None)
     # DDP and FSDP wrap the model before the optimizer is built over its parameters
-    wrapped = distributed.wrap(model, at.device, t.fsdp, t.seed) if ddp else model
+    wrapped = distributed.wrap(model, at.device, t.fsdp, t.seed) if at.ddp else model
     optimizer = build_optimizer(model, t, at.device)
     scaler = torch.amp.GradScaler(at.device.type, enabled=at.dtype == torch.float16)
     run = Progress()
@@ -126,28 +124,20 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         run = Progress(**restore(ckpt, resume_from, model, optimizer, scaler, loader, at))
     best = resume_from if ckpt is not None and ckpt["is_best"] else None
     # the global batch so far (sequences per step) and processes: the banner says a change
-    was = ckpt and (global_batch(ckpt["config"]["train"], len(ckpt["rng_ranks"])),
-                    len(ckpt["rng_ranks"]))
-    # (copied into the model and optimizer: let it go)
-    ckpt = None
+    procs = ckpt and len(ckpt["rng_ranks"])
+    was = ckpt and (global_batch(ckpt["config"]["train"], procs), procs)
+    # the checkpoint is copied into the model and optimizer now: let it go
+    del ckpt
     run_step, how = build_step(wrapped, optimizer, scaler, loader, at, t, say)
 
     # ---- the run's first write
     stored = run_config(out) if resume_from else {}
-    metrics = Metrics(cfg if rank == 0 else None, run.step if resume_from else None)
-    if rank == 0:
-        made = not out.exists()
-        aside = open_out_dir(out, overwrite, best)
-        try:
-            metrics.open()
-        except UserError:
-            # wandb that cannot start: the out dir goes back to what it was
-            close_out_dir(out, made, aside)
-            raise
-        atomic_write(out / "config.toml", describe(cfg))
-        say(f"# {out}: " + (f"resuming {resume_from} at step {run.step}" if resume_from else "a new run")
-            + f" (every setting: {out / 'config.toml'})"
-            + (f"; the earlier run is kept in {aside}" if aside else ""))
+    metrics = Metrics(cfg if at.rank == 0 else None, run.step if resume_from else None)
+    if at.rank == 0:
+        aside = open_run(cfg, overwrite, best, metrics)
+        what = f"resuming {resume_from} at step {run.step}" if resume_from else "a new run"
+        kept = f"; the earlier run is kept in {aside}" if aside else ""
+        say(f"# {out}: {what} (every setting: {out / 'config.toml'}){kept}")
         banner(say, cfg, stored, was, at.world)
         say(shape(cfg, model, loader, at, how))
 
@@ -155,14 +145,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     tokens_per_step = global_batch(t, at.world) * cfg.model.block_size
     # the last checkpoint's step, and the last step whose loss was read
     saved = run.step if resume_from else None
-    checked = first_step = run.step
-    # each log interval's (steps, ms/step); the steps since interval_start (not evaluations)
-    intervals, timed = [], 0
-    before = run.elapsed
-    start = interval_start = time.perf_counter()
+    checked = run.step
+    clock = Clock(run)
     # the cores other processes keep busy, read again at each log line
     cpu = cpu_clock()
-    saver = Saver(out, t.keep_checkpoints)
+    saver = Saver(out if at.rank == 0 else None, t.keep_checkpoints)
     with stop_signals(at.local_rank == 0) as stop, closing(metrics), saver:
         while run.step < t.max_steps:
             lr = lr_at(run.step, t)
@@ -170,73 +157,135 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             loss, grad_norm = run_step()
             run.step += 1
             run.tokens += tokens_per_step
-            timed += 1
+            clock.timed += 1
             step = run.step
             logged = step % t.log_interval == 0 or step == t.max_steps
             evaluated = step % t.eval_interval == 0 or step == t.max_steps
             sampled = t.sample_every and (step % t.sample_every == 0 or step == t.max_steps)
             # the signal a stop was asked by (0: none; at the last step the run ends as it would)
             asked = stop[0] if stop and step < t.max_steps else 0
-            stopping = asked if not ddp else logged and distributed.agreed_stop(asked, at.device)
+            stopping = asked if not at.ddp else logged and distributed.agreed_stop(asked, at.device)
             # a sample of weights that a non-finite step touched would say nothing
             if logged or stopping or sampled:
                 # .item() waits for the device: the steps have run, and the timing is true
                 loss_value, norm = loss.item(), grad_norm.item()
-                ms = (time.perf_counter() - interval_start) * 1000 / timed
+                ms = clock.interval()
                 # (fp16's scaler skips an inf gradient itself)
-                finite = {"loss": loss_value} | ({} if scaler.is_enabled() else {"gradient norm": norm})
-                check_finite(finite, checked, step, saved)
-                intervals.append((timed, ms))
+                norms = {} if scaler.is_enabled() else {"gradient norm": norm}
+                check_finite({"loss": loss_value} | norms, checked, step, saved)
                 checked = step
-                # the pace of the whole run, evaluations included
-                pace = (time.perf_counter() - start) / (step - first_step)
-                say(f"step {step:6d} | loss {loss_value:.4f} | lr {t.lr * lr:.2e} | {ms:7.1f} ms/step | "
-                    f"{tokens_per_step * 1000 / ms:,.0f} tok/s | ETA {duration(pace * (t.max_steps - step))}")
+                rate = tokens_per_step * 1000 / ms
+                say(f"step {step:6d} | loss {loss_value:.4f} | lr {t.lr * lr:.2e} | "
+                    f"{ms:7.1f} ms/step | {rate:,.0f} tok/s | ETA {clock.left(t.max_steps)}")
                 metrics.log({"step": step, "kind": "train", "loss": loss_value, "lr": t.lr * lr,
-                             "grad_norm": norm, "ms_per_step": ms, "tokens_per_s": tokens_per_step * 1000 / ms})
+                             "grad_norm": norm, "ms_per_step": ms, "tokens_per_s": rate})
                 if at.device.type == "cpu":
                     cpu, change = fit_threads(cpu)
                     change and say(change)
-                interval_start, timed = time.perf_counter(), 0
             if evaluated or stopping:
-                run.elapsed = before + time.perf_counter() - start
+                run.elapsed = clock.elapsed()
                 run.is_best = False
                 # a stop alone saves at once: an evaluation can take a minute
                 if evaluated:
                     losses = evaluate(wrapped, loader, t.eval_iters, at)
                     check_finite({f"{s} loss": v for s, v in losses.items()}, checked, step, saved)
-                    run.is_best = losses["val"] < run.best_val_loss
-                    run.best_val_loss = min(run.best_val_loss, losses["val"])
                     log_eval(say, metrics, meta, run, losses)
-                state = training_state(cfg, model, optimizer, scaler, loader, ddp)
-                if rank == 0:
-                    saver.save(state | asdict(run))
-                    cfg.log.curves and saver.then(draw_curves, out, step)
+                state = training_state(cfg, model, optimizer, scaler, loader, at.ddp)
+                saver.save(state | asdict(run))
+                cfg.log.curves and saver.then(draw_curves, out, step)
                 saved, checked = step, step
-                interval_start, timed = time.perf_counter(), 0
-            if sampled and rank == 0:
-                text = sample(model, tokenizer, t, at)
-                say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
-                metrics.log({"step": step, "kind": "sample", "text": text})
-                interval_start, timed = time.perf_counter(), 0
+                clock.pause()
+            if sampled and at.rank == 0:
+                log_sample(say, metrics, step, sample(model, tokenizer, t, at))
+                clock.pause()
             if stopping:
                 break
         # the last checkpoint is on disk before the run says it is done
         saver.wait()
-    run.elapsed = before + time.perf_counter() - start
-    # the signal that stopped the run: this process's, or under torchrun another one's
+    run.elapsed = clock.elapsed()
+    # the signal that stopped the run (under torchrun maybe another process's)
     signum = stopping if run.step < t.max_steps else (stop or [0])[0]
-    if run.step < t.max_steps:
-        say(f"stopped by {signal.Signals(signum).name} at step {run.step}: checkpoint saved in {out}; "
-            f"{again} continues it")
-    else:
-        say(f"# done: step {run.step}, best val loss {run.best_val_loss:.4f}, {duration(run.elapsed)} "
-            f"({run.elapsed:.1f} s), {run.tokens:,} tokens; to sample it: "
-            f"{command('sample.py', typed(out))}")
-    if ddp:
+    say(last_line(run, t, signum, out, again))
+    if at.ddp:
         distributed.leave()
-    return {"step": run.step, "best_val_loss": run.best_val_loss, "elapsed_s": run.elapsed, "how": how,
-            "intervals": intervals, "exit_code": 128 + signum if stop or run.step < t.max_steps else 0}
+    code = 128 + signum if stop or run.step < t.max_steps else 0
+    return {"step": run.step, "best_val_loss": run.best_val_loss, "elapsed_s": run.elapsed,
+            "how": how, "intervals": clock.intervals, "exit_code": code}
+
+
+def data_loader(cfg: Config, at: Place) -> BatchLoader:
+    """The run's text prepared (under torchrun, by each machine's first process first) and its
+    batches drawn where the model computes."""
+    t, make = cfg.train, partial(prepare, cfg.data, cfg.model.block_size)
+    dataset = distributed.leader_first(make, at.local_rank == 0) if at.ddp else make()
+    return BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=at.device,
+                       grad_accum=t.grad_accum, rank=at.rank, world=at.world)
+
+
+def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
+    """The model cfg describes on the device, from train.seed's initial weights (the same on every
+    rank) or, for a new run with train.init_from, pretrained ones."""
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model).to(at.device)
+    if cfg.train.init_from and not resumed:
+        from hf.hub import load_init_weights
+        load_init_weights(model, cfg.train.init_from)
+    return model
+
+
+def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
+    """The run's first writes: the out dir (the earlier run set aside by --overwrite: returned),
+    metrics.jsonl and wandb, config.toml. wandb that cannot start leaves the out dir as it was."""
+    out = Path(cfg.out_dir)
+    made = not out.exists()
+    aside = open_out_dir(out, overwrite, best)
+    try:
+        metrics.open()
+    except UserError:
+        close_out_dir(out, made, aside)
+        raise
+    atomic_write(out / "config.toml", describe(cfg))
+    return aside
+
+
+class Clock:
+    """The loop's time: ms/step over each log interval (steps only: an evaluation, a checkpoint
+    or a sample pauses it), and the whole run's seconds, evaluations included."""
+
+    def __init__(self, run: Progress):
+        self.first_step, self.run, self.before = run.step, run, run.elapsed
+        self.start = self.interval_start = time.perf_counter()
+        # each log interval's (steps, ms/step); the steps since interval_start
+        self.intervals, self.timed = [], 0
+
+    def interval(self) -> float:
+        """The ms/step since the interval began; the next one begins."""
+        ms = (time.perf_counter() - self.interval_start) * 1000 / self.timed
+        self.intervals.append((self.timed, ms))
+        self.pause()
+        return ms
+
+    def pause(self) -> None:
+        self.interval_start, self.timed = time.perf_counter(), 0
+
+    def left(self, max_steps: int) -> str:
+        """The time to max_steps at the pace of the whole run so far, evaluations included."""
+        pace = (time.perf_counter() - self.start) / (self.run.step - self.first_step)
+        return duration(pace * (max_steps - self.run.step))
+
+    def elapsed(self) -> float:
+        return self.before + time.perf_counter() - self.start
+
+
+def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
+    """The stopped run's line, with the command that continues it; or the done line, with the
+    one that samples it."""
+    if run.step < t.max_steps:
+        name = signal.Signals(signum).name
+        return f"stopped by {name} at step {run.step}: checkpoint saved in {out}; {again} continues it"
+    return (f"# done: step {run.step}, best val loss {run.best_val_loss:.4f}, "
+            f"{duration(run.elapsed)} ({run.elapsed:.1f} s), {run.tokens:,} tokens; "
+            f"to sample it: {command('sample.py', typed(out))}")
 
 
 def finished(cfg: Config, ckpt: dict, say, ddp: bool) -> dict:
@@ -248,8 +297,8 @@ def finished(cfg: Config, ckpt: dict, say, ddp: bool) -> dict:
     cfg.model.vocab_size = ckpt["config"]["model"]["vocab_size"]
     if ddp:
         distributed.leave()
-    return {"step": ckpt["step"], "best_val_loss": ckpt["best_val_loss"], "elapsed_s": ckpt["elapsed"],
-            "how": "", "intervals": [], "exit_code": 0}
+    return {"step": ckpt["step"], "best_val_loss": ckpt["best_val_loss"],
+            "elapsed_s": ckpt["elapsed"], "how": "", "intervals": [], "exit_code": 0}
 
 
 def global_batch(t, world: int) -> int:
@@ -262,7 +311,8 @@ def global_batch(t, world: int) -> int:
 
 def fit_to_data(cfg: Config, meta: dict, tokenizer) -> None:
     """The model's vocabulary from the data's (model.vocab_size = 0), and the checks that need the
-    data's tokenizer: a sample prompt's character the text never had is refused now, not at a sample."""
+    data's tokenizer: a sample prompt's character the text never had is refused now, not at a
+    sample."""
     cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
     if cfg.model.vocab_size < meta["vocab_size"]:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
@@ -318,9 +368,12 @@ def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
         trial = partial(compile_trial, loader=loader, at=at)
         compiled = compiled_or_eager(wrapped, trial, "training")
         wrapped, how = compiled, "eager, compiled" if compiled is not wrapped else how
-    step = partial(train_step, wrapped, optimizer, scaler, autocast(at.device, at.dtype), t.grad_clip,
-                   at.world > 1)
-    eager = lambda: step(loader.step_windows())   # noqa: E731
+    low_precision = autocast(at.device, at.dtype)
+    step = partial(train_step, wrapped, optimizer, scaler, low_precision, t.grad_clip, at.world > 1)
+
+    def eager():
+        return step(loader.step_windows())
+
     if not t.cuda_graph or (blocker := graph_blocker(at)):
         if t.cuda_graph and at.device.type == "cuda":
             say(f"# no CUDA graph: {blocker}")
@@ -366,10 +419,11 @@ def compile_trial(compiled, loader, at: Place) -> None:
 
 @contextmanager
 def stop_signals(loud: bool = True):
-    """While inside, SIGINT and SIGTERM ask the run to stop: the list it yields gets the signal's number,
-    the step in progress finishes and the loop saves a checkpoint; a second signal ends the process at
-    once. Said on stderr when loud (under torchrun, which passes a signal to every process of its
-    machine: local rank 0 alone). (os.write: a print() here could land inside one it cut short.)"""
+    """While inside, SIGINT and SIGTERM ask the run to stop: the list it yields gets the signal's
+    number, the step in progress finishes and the loop saves a checkpoint; a second signal ends the
+    process at once. Said on stderr when loud (under torchrun, which passes a signal to every
+    process of its machine: local rank 0 alone), with os.write: a print() here could land inside
+    one it cut short."""
     asked = []
 
     def handler(signum, frame):
@@ -377,14 +431,17 @@ def stop_signals(loud: bool = True):
         asked.append(signum)
         said = "again: exiting now" if again else \
             "finishing this step and saving a checkpoint (again to exit at once)"
-        with suppress(OSError):   # (a stderr whose reader is gone must not end the run unsaved)
+        # a stderr whose reader is gone must not end the run unsaved
+        with suppress(OSError):
             loud and os.write(2, f"\n{name}: {said}\n".encode())
         if again:
             os._exit(128 + signum)
-    main = threading.current_thread() is threading.main_thread()   # (only it can set handlers)
+    # only the main thread can set handlers
+    main = threading.current_thread() is threading.main_thread()
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     for s, h in before.items():
-        if h is not signal.SIG_IGN:   # (a signal the shell ignores, as for `cmd &`, stays ignored)
+        # a signal the shell ignores, as for `cmd &`, stays ignored
+        if h is not signal.SIG_IGN:
             signal.signal(s, handler)
     try:
         yield asked
@@ -397,12 +454,13 @@ def check_finite(values: dict, since: int, step: int, saved: int | None) -> None
     """Stop the run, naming the steps between which it happened, if a value read is not finite."""
     for name, value in values.items():
         if not math.isfinite(value):
-            kept = "no checkpoint was written" if saved is None else f"the checkpoint of step {saved} is kept"
-            raise UserError(f"the {name} became {value} between steps {since} and {step}; stopped, {kept} "
-                            f"(try a lower --train.lr)")
+            kept = f"the checkpoint of step {saved} is kept"
+            kept = "no checkpoint was written" if saved is None else kept
+            raise UserError(f"the {name} became {value} between steps {since} and {step}; "
+                            f"stopped, {kept} (try a lower --train.lr)")
 
 
-# ---------------------------------------------------------------- evaluation, checkpoints and samples
+# ------------------------------------------------------------ evaluation, checkpoints, samples
 
 def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
     """Mean loss of each split: over loader.eval_windows (iters = 0; every rank all of them, as
@@ -424,13 +482,20 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
 
 def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
     """An evaluation's line, and its record (bits per byte besides: comparable across
-    tokenizers)."""
+    tokenizers); whether its val loss is the run's best."""
+    run.is_best = losses["val"] < run.best_val_loss
+    run.best_val_loss = min(run.best_val_loss, losses["val"])
     bpb = {s: bits_per_byte(losses[s], meta["tokens"][s], meta["bytes"][s]) for s in losses}
     say(f"eval {run.step:6d} | train {losses['train']:.4f} | val {losses['val']:.4f} | "
         f"val {bpb['val']:.4f} bits/byte{' (best)' if run.is_best else ''}")
     metrics.log({"step": run.step, "kind": "eval", "train_loss": losses["train"],
                  "val_loss": losses["val"], "train_bpb": bpb["train"], "val_bpb": bpb["val"],
                  "elapsed_s": run.elapsed, "time": time.time()})
+
+
+def log_sample(say, metrics, step: int, text: str) -> None:
+    say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
+    metrics.log({"step": step, "kind": "sample", "text": text})
 
 
 def training_state(cfg, model, optimizer, scaler, loader, ddp: bool) -> dict:
@@ -476,8 +541,8 @@ def sample(model: GPT, tokenizer, t, at: Place) -> str:
 # ---------------------------------------------------------------- what a run says and records
 
 def printer(enabled: bool):
-    """print(), flushed at once (or nothing: quiet runs, ranks other than 0); a stdout whose reader is
-    gone stops the printing, not the run."""
+    """print(), flushed at once (or nothing: quiet runs, ranks other than 0); a stdout whose
+    reader is gone stops the printing, not the run."""
     def say(*args, **kwargs):
         try:
             if enabled:
@@ -488,27 +553,30 @@ def printer(enabled: bool):
 
 
 class Metrics:
-    """metrics.jsonl (and wandb, when asked for). Resumed at resume_step, the records after it go (a run
-    killed after its last checkpoint logs them again). Metrics(None): nothing (ranks other than 0)."""
+    """metrics.jsonl (and wandb, when asked for). Resumed at resume_step, the records after it go
+    (a run killed after its last checkpoint logs them again). Metrics(None): nothing (ranks other
+    than 0)."""
 
     def __init__(self, cfg: Config | None, resume_step: int | None = None):
         self.cfg, self.resume_step, self.wandb = cfg, resume_step, None
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if cfg else None
 
     def open(self) -> None:
-        log = self.cfg.log
+        log, folder = self.cfg.log, self.path.parent
         try:
             if log.wandb:
                 import wandb
                 self.wandb = wandb.init(project=log.wandb_project, group=log.wandb_group or None,
-                                        name=log.wandb_run_name or self.path.parent.name,
-                                        config=self.cfg.to_dict(), dir=str(self.path.parent), resume="allow")
-        except Exception as e:   # not installed, no login, no network: wandb's own errors
+                                        name=log.wandb_run_name or folder.name,
+                                        config=self.cfg.to_dict(), dir=str(folder), resume="allow")
+        # not installed, no login, no network: wandb's own errors
+        except Exception as e:
             raise UserError(f"log.wandb = true but wandb did not start ({type(e).__name__}: "
                             f"{first_line(e, 80)}); pip install wandb, run `wandb login` or set "
                             f"WANDB_MODE=offline") from None
         kept = []
-        if self.resume_step is not None:   # (viz/curves.py loaded only here and for curves.png)
+        # viz/curves.py is loaded only here and for curves.png
+        if self.resume_step is not None:
             from viz.curves import read_records
             kept = [r for r in read_records(self.path) if r["step"] <= self.resume_step]
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
@@ -516,7 +584,8 @@ class Metrics:
     def log(self, record: dict) -> None:
         if self.path is None:
             return
-        with open(self.path, "a", encoding="utf-8") as f:   # a line cut by a kill is skipped on reading
+        # a line cut by a kill is skipped on reading
+        with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind")},
@@ -555,8 +624,9 @@ def shape(cfg, model, loader, at: Place, how: str) -> str:
     where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
     tokens = global_batch(t, at.world) * cfg.model.block_size
     data = f"{loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})"
-    return (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | {where}, "
-            f"{str(at.dtype).removeprefix('torch.')}, {how}{procs} | {tokens:,} tokens/step | data {data}")
+    dtype = str(at.dtype).removeprefix("torch.")
+    return (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | "
+            f"{where}, {dtype}, {how}{procs} | {tokens:,} tokens/step | data {data}")
 
 
 def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
