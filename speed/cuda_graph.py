@@ -7,8 +7,6 @@ and optimizer state are allocated once), and nothing in it waits for the host (n
 branch on a tensor's value). Two users: the training step (graph_step) and the decoding step
 (speed/decoding.py, sample.py --compile).
 """
-import warnings
-
 import torch
 
 
@@ -43,16 +41,13 @@ def graph_step(step, optimizer, capture: bool = True, generators=()):
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)
-        if "capturable" in group:
-            group["capturable"] = capture
     saved = [p.detach().clone() for p in params]
     drawn = [g.get_state() for g in generators]
     saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                    for p, s in optimizer.state.items()}
     graph = out = None
     try:
-        with torch.random.fork_rng(devices=[params[0].device] if capture else []), warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # "capturable=True ... without graph capture": on purpose
+        with torch.random.fork_rng(devices=[params[0].device] if capture else []):
             if capture:
                 graph, out = record(step, warmup=3, generators=generators)
             else:
@@ -61,8 +56,6 @@ def graph_step(step, optimizer, capture: bool = True, generators=()):
     except Exception:
         for group in optimizer.param_groups:
             group["lr"] = float(group["lr"])
-            if "capturable" in group:
-                group["capturable"] = False
         raise
     finally:   # back to the state before the warm-up, at the same addresses
         for g, state in zip(generators, drawn):
