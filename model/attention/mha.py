@@ -60,6 +60,13 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().view(B, T, nh * hs)
 
 
+def unit_rms(t: torch.Tensor) -> torch.Tensor:
+    """t scaled to a root mean square of 1 over its last dim (QK-norm), in t's own dtype: autocast
+    would run it in float32, and hand the attention float32 queries and keys to cast back."""
+    with torch.autocast(t.device.type, enabled=False):
+        return F.rms_norm(t, (t.size(-1),))
+
+
 def consecutive_positions(t_query: int, t_key: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions of t_query queries that follow t_key - t_query earlier keys, and of the t_key keys."""
     return torch.arange(t_key - t_query, t_key, device=device), torch.arange(t_key, device=device)
@@ -202,7 +209,7 @@ class CausalSelfAttention(nn.Module):
         k = split_heads(self.key(x), self.n_kv_head)                     # (B, nkv, T, hs)
         v = split_heads(self.value(x), self.n_kv_head)
         if self.qk_norm:
-            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
+            q, k = unit_rms(q), unit_rms(k)
         if rope is not None:
             q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
         q_pos = k_pos = None                                             # consecutive, without a cache
