@@ -30,8 +30,8 @@ def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor,
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels (i in the first half, i + hs/2 in the second) of x (B, nh, T, hs)
-    by position-dependent angles (cos, sin: (T, hs), rope_tables' rows, in x's dtype), so that q·k
-    depends only on the distance between the two positions:
+    by position-dependent angles (cos, sin: (T, hs), rope_tables' rows, in x's dtype; for x laid out
+    (B, T, nh, hs), (T, 1, hs)), so that q·k depends only on the distance between the positions:
 
         (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)   =   x cos + (x with its halves swapped) sin
 
