@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from common import UserError
 from model.attention import build_attention
+from model.attention.mha import autocast_on
 from model.config import ModelConfig
 from model.positions import rope_tables
 
@@ -120,7 +121,7 @@ class GPT(nn.Module):
         """The rows that `at` picks of the rotary tables (cos, sin), in the dtype of the attention's
         queries and keys: autocast's where it is on, else that of the activations (dtype)."""
         device = self.tok_emb.weight.device.type
-        if torch.is_autocast_enabled(device):
+        if autocast_on(device):
             dtype = torch.get_autocast_dtype(device)
         name = ROPE_DTYPES.get(dtype, "float32")
         return tuple(at(getattr(self, f"rope_{part}_{name}")).to(dtype) for part in ("cos", "sin"))

@@ -39,6 +39,7 @@ sits at position Tk - Tq + i. With a cache, the caller passes the positions of t
 cache's slots (q_pos, k_pos): a slot not yet written holds a position in the future, masked like one.
 """
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -65,10 +66,16 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().view(B, T, nh * hs)
 
 
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for this kind of device (some kinds have none)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def unit_rms(t: torch.Tensor) -> torch.Tensor:
     """t scaled to a root mean square of 1 over its last dim (QK-norm), in t's own dtype: autocast
     would run it in float32, and hand the attention float32 queries and keys to cast back."""
-    with torch.autocast(t.device.type, enabled=False):
+    on = autocast_on(t.device.type)
+    with torch.autocast(t.device.type, enabled=False) if on else nullcontext():
         return F.rms_norm(t, (t.size(-1),))
 
 
