@@ -96,8 +96,9 @@ def train_run(run: Run, resume: bool) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     summary = train(cfg, resume=resume, overwrite=not resume)   # (a run killed before it saved: set aside)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None   # (its last attempt's)
-    with torch.device("meta"):   # the model's shape, no weights (cfg now has the data's vocab size)
-        model, block = GPT(cfg.model), cfg.model.block_size
+    # the model's size (cfg now has the data's vocab size), on the CPU: the meta device's random
+    # init imports torch._dynamo, a second of every sweep's time
+    model, block = GPT(cfg.model), cfg.model.block_size
     atomic_write(result, json.dumps({
         "done": summary["step"] >= cfg.train.max_steps,
         "params": model.num_params(), "peak_gpu_bytes": peak,

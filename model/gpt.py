@@ -19,8 +19,12 @@ import torch.nn.functional as F
 
 from common import UserError
 from model.attention import build_attention
+from model.attention.mha import autocast_on
 from model.config import ModelConfig
 from model.positions import rope_tables
+
+# the dtypes a step runs in, each with its own copy of the rotary tables (the name of its buffers)
+ROPE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class RMSNorm(nn.Module):
@@ -100,10 +104,11 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        if cfg.pos == "rope":
+        if cfg.pos == "rope":   # cast here once to each dtype a step may run in, not at every step
             cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_base)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            for dtype, name in ROPE_DTYPES.items():
+                self.register_buffer(f"rope_cos_{name}", cos.to(dtype), persistent=False)
+                self.register_buffer(f"rope_sin_{name}", sin.to(dtype), persistent=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):   # the projections that write into the residual stream
@@ -111,6 +116,15 @@ class GPT(nn.Module):
                     nn.init.zeros_(p)
                 else:
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def rope_rows(self, at, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows that `at` picks of the rotary tables (cos, sin), in the dtype of the attention's
+        queries and keys: autocast's where it is on, else that of the activations (dtype)."""
+        device = self.tok_emb.weight.device.type
+        if autocast_on(device):
+            dtype = torch.get_autocast_dtype(device)
+        name = ROPE_DTYPES.get(dtype, "float32")
+        return tuple(at(getattr(self, f"rope_{part}_{name}")).to(dtype) for part in ("cos", "sin"))
 
     @staticmethod
     def _init_weights(module):
@@ -156,7 +170,7 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             x = x + at(self.pos_emb.weight)                                # (T, C) rows of the table
         x = self.dropout(x)
-        rope = (at(self.rope_cos), at(self.rope_sin)) if self.cfg.pos == "rope" else None
+        rope = self.rope_rows(at, x.dtype) if self.cfg.pos == "rope" else None
         for i, block in enumerate(self.blocks):
             x = block(x, rope, cache.layers[i] if cache is not None else None, pos, explicit_attention)
         x = self.norm_f(x)

@@ -19,18 +19,24 @@ import torch
 
 
 def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (max_len, head_dim/2): angle[t, i] = t / base^(2i / head_dim)."""
+    """The cos and sin tables (max_len, head_dim) that apply_rotary_emb reads: channel i and
+    channel i + head_dim/2 turn together by the angle t / base^(2i / head_dim) at position t. Each
+    table holds its values for both channels of a pair, the sin's negated for the first, so that a
+    rotation is two products and a sum."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    return angles.cos().repeat(1, 2), torch.cat([-angles.sin(), angles.sin()], dim=-1)
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels (first half, second half) of x (B, nh, T, hs) by position-dependent
-    angles (cos, sin: (T, hs/2)), so q·k depends only on the distance between the two positions."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    """Rotate pairs of channels (i in the first half, i + hs/2 in the second) of x (B, nh, T, hs)
+    by position-dependent angles (cos, sin: (T, hs), rope_tables' rows, in x's dtype; for x laid out
+    (B, T, nh, hs), (T, 1, hs)), so that q·k depends only on the distance between the positions:
+
+        (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)   =   x cos + (x with its halves swapped) sin
+
+    three kernels: the swap, a product, a product added."""
+    return torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:

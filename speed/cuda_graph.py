@@ -7,16 +7,14 @@ and optimizer state are allocated once), and nothing in it waits for the host (n
 branch on a tensor's value). Two users: the training step (graph_step) and the decoding step
 (speed/decoding.py, sample.py --compile).
 """
-import warnings
-
 import torch
 
 
-def record(fn, warmup: int = 2, generators=()):
-    """Call fn() `warmup` times on a side stream (compiling, allocating and choosing kernels outside
-    the recording, as CUDA graphs require), then record one more call. Returns (graph, what that call
-    returned): each graph.replay() runs the same kernels on the same tensors and overwrites those outputs.
-    generators: CUDA generators besides the default one that fn draws from (each replay advances them)."""
+def record(fn, warmup: int = 2):
+    """Call fn() `warmup` times on a side stream (compiling, allocating and choosing kernels
+    outside the recording, as CUDA graphs require), then record one more call. Returns (graph, what
+    that call returned): each graph.replay() runs the same kernels on the same tensors and
+    overwrites those outputs."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -24,49 +22,41 @@ def record(fn, warmup: int = 2, generators=()):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    for generator in generators:
-        graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
 
 
-def graph_step(step, optimizer, capture: bool = True, generators=()):
-    """step(), a whole training step on static tensors (a buffer refilled before each call, or windows it
-    draws itself from generators on the device), recorded as a CUDA graph: returns run(), which replays
-    it. capture=False runs the same step without recording (how it is tested on a CPU).
+def graph_step(step, optimizer, capture: bool = True):
+    """step(), a whole training step on static tensors (its windows in a buffer refilled before
+    each call), recorded as a CUDA graph: returns run(), which replays it. capture=False runs the
+    same step without recording (how it is tested on a CPU).
 
-    The learning rates become tensors on the device (set_lr fills them in place). The warm-up before
-    recording executes real updates and draws: the parameters, the optimizer's state and the generators
-    are put back afterwards, in place, so that training starts where it would have. Any failure puts the
-    float learning rates back, for the eager step that replaces this one."""
+    The learning rates become tensors on the device (set_lr fills them in place). The warm-up
+    before recording executes real updates: the parameters and the optimizer's state are put back
+    afterwards, in place, so that training starts where it would have. Any failure puts the float
+    learning rates back, for the eager step that replaces this one."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)
-        if "capturable" in group:
-            group["capturable"] = capture
     saved = [p.detach().clone() for p in params]
-    drawn = [g.get_state() for g in generators]
     saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                    for p, s in optimizer.state.items()}
     graph = out = None
     try:
-        with torch.random.fork_rng(devices=[params[0].device] if capture else []), warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # "capturable=True ... without graph capture": on purpose
+        # the warm-up's dropout draws leave the generators as they were
+        with torch.random.fork_rng(devices=[params[0].device] if capture else []):
             if capture:
-                graph, out = record(step, warmup=3, generators=generators)
+                graph, out = record(step, warmup=3)
             else:
                 for _ in range(3):
                     step()
     except Exception:
         for group in optimizer.param_groups:
             group["lr"] = float(group["lr"])
-            if "capturable" in group:
-                group["capturable"] = False
         raise
-    finally:   # back to the state before the warm-up, at the same addresses
-        for g, state in zip(generators, drawn):
-            g.set_state(state)
+    # back to the state before the warm-up, at the same addresses
+    finally:
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
@@ -74,7 +64,8 @@ def graph_step(step, optimizer, capture: bool = True, generators=()):
                 for k, v in s.items():
                     if torch.is_tensor(v):
                         v.copy_(saved_state[p][k]) if p in saved_state else v.zero_()
-        optimizer.zero_grad(set_to_none=True)   # (a graph keeps the gradients it writes in its own memory)
+        # a graph keeps the gradients it writes in its own memory
+        optimizer.zero_grad(set_to_none=True)
 
     def run():
         if graph is None:

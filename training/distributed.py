@@ -134,7 +134,8 @@ def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
                                                          get_optimizer_state_dict)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=options)   # keyed by parameter name
+    # keyed by parameter name (a list: torch's helpers take a lone optimizer for a torch.optim one)
+    optim_state = get_optimizer_state_dict(model, [optimizer], options=options)
     if not optim_state:   # ranks other than 0
         return model_state, optim_state
     index = {}
@@ -156,8 +157,9 @@ def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optim_
     by_name = {"state": {order[i]: s for i, s in optim_state["state"].items()},
                "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
                                 for g in optim_state["param_groups"]]}
-    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
-    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=full)
+    set_optimizer_state_dict(model, [optimizer], by_name, options=full)
 
 
 def agreed_stop(signum: int, device: torch.device) -> int:

@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 import torch
+from torch.optim.adamw import adamw
 
 
 def lr_at(step: int, t) -> float:
@@ -63,7 +64,101 @@ def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x if wide else x.mT
 
 
-class Muon(torch.optim.Optimizer):
+class PlainOptimizer:
+    """What AdamW and Muon share: parameter groups (dicts of "params" and hyperparameters), a
+    state per parameter, zero_grad, and state_dict / load_state_dict in torch.optim's format, so
+    that checkpoints cross between these and torch.optim's optimizers: "state" keyed by each
+    parameter's index (counted over the groups in order), "param_groups" with the indices of their
+    "params".
+
+    Not a torch.optim.Optimizer: every method of one goes through torch._disable_dynamo, which
+    imports torch._dynamo on its first call (a second of a run's start-up, more on a GPU machine),
+    compiled or not. The arithmetic is torch's own kernels all the same."""
+
+    def __init__(self, params, defaults: dict):
+        params = list(params)
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
+        self.state = {}
+
+    def new_state(self, p: torch.Tensor) -> dict:
+        """The state of parameter p before its first step."""
+        raise NotImplementedError
+
+    def states(self, params: list) -> list[dict]:
+        """The state of each of params, made at its first step."""
+        for p in params:
+            if p not in self.state:
+                self.state[p] = self.new_state(p)
+        return [self.state[p] for p in params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    def state_dict(self) -> dict:
+        """The state and the groups (their tensors not copied)."""
+        index = {}
+        groups = [{**g, "params": [index.setdefault(p, len(index)) for p in g["params"]]}
+                  for g in self.param_groups]
+        return {"state": {index[p]: dict(s) for p, s in self.state.items()}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The state_dict of an optimizer of the same state and groups (this class's or
+        torch.optim's): each state tensor goes to the device and dtype this one holds it in; the
+        saved hyperparameters replace these (torch.optim's options that this class has not are
+        left out)."""
+        saved = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the saved optimizer state has other parameter groups than this one")
+        params = {i: p for s, g in zip(saved, self.param_groups)
+                  for i, p in zip(s["params"], g["params"])}
+        self.state = {}
+        for i, state in state_dict["state"].items():
+            fresh = self.new_state(params[i])
+            self.state[params[i]] = {k: state[k].to(v.device, v.dtype) for k, v in fresh.items()}
+        for group, s in zip(self.param_groups, saved):
+            group.update({k: v for k, v in s.items() if k in group and k != "params"})
+
+
+class AdamW(PlainOptimizer):
+    """AdamW (Loshchilov and Hutter, 2019, "Decoupled Weight Decay Regularization"): per parameter
+    p with gradient g, at step t,
+
+        m <- beta1 m + (1 - beta1) g              a running mean of the gradient
+        v <- beta2 v + (1 - beta2) g²             and of its square
+        p <- p (1 - lr wd) - lr (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)
+
+    (dividing by 1 - beta^t undoes m's and v's start at zero). torch's functional AdamW does the
+    arithmetic: fused (one kernel over each tensor; it reads lr and t from tensors, which a CUDA
+    graph can hold), or multi-tensor (foreach) where that kernel is missing."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, fused: bool = True):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.fused = fused
+
+    def new_state(self, p):
+        steps_at = p.device if self.fused else "cpu"   # (where each of torch's kernels reads t)
+        return {"step": torch.zeros((), dtype=torch.float32, device=steps_at),
+                "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            states = self.states(params)
+            (beta1, beta2), fused = group["betas"], self.fused
+            adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                  [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=fused,
+                  foreach=not fused, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+class Muon(PlainOptimizer):
     """Muon: momentum SGD whose update, for each weight matrix, is orthogonalized.
 
     Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024),
@@ -82,6 +177,9 @@ class Muon(torch.optim.Optimizer):
                  ns_steps: int = 5):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
 
+    def new_state(self, p):
+        return {"momentum": torch.zeros_like(p)}
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
@@ -91,7 +189,7 @@ class Muon(torch.optim.Optimizer):
             if any(p.ndim != 2 for p in params):
                 raise ValueError("Muon updates 2-D matrices only")
             grads = [p.grad for p in params]
-            bufs = [self.state[p].setdefault("momentum", torch.zeros_like(p)) for p in params]
+            bufs = [s["momentum"] for s in self.states(params)]
             torch._foreach_mul_(bufs, group["momentum"])   # M <- momentum M + G, every matrix at once
             torch._foreach_add_(bufs, grads)
             updates = torch._foreach_add(grads, bufs, alpha=group["momentum"]) if group["nesterov"] else bufs
@@ -157,8 +255,8 @@ def build_optimizer(model: torch.nn.Module, t, device: torch.device):
     rest = [p for p in params if id(p) not in {id(h) for h in hidden}]
     groups = [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": weight_decay, "base_lr": lr},
               {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0, "base_lr": lr}]
-    impl = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(t.beta1, t.beta2), **impl)
+    fused = device.type in ("cuda", "cpu")
+    opt = AdamW([g for g in groups if g["params"]], lr=lr, betas=(t.beta1, t.beta2), fused=fused)
     if not hidden:
         return opt
     muon = Muon([{"params": hidden, "base_lr": t.muon_lr}], lr=t.muon_lr, momentum=t.muon_momentum)

@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention.mha import causal_mask, consecutive_positions, merge_heads, split_heads
+from model.attention.mha import (causal_mask, consecutive_positions, merge_heads, split_heads,
+                                 unit_rms)
 from model.config import ModelConfig
 from model.positions import apply_rotary_emb
 
@@ -123,7 +124,7 @@ class LinearAttention(nn.Module):
         q, k, v = (split_heads(proj(x), self.n_head)                     # (B, nh, T, hs)
                    for proj in (self.query, self.key, self.value))
         if self.qk_norm:
-            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
+            q, k = unit_rms(q), unit_rms(k)
         q, k = F.elu(q * self.scale) + 1, F.elu(k) + 1                   # φ: positive features
         q_num, k_num = (q, k) if rope is None else (apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope))
         ones = v.new_ones(B, self.n_head, T, 1)              # Σ φ(q)·φ(k) · 1: the denominator

@@ -39,6 +39,7 @@ sits at position Tk - Tq + i. With a cache, the caller passes the positions of t
 cache's slots (q_pos, k_pos): a slot not yet written holds a position in the future, masked like one.
 """
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -48,16 +49,34 @@ from model.config import ModelConfig
 from model.positions import alibi_bias, alibi_slopes, apply_rotary_emb
 
 
+def heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """(B, T, n_head * hs) -> (B, T, n_head, hs): each head's slice of the features, apart."""
+    B, T, C = t.shape
+    return t.view(B, T, n_head, C // n_head)
+
+
 def split_heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
     """(B, T, n_head * hs) -> (B, n_head, T, hs): each head attends on its own slice of the features."""
-    B, T, C = t.shape
-    return t.view(B, T, n_head, C // n_head).transpose(1, 2)
+    return heads(t, n_head).transpose(1, 2)
 
 
 def merge_heads(t: torch.Tensor) -> torch.Tensor:
     """(B, nh, T, hs) -> (B, T, nh * hs): the heads' outputs side by side (concatenated)."""
     B, nh, T, hs = t.shape
     return t.transpose(1, 2).contiguous().view(B, T, nh * hs)
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for this kind of device (some kinds have none)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def unit_rms(t: torch.Tensor) -> torch.Tensor:
+    """t scaled to a root mean square of 1 over its last dim (QK-norm), in t's own dtype: autocast
+    would run it in float32, and hand the attention float32 queries and keys to cast back."""
+    on = autocast_on(t.device.type)
+    with torch.autocast(t.device.type, enabled=False) if on else nullcontext():
+        return F.rms_norm(t, (t.size(-1),))
 
 
 def consecutive_positions(t_query: int, t_key: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,13 +217,16 @@ class CausalSelfAttention(nn.Module):
         stored at those positions and attend to every cached one up to their own. With return_weights
         also the (B, nh, T, T_all) weights (GQA: each query head's; sliding window: zero outside the
         window), computed by the explicit path, which explicit=True also asks for."""
-        q = split_heads(self.query(x), self.n_head)                      # (B, nh, T, hs)
-        k = split_heads(self.key(x), self.n_kv_head)                     # (B, nkv, T, hs)
-        v = split_heads(self.value(x), self.n_kv_head)
+        q = heads(self.query(x), self.n_head)                            # (B, T, nh, hs)
+        k = heads(self.key(x), self.n_kv_head)                           # (B, T, nkv, hs)
+        v = heads(self.value(x), self.n_kv_head)
+        # QK-norm and the rotation before the heads go first: on these contiguous rows, no copy
         if self.qk_norm:
-            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
-        if rope is not None:
-            q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
+            q, k = unit_rms(q), unit_rms(k)
+        if rope is not None:   # a (cos, sin) row per position, the same for every head
+            cos, sin = rope[0][:, None], rope[1][:, None]
+            q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))                 # (B, nh or nkv, T, hs)
         q_pos = k_pos = None                                             # consecutive, without a cache
         if cache is not None:
             k, v, k_pos = cache.update(pos, k, v)                        # (B, nkv, T_cache, hs), (T_cache,)

@@ -22,9 +22,8 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from model.attention.mha import merge_heads, naive_attention, sdpa_attention, split_heads
+from model.attention.mha import merge_heads, naive_attention, sdpa_attention, split_heads, unit_rms
 from model.config import ModelConfig
 from model.positions import alibi_slopes, apply_rotary_emb
 
@@ -84,7 +83,7 @@ class MultiHeadLatentAttention(nn.Module):
         """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T_all) weights by the explicit
         path (which explicit=True also asks for): the softmax of the up-projected keys' scores (plus
         q_rope·k_rope with rope), scaled as here."""
-        norm = (lambda t: F.rms_norm(t, (self.head_dim,))) if self.qk_norm else (lambda t: t)
+        norm = unit_rms if self.qk_norm else (lambda t: t)
         q = norm(split_heads(self.query(x), self.n_head))                # (B, nh, T, hs)
         c = self.kv_norm(self.kv_down(x))                                # (B, T, d_c)
         k_rope = None
