@@ -6,23 +6,19 @@ what.
         --out maps/
     python attention.py out/shakespeare_char_cpu --prompt @scene.txt --html attention.html
 
-writes, and prints the paths of, into --out (default <run dir>/attention/; GPT-2 by name
-out/attention/NAME/)
+writes into --out (default <run dir>/attention/; GPT-2 by name out/attention/NAME/), and
+prints the paths of,
     attention_layer<i>.png   one panel per head: row i is query token i, column j the token
-                             it looks at, the colour the weight a_ij; the prompt's tokens
-                             label both axes (spaces as ␣, newlines as ⏎; a character no
-                             installed font has as □)
+                             it looks at, the colour the weight a_ij (spaces as ␣, newlines
+                             as ⏎; a character no installed font has as □)
     attention_summary.png    per head: the share of attention on the previous token, the
                              first token, itself, the newline that began its line, the same
-                             column one line up (character models), and the mean distance
-                             looked back, in tokens
+                             column one line up, and the mean distance looked back
 With --html FILE it writes instead one self-contained page where hovering or clicking a
-token shows where it looks, for every chosen layer and head, with an overview of all heads
-and the same summary; it suits long prompts (hundreds of tokens), where the PNGs' labels
-would not fit. Give --out as well to have both. The weights are the model's own, by its
-variant's math (model/attention_maps.py); the pictures are viz/'s (attention_plots.py,
-attention_page.py). A prompt longer than the model's block_size is cut to its last
-block_size tokens.
+token shows where it looks, for every chosen layer and head; it suits long prompts, where
+the PNGs' labels would not fit (--out as well: both). The weights are the model's own, by
+its variant's math (model/attention_maps.py). A prompt longer than the model's block_size
+is cut to its last block_size tokens.
 """
 import sys
 from pathlib import Path

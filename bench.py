@@ -60,8 +60,7 @@ SAMPLE_SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=3
 
 
 def machine() -> str:
-    """One line: the processor, the GPU, torch and its threads, the load (other jobs slow
-    every figure)."""
+    """One line: the processor, the GPU, torch and its threads, the load."""
     # on Linux platform.processor() names only the architecture
     try:
         with open("/proc/cpuinfo") as f:
@@ -100,8 +99,7 @@ def matmul_peak(device, dtype) -> float:
 
 
 def flops_per_token(model) -> tuple[float, float]:
-    """(6N, attention): training FLOPs per token; N counts every Linear's weights (the LM
-    head's too)."""
+    """(6N, attention): training FLOPs per token (see the top)."""
     linears = (m for m in model.modules() if isinstance(m, torch.nn.Linear))
     n = sum(m.weight.numel() for m in linears)
     c = model.cfg
@@ -109,9 +107,9 @@ def flops_per_token(model) -> tuple[float, float]:
 
 
 def run_trainer(cfg, steps: int, rounds: int) -> dict:
-    """train(cfg) for rounds + 1 log intervals of `steps` steps, quietly, in a temporary out
-    dir: its summary, whose "intervals" hold the trainer's ms/step. Its one evaluation (of one
-    batch) and checkpoint come after the last interval, outside every timing."""
+    """train(cfg)'s summary, quietly, in a temporary out dir: rounds + 1 log intervals of
+    `steps` steps (its "intervals": the trainer's ms/step), then one evaluation of one batch
+    and a checkpoint, outside every timing."""
     t = cfg.train
     t.log_interval, t.max_steps = steps, steps * (rounds + 1)
     t.eval_interval, t.eval_iters, t.sample_every = t.max_steps, 1, 0
@@ -122,9 +120,9 @@ def run_trainer(cfg, steps: int, rounds: int) -> dict:
 
 
 def plain_ms_per_step(cfg, device, steps: int, rounds: int) -> float:
-    """The median ms/step of `rounds` rounds of `steps` steps, after a warm-up round, of a
-    training step as plain PyTorch writes it (eager, fp32, torch.optim.AdamW's defaults) over
-    as many micro-batches as the config's: the same tokens per step as the trainer's."""
+    """The median ms/step of a training step as plain PyTorch writes it (eager, fp32,
+    AdamW's defaults), timed as the trainer's, over the config's micro-batches: the same
+    tokens per step."""
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     shape = (cfg.train.batch_size, cfg.model.block_size)
@@ -185,8 +183,7 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
 
 # ---------------------------------------------------------------- sample
 def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=None) -> float:
-    """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts (the
-    device done)."""
+    """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts."""
     device = next(model.parameters()).device
     prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -223,10 +220,9 @@ def bench_sample(device, new_tokens: int) -> int:
 
 # ---------------------------------------------------------------- race
 def run(config: str, overrides: list[str], out_dir: Path, label: str) -> list[dict]:
-    """Train config as a user does (`python train.py CONFIG`, in a process of its own, with
-    its own evaluations); its curve [{step, seconds, val}]: seconds from the launch to each
-    evaluation's end (Python's start, the data, the model, compiling and the evaluations
-    count, as a user waits for them)."""
+    """Train config as a user does (`python train.py CONFIG`, in a process of its own); its
+    curve [{step, seconds, val}]: seconds from the launch to each evaluation's end, all a
+    user waits for (Python's start, the data, compiling, the evaluations) included."""
     print(f"# {label}: python train.py {' '.join([config, *overrides])}", flush=True)
     # the clock of the records' "time"
     launch = time.time()
@@ -248,9 +244,8 @@ def run(config: str, overrides: list[str], out_dir: Path, label: str) -> list[di
 
 
 def race(classic: str, fast: str, overrides: list[str]) -> dict:
-    """Train classic, then fast; print and return the race: the time from launch to the
-    classic's best val loss (the target), and to the fast run's first evaluation at or
-    below it."""
+    """Train classic, then fast: the time from launch to the classic's best val loss (the
+    target), and to the fast run's first evaluation at or below it."""
     with tempfile.TemporaryDirectory(prefix="bench_race_", ignore_cleanup_errors=True) as tmp:
         curves = {label: run(path, overrides, Path(tmp) / label, label)
                   for label, path in (("classic", classic), ("fast", fast))}
@@ -277,8 +272,8 @@ def race(classic: str, fast: str, overrides: list[str]) -> dict:
 
 # ---------------------------------------------------------------- threads on a busy machine
 def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: int) -> tuple:
-    """(ms/step of `python train.py CONFIG` over its second log interval of `steps` steps,
-    with OMP_NUM_THREADS=threads (None: unset, the default); the threads it used then)."""
+    """(ms/step of `python train.py CONFIG` over its second log interval, with
+    OMP_NUM_THREADS=threads (None: unset); the threads it used then)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env |= {"OMP_NUM_THREADS": threads} if threads else {}
     with tempfile.TemporaryDirectory(prefix="bench_threads_", ignore_cleanup_errors=True) as tmp:

@@ -6,36 +6,27 @@
 
 MODEL is a run's out dir (its best.pt, else its latest checkpoint), a checkpoint file, or a
 Hugging Face GPT-2 (a directory with config.json, or a name such as gpt2). Each FILE is a
-file, a directory (the files under it) or a glob; every file is its own text, tokenized whole
-with the model's tokenizer and scored with no context from any other file.
+file, a directory or a glob; every file is its own text, tokenized whole and scored with no
+context from any other.
 
-Which tokens are scored: every token of a text after the first, each exactly once, predicted
-from the tokens before it in its window of the model's context (B = block_size tokens). By
-default the windows do not overlap: window k feeds tokens kB .. kB+B-1 and scores the token
-after each, so its last target is the next window's first input, and the tokens after the
-last whole window are scored in one shorter window. With --stride S the windows start S
-tokens apart: the first scores all its targets, each later one only its last S (the targets
-before those are context only), so every token after the first window is predicted from at
-least B - S + 1 tokens. S = B is the default; S = 1 gives every token its full B tokens of
-context, for B times the compute. (data/loader.py's strided_windows makes the windows;
-model/gpt.py's score, which the trainer's evaluations share, scores them.)
---max-tokens N scores each file's first N tokens only; --skip-unknown leaves out the
-characters a character model never saw (and says how many), instead of refusing the file.
+Every token of a text after the first is scored once, predicted from the tokens before it in
+its window of B = block_size tokens. By default the windows do not overlap: window k feeds
+tokens kB .. kB+B-1, and the tokens after the last whole window form one shorter window.
+With --stride S the windows start S tokens apart and each after the first scores only its
+last S targets, so every token after the first window sees at least B - S + 1 tokens; S = 1
+gives each its full B, for B times the compute. (data/loader.py's strided_windows makes the
+windows; model/gpt.py's score, which the trainer's evaluations share, scores them.)
 
-The figures, per file and in total (the total is over all scored tokens: a token-weighted
-mean):
+The figures, per file and in total (token-weighted):
   loss        the mean cross-entropy, nats per scored token
-  bits/byte   the total loss in bits over the UTF-8 bytes of the scored tokens: the text's
-              bytes less the first token's, which is only context (comparable across
-              tokenizers)
+  bits/byte   the total loss in bits over the UTF-8 bytes of the scored tokens (the first
+              token is context only): comparable across tokenizers
   perplexity  exp(loss)
 
-On CUDA the model runs under bf16 autocast (fp16 where the GPU lacks bf16), as in training;
-on the CPU in fp32. Every file is read and tokenized before any is scored, so a bad file
-stops the command at once. While scoring, a progress line goes to stderr (redrawn on a
-terminal, a line every 10 s into a log); the results go to stdout as a table, or with --json
-as one JSON object. Ctrl-C stops the scoring and prints the figures of the tokens scored so
-far, then exits 130.
+On CUDA the model runs under bf16 autocast (fp16 where the GPU lacks it), as in training;
+on the CPU in fp32. Every file is read before any is scored, so a bad file stops the command
+at once. Progress goes to stderr, the results to stdout (a table, or --json); Ctrl-C prints
+the figures of the tokens scored so far, then exits 130.
 """
 import json
 import math
@@ -122,9 +113,8 @@ def main(argv) -> int:
 
 
 def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | None = None):
-    """The token ids of a text file (up to max_tokens + 1: the first is context only); a file
-    that cannot be scored (missing, empty, not UTF-8, a character the tokenizer lacks, under
-    2 tokens) is one line."""
+    """A text file's token ids (max_tokens + 1 at most: the first is context only); a file
+    that cannot be scored is one line."""
     text = "".join(iter_text(path, hint=None))
     # a character model: leave out what it never saw
     if skip_unknown and hasattr(tokenizer, "chars"):
@@ -145,8 +135,8 @@ def read_tokens(path, tokenizer, skip_unknown: bool = False, max_tokens: int | N
 
 
 def score_files(loaded, texts: dict, stride, batch_size, autocast, rows: list) -> None:
-    """A row of figures per file of texts ({path: token ids}), appended to rows (a stopped
-    scoring keeps the part it scored), with a progress line on stderr over all of them."""
+    """A row of figures per file of texts ({path: token ids}) appended to rows, so that a
+    stopped scoring keeps what it scored."""
     model = loaded.model
     progress = Progress("scoring", sum(len(ids) - 1 for ids in texts.values()), "tokens")
     try:
@@ -171,9 +161,8 @@ def score_files(loaded, texts: dict, stride, batch_size, autocast, rows: list) -
 
 
 def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
-    """A result row: tokens scored, their bytes, total nats, and loss, bits per byte and
-    perplexity (None where it is not a finite number: no bytes, or a loss whose exp
-    overflows a float, as a diverged model's)."""
+    """A result row; a figure that is not a finite number (no bytes, a diverged model's
+    loss, an exp that overflows) is None."""
     finite = math.isfinite(nats)
     loss = nats / tokens if tokens and finite else None
     known = loss is not None

@@ -6,17 +6,14 @@ starting a run from GPT-2's weights (train.init_from), and loading a GPT-2 to sa
     python sample.py gpt2 --prompt "Hello"
     python export.py out/run hf_model
 
-train.init_from: the checkpoint fixes the architecture. The model section is its
-config.json's, and a model.* key the user set to another value is a UserError naming it,
-except three choices of the fine-tuning: model.dropout, model.attention (naive or sdpa: the
-same math) and model.block_size up to n_positions (the position table is cropped). The
-tokenizer is GPT-2's (tiktoken's gpt2). A resumed run loads its own checkpoint, never these
-weights.
+train.init_from: the checkpoint fixes the architecture and the tokenizer (tiktoken's gpt2).
+A model.* key set to another value is a UserError naming it, except model.dropout,
+model.attention (naive or sdpa: the same math) and model.block_size up to n_positions (the
+position table is cropped). A resumed run loads its own checkpoint, never these weights.
 
-Files: config.json and model.safetensors (or its shards model-*.safetensors), never
-pytorch_model.bin, a pickle that can run code when loaded; an export adds
-generation_config.json and the tokenizer's files (hf/tokenizer.py). huggingface_hub is
-imported only to download.
+Files: config.json and model.safetensors (or its shards), never pytorch_model.bin, a pickle
+that can run code when loaded; an export adds generation_config.json and the tokenizer's
+files (hf/tokenizer.py). huggingface_hub is imported only to download.
 """
 import json
 from pathlib import Path

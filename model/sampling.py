@@ -77,11 +77,10 @@ def draw_noise(noise: torch.Tensor, generator: torch.Generator | None = None) ->
 
 def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
          noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """The model on the tokens idx (B, T) at positions pos, then the next token ids (B, 1)
-    and whether every logit was finite (a flag on the device, read later: reading it here
-    would make the host wait for the device at every token). The choice is among the first
-    V = noise's width tokens (a vocabulary padded past the tokenizer's, e.g. 50,304 for
-    GPT-2's 50,257, has rows no tokenizer can decode). explicit: softmax attention by its
+    """The model on idx (B, T) at positions pos -> (next token ids (B, 1), whether every
+    logit was finite). The flag stays on the device: reading it here would make the host
+    wait at every token. Only the first V = noise's width tokens are chosen from (a padded
+    vocabulary has rows no tokenizer can decode). explicit: softmax attention by its
     explicit steps (model/attention/mha.py)."""
     logits, _ = model(idx, cache=cache, pos=pos, explicit_attention=explicit)
     # (B, V)
@@ -93,10 +92,9 @@ def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch
 
 def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
                 noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """One new token: step() on the newest tokens last (B, 1) at position pos (1,), then last
-    and pos move on to the chosen tokens, in place, so the next call continues from there.
-    Every call has the same shapes and reads and writes the same tensors: one compiled
-    graph, one CUDA graph."""
+    """One new token: step() on the newest tokens last (B, 1) at position pos (1,), which
+    then move on in place. Every call has the same shapes and tensors: one compiled graph,
+    one CUDA graph."""
     next_id, ok = step(model, cache, last, pos, noise, choice, explicit)
     last.copy_(next_id)
     pos.add_(1)
@@ -170,7 +168,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
     """Raise UserError naming the first new token in start..end-1 whose logits were not all
-    finite (those before start were checked already)."""
+    finite."""
     window = flags[start:end]
     if not window.all():
         first = start + int((~window).nonzero()[0, 0]) + 1
