@@ -97,9 +97,8 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
 
 
 def run_cli(main, argv: list[str]) -> int:
-    """main(argv)'s exit code; what a user can cause is one line on stderr instead of a
-    traceback. SIGTERM is a Ctrl-C here (exit 143); the training loop takes both signals over
-    itself."""
+    """main(argv)'s exit code, what a user can cause said in one line (verdict). SIGTERM is
+    a Ctrl-C here; the training loop takes both signals over itself."""
     # a character the terminal cannot show prints as '?'
     strict = getattr(sys.stdout, "errors", None) == "strict"
     if strict and hasattr(sys.stdout, "reconfigure"):
@@ -148,9 +147,8 @@ OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None,
           one_of=None) -> None:
-    """A UserError naming key unless value is one of `one_of`, or a finite number within the
-    bounds given: check("train.beta1", 1.5, at_least=0, below=1) says
-    'train.beta1 must be >= 0 and < 1, got 1.5'."""
+    """A UserError naming key unless value is one of `one_of`, or a finite number within
+    the bounds: 'train.beta1 must be >= 0 and < 1, got 1.5'."""
     if one_of is not None and value not in one_of:
         raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, one_of))}")
     limits = zip(OPS, (above, at_least, below, at_most))

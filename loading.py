@@ -48,8 +48,7 @@ def find_checkpoint(path) -> Path:
 
 
 def read_checkpoint(path) -> dict:
-    """A checkpoint file's dict, read without running code; any problem is one line naming
-    the file."""
+    """A checkpoint file's dict, read as the top says."""
     # a run's path typed from another folder: the repository's is named
     if not Path(path).is_file():
         near = f"; did you mean {ROOT / path}?" if (ROOT / path).exists() else ""

@@ -31,8 +31,7 @@ Sweep = namedtuple("Sweep", "name out_dir seeds variants runs")
 
 
 def as_overrides(values: dict, folder: Path) -> list[str]:
-    """A table of settings as command-line overrides, its paths made absolute against
-    folder."""
+    """A table of settings as command-line overrides (paths absolute against folder)."""
     return [f"--{k}={absolute(k, v, folder) if k in PATHS else v}"
             for k, v in flat(values).items()]
 

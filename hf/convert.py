@@ -47,8 +47,8 @@ HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop"
                "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
                "add_cross_attention": False}
 SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
-# A block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units of
-# C, which a Conv1D stores transposed, or None for a norm's (C,))
+# A block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units
+# of C, or None for a norm's (C,))
 BLOCK_TENSORS = [
     (["norm1"], "ln_1", None),
     (["attn.query", "attn.key", "attn.value"], "attn.c_attn", (1, 1)),
@@ -105,8 +105,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def tensor_names(cfg: ModelConfig):
-    """(our names, stacked along dim 0; GPT-2's name; the shape of each of ours; whether it
-    is a Conv1D weight, stored transposed) for each GPT-2 tensor."""
+    """(our names, GPT-2's name, the shape of each of ours, whether it is a Conv1D weight)
+    for each GPT-2 tensor."""
     C, V = cfg.n_embd, cfg.vocab_size
     yield ["tok_emb.weight"], "transformer.wte.weight", (V, C), False
     yield ["pos_emb.weight"], "transformer.wpe.weight", (cfg.block_size, C), False

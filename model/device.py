@@ -27,8 +27,7 @@ CORES = torch.get_num_threads()
 
 
 def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
-    """auto: CUDA where there is a GPU, else the CPU; any other name is checked against this
-    machine. On the CPU, the threads are fitted to the cores other processes leave free."""
+    """The device of a name (see the top), checked against this machine."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:

@@ -16,15 +16,14 @@ from speed.compile import compiled_or_eager
 
 
 def compiled(step, args: tuple):
-    """step (decode_step) compiled, called with args (which it updates in place); on CUDA
-    recorded as a CUDA graph, whose replay returns the graph's own output tensors (the next
-    replay overwrites them). A failure is one warning line and the step without it.
+    """step (decode_step) compiled for args, which it updates in place; on CUDA a graph
+    replay that returns the graph's own outputs (the next replay overwrites them). A failure
+    is one warning line and the step without it.
 
-    The compiled step asks for the explicit attention math (explicit=True), which the
-    compiler fuses into a few kernels of its own for one query (the fused attention kernels
-    are made for many); on CUDA, coordinate descent tuning makes inductor turn each one-row
-    matmul into a reduction it tunes and fuses with its neighbours (instead of a library call
-    per matmul)."""
+    explicit=True: the compiler fuses the explicit attention math into a few kernels for one
+    query (the fused attention kernels are made for many). Coordinate descent tuning makes
+    inductor turn each one-row matmul into a reduction it tunes and fuses with its
+    neighbours."""
     model = args[0]
     cuda = next(model.parameters()).is_cuda
     options = {"coordinate_descent_tuning": True} if cuda else None

@@ -44,11 +44,9 @@ SCORE_NAMES = {**{name: title.replace("\n", " ") for name, title in SHARE_NAMES.
 
 def attention_page(texts: list[str], weights: list[np.ndarray], scores: dict, title: str,
                    layers: list[int], heads: list[int]) -> str:
-    """The page's HTML. texts: each token's text; weights: per layer shown, its attention
-    weights (heads, T, T), row i query i, column j key j; scores:
-    model.attention_maps.head_scores as numpy, {name: one per head, layer by layer}, NaN
-    where undefined; title: a line naming the model and prompt; layers, heads: the model's
-    numbers for those shown."""
+    """The page's HTML. weights: per layer shown, (heads, T, T); scores: head_scores as
+    numpy, one per head, layer by layer; layers, heads: the model's numbers for those
+    shown."""
     data = {"title": title, "tokens": texts, "layers": layers, "heads": heads,
             **encode_weights(weights)}
     # JSON has no NaN: null; a score NaN for every head is left out
