@@ -1,39 +1,51 @@
-"""Draw what a trained GPT attends to: every layer x head for a prompt, and which heads do what.
+"""Draw what a trained GPT attends to: every layer x head for a prompt, and which heads do
+what.
 
     python attention.py out/shakespeare_char_cpu --prompt $'ROMEO:\\nBut soft, what light?\\n'
-    python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 --out maps/
+    python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 \\
+        --out maps/
     python attention.py out/shakespeare_char_cpu --prompt @scene.txt --html attention.html
 
-writes, and prints the paths of, into --out (default <run dir>/attention/; GPT-2 by name out/attention/NAME/)
-    attention_layer<i>.png   one panel per head: row i is query token i, column j the token it looks
-                             at, the colour the weight a_ij; the prompt's tokens label both axes
-                             (spaces as ␣, newlines as ⏎; a character no installed font has as □)
-    attention_summary.png    per head: the share of attention on the previous token, the first token,
-                             itself, the newline that began its line, the same column one line up
-                             (character models), and the mean distance looked back, in tokens
-With --html FILE it writes instead one self-contained page where hovering or clicking a token shows
-where it looks, for every chosen layer and head, with an overview of all heads and the same summary;
-it suits long prompts (hundreds of tokens), where the PNGs' labels would not fit. Give --out as well
-to have both. The weights are the model's own, by its variant's math (model/attention_maps.py); the
-pictures are viz/'s (attention_plots.py, attention_page.py). A prompt longer than the model's
-block_size is cut to its last block_size tokens.
+writes into --out (default <run dir>/attention/; GPT-2 by name out/attention/NAME/), and
+prints the paths of,
+    attention_layer<i>.png   one panel per head: row i is query token i, column j the token
+                             it looks at, the colour the weight a_ij (spaces as ␣, newlines
+                             as ⏎; a character no installed font has as □)
+    attention_summary.png    per head: the share of attention on the previous token, the
+                             first token, itself, the newline that began its line, the same
+                             column one line up, and the mean distance looked back
+With --html FILE it writes instead one self-contained page where hovering or clicking a
+token shows where it looks, for every chosen layer and head; it suits long prompts, where
+the PNGs' labels would not fit (--out as well: both). The weights are the model's own, by
+its variant's math (model/attention_maps.py). A prompt longer than the model's block_size
+is cut to its last block_size tokens.
 """
 import sys
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from common import ROOT, ArgumentParser, UserError, atomic_write, run_cli
+from data.sources import read_prompt
+from loading import load_model
+from model.attention_maps import attention_maps, head_scores
+from model.sampling import prompt_ids
 
 
 def parse_args(argv):
     p = ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
-    p.add_argument("--prompt", required=True, help="the text to look at, or @FILE to read it from a file")
-    p.add_argument("--out", default="",
-                   help="folder for the PNGs (default: <run dir>/attention/, or out/attention/<name>/)")
-    p.add_argument("--layers", default="", help="comma-separated layer numbers from 0 (default: all)")
-    p.add_argument("--heads", default="", help="comma-separated head numbers from 0 (default: all)")
-    p.add_argument("--html", default="", metavar="FILE",
-                   help="write the interactive page to FILE instead of the PNGs (with --out as well: both)")
+    p.add_argument("--prompt", required=True,
+                   help="the text to look at, or @FILE to read it from a file")
+    p.add_argument("--out", default="", help="folder for the PNGs (default: "
+                   "<run dir>/attention/, or out/attention/<name>/)")
+    p.add_argument("--layers", default="",
+                   help="comma-separated layer numbers from 0 (default: all)")
+    p.add_argument("--heads", default="",
+                   help="comma-separated head numbers from 0 (default: all)")
+    p.add_argument("--html", default="", metavar="FILE", help="write the interactive page to "
+                   "FILE instead of the PNGs (with --out as well: both)")
     p.add_argument("--no-summary", action="store_true", help="skip attention_summary.png")
     p.add_argument("--dpi", type=int, default=100, help="pixels per inch of the PNGs (1 to 1000)")
     args = p.parse_args(argv)
@@ -49,7 +61,8 @@ def pick(spec: str, n: int, option: str) -> list[int]:
     except ValueError:
         raise UserError(f"{option} takes comma-separated numbers, got {spec!r}") from None
     if bad := [i for i in chosen if not 0 <= i < n]:
-        raise UserError(f"{option}: {bad[0]} is out of range, the model has {n} (0 to {n - 1})")
+        raise UserError(f"{option}: {bad[0]} is out of range, "
+                        f"the model has {n} (0 to {n - 1})")
     return chosen
 
 
@@ -62,8 +75,10 @@ def page_path(spec: str) -> Path:
     """--html's file, checked before the model runs: not a folder, and not below a file."""
     path = Path(spec)
     if path.is_dir():
-        raise UserError(f"--html {path} is a folder: give a file name, such as {path / 'attention.html'}")
-    parent = next(p for p in path.absolute().parents if p.exists())     # the nearest that exists
+        raise UserError(f"--html {path} is a folder: give a file name, "
+                        f"such as {path / 'attention.html'}")
+    # the nearest that exists
+    parent = next(p for p in path.absolute().parents if p.exists())
     if not parent.is_dir():
         raise UserError(f"--html {path}: {parent} is a file, not a folder")
     return path
@@ -72,55 +87,65 @@ def page_path(spec: str) -> Path:
 def main(argv) -> int:
     args = parse_args(argv)
     html = page_path(args.html) if args.html else None
-    import numpy as np
-    import torch
-
-    from data.sources import read_prompt
-    from model.attention_maps import attention_maps, head_scores
-    from loading import load_model
-    from model.sampling import prompt_ids
-    from viz.attention_plots import BOX, label_fonts, plot_layer, plot_summary, visible
+    # the pictures load matplotlib: only once the arguments are good
     from viz.attention_page import SCORE_NAMES, attention_page
+    from viz.attention_plots import BOX, label_fonts, plot_layer, plot_summary, visible
 
     loaded = load_model(args.checkpoint)
     cfg = loaded.model.cfg
-    ids = prompt_ids(loaded.tokenizer, read_prompt(args.prompt), cfg.block_size, "drawing")[-cfg.block_size:]
+    text = read_prompt(args.prompt)
+    ids = prompt_ids(loaded.tokenizer, text, cfg.block_size, "drawing")[-cfg.block_size:]
     if len(ids) < 2:
-        raise UserError(f"the prompt has {len(ids)} token(s): attention needs at least 2 to show anything")
-    layers, heads = pick(args.layers, cfg.n_layer, "--layers"), pick(args.heads, cfg.n_head, "--heads")
+        raise UserError(f"the prompt has {len(ids)} token(s): "
+                        f"attention needs at least 2 to show anything")
+    layers = pick(args.layers, cfg.n_layer, "--layers")
+    heads = pick(args.heads, cfg.n_head, "--heads")
 
     _, maps = attention_maps(loaded.model, torch.tensor([ids]))
     texts = token_texts(loaded.tokenizer, ids)
-    weights = [maps[layer][0, heads] for layer in layers]                # each (heads, T, T)
-    scores = {name: s.numpy() for name, s in head_scores(torch.cat(weights), texts).items()}   # (rows,)
+    # each (heads, T, T)
+    weights = [maps[layer][0, heads] for layer in layers]
+    # each (rows,)
+    scores = {name: s.numpy() for name, s in head_scores(torch.cat(weights), texts).items()}
     weights = [w.numpy() for w in weights]
     rows = [f"layer {layer} head {h}" for layer in layers for h in heads]
     kind = f"{cfg.attention}, pos={cfg.pos}"
     written = []
-    if html is None or args.out:   # the PNGs, a figure at a time (a large model's would not all fit at once)
-        path = Path(str(loaded.path))   # a checkpoint file, or GPT-2's directory or name
-        default = path.parent / "attention" if path.is_file() else ROOT / "out" / "attention" / path.name
+    # the PNGs, a figure at a time (a large model's would not all fit at once)
+    if html is None or args.out:
+        # a checkpoint file, or GPT-2's directory or name
+        path = Path(str(loaded.path))
+        if path.is_file():
+            default = path.parent / "attention"
+        else:
+            default = ROOT / "out" / "attention" / path.name
         out_dir = Path(args.out) if args.out else default
         out_dir.mkdir(parents=True, exist_ok=True)
         labels = [visible(t) for t in texts]
         if missing := label_fonts("".join(labels))[1]:
-            print(f"note: no installed font has the characters {missing!r}: drawn as {BOX}", file=sys.stderr)
+            print(f"note: no installed font has the characters {missing!r}: drawn as {BOX}",
+                  file=sys.stderr)
         for layer, w in zip(layers, weights):
             written.append(out_dir / f"attention_layer{layer}.png")
-            title = f"layer {layer} ({kind}): row = query token, column = the token it attends to"
+            title = (f"layer {layer} ({kind}): row = query token, "
+                     f"column = the token it attends to")
             plot_layer(w, labels, heads, title, args.dpi).savefig(written[-1])
         if not args.no_summary:
             written.append(out_dir / "attention_summary.png")
             plot_summary(rows, scores, args.dpi).savefig(written[-1])
-    if html is not None:   # the page is written whole or not at all
-        page = attention_page(texts, weights, scores, f"{loaded.description}: {kind}", layers, heads)
+    # the page is written whole or not at all
+    if html is not None:
+        title = f"{loaded.description}: {kind}"
+        page = attention_page(texts, weights, scores, title, layers, heads)
         html.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(html, page)
         written.append(html)
+    # on stderr, the head that does most of each
     shares = [n for n in SCORE_NAMES if n != "distance" and not np.isnan(scores[n]).all()]
-    for name in [] if args.no_summary else shares:   # on stderr, the head that does most of each
+    for name in [] if args.no_summary else shares:
         best = int(np.nanargmax(scores[name]))
-        print(f"# most on {SCORE_NAMES[name]}: {rows[best]} ({scores[name][best]:.2f})", file=sys.stderr)
+        print(f"# most on {SCORE_NAMES[name]}: {rows[best]} ({scores[name][best]:.2f})",
+              file=sys.stderr)
     for p in written:
         print(p)
     return 0

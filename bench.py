@@ -2,25 +2,29 @@
 (ratios travel, absolute times drift on a shared machine). A bad argument is one line, exit 2.
 
     python bench.py train CONFIG [--steps 10] [--rounds 3] [--section.key=value ...]
-        ms/step, tokens/s and MFU of the trainer's own step (the median of the ms/step the trainer
-        measured over --rounds log intervals of --steps steps, after a warm-up interval), against
-        plain PyTorch's step on the same tokens (eager, fp32, torch.optim.AdamW's defaults)
+        ms/step, tokens/s and MFU of the trainer's own step (the median of the ms/step the
+        trainer measured over --rounds log intervals of --steps steps, after a warm-up
+        interval), against plain PyTorch's step on the same tokens (eager, fp32,
+        torch.optim.AdamW's defaults)
     python bench.py sample [--device auto] [--new-tokens 256]
-        tokens/s of sampling with and without the KV cache, and with it compiled (on CUDA replayed as
-        a CUDA graph: sample.py --compile), at batch 1 and 16
+        tokens/s of sampling with and without the KV cache, and with it compiled (on CUDA
+        replayed as a CUDA graph: sample.py --compile), at batch 1 and 16
     python bench.py race [--classic CONFIG] [--fast CONFIG] [--section.key=value ...]
-        the classic config against the fast recipe, each run as a user runs it: seconds from launching
-        `python train.py` to the classic's best val loss (by default the CPU pair, on a GPU the GPU pair)
+        the classic config against the fast recipe, each run as a user runs it: seconds from
+        launching `python train.py` to the classic's best val loss (by default the CPU pair,
+        on a GPU the GPU pair)
 
     python bench.py threads [CONFIG] [--steps 20] [--section.key=value ...]
-        ms/step of `python train.py CONFIG` (the classic CPU config) with 1 thread, with one per core
-        and with the default (threads fitted to the cores other processes leave free), on the
-        machine as it is and beside 1 and 2 other busy processes (Python loops spinning)
+        ms/step of `python train.py CONFIG` (the classic CPU config) with 1 thread, with one
+        per core and with the default (threads fitted to the cores other processes leave
+        free), on the machine as it is and beside 1 and 2 other busy processes (Python loops
+        spinning)
 
-MFU = the model's training FLOPs per second / the matmul peak measured in the same run (the best
-torch.mm rate, in the trainer's dtype). Per token: 6N FLOPs for the N weights of the Linear layers,
-LM head included (2 forward, 4 backward), plus 6 L T C for causal attention (the scores and the
-weighted sum cost 2C each per pair of positions, T/2 visible positions on average, x3 with backward).
+MFU = the model's training FLOPs per second / the matmul peak measured in the same run (the
+best torch.mm rate, in the trainer's dtype). Per token: 6N FLOPs for the N weights of the
+Linear layers, LM head included (2 forward, 4 backward), plus 6 L T C for causal attention
+(the scores and the weighted sum cost 2C each per pair of positions, T/2 visible positions
+on average, x3 with backward).
 """
 import argparse
 import json
@@ -34,32 +38,45 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from common import ROOT, ArgumentParser, UserError, check, run_cli
+from data.prepare import load_meta, prepare
+from model import sampling
+from model.config import ModelConfig
+from model.device import pick_device, pick_dtype
+from model.gpt import GPT
+from training import trainer
+from training.config import build_config
 
 # (classic, fast) by the kind of machine: the race on a GPU races the GPU pair
-PAIRS = {"cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
-         "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml")}
-# what sample decodes: the classic GPU shape, random weights (speed does not depend on what they know)
+PAIRS = {
+    "cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
+    "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml"),
+}
+# what sample decodes: the classic GPU shape, random weights
+# (speed does not depend on what they know)
 SAMPLE_SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
 
 
 def machine() -> str:
-    """One line: the processor, the GPU, torch and its threads, the load (other jobs slow every figure)."""
-    import torch
-    try:   # (on Linux platform.processor() names only the architecture)
+    """One line: the processor, the GPU, torch and its threads, the load."""
+    # on Linux platform.processor() names only the architecture
+    try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            names = (line.split(":", 1)[1] for line in f if line.startswith("model name"))
+            cpu = next(names).strip()
     except (OSError, StopIteration):
         cpu = platform.processor() or platform.machine()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "unknown"
-    return (f"# {cpu} x {os.cpu_count()} cores, {gpu} | torch {torch.__version__}, {torch.get_num_threads()} "
-            f"threads (OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')}) | load average {load}")
+    omp = os.environ.get("OMP_NUM_THREADS", "unset")
+    return (f"# {cpu} x {os.cpu_count()} cores, {gpu} | torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads (OMP_NUM_THREADS {omp}) | load average {load}")
 
 
 def now(device) -> float:
     """time.perf_counter() once the device has done what it was given."""
-    import torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -68,49 +85,51 @@ def now(device) -> float:
 # ---------------------------------------------------------------- train
 def matmul_peak(device, dtype) -> float:
     """The best FLOP/s of n x n torch.mm over a few sizes: what MFU divides by."""
-    import torch
+    # torch's benchmark loads setuptools: only a measuring command pays for it
     from torch.utils import benchmark
     best = 0.0
     for n in (1024, 2048) if device.type == "cpu" else (4096, 8192):
         a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        # (Timer warms up and waits for the device; it runs on one thread unless told otherwise)
+        # Timer warms up and waits for the device; it runs on one thread unless told otherwise
         timer = benchmark.Timer("mm(a, b)", globals={"mm": torch.mm, "a": a, "b": b},
                                 num_threads=torch.get_num_threads())
-        best = max(best, 2 * n ** 3 / min(timer.blocked_autorange(min_run_time=0.5).times))
+        seconds = min(timer.blocked_autorange(min_run_time=0.5).times)
+        best = max(best, 2 * n ** 3 / seconds)
     return best
 
 
 def flops_per_token(model) -> tuple[float, float]:
-    """(6N, attention): training FLOPs per token; N counts every Linear's weights (the LM head's too)."""
-    import torch
-    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return 6.0 * n, 6.0 * model.cfg.n_layer * model.cfg.block_size * model.cfg.n_embd
+    """(6N, attention): training FLOPs per token (see the top)."""
+    linears = (m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    n = sum(m.weight.numel() for m in linears)
+    c = model.cfg
+    return 6.0 * n, 6.0 * c.n_layer * c.block_size * c.n_embd
 
 
 def run_trainer(cfg, steps: int, rounds: int) -> dict:
-    """train(cfg) for rounds + 1 log intervals of `steps` steps, quietly, in a temporary out dir: its
-    summary, whose "intervals" hold the trainer's ms/step. Its one evaluation (of one batch) and
-    checkpoint come after the last interval, outside every timing."""
-    from training.trainer import train
+    """train(cfg)'s summary, quietly, in a temporary out dir: rounds + 1 log intervals of
+    `steps` steps (its "intervals": the trainer's ms/step), then one evaluation of one batch
+    and a checkpoint, outside every timing."""
     t = cfg.train
     t.log_interval, t.max_steps = steps, steps * (rounds + 1)
     t.eval_interval, t.eval_iters, t.sample_every = t.max_steps, 1, 0
     cfg.log.wandb = cfg.log.curves = False
     with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
         cfg.out_dir = str(Path(tmp) / "run")
-        return train(cfg, quiet=True)
+        return trainer.train(cfg, quiet=True)
 
 
 def plain_ms_per_step(cfg, device, steps: int, rounds: int) -> float:
-    """The median ms/step of `rounds` rounds of `steps` steps, after a warm-up round, of a training step
-    as plain PyTorch writes it (eager, fp32, torch.optim.AdamW's defaults) over as many micro-batches
-    as the config's: the same tokens per step as the trainer's."""
-    import torch
-    from model.gpt import GPT
+    """The median ms/step of a training step as plain PyTorch writes it (eager, fp32,
+    AdamW's defaults), timed as the trainer's, over the config's micro-batches: the same
+    tokens per step."""
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
-    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.block_size), device=device)
-    optimizer, accum, ms = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr), cfg.train.grad_accum, []
+    shape = (cfg.train.batch_size, cfg.model.block_size)
+    x = torch.randint(0, cfg.model.vocab_size, shape, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    accum = cfg.train.grad_accum
+    ms = []
     for _ in range(rounds + 1):
         start = now(device)
         for _ in range(steps):
@@ -125,141 +144,166 @@ def plain_ms_per_step(cfg, device, steps: int, rounds: int) -> float:
 
 
 def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> int:
-    import torch
-    from data.prepare import load_meta, prepare
-    from model.gpt import GPT
-    from model.device import pick_device, pick_dtype
-    from training.config import build_config
     cfg = build_config(config, overrides)
     m, t, device = cfg.model, cfg.train, pick_device(cfg.train.device)
     dtype = pick_dtype(device, t.dtype)
     m.vocab_size = m.vocab_size or load_meta(prepare(cfg.data, m.block_size))["vocab_size"]
-    with torch.device("meta"):   # the config's model, its shapes only
+    # the config's model, its shapes only
+    with torch.device("meta"):
         dense, attn = flops_per_token(GPT(m))
-    tokens, dtype_name = t.batch_size * t.grad_accum * m.block_size, str(dtype).removeprefix("torch.")
+    tokens = t.batch_size * t.grad_accum * m.block_size
+    dtype_name = str(dtype).removeprefix("torch.")
     peak = matmul_peak(device, dtype)
-    print(f"# {device}, {dtype_name} | matmul peak {peak / 1e9:,.1f} GFLOP/s (torch.mm, measured now)\n"
-          f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, batch {t.batch_size} x "
-          f"{t.grad_accum} ({tokens:,} tokens/step) | FLOPs/token 6N + attention = {dense / 1e6:.2f}M + "
-          f"{attn / 1e6:.2f}M", flush=True)
+    print(f"# {device}, {dtype_name} | matmul peak {peak / 1e9:,.1f} GFLOP/s "
+          f"(torch.mm, measured now)\n"
+          f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, "
+          f"batch {t.batch_size} x {t.grad_accum} ({tokens:,} tokens/step) | "
+          f"FLOPs/token 6N + attention = {dense / 1e6:.2f}M + {attn / 1e6:.2f}M", flush=True)
     summary = run_trainer(cfg, steps, rounds)
-    if summary["exit_code"]:   # a signal stopped it (the trainer said so on stderr)
+    # a signal stopped it (the trainer said so on stderr)
+    if summary["exit_code"]:
         return summary["exit_code"]
     warm_up, *timed = (ms for _, ms in summary["intervals"])
-    if device.type == "cuda":   # (one model at a time on the GPU)
+    # one model at a time on the GPU
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-    ms = {"trainer": statistics.median(timed), "plain": plain_ms_per_step(cfg, device, steps, rounds)}
+    ms = {"trainer": statistics.median(timed),
+          "plain": plain_ms_per_step(cfg, device, steps, rounds)}
+    hows = {"trainer": f"{summary['how']}, {dtype_name}; warm-up {warm_up:.1f} ms/step",
+            "plain": "eager, float32, torch.optim.AdamW"}
     print(f"{'step':8s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
-    for name, how in (("trainer", f"{summary['how']}, {dtype_name}; warm-up {warm_up:.1f} ms/step"),
-                      ("plain", "eager, float32, torch.optim.AdamW")):
+    for name, how in hows.items():
         per_s = tokens * 1000 / ms[name]
-        print(f"{name:8s} {ms[name]:9.2f} {per_s:10,.0f} {(dense + attn) * per_s / peak:6.1%}  {how}")
-    print(f"trainer: {ms['plain'] / ms['trainer']:.2f}x plain PyTorch's speed (median of {rounds} intervals "
-          f"of {steps} steps, after a warm-up one)")
+        mfu = (dense + attn) * per_s / peak
+        print(f"{name:8s} {ms[name]:9.2f} {per_s:10,.0f} {mfu:6.1%}  {how}")
+    print(f"trainer: {ms['plain'] / ms['trainer']:.2f}x plain PyTorch's speed "
+          f"(median of {rounds} intervals of {steps} steps, after a warm-up one)")
     return 0
 
 
 # ---------------------------------------------------------------- sample
 def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=None) -> float:
-    """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts (the device done)."""
-    import torch
-    from model.sampling import generate
+    """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts."""
     device = next(model.parameters()).device
     prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     start = now(device)
-    *_, last = generate(model, prompt, new_tokens, generator=generator, use_cache=use_cache,
-                        speed_up=speed_up)
-    last.cpu()   # waits for the device
+    *_, last = sampling.generate(model, prompt, new_tokens, generator=generator,
+                                 use_cache=use_cache, speed_up=speed_up)
+    # waits for the device
+    last.cpu()
     return batch * new_tokens / (time.perf_counter() - start)
 
 
 def bench_sample(device, new_tokens: int) -> int:
-    import torch
-    from model.config import ModelConfig
-    from model.gpt import GPT
     from speed.decoding import compiled
     torch.manual_seed(0)
-    model, s = GPT(ModelConfig(**SAMPLE_SHAPE)).to(device).eval(), SAMPLE_SHAPE
-    print(f"# {new_tokens} new tokens after a 1-token prompt | {s['n_layer']} layers x {s['n_embd']}, block "
-          f"{s['block_size']}, random weights | {device}, float32, one decode each after a warm-up")
-    print(f"{'batch':>5s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} {'compiled tok/s':>15s}  ratios")
-    ways = ((True, None), (False, None), (True, compiled))   # cached, recomputed, cached and compiled
+    s = SAMPLE_SHAPE
+    model = GPT(ModelConfig(**s)).to(device).eval()
+    print(f"# {new_tokens} new tokens after a 1-token prompt | {s['n_layer']} layers x "
+          f"{s['n_embd']}, block {s['block_size']}, random weights | {device}, float32, "
+          f"one decode each after a warm-up")
+    print(f"{'batch':>5s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} "
+          f"{'compiled tok/s':>15s}  ratios")
+    # cached, recomputed, cached and compiled
+    ways = ((True, None), (False, None), (True, compiled))
     for batch in (1, 16):
-        [decode_rate(model, batch, 8, *way) for way in ways]   # a short warm-up (allocations, compiling)
+        # a short warm-up (allocations, compiling)
+        for way in ways:
+            decode_rate(model, batch, 8, *way)
         cached, recomputed, fast = (decode_rate(model, batch, new_tokens, *way) for way in ways)
-        print(f"{batch:5d} {cached:13,.1f} {recomputed:17,.1f} {fast:15,.1f}  cached "
-              f"{cached / recomputed:.1f}x recomputed, compiled {fast / cached:.1f}x cached", flush=True)
+        print(f"{batch:5d} {cached:13,.1f} {recomputed:17,.1f} {fast:15,.1f}  "
+              f"cached {cached / recomputed:.1f}x recomputed, "
+              f"compiled {fast / cached:.1f}x cached", flush=True)
     return 0
 
 
 # ---------------------------------------------------------------- race
 def run(config: str, overrides: list[str], out_dir: Path, label: str) -> list[dict]:
-    """Train config as a user does (`python train.py CONFIG`, in a process of its own, with its own
-    evaluations); its curve [{step, seconds, val}]: seconds from the launch to each evaluation's end
-    (Python's start, the data, the model, compiling and the evaluations count, as a user waits for them)."""
+    """Train config as a user does (`python train.py CONFIG`, in a process of its own); its
+    curve [{step, seconds, val}]: seconds from the launch to each evaluation's end, all a
+    user waits for (Python's start, the data, compiling, the evaluations) included."""
     print(f"# {label}: python train.py {' '.join([config, *overrides])}", flush=True)
-    launch = time.time()   # (the clock of the records' "time")
-    # (its stdout is not read; its stderr, errors included, is this command's; Ctrl-C reaches it too)
+    # the clock of the records' "time"
+    launch = time.time()
+    # its stdout is not read; its stderr, errors included, is this command's;
+    # Ctrl-C reaches it too
     argv = [sys.executable, str(ROOT / "train.py"), config, *overrides, f"--out_dir={out_dir}"]
     code = subprocess.run(argv, stdout=subprocess.DEVNULL).returncode
     if code:
-        raise UserError(f"the {label} run (python train.py {config}) failed with exit code {code}")
+        raise UserError(f"the {label} run (python train.py {config}) failed "
+                        f"with exit code {code}")
     with open(out_dir / "metrics.jsonl", encoding="utf-8") as f:
-        curve = [{"step": r["step"], "seconds": r["time"] - launch, "val": r["val_loss"]}
-                 for r in map(json.loads, f) if r["kind"] == "eval"]
+        evals = [r for r in map(json.loads, f) if r["kind"] == "eval"]
+    curve = [{"step": r["step"], "seconds": r["time"] - launch, "val": r["val_loss"]}
+             for r in evals]
     for p in curve:
-        print(f"{label:8s} step {p['step']:5d} | {p['seconds']:7.1f} s from launch | val {p['val']:.4f}")
+        print(f"{label:8s} step {p['step']:5d} | {p['seconds']:7.1f} s from launch | "
+              f"val {p['val']:.4f}")
     return curve
 
 
 def race(classic: str, fast: str, overrides: list[str]) -> dict:
-    """Train classic, then fast; print and return the race: the time from launch to the classic's
-    best val loss (the target), and to the fast run's first evaluation at or below it."""
+    """Train classic, then fast: the time from launch to the classic's best val loss (the
+    target), and to the fast run's first evaluation at or below it."""
     with tempfile.TemporaryDirectory(prefix="bench_race_", ignore_cleanup_errors=True) as tmp:
         curves = {label: run(path, overrides, Path(tmp) / label, label)
                   for label, path in (("classic", classic), ("fast", fast))}
-    best = min(curves["classic"], key=lambda p: p["val"])   # a long run may overfit after its best
+    # a long run may overfit after its best
+    best = min(curves["classic"], key=lambda p: p["val"])
     target, last = best["val"], curves["fast"][-1]
-    hit = next((p for p in curves["fast"] if p["val"] <= target), None)   # the first evaluation at it
+    hit = next((p for p in curves["fast"] if p["val"] <= target), None)
     print(f"classic  {classic}: best val {target:.4f} at step {best['step']}, "
           f"{best['seconds']:.1f} s from launch")
-    reached = f"val {hit['val']:.4f} at step {hit['step']}, {hit['seconds']:.1f} s from launch" if hit else \
-        f"never reached val {target:.4f}"
-    print(f"fast     {fast}: {reached} (it ends at val {last['val']:.4f}, {last['seconds']:.1f} s)")
-    if ratio := hit and hit["seconds"] / best["seconds"]:   # (a time ratio in words: 0.49 is 2.04x faster)
+    if hit:
+        reached = (f"val {hit['val']:.4f} at step {hit['step']}, "
+                   f"{hit['seconds']:.1f} s from launch")
+    else:
+        reached = f"never reached val {target:.4f}"
+    print(f"fast     {fast}: {reached} "
+          f"(it ends at val {last['val']:.4f}, {last['seconds']:.1f} s)")
+    # a time ratio in words: 0.49 is 2.04x faster
+    if ratio := hit and hit["seconds"] / best["seconds"]:
         words = f"{max(ratio, 1 / ratio):.2f}x " + ("slower" if ratio > 1 else "faster")
-        print(f"ratio    fast / classic time from launch to val {target:.4f}: {ratio:.3f} ({words})")
+        print(f"ratio    fast / classic time from launch to val {target:.4f}: "
+              f"{ratio:.3f} ({words})")
     return {"curves": curves, "target": target, "hit": hit, "ratio": ratio}
 
 
 # ---------------------------------------------------------------- threads on a busy machine
 def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: int) -> tuple:
-    """(ms/step of `python train.py CONFIG` over its second log interval of `steps` steps, with
-    OMP_NUM_THREADS=threads (None: unset, the default); the threads it used then)."""
+    """(ms/step of `python train.py CONFIG` over its second log interval, with
+    OMP_NUM_THREADS=threads (None: unset); the threads it used then)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env |= {"OMP_NUM_THREADS": threads} if threads else {}
     with tempfile.TemporaryDirectory(prefix="bench_threads_", ignore_cleanup_errors=True) as tmp:
         settings = [f"--train.max_steps={2 * steps}", f"--train.log_interval={steps}",
-                    f"--train.eval_interval={2 * steps}", "--train.eval_iters=1", "--log.curves=false",
-                    "--train.device=cpu", f"--out_dir={tmp}/run"]
+                    f"--train.eval_interval={2 * steps}", "--train.eval_iters=1",
+                    "--log.curves=false", "--train.device=cpu", f"--out_dir={tmp}/run"]
         argv = [sys.executable, str(ROOT / "train.py"), config, *overrides, *settings]
         done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, env=env)
         if done.returncode:
             raise UserError(f"python train.py {config} failed with exit code {done.returncode}")
         with open(Path(tmp) / "run" / "metrics.jsonl", encoding="utf-8") as f:
-            ms = [r for r in map(json.loads, f) if r["kind"] == "train"][-1]["ms_per_step"]
+            logs = [r for r in map(json.loads, f) if r["kind"] == "train"]
     # the banner's "cpu x N threads", then each "# threads a -> b" of the log lines
-    return ms, re.findall(r"cpu x (\d+) thread|# threads \d+ -> (\d+)", done.stdout)[-1]
+    used = re.findall(r"cpu x (\d+) thread|# threads \d+ -> (\d+)", done.stdout)[-1]
+    return logs[-1]["ms_per_step"], used
 
 
 def bench_threads(config: str, overrides: list[str], steps: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"busy | 1 thread ms | {cores} threads ms | default ms (threads) | default / best", flush=True)
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count()
+    print(f"busy | 1 thread ms | {cores} threads ms | default ms (threads) | default / best",
+          flush=True)
     for busy in (0, 1, 2):
-        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(busy)]
         try:
-            runs = [ms_per_step(config, overrides, threads, steps) for threads in ("1", str(cores), None)]
+            runs = [ms_per_step(config, overrides, threads, steps)
+                    for threads in ("1", str(cores), None)]
         finally:
             for p in spin:
                 p.kill()
@@ -273,29 +317,35 @@ def bench_threads(config: str, overrides: list[str], steps: int) -> int:
 # ---------------------------------------------------------------- the command
 def parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)   # (each a common.ArgumentParser: one-line errors)
-    t = sub.add_parser("train", help="ms/step, tokens/s and MFU of the trainer's step against plain PyTorch")
+    # each a common.ArgumentParser: one-line errors
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="ms/step, tokens/s and MFU of the trainer's step "
+                                     "against plain PyTorch")
     t.add_argument("config")
     t.add_argument("--steps", type=int, default=10, help="steps per log interval")
-    t.add_argument("--rounds", type=int, default=3, help="timed intervals after a warm-up one (their median)")
+    t.add_argument("--rounds", type=int, default=3,
+                   help="timed intervals after a warm-up one (their median)")
     s = sub.add_parser("sample", help="tokens/s with and without the KV cache, and compiled")
     s.add_argument("--device", default="auto", help="auto (cuda > cpu), cpu, cuda, cuda:N, mps")
-    s.add_argument("--new-tokens", type=int, default=256, help="new tokens per decode (256: one whole block)")
-    r = sub.add_parser("race", help="classic vs fast recipe: time from launch to the classic's best val loss")
+    s.add_argument("--new-tokens", type=int, default=256,
+                   help="new tokens per decode (256: one whole block)")
+    r = sub.add_parser("race", help="classic vs fast recipe: time from launch to the "
+                                    "classic's best val loss")
     r.add_argument("--classic", help="default: the classic config of this machine's kind")
     r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
-    b = sub.add_parser("threads", help="ms/step with 1 thread, all, and the default, beside busy processes")
+    b = sub.add_parser("threads", help="ms/step with 1 thread, all, and the default, "
+                                       "beside busy processes")
     b.add_argument("config", nargs="?", default=str(ROOT / PAIRS["cpu"][0]))
-    b.add_argument("--steps", type=int, default=20, help="steps per log interval (the second is timed)")
+    b.add_argument("--steps", type=int, default=20,
+                   help="steps per log interval (the second is timed)")
     return p
 
 
 def main(argv: list[str]) -> int:
-    from model.device import pick_device
-    from training.config import build_config
     p = parser()
     args, overrides = p.parse_known_args(argv)
-    if overrides and args.command == "sample":   # every check before any work
+    # every check before any work
+    if overrides and args.command == "sample":
         p.error(f"unrecognized arguments: {' '.join(overrides)}")
     for option in ("steps", "rounds", "new_tokens"):
         if hasattr(args, option):
@@ -303,11 +353,14 @@ def main(argv: list[str]) -> int:
     if args.command == "sample":
         args.device = pick_device(args.device, setting="--device")
     else:
-        if args.command == "race":   # (auto: cuda where there is a GPU, else cpu)
-            pair = PAIRS[pick_device("auto").type]
-            args.classic, args.fast = args.classic or str(ROOT / pair[0]), args.fast or str(ROOT / pair[1])
+        # auto: cuda where there is a GPU, else cpu
+        if args.command == "race":
+            classic, fast = PAIRS[pick_device("auto").type]
+            args.classic = args.classic or str(ROOT / classic)
+            args.fast = args.fast or str(ROOT / fast)
+        # a missing file: the OSError's one line
         for path in [args.classic, args.fast] if args.command == "race" else [args.config]:
-            build_config(path, overrides)   # (a missing file: the OSError's one line)
+            build_config(path, overrides)
     print(machine(), flush=True)
     if args.command == "train":
         return bench_train(args.config, overrides, args.steps, args.rounds)

@@ -1,16 +1,17 @@
 """What every command keeps to; imports neither torch nor the rest of the project.
 
-  one line   a mistake a user can make is a UserError; run_cli turns it, an OSError, running out of
-             memory and Ctrl-C into one line on stderr and an exit code, never a traceback
-  settings   a config field is setting(default, "what it does", bounds): --help prints the text, and
-             check_fields() holds every field to its bounds
+  one line   a mistake a user can make is a UserError; run_cli turns it, an OSError,
+             running out of memory and Ctrl-C into one line on stderr and an exit code,
+             never a traceback
+  settings   a config field is setting(default, "what it does", bounds): --help prints the
+             text, and check_fields() holds every field to its bounds
   files      a file is written whole or not at all (atomic_write)
   progress   a long job says how far it is, on stderr (Progress)
-  the CPU    how busy other processes keep the cores this one may use (cpu_clock): a CPU run leaves
-             them their cores (model/device.py)
+  the CPU    how busy other processes keep the cores this one may use (cpu_clock): a CPU
+             run leaves them their cores (model/device.py)
 
-Exit codes: 2 for a mistake (or the machine's fault: a full disk), 3 for out of memory, 130 for Ctrl-C
-and 143 for SIGTERM (a run stopped by a signal: 128 + its number).
+Exit codes: 2 for a mistake (or the machine's fault: a full disk), 3 for out of memory, 130
+for Ctrl-C and 143 for SIGTERM (a run stopped by a signal: 128 + its number).
 """
 import argparse
 import dataclasses
@@ -26,7 +27,8 @@ from pathlib import Path
 
 
 class UserError(Exception):
-    """Something the user can fix (or the machine's fault), said in one line: `error: ...`, exit 2."""
+    """Something the user can fix (or the machine's fault), said in one line: `error: ...`,
+    exit 2."""
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
@@ -36,8 +38,9 @@ def first_line(error: BaseException, limit: int = 160) -> str:
 
 
 def silence_stdout() -> None:
-    """Whatever is still to be printed goes nowhere: a stdout whose reader is gone (`| head`, a closed
-    terminal) stops the printing, not the job, and Python's flush at exit does not fail either."""
+    """Whatever is still to be printed goes nowhere: a stdout whose reader is gone (`| head`,
+    a closed terminal) stops the printing, not the job, and Python's flush at exit does not
+    fail either."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):
@@ -67,14 +70,17 @@ def causes(error: BaseException) -> list[BaseException]:
 
 
 def verdict(error: BaseException) -> tuple[int, str] | None:
-    """(exit code, one line) for what a user or the machine can cause; None for a bug. A Ctrl-C
-    that lands while Python builds a class comes out as another error: its causes tell."""
+    """(exit code, one line) for what a user or the machine can cause; None for a bug. A
+    Ctrl-C that lands while Python builds a class comes out as another error: its causes
+    tell."""
     chain = causes(error)
     if isinstance(error, UserError):
         return 2, f"error: {error}"
     stop = next((e for e in chain if isinstance(e, KeyboardInterrupt)), None)
     if stop is not None:
-        return (143, "terminated") if isinstance(stop, Terminated) else (130, "interrupted")
+        if isinstance(stop, Terminated):
+            return 143, "terminated"
+        return 130, "interrupted"
     if isinstance(error, OSError):
         # the machine's: a full disk, a read-only folder, a file that went away
         where = f": {error.filename}" if error.filename else ""
@@ -84,16 +90,18 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
     memory = [e for e in chain if isinstance(e, (MemoryError, SystemError))
               or isinstance(e, RuntimeError) and any(w in str(e) for w in OUT_OF_MEMORY)]
     if memory:
-        return 3, (f"error: out of memory ({first_line(memory[0], 100)}): try a smaller batch, "
-                   f"block size or model (checkpoints already written are kept)")
+        return 3, (f"error: out of memory ({first_line(memory[0], 100)}): "
+                   f"try a smaller batch, block size or model "
+                   f"(checkpoints already written are kept)")
     return None
 
 
 def run_cli(main, argv: list[str]) -> int:
-    """main(argv)'s exit code; what a user can cause is one line on stderr instead of a traceback.
-    SIGTERM is a Ctrl-C here (exit 143); the training loop takes both signals over itself."""
-    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
-        # a character the terminal cannot show prints as '?'
+    """main(argv)'s exit code, what a user can cause said in one line (verdict). SIGTERM is
+    a Ctrl-C here; the training loop takes both signals over itself."""
+    # a character the terminal cannot show prints as '?'
+    strict = getattr(sys.stdout, "errors", None) == "strict"
+    if strict and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     main_thread = threading.current_thread() is threading.main_thread()
     before = signal.getsignal(signal.SIGTERM) if main_thread else None
@@ -118,7 +126,8 @@ def run_cli(main, argv: list[str]) -> int:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, whose errors are one line like every other refusal: 'error: ... (see --help)'."""
+    """argparse, whose errors are one line like every other refusal:
+    'error: ... (see --help)'."""
 
     def error(self, message: str):
         print(f"error: {message} (see --help)", file=sys.stderr)
@@ -126,26 +135,33 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def setting(default, help: str, **bounds):
-    """A config dataclass field with what it does (for --help) and the bounds check() holds it to."""
+    """A config dataclass field with what it does (for --help) and the bounds check() holds
+    it to."""
     return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
-ROOT = Path(__file__).resolve().parent   # the repository: runs go to its out/ wherever a command runs
+# the repository: runs go to its out/ wherever a command runs
+ROOT = Path(__file__).resolve().parent
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 
-def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None, one_of=None) -> None:
-    """A UserError naming key unless value is one of `one_of`, or a finite number within the bounds
-    given: check("train.beta1", 1.5, at_least=0, below=1) says 'train.beta1 must be >= 0 and < 1, got 1.5'."""
+def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None,
+          one_of=None) -> None:
+    """A UserError naming key unless value is one of `one_of`, or a finite number within
+    the bounds: 'train.beta1 must be >= 0 and < 1, got 1.5'."""
     if one_of is not None and value not in one_of:
         raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, one_of))}")
-    bounds = [(op, b) for op, b in zip(OPS, (above, at_least, below, at_most)) if b is not None]
-    if bounds and not (math.isfinite(value) and all(OPS[op](value, b) for op, b in bounds)):
-        raise UserError(f"{key} must be {' and '.join(f'{op} {b}' for op, b in bounds)}, got {value}")
+    limits = zip(OPS, (above, at_least, below, at_most))
+    bounds = [(op, b) for op, b in limits if b is not None]
+    within = all(OPS[op](value, b) for op, b in bounds)
+    if bounds and not (math.isfinite(value) and within):
+        said = " and ".join(f"{op} {b}" for op, b in bounds)
+        raise UserError(f"{key} must be {said}, got {value}")
 
 
 def flat(values: dict, prefix: str = "") -> dict:
-    """A config's nested tables as dotted keys: {'model': {'n_head': 4}} -> {'model.n_head': 4}."""
+    """A config's nested tables as dotted keys:
+    {'model': {'n_head': 4}} -> {'model.n_head': 4}."""
     out = {}
     for k, v in values.items():
         out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
@@ -160,14 +176,17 @@ def check_fields(config, section: str) -> None:
 
 
 def atomic_write(path, data) -> None:
-    """Write data (str, bytes, or a function that writes to a binary file) to .<name>.tmp beside path,
-    fsync it and rename it over path: a reader, or a process killed meanwhile, finds the old file or
-    the new one, never part of one."""
+    """Write data (str, bytes, or a function that writes to a binary file) to .<name>.tmp
+    beside path, fsync it and rename it over path: a reader, or a process killed meanwhile,
+    finds the old file or the new one, never part of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    write = data if callable(data) else lambda f: f.write(data.encode() if isinstance(data, str) else data)
+    if isinstance(data, str):
+        data = data.encode()
+    write = data if callable(data) else lambda f: f.write(data)
     try:
-        tmp.unlink(missing_ok=True)   # a leftover could be a hard link to a checkpoint that must not change
+        # a leftover could be a hard link to a checkpoint that must not change
+        tmp.unlink(missing_ok=True)
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
@@ -175,31 +194,37 @@ def atomic_write(path, data) -> None:
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):   # said of the file the user knows, not of its temporary twin
+        # said of the file the user knows, not of its temporary twin
+        if isinstance(e, OSError):
             e.filename = str(path)
         raise
 
 
 def typed(p) -> str:
-    """A path as a user here types it: relative to the working directory when under it, else absolute."""
-    return os.path.relpath(p) if Path(p).absolute().is_relative_to(Path.cwd()) else os.path.abspath(p)
+    """A path as a user here types it: relative to the working directory when under it,
+    else absolute."""
+    if Path(p).absolute().is_relative_to(Path.cwd()):
+        return os.path.relpath(p)
+    return os.path.abspath(p)
 
 
 def command(script: str, *args: str) -> str:
-    """The command line that runs this repository's script with args from here, quoted for a shell."""
+    """The command line that runs this repository's script with args from here, quoted for
+    a shell."""
     return shlex.join(["python", typed(ROOT / script), *args])
 
 
 def duration(seconds: float) -> str:
     """3725 -> '1:02:05', 65 -> '1:05'."""
     h, rest = divmod(max(0, int(round(seconds))), 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def cpu_clock() -> tuple[float, float, float] | None:
-    """A reading of (seconds, busy seconds of the cores this process may run on, this process's own
-    CPU seconds), from Linux's /proc/stat; None where there is none. Two readings tell how many cores
-    other processes kept busy in between."""
+    """A reading of (seconds, busy seconds of the cores this process may run on, this
+    process's own CPU seconds), from Linux's /proc/stat; None where there is none. Two
+    readings tell how many cores other processes kept busy in between."""
     try:
         cores = os.sched_getaffinity(0)
         lines = Path("/proc/stat").read_text().splitlines()
@@ -209,7 +234,8 @@ def cpu_clock() -> tuple[float, float, float] | None:
     for line in lines:
         name, *ticks = line.split()
         if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cores:
-            # user nice system idle iowait irq softirq steal: all but idle and iowait are work
+            # user nice system idle iowait irq softirq steal: all but idle and iowait are
+            # work
             t = [int(n) for n in ticks[:8]]
             busy += sum(t) - t[3] - t[4]
     return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
@@ -220,11 +246,14 @@ CPU_AT_START = cpu_clock()
 
 
 class Progress:
-    """How far a long job is, on stderr: 'label: done / total unit, rate unit/s, ETA'. On a terminal the
-    line is redrawn at most 5 times a second; into a log a line is written every 10 s. quiet: nothing."""
+    """How far a long job is, on stderr: 'label: done / total unit, rate unit/s, ETA'. On a
+    terminal the line is redrawn at most 5 times a second; into a log a line is written every
+    10 s. quiet: nothing."""
 
-    def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}", quiet=False):
-        self.label, self.total, self.unit, self.amount, self.quiet = label, total, unit, amount, quiet
+    def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}",
+                 quiet=False):
+        self.label, self.total, self.unit = label, total, unit
+        self.amount, self.quiet = amount, quiet
         self.done, self.drawn, self.tty = 0, False, sys.stderr.isatty()
         self.start = self.last = time.perf_counter()
 
@@ -236,10 +265,12 @@ class Progress:
         self.last, self.drawn = now, True
         rate = self.done / max(now - self.start, 1e-9)
         left = duration((self.total - self.done) / max(rate, 1e-9))
-        line = (f"{self.label}: {self.amount(self.done)} / {self.amount(self.total)} {self.unit}, "
-                f"{self.amount(rate)} {self.unit}/s, ETA {left}")
-        print(f"\r{line}\033[K" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr,
-              flush=True)
+        line = (f"{self.label}: {self.amount(self.done)} / {self.amount(self.total)} "
+                f"{self.unit}, {self.amount(rate)} {self.unit}/s, ETA {left}")
+        if self.tty:
+            print(f"\r{line}\033[K", end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.drawn and self.tty:

@@ -1,11 +1,12 @@
 """A trained model from a file: what sampling, scoring, drawing, exporting and resuming read
 (training writes the checkpoints: training/checkpoint.py). The model itself reads no file.
 
-  reading   every member's checksum (torch.save writes a zip), then torch.load(weights_only=True):
-            tensors and plain data only, so a file cannot run code; one format and version check; the
-            weights loaded strictly into the model its config describes. Any failure is one line
-  sources   a checkpoint file; a run's out dir (its best.pt, else its latest ckpt_*.pt); a Hugging
-            Face GPT-2, by directory or hub name (the optional hf/ room)
+  reading   every member's checksum (torch.save writes a zip), then
+            torch.load(weights_only=True): tensors and plain data only, so a file cannot run
+            code; one format and version check; the weights loaded strictly into the model
+            its config describes. Any failure is one line
+  sources   a checkpoint file; a run's out dir (its best.pt, else its latest ckpt_*.pt); a
+            Hugging Face GPT-2, by directory or hub name (the optional hf/ room)
 """
 import os
 import pickle
@@ -32,34 +33,45 @@ def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
 
 
 def find_checkpoint(path) -> Path:
-    """A checkpoint file as it is; a run's out dir -> its best.pt, else its latest ckpt_*.pt."""
+    """A checkpoint file as it is; a run's out dir -> its best.pt, else its latest
+    ckpt_*.pt."""
     path = Path(path)
     if not path.is_dir():
         return path
-    found = [path / "best.pt"] if (path / "best.pt").is_file() else [p for _, p in list_checkpoints(path)]
+    if (path / "best.pt").is_file():
+        found = [path / "best.pt"]
+    else:
+        found = [p for _, p in list_checkpoints(path)]
     if not found:
         raise UserError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
     return found[-1]
 
 
 def read_checkpoint(path) -> dict:
-    """A checkpoint file's dict, read without running code; any problem is one line naming the file."""
-    if not Path(path).is_file():   # (a run's path typed from another folder: the repository's is named)
+    """A checkpoint file's dict, read as the top says."""
+    # a run's path typed from another folder: the repository's is named
+    if not Path(path).is_file():
         near = f"; did you mean {ROOT / path}?" if (ROOT / path).exists() else ""
         raise UserError(f"checkpoint not found: {path}{near}")
     try:
+        # torch.load itself reads a flipped bit in a tensor without a word
         with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()   # torch.load itself reads a flipped bit in a tensor without a word
+            damaged = archive.testzip()
         ckpt = None if damaged else torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:   # weights_only's unpickler met more than tensors and plain data
-        raise UserError(f"{path} was refused: it holds objects that could run code when loaded") from None
-    except Exception as e:   # truncated, not a zip
+    # weights_only's unpickler met more than tensors and plain data
+    except pickle.UnpicklingError:
+        raise UserError(f"{path} was refused: it holds objects that could run code "
+                        f"when loaded") from None
+    # truncated, not a zip
+    except Exception as e:
         raise UserError(f"{path} is not a readable checkpoint ({first_line(e, 100)})") from None
     if damaged:
         raise UserError(f"{path} is damaged: {damaged} does not match its checksum")
     version = ckpt.get("version") if isinstance(ckpt, dict) else None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or type(version) is not int:
-        raise UserError(f"{path} is not a checkpoint of this project (format {FORMAT} version {VERSION})")
+    ours = isinstance(ckpt, dict) and ckpt.get("format") == FORMAT
+    if not ours or type(version) is not int:
+        raise UserError(f"{path} is not a checkpoint of this project "
+                        f"(format {FORMAT} version {VERSION})")
     if version != VERSION:
         reads = "an earlier" if version < VERSION else "a later"
         raise UserError(f"{path} is a checkpoint of format version {version}, this code reads "
@@ -73,29 +85,36 @@ class LoadedModel:
     model: GPT
     tokenizer: object
     path: Path | str
-    description: str          # one line: where it came from, its step and val loss
+    # one line: where it came from, its step and val loss
+    description: str
 
 
 def load_model(source, device=torch.device("cpu")) -> LoadedModel:
-    """The model and tokenizer of a checkpoint (a file, or a run's out dir) or of a Hugging Face GPT-2
-    (a directory with config.json, or a hub name such as gpt2)."""
+    """The model and tokenizer of a checkpoint (a file, or a run's out dir) or of a Hugging
+    Face GPT-2 (a directory with config.json, or a hub name such as gpt2)."""
     text, path = str(source), Path(source)
     hugging_face = (path / "config.json").is_file() and not list(path.glob("*.pt"))
-    if hugging_face or not path.exists() and "/" not in text:   # a folder of its files, or a hub name
-        from hf.hub import load_gpt2   # (the optional Hugging Face room)
+    # a folder of its files, or a hub name: the optional Hugging Face room
+    if hugging_face or not path.exists() and "/" not in text:
+        from hf.hub import load_gpt2
         model, tokenizer, description = load_gpt2(text)
         return LoadedModel(model.to(device), tokenizer, text, description)
     path = find_checkpoint(path)
     ckpt = read_checkpoint(path)
-    tokenizer = load_tokenizer(ckpt["tokenizer"])   # (a tiktoken name whose files are missing: said as such)
+    # a tiktoken name whose files are missing is said as such
+    tokenizer = load_tokenizer(ckpt["tokenizer"])
     try:
         model = GPT(ModelConfig(**ckpt["config"]["model"]))
-        model.load_state_dict(ckpt["model"])   # strict: every weight, each of its shape
+        # strict: every weight, each of its shape
+        model.load_state_dict(ckpt["model"])
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"its tokenizer has {tokenizer.vocab_size} tokens, its model "
                              f"{model.cfg.vocab_size}")
-    except Exception as e:   # torch says which weight in the lines after its first
-        raise UserError(f"{path} does not hold a usable model ({' '.join(str(e).split())[:200]})") from None
-    val = f", val loss {ckpt['best_val_loss']:.4f}" if isinstance(ckpt.get("best_val_loss"), float) else ""
+    # torch says which weight in the lines after its first
+    except Exception as e:
+        why = " ".join(str(e).split())[:200]
+        raise UserError(f"{path} does not hold a usable model ({why})") from None
+    best = ckpt.get("best_val_loss")
+    val = f", val loss {best:.4f}" if isinstance(best, float) else ""
     description = f"{path} (step {ckpt['step']}{val})"
     return LoadedModel(model.to(device).eval(), tokenizer, path, description)

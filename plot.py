@@ -1,15 +1,17 @@
-"""Overlay the loss curves of several runs: val loss by step and by wall-clock time, each run's line
-named by the settings in which the runs' configs differ.
+"""Overlay the loss curves of several runs: val loss by step and by wall-clock time, each
+run's line named by the settings in which the runs' configs differ.
 
     python plot.py out/tinyshakespeare out/shakespeare_char_cpu_fast
-    python plot.py out/notes out/notes-bpe4096 --bpb --out compare.png   # bits per byte
+    # bits per byte
+    python plot.py out/notes out/notes-bpe4096 --bpb --out compare.png
 
-Each RUN is a run's out dir (its metrics.jsonl and config.toml). --bpb draws val bits per byte,
-which compares runs of different tokenizers fairly (val loss is per token). The picture goes to --out
-(.png, .svg or .pdf) and its path is printed. By default it is named by the runs it draws, in out/
-of this repository, beside the runs (for the first command above:
-out/runs-tinyshakespeare+shakespeare_char_cpu_fast.png): the same runs again redraw their picture,
-other runs never replace it. A run's own curves are in its out dir, as curves.png.
+Each RUN is a run's out dir (its metrics.jsonl and config.toml). --bpb draws val bits per
+byte, which compares runs of different tokenizers fairly (val loss is per token). The
+picture goes to --out (.png, .svg or .pdf) and its path is printed. By default it is named
+by the runs it draws, in out/ of this repository, beside the runs (for the first command
+above: out/runs-tinyshakespeare+shakespeare_char_cpu_fast.png): the same runs again redraw
+their picture, other runs never replace it. A run's own curves are in its out dir, as
+curves.png.
 """
 import hashlib
 import os
@@ -18,33 +20,39 @@ import tomllib
 from pathlib import Path
 
 from common import ROOT, ArgumentParser, UserError, atomic_write, flat, run_cli
+from viz import curves
 
 # where runs go, git-ignored: a default picture's folder
 DEFAULT_DIR = ROOT / "out"
 # bytes of a default picture's name (file systems allow 255)
 LONGEST_NAME = 120
-# what is shown or kept of a run, not what it computes: never named in the legend (keys and prefixes)
-SHOWN = ("out_dir", "data.prepared_dir", "log.", "train.log_interval", "train.keep_checkpoints",
-         "train.sample_")
+# what is shown or kept of a run, not what it computes: never named in the legend (keys and
+# prefixes)
+SHOWN = ("out_dir", "data.prepared_dir", "log.", "train.log_interval",
+         "train.keep_checkpoints", "train.sample_")
 
 
 def parse_args(argv):
-    p = ArgumentParser(description="Overlay the loss curves of several runs, by step and by wall-clock time.")
+    p = ArgumentParser(description="Overlay the loss curves of several runs, by step and by "
+                       "wall-clock time.")
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="a run's out dir (with metrics.jsonl and config.toml)")
     p.add_argument("--out", type=Path, help="the picture's path, .png, .svg or .pdf (default: "
                    "out/runs-<the runs' names>.png in this repository)")
-    p.add_argument("--bpb", action="store_true", help="val bits per byte instead of val loss per token")
+    p.add_argument("--bpb", action="store_true",
+                   help="val bits per byte instead of val loss per token")
     args = p.parse_args(argv)
     if args.out is not None and args.out.suffix.lower() not in (".png", ".svg", ".pdf"):
-        p.error(f"--out {args.out}: the picture is written as .png, .svg or .pdf, named by its ending")
+        p.error(f"--out {args.out}: the picture is written as .png, .svg or .pdf, "
+                f"named by its ending")
     return args
 
 
 def default_out(paths: list[Path], bpb: bool) -> Path:
-    """out/runs-<names>.png: each run named by its path below the folder the runs share (one run by
-    its folder's name), '+' between them; -bpb for bits per byte. A name too long for a file keeps
-    its start and a hash of the whole, so that other runs still get another name."""
+    """out/runs-<names>.png: each run named by its path below the folder the runs share (one
+    run by its folder's name), '+' between them; -bpb for bits per byte. A name too long for a
+    file keeps its start and a hash of the whole, so that other runs still get another
+    name."""
     resolved = [p.resolve() for p in paths]
     common = Path(os.path.commonpath(resolved))
     names = [r.relative_to(common).as_posix().replace("/", "_") if r != common else r.name
@@ -58,9 +66,9 @@ def default_out(paths: list[Path], bpb: bool) -> Path:
 
 
 def differences(configs: list[dict], most: int = 4) -> list[str]:
-    """For each config (flattened, as a run's config.toml holds every setting; one it lacks is None),
-    the settings that not every config shares, as 'key=value, ...' (at most `most` of them, then how
-    many more)."""
+    """For each config (flattened, as a run's config.toml holds every setting; one it lacks
+    is None), the settings that not every config shares, as 'key=value, ...' (at most `most`
+    of them, then how many more)."""
     keys = sorted({k for c in configs for k in c if not k.startswith(SHOWN)})
     differing = [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
     more = f" and {len(differing) - most} more" if len(differing) > most else ""
@@ -68,11 +76,12 @@ def differences(configs: list[dict], most: int = 4) -> list[str]:
 
 
 def read_run(path: Path) -> tuple[list[dict], dict]:
-    """(eval records, flattened config) of a run's out dir; a one-line error if it has none."""
-    from viz.curves import read_records
+    """(eval records, flattened config) of a run's out dir; a one-line error if it has
+    none."""
     if not (path / "metrics.jsonl").is_file() or not (path / "config.toml").is_file():
         raise UserError(f"{path} holds no run (no metrics.jsonl and config.toml)")
-    evals = [r for r in read_records(path / "metrics.jsonl") if r["kind"] == "eval"]
+    records = curves.read_records(path / "metrics.jsonl")
+    evals = [r for r in records if r["kind"] == "eval"]
     if not evals:
         raise UserError(f"{path} has no evaluation yet to draw")
     try:
@@ -84,21 +93,22 @@ def read_run(path: Path) -> tuple[list[dict], dict]:
 
 def main(argv) -> int:
     args = parse_args(argv)
-    from viz.curves import Line, Panel, draw, points
-
     paths = [Path(p) for p in args.runs]
     if len({p.resolve() for p in paths}) != len(paths):
         raise UserError("a run is named twice")
     runs = [read_run(p) for p in paths]
     metric, name = ("val_bpb", "val bits per byte") if args.bpb else ("val_loss", "val loss")
-    panels = [Panel(f"{name} by step", "step", name),
-              Panel(f"{name} by wall-clock time", "wall-clock seconds (training + evals)", name)]
-    for path, (evals, _), diff in zip(paths, runs, differences([config for _, config in runs])):
+    by_time = "wall-clock seconds (training + evals)"
+    panels = [curves.Panel(f"{name} by step", "step", name),
+              curves.Panel(f"{name} by wall-clock time", by_time, name)]
+    diffs = differences([config for _, config in runs])
+    for path, (evals, _), diff in zip(paths, runs, diffs):
         label = f"{path}: {diff}" if diff else str(path)
-        panels[0].lines.append(Line(label, *points(evals, "step", metric)))
-        panels[1].lines.append(Line(label, *points(evals, "elapsed_s", metric)))
+        for panel, x in zip(panels, ("step", "elapsed_s")):
+            panel.lines.append(curves.Line(label, *curves.points(evals, x, metric)))
     out = args.out or default_out(paths, args.bpb)
-    picture = draw(panels, f"{len(runs)} runs", legend_below=True, format=out.suffix[1:].lower())
+    picture = curves.draw(panels, f"{len(runs)} runs", legend_below=True,
+                          format=out.suffix[1:].lower())
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, picture)
     print(out)

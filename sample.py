@@ -1,32 +1,42 @@
 """Sample text from a trained GPT, streaming it to stdout as it is produced.
 
     python sample.py out/tinyshakespeare --prompt "ROMEO:" --num-samples 3 --max-new-tokens 300
-    python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0 # greedy
+    # greedy
+    python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0
 
-A run dir means its best.pt (else its latest checkpoint). All samples are generated as one batch;
-the first is streamed token by token, the others are printed when they are done. A sample ends at
---max-new-tokens, at the end-of-text token (tokenizers that have one: gpt2, bpe:N), or just before a
---stop string. Where stdout's encoding lacks a character, it is printed as '?'.
+A run dir means its best.pt (else its latest checkpoint). All samples are generated as one
+batch; the first is streamed token by token, the others are printed when they are done. A
+sample ends at --max-new-tokens, at the end-of-text token (tokenizers that have one: gpt2,
+bpe:N), or just before a --stop string. Where stdout's encoding lacks a character, it is
+printed as '?'.
 """
 import codecs
 import math
 import sys
 
-from common import ArgumentParser, UserError, run_cli
+import torch
 
-NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, more than it "
-                    "saves on a sample (bench.py sample measures both): leave out --compile")
+from common import ArgumentParser, UserError, run_cli
+from data.sources import read_prompt
+from loading import load_model
+from model.device import autocast, pick_device, pick_dtype
+from model.sampling import generate, prompt_ids
+
+NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, "
+                    "more than it saves on a sample (bench.py sample measures both): "
+                    "leave out --compile")
 
 
 def parse_args(argv):
     p = ArgumentParser(description="Sample from a trained GPT checkpoint.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
-    p.add_argument("--prompt", default="", help="text to continue, or @FILE to read it from a file "
-                   "(empty: start from a newline / end-of-text token)")
+    p.add_argument("--prompt", default="", help="text to continue, or @FILE to read it from "
+                   "a file (empty: start from a newline / end-of-text token)")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=500)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0 = all)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample only from the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: the smallest set of tokens with this much probability")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -36,8 +46,9 @@ def parse_args(argv):
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole context for every token (slow; for comparison)")
     p.add_argument("--compile", action="store_true",
-                   help="compile the decoding step, on CUDA replayed as a CUDA graph: many more tokens/s "
-                   "on a GPU once compiled (compiling takes a while: pays for long samples)")
+                   help="compile the decoding step, on CUDA replayed as a CUDA graph: many "
+                   "more tokens/s on a GPU once compiled (compiling takes a while: pays for "
+                   "long samples)")
     args = p.parse_args(argv)
     checks = [(args.num_samples >= 1, "--num-samples must be >= 1"),
               (args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
@@ -53,25 +64,19 @@ def parse_args(argv):
 
 
 def extend(text: str, decoder, piece: bytes, stops: list[str]) -> tuple[str, bool]:
-    """(text followed by the decoded bytes of a new token, whether the sample ended): it ends just
-    before a stop string, looked for only where the new text could complete one."""
+    """(text followed by the decoded bytes of a new token, whether the sample ended): it ends
+    just before a stop string, looked for only where the new text could complete one."""
     before, text = len(text), text + decoder.decode(piece)
-    cuts = [c for s in stops if (c := text.find(s, max(0, before - len(s) + 1))) >= 0]
+    found = (text.find(s, max(0, before - len(s) + 1)) for s in stops)
+    cuts = [c for c in found if c >= 0]
     return (text[:min(cuts)], True) if cuts else (text, False)
 
 
 def main(argv) -> int:
     args = parse_args(argv)
-    if sys.stdout is None:   # `python sample.py ... >&-`: Python found no stdout at its start
+    # `python sample.py ... >&-`: Python found no stdout at its start
+    if sys.stdout is None:
         raise UserError("stdout is closed: there is nowhere to write the samples to")
-    import torch
-
-    from data.sources import read_prompt
-    from model.device import autocast, pick_device, pick_dtype
-    from loading import load_model
-    from model.sampling import prompt_ids
-    from model.sampling import generate
-
     device = pick_device(args.device, setting="--device")
     loaded = load_model(args.checkpoint, device)
     tokenizer, dtype = loaded.tokenizer, pick_dtype(device)
@@ -84,21 +89,27 @@ def main(argv) -> int:
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([ids], dtype=torch.long, device=device).repeat(args.num_samples, 1)
-    hold = max(map(len, args.stop), default=1) - 1   # what could still become a stop string is not shown yet
-    new, done, streams, shown = [], [], [], 0   # each sample's text, whether it ended, its UTF-8 decoder
+    # what could still become a stop string is not shown yet
+    hold = max(map(len, args.stop), default=1) - 1
+    # each sample's text, whether it ended, its UTF-8 decoder
+    new, done, streams, shown = [], [], [], 0
     print(("" if args.num_samples == 1 else "--- sample 1 ---\n") + text, end="", flush=True)
     speed_up = None
     if args.compile:
         from speed.decoding import compiled as speed_up
+    columns = generate(loaded.model, idx, args.max_new_tokens, args.temperature, args.top_k,
+                       args.top_p, generator, vocab_limit=tokenizer.vocab_size,
+                       use_cache=not args.no_cache, cache_dtype=dtype, check_every=1,
+                       speed_up=speed_up)
     try:
-        with autocast(device, dtype):   # the finite flags are read with each token, read for streaming anyway
-            for col in generate(loaded.model, idx, args.max_new_tokens, args.temperature, args.top_k,
-                                args.top_p, generator, vocab_limit=tokenizer.vocab_size,
-                                use_cache=not args.no_cache, cache_dtype=dtype, check_every=1,
-                                speed_up=speed_up):
-                if not new:   # (made once the model has run: a batch too large for memory is refused first)
+        # the finite flags are read with each token, read for streaming anyway
+        with autocast(device, dtype):
+            for col in columns:
+                # made once the model has run: a batch too large for memory is refused first
+                if not new:
                     new, done = [""] * args.num_samples, [False] * args.num_samples
-                    streams = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in new]
+                    streams = [codecs.getincrementaldecoder("utf-8")(errors="replace")
+                               for _ in new]
                 for i, token in enumerate(col[:, 0].tolist()):
                     if done[i] or token == tokenizer.end_token:
                         done[i] = True

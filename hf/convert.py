@@ -1,29 +1,31 @@
 """GPT-2 weights in Hugging Face's layout: read them into this repo's GPT, write ours out.
 
 Hugging Face's GPT2LMHeadModel is the network of model/gpt.py with GPT-2's settings (learned
-positions, LayerNorm, biases, tied head, GELU in its tanh form); only the names and two layouts differ.
-Per block i, with C = n_embd, V = vocab_size, T = block_size (GPT-2's n_positions):
+positions, LayerNorm, biases, tied head, GELU in its tanh form); only the names and two
+layouts differ. Per block i, with C = n_embd, V = vocab_size, T = block_size (n_positions):
 
-    ours (model/gpt.py)                 shape     Hugging Face ("transformer." prefix)   shape
-    tok_emb.weight                      (V, C)    wte.weight                             (V, C)
-    pos_emb.weight                      (T, C)    wpe.weight                             (T, C)
-    blocks.i.norm1.{weight,bias}        (C,)      h.i.ln_1.{weight,bias}                 (C,)
-    blocks.i.attn.{query,key,value}     (C, C)    h.i.attn.c_attn.weight                 (C, 3C)  q | k | v
-    blocks.i.attn.proj.weight           (C, C)    h.i.attn.c_proj.weight                 (C, C)
-    blocks.i.norm2.{weight,bias}        (C,)      h.i.ln_2.{weight,bias}                 (C,)
-    blocks.i.mlp.up.weight              (4C, C)   h.i.mlp.c_fc.weight                    (C, 4C)
-    blocks.i.mlp.proj.weight            (C, 4C)   h.i.mlp.c_proj.weight                  (4C, C)
-    norm_f.{weight,bias}                (C,)      ln_f.{weight,bias}                     (C,)
-    lm_head.weight                      (V, C)    lm_head.weight (only when untied; tied, it is wte)
+    ours (model/gpt.py)              shape    Hugging Face ("transformer." prefix)  shape
+    tok_emb.weight                   (V, C)   wte.weight                            (V, C)
+    pos_emb.weight                   (T, C)   wpe.weight                            (T, C)
+    blocks.i.norm1.{weight,bias}     (C,)     h.i.ln_1.{weight,bias}                (C,)
+    blocks.i.attn.{query,key,value}  (C, C)   h.i.attn.c_attn.weight          (C, 3C) q|k|v
+    blocks.i.attn.proj.weight        (C, C)   h.i.attn.c_proj.weight                (C, C)
+    blocks.i.norm2.{weight,bias}     (C,)     h.i.ln_2.{weight,bias}                (C,)
+    blocks.i.mlp.up.weight           (4C, C)  h.i.mlp.c_fc.weight                   (C, 4C)
+    blocks.i.mlp.proj.weight         (C, 4C)  h.i.mlp.c_proj.weight                 (4C, C)
+    norm_f.{weight,bias}             (C,)     ln_f.{weight,bias}                    (C,)
+    lm_head.weight                   (V, C)   lm_head.weight (only untied; tied, it is wte)
 
-GPT-2's linear layers are "Conv1D" modules that store their weight as (in, out), the transpose of
-nn.Linear's (out, in); c_attn fuses the query, key and value projections (weight columns and bias:
-q | k | v). Both directions walk one list of these names and shapes (tensor_names).
+GPT-2's linear layers are "Conv1D" modules that store their weight as (in, out), the
+transpose of nn.Linear's (out, in); c_attn fuses the query, key and value projections
+(weight columns and bias: q | k | v). Both directions walk one list of these names and
+shapes (tensor_names).
 
-Import: the "transformer." prefix is optional (OpenAI's first checkpoints lack it), old checkpoints'
-causal-mask buffers (attn.bias, attn.masked_bias) are ignored, fp16/bf16 become fp32. Export:
-model.bias = false gives zero biases (the same function); a padded vocab_size (50304) stays as it
-is. A setting either side cannot express is a UserError naming it. Files: hf/hub.py.
+Import: the "transformer." prefix is optional (OpenAI's first checkpoints lack it), old
+checkpoints' causal-mask buffers (attn.bias, attn.masked_bias) are ignored, fp16/bf16 become
+fp32. Export: model.bias = false gives zero biases (the same function); a padded vocab_size
+(50304) stays as it is. A setting either side cannot express is a UserError naming it.
+Files: hf/hub.py.
 """
 import itertools
 import json
@@ -35,19 +37,26 @@ from common import UserError
 from model.config import ModelConfig
 
 # GPT-2's activation names (transformers' ACT2FN) -> model.mlp
-ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-               "gelu_python_tanh": "gelu_tanh", "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_fast": "gelu_tanh", "gelu_python_tanh": "gelu_tanh",
+               "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
 EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
 # GPT-2's defaults for the config.json keys read that a config may leave out
 HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop": 0.1,
-               "layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "tie_word_embeddings": True,
-               "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False}
+               "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+               "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
+               "add_cross_attention": False}
 SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
-# A block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units of C, which
-# a Conv1D stores transposed, or None for a norm's (C,))
-BLOCK_TENSORS = [(["norm1"], "ln_1", None), (["attn.query", "attn.key", "attn.value"], "attn.c_attn", (1, 1)),
-                 (["attn.proj"], "attn.c_proj", (1, 1)), (["norm2"], "ln_2", None),
-                 (["mlp.up"], "mlp.c_fc", (4, 1)), (["mlp.proj"], "mlp.c_proj", (1, 4))]
+# A block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units
+# of C, or None for a norm's (C,))
+BLOCK_TENSORS = [
+    (["norm1"], "ln_1", None),
+    (["attn.query", "attn.key", "attn.value"], "attn.c_attn", (1, 1)),
+    (["attn.proj"], "attn.c_proj", (1, 1)),
+    (["norm2"], "ln_2", None),
+    (["mlp.up"], "mlp.c_fc", (4, 1)),
+    (["mlp.proj"], "mlp.c_proj", (1, 4)),
+]
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -55,28 +64,37 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     def refuse(problem: str):
         raise UserError(f"{where}: {problem}")
 
-    if hf.get("model_type", "gpt2") != "gpt2":   # before the keys: a Llama's config.json has no n_layer
-        refuse(f"model_type={json.dumps(hf['model_type'])} is not supported (only GPT-2 maps onto this GPT)")
+    # before the keys: a Llama's config.json has no n_layer
+    if hf.get("model_type", "gpt2") != "gpt2":
+        refuse(f"model_type={json.dumps(hf['model_type'])} is not supported "
+               f"(only GPT-2 maps onto this GPT)")
     hf = {**HF_DEFAULTS, "n_positions": hf.get("n_ctx"), **hf}
-    for key in SIZES + ("resid_pdrop", "layer_norm_epsilon"):   # (JSON's numbers have no declared type)
+    # JSON's numbers have no declared type
+    for key in SIZES + ("resid_pdrop", "layer_norm_epsilon"):
         integer = key in SIZES
         if type(hf.get(key)) not in ((int,) if integer else (int, float)):
-            refuse(f"{key}={json.dumps(hf.get(key))} is not {'an integer' if integer else 'a number'}")
+            kind = "an integer" if integer else "a number"
+            refuse(f"{key}={json.dumps(hf.get(key))} is not {kind}")
     C, activation = hf["n_embd"], hf["activation_function"]
+    unknown_activation = not isinstance(activation, str) or activation not in ACTIVATIONS
+    eps = hf["layer_norm_epsilon"]
+    # reorder_and_upcast_attn is precision, not math: accepted
     for refused, key, why in [
-            (not isinstance(activation, str) or activation not in ACTIVATIONS, "activation_function",
+            (unknown_activation, "activation_function",
              f"this GPT has {', '.join(sorted(ACTIVATIONS))}"),
-            (hf["n_inner"] not in (None, 4 * C), "n_inner", f"this GPT's MLP is 4 x n_embd = {4 * C} wide"),
+            (hf["n_inner"] not in (None, 4 * C), "n_inner",
+             f"this GPT's MLP is 4 x n_embd = {4 * C} wide"),
             (hf["scale_attn_by_inverse_layer_idx"], "scale_attn_by_inverse_layer_idx",
              "this GPT scales every layer's scores alike"),
             (hf["add_cross_attention"], "add_cross_attention", "this GPT is decoder-only"),
-            (not math.isclose(hf["layer_norm_epsilon"], 1e-5, rel_tol=1e-3), "layer_norm_epsilon",
-             "this GPT's LayerNorm uses 1e-5")]:   # (reorder_and_upcast_attn: precision, not math; accepted)
+            (not math.isclose(eps, 1e-5, rel_tol=1e-3), "layer_norm_epsilon",
+             "this GPT's LayerNorm uses 1e-5")]:
         if refused:
             refuse(f"{key}={json.dumps(hf[key])} is not supported ({why})")
-    cfg = ModelConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
-                      n_head=hf["n_head"], n_embd=C, dropout=float(hf["resid_pdrop"]), bias=True,
-                      attention="sdpa", pos="learned", norm="layernorm", mlp=ACTIVATIONS[activation],
+    cfg = ModelConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
+                      n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=C,
+                      dropout=float(hf["resid_pdrop"]), bias=True, attention="sdpa",
+                      pos="learned", norm="layernorm", mlp=ACTIVATIONS[activation],
                       attn_scale=bool(hf["scale_attn_weights"]),
                       tie_embeddings=bool(hf["tie_word_embeddings"]))
     try:
@@ -87,8 +105,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def tensor_names(cfg: ModelConfig):
-    """(our names, stacked along dim 0; GPT-2's name; the shape of each of ours; whether it is a Conv1D
-    weight, stored transposed) for each GPT-2 tensor."""
+    """(our names, GPT-2's name, the shape of each of ours, whether it is a Conv1D weight)
+    for each GPT-2 tensor."""
     C, V = cfg.n_embd, cfg.vocab_size
     yield ["tok_emb.weight"], "transformer.wte.weight", (V, C), False
     yield ["pos_emb.weight"], "transformer.wpe.weight", (cfg.block_size, C), False
@@ -96,7 +114,8 @@ def tensor_names(cfg: ModelConfig):
     for i, (ours, theirs, size), kind in blocks:
         conv = size is not None and kind == "weight"
         shape = (size[0] * C, size[1] * C) if conv else (size[0] * C,) if size else (C,)
-        yield [f"blocks.{i}.{o}.{kind}" for o in ours], f"transformer.h.{i}.{theirs}.{kind}", shape, conv
+        names = [f"blocks.{i}.{o}.{kind}" for o in ours]
+        yield names, f"transformer.h.{i}.{theirs}.{kind}", shape, conv
     for kind in ("weight", "bias"):
         yield [f"norm_f.{kind}"], f"transformer.ln_f.{kind}", (C,), False
     if not cfg.tie_embeddings:
@@ -106,49 +125,62 @@ def tensor_names(cfg: ModelConfig):
 def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetensors") -> dict:
     """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32); a missing, misshapen or
     unexpected tensor is a UserError naming it."""
-    sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in sd.items()
-          if not k.endswith((".attn.bias", ".attn.masked_bias"))}   # old checkpoints' causal-mask buffers
+    # old checkpoints' causal-mask buffers are left out
+    sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
+          for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     out = {}
     for ours, theirs, shape, conv in tensor_names(cfg):
         short = theirs.removeprefix("transformer.")
         if theirs not in sd:
             raise UserError(f"{where} lacks the tensor {short}")
-        t, stacked = sd.pop(theirs), (len(ours) * shape[0], *shape[1:])   # q | k | v: three of ours
-        if tuple(t.shape) != (stacked := stacked[::-1] if conv else stacked):
-            raise UserError(f"{where}: {short} has shape {tuple(t.shape)}, the config says {stacked}")
+        t = sd.pop(theirs)
+        # q | k | v: three of ours
+        stacked = (len(ours) * shape[0], *shape[1:])
+        stacked = stacked[::-1] if conv else stacked
+        if tuple(t.shape) != stacked:
+            raise UserError(f"{where}: {short} has shape {tuple(t.shape)}, "
+                            f"the config says {stacked}")
         t = t.float().t() if conv else t.float()
         out.update((o, part.contiguous()) for o, part in zip(ours, t.split(shape[0])))
-    if cfg.tie_embeddings:   # the head is wte, whatever else was stored
+    # the head is wte, whatever else was stored
+    if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
         out["lm_head.weight"] = out["tok_emb.weight"]
     if sd:
         names = sorted(k.removeprefix("transformer.") for k in sd)
+        more = " ..." if len(names) > 3 else ""
         raise UserError(f"{where} holds tensors a GPT-2 of this config does not have: "
-                        f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}")
+                        f"{', '.join(names[:3])}{more}")
     return out
 
 
 def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
-    """This GPT's config and state dict -> (GPT-2 config.json dict, GPT-2 tensors as transformers
-    names them). Tensors are new and contiguous (safetensors needs both). A setting GPT-2 cannot express
-    is a UserError naming it."""
+    """This GPT's config and state dict -> (GPT-2 config.json dict, GPT-2 tensors as
+    transformers names them). Tensors are new and contiguous (safetensors needs both). A
+    setting GPT-2 cannot express is a UserError naming it."""
     for key, allowed, why in [
             ("pos", ["learned"], "GPT-2 has learned absolute positions"),
             ("norm", ["layernorm"], "GPT-2 has LayerNorm"),
             ("qk_norm", [False], "GPT-2 does not normalize queries and keys"),
-            ("attention", ["naive", "sdpa"], "GPT-2 has plain multi-head attention: naive or sdpa")]:
+            ("attention", ["naive", "sdpa"],
+             "GPT-2 has plain multi-head attention: naive or sdpa")]:
         if getattr(cfg, key) not in allowed:
             raise UserError(f"model.{key}={getattr(cfg, key)!r} does not map onto GPT-2 ({why})")
     sd = {k: v.detach().cpu() for k, v in state_dict.items()}
     dtype, tensors = sd["tok_emb.weight"].dtype, {}
-    for ours, theirs, shape, conv in tensor_names(cfg):   # model.bias = false: zero biases, the same function
-        t = torch.cat([torch.zeros(shape, dtype=dtype) if o.endswith("bias") and o not in sd else sd[o]
-                       for o in ours])
+    # model.bias = false: zero biases, the same function
+    for ours, theirs, shape, conv in tensor_names(cfg):
+        parts = [torch.zeros(shape, dtype=dtype) if o.endswith("bias") and o not in sd
+                 else sd[o] for o in ours]
+        t = torch.cat(parts)
         tensors[theirs] = t.t().contiguous() if conv else t
-    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-              "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-              "n_head": cfg.n_head, "activation_function": EXPORT_ACTIVATION[cfg.mlp],
-              "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-              "layer_norm_epsilon": 1e-5, "scale_attn_weights": cfg.attn_scale,
-              "tie_word_embeddings": cfg.tie_embeddings}   # the rest as GPT2Config's defaults
+    # the rest as GPT2Config's defaults
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+              "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size,
+              "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+              "activation_function": EXPORT_ACTIVATION[cfg.mlp],
+              "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+              "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5,
+              "scale_attn_weights": cfg.attn_scale,
+              "tie_word_embeddings": cfg.tie_embeddings}
     return config, tensors

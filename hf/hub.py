@@ -1,22 +1,25 @@
-"""GPT-2 checkpoints as files and hub names: reading and writing Hugging Face directories, starting a
-run from GPT-2's weights (train.init_from), and loading a GPT-2 to sample from.
+"""GPT-2 checkpoints as files and hub names: reading and writing Hugging Face directories,
+starting a run from GPT-2's weights (train.init_from), and loading a GPT-2 to sample from.
 
-    python train.py configs/finetune_gpt2.toml --data my.txt          # train.init_from = "gpt2" (or a dir)
+    # train.init_from = "gpt2" (or a dir)
+    python train.py configs/finetune_gpt2.toml --data my.txt
     python sample.py gpt2 --prompt "Hello"
     python export.py out/run hf_model
 
-train.init_from: the checkpoint fixes the architecture. The model section is its config.json's, and
-a model.* key the user set to another value is a UserError naming it, except three choices of the
-fine-tuning: model.dropout, model.attention (naive or sdpa: the same math) and model.block_size up
-to n_positions (the position table is cropped). The tokenizer is GPT-2's (tiktoken's gpt2). A
-resumed run loads its own checkpoint, never these weights.
+train.init_from: the checkpoint fixes the architecture and the tokenizer (tiktoken's gpt2).
+A model.* key set to another value is a UserError naming it, except model.dropout,
+model.attention (naive or sdpa: the same math) and model.block_size up to n_positions (the
+position table is cropped). A resumed run loads its own checkpoint, never these weights.
 
-Files: config.json and model.safetensors (or its shards model-*.safetensors), never pytorch_model.bin,
-a pickle that can run code when loaded; an export adds generation_config.json and the tokenizer's
-files (hf/tokenizer.py). safetensors and huggingface_hub are imported only when used.
+Files: config.json and model.safetensors (or its shards), never pytorch_model.bin, a pickle
+that can run code when loaded; an export adds generation_config.json and the tokenizer's
+files (hf/tokenizer.py). huggingface_hub is imported only to download.
 """
 import json
 from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
 
 from common import UserError, atomic_write, first_line
 from data.bpe import TiktokenTokenizer
@@ -25,9 +28,10 @@ from hf.tokenizer import tokenizer_files
 from model.config import ModelConfig
 from model.gpt import GPT
 
-GPT2_VOCAB = 50257   # tiktoken's gpt2: 50,256 merges and bytes, plus <|endoftext|>
-# name -> (hub repo, n_layer, n_head, n_embd): the published sizes (vocab 50257, context 1024), so
-# that a run's config is known before, and without, any download
+# tiktoken's gpt2: 50,256 merges and bytes, plus <|endoftext|>
+GPT2_VOCAB = 50257
+# name -> (hub repo, n_layer, n_head, n_embd): the published sizes (vocab 50257, context
+# 1024), so that a run's config is known before, and without, any download
 HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
               "gpt2-medium": ("openai-community/gpt2-medium", 24, 16, 1024),
               "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
@@ -36,39 +40,47 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
 
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
-    """A local directory as it is; a hub name (gpt2, gpt2-medium, ..., or owner/name) downloaded
-    through huggingface_hub's cache (config.json, and the safetensors files if weights)."""
+    """A local directory as it is; a hub name (gpt2, gpt2-medium, ..., or owner/name)
+    downloaded through huggingface_hub's cache (config.json, and the safetensors files if
+    weights)."""
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
     if name_or_dir not in HUB_MODELS and name_or_dir.count("/") != 1:
         raise UserError(f"{name_or_dir} is neither a directory nor a GPT-2 name "
                         f"({', '.join(HUB_MODELS)}, or a hub id owner/name)")
-    try:   # (huggingface_hub missing, offline, an unknown repo, no access, a full disk: all end here)
+    repo = HUB_MODELS.get(name_or_dir, [name_or_dir])[0]
+    files = ["config.json"]
+    if weights:
+        files += ["model.safetensors", "model-*.safetensors"]
+    # huggingface_hub missing, offline, an unknown repo, no access, a full disk: all end here
+    try:
         from huggingface_hub import snapshot_download
-        files = ["config.json", "model.safetensors", "model-*.safetensors"] if weights else ["config.json"]
-        return Path(snapshot_download(HUB_MODELS.get(name_or_dir, [name_or_dir])[0], allow_patterns=files))
+        return Path(snapshot_download(repo, allow_patterns=files))
     except Exception as e:
         offline = type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled")
         detail = ("not in the local cache, and the hub cannot be reached" if offline
                   else first_line(e).split(". ")[0])
-        raise UserError(f"could not download {name_or_dir} from the Hugging Face hub ({detail}); "
-                        f"pass a local directory") from None
+        raise UserError(f"could not download {name_or_dir} from the Hugging Face hub "
+                        f"({detail}); pass a local directory") from None
 
 
 def pretrained_config(name_or_dir: str) -> ModelConfig:
-    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its config.json."""
+    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its
+    config.json."""
     if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
         _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
-        return config_from_hf({"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer,
-                               "n_head": n_head, "n_embd": n_embd}, where=name_or_dir)
+        sizes = {"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer,
+                 "n_head": n_head, "n_embd": n_embd}
+        return config_from_hf(sizes, where=name_or_dir)
     path = resolve_source(name_or_dir, weights=False) / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{path.parent} has no config.json: not a Hugging Face checkpoint "
                         f"directory") from None
-    except ValueError as e:   # (a UnicodeDecodeError too)
+    # a UnicodeDecodeError too
+    except ValueError as e:
         raise UserError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(hf, dict):
         raise UserError(f"{path} is not a JSON object")
@@ -76,40 +88,45 @@ def pretrained_config(name_or_dir: str) -> ModelConfig:
 
 
 def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
-    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state dict)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state
+    dict)."""
     cfg = pretrained_config(name_or_dir)
     directory = resolve_source(name_or_dir)
     files = [directory / "model.safetensors"]
-    files = files if files[0].is_file() else sorted(directory.glob("model-*.safetensors"))
+    if not files[0].is_file():
+        files = sorted(directory.glob("model-*.safetensors"))
     if not files:
         found = ", ".join(sorted(p.name for p in directory.iterdir())[:5])
-        raise UserError(f"{directory} has no model.safetensors (found: {found}); pickled .bin weights "
-                        f"are not loaded, since they can run code")
+        raise UserError(f"{directory} has no model.safetensors (found: {found}); "
+                        f"pickled .bin weights are not loaded, since they can run code")
     tensors = {}
     for f in files:
         try:
             tensors.update(load_file(f))
         except (SafetensorError, OSError, ValueError) as e:
-            raise UserError(f"{f} is not a readable safetensors file ({first_line(e, 120)})") from None
+            raise UserError(f"{f} is not a readable safetensors file "
+                            f"({first_line(e, 120)})") from None
     return cfg, state_dict_from_hf(tensors, cfg, where=f"{name_or_dir}: weights")
 
 
 def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
                     tokenizer: dict | None = None) -> list[str]:
-    """Write config.json, generation_config.json and model.safetensors (GPT2LMHeadModel to transformers),
-    and a tokenizer meta()'s files (hf/tokenizer.py), each atomically; returns the tokenizer files' names."""
-    from safetensors.torch import save
-    config, tensors = to_hf(cfg, state_dict)   # refuses unmappable settings before any write
+    """Write config.json, generation_config.json and model.safetensors (GPT2LMHeadModel to
+    transformers), and a tokenizer meta()'s files (hf/tokenizer.py), each atomically;
+    returns the tokenizer files' names."""
+    # refuses unmappable settings before any write
+    config, tensors = to_hf(cfg, state_dict)
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
     config.update(bos_token_id=eos, eos_token_id=eos)
-    # half the context by default (the pipeline's 256 overrun a small one; a max_length makes calls warn)
-    generation = {"max_new_tokens": cfg.block_size // 2, "bos_token_id": eos, "eos_token_id": eos}
+    # half the context by default (the pipeline's 256 overrun a small one; a max_length
+    # makes calls warn)
+    generation = {"max_new_tokens": cfg.block_size // 2,
+                  "bos_token_id": eos, "eos_token_id": eos}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", save(tensors, metadata={"format": "pt"}))
-    for name, value in {"config.json": config, "generation_config.json": generation, **files}.items():
+    jsons = {"config.json": config, "generation_config.json": generation, **files}
+    for name, value in jsons.items():
         atomic_write(directory / name, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
     return list(files)
 
@@ -117,51 +134,58 @@ def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
 # ----------------------------------------------------------------------------- using GPT-2
 
 def resolve_init_from(cfg, explicit: set[str]) -> None:
-    """train.init_from (see the top): cfg.model becomes the checkpoint's, with the free keys the user set,
-    and data.tokenizer gpt2. explicit: the dotted keys the config file and command line set."""
+    """train.init_from (see the top): cfg.model becomes the checkpoint's, with the free keys
+    the user set, and data.tokenizer gpt2. explicit: the dotted keys the config file and
+    command line set."""
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)
     except UserError as e:
         raise UserError(f"train.init_from: {e}") from None
     if pretrained.vocab_size < GPT2_VOCAB:
-        raise UserError(f"train.init_from={source} has a vocabulary of {pretrained.vocab_size} tokens, fewer "
-                        f"than GPT-2's {GPT2_VOCAB}: its tokenizer is not GPT-2's, which fine-tuning uses")
+        raise UserError(f"train.init_from={source} has a vocabulary of "
+                        f"{pretrained.vocab_size} tokens, fewer than GPT-2's {GPT2_VOCAB}: "
+                        f"its tokenizer is not GPT-2's, which fine-tuning uses")
     for key in sorted(k.removeprefix("model.") for k in explicit if k.startswith("model.")):
         mine, theirs = getattr(cfg.model, key), getattr(pretrained, key)
-        free = (key == "dropout" or (key == "attention" and mine in ("naive", "sdpa"))
+        free = (key == "dropout"
+                or (key == "attention" and mine in ("naive", "sdpa"))
                 or (key == "block_size" and 0 < mine <= theirs))
         if mine != theirs and not free:
             limit = f" (its n_positions: at most {theirs})" if key == "block_size" else ""
-            raise UserError(f"model.{key}={mine} conflicts with {source}'s {key}={theirs}{limit} "
-                            f"(train.init_from); remove the override")
+            raise UserError(f"model.{key}={mine} conflicts with {source}'s {key}={theirs}"
+                            f"{limit} (train.init_from); remove the override")
         setattr(pretrained, key, mine)
     if "data.tokenizer" in explicit and cfg.data.tokenizer != "gpt2":
-        raise UserError(f"data.tokenizer={cfg.data.tokenizer} conflicts with train.init_from={source}, "
-                        f"whose tokenizer is gpt2; remove the override")
+        raise UserError(f"data.tokenizer={cfg.data.tokenizer} conflicts with "
+                        f"train.init_from={source}, whose tokenizer is gpt2; "
+                        f"remove the override")
     cfg.model, cfg.data.tokenizer = pretrained, "gpt2"
 
 
 def load_init_weights(model: GPT, source: str) -> None:
-    """Copy the pretrained weights of source into model (built from the resolved config), cropping
-    the position table to model.cfg.block_size rows."""
+    """Copy the pretrained weights of source into model (built from the resolved config),
+    cropping the position table to model.cfg.block_size rows."""
     _, state = load_pretrained(source)
-    state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]   # (n_positions, C) -> (T, C)
+    # (n_positions, C) -> (T, C)
+    state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]
     try:
         model.load_state_dict(state)
-    except RuntimeError as e:   # its files changed since its config was read
+    # its files changed since its config was read
+    except RuntimeError as e:
         raise UserError(f"{source} does not fit the model its config.json describes: "
                         f"{first_line(e)}") from None
 
 
 def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
-    """(GPT in eval mode, tiktoken's gpt2 tokenizer, a one-line description) of a Hugging Face GPT-2:
-    a directory holding config.json, or a hub name."""
+    """(GPT in eval mode, tiktoken's gpt2 tokenizer, a one-line description) of a Hugging
+    Face GPT-2: a directory holding config.json, or a hub name."""
     cfg, state = load_pretrained(source)
     if cfg.vocab_size < GPT2_VOCAB:
-        raise UserError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than GPT-2's "
-                        f"{GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
+        raise UserError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than "
+                        f"GPT-2's {GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
     model = GPT(cfg)
     model.load_state_dict(state)
-    size = f"{model.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, context {cfg.block_size}"
+    size = (f"{model.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, "
+            f"context {cfg.block_size}")
     return model.eval(), TiktokenTokenizer.named("gpt2"), f"{source} (Hugging Face GPT-2, {size})"

@@ -1,24 +1,28 @@
-r"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json, written as plain JSON:
-AutoTokenizer and pipeline("text-generation") then encode and decode as we do, offline.
+r"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json, written as
+plain JSON: AutoTokenizer and pipeline("text-generation") then encode and decode as we do,
+offline.
 
-tiktoken's BPE (gpt2, and bpe:N trained on the data) and the `tokenizers` library's byte-level BPE
-are one algorithm, stored two ways:
+tiktoken's BPE (gpt2, and bpe:N trained on the data) and the `tokenizers` library's
+byte-level BPE are one algorithm, stored two ways:
 
-    tiktoken                                  tokenizer.json
-    a regex cuts the text into pieces         pre_tokenizer: Split(that regex), then ByteLevel, which
-                                              writes each byte as one character (BYTES, GPT-2's:
-                                              printable bytes as themselves, the rest from U+0100)
-    ranks: token bytes -> rank, its id        model.vocab: the token in those characters -> id
-    a piece merges its adjacent pair of       model.merges, in priority order: each token's pair is
-    lowest rank while one is a token          found by merging its bytes with lower ranks only
-    a piece that is a token is that token     model.ignore_merges
-    <|endoftext|>                             added_tokens (special; in the vocab, to keep its id)
-    decode: the tokens' bytes joined          decoder: ByteLevel (the characters back to bytes)
+    tiktoken                             tokenizer.json
+    a regex cuts the text into pieces    pre_tokenizer: Split(that regex), then ByteLevel,
+                                         which writes each byte as one character (BYTES,
+                                         GPT-2's: printable bytes as themselves, the rest
+                                         from U+0100)
+    ranks: token bytes -> rank, its id   model.vocab: the token in those characters -> id
+    a piece merges its adjacent pair of  model.merges, in priority order: each token's pair
+    lowest rank while one is a token     is found by merging its bytes with lower ranks only
+    a piece that is a token is that      model.ignore_merges
+    token
+    <|endoftext|>                        added_tokens (special; in the vocab, to keep its id)
+    decode: the tokens' bytes joined     decoder: ByteLevel (the characters back to bytes)
 
-char: the vocabulary is the characters; no merges, no pre-tokenizer; the decoder Fuse joins tokens
-without spaces (a character outside the vocabulary is dropped, not refused). Where they differ:
-"<|endoftext|>" in a text is the special token to `tokenizers` (text to us), and its regex engine
-has no possessive {n,m}+, written {n,m}: the same where nothing follows it (GPT-4's \p{N}{1,3}+).
+char: the vocabulary is the characters; no merges, no pre-tokenizer; the decoder Fuse joins
+tokens without spaces (a character outside the vocabulary is dropped, not refused). Where
+they differ: "<|endoftext|>" in a text is the special token to `tokenizers` (text to us),
+and its regex engine has no possessive {n,m}+, written {n,m}: the same where nothing follows
+it (GPT-4's \p{N}{1,3}+).
 """
 import re
 
@@ -26,9 +30,10 @@ from common import UserError
 from data.bpe import EOT
 from data.tokenizers import load_tokenizer
 
+# GPT-2's bytes_to_unicode
 _PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
 _OTHERS = iter(range(256, 512))
-BYTES = [chr(b) if b in _PRINTABLE else chr(next(_OTHERS)) for b in range(256)]   # GPT-2's bytes_to_unicode
+BYTES = [chr(b) if b in _PRINTABLE else chr(next(_OTHERS)) for b in range(256)]
 
 
 def merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
@@ -39,7 +44,8 @@ def merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
         while len(parts) > 2:
             pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
             if min(pair_ranks) >= rank:
-                raise UserError(f"BPE token {token!r} cannot be made from tokens of lower ranks")
+                raise UserError(f"BPE token {token!r} cannot be made from tokens of "
+                                f"lower ranks")
             i = pair_ranks.index(min(pair_ranks))
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:
@@ -47,24 +53,35 @@ def merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return out
 
 
+def as_chars(token: bytes) -> str:
+    """A token's bytes in ByteLevel's characters."""
+    return "".join(BYTES[b] for b in token)
+
+
 def tokenizer_files(meta: dict, max_length: int) -> tuple[dict, int | None]:
-    """({file name: JSON value} of the tokenizer that meta describes, the id of its <|endoftext|> or None)."""
+    """({file name: JSON value} of the tokenizer that meta describes, the id of its
+    <|endoftext|> or None)."""
     if meta["kind"] == "char":
         vocab, pairs, special = {c: i for i, c in enumerate(meta["chars"])}, [], {}
         pre, decoder = None, {"type": "Fuse"}
     else:
-        enc = load_tokenizer(meta).enc   # tiktoken's Encoding, of gpt2 or of a bpe:N trained on the data
+        # tiktoken's Encoding, of gpt2 or of a bpe:N trained on the data
+        enc = load_tokenizer(meta).enc
         ranks, special = enc._mergeable_ranks, enc._special_tokens
-        vocab = {"".join(BYTES[b] for b in token): rank for token, rank in ranks.items()}
-        pairs = [" ".join("".join(BYTES[b] for b in part) for part in pair) for pair in merges(ranks)]
-        decoder = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-        split = {"type": "Split", "pattern": {"Regex": re.sub(r"(\{\d+(,\d*)?\})\+", r"\1", enc._pat_str)},
+        vocab = {as_chars(token): rank for token, rank in ranks.items()}
+        pairs = [f"{as_chars(a)} {as_chars(b)}" for a, b in merges(ranks)]
+        decoder = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                   "use_regex": False}
+        pattern = re.sub(r"(\{\d+(,\d*)?\})\+", r"\1", enc._pat_str)
+        split = {"type": "Split", "pattern": {"Regex": pattern},
                  "behavior": "Isolated", "invert": False}
         pre = {"type": "Sequence", "pretokenizers": [split, decoder]}
-    added = [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for token, i in special.items()]
-    tokenizer = {"version": "1.0", "added_tokens": added, "pre_tokenizer": pre, "decoder": decoder,
-                 "model": {"type": "BPE", "ignore_merges": True, "vocab": vocab | special, "merges": pairs}}
+    added = [{"id": i, "content": token, "single_word": False, "lstrip": False,
+              "rstrip": False, "normalized": False, "special": True}
+             for token, i in special.items()]
+    model = {"type": "BPE", "ignore_merges": True, "vocab": vocab | special, "merges": pairs}
+    tokenizer = {"version": "1.0", "added_tokens": added, "pre_tokenizer": pre,
+                 "decoder": decoder, "model": model}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "clean_up_tokenization_spaces": False}
     if EOT in special:

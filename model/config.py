@@ -16,10 +16,13 @@ class ModelConfig:
     n_layer: int = setting(4, "transformer blocks")
     n_head: int = setting(4, "attention heads per block (head size = n_embd / n_head)")
     n_embd: int = setting(128, "width of the residual stream (C)")
-    dropout: float = setting(0.0, "dropout on embeddings, attention weights and residual branches")
+    dropout: float = setting(
+        0.0, "dropout on embeddings, attention weights and residual branches")
     bias: bool = setting(True, "biases in Linear layers and LayerNorms")
-    attention: str = setting("sdpa", "naive | sdpa | gqa | sliding_window | linear | mla (model/attention/)")
-    n_kv_head: int = setting(0, "gqa: key/value heads, a divisor of n_head (1 = multi-query)")
+    attention: str = setting(
+        "sdpa", "naive | sdpa | gqa | sliding_window | linear | mla (model/attention/)")
+    n_kv_head: int = setting(
+        0, "gqa: key/value heads, a divisor of n_head (1 = multi-query)")
     window: int = setting(0, "sliding_window: tokens each token sees, itself included")
     kv_latent_dim: int = setting(0, "mla: size of the cached key/value latent per token")
     pos: str = setting("learned", "learned | rope | alibi | none (model/positions.py)")
@@ -29,7 +32,8 @@ class ModelConfig:
     mlp: str = setting("gelu", "gelu | gelu_tanh (GPT-2's tanh approximation) | relu2")
     tie_embeddings: bool = setting(True, "LM head shares the token embedding matrix")
     zero_init_proj: bool = setting(False, "residual output projections start at zero")
-    rope_base: float = setting(10000.0, "rope: the base of its wavelengths (longest ~ 2π·base positions)")
+    rope_base: float = setting(
+        10000.0, "rope: the base of its wavelengths (longest ~ 2π·base positions)")
 
     @property
     def head_dim(self) -> int:
@@ -41,14 +45,16 @@ class ModelConfig:
             check(f"model.{name}", getattr(self, name), above=0)
         check("model.vocab_size", self.vocab_size, at_least=0)
         if self.n_embd % self.n_head:
-            raise UserError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+            raise UserError(f"model.n_embd={self.n_embd} is not divisible by "
+                            f"model.n_head={self.n_head}")
         check("model.dropout", self.dropout, at_least=0.0, below=1.0)
         check("model.rope_base", self.rope_base, above=0.0)
-        for name, allowed in {"attention": ATTENTIONS, "pos": POSITIONS, "norm": NORMS, "mlp": MLPS}.items():
+        choices = {"attention": ATTENTIONS, "pos": POSITIONS, "norm": NORMS, "mlp": MLPS}
+        for name, allowed in choices.items():
             check(f"model.{name}", getattr(self, name), one_of=allowed)
         if self.pos == "rope" and self.head_dim % 2:
-            raise UserError(f"model.pos='rope' needs an even head dim, but model.n_embd/model.n_head = "
-                            f"{self.head_dim}")
+            raise UserError(f"model.pos='rope' needs an even head dim, "
+                            f"but model.n_embd/model.n_head = {self.head_dim}")
         self.validate_variant()
 
     def validate_variant(self) -> None:
@@ -61,15 +67,18 @@ class ModelConfig:
             value = getattr(self, name)
             check(f"model.{name}", value, at_least=0)
             if self.attention == variant and value == 0:
-                raise UserError(f"model.attention='{variant}' needs model.{name} > 0 ({hints[name]})")
+                raise UserError(f"model.attention='{variant}' needs model.{name} > 0 "
+                                f"({hints[name]})")
             if self.attention != variant and value != 0:
-                raise UserError(f"model.{name}={value} only applies to model.attention='{variant}', "
+                raise UserError(f"model.{name}={value} only applies to "
+                                f"model.attention='{variant}', "
                                 f"not model.attention='{self.attention}'")
         if self.attention == "gqa" and self.n_head % self.n_kv_head:
             raise UserError(f"model.n_head={self.n_head} is not a multiple of "
                             f"model.n_kv_head={self.n_kv_head}")
         if self.attention == "sliding_window" and self.window > self.block_size:
-            raise UserError(f"model.window={self.window} is larger than model.block_size={self.block_size}")
+            raise UserError(f"model.window={self.window} is larger than "
+                            f"model.block_size={self.block_size}")
         if self.attention == "linear" and self.pos == "alibi":
-            raise UserError("model.pos='alibi' biases attention scores, which model.attention='linear' "
-                            "never forms (use rope, learned or none)")
+            raise UserError("model.pos='alibi' biases attention scores, which "
+                            "model.attention='linear' never forms (use rope, learned or none)")

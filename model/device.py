@@ -1,15 +1,18 @@
 """Where a model computes: the device, the dtype, and on a CPU how many threads.
 
-  device   auto = CUDA where there is a GPU, else the CPU; any name torch knows (cuda:1, mps)
-  dtype    auto = bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere. Lower precision
-           runs under autocast: the weights stay fp32, the matmuls run in the low format; on CUDA
-           fp32 matmuls may use TF32 tensor cores (far below what training notices, much faster)
-  threads  PyTorch's CPU threads meet at a barrier after every operation, and wait there spinning.
-           When another process runs on one of the cores, a thread that lost its core holds the
-           others at each barrier: on 2 busy cores a step with 2 threads can take 30x as long as
-           with 1. So a CPU run takes only the cores that other processes leave free (at least
-           one), measured over its start-up and again whenever fit_threads is called (the trainer:
-           at each log line). OMP_NUM_THREADS, when set, is kept as it is.
+  device   auto = CUDA where there is a GPU, else the CPU; any name torch knows (cuda:1,
+           mps)
+  dtype    auto = bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere. Lower
+           precision runs under autocast: the weights stay fp32, the matmuls run in the low
+           format; on CUDA fp32 matmuls may use TF32 tensor cores (far below what training
+           notices, much faster)
+  threads  PyTorch's CPU threads meet at a barrier after every operation, and wait there
+           spinning. When another process runs on one of the cores, a thread that lost its
+           core holds the others at each barrier: on 2 busy cores a step with 2 threads can
+           take 30x as long as with 1. So a CPU run takes only the cores that other
+           processes leave free (at least one), measured over its start-up and again
+           whenever fit_threads is called (the trainer: at each log line). OMP_NUM_THREADS,
+           when set, is kept as it is.
 """
 import math
 import os
@@ -24,8 +27,7 @@ CORES = torch.get_num_threads()
 
 
 def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
-    """auto: CUDA where there is a GPU, else the CPU; any other name is checked against this machine.
-    On the CPU, the threads are fitted to the cores other processes leave free."""
+    """The device of a name (see the top), checked against this machine."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -33,8 +35,8 @@ def pick_device(name: str = "auto", setting: str = "train.device") -> torch.devi
         # the device exists here (a CPU-only build asserts)
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError):
-        raise UserError(f"{setting}={name!r} is not a device this machine has (cpu, cuda, cuda:N, "
-                        f"mps)") from None
+        raise UserError(f"{setting}={name!r} is not a device this machine has "
+                        f"(cpu, cuda, cuda:N, mps)") from None
     if device.type == "cpu":
         fit_threads(CPU_AT_START)
     if device.type == "cuda":
@@ -49,7 +51,9 @@ def fit_threads(since):
     """Use as many threads as cores other processes left free since the cpu_clock() reading
     `since`. Returns (the reading now, for the next call; a line saying a change, or None)."""
     now = cpu_clock()
-    if now is None or since is None or "OMP_NUM_THREADS" in os.environ or now[0] - since[0] < 0.05:
+    if now is None or since is None or "OMP_NUM_THREADS" in os.environ:
+        return now, None
+    if now[0] - since[0] < 0.05:
         return now, None
     seconds, busy, own = (b - a for a, b in zip(since, now))
     others = max(0.0, (busy - own) / seconds)

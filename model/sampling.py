@@ -1,19 +1,21 @@
 """Autoregressive sampling: predict the next token, append it, repeat.
 
-With the cache (the default), the prompt goes through the model once (prefill) and every later
-step feeds only the newest token, reusing what the attention cached for the earlier ones (their keys
-and values; only the last window of them, a latent, or a recurrent state for some variants). When the
-context reaches block_size, the window slides: the cache is rebuilt from the last half block of
-tokens (positions restart at 0, as learned position embeddings need), so the cost stays amortized
-O(1) forwards of one token per step.
+With the cache (the default), the prompt goes through the model once (prefill) and every
+later step feeds only the newest token, reusing what the attention cached for the earlier
+ones (their keys and values; only the last window of them, a latent, or a recurrent state
+for some variants). When the context reaches block_size, the window slides: the cache is
+rebuilt from the last half block of tokens (positions restart at 0, as learned position
+embeddings need), so the cost stays amortized O(1) forwards of one token per step.
 
-The cache has fixed shapes and the position of the new token is a tensor, so every decoding step
-runs the same computation on the same buffers (decode_step): a compiler can turn it into one graph,
-and on CUDA into one CUDA graph replayed for every token. generate() takes that speed-up as a
-function (speed_up, e.g. speed/decoding.py's compiled), so the model needs nothing from speed/.
+The cache has fixed shapes and the position of the new token is a tensor, so every decoding
+step runs the same computation on the same buffers (decode_step): a compiler can turn it
+into one graph, and on CUDA into one CUDA graph replayed for every token. generate() takes
+that speed-up as a function (speed_up, e.g. speed/decoding.py's compiled), so the model
+needs nothing from speed/.
 """
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,17 +23,27 @@ import torch.nn.functional as F
 from common import UserError
 from model.gpt import GPT, InferenceCache
 
-TINY = torch.finfo(torch.float32).tiny                                   # the smallest normal float32
+# the smallest normal float32
+TINY = torch.finfo(torch.float32).tiny
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                noise: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B, 1). temperature 0 is greedy (argmax). noise (B, V): draws
-    of Exponential(1) (draw_noise), the randomness of the choice.
+@dataclass(frozen=True)
+class Choice:
+    """How the next token is chosen from the logits (sample_next's settings)."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
 
-    The logits are shifted so that the largest is 0 before they are divided by the temperature: the
-    quotients are <= 0 and cannot overflow, so a temperature near 0 samples like greedy. A subnormal
-    temperature (below TINY, about 1e-38), which a GPU flushes to 0, counts as TINY."""
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                top_p: float = 1.0, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B, 1). temperature 0 is greedy (argmax). noise (B, V):
+    draws of Exponential(1) (draw_noise), the randomness of the choice.
+
+    The logits are shifted so that the largest is 0 before they are divided by the
+    temperature: the quotients are <= 0 and cannot overflow, so a temperature near 0 samples
+    like greedy. A subnormal temperature (below TINY, about 1e-38), which a GPU flushes to 0,
+    counts as TINY."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
@@ -43,47 +55,54 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
         # nucleus: keep the most likely tokens until their total probability reaches top_p
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = F.softmax(sorted_logits, dim=-1)
-        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p   # the mass before it is enough
+        # dropped: a token whose more likely ones already reach top_p
+        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = F.softmax(logits, dim=-1)
     if noise is None:
         noise = draw_noise(torch.empty_like(probs))
-    # The exponential race: token i wins argmax p_i / E_i with probability p_i (E_i / p_i is an
-    # exponential of rate p_i, and the smallest of them is the i-th with that probability). The
-    # same distribution as torch.multinomial, in ops that compile into the decoding step.
-    return (probs / noise.clamp_min(TINY)).argmax(dim=-1, keepdim=True)   # (a draw of 0 would make 0 / 0)
+    # The exponential race: token i wins argmax p_i / E_i with probability p_i (E_i / p_i is
+    # an exponential of rate p_i, and the smallest of them is the i-th with that
+    # probability). The same distribution as torch.multinomial, in ops that compile into the
+    # decoding step. The clamp: a draw of 0 would make 0 / 0.
+    return (probs / noise.clamp_min(TINY)).argmax(dim=-1, keepdim=True)
 
 
 def draw_noise(noise: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Fill noise (B, V) with draws of Exponential(1), in place (where the compiled step reads it)."""
+    """Fill noise (B, V) with draws of Exponential(1), in place (where the compiled step
+    reads it)."""
     return noise.exponential_(generator=generator)
 
 
 def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
-         noise: torch.Tensor, temperature: float, top_k: int, top_p: float, explicit: bool = False):
-    """The model on the tokens idx (B, T) at positions pos, then the next token ids (B, 1) and
-    whether every logit was finite (a flag on the device, read later: reading it here would make
-    the host wait for the device at every token). The choice is among the first V = noise's width
-    tokens (a vocabulary padded past the tokenizer's, e.g. 50,304 for GPT-2's 50,257, has rows no
-    tokenizer can decode). explicit: softmax attention by its explicit steps (model/attention/mha.py)."""
+         noise: torch.Tensor, choice: Choice, explicit: bool = False):
+    """The model on idx (B, T) at positions pos -> (next token ids (B, 1), whether every
+    logit was finite). The flag stays on the device: reading it here would make the host
+    wait at every token. Only the first V = noise's width tokens are chosen from (a padded
+    vocabulary has rows no tokenizer can decode). explicit: softmax attention by its
+    explicit steps (model/attention/mha.py)."""
     logits, _ = model(idx, cache=cache, pos=pos, explicit_attention=explicit)
-    logits = logits[:, -1, :noise.size(-1)]                               # (B, V)
-    return sample_next(logits, temperature, top_k, top_p, noise), torch.isfinite(logits).all()
+    # (B, V)
+    logits = logits[:, -1, :noise.size(-1)]
+    c = choice
+    next_id = sample_next(logits, c.temperature, c.top_k, c.top_p, noise)
+    return next_id, torch.isfinite(logits).all()
 
 
 def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
-                noise: torch.Tensor, temperature: float, top_k: int, top_p: float, explicit: bool = False):
-    """One new token: step() on the newest tokens last (B, 1) at position pos (1,), then last and
-    pos move on to the chosen tokens, in place, so the next call continues from there. Every call
-    has the same shapes and reads and writes the same tensors: one compiled graph, one CUDA graph."""
-    next_id, ok = step(model, cache, last, pos, noise, temperature, top_k, top_p, explicit)
+                noise: torch.Tensor, choice: Choice, explicit: bool = False):
+    """One new token: step() on the newest tokens last (B, 1) at position pos (1,), which
+    then move on in place. Every call has the same shapes and tensors: one compiled graph,
+    one CUDA graph."""
+    next_id, ok = step(model, cache, last, pos, noise, choice, explicit)
     last.copy_(next_id)
     pos.add_(1)
     return next_id, ok
 
 
-@torch.inference_mode()   # like no_grad, and skips autograd's version counting too
+# inference_mode: like no_grad, and skips autograd's version counting too
+@torch.inference_mode()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
              vocab_limit: int | None = None, use_cache: bool = True,
@@ -99,34 +118,45 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
                    every 32 on a GPU, where a read waits for the device)
       speed_up     speed_up(decode_step, args) -> a faster function of the same args, which it
                    may call to warm up (the prefill resets the cache after it)
-    Raises UserError when the logits are not finite, naming the first new token whose were not."""
+    Raises UserError when the logits are not finite, naming the first new token whose were
+    not."""
     block_size, device, batch = model.cfg.block_size, idx.device, idx.size(0)
     check_every = check_every or (1 if device.type == "cpu" else 32)
-    finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)   # a flag per new token
+    # a flag per new token
+    finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)
     vocab = min(vocab_limit or model.cfg.vocab_size, model.cfg.vocab_size)
-    noise = torch.ones(batch, vocab, device=device)   # Exponential(1) draws, redrawn per token
-    sampling = (noise, temperature, top_k, top_p)
+    # Exponential(1) draws, redrawn per token
+    noise = torch.ones(batch, vocab, device=device)
+    sampling = (noise, Choice(temperature, top_k, top_p))
     if use_cache:
-        cache = InferenceCache(model, batch, device, cache_dtype or next(model.parameters()).dtype)
-        last = torch.zeros(batch, 1, dtype=torch.long, device=device)    # the newest tokens
-        pos = torch.zeros(1, dtype=torch.long, device=device)           # and their position
+        dtype = cache_dtype or next(model.parameters()).dtype
+        cache = InferenceCache(model, batch, device, dtype)
+        # the newest tokens and their position
+        last = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        pos = torch.zeros(1, dtype=torch.long, device=device)
         args = (model, cache, last, pos, *sampling)
         decode = speed_up(decode_step, args) if speed_up else decode_step
-    tokens, filled, checked = idx, 0, 0                                # filled: positions in the cache
+    # filled: positions in the cache
+    tokens, filled, checked = idx, 0, 0
     for i in range(max_new_tokens):
         if temperature > 0:
             draw_noise(noise, generator)
-        if not use_cache:                                              # recompute the window
+        # recompute the window
+        if not use_cache:
             next_id, ok = step(model, None, tokens[:, -block_size:], None, *sampling)
-        elif filled == 0 or filled == block_size:                      # prefill (the prompt, or a slide)
-            keep = min(tokens.size(1), block_size if filled == 0 else max(1, block_size // 2))
+        # prefill: the prompt, or a slide
+        elif filled == 0 or filled == block_size:
+            keep = block_size if filled == 0 else max(1, block_size // 2)
+            keep = min(tokens.size(1), keep)
             cache.reset()
-            next_id, ok = step(model, cache, tokens[:, -keep:], torch.arange(keep, device=device), *sampling)
+            pos_keep = torch.arange(keep, device=device)
+            next_id, ok = step(model, cache, tokens[:, -keep:], pos_keep, *sampling)
             filled = keep
             last.copy_(next_id)
             pos.fill_(filled)
+        # one new token
         else:
-            next_id, ok = decode(*args)                                # one new token
+            next_id, ok = decode(*args)
             filled += 1
         tokens = torch.cat([tokens, next_id], dim=1)
         finite[i] = ok
@@ -138,7 +168,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
     """Raise UserError naming the first new token in start..end-1 whose logits were not all
-    finite (those before start were checked already)."""
+    finite."""
     window = flags[start:end]
     if not window.all():
         first = start + int((~window).nonzero()[0, 0]) + 1
@@ -147,12 +177,13 @@ def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
 
 
 def prompt_ids(tokenizer, text: str, block_size: int, doing: str) -> list[int]:
-    """A prompt's token ids (empty: the start token); one past block_size, the most a model sees, is said."""
+    """A prompt's token ids (empty: the start token); one past block_size, the most a model
+    sees, is said."""
     try:
         ids = tokenizer.encode(text) if text else [tokenizer.start_token]
     except UserError as e:
         raise UserError(f"the prompt has {e}") from None
     if len(ids) > block_size:
-        print(f"note: the prompt has {len(ids):,} tokens, the model sees at most {block_size}: {doing} the "
-              f"last {block_size}", file=sys.stderr)
+        print(f"note: the prompt has {len(ids):,} tokens, the model sees at most "
+              f"{block_size}: {doing} the last {block_size}", file=sys.stderr)
     return ids

@@ -1,11 +1,15 @@
-"""The run's settings: typed dataclasses, overridden by a TOML file, overridden by the command line.
+"""The run's settings: typed dataclasses, overridden by a TOML file, overridden by the
+command line.
 
-  sections  a dataclass per section, beside the code it configures (ModelConfig in model/config.py,
-            DataConfig in data/prepare.py); each field says what it does and its bounds (common.setting)
-  layers    defaults < a resumed run's config.toml < the TOML file < the command line, each set once
-  paths     made absolute where they are read: a config file's against the repository when the file is
-            in it (the shipped configs), else against its folder; the command line's against the working
-            directory; a default's against the repository: out/ is the repository's wherever you run
+  sections  a dataclass per section, beside the code it configures (ModelConfig in
+            model/config.py, DataConfig in data/prepare.py); each field says what it does
+            and its bounds (common.setting)
+  layers    defaults < a resumed run's config.toml < the TOML file < the command line,
+            each set once
+  paths     made absolute where they are read: a config file's against the repository when
+            the file is in it (the shipped configs), else against its folder; the command
+            line's against the working directory; a default's against the repository: out/
+            is the repository's wherever you run
 """
 import dataclasses
 import difflib
@@ -16,7 +20,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import ROOT, UserError, check_fields, first_line, flat, setting  # noqa: F401 (the config's)
+from common import ROOT, UserError, check_fields, first_line, flat, setting
 from data.prepare import DataConfig
 from data.sources import data_name
 from model.config import ModelConfig
@@ -26,55 +30,78 @@ from model.config import ModelConfig
 class TrainConfig:
     batch_size: int = setting(12, "sequences per micro-step", above=0)
     grad_accum: int = setting(1, "micro-steps per optimizer step", above=0)
-    max_steps: int = setting(2000, "optimizer steps in the whole run (the LR schedule ends here)", above=0)
-    optimizer: str = setting("adamw", "adamw | muon (on the hidden matrices)", one_of=("adamw", "muon"))
+    max_steps: int = setting(
+        2000, "optimizer steps in the whole run (the LR schedule ends here)", above=0)
+    optimizer: str = setting(
+        "adamw", "adamw | muon (on the hidden matrices)", one_of=("adamw", "muon"))
     lr: float = setting(1e-3, "AdamW's peak learning rate", at_least=0)
     muon_lr: float = setting(0.02, "Muon's peak learning rate (optimizer = muon)", at_least=0)
     muon_momentum: float = setting(0.95, "Muon's momentum (Nesterov)", at_least=0, below=1)
-    schedule: str = setting("cosine", "cosine | wsd (warmup, flat, linear decay)", one_of=("cosine", "wsd"))
-    min_lr: float = setting(1e-4, "the floor the decay ends at (Muon's: muon_lr * min_lr / lr)", at_least=0)
+    schedule: str = setting(
+        "cosine", "cosine | wsd (warmup, flat, linear decay)", one_of=("cosine", "wsd"))
+    min_lr: float = setting(
+        1e-4, "the floor the decay ends at (Muon's: muon_lr * min_lr / lr)", at_least=0)
     warmup_steps: int = setting(100, "steps of linear LR warmup from 0", at_least=0)
-    warmdown_frac: float = setting(0.2, "wsd: the fraction of the steps that decays", above=0, at_most=1)
+    warmdown_frac: float = setting(
+        0.2, "wsd: the fraction of the steps that decays", above=0, at_most=1)
     weight_decay: float = setting(0.1, "AdamW weight decay, on matrices only", at_least=0)
     beta1: float = setting(0.9, "AdamW's momentum", at_least=0, below=1)
     beta2: float = setting(0.99, "AdamW's second-moment decay", at_least=0, below=1)
     grad_clip: float = setting(1.0, "max global gradient norm (0 = off)", at_least=0)
-    eval_interval: int = setting(500, "evaluate (and checkpoint) every this many steps", above=0)
-    eval_iters: int = setting(0, "0 = every val window (4,096 at most), a quarter as many train "
-                                 "ones; N = N fixed random batches a split", at_least=0)
-    log_interval: int = setting(50, "print and record the training loss every this many steps", above=0)
-    sample_every: int = setting(0, "print and record a sample every this many steps (0 = none)", at_least=0)
-    sample_prompt: str = setting("", "what those samples continue (\"\" = a newline, or end-of-text)")
-    sample_tokens: int = setting(200, "new tokens per sample (the same seed every time)", above=0)
-    seed: int = setting(1337, "initial weights, data order and dropout", at_least=0, at_most=2**32 - 1)
-    device: str = setting("auto", "auto (cuda > cpu) | cpu | cuda | cuda:N | any device torch knows")
-    dtype: str = setting("auto", "auto = bf16 on CUDA", one_of=("auto", "float32", "bfloat16", "float16"))
-    compile: bool = setting(False, "torch.compile the model (compiling takes a minute: long runs win)")
-    cuda_graph: bool = setting(True, "one CUDA GPU: record the step as a CUDA graph and replay it")
-    keep_checkpoints: int = setting(2, "ckpt_<step>.pt files kept (the newest); best.pt besides", above=0)
-    fsdp: bool = setting(False, "under torchrun: shard the model and optimizer (FSDP) instead of DDP")
-    init_from: str = setting("", "\"\" = random init | gpt2, gpt2-medium, ... | a Hugging Face GPT-2 dir")
+    eval_interval: int = setting(
+        500, "evaluate (and checkpoint) every this many steps", above=0)
+    eval_iters: int = setting(
+        0, "0 = every val window (4,096 at most), a quarter as many train ones; "
+           "N = N fixed random batches a split", at_least=0)
+    log_interval: int = setting(
+        50, "print and record the training loss every this many steps", above=0)
+    sample_every: int = setting(
+        0, "print and record a sample every this many steps (0 = none)", at_least=0)
+    sample_prompt: str = setting(
+        "", "what those samples continue (\"\" = a newline, or end-of-text)")
+    sample_tokens: int = setting(
+        200, "new tokens per sample (the same seed every time)", above=0)
+    seed: int = setting(
+        1337, "initial weights, data order and dropout", at_least=0, at_most=2**32 - 1)
+    device: str = setting(
+        "auto", "auto (cuda > cpu) | cpu | cuda | cuda:N | any device torch knows")
+    dtype: str = setting(
+        "auto", "auto = bf16 on CUDA", one_of=("auto", "float32", "bfloat16", "float16"))
+    compile: bool = setting(
+        False, "torch.compile the model (compiling takes a minute: long runs win)")
+    cuda_graph: bool = setting(
+        True, "one CUDA GPU: record the step as a CUDA graph and replay it")
+    keep_checkpoints: int = setting(
+        2, "ckpt_<step>.pt files kept (the newest); best.pt besides", above=0)
+    fsdp: bool = setting(
+        False, "under torchrun: shard the model and optimizer (FSDP) instead of DDP")
+    init_from: str = setting(
+        "", "\"\" = random init | gpt2, gpt2-medium, ... | a Hugging Face GPT-2 dir")
 
     def validate(self) -> None:
         check_fields(self, "train")
         if self.min_lr > self.lr:
             raise UserError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}")
         if self.fsdp and (self.optimizer == "muon" or self.sample_every):
-            raise UserError("train.fsdp shards what train.optimizer=muon and train.sample_every need whole")
+            raise UserError("train.fsdp shards what train.optimizer=muon and "
+                            "train.sample_every need whole")
 
 
 @dataclass
 class LogConfig:
-    wandb: bool = setting(False, "also log to Weights & Biases (honours WANDB_MODE=offline/disabled)")
+    wandb: bool = setting(
+        False, "also log to Weights & Biases (honours WANDB_MODE=offline/disabled)")
     wandb_project: str = setting("gpt", "the wandb project the runs go to")
     wandb_run_name: str = setting("", "\"\" = the out dir's name")
-    wandb_group: str = setting("", "runs of one group overlay in wandb's charts (ablate.py: the sweep's)")
+    wandb_group: str = setting(
+        "", "runs of one group overlay in wandb's charts (ablate.py: the sweep's)")
     curves: bool = setting(True, "redraw curves.png in the out dir at each evaluation")
 
 
 @dataclass
 class Config:
-    out_dir: str = setting("", "\"\" = out/<name> in the repository: the config's, data's, tokenizer's")
+    out_dir: str = setting(
+        "", "\"\" = out/<name> in the repository: the config's, data's, tokenizer's")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -88,36 +115,47 @@ class Config:
             section.validate()
 
 
-FIELDS = {"out_dir": dataclasses.fields(Config)[0]} | {   # every key: its dataclass field
-    f"{s.name}.{f.name}": f for s in dataclasses.fields(Config)[1:] for f in dataclasses.fields(s.type)}
+# every key: its dataclass field
+FIELDS = {"out_dir": dataclasses.fields(Config)[0]} | {
+    f"{s.name}.{f.name}": f
+    for s in dataclasses.fields(Config)[1:]
+    for f in dataclasses.fields(s.type)
+}
 PATHS = ("out_dir", "data.path", "data.prepared_dir", "data.val_path")
-BOOLS = dict.fromkeys(("true", "1", "yes", "on"), True) | dict.fromkeys(("false", "0", "no", "off"), False)
+BOOLS = (dict.fromkeys(("true", "1", "yes", "on"), True)
+         | dict.fromkeys(("false", "0", "no", "off"), False))
 
 
 def set_key(cfg: Config, key: str, value) -> None:
-    """Set a dotted key ('train.lr', 'out_dir') to value (TOML's, or command-line text) as its type."""
+    """Set a dotted key ('train.lr', 'out_dir') to value (TOML's, or command-line text) as
+    its type."""
     if key not in FIELDS:
         match = difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.5)
-        raise UserError(f"unknown config key {key!r}" + (f" (did you mean {match[0]!r}?)" if match else ""))
+        hint = f" (did you mean {match[0]!r}?)" if match else ""
+        raise UserError(f"unknown config key {key!r}{hint}")
     kind = FIELDS[key].type
     try:
-        if isinstance(value, str) and kind is not str:   # command-line text
+        # command-line text
+        if isinstance(value, str) and kind is not str:
             value = BOOLS[value.strip().lower()] if kind is bool else kind(value)
         elif not (type(value) is kind or kind is float and type(value) is int):
             raise ValueError
     except (KeyError, ValueError):
         raise UserError(f"{key}: expected {kind.__name__}, got {value!r}") from None
     section, _, name = key.rpartition(".")
-    setattr(getattr(cfg, section) if section else cfg, name, float(value) if kind is float else value)
+    value = float(value) if kind is float else value
+    setattr(getattr(cfg, section) if section else cfg, name, value)
 
 
 def load_toml(path) -> dict:
-    """A TOML file as a dict; any problem with it is one line naming it (an OSError too: common.run_cli)."""
+    """A TOML file as a dict; any problem with it is one line naming it (an OSError too:
+    common.run_cli)."""
     try:
         return tomllib.loads(Path(path).read_bytes().decode("utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         hint = f" (did you mean --data {path}?)" if Path(path).suffix != ".toml" else ""
-        raise UserError(f"{path} is not a TOML config file ({first_line(e, 80)}){hint}") from None
+        why = first_line(e, 80)
+        raise UserError(f"{path} is not a TOML config file ({why}){hint}") from None
 
 
 def parse_overrides(args) -> list[tuple[str, str]]:
@@ -126,8 +164,10 @@ def parse_overrides(args) -> list[tuple[str, str]]:
     while args:
         key, eq, value = args.pop(0).partition("=")
         if not key.startswith("--") or not (eq or args):
-            raise UserError(f"unexpected argument {key!r}: settings look like --section.key=value")
-        pairs.append(({"data": "data.path"}.get(key[2:], key[2:]), value if eq else args.pop(0)))
+            raise UserError(f"unexpected argument {key!r}: "
+                            f"settings look like --section.key=value")
+        name = {"data": "data.path"}.get(key[2:], key[2:])
+        pairs.append((name, value if eq else args.pop(0)))
     return pairs
 
 
@@ -138,29 +178,37 @@ def absolute(key: str, path, folder: Path):
         return path
     if isinstance(path, str) and not path.strip():
         raise UserError(f"{key} is empty")
-    return os.path.abspath(folder / os.path.expanduser(path)) if isinstance(path, str) else path
+    if not isinstance(path, str):
+        return path
+    return os.path.abspath(folder / os.path.expanduser(path))
 
 
 def build_config(config_file: str | None = None, overrides=(), resume: bool = False) -> Config:
-    """Defaults, then (resume) the out dir's config.toml, then the TOML file, then the command line
-    (overrides: ['--train.lr=1e-3', ...]); each path made absolute where it is read; validated."""
+    """Defaults, then (resume) the out dir's config.toml, then the TOML file, then the command
+    line (overrides: ['--train.lr=1e-3', ...]); each path made absolute where it is read;
+    validated."""
     in_file = flat(load_toml(config_file)) if config_file else {}
     # out_dir = "": out/<name>, the default
     in_file = {k: v for k, v in in_file.items() if (k, v) != ("out_dir", "")}
-    folder = ROOT if Path(config_file or ROOT).resolve().is_relative_to(ROOT) else Path(config_file).parent
+    shipped = Path(config_file or ROOT).resolve().is_relative_to(ROOT)
+    folder = ROOT if shipped else Path(config_file).parent
     in_file |= {k: absolute(k, v, folder) for k, v in in_file.items() if k in PATHS}
-    given = {k: absolute(k, v, Path.cwd()) if k in PATHS else v for k, v in parse_overrides(overrides)}
+    given = {k: absolute(k, v, Path.cwd()) if k in PATHS else v
+             for k, v in parse_overrides(overrides)}
     values = in_file | given
-    if "out_dir" not in given and ({"data.path", "data.tokenizer"} & set(given) or "out_dir" not in values):
+    new_data = {"data.path", "data.tokenizer"} & set(given)
+    if "out_dir" not in given and (new_data or "out_dir" not in values):
         values["out_dir"] = str(ROOT / default_out_dir(config_file, values, set(given)))
     stored = Path(values["out_dir"]) / "config.toml"
-    resumed = resume and stored.is_file()   # the run goes on: only the file and the command line change it
-    values = {k: v for k, v in flat(load_toml(stored)).items() if k in FIELDS} | values if resumed else values
+    # the run goes on: only the file and the command line change it
+    resumed = resume and stored.is_file()
+    if resumed:
+        values = {k: v for k, v in flat(load_toml(stored)).items() if k in FIELDS} | values
     for key in PATHS[1:]:
         values.setdefault(key, absolute(key, getattr(DataConfig, key[5:]), ROOT))
     cfg = Config()
-    # the file's own values are set, and so checked, first: a wrong one is refused even where the
-    # command line sets that key again
+    # the file's own values are set, and so checked, first: a wrong one is refused even
+    # where the command line sets that key again
     for layer, file_only in ((in_file, True), (values, False)):
         for key, value in layer.items():
             try:
@@ -168,18 +216,21 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
             except UserError as e:
                 named = config_file and (file_only or key not in given)
                 raise UserError(f"{config_file}: {e}" if named else str(e)) from None
-    if cfg.train.init_from and not resumed:   # the model section is the pretrained checkpoint's
-        from hf.hub import resolve_init_from   # (the optional Hugging Face room)
+    # the model section is the pretrained checkpoint's (the optional Hugging Face room)
+    if cfg.train.init_from and not resumed:
+        from hf.hub import resolve_init_from
         resolve_init_from(cfg, set(values))
     cfg.validate()
     return cfg
 
 
 def default_out_dir(config_file: str | None, values: dict, given: set[str]) -> str:
-    """out/<name>: the config file's name, then the data's (data.sources.data_name: the cache entry's
-    too) where the command line set it or no config file is given, then the tokenizer's likewise (char
-    is left out): runs on other data or tokens never meet in one out dir."""
-    data, tokenizer = values.get("data.path", DataConfig.path), values.get("data.tokenizer", "char")
+    """out/<name>: the config file's name, then the data's (data.sources.data_name: the cache
+    entry's too) where the command line set it or no config file is given, then the
+    tokenizer's likewise (char is left out): runs on other data or tokens never meet in one
+    out dir."""
+    data = values.get("data.path", DataConfig.path)
+    tokenizer = values.get("data.tokenizer", "char")
     parts = [Path(config_file).stem] if config_file else []
     if "data.path" in given or not config_file:
         parts.append(data_name(data))
@@ -189,7 +240,8 @@ def default_out_dir(config_file: str | None, values: dict, given: set[str]) -> s
 
 
 def fmt(v) -> str:
-    """A value as TOML writes it (JSON's numbers, booleans and string escapes are TOML's too)."""
+    """A value as TOML writes it (JSON's numbers, booleans and string escapes are TOML's
+    too)."""
     return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 

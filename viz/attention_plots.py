@@ -1,16 +1,24 @@
-"""Attention weights as PNG figures: a heatmap panel per head for one layer (plot_layer), and the
-per-head summary of model/attention_maps.py's head_scores as two annotated heatmaps (plot_summary).
-Each returns a matplotlib Figure; attention.py saves them.
+"""Attention weights as PNG figures: a heatmap panel per head for one layer (plot_layer), and
+the per-head summary of model/attention_maps.py's head_scores as two annotated heatmaps
+(plot_summary). Each returns a matplotlib Figure; attention.py saves them.
 
-    fig = plot_layer(weights, [visible(t) for t in texts], heads, "layer 0")   # weights (heads, T, T)
+    # weights (heads, T, T)
+    fig = plot_layer(weights, [visible(t) for t in texts], heads, "layer 0")
 
-A token's text is drawn in matplotlib's font, or in an installed font that has the characters it lacks
-(label_fonts); a character no installed font has is drawn as □.
+A token's text is drawn in matplotlib's font, or in an installed font that has the
+characters it lacks (label_fonts); a character no installed font has is drawn as □.
+Importing this module loads matplotlib: attention.py does so only once it draws.
 """
 import functools
 import math
 
 import numpy as np
+from matplotlib import font_manager, rcParams
+from matplotlib.colors import Normalize, PowerNorm
+from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+from matplotlib.ft2font import FT2Font
+from matplotlib.textpath import TextToPath
 
 VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
 BOX = "□"
@@ -24,59 +32,64 @@ def visible(text: str) -> str:
     return "".join(VISIBLE.get(ch, ch) for ch in text)
 
 
+def lacks(family, chars: set) -> set:
+    """The characters of chars that the font matplotlib picks for family does not have."""
+    path = font_manager.findfont(FontProperties(family=family))
+    charmap = FT2Font(path).get_charmap()
+    return {c for c in chars if ord(c) not in charmap}
+
+
 @functools.cache
 def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
-    """(the font families that draw text: matplotlib's own, then for the characters it lacks the first
-    installed fonts that have them, for matplotlib to fall back on glyph by glyph; the characters of
-    text that no installed font has). The Last Resort font matplotlib falls back on has no characters,
-    only placeholders for them."""
-    from matplotlib import font_manager, rcParams
-    from matplotlib.ft2font import FT2Font
-
-    def lacks(family, chars):
-        charmap = FT2Font(font_manager.findfont(font_manager.FontProperties(family=family))).get_charmap()
-        return {c for c in chars if ord(c) not in charmap}
-    families, missing = tuple(rcParams["font.family"]), lacks(rcParams["font.family"], set(text))
-    fonts = font_manager.fontManager.ttflist               # a family's regular face, as matplotlib picks it
-    for name in dict.fromkeys(f.name for f in fonts if f.style == "normal" and f.weight in (400, "normal")):
+    """(the font families that draw text: matplotlib's own, then for the characters it lacks
+    the first installed fonts that have them, for matplotlib to fall back on glyph by glyph;
+    the characters of text that no installed font has). The Last Resort font matplotlib falls
+    back on has no characters, only placeholders for them."""
+    families = tuple(rcParams["font.family"])
+    missing = lacks(rcParams["font.family"], set(text))
+    # a family's regular face, as matplotlib picks it
+    fonts = font_manager.fontManager.ttflist
+    regular = (f.name for f in fonts if f.style == "normal" and f.weight in (400, "normal"))
+    for name in dict.fromkeys(regular):
         if missing and "Last Resort" not in name and (left := lacks([name], missing)) != missing:
             families, missing = (*families, name), left
     return families, "".join(sorted(missing))
 
 
 def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: int = 100):
-    """weights (len(heads), T, T) as a numpy array -> a Figure with one heatmap panel per head (and a
-    colour bar). Softmax weights are drawn on [0, 1] with a square-root scale, so that a weight of
-    0.05 is still visible; signed weights (linear attention with rope) on a diverging scale around 0.
-    The figure is as large as the labels need, and a title wider than the figure is wrapped."""
-    from matplotlib.colors import Normalize, PowerNorm
-    from matplotlib.figure import Figure
-    from matplotlib.font_manager import FontProperties
-    from matplotlib.textpath import TextToPath
-
+    """weights (len(heads), T, T) as a numpy array -> a Figure with one heatmap panel per head
+    (and a colour bar). Softmax weights are drawn on [0, 1] with a square-root scale, so that
+    a weight of 0.05 is still visible; signed weights (linear attention with rope) on a
+    diverging scale around 0. The figure is as large as the labels need, and a title wider
+    than the figure is wrapped."""
     n, T = len(heads), weights.shape[-1]
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
-    size = min(8.0, max(2.5, 0.13 * T))                                  # inches per heatmap
-    font = min(9.0, max(3.0, 0.7 * size * 72 / T))                      # points: a label per token must fit
+    # inches per heatmap
+    size = min(8.0, max(2.5, 0.13 * T))
+    # points: a label per token must fit
+    font = min(9.0, max(3.0, 0.7 * size * 72 / T))
     families, missing = label_fonts("".join(labels))
     labels = [label.translate({ord(c): BOX for c in missing}) for label in labels]
     prop = FontProperties(family=families, size=font)
-    widest = max(TextToPath().get_text_width_height_descent(label, prop, False)[0] for label in labels)
-    room = widest / 72 + 0.35                  # inches left of and below a heatmap, for its labels
-    fig = Figure(figsize=(cols * (size + room) + 1.2, rows * (size + room + 0.3) + 0.6), dpi=dpi,
-                 layout="constrained")
+    measure = TextToPath().get_text_width_height_descent
+    widest = max(measure(label, prop, False)[0] for label in labels)
+    # inches left of and below a heatmap, for its labels
+    room = widest / 72 + 0.35
+    figsize = (cols * (size + room) + 1.2, rows * (size + room + 0.3) + 0.6)
+    fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
     signed, m = bool((weights < 0).any()), float(abs(weights).max())
     if signed:
         norm, cmap = Normalize(-m, m), "RdBu_r"
     else:
         norm, cmap = PowerNorm(0.5, vmin=0.0, vmax=max(1.0, m)), "Blues"
+    ticks = dict(fontsize=font, fontfamily=families, parse_math=False)
     for ax, h, w in zip(axes.flat, heads, weights):
         image = ax.imshow(w, cmap=cmap, norm=norm, interpolation="nearest")
         ax.set_title(f"head {h}", fontsize=10)
-        ax.set_xticks(range(T), labels, fontsize=font, fontfamily=families, parse_math=False, rotation=90)
-        ax.set_yticks(range(T), labels, fontsize=font, fontfamily=families, parse_math=False)
+        ax.set_xticks(range(T), labels, rotation=90, **ticks)
+        ax.set_yticks(range(T), labels, **ticks)
         ax.tick_params(length=0, pad=1)
         ax.set_xlabel("key: the token attended to", fontsize=8)
         ax.set_ylabel("query: the token attending", fontsize=8)
@@ -90,17 +103,19 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
 
 def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
     """rows: a name per head ('layer 0 head 1'); scores: {name: (len(rows),) numpy} from
-    model.attention_maps.head_scores -> a Figure of two annotated heatmaps, shares and mean distance."""
-    from matplotlib.figure import Figure
-
+    model.attention_maps.head_scores -> a Figure of two annotated heatmaps, shares and mean
+    distance."""
     names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
-    shares = np.stack([scores[s] for s in names], axis=1)                # (heads, patterns)
-    distance = scores["distance"][:, None]                               # (heads, 1)
-    fig = Figure(figsize=(3.8 + 1.0 * len(names), 1.2 + 0.28 * len(rows)), dpi=dpi, layout="constrained")
+    # (heads, patterns)
+    shares = np.stack([scores[s] for s in names], axis=1)
+    # (heads, 1)
+    distance = scores["distance"][:, None]
+    figsize = (3.8 + 1.0 * len(names), 1.2 + 0.28 * len(rows))
+    fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[len(names), 1.3])
+    farthest = max(1.0, float(np.nanmax(distance)))
     panels = ((left, shares, [SCORE_NAMES[s] for s in names], "Blues", (0.0, 1.0), "{:.2f}"),
-              (right, distance, ["mean\ndistance"], "Oranges", (0.0, max(1.0, float(np.nanmax(distance)))),
-               "{:.1f}"))
+              (right, distance, ["mean\ndistance"], "Oranges", (0.0, farthest), "{:.1f}"))
     for ax, values, columns, cmap, (lo, hi), fmt in panels:
         ax.imshow(values, cmap=cmap, vmin=lo, vmax=hi, aspect="auto", interpolation="nearest")
         ax.set_xticks(range(len(columns)), columns, fontsize=8)
