@@ -23,10 +23,12 @@ is cut to its last block_size tokens.
 import sys
 from pathlib import Path
 
+# common first: a Ctrl-C while torch loads is then one quiet line
+from common import ROOT, ArgumentParser, UserError, atomic_write, run_cli
+
 import numpy as np
 import torch
 
-from common import ROOT, ArgumentParser, UserError, atomic_write, run_cli
 from data.sources import read_prompt
 from loading import load_model
 from model.attention_maps import attention_maps, head_scores

@@ -38,9 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# common first: a Ctrl-C while torch loads is then one quiet line
+from common import ROOT, ArgumentParser, UserError, check, run_cli
+
 import torch
 
-from common import ROOT, ArgumentParser, UserError, check, run_cli
 from data.prepare import load_meta, prepare
 from model import sampling
 from model.config import ModelConfig

@@ -2,7 +2,7 @@
 
   one line   a mistake a user can make is a UserError; run_cli turns it, an OSError,
              running out of memory and Ctrl-C into one line on stderr and an exit code,
-             never a traceback
+             never a traceback; SIGTERM is a Ctrl-C, and so is a stop while torch imports
   settings   a config field is setting(default, "what it does", bounds): --help prints the
              text, and check_fields() holds every field to its bounds
   files      a file is written whole or not at all (atomic_write)
@@ -47,13 +47,44 @@ def silence_stdout() -> None:
         pass
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what kill, timeout and job schedulers send), raised where Ctrl-C raises
-    KeyboardInterrupt: a command cleans up after either alike."""
+# the signals that reached this process outside the training loop (which takes them over)
+STOPS = []
 
 
-def terminate(signum, frame):
-    raise Terminated()
+def stop_here(signum, frame):
+    """SIGINT and SIGTERM (what kill, timeout and job schedulers send) outside the training loop:
+    noted, and raised as KeyboardInterrupt, so that a command cleans up after either alike. Noted,
+    because an error that a stop causes later (a half-done import, cut short) is that stop."""
+    STOPS.append(signum)
+    raise KeyboardInterrupt
+
+
+def stopped(chain: list) -> tuple[int, str] | None:
+    """(exit code, line) of a command a signal stopped: by STOPS, or by a KeyboardInterrupt among
+    an error's causes (a Ctrl-C inside Python's own code comes out as another error)."""
+    if not STOPS and not any(isinstance(e, KeyboardInterrupt) for e in chain):
+        return None
+    signum = STOPS[-1] if STOPS else signal.SIGINT
+    return 128 + signum, "terminated" if signum == signal.SIGTERM else "interrupted"
+
+
+def quiet_stop(kind, error, trace) -> None:
+    """sys.excepthook: a stop while a command imports torch, before run_cli runs, is the one line
+    it is under run_cli; anything else is Python's own traceback."""
+    said = stopped(causes(error))
+    if said is None:
+        return sys.__excepthook__(kind, error, trace)
+    print(said[1], file=sys.stderr, flush=True)
+    os._exit(said[0])
+
+
+# every command imports this module first
+if threading.current_thread() is threading.main_thread():
+    sys.excepthook = quiet_stop
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, stop_here)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, stop_here)
 
 
 # how running out of memory reads: torch's allocators, C++'s, Python's
@@ -76,11 +107,8 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
     chain = causes(error)
     if isinstance(error, UserError):
         return 2, f"error: {error}"
-    stop = next((e for e in chain if isinstance(e, KeyboardInterrupt)), None)
-    if stop is not None:
-        if isinstance(stop, Terminated):
-            return 143, "terminated"
-        return 130, "interrupted"
+    if said := stopped(chain):
+        return said
     if isinstance(error, OSError):
         # the machine's: a full disk, a read-only folder, a file that went away
         where = f": {error.filename}" if error.filename else ""
@@ -103,10 +131,7 @@ def run_cli(main, argv: list[str]) -> int:
     strict = getattr(sys.stdout, "errors", None) == "strict"
     if strict and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
-    main_thread = threading.current_thread() is threading.main_thread()
-    before = signal.getsignal(signal.SIGTERM) if main_thread else None
-    if before is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, terminate)
+    STOPS.clear()
     try:
         return main(argv)
     except BrokenPipeError:
@@ -118,9 +143,6 @@ def run_cli(main, argv: list[str]) -> int:
         if said is None:
             raise
         code, message = said
-    finally:
-        if before is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, before)
     print(message, file=sys.stderr)
     return code
 

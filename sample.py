@@ -14,9 +14,11 @@ import codecs
 import math
 import sys
 
+# common first: a Ctrl-C while torch loads is then one quiet line
+from common import ArgumentParser, UserError, run_cli
+
 import torch
 
-from common import ArgumentParser, UserError, run_cli
 from data.sources import read_prompt
 from loading import load_model
 from model.device import autocast, pick_device, pick_dtype

@@ -18,14 +18,12 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from common import ArgumentParser, command, run_cli
+from training import distributed
+from training.config import FIELDS, Config, build_config, flat, fmt
+from training.trainer import train
 
 
 def main(argv: list[str]) -> int:
-    # imported here, under run_cli: a Ctrl-C while torch loads is one quiet line
-    from training import distributed
-    from training.config import FIELDS, Config, build_config, flat, fmt
-    from training.trainer import train
-
     p = ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("--resume", nargs="?", const=True, metavar="CHECKPOINT")
