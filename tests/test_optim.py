@@ -83,7 +83,8 @@ def test_adamw_steps_as_torch_optim_adamw_does(fused):
                                foreach=not fused)
     for step, grads in enumerate(random_steps(ours_params, 5)):
         for opt, params in ((ours, ours_params), (theirs, torch_params)):
-            set_lr(opt, (step + 1) / 5)   # a warmup: the lr changes every step
+            # a warmup: the lr changes every step
+            set_lr(opt, (step + 1) / 5)
             for p, g in zip(params, grads):
                 p.grad = g.clone()
             opt.step()
@@ -117,9 +118,10 @@ def test_muon_steps_as_its_definition_does():
     momenta = [torch.zeros(s) for s in shapes]
     with torch.no_grad():
         for step_grads in grads:
+            # M <- momentum M + G; the update G + momentum M (Nesterov), orthogonalized
             for w, g, m in zip(ref_params, step_grads, momenta):
-                m.mul_(0.9).add_(g)                          # M <- momentum M + G
-                update = g + 0.9 * m                         # Nesterov
+                m.mul_(0.9).add_(g)
+                update = g + 0.9 * m
                 tall = w.size(0) > w.size(1)
                 o = orthogonalize(update.mT).mT if tall else orthogonalize(update)
                 w -= 0.05 * max(1.0, w.size(0) / w.size(1)) ** 0.5 * o
