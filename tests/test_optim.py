@@ -104,6 +104,28 @@ def test_adamw_steps_as_torch_optim_adamw_does(fused):
                                        check_device=False)
 
 
+def test_fp16_loss_scaling_unscales_for_adamw_and_skips_a_step_with_an_inf_gradient():
+    """torch's GradScaler drives this AdamW as it drives torch.optim's: a scaled gradient is
+    unscaled before the step, and a step with an inf in it is skipped (and the scale lowered)."""
+    (scaled,), (plain,) = twins([(4, 3)])
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ours, reference = AdamW([scaled], lr=0.1), AdamW([plain], lr=0.1)
+    # the same gradient g, the one scaled by 1024
+    g = torch.randn(4, 3)
+    scaler.scale((scaled * g).sum()).backward()
+    (plain * g).sum().backward()
+    scaler.step(ours)
+    scaler.update()
+    reference.step()
+    torch.testing.assert_close(scaled, plain, rtol=1.3e-6, atol=1e-7)
+    before = scaled.detach().clone()
+    ours.zero_grad()
+    scaler.scale((scaled * float("inf")).sum()).backward()
+    scaler.step(ours)
+    scaler.update()
+    assert torch.equal(scaled, before) and scaler.get_scale() < 1024.0
+
+
 def test_muon_steps_as_its_definition_does():
     """Muon, which updates same-shaped matrices as one batch (a tall one transposed among the
     wide), gives the parameters of its definition applied to each matrix alone, Nesterov and all."""
