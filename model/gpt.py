@@ -104,7 +104,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        if cfg.pos == "rope":   # cast here once to each dtype a step may run in, not at every step
+        # the rotary tables, cast here once to each dtype a step may run in, not at every step
+        if cfg.pos == "rope":
             cos, sin = rope_tables(cfg.head_dim, cfg.block_size, cfg.rope_base)
             for dtype, name in ROPE_DTYPES.items():
                 self.register_buffer(f"rope_cos_{name}", cos.to(dtype), persistent=False)

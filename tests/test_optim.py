@@ -84,7 +84,8 @@ def test_adamw_steps_as_torch_optim_adamw_does(fused):
                                foreach=not fused)
     for step, grads in enumerate(random_steps(ours_params, 5)):
         for opt, params in ((ours, ours_params), (theirs, torch_params)):
-            set_lr(opt, (step + 1) / 5)   # a warmup: the lr changes every step
+            # a warmup: the lr changes every step
+            set_lr(opt, (step + 1) / 5)
             for p, g in zip(params, grads):
                 p.grad = g.clone()
             opt.step()
@@ -104,6 +105,28 @@ def test_adamw_steps_as_torch_optim_adamw_does(fused):
                                        check_device=False)
 
 
+def test_fp16_loss_scaling_unscales_for_adamw_and_skips_a_step_with_an_inf_gradient():
+    """torch's GradScaler drives this AdamW as it drives torch.optim's: a scaled gradient is
+    unscaled before the step, and a step with an inf in it is skipped (and the scale lowered)."""
+    (scaled,), (plain,) = twins([(4, 3)])
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ours, reference = AdamW([scaled], lr=0.1), AdamW([plain], lr=0.1)
+    # the same gradient g, the one scaled by 1024
+    g = torch.randn(4, 3)
+    scaler.scale((scaled * g).sum()).backward()
+    (plain * g).sum().backward()
+    scaler.step(ours)
+    scaler.update()
+    reference.step()
+    torch.testing.assert_close(scaled, plain, rtol=1.3e-6, atol=1e-7)
+    before = scaled.detach().clone()
+    ours.zero_grad()
+    scaler.scale((scaled * float("inf")).sum()).backward()
+    scaler.step(ours)
+    scaler.update()
+    assert torch.equal(scaled, before) and scaler.get_scale() < 1024.0
+
+
 def test_muon_steps_as_its_definition_does():
     """Muon, which updates same-shaped matrices as one batch (a tall one transposed among the
     wide), gives the parameters of its definition applied to each matrix alone, Nesterov and all."""
@@ -118,9 +141,10 @@ def test_muon_steps_as_its_definition_does():
     momenta = [torch.zeros(s) for s in shapes]
     with torch.no_grad():
         for step_grads in grads:
+            # M <- momentum M + G; the update G + momentum M (Nesterov), orthogonalized
             for w, g, m in zip(ref_params, step_grads, momenta):
-                m.mul_(0.9).add_(g)                          # M <- momentum M + G
-                update = g + 0.9 * m                         # Nesterov
+                m.mul_(0.9).add_(g)
+                update = g + 0.9 * m
                 tall = w.size(0) > w.size(1)
                 o = orthogonalize(update.mT).mT if tall else orthogonalize(update)
                 w -= 0.05 * max(1.0, w.size(0) / w.size(1)) ** 0.5 * o

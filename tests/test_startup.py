@@ -44,7 +44,7 @@ model = {{n_layer = 1, n_head = 2, n_embd = 16, block_size = 16}}
 train = {{batch_size = 4, max_steps = 2, eval_interval = 2, eval_iters = 1, device = "cpu"}}
 log.curves = false
 [[variants]]
-name = "fast"   # the fast recipe's levers
+name = "fast"
 train.optimizer = "muon"
 model.pos = "rope"
 model.qk_norm = true

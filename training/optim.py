@@ -142,7 +142,8 @@ class AdamW(PlainOptimizer):
         self.fused = fused
 
     def new_state(self, p):
-        steps_at = p.device if self.fused else "cpu"   # (where each of torch's kernels reads t)
+        # t where torch's kernels read it: the fused one on the device, the foreach one on the host
+        steps_at = p.device if self.fused else "cpu"
         return {"step": torch.zeros((), dtype=torch.float32, device=steps_at),
                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 

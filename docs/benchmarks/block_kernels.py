@@ -1,11 +1,13 @@
-"""Kernels per transformer block of a config's training step, as torch.profiler counts them on a CPU.
+"""Kernels per transformer block of a config's training step, as torch.profiler counts them on a
+CPU.
 
     python docs/benchmarks/block_kernels.py CONFIG [--section.key=value ...]
 
 A kernel: an aten op that does work of its own (no view, and no op under it that does). A block's
 count is a 2-block model's forward and backward minus a 1-block model's, in fp32 and under bf16
 autocast, for CONFIG as it is and with rotary positions and QK-norm turned off (learned positions):
-the difference is what those two cost a block. On a GPU each kernel is a launch; the counts here
+the difference is what those two cost a block (dropout off: its masks are not the model's work).
+On a GPU each kernel is a launch; the counts here
 are the CPU's, whose QK-norm (F.rms_norm) is a composite of several kernels (one on CUDA). Run it
 in a checkout of each commit to compare them. How it was used: docs/benchmarks/cpu.md.
 """
@@ -24,7 +26,8 @@ VIEWS = {"aten::" + name for name in (
     "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "expand",
     "as_strided", "unsqueeze", "squeeze", "slice", "select", "narrow", "split", "split_with_sizes",
     "chunk", "unbind", "alias", "detach", "view_as", "contiguous", "to", "type_as", "lift_fresh",
-    "resolve_conj", "resolve_neg", "result_type", "empty", "empty_like", "empty_strided", "dropout")}
+    "resolve_conj", "resolve_neg", "result_type", "empty", "empty_like", "empty_strided",
+    "dropout")}
 
 
 def works(event) -> bool:
@@ -60,7 +63,8 @@ def main(argv: list[str]) -> None:
             if levers != "as set":
                 cfg.model.pos, cfg.model.qk_norm = "learned", False
             counts[levers] = kernels(cfg, 2, dtype) - kernels(cfg, 1, dtype)
-            print(f"{str(dtype).removeprefix('torch.'):9s} {levers:30s} {counts[levers]:4d} kernels a block")
+            name = str(dtype).removeprefix("torch.")
+            print(f"{name:9s} {levers:30s} {counts[levers]:4d} kernels a block")
         cfg = build_config(argv[0], argv[1:])
         cfg.model.vocab_size = cfg.model.vocab_size or 65
 

@@ -220,10 +220,11 @@ class CausalSelfAttention(nn.Module):
         q = heads(self.query(x), self.n_head)                            # (B, T, nh, hs)
         k = heads(self.key(x), self.n_kv_head)                           # (B, T, nkv, hs)
         v = heads(self.value(x), self.n_kv_head)
-        # QK-norm and the rotation before the heads go first: on these contiguous rows, no copy
+        # QK-norm and the rotation before the heads go first: on these contiguous rows, no copy;
+        # the rotation's (cos, sin) rows, one per position, are the same for every head
         if self.qk_norm:
             q, k = unit_rms(q), unit_rms(k)
-        if rope is not None:   # a (cos, sin) row per position, the same for every head
+        if rope is not None:
             cos, sin = rope[0][:, None], rope[1][:, None]
             q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))                 # (B, nh or nkv, T, hs)
