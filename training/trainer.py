@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from common import UserError, atomic_write, command, cpu_clock, duration, first_line, silence_stdout, typed
-from data.loader import BatchLoader
+from data.loader import BatchLoader, Share
 from data.prepare import prepare
 from data.tokenizers import load_tokenizer
 from loading import read_checkpoint
@@ -103,7 +103,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     make = partial(prepare, cfg.data, cfg.model.block_size)
     dataset = distributed.leader_first(make, at.local_rank == 0) if ddp else make()
     loader = BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=at.device,
-                         grad_accum=t.grad_accum, rank=rank, world=at.world)
+                         share=Share(t.grad_accum, rank, at.world))
     meta = loader.meta
     tokenizer = load_tokenizer(meta["tokenizer"])
     if ckpt is not None:
