@@ -1,17 +1,14 @@
 """Turn text (a file, a folder of files, or a glob) into train/val token files and a
 meta.json: an entry of the cache under data.prepared_dir (data/prepared/ by default;
-deleting it, or any entry in it, is always safe), reused for the same bytes and settings.
+safe to delete, whole or an entry), reused for the same bytes and settings.
 
-  streaming  read a chunk, encode a piece (PIECE_CHARS to twice that) at a time:
-             memory stays bounded whatever the text's size
-  passes     hash (the cache key: all a cache hit costs); scan (decode, count the
-             characters: the split point is a character index; char's vocabulary);
-             train (bpe:N); encode (BPE: a batch a call on data.workers threads, as
-             tiktoken lets go of the GIL)
+  streaming  a piece (PIECE_CHARS to twice that) at a time: memory stays bounded
+  passes     hash (the cache key: all a cache hit costs); scan (count the characters,
+             as the split point is a character index; char's vocabulary); train
+             (bpe:N); encode (BPE: on data.workers threads: tiktoken frees the GIL)
   val        the text's last val_fraction, or data.val_path's files (not trained on)
   documents  text files, JSONL lines and Parquet rows are one text in order, with the
-             end-of-text token (BPE) or a newline (char) between them; BPE's is cut
-             only where that keeps its tokens
+             end-of-text token (BPE) or a newline (char) between them
   an entry   train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and
              meta.json, named by the text's sha256 and every setting that changes the
              ids; built in a temporary folder, renamed into place once whole (a killed
@@ -90,8 +87,8 @@ def mb_progress(label: str, total: int) -> Progress:
 
 def prepare(data: DataConfig, block_size: int | None = None) -> Path:
     """The dataset's directory: data.path prepared, or an earlier preparation of the
-    same bytes with the same settings. block_size: each split must hold block_size + 1
-    tokens (one training window), checked before anything is published."""
+    same bytes and settings. block_size: each split must hold a training window, checked
+    before anything is published."""
     data.validate()
     val = find_sources(data.val_path) if data.val_path else []
     # val_path's files are never trained on too
@@ -278,11 +275,11 @@ LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
 def pieces(documents, split_at: int, bpe: bool):
-    """The documents (iterables of str chunks) as one text of (split, piece) in order:
-    its first split_at characters in "train", the rest in "val"; between documents a
-    newline (char: a character of the text) or a piece None, the end-of-text token
-    (BPE). A piece, held as chunks until whole, has PIECE_CHARS to 2 x PIECE_CHARS
-    characters (fewer at a BPE document's end or the split), BPE's cut at LAST_SAFE_CUT."""
+    """The documents (iterables of str chunks) as one text of (split, piece): its first
+    split_at characters in "train", the rest in "val"; between documents a newline
+    (char: a character of the text) or a piece None, the end-of-text token (BPE). A
+    piece has PIECE_CHARS to twice that many characters (fewer at a BPE document's end
+    or the split), BPE's cut at LAST_SAFE_CUT."""
     split, pos = "train", 0
     # the next piece's chunks, of size characters
     held, size = [], 0
@@ -342,9 +339,8 @@ def in_order(fn, items, workers: int):
 
 
 def encode(text, tok, tmp: Path, workers: int) -> dict:
-    """Encode the (split, piece) pairs of text, a batch at a time on `workers` threads
-    (1: this one), appending their ids in order to tmp/<split>.bin; the meta entries
-    that describe them."""
+    """Encode text's (split, piece) pairs a batch at a time on `workers` threads (1:
+    this one), appending the ids to tmp/<split>.bin; the meta entries of them."""
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens = dict.fromkeys(SPLITS, 0)
     nbytes = dict.fromkeys(SPLITS, 0)
@@ -380,7 +376,7 @@ def encode(text, tok, tmp: Path, workers: int) -> dict:
 def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
     """The entry's name: the data's (sources.data_name), cut to 64 characters (a file
     system allows 255 bytes), then all that changes the token files (for records, the
-    key holds the text_field; with val_path, the sha256 covers both texts)."""
+    key holds the text_field)."""
     # bpe:4096 -> bpe4096
     label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)
     errors = "-replace" * (data.encoding_errors == "replace")

@@ -103,8 +103,8 @@ def open_out_dir(out: Path, overwrite: bool, best: Path | None = None) -> Path |
     """The run's first write: make out, after renaming (--overwrite) the folder holding
     an earlier run to a fresh sibling, which it returns. best: a resumed checkpoint that
     was the best when saved, and so is the best of the run that goes on from it: best.pt
-    is linked to it (again, where a kill cut its linking short; or instead of a later
-    checkpoint that the resumed run abandons)."""
+    is linked to it (again, after a kill cut its linking short; or instead of a later
+    checkpoint the resumed run abandons)."""
     aside = None
     if overwrite and out.is_dir() and run_files(out):
         now = datetime.now(timezone.utc)
@@ -275,8 +275,8 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
 
 def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
     """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's
-    generators (at: this process's rank and world). Returns the run's progress so far:
-    step, tokens, best val loss, elapsed seconds."""
+    generators (at: this process's rank and world). Returns the run's progress: step,
+    tokens, best val loss, elapsed seconds."""
     rank, world = at.rank, at.world
     # this run's hyperparameters: a checkpoint's would undo --train.lr=...
     now = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]

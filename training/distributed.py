@@ -12,17 +12,16 @@ torchrun starts one process per device and tells each who it is in the environme
 RANK (0 .. WORLD_SIZE-1 over all machines), LOCAL_RANK (its device on its machine),
 WORLD_SIZE, LOCAL_WORLD_SIZE (processes on each machine), GROUP_WORLD_SIZE and
 GROUP_RANK (machines, and this one's rank), and MASTER_ADDR/MASTER_PORT (where rank 0
-listens). torchrun's own arguments never reach a process's argv: the command that
-continues a run (relaunch) is rebuilt from them.
+listens). The command that continues a run (relaunch) is rebuilt from them: torchrun's
+own arguments never reach a process's argv.
 
-When a process dies, its machine's torchrun ends the others there and names it in its
-report. On the other machines, the processes learn it from the collective they are in,
-which fails: gloo's at once (the connection closes), NCCL's when its watchdog sees the
-error, else at the process group's timeout (torch's default, which this project keeps:
-30 min for gloo, 10 min for NCCL): also how long a process waits for a peer that
-stopped answering without going away (a frozen machine, a cut network); only the wait
-for the data's preparation is longer (leader_first). Each machine then ends with one
-line from its local rank 0 (lost_peer_line), and the checkpoints on disk are whole.
+When a process dies, its machine's torchrun ends the others there and names it. On the
+other machines, the collective the processes are in fails: gloo's at once (the
+connection closes), NCCL's when its watchdog sees the error, else at the process
+group's timeout (torch's default: 30 min for gloo, 10 min for NCCL), which is also how
+long a process waits for a peer that froze or was cut off; only the wait for the data's
+preparation is longer (leader_first). Each machine then ends with one line from its
+local rank 0 (lost_peer_line), and the checkpoints on disk are whole.
 
 Data parallel (DDP, the default): every rank holds the whole model and optimizer,
 computes the gradients of its own slice of the batch, and backward averages them over
