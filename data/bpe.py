@@ -26,6 +26,7 @@ import base64
 import time
 
 import numpy as np
+import tiktoken
 
 from common import UserError
 
@@ -38,7 +39,6 @@ PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
 
 def check_encoding(name: str) -> None:
     """A UserError unless name is a tiktoken encoding (its files are not loaded)."""
-    import tiktoken
     if name not in (names := tiktoken.list_encoding_names()):
         raise UserError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N "
                         f"tokens trained on the data) or a tiktoken encoding "
@@ -55,7 +55,6 @@ class TiktokenTokenizer:
 
     @classmethod
     def named(cls, name: str = "gpt2") -> "TiktokenTokenizer":
-        import tiktoken
         check_encoding(name)
         try:
             enc = tiktoken.get_encoding(name)
@@ -114,7 +113,6 @@ def trained_bpe(meta: dict) -> TiktokenTokenizer:
     """The tokenizer train_bpe() describes, checked: a damaged description is a
     UserError. tiktoken itself checks only the pattern and the types; a missing byte or
     a repeated token would panic in Rust."""
-    import tiktoken
 
     def damaged(why: str) -> UserError:
         return UserError(f"damaged BPE tokenizer description: {why}")
