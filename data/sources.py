@@ -1,10 +1,8 @@
-"""The text to prepare: which files a data path names (a file; every regular file under a
-directory, hidden ones skipped; or a glob's matches; in sorted path order), its name,
-their sha256, and their documents as str chunks in bounded memory: a text file (read
-READ_BYTES at a time; a .gz one gunzipped as it is read), a JSONL line, a Parquet row
-(KINDS). A non-UTF-8 byte is an error naming its offset, with advice: a file that looks
-binary (a NUL byte in its first 8 KB, git's test) is to be left out; in a text,
-encoding_errors=replace.
+"""The text to prepare: which files a data path names, its name, their sha256, and
+their documents as str chunks in bounded memory: a text file (a .gz one gunzipped as it
+is read), a JSONL line, a Parquet row (KINDS). A non-UTF-8 byte is an error naming its
+offset, with advice: a file that looks binary (a NUL byte in its first 8 KB, git's
+test) is to be left out; in a text, encoding_errors=replace.
 """
 import codecs
 import glob
@@ -38,8 +36,8 @@ DAMAGED = (OSError, EOFError, zlib.error, ValueError)
 
 
 def find_sources(source) -> list[Path]:
-    """The regular files a data path names, sorted; a UserError saying why there are
-    none."""
+    """The regular files a data path names (a file; those under a directory, hidden
+    ones skipped; a glob's matches), sorted; a UserError saying why there are none."""
     source = Path(source)
     # its name may hold glob characters
     if source.is_file():
