@@ -1,59 +1,68 @@
-"""BPE tokenizers through tiktoken: a named encoding (gpt2, cl100k_base, ...), and bpe:N, a byte-level
-BPE of N tokens trained on the data's training split (train_bpe) whose meta holds the whole tokenizer
-(pattern, base64 token bytes in rank order, <|endoftext|>), so that tiktoken rebuilds it from the
-meta alone, with no file and no network. Imported only where a run uses BPE.
+"""BPE tokenizers through tiktoken: a named encoding (gpt2, cl100k_base, ...), and bpe:N,
+a byte-level BPE of N tokens trained on the data's training split (train_bpe) whose meta
+holds the whole tokenizer (pattern, base64 token bytes in rank order, <|endoftext|>), so
+that tiktoken rebuilds it from the meta alone, with no file and no network. Imported
+only where a run uses BPE.
 
 Choices:
-  trainer      rustbpe (nanochat's BPE trainer, Rust): it returns tiktoken's mergeable ranks (token
-               bytes -> rank) directly, so the result encodes with tiktoken exactly like gpt2 does.
-               Hugging Face `tokenizers` trains as well, but keeps byte-level tokens in a remapped
-               alphabet that would need translating back to bytes (and trains more slowly).
-  bytes        the 256 byte values are tokens 0..255, so every text encodes, characters never seen
-               in training included
-  pattern      GPT-4's (cl100k) pre-tokenizer regex: no merge crosses a split point, and cutting the
-               text where prepare.LAST_SAFE_CUT does gives the tokens of the whole text
-  vocabulary   N tokens: the 256 bytes, N - 257 merges, and <|endoftext|> (id N - 1), which goes
-               between documents like gpt2's
-  input        the training split only (the validation text never shapes the merges), streamed in
-               pieces, at most prepare.TRAIN_MAX_CHARS characters of it
-  determinism  the same text and N give the same ranks (tests/test_bpe.py), whatever the thread count
+  trainer      rustbpe (nanochat's BPE trainer, Rust): it returns tiktoken's mergeable
+               ranks (token bytes -> rank) directly, so the result encodes with tiktoken
+               exactly like gpt2 does. Hugging Face `tokenizers` trains as well, but
+               keeps byte-level tokens in a remapped alphabet that would need translating
+               back to bytes (and trains more slowly).
+  bytes        the 256 byte values are tokens 0..255, so every text encodes, characters
+               never seen in training included
+  pattern      GPT-4's (cl100k) pre-tokenizer regex: no merge crosses a split point, and
+               cutting the text where prepare.LAST_SAFE_CUT does gives the tokens of the
+               whole text
+  vocabulary   N tokens: the 256 bytes, N - 257 merges, and <|endoftext|> (id N - 1),
+               which goes between documents like gpt2's
+  input        the training split only (the validation text never shapes the merges),
+               streamed in pieces, at most prepare.TRAIN_MAX_CHARS characters of it
+  determinism  the same text and N give the same ranks (tests/test_bpe.py), whatever the
+               thread count
 """
 import base64
 import time
 
 import numpy as np
+import tiktoken
 
 from common import UserError
 
-EOT = "<|endoftext|>"   # the end-of-text token between documents (gpt2's name for it)
+# the end-of-text token between documents (gpt2's name for it)
+EOT = "<|endoftext|>"
 
-PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
-           r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
+           r"""| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
 
 
 def check_encoding(name: str) -> None:
     """A UserError unless name is a tiktoken encoding (its files are not loaded)."""
-    import tiktoken
     if name not in (names := tiktoken.list_encoding_names()):
-        raise UserError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N tokens trained on "
-                        f"the data) or a tiktoken encoding ({', '.join(names)})")
+        raise UserError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N "
+                        f"tokens trained on the data) or a tiktoken encoding "
+                        f"({', '.join(names)})")
 
 
 class TiktokenTokenizer:
-    """BPE encoded by tiktoken: a named encoding, or one trained on the data (see trained_bpe)."""
+    """BPE encoded by tiktoken: a named encoding, or one trained on the data (see
+    trained_bpe)."""
 
     def __init__(self, enc, meta: dict):
-        self.enc, self._meta = enc, meta
+        self.enc = enc
+        self._meta = meta
 
     @classmethod
     def named(cls, name: str = "gpt2") -> "TiktokenTokenizer":
-        import tiktoken
         check_encoding(name)
         try:
             enc = tiktoken.get_encoding(name)
-        except Exception as e:   # the BPE files are downloaded on first use
-            raise UserError(f"could not load tiktoken's {name!r} files ({type(e).__name__}); without a "
-                            f"network, set TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+        # the BPE files are downloaded on first use
+        except Exception as e:
+            raise UserError(f"could not load tiktoken's {name!r} files "
+                            f"({type(e).__name__}); without a network, set "
+                            f"TIKTOKEN_CACHE_DIR to a folder that holds them") from None
         return cls(enc, {"kind": "tiktoken", "name": name})
 
     @property
@@ -70,19 +79,22 @@ class TiktokenTokenizer:
         return self.enc.eot_token
 
     def encode(self, text: str) -> list[int]:
-        return self.enc.encode_ordinary(text)   # "<|endoftext|>" in a text is just text
+        """The ids of text, in which "<|endoftext|>" is just text."""
+        return self.enc.encode_ordinary(text)
 
     def encode_array(self, text: str) -> np.ndarray:
-        return self.enc.encode_to_numpy(text, disallowed_special=())   # uint32, no Python list in between
+        """The ids as uint32, with no Python list in between."""
+        return self.enc.encode_to_numpy(text, disallowed_special=())
 
     def encode_pieces(self, pieces: list) -> np.ndarray:
-        """The ids of the pieces in order, a None the end-of-text token: one tiktoken call (for many
-        short records that costs less than the records) on the text joined by <|endoftext|>, which
-        it encodes as the token and never merges across. Pieces side by side are one text (prepare
-        cuts a document where that changes no token). A piece that holds <|endoftext|> as text:
-        each piece on its own."""
+        """The ids of the pieces in order, a None the end-of-text token: one tiktoken call
+        (for many short records that costs less than the records) on the text joined by
+        <|endoftext|>, which it encodes as the token and never merges across. Pieces side
+        by side are one text (prepare cuts a document where that changes no token). A
+        piece that holds <|endoftext|> as text: each piece on its own."""
         text = "".join([EOT if p is None else p for p in pieces])
-        if text.count(EOT) == pieces.count(None):   # (the marker cannot overlap itself)
+        # the marker cannot overlap itself: a count tells
+        if text.count(EOT) == pieces.count(None):
             return self.enc.encode_to_numpy(text, allowed_special={EOT})
         eot = np.array([self.end_token], dtype=np.uint32)
         return np.concatenate([eot if p is None else self.encode_array(p) for p in pieces])
@@ -98,19 +110,21 @@ class TiktokenTokenizer:
 
 
 def trained_bpe(meta: dict) -> TiktokenTokenizer:
-    """The tokenizer train_bpe() describes, checked: a damaged description is a UserError. tiktoken
-    itself checks only the pattern and the types; a missing byte or a repeated token would panic in Rust."""
-    import tiktoken
+    """The tokenizer train_bpe() describes, checked: a damaged description is a
+    UserError. tiktoken itself checks only the pattern and the types; a missing byte or
+    a repeated token would panic in Rust."""
 
     def damaged(why: str) -> UserError:
         return UserError(f"damaged BPE tokenizer description: {why}")
 
-    name, pattern, ranks, special = (meta.get(k) for k in ("name", "pattern", "ranks", "special_tokens"))
+    keys = ("name", "pattern", "ranks", "special_tokens")
+    name, pattern, ranks, special = (meta.get(k) for k in keys)
     if not isinstance(name, str) or not isinstance(pattern, str) or not pattern:
         raise damaged("its name or pattern is missing")
+    # not a list of str, or a str that is not base64 (a binascii.Error)
     try:
         tokens = [base64.b64decode(r, validate=True) for r in ranks]
-    except (TypeError, ValueError):   # not a list of str, or a str that is not base64 (a binascii.Error)
+    except (TypeError, ValueError):
         raise damaged("its ranks are not a list of base64 strings") from None
     mergeable = {t: i for i, t in enumerate(tokens)}
     if len(mergeable) != len(tokens) or b"" in mergeable:
@@ -118,19 +132,23 @@ def trained_bpe(meta: dict) -> TiktokenTokenizer:
     if any(bytes([b]) not in mergeable for b in range(256)):
         raise damaged("not every byte is a token, so some text could not be encoded")
     if special != {EOT: len(tokens)}:
-        raise damaged(f"its special tokens must be {EOT} alone, with the id after the {len(tokens)} ranks")
+        raise damaged(f"its special tokens must be {EOT} alone, with the id after the "
+                      f"{len(tokens)} ranks")
+    # a pattern that is not a valid regex; an id that is not an int
     try:
-        enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable, special_tokens=special)
-    except (TypeError, ValueError) as e:   # the pattern is not a valid regex; an id is not an int
+        enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable,
+                                special_tokens=special)
+    except (TypeError, ValueError) as e:
         raise damaged(str(e)[:160]) from None
     return TiktokenTokenizer(enc, meta)
 
 
 def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
-    """(tokenizer meta, seconds) of a BPE of vocab_size tokens trained on the str pieces in texts.
-    rustbpe holds `batch` pieces at a time and counts them in parallel. A text with too few distinct
-    pairs gives fewer tokens than asked for (the meta says how many). The meta holds the whole
-    tokenizer: the pattern, each token's bytes in base64 in rank (and id) order, <|endoftext|> after them."""
+    """(tokenizer meta, seconds) of a BPE of vocab_size tokens trained on the str pieces
+    in texts. rustbpe holds `batch` pieces at a time and counts them in parallel. A text
+    with too few distinct pairs gives fewer tokens than asked for (the meta says how
+    many). The meta holds the whole tokenizer: the pattern, each token's bytes in base64
+    in rank (and id) order, <|endoftext|> after them."""
     try:
         import rustbpe
     except ImportError:
@@ -138,7 +156,8 @@ def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
     start = time.perf_counter()
     trainer = rustbpe.Tokenizer()
     trainer.train_from_iterator(texts, vocab_size - 1, buffer_size=batch, pattern=PATTERN)
-    tokens = [bytes(token) for token, _ in sorted(trainer.get_mergeable_ranks(), key=lambda item: item[1])]
+    ranked = sorted(trainer.get_mergeable_ranks(), key=lambda item: item[1])
+    tokens = [bytes(token) for token, _ in ranked]
     meta = {"kind": "bpe", "name": f"bpe{len(tokens) + 1}", "pattern": PATTERN,
             "ranks": [base64.b64encode(t).decode("ascii") for t in tokens],
             "special_tokens": {EOT: len(tokens)}}

@@ -1,22 +1,21 @@
-"""Turn text (a file, a directory of files, or a glob) into train/val token files and a meta.json:
-an entry of the cache under data.prepared_dir (data/prepared/ by default; deleting it, or any entry
-in it, is always safe), reused when the same bytes come with the same settings.
+"""Turn text (a file, a folder of files, or a glob) into train/val token files and a
+meta.json: an entry of the cache under data.prepared_dir (data/prepared/ by default;
+safe to delete, whole or an entry), reused for the same bytes and settings.
 
-  streaming  read a chunk, encoded a piece (PIECE_CHARS to twice as many characters) at a time:
-             memory stays bounded whatever the text's size
-  passes     hash (the cache key: all a cache hit costs); scan (decode; count the characters: the
-             split point is a character index; char's vocabulary); train (bpe:N); encode (BPE: a
-             batch a call on data.workers threads, as tiktoken lets go of the GIL)
+  streaming  a piece (PIECE_CHARS to twice that) at a time: memory stays bounded
+  passes     hash (the cache key: all a cache hit costs); scan (count the characters,
+             as the split point is a character index; char's vocabulary); train
+             (bpe:N); encode (BPE: on data.workers threads: tiktoken frees the GIL)
   val        the text's last val_fraction, or data.val_path's files (not trained on)
-  documents  text files, JSONL lines and Parquet rows are one text in order, with the end-of-text
-             token (BPE) or a newline (char) between them; BPE's is cut only where that keeps its tokens
-  an entry   train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and meta.json, named by
-             the text's sha256 and every setting that changes the ids; built in a temporary folder,
-             renamed into place once whole (a killed process's is removed by the next). Usable:
-             a meta.json of this FORMAT (written last) and .bin files of the sizes it says
+  documents  text files, JSONL lines and Parquet rows are one text in order, with the
+             end-of-text token (BPE) or a newline (char) between them
+  an entry   train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and
+             meta.json, named by the text's sha256 and every setting that changes the
+             ids; built in a temporary folder, renamed into place once whole (a killed
+             process's is removed by the next)
 
-    python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096] [--val-fraction 0.1]
-                           [--val-path FILE|DIR|GLOB] [--workers N]
+    python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096]
+        [--val-fraction 0.1] [--val-path FILE|DIR|GLOB] [--workers N]
 """
 import hashlib
 import json
@@ -32,34 +31,47 @@ from dataclasses import dataclass
 from itertools import chain, takewhile
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:   # run as a file: imports start at the repository,
-    sys.path[0] = str(Path(__file__).resolve().parents[1])   # not in data/ (its names would shadow)
+# run as a file: imports start at the repository, not in data/ (its names would shadow)
+if __name__ == "__main__" and not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np  # noqa: E402
 
-from common import (ArgumentParser, Progress, UserError, atomic_write, check_fields, run_cli,  # noqa: E402
-                    setting)
-from data.sources import data_name, describe, find_sources, iter_documents, kind_suffix, sha256  # noqa: E402
-from data.tokenizers import (CharTokenizer, bpe_vocab_size, build_tokenizer,  # noqa: E402
-                             check_tokenizer_spec, code_points, load_tokenizer)
+from common import (ArgumentParser, Progress, UserError, atomic_write,  # noqa: E402
+                    check_fields, run_cli, setting)
+from data.sources import (data_name, describe, find_sources,  # noqa: E402
+                          iter_documents, kind_suffix, sha256)
+from data.tokenizers import (CharTokenizer, bpe_vocab_size,  # noqa: E402
+                             build_tokenizer, check_tokenizer_spec, code_points,
+                             load_tokenizer)
 
-FORMAT = 3                      # meta.json's layout
+# meta.json's layout
+FORMAT = 3
 SPLITS = ("train", "val")
-PIECE_CHARS = 1 << 20           # characters encoded at a time (up to twice as many)
-TRAIN_MAX_CHARS = 256_000_000   # bpe:N learns from the first 256M characters of the train split at most
-PROGRESS_MIN_BYTES = 64 << 20   # a progress line for inputs at least this large
+# characters encoded at a time (up to twice as many)
+PIECE_CHARS = 1 << 20
+# bpe:N learns from the first 256M characters of the train split at most
+TRAIN_MAX_CHARS = 256_000_000
+# a progress line for inputs at least this large
+PROGRESS_MIN_BYTES = 64 << 20
 
 
 @dataclass
 class DataConfig:
-    path: str = setting("data/tinyshakespeare.txt", "the text to train on: a file, a folder or a glob")
-    tokenizer: str = setting("char", "char | bpe:N (N tokens, trained on the data) | gpt2, or any tiktoken")
-    val_fraction: float = setting(0.1, "the last 10% of the text is for validation", above=0.0, below=1.0)
+    path: str = setting(
+        "data/tinyshakespeare.txt", "the text to train on: a file, a folder or a glob")
+    tokenizer: str = setting(
+        "char", "char | bpe:N (N tokens, trained on the data) | gpt2, or any tiktoken")
+    val_fraction: float = setting(
+        0.1, "the last 10% of the text is for validation", above=0.0, below=1.0)
     prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
-    encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes",
-                                   one_of=("strict", "replace"))
-    text_field: str = setting("text", "the JSONL field or Parquet column that holds the text")
-    val_path: str = setting("", "its own validation text: a file, folder or glob (\"\" = none)")
+    encoding_errors: str = setting(
+        "strict", "strict | replace: what to do with non-UTF-8 bytes",
+        one_of=("strict", "replace"))
+    text_field: str = setting(
+        "text", "the JSONL field or Parquet column that holds the text")
+    val_path: str = setting(
+        "", "its own validation text: a file, folder or glob (\"\" = none)")
     workers: int = setting(0, "threads that encode BPE (0 = one per core)", at_least=0)
 
     def validate(self) -> None:
@@ -67,173 +79,230 @@ class DataConfig:
         check_tokenizer_spec(self.tokenizer)
 
 
-def mb_progress(label: str, total: int) -> Progress:   # (in MB on stderr, for PROGRESS_MIN_BYTES or more)
-    return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=total < PROGRESS_MIN_BYTES)
+def mb_progress(label: str, total: int) -> Progress:
+    """Progress in MB on stderr, for PROGRESS_MIN_BYTES or more."""
+    quiet = total < PROGRESS_MIN_BYTES
+    return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=quiet)
 
 
 def prepare(data: DataConfig, block_size: int | None = None) -> Path:
-    """The dataset's directory: data.path prepared, or an earlier preparation of the same bytes with
-    the same settings. block_size: each split must hold block_size + 1 tokens (one training window),
-    checked before anything is published."""
+    """The dataset's directory: data.path prepared, or an earlier preparation of the
+    same bytes and settings. block_size: each split must hold a training window, checked
+    before anything is published."""
     data.validate()
     val = find_sources(data.val_path) if data.val_path else []
-    taken = {p.resolve() for p in val}   # val_path's files are never trained on too
-    if not (files := [p for p in find_sources(data.path) if p.resolve() not in taken]):
-        raise UserError(f"{data.path} holds no files but those of --data.val_path {data.val_path}")
+    # val_path's files are never trained on too
+    taken = {p.resolve() for p in val}
+    files = [p for p in find_sources(data.path) if p.resolve() not in taken]
+    if not files:
+        raise UserError(f"{data.path} holds no files but those of --data.val_path "
+                        f"{data.val_path}")
     progress = mb_progress("hashing", sum(p.stat().st_size for p in files + val))
     sha = sha256(files, progress)
-    if val:   # the key covers both texts
-        sha = hashlib.sha256(f"{sha}\0{sha256(val, progress)}".encode()).hexdigest()
+    if val:
+        # the key covers both texts
+        both = f"{sha}\0{sha256(val, progress)}"
+        sha = hashlib.sha256(both.encode()).hexdigest()
     records = any(kind_suffix(p.name) for p in files + val)
     out = Path(data.prepared_dir) / entry_name(data, sha, records)
     meta = read_entry(out)
     for path, group, label in ((data.path, files, "data"), (data.val_path, val, "val")):
-        if group and not Path(path).is_file():   # what a directory or glob took
-            print(describe(path, group, sum(p.stat().st_size for p in group), label))
+        # what a directory or glob took
+        if group and not Path(path).is_file():
+            size = sum(p.stat().st_size for p in group)
+            print(describe(path, group, size, label))
     if meta is None and out.exists():
-        print(f"notice: {out} is unfinished, damaged or of an older format: preparing it again",
-              file=sys.stderr)
+        print(f"notice: {out} is unfinished, damaged or of an older format: "
+              f"preparing it again", file=sys.stderr)
     if meta is None:
         meta = build(out, (files, val), sha, data, block_size)
-        print(f"prepared {data.path} with tokenizer {data.tokenizer}: {meta['tokens']['train']:,} train "
-              f"and {meta['tokens']['val']:,} val tokens (vocab {meta['vocab_size']:,}) -> {out}")
+        tokens = meta["tokens"]
+        print(f"prepared {data.path} with tokenizer {data.tokenizer}: "
+              f"{tokens['train']:,} train and {tokens['val']:,} val tokens "
+              f"(vocab {meta['vocab_size']:,}) -> {out}")
     check_split_sizes(meta["tokens"], block_size)
     return out
 
 
 def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> dict:
-    """Scan, train (bpe:N), encode: the entry at out; its meta.json. sources: the train files and
-    the val files: each a text (none: the val split is the train text's last val_fraction)."""
-    files, char = sources[0] + sources[1], data.tokenizer == "char"
-    stamp, read = stamps(files), (data.encoding_errors, data.text_field)
+    """Scan, train (bpe:N), encode: the entry at out; its meta.json. sources: the train
+    files and the val files, each a text (no val files: the val split is the train
+    text's last val_fraction)."""
+    files = sources[0] + sources[1]
+    char = data.tokenizer == "char"
+    stamp = stamps(files)
+    read = (data.encoding_errors, data.text_field)
     total = sum(size for size, _ in stamp)
     progress = mb_progress("scanning", total)
     scans = [scan(group, *read, char, progress) for group in sources if group]
     # each text's characters (char: + the newlines between its documents)
     counts = [n + (docs - 1) * char for _, docs, n, _ in scans]
-    split_at = counts[0] if sources[1] else int(counts[0] * (1.0 - data.val_fraction))
-    chars = "".join(s[3] for s in scans) + "\n" * any(s[1] > 1 for s in scans)
+    if sources[1]:
+        split_at = counts[0]
+    else:
+        split_at = int(counts[0] * (1.0 - data.val_fraction))
 
-    def unchanged() -> None:   # (the hash names the entry: a text that changed meanwhile is refused)
+    # the hash names the entry: a text that changed meanwhile is refused
+    def unchanged() -> None:
         for path, was, now in zip(files, stamp, stamps(files)):
             if was != now:
-                raise UserError(f"{path} changed while it was prepared: try again once it no longer "
-                                f"changes")
+                raise UserError(f"{path} changed while it was prepared: "
+                                f"try again once it no longer changes")
 
-    def text(label: str, train_chars: int):   # (split, piece) pairs, train_chars in "train"
+    def text(label: str, train_chars: int):
+        """(split, piece) pairs: train_chars in "train", then "val" (all of the val
+        files' text, from its first character on)."""
         progress = mb_progress(label, total)
-        texts = [(d for p in s[0] for d in iter_documents(p, *read, progress)) for s in scans]
-        # (the val files' text: "val" from its first character on)
-        return chain(*(pieces(docs, at, not char) for docs, at in zip(texts, (train_chars, 0))))
-    if char:   # (no document may hold the newline between documents)
+        texts = [(d for p in s[0] for d in iter_documents(p, *read, progress))
+                 for s in scans]
+        starts = zip(texts, (train_chars, 0))
+        return chain(*(pieces(docs, at, not char) for docs, at in starts))
+
+    if char:
+        # every character seen, and the newline that goes between documents
+        chars = "".join(s[3] for s in scans) + "\n" * any(s[1] > 1 for s in scans)
         tok = CharTokenizer("".join(sorted(set(chars))))
     elif bpe_vocab_size(data.tokenizer) is None:
         tok = build_tokenizer(data.tokenizer)
-    else:   # bpe:N, trained on (the start of) the train split: takewhile stops reading at its end
-        train = takewhile(lambda item: item[0] == "train",
-                          text("training the tokenizer", min(split_at, TRAIN_MAX_CHARS)))
+    else:
+        # bpe:N, trained on (the start of) the train split: takewhile stops at its end
         from data.bpe import train_bpe
-        tok_meta, took = train_bpe((piece for _, piece in train if piece), bpe_vocab_size(data.tokenizer))
+        head = text("training the tokenizer", min(split_at, TRAIN_MAX_CHARS))
+        train = takewhile(lambda item: item[0] == "train", head)
+        size = bpe_vocab_size(data.tokenizer)
+        tok_meta, took = train_bpe((piece for _, piece in train if piece), size)
         tok = load_tokenizer(tok_meta)
-        print(f"trained {data.tokenizer} on the train split in {took:.1f} s: {tok.vocab_size:,} tokens")
+        print(f"trained {data.tokenizer} on the train split in {took:.1f} s: "
+              f"{tok.vocab_size:,} tokens")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out.parent)
     tmp = out.parent / f".{out.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()   # (os.mkdir: the mode the umask gives, as for any file; tempfile.mkdtemp's is 0700)
-    # data.workers = 0: a thread per core it may run on (its affinity, where the OS tells it)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = 1 if char else data.workers or cores   # (char: threads do not pay, docs/data.md)
+    # os.mkdir: the mode the umask gives, as for any file (tempfile.mkdtemp's is 0700)
+    tmp.mkdir()
+    # data.workers = 0: a thread per core it may run on (its affinity, where the OS
+    # tells it); char: threads do not pay (docs/data.md)
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity else os.cpu_count()
+    workers = 1 if char else data.workers or cores
     try:
         encoded = encode(text("encoding", split_at), tok, tmp, workers)
-        check_split_sizes(encoded["tokens"], block_size)   # before publishing: a refused text leaves nothing
+        # before publishing: a refused text leaves nothing
+        check_split_sizes(encoded["tokens"], block_size)
         unchanged()
-        split = {"val_path": str(Path(data.val_path).absolute())} if sources[1] else \
-            {"val_fraction": data.val_fraction}
+        if sources[1]:
+            split = {"val_path": str(Path(data.val_path).absolute())}
+        else:
+            split = {"val_fraction": data.val_fraction}
         split |= {"train_chars": split_at, "val_chars": sum(counts) - split_at}
-        meta = {"format": FORMAT, "source": str(Path(data.path).absolute()), "sha256": sha,
-                "files": len(files), "tokenizer_spec": data.tokenizer, **encoded,
-                "encoding_errors": data.encoding_errors, "text_field": data.text_field, "split": split}
-        atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))   # last: what makes it usable
-        if read_entry(out) is None:   # (one that another process has just published stays)
+        meta = {"format": FORMAT, "source": str(Path(data.path).absolute()),
+                "sha256": sha, "files": len(files), "tokenizer_spec": data.tokenizer,
+                **encoded, "encoding_errors": data.encoding_errors,
+                "text_field": data.text_field, "split": split}
+        # written last: what makes the entry usable
+        atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
+        # one that another process has just published stays
+        if read_entry(out) is None:
             shutil.rmtree(out, ignore_errors=True)
             os.rename(tmp, out)
-    except UserError:   # of a text that changed (an unknown character appended): its change
+    except UserError:
+        # a text that changed (an unknown character appended): its change is the error
         unchanged()
         raise
-    finally:   # (after the rename there is nothing left to remove)
+    finally:
+        # after the rename there is nothing left to remove
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
 
 
 def stamps(files: list[Path]) -> list[tuple[int, int]]:
-    """Each file's size and modification time: what tells that a text changed while it was read."""
+    """Each file's (size, mtime): they tell a text that changed while it was read."""
     return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
-# A build's temporary folder: .<entry>.tmp-<host>-<pid>-<random>: the next build tells whose it is.
+# A build's temporary folder, .<entry>.tmp-<host>-<pid>-<random>: the next tells whose.
 TMP = f".tmp-{socket.gethostname()}-"
 
 
 def remove_leftovers(folder: Path) -> None:
-    """Remove the temporary folders of builds on this machine whose process is gone: a SIGKILL or a
-    power cut leaves one, as large as the tokens written so far. (Windows' os.kill(pid, 0) would
-    stop the process: left alone there.)"""
+    """Remove the temporary folders of builds on this machine whose process is gone: a
+    SIGKILL or a power cut leaves one, as large as the tokens written so far. (Windows'
+    os.kill(pid, 0) would stop the process: left alone there.)"""
     for tmp in folder.glob(f".*{TMP}*") if os.name == "posix" else ():
-        if pid := re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2]):
-            try:   # signal 0 sends nothing: it asks whether the process runs
-                os.kill(int(pid[1]), 0)
-            except ProcessLookupError:
-                shutil.rmtree(tmp, ignore_errors=True)
-            except OSError:   # (another user's: it runs)
-                pass
+        pid = re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2])
+        if not pid:
+            continue
+        # signal 0 sends nothing: it asks whether the process runs
+        try:
+            os.kill(int(pid[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            # another user's: it runs
+            pass
 
 
-def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple[list[Path], int, int, str]:
-    """The files with any text; their documents (blank ones left out), characters, (want_chars) set."""
-    kept, n_docs, n_chars, seen = {}, 0, 0, np.zeros(0x110000, dtype=bool)   # kept: a dict, as an ordered set
+def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
+    """(the files with any text, their documents (blank ones left out), characters,
+    the characters seen as a str (want_chars))."""
+    # a dict, as an ordered set
+    kept = {}
+    n_docs = n_chars = 0
+    seen = np.zeros(0x110000, dtype=bool)
     for path in files:
         for document in iter_documents(path, errors, field, progress):
             n, blank = 0, True
             for text in document:
-                n, blank = n + len(text), blank and text.isspace()
+                n += len(text)
+                blank = blank and text.isspace()
                 if want_chars:
                     seen[code_points(text)] = True
             if not blank:
-                kept[path], n_docs, n_chars = True, n_docs + 1, n_chars + n
+                kept[path] = True
+                n_docs += 1
+                n_chars += n
+    if not kept and len(files) == 1:
+        raise UserError(f"data file is empty: {files[0]}")
     if not kept:
-        raise UserError(f"data file is empty: {files[0]}" if len(files) == 1 else
-                        f"the data files are all empty ({len(files)} files, first {files[0]})")
+        raise UserError(f"the data files are all empty ({len(files)} files, "
+                        f"first {files[0]})")
     return list(kept), n_docs, n_chars, "".join(map(chr, np.flatnonzero(seen)))
 
 
-# Cutting BPE input at these points gives the same tokens as encoding the whole text: no token of
-# the gpt2 / cl100k / o200k pre-tokenizers (nor bpe:N's) runs across "x\n|y" or "x| y" (x, y not
-# whitespace). The greedy .* makes a match end at the last such point.
+# Cutting BPE input at these points gives the same tokens as encoding the whole text: no
+# token of the gpt2 / cl100k / o200k pre-tokenizers (nor bpe:N's) runs across "x\n|y" or
+# "x| y" (x, y not whitespace). The greedy .* makes a match end at the last such point.
 LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
 def pieces(documents, split_at: int, bpe: bool):
-    """The documents (iterables of str chunks) as one text of (split, piece) in order: its first split_at
-    characters in "train", the rest in "val"; between documents a newline (char: a character of the text)
-    or a piece None, the end-of-text token (BPE). A piece, held as chunks until whole, has PIECE_CHARS to
-    2 x PIECE_CHARS characters (fewer at a BPE document's end or the split), BPE's cut at LAST_SAFE_CUT."""
-    split, pos, held, size = "train", 0, [], 0   # held: the next piece's chunks, size characters
+    """The documents (iterables of str chunks) as one text of (split, piece): its first
+    split_at characters in "train", the rest in "val"; between documents a newline
+    (char: a character of the text) or a piece None, the end-of-text token (BPE). A
+    piece has PIECE_CHARS to twice that many characters (fewer at a BPE document's end
+    or the split), BPE's cut at LAST_SAFE_CUT."""
+    split, pos = "train", 0
+    # the next piece's chunks, of size characters
+    held, size = [], 0
     for i, document in enumerate(documents):
-        if i and bpe:   # between documents
+        if i and bpe:
             if size:
                 yield split, "".join(held)
             yield split, None
             held, size = [], 0
         for text in chain(["\n"] if i and not bpe else [], document):
-            if split == "train" and pos + len(text) >= split_at:   # the end of the train split
-                head, text = "".join(held) + text[:split_at - pos], text[split_at - pos:]
+            # the end of the train split
+            if split == "train" and pos + len(text) >= split_at:
+                cut = split_at - pos
+                head, text = "".join(held) + text[:cut], text[cut:]
                 if head:
                     yield split, head
                 split, held, size = "val", [], 0
-            pos, size = pos + len(text), size + len(text)
+            pos += len(text)
+            size += len(text)
             held.append(text)
-            if size >= PIECE_CHARS:   # (no safe cut in a whole piece: cut anyway)
+            if size >= PIECE_CHARS:
                 buffer = "".join(held)
+                # no safe cut in a whole piece: cut anyway
                 cut = LAST_SAFE_CUT.match(buffer) if bpe else None
                 end = cut.end() if cut else len(buffer)
                 yield split, buffer[:end]
@@ -251,14 +320,15 @@ def batches(text):
             yield last, batch
             batch, size = [], 0
         batch.append(piece)
-        size, last = size + len(piece or ""), split
+        size += len(piece or "")
+        last = split
     if batch:
         yield last, batch
 
 
 def in_order(fn, items, workers: int):
-    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at most at a time:
-    memory stays bounded however many items come."""
+    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at most
+    at a time: memory stays bounded however many items come."""
     with ThreadPoolExecutor(workers) as pool:
         jobs = deque()
         for item in items:
@@ -269,79 +339,106 @@ def in_order(fn, items, workers: int):
 
 
 def encode(text, tok, tmp: Path, workers: int) -> dict:
-    """Encode the (split, piece) pairs of text, a batch at a time on `workers` threads (1: this
-    one), appending their ids in order to tmp/<split>.bin; the meta entries that describe them."""
+    """Encode text's (split, piece) pairs a batch at a time on `workers` threads (1:
+    this one), appending the ids to tmp/<split>.bin; the meta entries of them."""
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    tokens, nbytes, low, high = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0), tok.vocab_size, -1
+    tokens = dict.fromkeys(SPLITS, 0)
+    nbytes = dict.fromkeys(SPLITS, 0)
+    low, high = tok.vocab_size, -1
 
-    def encode_batch(batch):   # (split, ids, the pieces' UTF-8 bytes)
-        return batch[0], tok.encode_pieces(batch[1]), len("".join(filter(None, batch[1])).encode())
+    def encode_batch(batch):
+        """(split, ids, the pieces' UTF-8 bytes)"""
+        split, texts = batch
+        ids = tok.encode_pieces(texts)
+        return split, ids, len("".join(filter(None, texts)).encode())
+
     with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
-        results = in_order(encode_batch, batches(text), workers) if workers > 1 else \
-            map(encode_batch, batches(text))
+        if workers > 1:
+            results = in_order(encode_batch, batches(text), workers)
+        else:
+            results = map(encode_batch, batches(text))
         for split, ids, n in results:
-            (train if split == "train" else val).write(ids.astype(dtype, copy=False).tobytes())
-            tokens[split], nbytes[split] = tokens[split] + len(ids), nbytes[split] + n
-            low, high = min(low, int(ids.min())), max(high, int(ids.max()))
+            file = train if split == "train" else val
+            file.write(ids.astype(dtype, copy=False).tobytes())
+            tokens[split] += len(ids)
+            nbytes[split] += n
+            low = min(low, int(ids.min()))
+            high = max(high, int(ids.max()))
     if low == high:
-        raise UserError(f"the text holds a single distinct token (id {high}, {tok.decode([high])!r}): "
-                        f"there is nothing to learn to predict")
-    return {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
-            "tokens": tokens, "bytes": nbytes}
+        raise UserError(f"the text holds a single distinct token (id {high}, "
+                        f"{tok.decode([high])!r}): there is nothing to learn to predict")
+    return {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size,
+            "dtype": np.dtype(dtype).name, "tokens": tokens, "bytes": nbytes}
 
 
 # ---------------------------------------------------------------- the cache
 
 def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
-    """The entry's name: the data's (sources.data_name), cut to 64 characters (a file system allows
-    255 bytes), then all that changes the token files (for records, the key holds the text_field;
-    with val_path, the sha256 covers both texts)."""
-    label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)   # bpe:4096 -> bpe4096
+    """The entry's name: the data's (sources.data_name), cut to 64 characters (a file
+    system allows 255 bytes), then all that changes the token files (for records, the
+    key holds the text_field)."""
+    # bpe:4096 -> bpe4096
+    label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)
     errors = "-replace" * (data.encoding_errors == "replace")
-    key = hashlib.sha256(f"{sha256}\0{data.text_field}".encode()).hexdigest() if records else sha256
+    key = sha256
+    if records:
+        key = hashlib.sha256(f"{sha256}\0{data.text_field}".encode()).hexdigest()
     val = "files" if data.val_path else repr(data.val_fraction)
     return f"{data_name(data.path)[:64]}-{label}-{key[:12]}-val{val}{errors}"
 
 
 def read_entry(entry: Path) -> dict | None:
-    """The meta.json of a usable entry: of this FORMAT (written whole, last), its .bin files of the
-    sizes it says; None for any other (none, unfinished, damaged, of an older format)."""
+    """The meta.json of a usable entry (of this FORMAT, written last; its .bin files of
+    the sizes it says); None for any other (none, unfinished, damaged, older)."""
     try:
         meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
-        usable = meta["format"] == FORMAT and all((entry / f"{s}.bin").stat().st_size == meta["tokens"][s] *
-                                                  np.dtype(meta["dtype"]).itemsize for s in SPLITS)
+        if meta["format"] != FORMAT:
+            return None
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        for split in SPLITS:
+            if (entry / f"{split}.bin").stat().st_size != meta["tokens"][split] * itemsize:
+                return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return meta if usable else None
+    return meta
 
 
 def load_meta(entry) -> dict:
-    """The meta.json of a usable prepared dataset; an unusable one is a UserError naming it."""
+    """The meta.json of a usable entry; an unusable one is a UserError naming it."""
     if (meta := read_entry(Path(entry))) is None:
-        raise UserError(f"the prepared dataset {entry} is missing, unfinished, damaged or of an older "
-                        f"format: delete it and prepare the data again")
+        raise UserError(f"the prepared dataset {entry} is missing, unfinished, damaged "
+                        f"or of an older format: delete it and prepare the data again")
     return meta
 
 
 def check_split_sizes(tokens: dict, block_size: int | None) -> None:
-    """Each split must hold one training window: block_size + 1 tokens (None: no check)."""
+    """Each split must hold a training window: block_size + 1 tokens (None: any)."""
+    if block_size is None:
+        return
     for split in SPLITS:
-        if block_size is not None and tokens[split] < block_size + 1:
-            raise UserError(f"the {split} split has {tokens[split]} tokens, fewer than block_size + 1 = "
-                            f"{block_size + 1}; use a longer text or a smaller --model.block_size")
+        if tokens[split] < block_size + 1:
+            raise UserError(f"the {split} split has {tokens[split]} tokens, fewer than "
+                            f"block_size + 1 = {block_size + 1}; use a longer text or a "
+                            f"smaller --model.block_size")
 
 
 def main(argv: list[str]) -> int:
-    p = ArgumentParser(description="Prepare a text (a file, a folder or a quoted glob) into token files, "
-                                   "cached in --root (safe to delete).")
+    p = ArgumentParser(description="Prepare a text (a file, a folder or a quoted glob) "
+                                   "into token files, cached in --root (safe to delete).")
     p.add_argument("path", metavar="source")
-    p.add_argument("--tokenizer", default="char", help="char | bpe:N | gpt2, or any tiktoken name")
+    p.add_argument("--tokenizer", default="char",
+                   help="char | bpe:N | gpt2, or any tiktoken name")
     p.add_argument("--val-fraction", type=float, default=0.1)
-    p.add_argument("--root", dest="prepared_dir", default=str(Path(__file__).resolve().parent / "prepared"))
-    p.add_argument("--encoding-errors", "--data.encoding_errors", default="strict", help="strict | replace")
-    p.add_argument("--text-field", "--data.text_field", default="text", help="JSONL field or Parquet column")
-    p.add_argument("--val-path", "--data.val_path", default="", help="validation text: a path")
-    p.add_argument("--workers", "--data.workers", type=int, default=0, help="BPE threads")
+    root = Path(__file__).resolve().parent / "prepared"
+    p.add_argument("--root", dest="prepared_dir", default=str(root))
+    p.add_argument("--encoding-errors", "--data.encoding_errors", default="strict",
+                   help="strict | replace")
+    p.add_argument("--text-field", "--data.text_field", default="text",
+                   help="JSONL field or Parquet column")
+    p.add_argument("--val-path", "--data.val_path", default="",
+                   help="validation text: a path")
+    p.add_argument("--workers", "--data.workers", type=int, default=0,
+                   help="BPE threads")
     out = prepare(DataConfig(**vars(p.parse_args(argv))))
     tokens = load_meta(out)["tokens"]
     print(f"ready: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)")

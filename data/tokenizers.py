@@ -1,9 +1,12 @@
-"""Tokenizers behind one small interface: encode, decode, vocab_size, and a JSON-able meta dict that
-is saved with the dataset and in every checkpoint, so a model always comes with its tokenizer.
+"""Tokenizers behind one small interface: encode, decode, vocab_size, and a JSON-able
+meta dict that is saved with the dataset and in every checkpoint, so a model always
+comes with its tokenizer.
 
-  char   one token per character; the vocabulary is the sorted set of characters of the text.
-  BPE    any tiktoken encoding by name ("gpt2", "cl100k_base", ...), or bpe:N, a byte-level BPE of
-         N tokens trained on the data's training split: data/bpe.py, imported where a run uses one.
+  char   one token per character; the vocabulary is the sorted set of characters of
+         the text.
+  BPE    any tiktoken encoding by name ("gpt2", "cl100k_base", ...), or bpe:N, a
+         byte-level BPE of N tokens trained on the data's training split: data/bpe.py,
+         imported where a run uses one.
 
 encode_array(text) is encode() as a numpy array, without a Python int per token, and
 encode_pieces(pieces) that of many texts at once: what preparing large files uses.
@@ -12,10 +15,14 @@ import numpy as np
 
 from common import UserError
 
+# the 256 bytes and <|endoftext|>
+MIN_VOCAB = 257
+MAX_VOCAB = 1 << 20
 
 
 def code_points(text: str) -> np.ndarray:
-    """The text's code points as an array: uint8 for ASCII text (1 byte a character), else uint32."""
+    """The text's code points as an array: uint8 for ASCII text (1 byte a character),
+    else uint32."""
     if text.isascii():
         return np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
@@ -34,7 +41,8 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.chars)
 
-    end_token = None   # characters have no end-of-text token
+    # characters have no end-of-text token
+    end_token = None
 
     @property
     def start_token(self) -> int:
@@ -45,23 +53,27 @@ class CharTokenizer:
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        """The ids as int32: one table lookup per code point (the table is built on first use, whole
-        before it is kept: threads share it). A character not in the vocabulary is a UserError that
-        names it."""
+        """The ids as int32: one table lookup per code point (the table is built on first
+        use, whole before it is kept: threads share it). A character not in the
+        vocabulary is a UserError that names it."""
         if not hasattr(self, "_table"):
             table = np.full(0x110000, -1, dtype=np.int32)
-            table[[ord(c) for c in self.chars]] = np.arange(len(self.chars), dtype=np.int32)
+            ids = np.arange(len(self.chars), dtype=np.int32)
+            table[[ord(c) for c in self.chars]] = ids
             self._table = table
         ids = self._table[code_points(text)]
         if len(ids) and ids.min() < 0:
             unknown = sorted(set(text) - set(self.stoi))
-            shown = ", ".join(repr(c) for c in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
-            raise UserError(f"{len(unknown)} character(s) not in the {self.vocab_size}-character "
-                            f"vocabulary: {shown}")
+            shown = ", ".join(repr(c) for c in unknown[:10])
+            if len(unknown) > 10:
+                shown += " ..."
+            raise UserError(f"{len(unknown)} character(s) not in the {self.vocab_size}-"
+                            f"character vocabulary: {shown}")
         return ids
 
     def encode_pieces(self, pieces: list[str]) -> np.ndarray:
-        """The ids of the pieces in order (a piece None, an end-of-text token, is BPE's only)."""
+        """The ids of the pieces in order (a piece None, an end-of-text token, is BPE's
+        only)."""
         return self.encode_array("".join(pieces))
 
     def decode(self, ids) -> str:
@@ -75,16 +87,19 @@ class CharTokenizer:
 
 
 def check_tokenizer_spec(spec: str) -> None:
-    """A UserError unless spec is char, bpe:N or a tiktoken encoding name (its files are not loaded)."""
+    """A UserError unless spec is char, bpe:N or a tiktoken encoding name (its files are
+    not loaded)."""
+    # these without importing tiktoken
     if spec == "char" or bpe_vocab_size(spec) is not None:
-        return   # (without importing tiktoken)
+        return
     from data.bpe import check_encoding
     check_encoding(spec)
 
 
 def build_tokenizer(name: str, text: str | None = None):
-    """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name. ('bpe:N' is
-    trained while preparing the data, on the training split: data/bpe.py's train_bpe.)"""
+    """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name.
+    ('bpe:N' is trained while preparing the data, on the training split: data/bpe.py's
+    train_bpe.)"""
     if name == "char":
         return CharTokenizer.from_text(text)
     from data.bpe import TiktokenTokenizer
@@ -92,13 +107,15 @@ def build_tokenizer(name: str, text: str | None = None):
 
 
 def load_tokenizer(meta: dict):
-    """The tokenizer described by meta() (from a dataset's meta.json or a checkpoint), checked."""
+    """The tokenizer described by meta() (from a dataset's meta.json or a checkpoint),
+    checked."""
     if not isinstance(meta, dict) or meta.get("kind") not in ("char", "tiktoken", "bpe"):
         raise UserError(f"not a tokenizer description: {str(meta)[:80]}")
     if meta["kind"] == "char":
         chars = meta.get("chars")
         if not isinstance(chars, str) or not chars or len(set(chars)) != len(chars):
-            raise UserError("damaged char tokenizer description: its characters are missing or repeated")
+            raise UserError("damaged char tokenizer description: its characters are "
+                            "missing or repeated")
         return CharTokenizer(meta["chars"])
     from data.bpe import TiktokenTokenizer, trained_bpe
     if meta["kind"] == "bpe":
@@ -108,12 +125,9 @@ def load_tokenizer(meta: dict):
     return TiktokenTokenizer.named(meta["name"])
 
 
-MIN_VOCAB = 257          # the 256 bytes and <|endoftext|>
-MAX_VOCAB = 1 << 20
-
-
 def bpe_vocab_size(spec: str) -> int | None:
-    """N for a tokenizer spec 'bpe:N', None for any other spec; a malformed N is a UserError."""
+    """N for a tokenizer spec 'bpe:N', None for any other spec; a malformed N is a
+    UserError."""
     if spec != "bpe" and not spec.startswith("bpe:"):
         return None
     n = spec[4:]

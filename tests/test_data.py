@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.loader import BatchLoader
+from data.loader import BatchLoader, Share
 from common import UserError
 from data.sources import iter_text
 from data.tokenizers import CharTokenizer, build_tokenizer, load_tokenizer
@@ -84,7 +84,8 @@ def test_non_utf8_names_the_byte_offset(tmp_path):
 def test_batches_are_windows_shifted_by_one_and_seeded(tmp_path, text_file):
     out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     def first_step(seed):
-        return BatchLoader(out, block_size=16, batch_size=4, seed=seed, grad_accum=2).step_windows()
+        loader = BatchLoader(out, block_size=16, batch_size=4, seed=seed, share=Share(grad_accum=2))
+        return loader.step_windows()
     windows = first_step(7)
     assert windows.shape == (2, 4, 17) and windows.dtype == torch.long
     tok = load_tokenizer(json.loads((out / "meta.json").read_text())["tokenizer"])
@@ -164,9 +165,9 @@ def test_batches_drawn_on_the_device_and_from_the_memory_mapped_files_are_the_sa
     same windows from the same generator, and evaluate the same fixed windows."""
     import data.loader
     out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
-    resident = BatchLoader(out, block_size=16, batch_size=4, seed=3, grad_accum=2)
+    resident = BatchLoader(out, block_size=16, batch_size=4, seed=3, share=Share(grad_accum=2))
     monkeypatch.setattr(data.loader, "free_memory", lambda device: 0)
-    mapped = BatchLoader(out, block_size=16, batch_size=4, seed=3, grad_accum=2)
+    mapped = BatchLoader(out, block_size=16, batch_size=4, seed=3, share=Share(grad_accum=2))
     assert resident.resident and not mapped.resident
     for _ in range(3):
         assert torch.equal(resident.step_windows(), mapped.step_windows())

@@ -16,7 +16,7 @@ import common
 import data.prepare as prep
 import data.sources
 from common import UserError
-from data.loader import BatchLoader
+from data.loader import BatchLoader, Share
 from data.tokenizers import CharTokenizer, load_tokenizer
 from tests.conftest import ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text, run_limited
 
@@ -275,7 +275,8 @@ def test_batches_are_read_from_disk_not_memory(tmp_path, text_file, monkeypatch)
     def rss_mb():
         return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
     before = rss_mb()
-    loader = BatchLoader(out, block_size=256, batch_size=16, grad_accum=2, world=2, rank=1)
+    share = Share(grad_accum=2, rank=1, world=2)
+    loader = BatchLoader(out, block_size=256, batch_size=16, share=share)
     assert not loader.resident
     for _ in range(2):
         assert loader.step_windows().shape == (2, 16, 257)

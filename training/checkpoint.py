@@ -1,18 +1,21 @@
-"""Checkpoints: the out dir they go to, writing them, and a run continued from one (reading one, and
-the model in it, is loading.py's).
+"""Checkpoints: the out dir they go to, writing them, and a run continued from one
+(reading one, and the model in it, is loading.py's).
 
-An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (the lowest val loss: a
-hard link to one of them, or a copy), config.toml, metrics.jsonl and curves.png.
+An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (the lowest
+val loss: a hard link to one of them, or a copy), config.toml, metrics.jsonl and
+curves.png.
 
 Choices:
-  one run      a folder holding a run is refused unless --resume or --overwrite, and so is one holding
-               files of the names a run writes (other files are left alone). --overwrite renames the
-               folder to <out_dir>.replaced-<UTC time> and starts afresh: one rename, nothing lost, no
-               state to recover. Two runs started into one folder at once are yours to avoid
-  whole files  a checkpoint is written to a temporary file and renamed (common.atomic_write): a reader,
-               or a run killed mid-save, finds the old checkpoint or the new one, never part of one
-  exact resume a checkpoint holds the whole training state: the optimizer, the data order and every
-               rank's random generators, besides the weights
+  one run       a folder holding a run is refused unless --resume or --overwrite, and so
+                is one holding files of the names a run writes (other files are left
+                alone). --overwrite renames the folder to <out_dir>.replaced-<UTC time>
+                and starts afresh: one rename, nothing lost, no state to recover. Two runs
+                started into one folder at once are yours to avoid
+  whole files   a checkpoint is written to a temporary file and renamed (atomic_write): a
+                reader, or a run killed mid-save, finds the old checkpoint or the new one,
+                never part of one
+  exact resume  a checkpoint holds the whole training state: the optimizer, the data
+                order and every rank's random generators, besides the weights
 """
 import errno
 import os
@@ -28,44 +31,58 @@ from loading import CKPT_RE, FORMAT, VERSION, list_checkpoints
 from training import distributed
 from training.config import FIELDS, flat, fmt, load_toml
 
-RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")   # and the ckpt_<step>.pt
-# A checkpoint's keys: what loading.py reads of any trained model, then what a run needs besides
-# to continue exactly
+# the files a run writes, besides its ckpt_<step>.pt
+RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
+# A checkpoint's keys: what loading.py reads of any trained model, then what a run needs
+# besides to continue exactly
 FOR_USING = ("format", "version", "config", "tokenizer", "model", "step", "best_val_loss")
-FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed", "tokens", "is_best")
-HYPERPARAMETERS = ("base_lr", "betas", "weight_decay", "momentum")   # a resumed run's own: its config's
+FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
+                "tokens", "is_best")
+# a resumed run's own, from its config
+HYPERPARAMETERS = ("base_lr", "betas", "weight_decay", "momentum")
 
 
 def run_files(out: Path) -> list[str]:
     """The names in out of the files a run writes."""
-    return sorted(p.name for p in out.glob("*") if p.name in RUN_FILES or CKPT_RE.match(p.name))
+    names = (p.name for p in out.glob("*"))
+    return sorted(n for n in names if n in RUN_FILES or CKPT_RE.match(n))
 
 
-def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=None, again="--resume"):
-    """The checkpoint a run on `data` continues (None: a new run), once out can take the run; a refusal
-    names `again`, the command that would continue the run out holds. Writes nothing."""
+def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=None,
+                  again="--resume"):
+    """The checkpoint a run on `data` continues (None: a new run), once out can take the
+    run; a refusal names `again`, the command that would continue the run out holds.
+    Writes nothing."""
     latest = (list_checkpoints(out) or [(0, out / "best.pt")])[-1][1]
     if resume and overwrite:
-        raise UserError("--resume and --overwrite contradict each other: continue the run, or start it over")
+        raise UserError("--resume and --overwrite contradict each other: continue the run, "
+                        "or start it over")
     if resume and checkpoint is not None and not Path(checkpoint).is_file():
         raise UserError(f"--resume {checkpoint}: no such checkpoint file")
     if resume and checkpoint is None and not latest.is_file():
-        raise UserError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {out} to resume from; leave out "
-                        f"--resume to start a new run")
-    parent = next(p for p in (out, *out.parents) if p.exists())   # (the folder it will be made in)
+        raise UserError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {out} to resume "
+                        f"from; leave out --resume to start a new run")
+    # the folder it will be made in
+    parent = next(p for p in (out, *out.parents) if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write the out dir {out}: {parent} is not a writable folder")
+        raise UserError(f"cannot write the out dir {out}: {parent} is not a writable "
+                        f"folder")
     held = run_files(out) if out.is_dir() else []
     run = run_config(out)
     if not latest.is_file() and run:
-        # a run stopped before its first checkpoint: the folder holds no run, and it starts again
+        # a run stopped before its first checkpoint: the folder holds no run, and it
+        # starts again
         held = []
-    kept = f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), or another --out_dir"
+    kept = (f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), "
+            f"or another --out_dir")
     if held and not resume and not overwrite and latest.is_file():
-        was, now = (run.get("data.path"), run.get("data.tokenizer")), (data.path, data.tokenizer)
-        if run and was != now:   # (an out dir given twice, or texts of one name in two folders)
-            raise UserError(f"{out} already holds a run trained on {was[0]} ({was[1]}), not {now[0]} "
-                            f"({now[1]}): {again} would continue that run on other data; {kept}")
+        was = (run.get("data.path"), run.get("data.tokenizer"))
+        now = (data.path, data.tokenizer)
+        # an out dir given twice, or texts of one name in two folders
+        if run and was != now:
+            raise UserError(f"{out} already holds a run trained on {was[0]} ({was[1]}), "
+                            f"not {now[0]} ({now[1]}): {again} would continue that run on "
+                            f"other data; {kept}")
         raise UserError(f"{out} already holds a run: {again} continues it, {kept}")
     if held and not resume and not overwrite:
         raise UserError(f"{out} holds {', '.join(held)}, which a run writes: {kept}")
@@ -73,7 +90,8 @@ def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=Non
 
 
 def run_config(out: Path) -> dict:
-    """The settings of the run in out, from its config.toml ({}: none, or a file no run wrote)."""
+    """The settings of the run in out, from its config.toml ({}: none, or a file no run
+    wrote)."""
     try:
         run = flat(load_toml(out / "config.toml"))
     except (OSError, UserError):
@@ -82,13 +100,15 @@ def run_config(out: Path) -> dict:
 
 
 def open_out_dir(out: Path, overwrite: bool, best: Path | None = None) -> Path | None:
-    """The run's first write: make out, after renaming (--overwrite) the folder holding an earlier run
-    to a fresh sibling, which it returns. best: a resumed checkpoint that was the best when saved, and
-    so is the best of the run that goes on from it: best.pt is linked to it (again, where a kill cut
-    its linking short; or instead of a later checkpoint that the resumed run abandons)."""
+    """The run's first write: make out, after renaming (--overwrite) the folder holding
+    an earlier run to a fresh sibling, which it returns. best: a resumed checkpoint that
+    was the best when saved, and so is the best of the run that goes on from it: best.pt
+    is linked to it (again, after a kill cut its linking short; or instead of a later
+    checkpoint the resumed run abandons)."""
     aside = None
     if overwrite and out.is_dir() and run_files(out):
-        aside = out.with_name(f"{out.name}.replaced-{datetime.now(timezone.utc):%Y%m%d-%H%M%S.%f}")
+        now = datetime.now(timezone.utc)
+        aside = out.with_name(f"{out.name}.replaced-{now:%Y%m%d-%H%M%S.%f}")
         os.rename(out, aside)
     out.mkdir(parents=True, exist_ok=True)
     if best is not None:
@@ -97,7 +117,7 @@ def open_out_dir(out: Path, overwrite: bool, best: Path | None = None) -> Path |
 
 
 def close_out_dir(out: Path, made: bool, aside: Path | None) -> None:
-    """Undo open_out_dir: a folder it made goes, an earlier run it set aside comes back."""
+    """Undo open_out_dir: a folder it made goes, an earlier run set aside comes back."""
     if made or aside:
         shutil.rmtree(out, ignore_errors=True)
     if aside:
@@ -105,15 +125,17 @@ def close_out_dir(out: Path, made: bool, aside: Path | None) -> None:
 
 
 def link_best(path: Path) -> None:
-    """best.pt becomes the checkpoint at path: a hard link (no space; it keeps the data when ckpt_* is
-    rotated out), or a copy where the file system has none."""
-    best, tmp = path.parent / "best.pt", path.parent / ".best.pt.tmp"
+    """best.pt becomes the checkpoint at path: a hard link (no space; it keeps the data
+    when ckpt_* is rotated out), or a copy where the file system has none."""
+    best = path.parent / "best.pt"
+    tmp = path.parent / ".best.pt.tmp"
     if best.exists() and os.path.samefile(best, path):
         return
     tmp.unlink(missing_ok=True)
     try:
         os.link(path, tmp)
-    except OSError:   # no hard links here
+    except OSError:
+        # no hard links here
         with open(path, "rb") as src:
             atomic_write(best, lambda f: shutil.copyfileobj(src, f))
         return
@@ -123,14 +145,16 @@ def link_best(path: Path) -> None:
 class Saver:
     """Checkpoints written by a thread of their own while the steps go on.
 
-    save(state) takes the checkpoint's keys from state (all but format and version), copies them
-    to host memory (the steps change the originals) and hands the write to the thread. A save
-    waits for the write before it, so one copy at most is held, and raises that write's error;
-    then(fn, ...) runs fn on the thread after the writes; wait() waits for all of them. A Saver
-    of no out dir (ranks other than 0) writes nothing."""
+    save(state) takes the checkpoint's keys from state (all but format and version),
+    copies them to host memory (the steps change the originals) and hands the write to
+    the thread. A save waits for the write before it, so one copy at most is held, and
+    raises that write's error; then(fn, ...) runs fn on the thread after the writes;
+    wait() waits for all of them. A Saver of no out dir (ranks other than 0) writes
+    nothing."""
 
     def __init__(self, out: Path, keep: int):
-        self.out, self.keep = out, keep
+        self.out = out
+        self.keep = keep
         self.thread = ThreadPoolExecutor(1)
         self.pending = []
 
@@ -138,7 +162,8 @@ class Saver:
         if self.out is None:
             return
         self.wait()
-        ckpt = {"format": FORMAT, "version": VERSION} | {k: state[k] for k in FOR_USING[2:] + FOR_RESUMING}
+        ckpt = {"format": FORMAT, "version": VERSION}
+        ckpt |= {k: state[k] for k in FOR_USING[2:] + FOR_RESUMING}
         ckpt["optimizer"] = float_lrs(ckpt["optimizer"])
         self.then(save_checkpoint, to_host(ckpt), self.out, self.keep)
 
@@ -160,10 +185,13 @@ class Saver:
 
 
 def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
-    """Write ckpt_<step>.pt, make it best.pt if it is the best, then delete all but the newest `keep`
-    (and any later one, with a best.pt of theirs: a run resumed from an earlier checkpoint replaces them)."""
-    path, best = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt", Path(out_dir) / "best.pt"
-    # a checkpoint of this step from an abandoned run (resumed from an earlier one) is replaced
+    """Write ckpt_<step>.pt, make it best.pt if it is the best, then delete all but the
+    newest `keep` (and any later one, with a best.pt of theirs: a run resumed from an
+    earlier checkpoint replaces them)."""
+    path = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt"
+    best = Path(out_dir) / "best.pt"
+    # a checkpoint of this step from an abandoned run (resumed from an earlier one) is
+    # replaced
     if path.is_file() and best.is_file() and os.path.samefile(best, path):
         best.unlink()
     try:
@@ -183,26 +211,30 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
 
 
 def to_host(obj):
-    """obj with its tensors (in dicts, lists, tuples) copied to host memory: a write reads them while
-    the steps change the originals."""
+    """obj with its tensors (in dicts, lists, tuples) copied to host memory: a write
+    reads them while the steps change the originals."""
     if torch.is_tensor(obj):
         return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, (dict, list, tuple)):
-        items = [(k, to_host(v)) for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj))]
-        return dict(items) if isinstance(obj, dict) else type(obj)(v for _, v in items)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
     return obj
 
 
 def float_lrs(state: dict) -> dict:
-    """An optimizer state dict (or Muon + AdamW's list of them) with every lr a float: a CUDA graph
-    holds them in tensors, a checkpoint must load anywhere and resume with either kind of step."""
+    """An optimizer state dict (or Muon + AdamW's list of them) with every lr a float: a
+    CUDA graph holds them in tensors, a checkpoint must load anywhere and resume with
+    either kind of step."""
     if "optimizers" in state:
         return {**state, "optimizers": [float_lrs(s) for s in state["optimizers"]]}
-    return {**state, "param_groups": [{**g, "lr": float(g["lr"])} for g in state["param_groups"]]}
+    groups = [{**g, "lr": float(g["lr"])} for g in state["param_groups"]]
+    return {**state, "param_groups": groups}
 
 
 def rng_state() -> dict:
-    """Every generator a run draws from (dropout's): torch's CPU one, this process's GPU's."""
+    """Every generator a run draws from (dropout's): torch's CPU one, this process's
+    GPU's."""
     cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
     return {"torch": torch.get_rng_state(), "cuda": cuda}
 
@@ -214,36 +246,49 @@ def set_rng_state(s: dict) -> None:
 
 
 def check_resumable(ckpt: dict, path, cfg) -> None:
-    """Resuming needs the whole training state, and goes on with the run's own model and tokenizer."""
+    """Resuming needs the whole training state, and goes on with the run's own model and
+    tokenizer."""
     if missing := [k for k in FOR_RESUMING if k not in ckpt]:
         raise UserError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
-    before, now = ({k: v for k, v in flat(c).items() if k.startswith("model.") or k == "data.tokenizer"}
-                   for c in (ckpt["config"], cfg.to_dict()))
-    for key in [k for k in now if before.get(k) != now[k] and not (k == "model.vocab_size" and now[k] == 0)]:
-        raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(now[key])} now: --resume goes on "
-                        f"with the run's own model and tokenizer (another --out_dir starts a new run)")
+    before, now = (model_and_tokenizer(c) for c in (ckpt["config"], cfg.to_dict()))
+    for key, value in now.items():
+        # model.vocab_size = 0: the tokenizer's, whatever it is
+        if before.get(key) == value or (key == "model.vocab_size" and value == 0):
+            continue
+        raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(value)} now: "
+                        f"--resume goes on with the run's own model and tokenizer (another "
+                        f"--out_dir starts a new run)")
+
+
+def model_and_tokenizer(config: dict) -> dict:
+    """The flat settings of config that a resumed run must keep."""
+    settings = flat(config).items()
+    return {k: v for k, v in settings if k.startswith("model.") or k == "data.tokenizer"}
 
 
 def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
-    """A resumed run's text must give the tokens it was trained on (a char text that gained characters
-    does not); another text of the same tokens is said, and goes on."""
+    """A resumed run's text must give the tokens it was trained on (a char text that
+    gained characters does not); another text of the same tokens is said, and goes on."""
     if ckpt["tokenizer"] != meta["tokenizer"]:
-        raise UserError(f"{path} was trained on a text of other tokens than {cfg.data.path} now gives: the "
-                        f"text changed, and --resume needs the one it was trained on")
+        raise UserError(f"{path} was trained on a text of other tokens than "
+                        f"{cfg.data.path} now gives: the text changed, and --resume needs "
+                        f"the one it was trained on")
     if ckpt["dataset"].get("sha256") != meta["sha256"]:
-        say(f"warning: the training text changed since {path} was saved; training goes on with the new text")
+        say(f"warning: the training text changed since {path} was saved; training goes on "
+            f"with the new text")
 
 
 def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
-    """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's generators (at:
-    this process's rank and world). Returns the run's progress so far: step, tokens, best val loss,
-    elapsed seconds."""
+    """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's
+    generators (at: this process's rank and world). Returns the run's progress: step,
+    tokens, best val loss, elapsed seconds."""
     rank, world = at.rank, at.world
     # this run's hyperparameters: a checkpoint's would undo --train.lr=...
     now = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
     try:
         if world > 1:
-            distributed.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
+            distributed.load_full_state(model, optimizer, ckpt["model"],
+                                        ckpt["optimizer"])
         else:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
@@ -264,20 +309,21 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
 
 
 def why_unwritten(error: Exception) -> str:
-    """Why a file could not be written, in words. The file's own OSError is the error, or the
-    context of the RuntimeError of torch's zip writer ("unexpected pos ..."). EFBIG is a limit on
-    a file's size: this process's (RLIMIT_FSIZE, `ulimit -f`; Python ignores the SIGXFSZ that
-    would kill it) or the file system's (FAT32: 4 GiB)."""
+    """Why a file could not be written, in words. The file's own OSError is the error, or
+    the context of the RuntimeError of torch's zip writer ("unexpected pos ..."). EFBIG
+    is a limit on a file's size: this process's (RLIMIT_FSIZE, `ulimit -f`; Python
+    ignores the SIGXFSZ that would kill it) or the file system's (FAT32: 4 GiB)."""
     cause = error if isinstance(error, OSError) else error.__context__
     if getattr(cause, "errno", None) == errno.EFBIG:
-        # (Unix alone has the limit, and the module that reads it)
+        # Unix alone has the limit, and the module that reads it
         if os.name == "posix":
             import resource
             limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
             if limit != resource.RLIM_INFINITY:
-                return (f"it is larger than this process's file-size limit of {limit:,} bytes "
-                        f"(ulimit -f; `ulimit -f unlimited` lifts it)")
-        return "it is larger than its file system allows (FAT32: 4 GiB): write it to another one"
+                return (f"it is larger than this process's file-size limit of {limit:,} "
+                        f"bytes (ulimit -f; `ulimit -f unlimited` lifts it)")
+        return ("it is larger than its file system allows (FAT32: 4 GiB): write it to "
+                "another one")
     if isinstance(cause, OSError):
         return cause.strerror or str(cause)
     return f"{first_line(error, 80)}: is the disk full?"

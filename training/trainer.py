@@ -36,8 +36,9 @@ import torch
 
 from common import (UserError, atomic_write, command, cpu_clock, duration, first_line,
                     silence_stdout, typed)
-from data.loader import BatchLoader
+from data.loader import BatchLoader, Share
 from data.prepare import prepare
+from data.sources import find_sources
 from data.tokenizers import load_tokenizer
 from loading import read_checkpoint
 from model.device import autocast, fit_threads, pick_device, pick_dtype
@@ -99,7 +100,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     at = place(t)
     say = printer(at.rank == 0 and not quiet)
 
-    # ---- every check before the run's first write: the out dir, the checkpoint, the data
+    # ---- every check before the run's first write: the data's files (a mistyped --data is
+    # said as such, not as an out dir that holds a run on other data), the out dir, the
+    # checkpoint, the data
+    find_sources(cfg.data.path)
     resume_from = check_out_dir(out, cfg.data, resume, overwrite, checkpoint, again)
     ckpt = read_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
@@ -218,8 +222,9 @@ def data_loader(cfg: Config, at: Place) -> BatchLoader:
     batches drawn where the model computes."""
     t, make = cfg.train, partial(prepare, cfg.data, cfg.model.block_size)
     dataset = distributed.leader_first(make, at.local_rank == 0) if at.ddp else make()
+    share = Share(t.grad_accum, at.rank, at.world)
     return BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=at.device,
-                       grad_accum=t.grad_accum, rank=at.rank, world=at.world)
+                       share=share)
 
 
 def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
