@@ -100,9 +100,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     at = place(t)
     say = printer(at.rank == 0 and not quiet)
 
-    # ---- every check before the run's first write: the data's files (a mistyped --data is
-    # said as such, not as an out dir that holds a run on other data), the out dir, the
-    # checkpoint, the data
+    # ---- every check before the run's first write: the data's files (a mistyped --data is no
+    # out dir holding other data), the out dir, the checkpoint, the data
     find_sources(cfg.data.path)
     resume_from = check_out_dir(out, cfg.data, resume, overwrite, checkpoint, again)
     ckpt = read_checkpoint(resume_from) if resume_from else None
@@ -112,10 +111,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             return finished(cfg, ckpt, say, at.ddp)
     loader = data_loader(cfg, at)
     meta = loader.meta
-    tokenizer = load_tokenizer(meta["tokenizer"])
     if ckpt is not None:
         check_same_text(ckpt, resume_from, cfg, meta, say)
-    fit_to_data(cfg, meta, tokenizer)
+    tokenizer = fit_to_data(cfg, meta)
 
     # ---- the model (the same initial weights on every rank), the optimizer, the step
     model = build_model(cfg, at, resumed=ckpt is not None)
@@ -127,9 +125,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if ckpt is not None:
         run = Progress(**restore(ckpt, resume_from, model, optimizer, scaler, loader, at))
     best = resume_from if ckpt is not None and ckpt["is_best"] else None
-    # the global batch so far (sequences per step) and processes: the banner says a change
-    procs = ckpt and len(ckpt["rng_ranks"])
-    was = ckpt and (global_batch(ckpt["config"]["train"], procs), procs)
+    was = ckpt and earlier_batch(ckpt)
     # the checkpoint is copied into the model and optimizer now: let it go
     del ckpt
     run_step, how = build_step(wrapped, optimizer, scaler, loader, at, t, say)
@@ -314,18 +310,27 @@ def global_batch(t, world: int) -> int:
 
 # ---------------------------------------------------------------- the step
 
-def fit_to_data(cfg: Config, meta: dict, tokenizer) -> None:
-    """The model's vocabulary from the data's (model.vocab_size = 0), and the checks that need the
-    data's tokenizer: a sample prompt's character the text never had is refused now, not at a
-    sample."""
+def fit_to_data(cfg: Config, meta: dict):
+    """The data's tokenizer, and the model's vocabulary from the data's (model.vocab_size = 0);
+    the checks that need the tokenizer: a sample prompt's character the text never had is
+    refused now, not at a sample."""
     cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
     if cfg.model.vocab_size < meta["vocab_size"]:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
                         f"{meta['vocab_size']}")
+    tokenizer = load_tokenizer(meta["tokenizer"])
     try:
         tokenizer.encode(cfg.train.sample_prompt)
     except UserError as e:
         raise UserError(f"train.sample_prompt has {e}") from None
+    return tokenizer
+
+
+def earlier_batch(ckpt: dict) -> tuple[int, int]:
+    """A checkpoint's global batch (sequences per step) and processes: the banner says a
+    change."""
+    procs = len(ckpt["rng_ranks"])
+    return global_batch(ckpt["config"]["train"], procs), procs
 
 
 def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp: bool,
