@@ -1,31 +1,16 @@
-"""What a run promises its user besides a trained model: a warning when a resume trains on another
-text, a --help that documents every setting, and log lines that say how long is left."""
+"""What a run promises its user besides a trained model: a --help that documents every setting, and
+log lines that say how long is left."""
 import re
 from pathlib import Path
 
 import pytest
 
 import train as train_cli
-from tests.conftest import ROOT, TEXT, interrupt_at, run_tool, tiny_overrides
+from tests.conftest import ROOT, interrupt_at, run_tool
 from training.config import FIELDS, Config, flat, fmt
 from training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
-
-
-def test_a_resume_on_a_changed_text_says_so(tmp_path, text_file, capsys):
-    def resume_to(steps):
-        rc, out, err = run_tool(train_cli, [*tiny_overrides(tmp_path, text_file, **{"train.max_steps": steps}),
-                                            "--resume"], capsys)
-        assert rc == 0, err
-        return [line for line in (out + err).splitlines() if "warning" in line]
-
-    rc, _, err = run_tool(train_cli, tiny_overrides(tmp_path, text_file, **{"train.max_steps": 2}), capsys)
-    assert rc == 0, err
-    assert resume_to(4) == [], "the same text: nothing to say"
-    text_file.write_text("\n".join(reversed(TEXT.splitlines())) + "\n")   # the same characters, another text
-    assert resume_to(6) == [f"warning: the training text changed since {tmp_path / 'out' / 'ckpt_0000004.pt'} "
-                            f"was saved; training goes on with the new text"]
 
 
 def test_help_documents_every_setting_with_type_default_and_meaning(capsys):
