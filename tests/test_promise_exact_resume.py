@@ -72,6 +72,7 @@ def test_resume_is_exact_from_any_step_twice_over(tmp_path, tiny_cfg, monkeypatc
 CHILD = r"""
 import io, os, sys, time
 import torch
+# one thread, as the test's own run: their float sums agree
 torch.set_num_threads(1)
 import training.trainer as trainer
 real_save, real_evaluate, pause_at = torch.save, trainer.evaluate, os.environ["PAUSE_AT"]
@@ -180,8 +181,8 @@ def test_kill_9_sigint_and_sigterm_at_random_moments_then_resume_is_the_uninterr
     resume = [*args, "--resume"]
 
     # 1. kill -9 at a random step, once the first checkpoint is on disk
-    run = Child(args)
-    run.wait_for(lambda line: step_line(EVERY + rng.randint(1, 4))(line) and list_checkpoints(out))
+    run, at = Child(args), step_line(EVERY + rng.randint(1, 4))
+    run.wait_for(lambda line: at(line) and list_checkpoints(out))
     time.sleep(rng.uniform(0, 0.03))
     assert run.kill() == -signal.SIGKILL
     history = [latest_step(out)]
