@@ -3,6 +3,7 @@ records, a run resumed from its own checkpoint, a Ctrl-C at a chosen step), runn
 would (run_tool in-process, run_limited as a memory-limited subprocess), a snapshot of a directory tree
 (tree) for the promise that a failed command writes nothing; what a test needs of the system
 (posix_signals) where not every system has it."""
+import functools
 import os
 import subprocess
 import sys
@@ -183,9 +184,11 @@ def assert_refused(tool, argv, capsys, root, named: str) -> None:
     assert tree(root) == before, "a refused command wrote or changed a file"
 
 
+@functools.cache
 def torch_address_space() -> int:
     """Bytes of address space that a Python which has imported torch holds: the CUDA build maps
-    gigabytes of libraries it never reads, which a limit on the address space must leave room for."""
+    gigabytes of libraries it never reads, which a limit on the address space must leave room for.
+    Measured once (a Python started for it) for the session."""
     code = "import re, torch; print(re.search(r'VmPeak:\\s+(\\d+)', open('/proc/self/status').read())[1])"
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout) * 1024
 

@@ -1,0 +1,143 @@
+"""Signals: Ctrl-C or SIGTERM finishes the step, saves a checkpoint at once and says how to go on
+(exit 130 or 143); before the run begins, Ctrl-C ends the command quietly; a stdout whose reader is
+gone stops the printing, not the run. (A second signal, and a signal at a random step of a real
+process: test_promise_exact_resume.py.)"""
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import sample as sample_cli
+import train as train_cli
+from loading import list_checkpoints, read_checkpoint
+from tests.conftest import ROOT, interrupt_at, posix_signals, records, run_tool, tiny_overrides
+from training.trainer import train
+from viz.curves import read_records
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
+
+
+def start(script, args):
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, script, *map(str, args)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def read_until_step(proc, n):
+    for line in proc.stdout:
+        if line.startswith("step ") and int(line.split()[1]) >= n:
+            return
+    raise AssertionError(f"the run ended first: {proc.stderr.read()}")
+
+
+def wait_for_record(out, step, timeout=120):
+    """Wait until the run in out has logged `step` in its metrics.jsonl: the run goes on."""
+    deadline = time.monotonic() + timeout
+    while not any(r["step"] >= step for r in read_records(out / "metrics.jsonl", warn=False)):
+        assert time.monotonic() < deadline, f"step {step} was never logged"
+        time.sleep(0.05)
+
+
+@posix_signals
+@pytest.mark.parametrize("gone", ["stdout", "stdout and stderr"])
+def test_ctrl_c_with_the_output_gone_saves_and_says_so(gone, tmp_path, text_file):
+    """`python train.py | head`, or `2>&1 | tee log` with tee ended by the same Ctrl-C: the reader
+    is gone, the run is not: it logs on, and Ctrl-C saves; the word of the stop goes to stderr, as
+    the only thing there, where stderr is still read."""
+    out = tmp_path / "out"
+    endless = {"train.max_steps": 100_000, "train.eval_interval": 100_000}
+    proc = start("train.py", tiny_overrides(tmp_path, text_file, **endless))
+    read_until_step(proc, 3)
+    proc.stdout.close()
+    if gone != "stdout":
+        proc.stderr.close()
+    wait_for_record(out, 6)
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read() if gone == "stdout" else ""
+    assert proc.wait(timeout=120) == 130
+    if gone == "stdout":
+        assert err == "\nSIGINT: finishing this step and saving a checkpoint (again to exit at " \
+                      "once)\n", err
+    assert read_checkpoint(list_checkpoints(out)[-1][1])["step"] >= 6
+
+
+def before_the_command(err: str, script: str) -> bool:
+    """Whether Ctrl-C landed where the command cannot answer it: Python's own start, before the
+    command's first line; or numpy's import, inside torch's (sample.py imports torch in main),
+    after which numpy cannot load again and says so with a traceback. (The latter, a command could
+    prevent by holding Ctrl-C off until torch is imported.)"""
+    lines = err.strip().splitlines()
+    return (lines == ["KeyboardInterrupt"]
+            or lines[1:2] == [f'  File "{ROOT / script}", line 0, in <module>']
+            or "numpy" in err and lines[-1:] == ["ImportError: cannot load module more than once "
+                                                 "per process"])
+
+
+@posix_signals
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_ctrl_c_in_the_first_instants_ends_quietly(script, trained, tmp_path, text_file):
+    """While torch imports and the run sets up (the first second or so), Ctrl-C ends the command
+    at once."""
+    if script == "train.py":
+        args = tiny_overrides(tmp_path, text_file)
+    else:
+        args = [trained, "--max-new-tokens", 5]
+    # from then on main runs, under run_cli, even on a busy machine
+    for delay in (0.6, 1.0, 1.5):
+        proc = start(script, args)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        if before_the_command(err, script):
+            continue
+        # 0: done first
+        assert proc.returncode in (-signal.SIGINT, 130, 0), (delay, proc.returncode, err)
+        assert "Traceback" not in err and "what()" not in err, (delay, err)
+
+
+def test_sigterm_at_an_evaluation_step_still_evaluates_it_and_saves(tiny_cfg, monkeypatch):
+    cfg = tiny_cfg()
+    # eval_interval 10: the stop lands on an evaluation step
+    interrupt_at(monkeypatch, 10, signal.SIGTERM)
+    assert train(cfg, quiet=True)["exit_code"] == 128 + signal.SIGTERM
+    assert list(records(cfg.out_dir, "eval", "val_loss")) == [10]
+    assert [s for s, _ in list_checkpoints(cfg.out_dir)] == [10]
+
+
+def test_a_stopped_run_names_the_commands_that_continue_and_sample_it_as_the_user_typed_them(
+        tmp_path, text_file, monkeypatch, capsys):
+    """A stopped run and the refusal of an out dir holding a run name the command that continues
+    it: the user's own arguments as typed, quoted for a shell, without --overwrite, with --resume (a
+    run resumed from a chosen checkpoint: its folder's latest, not that checkpoint again); the last
+    line names the sample.py command, the out dir relative to the working directory. The scripts
+    are the repository's, from here."""
+    monkeypatch.chdir(tmp_path)
+    args = [*tiny_overrides(Path("."), Path(text_file.name), **{"train.max_steps": 8}),
+            "--train.sample_prompt=All: We"]
+    again = f"python {ROOT / 'train.py'} {shlex.join(args)} --resume"
+    interrupt_at(monkeypatch, 3)
+    rc, out, _ = run_tool(train_cli, [*args, "--overwrite"], capsys)
+    stopped = (f"stopped by SIGINT at step 3: checkpoint saved in {tmp_path / 'out'}; {again} "
+               f"continues it\n")
+    assert rc == 130 and stopped in out, out
+    rc, _, err = run_tool(train_cli, args, capsys)
+    assert rc == 2 and err == (f"error: {tmp_path / 'out'} already holds a run: {again} continues "
+                               "it, --overwrite starts over (keeping them in out.replaced-<time>), "
+                               "or another --out_dir\n"), err
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    # the command as named: the run goes on to its end
+    rc, out, err = run_tool(train_cli, shlex.split(again)[2:], capsys)
+    assert rc == 0 and "resuming" in out, out
+    assert out.endswith(f"; to sample it: python {ROOT / 'sample.py'} out\n"), out
+    assert run_tool(sample_cli, ["out", "--max-new-tokens", 5], capsys)[0] == 0
+    interrupt_at(monkeypatch, 2)
+    rc, out, _ = run_tool(train_cli, [*args, "--train.max_steps=12", "--resume",
+                                      "out/ckpt_0000003.pt"], capsys)
+    assert rc == 130, out
+    assert f"{shlex.join(args)} --train.max_steps=12 --resume out continues it\n" in out, out
