@@ -89,6 +89,7 @@ if threading.current_thread() is threading.main_thread():
 
 # how running out of memory reads: torch's allocators, C++'s, Python's
 OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "bad_alloc")
+SMALLER = "try a smaller batch, block size or model (checkpoints already written are kept)"
 
 
 def causes(error: BaseException) -> list[BaseException]:
@@ -117,11 +118,15 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
     # could not even make the exception; torch's as a RuntimeError
     memory = [e for e in chain if isinstance(e, (MemoryError, SystemError))
               or isinstance(e, RuntimeError) and any(w in str(e) for w in OUT_OF_MEMORY)]
-    if memory:
-        return 3, (f"error: out of memory ({first_line(memory[0], 100)}): "
-                   f"try a smaller batch, block size or model "
-                   f"(checkpoints already written are kept)")
-    return None
+    if not memory:
+        return None
+    # the frames of the tracebacks hold what filled the memory: let it go before saying it
+    for e in chain:
+        e.__traceback__ = None
+    try:
+        return 3, f"error: out of memory ({first_line(memory[0], 100)}): {SMALLER}"
+    except MemoryError:
+        return 3, f"error: out of memory: {SMALLER}"
 
 
 def run_cli(main, argv: list[str]) -> int:
