@@ -1,7 +1,7 @@
 """A mistake is one line and a non-zero exit, and writes nothing: a table of mistakes through the
-commands as a user runs them (in-process, through common.run_cli, as their __main__ does; and two
-as real processes), then what the machine does wrong (a full disk, a read-only folder, memory that
-runs out: exit 3) and what is missing (wandb, GPT-2's files), each said in one line."""
+commands (in-process, through common.run_cli, as their __main__ does: the commands as real
+processes, test_end_to_end.py), then what the machine does wrong (a full disk, a read-only folder,
+memory that runs out: exit 3) and what is missing (wandb, GPT-2's files), each said in one line."""
 import errno
 import os
 import shutil
@@ -19,8 +19,8 @@ import sample as sample_cli
 import train as train_cli
 from common import run_cli
 from loading import list_checkpoints, read_checkpoint
-from tests.conftest import (ROOT, TEXT, assert_refused, mkdir, prepare_text, run_limited,
-                            run_tool, tiny_overrides, tree, write)
+from tests.conftest import (TEXT, assert_refused, mkdir, prepare_text, run_limited, run_tool,
+                            tiny_overrides, tree, write)
 from training.config import build_config
 from training.trainer import train
 
@@ -159,23 +159,6 @@ def test_a_mistake_is_one_line_a_non_zero_exit_and_writes_nothing(name, tool, ma
     env = {"tmp": tmp_path, "short": short, "ckpt": ckpt, "trained": trained,
            "base": lambda **kw: tiny_overrides(tmp_path, text, **kw)}
     assert_refused(tool, make_argv(env), capsys, tmp_path, message)
-
-
-def test_mistakes_through_the_real_entry_points(tmp_path, trained):
-    """The same promise when the commands run as a user runs them (a process each)."""
-    bad = write(tmp_path / "bad.txt", b"hello \xff world" * 50)
-    good = (trained / "ckpt_0000004.pt").read_bytes()
-    truncated = write(tmp_path / "truncated.pt", good[: len(good) // 2])
-    before = tree(tmp_path)
-    cases = [(["train.py", "--data", bad, "--data.prepared_dir", tmp_path / "p",
-               "--out_dir", tmp_path / "o"], "byte 0xff at offset 6"),
-             (["sample.py", truncated], "truncated")]
-    for argv, message in cases:
-        r = subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120, env={**os.environ, "WANDB_MODE": "disabled"})
-        assert r.returncode == 2 and message in r.stderr, (argv, r.stderr)
-        assert r.stderr.count("\n") == 1, (argv, r.stderr)
-    assert tree(tmp_path) == before
 
 
 def test_a_run_path_typed_from_another_folder_names_the_repository_s_run(tmp_path, trained,

@@ -68,14 +68,10 @@ def test_ctrl_c_with_the_output_gone_saves_and_says_so(gone, tmp_path, text_file
 
 def before_the_command(err: str, script: str) -> bool:
     """Whether Ctrl-C landed where the command cannot answer it: Python's own start, before the
-    command's first line; or numpy's import, inside torch's (sample.py imports torch in main),
-    after which numpy cannot load again and says so with a traceback. (The latter, a command could
-    prevent by holding Ctrl-C off until torch is imported.)"""
+    command's first line (from common.py's import on, a stop is one line)."""
     lines = err.strip().splitlines()
-    return (lines == ["KeyboardInterrupt"]
-            or lines[1:2] == [f'  File "{ROOT / script}", line 0, in <module>']
-            or "numpy" in err and lines[-1:] == ["ImportError: cannot load module more than once "
-                                                 "per process"])
+    first = [f'  File "{ROOT / script}", line 0, in <module>']
+    return lines == ["KeyboardInterrupt"] or lines[1:2] == first
 
 
 @posix_signals
