@@ -79,12 +79,12 @@ def before_the_command(err: str, script: str) -> bool:
 def test_ctrl_c_in_the_first_instants_ends_quietly(script, trained, tmp_path, text_file):
     """While torch imports and the run sets up (the first second or so), Ctrl-C ends the command
     at once."""
-    if script == "train.py":
-        args = tiny_overrides(tmp_path, text_file)
-    else:
-        args = [trained, "--max-new-tokens", 5]
     # from then on main runs, under run_cli, even on a busy machine
     for delay in (0.6, 1.0, 1.5):
+        # each run its own out dir: one that got as far as its first checkpoint holds a run
+        out = {"out_dir": tmp_path / f"out-{delay}"}
+        args = tiny_overrides(tmp_path, text_file, **out) if script == "train.py" else \
+            [trained, "--max-new-tokens", 5]
         proc = start(script, args)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
