@@ -5,7 +5,7 @@ import torch
 
 from common import UserError
 from model.attention.linear import causal_linear_attention, recurrent_linear_attention
-from model.attention.mha import naive_attention, sdpa_attention
+from model.attention.mha import Settings, naive_attention, sdpa_attention
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
 from loading import load_model
@@ -71,8 +71,9 @@ def test_naive_and_sdpa_math_agree_with_windows_alibi_and_cached_keys(window, al
     q = torch.randn(2, 4, t_query, 8, generator=g)
     k, v = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
     slopes = alibi_slopes(4) if alibi else None
-    expected, weights = naive_attention(q, k, v, scale=0.3, window=window, slopes=slopes)
-    fused = sdpa_attention(q, k, v, scale=0.3, window=window, slopes=slopes)
+    settings = Settings(scale=0.3, window=window, slopes=slopes)
+    expected, weights = naive_attention(q, k, v, settings)
+    fused = sdpa_attention(q, k, v, settings)
     torch.testing.assert_close(fused, expected, atol=1e-6, rtol=0)
     visible = (weights > 0).sum(-1)
     assert visible.max() <= (window or 8) and visible[..., -1].min() == min(8, window or 8)

@@ -23,7 +23,8 @@ import math
 import torch
 import torch.nn as nn
 
-from model.attention.mha import merge_heads, naive_attention, sdpa_attention, split_heads, unit_rms
+from model.attention.mha import (Settings, merge_heads, naive_attention, sdpa_attention,
+                                 split_heads, unit_rms)
 from model.config import ModelConfig
 from model.positions import alibi_slopes, apply_rotary_emb
 
@@ -100,12 +101,13 @@ class MultiHeadLatentAttention(nn.Module):
             q = torch.cat([q, q_rope], dim=-1)                           # (B, nh, T, 2 hs)
             k = torch.cat([k, k_rope.expand(-1, self.n_head, -1, -1)], dim=-1)
 
-        settings = dict(scale=self.scale, dropout_p=self.dropout_p if self.training else 0.0,
-                        slopes=self.alibi_slopes, q_pos=q_pos, k_pos=k_pos)
+        dropout_p = self.dropout_p if self.training else 0.0
+        settings = Settings(self.scale, dropout_p, slopes=self.alibi_slopes)
         if return_weights or explicit:
-            out, weights = naive_attention(q, k, v, **settings)
+            out, weights = naive_attention(q, k, v, settings, q_pos, k_pos)
         else:
-            out = sdpa_attention(q, k, v, **settings)                    # (B, nh, T, hs)
+            # (B, nh, T, hs)
+            out = sdpa_attention(q, k, v, settings, q_pos, k_pos)
         out = merge_heads(out)                                           # (B, T, C): concatenate the heads
         out = self.resid_dropout(self.proj(out))
         return (out, weights) if return_weights else out
