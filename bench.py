@@ -190,8 +190,9 @@ def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=No
     prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     start = now(device)
+    decoding = sampling.Decoding(use_cache=use_cache, speed_up=speed_up)
     *_, last = sampling.generate(model, prompt, new_tokens, generator=generator,
-                                 use_cache=use_cache, speed_up=speed_up)
+                                 decoding=decoding)
     # waits for the device
     last.cpu()
     return batch * new_tokens / (time.perf_counter() - start)

@@ -22,7 +22,7 @@ import torch
 from data.sources import read_prompt
 from loading import load_model
 from model.device import autocast, pick_device, pick_dtype
-from model.sampling import generate, prompt_ids
+from model.sampling import Choice, Decoding, generate, prompt_ids
 
 NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, "
                     "more than it saves on a sample (bench.py sample measures both): "
@@ -99,10 +99,11 @@ def main(argv) -> int:
     speed_up = None
     if args.compile:
         from speed.decoding import compiled as speed_up
-    columns = generate(loaded.model, idx, args.max_new_tokens, args.temperature, args.top_k,
-                       args.top_p, generator, vocab_limit=tokenizer.vocab_size,
-                       use_cache=not args.no_cache, cache_dtype=dtype, check_every=1,
-                       speed_up=speed_up)
+    choice = Choice(args.temperature, args.top_k, args.top_p)
+    decoding = Decoding(use_cache=not args.no_cache, cache_dtype=dtype, check_every=1,
+                        speed_up=speed_up)
+    columns = generate(loaded.model, idx, args.max_new_tokens, choice, generator,
+                       vocab_limit=tokenizer.vocab_size, decoding=decoding)
     try:
         # the finite flags are read with each token, read for streaming anyway
         with autocast(device, dtype):

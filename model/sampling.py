@@ -10,8 +10,8 @@ embeddings need), so the cost stays amortized O(1) forwards of one token per ste
 The cache has fixed shapes and the position of the new token is a tensor, so every decoding
 step runs the same computation on the same buffers (decode_step): a compiler can turn it
 into one graph, and on CUDA into one CUDA graph replayed for every token. generate() takes
-that speed-up as a function (speed_up, e.g. speed/decoding.py's compiled), so the model
-needs nothing from speed/.
+that speed-up as a function (Decoding.speed_up, e.g. speed/decoding.py's compiled), so the
+model needs nothing from speed/.
 """
 import sys
 from collections.abc import Callable, Iterator
@@ -33,6 +33,22 @@ class Choice:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How generate() computes, which never changes the tokens.
+
+    use_cache    reuse the keys and values of earlier tokens (False: recompute the window)
+    cache_dtype  the cache's number format (None: the model's)
+    check_every  read the finite flags every this many tokens (None: every token on CPU,
+                 every 32 on a GPU, where a read waits for the device)
+    speed_up     speed_up(decode_step, args) -> a faster function of the same args, which
+                 it may call to warm up (the prefill resets the cache after it)"""
+    use_cache: bool = True
+    cache_dtype: torch.dtype | None = None
+    check_every: int | None = None
+    speed_up: Callable | None = None
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
@@ -103,33 +119,27 @@ def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torc
 
 # inference_mode: like no_grad, and skips autograd's version counting too
 @torch.inference_mode()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             vocab_limit: int | None = None, use_cache: bool = True,
-             cache_dtype: torch.dtype | None = None, check_every: int | None = None,
-             speed_up: Callable | None = None) -> Iterator[torch.Tensor]:
-    """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T).
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
+             choice: Choice = Choice(), generator: torch.Generator | None = None,
+             vocab_limit: int | None = None,
+             decoding: Decoding = Decoding()) -> Iterator[torch.Tensor]:
+    """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T),
+    each chosen as `choice` says; `decoding` says how it computes (Decoding).
 
     vocab_limit: choose only among the first vocab_limit tokens (the tokenizer's vocabulary).
-    How it computes, which never changes the tokens:
-      use_cache    reuse the keys and values of earlier tokens (False: recompute the window)
-      cache_dtype  the cache's number format (default: the model's)
-      check_every  read the finite flags every this many tokens (default: every token on CPU,
-                   every 32 on a GPU, where a read waits for the device)
-      speed_up     speed_up(decode_step, args) -> a faster function of the same args, which it
-                   may call to warm up (the prefill resets the cache after it)
     Raises UserError when the logits are not finite, naming the first new token whose were
     not."""
     block_size, device, batch = model.cfg.block_size, idx.device, idx.size(0)
-    check_every = check_every or (1 if device.type == "cpu" else 32)
+    use_cache, speed_up = decoding.use_cache, decoding.speed_up
+    check_every = decoding.check_every or (1 if device.type == "cpu" else 32)
     # a flag per new token
     finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)
     vocab = min(vocab_limit or model.cfg.vocab_size, model.cfg.vocab_size)
     # Exponential(1) draws, redrawn per token
     noise = torch.ones(batch, vocab, device=device)
-    sampling = (noise, Choice(temperature, top_k, top_p))
+    sampling = (noise, choice)
     if use_cache:
-        dtype = cache_dtype or next(model.parameters()).dtype
+        dtype = decoding.cache_dtype or next(model.parameters()).dtype
         cache = InferenceCache(model, batch, device, dtype)
         # the newest tokens and their position
         last = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -139,7 +149,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     # filled: positions in the cache
     tokens, filled, checked = idx, 0, 0
     for i in range(max_new_tokens):
-        if temperature > 0:
+        if choice.temperature > 0:
             draw_noise(noise, generator)
         # recompute the window
         if not use_cache:

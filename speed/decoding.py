@@ -4,9 +4,9 @@
 At batch 1 a decoding step is a hundred small kernels, and launching them one by one from
 Python costs more than running them. model/sampling.py's decode_step has fixed shapes and
 updates its tensors in place, so torch.compile makes it one graph, and a CUDA graph replays
-that graph with one launch per token. generate(..., speed_up=compiled) asks for it; on a
-CPU, compiling costs tens of seconds, more than a sample saves (bench.py sample measures
-both).
+that graph with one launch per token. generate(..., decoding=Decoding(speed_up=compiled))
+asks for it; on a CPU, compiling costs tens of seconds, more than a sample saves (bench.py
+sample measures both).
 """
 import functools
 import sys

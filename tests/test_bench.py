@@ -97,7 +97,7 @@ def test_bench_sample_times_decodes_with_and_without_the_cache_at_batch_1_and_16
     calls, real = [], model.sampling.generate
 
     def generate(model, idx, new_tokens, **kw):
-        calls.append((idx.size(0), kw["use_cache"], new_tokens))
+        calls.append((idx.size(0), kw["decoding"].use_cache, new_tokens))
         return real(model, idx, new_tokens, **kw)
     monkeypatch.setattr(model.sampling, "generate", generate)
     import speed.decoding

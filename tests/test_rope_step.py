@@ -33,8 +33,8 @@ def test_a_bf16_step_keeps_queries_and_keys_in_bf16_and_casts_no_rotary_table(mo
     model = GPT(ModelConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=T, pos="rope",
                             qk_norm=True))
     seen, real = [], mha.sdpa_attention
-    monkeypatch.setattr(mha, "sdpa_attention", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype))
-                        or real(q, k, v, **kw))
+    monkeypatch.setattr(mha, "sdpa_attention", lambda q, k, v, *a: seen.append((q.dtype, k.dtype))
+                        or real(q, k, v, *a))
     idx = torch.randint(0, 50, (2, T))
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, \
             torch.autocast("cpu", dtype=torch.bfloat16):

@@ -7,7 +7,7 @@ import torch
 from common import UserError
 from model.config import ModelConfig
 from model.gpt import GPT
-from model.sampling import draw_noise, generate, sample_next
+from model.sampling import Choice, Decoding, draw_noise, generate, sample_next
 
 
 def make_model(**kw):
@@ -15,8 +15,8 @@ def make_model(**kw):
     return GPT(ModelConfig(vocab_size=40, block_size=12, n_layer=2, n_head=2, n_embd=32, **kw)).eval()
 
 
-def run(model, prompt, n, **kw):
-    return torch.cat(list(generate(model, prompt, n, **kw)), dim=1)
+def run(model, prompt, n, *args, **kw):
+    return torch.cat(list(generate(model, prompt, n, *args, **kw)), dim=1)
 
 
 def test_seeded_sampling_is_reproducible_and_the_same_with_or_without_cache():
@@ -24,7 +24,8 @@ def test_seeded_sampling_is_reproducible_and_the_same_with_or_without_cache():
     prompt = torch.zeros(2, 1, dtype=torch.long)
     a, b, other = (run(model, prompt, 20, generator=torch.Generator().manual_seed(s)) for s in (5, 5, 6))
     assert torch.equal(a, b) and not torch.equal(a, other)
-    recomputed = run(model, prompt, 11, generator=torch.Generator().manual_seed(5), use_cache=False)
+    recomputed = run(model, prompt, 11, generator=torch.Generator().manual_seed(5),
+                     decoding=Decoding(use_cache=False))
     assert torch.equal(recomputed, a[:, :11]), "one draw per token, whatever computes the logits"
 
 
@@ -53,11 +54,11 @@ def test_a_tiny_temperature_samples_like_greedy_instead_of_overflowing():
     finite (<= 0) for any temperature > 0, and as the temperature goes to 0 sampling becomes greedy."""
     model = make_model()
     prompt = torch.randint(0, 40, (2, 3), generator=torch.Generator().manual_seed(3))
-    greedy = run(model, prompt, 20, temperature=0)
+    greedy = run(model, prompt, 20, Choice(temperature=0))
     flushing = torch.set_flush_denormal(True)   # as GPUs do: a subnormal temperature would divide as 0
     try:
         for temperature in (1e-45, 1e-30, 1e-8):
-            assert torch.equal(run(model, prompt, 20, temperature=temperature), greedy), temperature
+            assert torch.equal(run(model, prompt, 20, Choice(temperature)), greedy), temperature
     finally:
         torch.set_flush_denormal(False)
     assert flushing, "this CPU cannot flush subnormals: the GPU's case was not tested"
@@ -68,7 +69,7 @@ def test_a_nan_weight_is_named_at_the_first_token(temperature):
     model = make_model()
     model.blocks[0].attn.query.weight.data[0, 0] = float("nan")
     with pytest.raises(UserError, match="logits are not finite at new token 1: its weights are damaged"):
-        run(model, torch.zeros(1, 1, dtype=torch.long), 5, temperature=temperature)
+        run(model, torch.zeros(1, 1, dtype=torch.long), 5, Choice(temperature))
 
 
 def test_the_first_non_finite_token_is_named_even_when_the_flags_are_read_later():
@@ -76,7 +77,8 @@ def test_the_first_non_finite_token_is_named_even_when_the_flags_are_read_later(
     model.pos_emb.weight.data[4] = float("nan")   # position 4: new token 5 after a 1-token prompt
     tokens = []
     with pytest.raises(UserError, match="at new token 5:"):
-        for col in generate(model, torch.zeros(1, 1, dtype=torch.long), 12, check_every=4):
+        for col in generate(model, torch.zeros(1, 1, dtype=torch.long), 12,
+                            decoding=Decoding(check_every=4)):
             tokens.append(col)
     assert len(tokens) == 7, "the flags of tokens 5 to 8 are read at the 8th, before it is yielded"
 
@@ -93,8 +95,9 @@ def test_a_padded_vocabulary_never_yields_a_token_the_tokenizer_lacks():
     model.forward = padding_wins
     prompt = torch.zeros(2, 1, dtype=torch.long)
     for temperature in (0, 1.0):
-        free = torch.cat(list(generate(model, prompt, 20, temperature=temperature)), dim=1)
-        limited = torch.cat(list(generate(model, prompt, 20, temperature=temperature, vocab_limit=30)), dim=1)
+        free = torch.cat(list(generate(model, prompt, 20, Choice(temperature))), dim=1)
+        limited = torch.cat(list(generate(model, prompt, 20, Choice(temperature), vocab_limit=30)),
+                            dim=1)
         assert (free >= 30).any() and (limited < 30).all(), temperature
 
 

@@ -5,12 +5,12 @@ import torch
 
 from common import UserError
 from model.attention.linear import causal_linear_attention, recurrent_linear_attention
-from model.attention.mha import naive_attention, sdpa_attention
+from model.attention.mha import Settings, naive_attention, sdpa_attention
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
 from loading import load_model
 from model.positions import alibi_slopes
-from model.sampling import generate, sample_next
+from model.sampling import Choice, Decoding, generate, sample_next
 from tests.conftest import records
 from training.config import build_config
 
@@ -71,8 +71,9 @@ def test_naive_and_sdpa_math_agree_with_windows_alibi_and_cached_keys(window, al
     q = torch.randn(2, 4, t_query, 8, generator=g)
     k, v = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
     slopes = alibi_slopes(4) if alibi else None
-    expected, weights = naive_attention(q, k, v, scale=0.3, window=window, slopes=slopes)
-    fused = sdpa_attention(q, k, v, scale=0.3, window=window, slopes=slopes)
+    settings = Settings(scale=0.3, window=window, slopes=slopes)
+    expected, weights = naive_attention(q, k, v, settings)
+    fused = sdpa_attention(q, k, v, settings)
     torch.testing.assert_close(fused, expected, atol=1e-6, rtol=0)
     visible = (weights > 0).sum(-1)
     assert visible.max() <= (window or 8) and visible[..., -1].min() == min(8, window or 8)
@@ -178,7 +179,8 @@ def test_the_compiled_decoding_step_chooses_what_recomputation_does(device, atte
     torch._dynamo.reset()   # each variant compiles its own graphs: forget the others' (8 at most)
     model = make_model(attention, pos).to(device)
     prompt = tokens(b=2, t=3).to(device)
-    new = torch.cat(list(generate(model, prompt, 30, temperature=0, speed_up=compiled)), dim=1)   # (B, n)
+    new = torch.cat(list(generate(model, prompt, 30, Choice(temperature=0),
+                                  decoding=Decoding(speed_up=compiled))), dim=1)   # (B, n)
     assert "warning" not in capsys.readouterr().err, "compiling or recording the CUDA graph failed"
     expected = recomputed_logits(model, torch.cat([prompt, new], dim=1), 3)                  # (n, B, V)
     chosen = expected.gather(-1, new.T.unsqueeze(-1)).squeeze(-1)
@@ -236,8 +238,9 @@ def test_every_variant_trains_and_samples(tiny_cfg, attention, pos):
     assert losses[12] < losses[1] - 0.5, losses
     model = load_model(cfg.out_dir).model
     prompt = tokens(b=2, t=3) % cfg.model.vocab_size
-    cached = torch.cat(list(generate(model, prompt, 40, temperature=0)), dim=1)   # slides past the block
-    fresh = torch.cat(list(generate(model, prompt, 13, temperature=0, use_cache=False)), dim=1)
+    cached = torch.cat(list(generate(model, prompt, 40, Choice(temperature=0))), dim=1)   # slides past the block
+    fresh = torch.cat(list(generate(model, prompt, 13, Choice(temperature=0),
+                                    decoding=Decoding(use_cache=False))), dim=1)
     assert cached.shape == (2, 40) and torch.equal(cached[:, :13], fresh)
 
 

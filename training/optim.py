@@ -2,16 +2,17 @@
 
 train.optimizer
   adamw  AdamW on every parameter; weight decay on matrices (linear weights, embeddings) only.
-  muon   Muon on the hidden 2-D matrices (the attention and MLP weights inside the blocks), AdamW on
-         the rest (embeddings, LM head, norm gains, biases), whose gradients are not "matrix-shaped"
-         in the same way: a row of an embedding is one token's vector, not a linear map.
+  muon   Muon on the hidden 2-D matrices (the attention and MLP weights inside the blocks),
+         AdamW on the rest (embeddings, LM head, norm gains, biases), whose gradients are not
+         "matrix-shaped" in the same way: a row of an embedding is one token's vector, not a
+         linear map.
 
 train.schedule (a factor on every group's base learning rate; all groups move together)
   cosine  linear warmup, then cosine decay to min_lr at max_steps
-  wsd     linear warmup, constant ("stable"), then a linear warm-down to min_lr over the last
-          warmdown_frac of the steps: the stable phase makes fast progress at a high lr, and the
-          short decay at the end collects it (Hägele et al., 2024, "Scaling Laws and Compute-Optimal
-          Training Beyond Fixed Training Durations").
+  wsd     linear warmup, constant ("stable"), then a linear warm-down to min_lr over the
+          last warmdown_frac of the steps: the stable phase makes fast progress at a high lr,
+          and the short decay at the end collects it (Hägele et al., 2024, "Scaling Laws and
+          Compute-Optimal Training Beyond Fixed Training Durations").
 """
 import math
 
@@ -56,10 +57,13 @@ def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """
     a, b, c = 3.4445, -4.7750, 2.0315
     wide = g.size(-2) <= g.size(-1)
-    x = g if wide else g.mT                                           # X Xᵀ is the smaller Gram matrix
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)               # Frobenius >= spectral: all s <= 1
+    # X Xᵀ is the smaller Gram matrix
+    x = g if wide else g.mT
+    # Frobenius >= spectral: all s <= 1
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(steps):
-        gram = x @ x.mT                                               # (..., m, m)
+        # (..., m, m)
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
     return x if wide else x.mT
 
@@ -104,7 +108,8 @@ class PlainOptimizer:
         index = {}
         groups = [{**g, "params": [index.setdefault(p, len(index)) for p in g["params"]]}
                   for g in self.param_groups]
-        return {"state": {index[p]: dict(s) for p, s in self.state.items()}, "param_groups": groups}
+        state = {index[p]: dict(s) for p, s in self.state.items()}
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The state_dict of an optimizer of the same state and groups (this class's or
@@ -176,7 +181,8 @@ class Muon(PlainOptimizer):
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  ns_steps: int = 5):
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
+        super().__init__(params, defaults)
 
     def new_state(self, p):
         return {"momentum": torch.zeros_like(p)}
@@ -191,19 +197,27 @@ class Muon(PlainOptimizer):
                 raise ValueError("Muon updates 2-D matrices only")
             grads = [p.grad for p in params]
             bufs = [s["momentum"] for s in self.states(params)]
-            torch._foreach_mul_(bufs, group["momentum"])   # M <- momentum M + G, every matrix at once
+            # M <- momentum M + G, every matrix at once
+            torch._foreach_mul_(bufs, group["momentum"])
             torch._foreach_add_(bufs, grads)
-            updates = torch._foreach_add(grads, bufs, alpha=group["momentum"]) if group["nesterov"] else bufs
-            by_shape = {}   # a tall matrix joins the wide ones of its transposed shape: fewer batches
+            updates = bufs
+            if group["nesterov"]:
+                updates = torch._foreach_add(grads, bufs, alpha=group["momentum"])
+            # a tall matrix joins the wide ones of its transposed shape: fewer batches
+            by_shape = {}
             for p, g in zip(params, updates):
                 tall = p.size(0) > p.size(1)
-                by_shape.setdefault(tuple(sorted(p.shape)), []).append((p, g.mT if tall else g, tall))
+                item = (p, g.mT if tall else g, tall)
+                by_shape.setdefault(tuple(sorted(p.shape)), []).append(item)
             for items in by_shape.values():
-                stacked = torch.stack([g for _, g, _ in items])   # (n, rows, cols), rows <= cols
-                fast = torch.bfloat16 if stacked.is_cuda else stacked.dtype   # (where its matmuls are faster)
+                # (n, rows, cols), rows <= cols
+                stacked = torch.stack([g for _, g, _ in items])
+                # bf16 where its matmuls are faster
+                fast = torch.bfloat16 if stacked.is_cuda else stacked.dtype
                 ortho = orthogonalize(stacked.to(fast), group["ns_steps"])
                 for (p, _, tall), o in zip(items, ortho.to(stacked.dtype).unbind(0)):
-                    scale = -max(1.0, p.size(0) / p.size(1)) ** 0.5 * group["lr"]   # (a graph's lr: a tensor)
+                    # a graph's lr is a tensor: the scale is one too
+                    scale = -max(1.0, p.size(0) / p.size(1)) ** 0.5 * group["lr"]
                     p.add_((o.mT if tall else o) * scale)
 
 
@@ -244,8 +258,8 @@ def build_optimizer(model: torch.nn.Module, t, device: torch.device):
     t's learning rates, betas and momentum; weight decay on matrices only. Every group carries
     base_lr, which set_lr scales by the schedule.
 
-    AdamW runs its fused kernel (one pass over each tensor) on CUDA and CPU, where it beats the default
-    per-tensor loop and the multi-tensor (foreach) one; foreach elsewhere."""
+    AdamW runs its fused kernel (one pass over each tensor) on CUDA and CPU, where it beats
+    the default per-tensor loop and the multi-tensor (foreach) one; foreach elsewhere."""
     params = list(model.parameters())
     lr, weight_decay = t.lr, t.weight_decay
     if t.optimizer == "adamw":
@@ -254,11 +268,15 @@ def build_optimizer(model: torch.nn.Module, t, device: torch.device):
         in_blocks = {id(p) for p in model.blocks.parameters()}
         hidden = [p for p in params if p.ndim == 2 and id(p) in in_blocks]
     rest = [p for p in params if id(p) not in {id(h) for h in hidden}]
-    groups = [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": weight_decay, "base_lr": lr},
-              {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0, "base_lr": lr}]
+    matrices = [p for p in rest if p.ndim >= 2]
+    others = [p for p in rest if p.ndim < 2]
+    groups = [{"params": matrices, "weight_decay": weight_decay, "base_lr": lr},
+              {"params": others, "weight_decay": 0.0, "base_lr": lr}]
     fused = device.type in ("cuda", "cpu")
-    opt = AdamW([g for g in groups if g["params"]], lr=lr, betas=(t.beta1, t.beta2), fused=fused)
+    groups = [g for g in groups if g["params"]]
+    opt = AdamW(groups, lr=lr, betas=(t.beta1, t.beta2), fused=fused)
     if not hidden:
         return opt
-    muon = Muon([{"params": hidden, "base_lr": t.muon_lr}], lr=t.muon_lr, momentum=t.muon_momentum)
+    muon_group = {"params": hidden, "base_lr": t.muon_lr}
+    muon = Muon([muon_group], lr=t.muon_lr, momentum=t.muon_momentum)
     return Optimizers(muon, opt)

@@ -43,7 +43,7 @@ from data.tokenizers import load_tokenizer
 from loading import read_checkpoint
 from model.device import autocast, fit_threads, pick_device, pick_dtype
 from model.gpt import GPT, bits_per_byte, score
-from model.sampling import generate, prompt_ids
+from model.sampling import Choice, generate, prompt_ids
 from training import distributed
 from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
                                  close_out_dir, open_out_dir, restore, rng_state, run_config)
@@ -541,8 +541,8 @@ def sample(model: GPT, tokenizer, t, at: Place) -> str:
     model.eval()
     with autocast(at.device, at.dtype):
         prompt = torch.tensor([ids], device=at.device)
-        columns = generate(model, prompt, t.sample_tokens, SAMPLE_TEMPERATURE, generator=generator,
-                           vocab_limit=tokenizer.vocab_size)
+        columns = generate(model, prompt, t.sample_tokens, Choice(SAMPLE_TEMPERATURE),
+                           generator, vocab_limit=tokenizer.vocab_size)
         new = torch.cat(list(columns), dim=1)[0].tolist()
     model.train(was_training)
     return t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")

@@ -1,33 +1,36 @@
 """Causal self-attention and its variants, chosen by `model.attention`.
 
-    naive, sdpa      plain multi-head attention, explicit or fused            mha.py
-    gqa              fewer key/value heads (model.n_kv_head; 1 = MQA)          mha.py
-    sliding_window   each token sees the last model.window tokens             mha.py
-    linear           kernelized, O(T) memory, an RNN-like state               linear.py
-    mla              keys and values from a cached low-rank latent            mla.py
+    naive, sdpa      plain multi-head attention, explicit or fused          mha.py
+    gqa              fewer key/value heads (model.n_kv_head; 1 = MQA)       mha.py
+    sliding_window   each token sees the last model.window tokens           mha.py
+    linear           kernelized, O(T) memory, an RNN-like state             linear.py
+    mla              keys and values from a cached low-rank latent          mla.py
 
 Every variant is an nn.Module with one interface, which the GPT and the sampler rely on:
 
     forward(x, rope=None, cache=None, pos=None) -> y
-                                                x, y (B, T, C); rope = (cos, sin) of the T new
-                                                positions when model.pos = 'rope'; with a cache,
-                                                pos (T,) are x's positions: x is stored in it there
-                                                and attends to every cached position up to its own
-    new_cache(batch, max_len, device, dtype)    an empty cache for incremental decoding, of fixed
-                                                shapes (written in place; reset() empties it)
-    cache_size(seq_len) -> int                  numbers the cache holds for one sequence of seq_len
-                                                tokens (the KV-cache column of an ablation)
+        x, y (B, T, C); rope = (cos, sin) of the T new positions when model.pos = 'rope';
+        with a cache, pos (T,) are x's positions: x is stored in it there and attends to
+        every cached position up to its own
+    new_cache(batch, max_len, device, dtype)
+        an empty cache for incremental decoding, of fixed shapes (written in place;
+        reset() empties it)
+    cache_size(seq_len) -> int
+        numbers the cache holds for one sequence of seq_len tokens (the KV-cache column of
+        an ablation)
 
-forward(..., return_weights=True) also returns the (B, nh, T, T) attention weights, computed by the
-variant's own math (sdpa through the explicit path): what model/attention_maps.py collects.
-forward(..., explicit=True) computes softmax attention by its explicit steps instead of the fused
-kernel, which a compiled one-token decoding step asks for (model/sampling.py).
+forward(..., return_weights=True) also returns the (B, nh, T, T) attention weights,
+computed by the variant's own math (sdpa through the explicit path): what
+model/attention_maps.py collects. forward(..., explicit=True) computes softmax attention
+by its explicit steps instead of the fused kernel, which a compiled one-token decoding
+step asks for (model/sampling.py).
 """
 import importlib
 
 from model.config import ATTENTIONS, ModelConfig
 
-REGISTRY = {   # name -> module.Class (a variant's module is imported when a model first uses it)
+# name -> module.Class (a variant's module is imported when a model first uses it)
+REGISTRY = {
     "naive": "mha.CausalSelfAttention",
     "sdpa": "mha.CausalSelfAttention",
     "gqa": "mha.CausalSelfAttention",
@@ -35,7 +38,8 @@ REGISTRY = {   # name -> module.Class (a variant's module is imported when a mod
     "linear": "linear.LinearAttention",
     "mla": "mla.MultiHeadLatentAttention",
 }
-assert tuple(REGISTRY) == ATTENTIONS, "model/config.py's ATTENTIONS must list the registry's names"
+assert tuple(REGISTRY) == ATTENTIONS, (
+    "model/config.py's ATTENTIONS must list the registry's names")
 
 
 def build_attention(cfg: ModelConfig):

@@ -1,6 +1,6 @@
-"""Causal linear attention (`linear`): the softmax kernel exp(q·k) replaced by a dot product of
-positive features φ(q)·φ(k), with φ(x) = elu(x) + 1 (Katharopoulos et al., 2020, "Transformers are
-RNNs").
+"""Causal linear attention (`linear`): the softmax kernel exp(q·k) replaced by a dot
+product of positive features φ(q)·φ(k), with φ(x) = elu(x) + 1 (Katharopoulos et al.,
+2020, "Transformers are RNNs").
 
 Because φ(q_i)·φ(k_j) factorizes, the sum over the past can be computed once and reused:
 
@@ -9,26 +9,30 @@ Because φ(q_i)·φ(k_j) factorizes, the sum over the past can be computed once 
                                          and  z_i = Σ_{j≤i} φ(k_j)       (hs,)
 
 Two forms of the same numbers:
-  recurrent  S += φ(k_t) v_tᵀ, one token at a time: sampling keeps only (S, z), a constant-size state.
-  chunked    (training) the sequence in chunks of L tokens: the quadratic form inside a chunk, the
-             state carried between chunks. O(T·L) memory instead of softmax attention's O(T²).
+  recurrent  S += φ(k_t) v_tᵀ, one token at a time: sampling keeps only (S, z), a
+             constant-size state.
+  chunked    (training) the sequence in chunks of L tokens: the quadratic form inside a
+             chunk, the state carried between chunks. O(T·L) memory instead of softmax
+             attention's O(T²).
 
-Cost: O(T·hs²) per head instead of O(T²·hs); the cache is n_head·(hs² + hs) numbers per layer,
-whatever the sequence length. No softmax means no sharp, sparse attention: it usually trains to a
-worse loss than softmax attention at the same size.
+Cost: O(T·hs²) per head instead of O(T²·hs); the cache is n_head·(hs² + hs) numbers per
+layer, whatever the sequence length. No softmax means no sharp, sparse attention: it
+usually trains to a worse loss than softmax attention at the same size.
 
-With rope, the features are rotated in the numerator only (RoFormer, section 3.3): the denominator
-stays a sum of positive numbers. ALiBi needs scores to bias and is refused by the config. attn_scale
-multiplies q by 1/√hs before φ; qk_norm normalizes q and k before φ.
+With rope, the features are rotated in the numerator only (RoFormer, section 3.3): the
+denominator stays a sum of positive numbers. ALiBi needs scores to bias and is refused by
+the config. attn_scale multiplies q by 1/√hs before φ; qk_norm normalizes q and k before
+φ.
 """
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention.mha import (causal_mask, consecutive_positions, merge_heads, split_heads,
-                                 unit_rms)
+from model.attention.mha import (causal_mask, consecutive_positions, merge_heads,
+                                 split_heads, unit_rms)
 from model.config import ModelConfig
 from model.positions import apply_rotary_emb
 
@@ -36,20 +40,26 @@ CHUNK = 64
 
 
 def causal_linear_attention(q, k, v, state=None, chunk: int = CHUNK):
-    """Σ_{j≤i} (q_i·k_j) v_j for every i, chunk by chunk. q, k (B, nh, T, dk), v (B, nh, T, dv),
-    state (B, nh, dk, dv): Σ k_j v_jᵀ over earlier tokens (None = none)
+    """Σ_{j≤i} (q_i·k_j) v_j for every i, chunk by chunk. q, k (B, nh, T, dk),
+    v (B, nh, T, dv), state (B, nh, dk, dv): Σ k_j v_jᵀ over earlier tokens (None = none)
     -> out (B, nh, T, dv), the new state."""
     B, nh, T, dk = q.shape
     n = math.ceil(T / chunk)
-    pad = n * chunk - T                        # zero keys and values at the end add nothing
-    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, nh, n, chunk, t.size(-1)) for t in (q, k, v))
+    # zero keys and values at the end add nothing
+    pad = n * chunk - T
+    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, nh, n, chunk, t.size(-1))
+               for t in (q, k, v))
     within = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    scores = (q @ k.transpose(-2, -1)).masked_fill(~within, 0.0)     # (B, nh, n, L, L) inside each chunk
-    kv = k.transpose(-2, -1) @ v                                     # (B, nh, n, dk, dv) each chunk's sum
-    before = kv.cumsum(dim=2) - kv                                   # the state at the start of each chunk
+    # (B, nh, n, L, L): inside each chunk
+    scores = (q @ k.transpose(-2, -1)).masked_fill(~within, 0.0)
+    # (B, nh, n, dk, dv): each chunk's sum
+    kv = k.transpose(-2, -1) @ v
+    # the state at the start of each chunk
+    before = kv.cumsum(dim=2) - kv
     if state is not None:
         before = before + state[:, :, None]
-    out = scores @ v + q @ before                                    # (B, nh, n, L, dv)
+    # (B, nh, n, L, dv)
+    out = scores @ v + q @ before
     return out.view(B, nh, n * chunk, -1)[:, :, :T], before[:, :, -1] + kv[:, :, -1]
 
 
@@ -59,33 +69,39 @@ def recurrent_linear_attention(q, k, v, state=None):
     S = state if state is not None else q.new_zeros(B, nh, dk, v.size(-1))
     outs = []
     for t in range(T):
-        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]           # (B, nh, dk, dv)
-        outs.append((q[:, :, t, None, :] @ S).squeeze(2))            # (B, nh, dv)
+        # (B, nh, dk, dv), then (B, nh, dv)
+        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        outs.append((q[:, :, t, None, :] @ S).squeeze(2))
     return torch.stack(outs, dim=2), S
 
 
 def linear_attention_weights(q, k, q_num, k_num):
-    """The weight each value gets, written out as a (B, nh, T, T) matrix (for attention maps):
+    """The weight each value gets, written out as a (B, nh, T, T) matrix (for attention
+    maps):
 
         a_ij = q_num_i·k_num_j / Σ_{j'≤i} q_i·k_j'   for j ≤ i, 0 for j > i
                                                      (so that out_i = Σ_j a_ij v_j)
 
-    q, k are the features φ(q), φ(k); q_num, k_num the same rotated by rope (or the same tensors).
-    Without rope each row is a distribution over the past. With rope the numerator is rotated and the
-    denominator is not: rows need not sum to 1 and a weight can be negative."""
+    q, k are the features φ(q), φ(k); q_num, k_num the same rotated by rope (or the same
+    tensors). Without rope each row is a distribution over the past. With rope the
+    numerator is rotated and the denominator is not: rows need not sum to 1 and a weight
+    can be negative."""
     future = ~causal_mask(*consecutive_positions(q.size(2), k.size(2), q.device))
-    num = (q_num @ k_num.transpose(-2, -1)).masked_fill(future, 0.0)                # (B, nh, T, T)
-    den = (q @ k.transpose(-2, -1)).masked_fill(future, 0.0).sum(-1, keepdim=True)  # (B, nh, T, 1)
+    # (B, nh, T, T)
+    num = (q_num @ k_num.transpose(-2, -1)).masked_fill(future, 0.0)
+    # (B, nh, T, 1)
+    den = (q @ k.transpose(-2, -1)).masked_fill(future, 0.0).sum(-1, keepdim=True)
     return num / den.clamp_min(1e-6)
 
 
 class LinearState:
-    """One layer's recurrent state: S (B, nh, hs, hs) for the numerator, z (B, nh, hs, 1) for the
-    denominator. Its size does not depend on max_len; it is updated in place."""
+    """One layer's recurrent state: S (B, nh, hs, hs) for the numerator, z (B, nh, hs, 1)
+    for the denominator. Its size does not depend on max_len; it is updated in place."""
 
     def __init__(self, batch: int, n_head: int, head_dim: int, device, dtype):
-        self.S = torch.zeros(batch, n_head, head_dim, head_dim, device=device, dtype=dtype)
-        self.z = torch.zeros(batch, n_head, head_dim, 1, device=device, dtype=dtype)
+        shape = (batch, n_head, head_dim)
+        self.S = torch.zeros(*shape, head_dim, device=device, dtype=dtype)
+        self.z = torch.zeros(*shape, 1, device=device, dtype=dtype)
 
     def reset(self) -> None:
         """Start again from position 0: the sums over no token are zero."""
@@ -112,33 +128,47 @@ class LinearAttention(nn.Module):
     def cache_size(self, seq_len: int) -> int:
         return self.n_head * (self.head_dim * self.head_dim + self.head_dim)
 
-    def forward(self, x, rope=None, cache: LinearState | None = None, pos=None, return_weights: bool = False,
-                explicit: bool = False):
-        """x (B, T, C) -> (B, T, C). With a cache, x continues the tokens its state sums over (the state
-        has no positions: pos is not needed). With return_weights also the (B, nh, T, T) weights of
-        linear_attention_weights (a whole sequence: a cache keeps no past keys to weigh). There is no
-        softmax kernel to fuse: explicit changes nothing."""
+    def forward(self, x, rope=None, cache: LinearState | None = None, pos=None,
+                return_weights: bool = False, explicit: bool = False):
+        """x (B, T, C) -> (B, T, C). With a cache, x continues the tokens its state sums
+        over (the state has no positions: pos is not needed). With return_weights also the
+        (B, nh, T, T) weights of linear_attention_weights (a whole sequence: a cache keeps
+        no past keys to weigh). There is no softmax kernel to fuse: explicit changes
+        nothing."""
         if return_weights and cache is not None:
-            raise ValueError("linear attention's weights need the whole sequence, not a cache")
+            raise ValueError("linear attention's weights need the whole sequence, "
+                             "not a cache")
         B, T, C = x.shape
-        q, k, v = (split_heads(proj(x), self.n_head)                     # (B, nh, T, hs)
+        # (B, nh, T, hs)
+        q, k, v = (split_heads(proj(x), self.n_head)
                    for proj in (self.query, self.key, self.value))
         if self.qk_norm:
             q, k = unit_rms(q), unit_rms(k)
-        q, k = F.elu(q * self.scale) + 1, F.elu(k) + 1                   # φ: positive features
-        q_num, k_num = (q, k) if rope is None else (apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope))
-        ones = v.new_ones(B, self.n_head, T, 1)              # Σ φ(q)·φ(k) · 1: the denominator
+        # φ: positive features
+        q, k = F.elu(q * self.scale) + 1, F.elu(k) + 1
+        q_num, k_num = q, k
+        if rope is not None:
+            q_num, k_num = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
+        # Σ φ(q)·φ(k) · 1: the denominator
+        ones = v.new_ones(B, self.n_head, T, 1)
 
+        S = z = None
+        if cache is not None:
+            S, z = cache.S, cache.z
         if cache is not None and T == 1:
             attend = recurrent_linear_attention
         else:
-            attend = lambda q, k, v, state: causal_linear_attention(q, k, v, state, self.chunk)   # noqa: E731
-        num, S = attend(q_num, k_num, v, cache.S if cache is not None else None)   # (B, nh, T, hs)
-        den, z = attend(q, k, ones, cache.z if cache is not None else None)         # (B, nh, T, 1)
+            attend = partial(causal_linear_attention, chunk=self.chunk)
+        # (B, nh, T, hs) and (B, nh, T, 1)
+        num, S = attend(q_num, k_num, v, S)
+        den, z = attend(q, k, ones, z)
         if cache is not None:
             cache.S.copy_(S)
             cache.z.copy_(z)
         out = num / den.clamp_min(1e-6)
-        out = merge_heads(out)                                           # (B, T, C): concatenate the heads
+        # (B, T, C): concatenate the heads
+        out = merge_heads(out)
         out = self.resid_dropout(self.proj(out))
-        return (out, linear_attention_weights(q, k, q_num, k_num)) if return_weights else out
+        if return_weights:
+            return out, linear_attention_weights(q, k, q_num, k_num)
+        return out

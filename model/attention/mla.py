@@ -1,46 +1,53 @@
-"""Multi-head latent attention (`mla`): keys and values are rebuilt from one small latent vector per
-token, and only the latent is cached (DeepSeek-AI, 2024, "DeepSeek-V2").
+"""Multi-head latent attention (`mla`): keys and values are rebuilt from one small latent
+vector per token, and only the latent is cached (DeepSeek-AI, 2024, "DeepSeek-V2").
 
-    c      = norm(x W_down)          (T, d_c)     d_c = model.kv_latent_dim, much smaller than 2C
-    K, V   = c W_key_up, c W_value_up (T, C) each, split into n_head heads as usual
-    Q      = x W_q                   (T, C)
+    c      = norm(x W_down)             (T, d_c)   d_c = model.kv_latent_dim, << 2C
+    K, V   = c W_key_up, c W_value_up   (T, C) each, split into n_head heads as usual
+    Q      = x W_q                      (T, C)
 
-then ordinary causal softmax attention. Unlike GQA, every head keeps its own keys and values; they
-are just constrained to a rank-d_c subspace shared by all heads.
+then ordinary causal softmax attention. Unlike GQA, every head keeps its own keys and
+values; they are just constrained to a rank-d_c subspace shared by all heads.
 
-RoPE cannot rotate the latent (the rotation depends on the position, the up-projection would not
-commute with it), so with `model.pos = 'rope'` MLA uses the paper's decoupled RoPE: an extra key of
-hs channels per token, rotated and shared by all heads, cached beside the latent; each head's query
-gets a matching rotated part, and the scores are q·k + q_rope·k_rope, scaled by 1/√(2 hs).
+RoPE cannot rotate the latent (the rotation depends on the position, the up-projection
+would not commute with it), so with `model.pos = 'rope'` MLA uses the paper's decoupled
+RoPE: an extra key of hs channels per token, rotated and shared by all heads, cached
+beside the latent; each head's query gets a matching rotated part, and the scores are
+q·k + q_rope·k_rope, scaled by 1/√(2 hs).
 
-Cost: the KV cache is d_c (+ hs with rope) numbers per token per layer instead of 2C. The cached
-latents are up-projected again at every decoding step (O(T·d_c·C) work); DeepSeek avoids that by
-folding W_key_up into the queries and W_value_up into the output projection, which we skip for
-clarity. Training costs about as much as plain attention, with fewer parameters when d_c < C.
+Cost: the KV cache is d_c (+ hs with rope) numbers per token per layer instead of 2C. The
+cached latents are up-projected again at every decoding step (O(T·d_c·C) work); DeepSeek
+avoids that by folding W_key_up into the queries and W_value_up into the output
+projection, which we skip for clarity. Training costs about as much as plain attention,
+with fewer parameters when d_c < C.
 """
 import math
 
 import torch
 import torch.nn as nn
 
-from model.attention.mha import merge_heads, naive_attention, sdpa_attention, split_heads, unit_rms
+from model.attention.mha import (Settings, merge_heads, naive_attention, sdpa_attention,
+                                 split_heads, unit_rms)
 from model.config import ModelConfig
 from model.positions import alibi_slopes, apply_rotary_emb
 
 
 class LatentCache:
-    """One layer's latents (B, max_len, d_c) and, with rope, rotated shared keys (B, 1, max_len, hs),
-    preallocated: slot j holds position j (as in mha.KVCache)."""
+    """One layer's latents (B, max_len, d_c) and, with rope, rotated shared keys
+    (B, 1, max_len, hs), preallocated: slot j holds position j (as in mha.KVCache)."""
 
-    def __init__(self, batch: int, max_len: int, latent_dim: int, rope_dim: int, device, dtype):
+    def __init__(self, batch: int, max_len: int, latent_dim: int, rope_dim: int, device,
+                 dtype):
         self.c = torch.zeros(batch, max_len, latent_dim, device=device, dtype=dtype)
-        self.k_rope = (torch.zeros(batch, 1, max_len, rope_dim, device=device, dtype=dtype)
-                       if rope_dim else None)
-        self.k_pos = torch.arange(max_len, device=device)              # the position in each slot
+        self.k_rope = None
+        if rope_dim:
+            shape = (batch, 1, max_len, rope_dim)
+            self.k_rope = torch.zeros(shape, device=device, dtype=dtype)
+        # the position in each slot
+        self.k_pos = torch.arange(max_len, device=device)
 
     def update(self, pos, c, k_rope):
-        """Write the latents c (B, T, d_c) (and k_rope) of the positions pos (T,) into their slots;
-        return every slot's latents, rotated keys and positions."""
+        """Write the latents c (B, T, d_c) (and k_rope) of the positions pos (T,) into
+        their slots; return every slot's latents, rotated keys and positions."""
         self.c.index_copy_(1, pos, c.to(self.c.dtype))
         if k_rope is not None:
             self.k_rope.index_copy_(2, pos, k_rope.to(self.k_rope.dtype))
@@ -60,52 +67,65 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(score_dim) if cfg.attn_scale else 1.0
         self.dropout_p = cfg.dropout
         self.query = nn.Linear(C, C, bias=cfg.bias)
-        self.kv_down = nn.Linear(C, self.latent_dim, bias=cfg.bias)      # x -> the latent (cached)
+        # x -> the latent (cached) -> every head's keys and values
+        self.kv_down = nn.Linear(C, self.latent_dim, bias=cfg.bias)
         self.kv_norm = nn.RMSNorm(self.latent_dim)
-        self.key_up = nn.Linear(self.latent_dim, C, bias=cfg.bias)       # latent -> every head's keys
-        self.value_up = nn.Linear(self.latent_dim, C, bias=cfg.bias)     # latent -> every head's values
+        self.key_up = nn.Linear(self.latent_dim, C, bias=cfg.bias)
+        self.value_up = nn.Linear(self.latent_dim, C, bias=cfg.bias)
         if self.rope:
-            self.query_rope = nn.Linear(C, C, bias=cfg.bias)             # per head, rotated
-            self.key_rope = nn.Linear(C, self.head_dim, bias=cfg.bias)   # shared by the heads, cached
+            # rotated queries per head; one rotated key shared by the heads, cached
+            self.query_rope = nn.Linear(C, C, bias=cfg.bias)
+            self.key_rope = nn.Linear(C, self.head_dim, bias=cfg.bias)
         self.proj = nn.Linear(C, C, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         slopes = alibi_slopes(cfg.n_head) if cfg.pos == "alibi" else None
         self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     def new_cache(self, batch: int, max_len: int, device, dtype) -> LatentCache:
-        return LatentCache(batch, max_len, self.latent_dim, self.head_dim if self.rope else 0, device, dtype)
+        rope_dim = self.head_dim if self.rope else 0
+        return LatentCache(batch, max_len, self.latent_dim, rope_dim, device, dtype)
 
     def cache_size(self, seq_len: int) -> int:
         return (self.latent_dim + (self.head_dim if self.rope else 0)) * seq_len
 
-    def forward(self, x, rope=None, cache: LatentCache | None = None, pos=None, return_weights: bool = False,
-                explicit: bool = False):
-        """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T_all) weights by the explicit
-        path (which explicit=True also asks for): the softmax of the up-projected keys' scores (plus
-        q_rope·k_rope with rope), scaled as here."""
+    def forward(self, x, rope=None, cache: LatentCache | None = None, pos=None,
+                return_weights: bool = False, explicit: bool = False):
+        """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T_all)
+        weights by the explicit path (which explicit=True also asks for): the softmax of
+        the up-projected keys' scores (plus q_rope·k_rope with rope), scaled as here."""
         norm = unit_rms if self.qk_norm else (lambda t: t)
-        q = norm(split_heads(self.query(x), self.n_head))                # (B, nh, T, hs)
-        c = self.kv_norm(self.kv_down(x))                                # (B, T, d_c)
+        # (B, nh, T, hs)
+        q = norm(split_heads(self.query(x), self.n_head))
+        # (B, T, d_c)
+        c = self.kv_norm(self.kv_down(x))
         k_rope = None
         if self.rope:
-            q_rope = apply_rotary_emb(norm(split_heads(self.query_rope(x), self.n_head)), *rope)
-            k_rope = apply_rotary_emb(norm(split_heads(self.key_rope(x), 1)), *rope)   # (B, 1, T, hs)
-        q_pos = k_pos = None                                             # consecutive, without a cache
+            q_rope = norm(split_heads(self.query_rope(x), self.n_head))
+            q_rope = apply_rotary_emb(q_rope, *rope)
+            # (B, 1, T, hs)
+            k_rope = apply_rotary_emb(norm(split_heads(self.key_rope(x), 1)), *rope)
+        # consecutive, without a cache
+        q_pos = k_pos = None
         if cache is not None:
-            c, k_rope, k_pos = cache.update(pos, c, k_rope)             # (B, T_cache, d_c), (T_cache,)
+            # (B, T_cache, d_c), (T_cache,)
+            c, k_rope, k_pos = cache.update(pos, c, k_rope)
             q_pos = pos
-        k = norm(split_heads(self.key_up(c), self.n_head))               # (B, nh, T_all, hs)
+        # (B, nh, T_all, hs)
+        k = norm(split_heads(self.key_up(c), self.n_head))
         v = split_heads(self.value_up(c), self.n_head)
         if self.rope:
-            q = torch.cat([q, q_rope], dim=-1)                           # (B, nh, T, 2 hs)
+            # (B, nh, T, 2 hs)
+            q = torch.cat([q, q_rope], dim=-1)
             k = torch.cat([k, k_rope.expand(-1, self.n_head, -1, -1)], dim=-1)
 
-        settings = dict(scale=self.scale, dropout_p=self.dropout_p if self.training else 0.0,
-                        slopes=self.alibi_slopes, q_pos=q_pos, k_pos=k_pos)
+        dropout_p = self.dropout_p if self.training else 0.0
+        settings = Settings(self.scale, dropout_p, slopes=self.alibi_slopes)
         if return_weights or explicit:
-            out, weights = naive_attention(q, k, v, **settings)
+            out, weights = naive_attention(q, k, v, settings, q_pos, k_pos)
         else:
-            out = sdpa_attention(q, k, v, **settings)                    # (B, nh, T, hs)
-        out = merge_heads(out)                                           # (B, T, C): concatenate the heads
+            # (B, nh, T, hs)
+            out = sdpa_attention(q, k, v, settings, q_pos, k_pos)
+        # (B, T, C): concatenate the heads
+        out = merge_heads(out)
         out = self.resid_dropout(self.proj(out))
         return (out, weights) if return_weights else out
