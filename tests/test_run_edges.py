@@ -17,7 +17,6 @@ import train as train_cli
 from common import run_cli
 from loading import read_checkpoint
 from tests.conftest import ROOT, posix_signals, records, run_limited, run_tool, tiny_overrides, tree
-from training.config import build_config
 from training.trainer import train
 
 

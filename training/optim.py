@@ -50,10 +50,11 @@ def set_lr(optimizer, factor: float) -> None:
 def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """The nearest semi-orthogonal matrix to g (..., m, n), approximately: U Vᵀ of g = U S Vᵀ.
 
-    A Newton-Schulz iteration X <- a X + b (X Xᵀ) X + c (X Xᵀ)² X maps every singular value s of X
-    through the odd polynomial p(s) = a s + b s³ + c s⁵; after scaling X so that all s <= 1, five
-    rounds of this (steep at 0, with a, b, c tuned for speed rather than exactness) push them all
-    into about [0.7, 1.2] while U and V stay put. Only matmuls: cheap on any accelerator.
+    A Newton-Schulz iteration X <- a X + b (X Xᵀ) X + c (X Xᵀ)² X maps every singular value
+    s of X through the odd polynomial p(s) = a s + b s³ + c s⁵; after scaling X so that all
+    s <= 1, five rounds of this (steep at 0, with a, b, c tuned for speed rather than
+    exactness) push them all into about [0.7, 1.2] while U and V stay put. Only matmuls: cheap
+    on any accelerator.
     """
     a, b, c = 3.4445, -4.7750, 2.0315
     wide = g.size(-2) <= g.size(-1)

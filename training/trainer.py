@@ -283,7 +283,8 @@ def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
     one that samples it."""
     if run.step < t.max_steps:
         name = signal.Signals(signum).name
-        return f"stopped by {name} at step {run.step}: checkpoint saved in {out}; {again} continues it"
+        return (f"stopped by {name} at step {run.step}: checkpoint saved in {out}; "
+                f"{again} continues it")
     return (f"# done: step {run.step}, best val loss {run.best_val_loss:.4f}, "
             f"{duration(run.elapsed)} ({run.elapsed:.1f} s), {run.tokens:,} tokens; "
             f"to sample it: {command('sample.py', typed(out))}")
