@@ -32,7 +32,7 @@ EVAL_MAX_WINDOWS = 4096
 # train's windows in an evaluation, per val window: the train column is a check on
 # overfitting, which a fixed sample shows as well as the whole split, at a fraction of
 # the cost
-EVAL_TRAIN_SHARE = 0.25
+EVAL_TRAIN_SHARE = 0.125
 # an evaluation batch: this many tokens (at least batch_size windows)
 EVAL_BATCH_TOKENS = 4096
 # tokens copied to the device at a time
@@ -180,8 +180,8 @@ class BatchLoader:
 
     def eval_windows(self, split: str):
         """(x, y) batches that an exact evaluation scores: val's consecutive windows,
-        each token a target once (of its first EVAL_MAX_WINDOWS windows); train's, a
-        quarter as many at evenly spaced offsets."""
+        each token a target once (of its first EVAL_MAX_WINDOWS windows); train's, an
+        eighth as many at evenly spaced offsets."""
         T = self.block_size
         per_batch = max(self.batch_size, EVAL_BATCH_TOKENS // T)
         val = self.mapped["val"][:EVAL_MAX_WINDOWS * T + 1]

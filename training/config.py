@@ -51,7 +51,7 @@ class TrainConfig:
     eval_interval: int = setting(
         500, "evaluate (and checkpoint) every this many steps", above=0)
     eval_iters: int = setting(
-        0, "0 = every val window (4,096 at most), a quarter as many train ones; "
+        0, "0 = every val window (4,096 at most), an eighth as many train ones; "
            "N = N fixed random batches a split", at_least=0)
     log_interval: int = setting(
         50, "print and record the training loss every this many steps", above=0)
