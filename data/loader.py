@@ -181,14 +181,14 @@ class BatchLoader:
     def eval_windows(self, split: str):
         """(x, y) batches that an exact evaluation scores: val's consecutive windows,
         each token a target once (of its first EVAL_MAX_WINDOWS windows); train's, an
-        eighth as many at evenly spaced offsets."""
+        eighth as many (two at least: its first and last) at evenly spaced offsets."""
         T = self.block_size
         per_batch = max(self.batch_size, EVAL_BATCH_TOKENS // T)
         val = self.mapped["val"][:EVAL_MAX_WINDOWS * T + 1]
         if split == "val":
             return strided_windows(val, T, T, per_batch)
         # integers: float32 offsets of a long split could pass its end
-        count = max(1, round(-(-(len(val) - 1) // T) * EVAL_TRAIN_SHARE))
+        count = max(2, round(-(-(len(val) - 1) // T) * EVAL_TRAIN_SHARE))
         span = len(self.mapped["train"]) - T - 1
         starts = torch.arange(count) * span // max(count - 1, 1)
         windows = map(partial(self.windows, "train"), starts.split(per_batch))

@@ -125,7 +125,9 @@ def test_a_lost_node_ends_the_other_in_one_line_and_the_run_resumes(tmp_path, te
     err = (tmp_path / "node0.err").read_text()
     assert waited < 60 and nodes[0].returncode != 0, (waited, err)
     ours = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(ours) == 1 and "[rank0]" not in err and f'File "{ROOT}' not in err, err
+    # (torchrun's own traceback follows: a virtual environment inside the repository is not ours)
+    frames = [line for line in err.splitlines() if f'File "{ROOT}' in line and "-packages" not in line]
+    assert len(ours) == 1 and "[rank0]" not in err and not frames, err
     step, path = list_checkpoints(out)[-1]
     assert ours[0].startswith("error: another process of this run ended or stopped answering (")
     torchrun = ("torchrun --nnodes=2 --node_rank=0 --nproc_per_node=1 --master_addr=127.0.0.1 "
