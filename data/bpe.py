@@ -95,7 +95,7 @@ class TiktokenTokenizer:
         text = "".join([EOT if p is None else p for p in pieces])
         # the marker cannot overlap itself: a count tells
         if text.count(EOT) == pieces.count(None):
-            return self.enc.encode_to_numpy(text, allowed_special={EOT})
+            return self.enc.encode_to_numpy(text, allowed_special={EOT}, disallowed_special=())
         eot = np.array([self.end_token], dtype=np.uint32)
         return np.concatenate([eot if p is None else self.encode_array(p) for p in pieces])
 

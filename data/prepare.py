@@ -45,8 +45,8 @@ from data.tokenizers import (CharTokenizer, bpe_vocab_size,  # noqa: E402
                              build_tokenizer, check_tokenizer_spec, code_points,
                              load_tokenizer)
 
-# meta.json's layout
-FORMAT = 3
+# meta.json's layout, and how a text is read (a .gz is gunzipped): another prepares again
+FORMAT = 4
 SPLITS = ("train", "val")
 # characters encoded at a time (up to twice as many)
 PIECE_CHARS = 1 << 20
@@ -219,8 +219,18 @@ def stamps(files: list[Path]) -> list[tuple[int, int]]:
     return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
-# A build's temporary folder, .<entry>.tmp-<host>-<pid>-<random>: the next tells whose.
-TMP = f".tmp-{socket.gethostname()}-"
+def pid_space() -> str:
+    """This machine and its process-id namespace (Linux's; containers sharing a host name each
+    have their own): a pid means one process only within them."""
+    try:
+        space = f".{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        space = ""
+    return socket.gethostname() + space
+
+
+# A build's temporary folder, .<entry>.tmp-<host>.<pid space>-<pid>-<random>: the next tells whose.
+TMP = f".tmp-{pid_space()}-"
 
 
 def remove_leftovers(folder: Path) -> None:

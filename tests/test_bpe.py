@@ -124,3 +124,18 @@ def test_a_damaged_description_is_a_one_line_tokenizer_error(tmp_path, damage):
     with pytest.raises(UserError, match=message) as e:
         load_tokenizer(tok_meta)
     assert "\n" not in str(e.value)
+
+
+def test_another_special_token_written_as_text_is_encoded_as_text():
+    """A chat corpus holds '<|endofprompt|>' (cl100k_base's) as plain text: records of it encode
+    as the same text would alone, with the end-of-text token between documents."""
+    import tiktoken
+    from data.bpe import TiktokenTokenizer
+    gpt2 = tiktoken.get_encoding("gpt2")
+    special = {**gpt2._special_tokens, "<|endofprompt|>": gpt2.n_vocab}
+    enc = tiktoken.Encoding("gpt2-chat", pat_str=gpt2._pat_str, mergeable_ranks=gpt2._mergeable_ranks,
+                            special_tokens=special)
+    tok = TiktokenTokenizer(enc, {})
+    pieces = ["Q: hi <|endofprompt|> A:", None, " bye"]
+    alone = [tok.encode_array(pieces[0]), [tok.end_token], tok.encode_array(pieces[2])]
+    assert tok.encode_pieces(pieces).tolist() == [i for part in alone for i in part]
