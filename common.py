@@ -89,6 +89,9 @@ if threading.current_thread() is threading.main_thread():
 
 # how running out of memory reads: torch's allocators, C++'s, Python's
 OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "bad_alloc")
+# a C function that failed and could not make the exception: what an allocation that fails
+# leaves, nearly always
+NO_EXCEPTION = ("without setting an exception", "error return without exception set")
 SMALLER = "try a smaller batch, block size or model (checkpoints already written are kept)"
 
 
@@ -116,8 +119,9 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
         return 2, f"error: {error.strerror or error}{where}"
     # Python's own allocations fail as MemoryError, or as a SystemError when a C function
     # could not even make the exception; torch's as a RuntimeError
-    memory = [e for e in chain if isinstance(e, (MemoryError, SystemError))
-              or isinstance(e, RuntimeError) and any(w in str(e) for w in OUT_OF_MEMORY)]
+    memory = [e for e in chain if isinstance(e, MemoryError) or isinstance(e, RuntimeError)
+              and any(w in str(e) for w in OUT_OF_MEMORY) or isinstance(e, SystemError)
+              and any(w in str(e) for w in NO_EXCEPTION)]
     if not memory:
         return None
     # the frames of the tracebacks hold what filled the memory: let it go before saying it

@@ -6,8 +6,8 @@ at random offsets.
 
 A dataset under a quarter of the device's free memory is copied there, and each step's
 offsets are drawn there by the device's own generator: a step needs nothing from the
-host, and a CUDA graph holds the draw with the step. A larger one stays memory-mapped:
-a step reads only its windows.
+host (a CUDA graph's replay reads the windows drawn just before it). A larger one stays
+memory-mapped: a step reads only its windows.
 
 Many processes (torch.distributed): every rank draws the offsets of the whole global
 batch from the same generator and keeps its own B windows per micro-step, so the windows

@@ -12,7 +12,9 @@
            take 30x as long as with 1. So a CPU run takes only the cores that other
            processes leave free (at least one), measured over its start-up and again
            whenever fit_threads is called (the trainer: at each log line). OMP_NUM_THREADS,
-           when set, is kept as it is.
+           when set, is kept as it is. The thread count moves a CPU run's last bits: a run
+           resumed under another load continues exactly only with OMP_NUM_THREADS set, as
+           the tests set it.
 """
 import math
 import os
@@ -24,6 +26,8 @@ from common import CPU_AT_START, UserError, cpu_clock
 
 # all the threads torch starts with: one per core this process may use
 CORES = torch.get_num_threads()
+# the logical CPUs it may run on (two per core where cores run two threads each)
+LOGICAL = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else CORES
 
 
 def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
@@ -49,14 +53,16 @@ def pick_device(name: str = "auto", setting: str = "train.device") -> torch.devi
 
 def fit_threads(since):
     """Use as many threads as cores other processes left free since the cpu_clock() reading
-    `since`. Returns (the reading now, for the next call; a line saying a change, or None)."""
+    `since` (a window under half a second is too noisy to judge: it grows until the next
+    call). Returns (the reading to measure from next; a line saying a change, or None)."""
     now = cpu_clock()
     if now is None or since is None or "OMP_NUM_THREADS" in os.environ:
         return now, None
-    if now[0] - since[0] < 0.05:
-        return now, None
+    if now[0] - since[0] < 0.5:
+        return since, None
     seconds, busy, own = (b - a for a, b in zip(since, now))
-    others = max(0.0, (busy - own) / seconds)
+    # busy time is counted on logical CPUs, torch's threads one per physical core
+    others = max(0.0, (busy - own) / seconds) * CORES / LOGICAL
     # a core counts as taken once another process keeps it a quarter busy
     threads = max(1, CORES - math.floor(others + 0.75))
     before = torch.get_num_threads()

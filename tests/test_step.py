@@ -124,9 +124,9 @@ def weight_casts_per_step(accum: int) -> int:
     windows = torch.randint(0, 48, (accum, 4, 33))
     low = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
     # (allocations)
-    trainer.train_step(model, optimizer, scaler, low(), 1.0, False, windows)
+    trainer.train_step(model, optimizer, scaler, low(), 1.0, None, windows)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        trainer.train_step(model, optimizer, scaler, low(), 1.0, False, windows)
+        trainer.train_step(model, optimizer, scaler, low(), 1.0, None, windows)
     shapes = {str([list(p.shape)]) for p in model.parameters() if p.dim() == 2}
     return sum(e.count for e in prof.key_averages(group_by_input_shape=True)
                if e.key == "aten::_to_copy" and str(e.input_shapes[:1]) in shapes)

@@ -69,9 +69,9 @@ def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=Non
                         f"folder")
     held = run_files(out) if out.is_dir() else []
     run = run_config(out)
-    if not latest.is_file() and run:
-        # a run stopped before its first checkpoint: the folder holds no run, and it
-        # starts again
+    # a run stopped before its first checkpoint (its config.toml all settings of this
+    # code's): the folder holds no run, and it starts again
+    if not latest.is_file() and run and set(run) <= set(FIELDS) and "out_dir" in run:
         held = []
     kept = (f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), "
             f"or another --out_dir")
@@ -90,29 +90,22 @@ def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=Non
 
 
 def run_config(out: Path) -> dict:
-    """The settings of the run in out, from its config.toml ({}: none, or a file no run
-    wrote)."""
+    """The settings of the run in out, from its config.toml ({}: none, or not TOML)."""
     try:
-        run = flat(load_toml(out / "config.toml"))
+        return flat(load_toml(out / "config.toml"))
     except (OSError, UserError):
         return {}
-    return run if set(run) == set(FIELDS) else {}
 
 
-def open_out_dir(out: Path, overwrite: bool, best: Path | None = None) -> Path | None:
+def open_out_dir(out: Path, overwrite: bool) -> Path | None:
     """The run's first write: make out, after renaming (--overwrite) the folder holding
-    an earlier run to a fresh sibling, which it returns. best: a resumed checkpoint that
-    was the best when saved, and so is the best of the run that goes on from it: best.pt
-    is linked to it (again, after a kill cut its linking short; or instead of a later
-    checkpoint the resumed run abandons)."""
+    an earlier run to a fresh sibling, which it returns."""
     aside = None
     if overwrite and out.is_dir() and run_files(out):
         now = datetime.now(timezone.utc)
         aside = out.with_name(f"{out.name}.replaced-{now:%Y%m%d-%H%M%S.%f}")
         os.rename(out, aside)
     out.mkdir(parents=True, exist_ok=True)
-    if best is not None:
-        link_best(best)
     return aside
 
 

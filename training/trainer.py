@@ -10,7 +10,7 @@
 Choices:
   exact resume  the weights, the optimizer, the LR schedule, the data order and every random
                 generator continue where the checkpoint left them: the later losses are the
-                uninterrupted run's
+                uninterrupted run's (on a CPU, with as many threads: OMP_NUM_THREADS)
   non-finite    the loss and gradient norm the loop reads anyway (log lines; the eval losses at
                 evaluations): one that is not finite stops the run, naming the steps it came
                 between, and no checkpoint is written after it
@@ -46,7 +46,8 @@ from model.gpt import GPT, bits_per_byte, score
 from model.sampling import Choice, generate, prompt_ids
 from training import distributed
 from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
-                                 close_out_dir, open_out_dir, restore, rng_state, run_config)
+                                 close_out_dir, link_best, open_out_dir, restore, rng_state,
+                                 run_config)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
 
@@ -236,15 +237,20 @@ def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
 
 def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
     """The run's first writes: the out dir (the earlier run set aside by --overwrite: returned),
-    metrics.jsonl and wandb, config.toml. wandb that cannot start leaves the out dir as it was."""
+    metrics.jsonl and wandb, config.toml. wandb that cannot start leaves the out dir as it was.
+    best: a resumed checkpoint that was the best when saved, and so is the best of the run that
+    goes on from it: best.pt is linked to it (again, after a kill cut its linking short; or
+    instead of a later checkpoint the resumed run abandons)."""
     out = Path(cfg.out_dir)
     made = not out.exists()
-    aside = open_out_dir(out, overwrite, best)
+    aside = open_out_dir(out, overwrite)
     try:
         metrics.open()
     except UserError:
         close_out_dir(out, made, aside)
         raise
+    if best is not None:
+        link_best(best)
     atomic_write(out / "config.toml", describe(cfg))
     return aside
 
@@ -334,12 +340,12 @@ def earlier_batch(ckpt: dict) -> tuple[int, int]:
     return global_batch(ckpt["config"]["train"], procs), procs
 
 
-def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp: bool,
+def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
                windows: torch.Tensor):
     """One optimizer step on windows (grad_accum, B, T + 1) on the device -> (mean loss over the
     global batch, gradient norm before clipping), both left on the device: nothing here waits for
     the host, so a CUDA graph can hold it. wrapped is the model as the step calls it (DDP's,
-    compiled)."""
+    compiled); ddp, DDP's or FSDP's module under torchrun (None: one process)."""
     accum = windows.size(0)
     loss_sum = torch.zeros((), device=windows.device)
     # one autocast region: each weight is cast once per step
@@ -348,13 +354,13 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp:
             # (B, T) each: y is x shifted by one
             x, y = windows[micro, :, :-1], windows[micro, :, 1:]
             # only the last micro-step averages the gradients over the ranks
-            if ddp:
-                distributed.sync_gradients(wrapped, micro == accum - 1)
+            if ddp is not None:
+                distributed.sync_gradients(ddp, micro == accum - 1)
             _, loss = wrapped(x, y)
             loss_sum += loss.detach()
             scaler.scale(loss / accum).backward()
     # the loss of the whole global batch, on every rank
-    if ddp:
+    if ddp is not None:
         distributed.mean(loss_sum)
     scaler.unscale_(optimizer)
     clip = grad_clip if grad_clip > 0 else math.inf
@@ -372,7 +378,8 @@ def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
     on the loader's next windows, compiled (train.compile) and recorded as a CUDA graph
     (train.cuda_graph) where possible. The graph reads its windows from a buffer, refilled before
     each replay; on the CPU the same step runs without recording (the tests')."""
-    how = "eager"
+    # DDP's (or FSDP's) module, as it was before compiling: where gradient syncs are set
+    how, ddp = "eager", wrapped if at.ddp else None
     if t.compile:
         say("# compiling the model: about a minute (train.compile = false skips it)")
         from speed.compile import compiled_or_eager
@@ -380,7 +387,7 @@ def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
         compiled = compiled_or_eager(wrapped, trial, "training")
         wrapped, how = compiled, "eager, compiled" if compiled is not wrapped else how
     low_precision = autocast(at.device, at.dtype)
-    step = partial(train_step, wrapped, optimizer, scaler, low_precision, t.grad_clip, at.world > 1)
+    step = partial(train_step, wrapped, optimizer, scaler, low_precision, t.grad_clip, ddp)
 
     def eager():
         return step(loader.step_windows())
