@@ -86,12 +86,8 @@ class PlainOptimizer:
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
         self.state = {}
 
-    def new_state(self, p: torch.Tensor) -> dict:
-        """The state of parameter p before its first step."""
-        raise NotImplementedError
-
     def states(self, params: list) -> list[dict]:
-        """The state of each of params, made at its first step."""
+        """The state of each of params, made at its first step by the subclass's new_state."""
         for p in params:
             if p not in self.state:
                 self.state[p] = self.new_state(p)
