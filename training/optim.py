@@ -153,6 +153,8 @@ class AdamW(PlainOptimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             states = self.states(params)
             (beta1, beta2), fused = group["betas"], self.fused
             adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],

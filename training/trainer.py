@@ -217,7 +217,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
 def data_loader(cfg: Config, at: Place) -> BatchLoader:
     """The run's text prepared (under torchrun, by each machine's first process first) and its
     batches drawn where the model computes."""
-    t, make = cfg.train, partial(prepare, cfg.data, cfg.model.block_size)
+    t = cfg.train
+    make = partial(prepare, cfg.data, cfg.model.block_size)
     dataset = distributed.leader_first(make, at.local_rank == 0) if at.ddp else make()
     share = Share(t.grad_accum, at.rank, at.world)
     return BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=at.device,
@@ -310,9 +311,8 @@ def finished(cfg: Config, ckpt: dict, say, ddp: bool) -> dict:
 
 
 def global_batch(t, world: int) -> int:
-    """Sequences per optimizer step, over every process (t: a TrainConfig, or its dict)."""
-    t = t if isinstance(t, dict) else asdict(t)
-    return t["batch_size"] * t["grad_accum"] * world
+    """Sequences per optimizer step, over every process."""
+    return t.batch_size * t.grad_accum * world
 
 
 # ---------------------------------------------------------------- the step
@@ -337,7 +337,8 @@ def earlier_batch(ckpt: dict) -> tuple[int, int]:
     """A checkpoint's global batch (sequences per step) and processes: the banner says a
     change."""
     procs = len(ckpt["rng_ranks"])
-    return global_batch(ckpt["config"]["train"], procs), procs
+    t = ckpt["config"]["train"]
+    return t["batch_size"] * t["grad_accum"] * procs, procs
 
 
 def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
@@ -417,7 +418,7 @@ def graph_blocker(at: Place) -> str | None:
     """Why the step cannot be recorded as a CUDA graph here (None: it can)."""
     if at.device.type != "cuda":
         return f"graphs are CUDA's (device {at.device.type})"
-    if at.world > 1:
+    if at.ddp:
         return "several processes synchronize their gradients from the host"
     if at.dtype == torch.float16:
         return "fp16's loss scaling decides on the host"
@@ -491,7 +492,7 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
             (loader.batch(split, generator) for _ in range(iters))
         nats, count = score(wrapped, batches, autocast(at.device, at.dtype))
         # every rank's share
-        if at.world > 1 and iters:
+        if at.ddp and iters:
             both = torch.tensor([nats, count], dtype=torch.float64, device=at.device)
             nats, count = distributed.mean(both).tolist()
         losses[split] = nats / count
@@ -637,7 +638,7 @@ def shape(cfg, model, loader, at: Place, how: str) -> str:
     """The banner's line of what runs: the model's size, the device, dtype and processes, the
     tokens per step, the data."""
     t, device = cfg.train, at.device
-    procs = f" x {at.world} processes ({'FSDP' if t.fsdp else 'DDP'})" if at.world > 1 else ""
+    procs = f" x {at.world} processes ({'FSDP' if t.fsdp else 'DDP'})" if at.ddp else ""
     threads = torch.get_num_threads()
     where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
     tokens = global_batch(t, at.world) * cfg.model.block_size
