@@ -1,28 +1,22 @@
 r"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json, written as
-plain JSON: AutoTokenizer and pipeline("text-generation") then encode and decode as we do,
-offline.
+plain JSON: AutoTokenizer and pipeline("text-generation") then encode and decode as we do.
 
-tiktoken's BPE (gpt2, and bpe:N trained on the data) and the `tokenizers` library's
-byte-level BPE are one algorithm, stored two ways:
+tiktoken's BPE (gpt2, bpe:N) and the `tokenizers` library's byte-level BPE are one
+algorithm, stored two ways:
 
     tiktoken                             tokenizer.json
     a regex cuts the text into pieces    pre_tokenizer: Split(that regex), then ByteLevel,
-                                         which writes each byte as one character (BYTES,
-                                         GPT-2's: printable bytes as themselves, the rest
-                                         from U+0100)
+                                         each byte as one character (BYTES, GPT-2's)
     ranks: token bytes -> rank, its id   model.vocab: the token in those characters -> id
-    a piece merges its adjacent pair of  model.merges, in priority order: each token's pair
-    lowest rank while one is a token     is found by merging its bytes with lower ranks only
-    a piece that is a token is that      model.ignore_merges
-    token
-    <|endoftext|>                        added_tokens (special; in the vocab, to keep its id)
-    decode: the tokens' bytes joined     decoder: ByteLevel (the characters back to bytes)
+    a piece merges its pair of lowest    model.merges in priority order, each token's pair
+    rank while one is a token            found by merging its bytes with lower ranks only
+    a piece that is a token stays whole  model.ignore_merges
+    <|endoftext|>                        added_tokens (special; in the vocab, for its id)
 
-char: the vocabulary is the characters; no merges, no pre-tokenizer; the decoder Fuse joins
-tokens without spaces (a character outside the vocabulary is dropped, not refused). Where
-they differ: "<|endoftext|>" in a text is the special token to `tokenizers` (text to us),
-and its regex engine has no possessive {n,m}+, written {n,m}: the same where nothing follows
-it (GPT-4's \p{N}{1,3}+).
+char: the vocabulary is the characters, with no merges and no pre-tokenizer (a character
+outside it is dropped, not refused). Where they differ: "<|endoftext|>" in a text is the
+special token to `tokenizers` (text to us), and its regex engine has no possessive {n,m}+,
+written {n,m}: the same where nothing follows it (GPT-4's \p{N}{1,3}+).
 """
 import re
 
@@ -59,13 +53,12 @@ def as_chars(token: bytes) -> str:
 
 
 def tokenizer_files(meta: dict, max_length: int) -> tuple[dict, int | None]:
-    """({file name: JSON value} of the tokenizer that meta describes, the id of its
-    <|endoftext|> or None)."""
+    """({file name: JSON value} of meta's tokenizer, its <|endoftext|>'s id or None)."""
     if meta["kind"] == "char":
         vocab, pairs, special = {c: i for i, c in enumerate(meta["chars"])}, [], {}
         pre, decoder = None, {"type": "Fuse"}
     else:
-        # tiktoken's Encoding, of gpt2 or of a bpe:N trained on the data
+        # tiktoken's Encoding
         enc = load_tokenizer(meta).enc
         ranks, special = enc._mergeable_ranks, enc._special_tokens
         vocab = {as_chars(token): rank for token, rank in ranks.items()}
