@@ -1,23 +1,18 @@
 """GPT-2 weights in Hugging Face's layout: read them into this repo's GPT, write ours out.
 
 Hugging Face's GPT2LMHeadModel is model/gpt.py's network with GPT-2's settings (learned
-positions, LayerNorm, biases, tied head, GELU in its tanh form); only names and two layouts
-differ. Per block i, with C = n_embd, V = vocab_size, T = block_size (n_positions):
+positions, LayerNorm, biases, tied head, GELU in its tanh form); only the names differ,
 
-    ours (model/gpt.py)              shape    Hugging Face ("transformer." prefix)
-    tok_emb.weight                   (V, C)   wte.weight
-    pos_emb.weight                   (T, C)   wpe.weight
-    blocks.i.norm1.{weight,bias}     (C,)     h.i.ln_1.{weight,bias}
-    blocks.i.attn.{query,key,value}  (C, C)   h.i.attn.c_attn.weight, q | k | v: (C, 3C)
-    blocks.i.attn.proj.weight        (C, C)   h.i.attn.c_proj.weight
-    blocks.i.norm2.{weight,bias}     (C,)     h.i.ln_2.{weight,bias}
-    blocks.i.mlp.up.weight           (4C, C)  h.i.mlp.c_fc.weight
-    blocks.i.mlp.proj.weight         (C, 4C)  h.i.mlp.c_proj.weight
-    norm_f.{weight,bias}             (C,)     ln_f.{weight,bias}
-    lm_head.weight                   (V, C)   lm_head.weight (untied only; tied, it is wte)
+    ours (model/gpt.py)              Hugging Face's ("transformer." prefix)
+    tok_emb, pos_emb                 wte, wpe
+    blocks.i.norm1, norm2            h.i.ln_1, ln_2
+    blocks.i.attn.{query,key,value}  h.i.attn.c_attn, fused: q | k | v
+    blocks.i.attn.proj               h.i.attn.c_proj
+    blocks.i.mlp.up, mlp.proj        h.i.mlp.c_fc, mlp.c_proj
+    norm_f, lm_head                  ln_f, lm_head (untied only; tied, it is wte)
 
-GPT-2's linear layers are "Conv1D" modules that store their weight as (in, out), the
-transpose of nn.Linear's. Both directions walk one list of these names (tensor_names).
+and the layout of linear layers: GPT-2's "Conv1D" stores a weight as (in, out), the
+transpose of nn.Linear's. Both directions walk one list of names (tensor_names).
 Import: the "transformer." prefix is optional (OpenAI's first checkpoints lack it), old
 causal-mask buffers are ignored, fp16/bf16 become fp32. Export: model.bias = false gives
 zero biases. A setting either side cannot express is a UserError naming it.
@@ -56,20 +51,18 @@ BLOCK_TENSORS = [
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """A GPT-2 config.json (as a dict) -> ModelConfig; a UserError names what does not map."""
-    def refuse(problem: str):
-        raise UserError(f"{where}: {problem}")
+    def refuse(key: str, what: str):
+        raise UserError(f"{where}: {key}={json.dumps(hf.get(key))} is not {what}")
 
     # before the keys: a Llama's config.json has no n_layer
     if hf.get("model_type", "gpt2") != "gpt2":
-        refuse(f"model_type={json.dumps(hf['model_type'])} is not supported "
-               f"(only GPT-2 maps onto this GPT)")
+        refuse("model_type", "supported (only GPT-2 maps onto this GPT)")
     hf = {**HF_DEFAULTS, "n_positions": hf.get("n_ctx"), **hf}
     # JSON's numbers have no declared type
     for key in SIZES + ("resid_pdrop", "layer_norm_epsilon"):
         integer = key in SIZES
         if type(hf.get(key)) not in ((int,) if integer else (int, float)):
-            kind = "an integer" if integer else "a number"
-            refuse(f"{key}={json.dumps(hf.get(key))} is not {kind}")
+            refuse(key, "an integer" if integer else "a number")
     C, activation = hf["n_embd"], hf["activation_function"]
     unknown_activation = not isinstance(activation, str) or activation not in ACTIVATIONS
     # reorder_and_upcast_attn is precision, not math: accepted
@@ -85,7 +78,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
              "layer_norm_epsilon",
              "this GPT's LayerNorm uses 1e-5")]:
         if refused:
-            refuse(f"{key}={json.dumps(hf[key])} is not supported ({why})")
+            refuse(key, f"supported ({why})")
     cfg = ModelConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
                       n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=C,
                       dropout=float(hf["resid_pdrop"]), bias=True, attention="sdpa",

@@ -1,10 +1,6 @@
 """GPT-2 checkpoints as files and hub names: Hugging Face directories read and written, a
-run started from GPT-2's weights (train.init_from), a GPT-2 loaded to sample from.
-
-    # train.init_from = "gpt2" (or a directory)
-    python train.py configs/finetune_gpt2.toml --data my.txt
-    python sample.py gpt2 --prompt "Hello"
-    python export.py out/run hf_model
+run started from GPT-2's weights (train.init_from, e.g. configs/finetune_gpt2.toml), a
+GPT-2 loaded to sample from (python sample.py gpt2).
 
 train.init_from: the checkpoint fixes the architecture and the tokenizer (tiktoken's gpt2);
 a model.* key set to another value is a UserError, except model.dropout, model.attention
@@ -51,7 +47,7 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     files = ["config.json"]
     if weights:
         files += ["model.safetensors", "model-*.safetensors"]
-    # huggingface_hub missing, offline, an unknown repo, no access, a full disk: all end here
+    # huggingface_hub missing, offline, an unknown repo, no access, a full disk
     try:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(repo, allow_patterns=files))
@@ -113,7 +109,7 @@ def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
     # refuses unmappable settings before any write
     config, tensors = to_hf(cfg, state_dict)
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
-    config.update(bos_token_id=eos, eos_token_id=eos)
+    config |= {"bos_token_id": eos, "eos_token_id": eos}
     # half the context (the pipeline's 256 overrun a small one; a max_length warns)
     generation = {"max_new_tokens": cfg.block_size // 2,
                   "bos_token_id": eos, "eos_token_id": eos}

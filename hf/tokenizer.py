@@ -1,22 +1,14 @@
-r"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json, written as
+"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json, written as
 plain JSON: AutoTokenizer and pipeline("text-generation") then encode and decode as we do.
 
-tiktoken's BPE (gpt2, bpe:N) and the `tokenizers` library's byte-level BPE are one
-algorithm, stored two ways:
-
-    tiktoken                             tokenizer.json
-    a regex cuts the text into pieces    pre_tokenizer: Split(that regex), then ByteLevel,
-                                         each byte as one character (BYTES, GPT-2's)
-    ranks: token bytes -> rank, its id   model.vocab: the token in those characters -> id
-    a piece merges its pair of lowest    model.merges in priority order, each token's pair
-    rank while one is a token            found by merging its bytes with lower ranks only
-    a piece that is a token stays whole  model.ignore_merges
-    <|endoftext|>                        added_tokens (special; in the vocab, for its id)
-
-char: the vocabulary is the characters, with no merges and no pre-tokenizer (a character
-outside it is dropped, not refused). Where they differ: "<|endoftext|>" in a text is the
-special token to `tokenizers` (text to us), and its regex engine has no possessive {n,m}+,
-written {n,m}: the same where nothing follows it (GPT-4's \p{N}{1,3}+).
+tiktoken's BPE (gpt2, bpe:N) is the `tokenizers` library's byte-level BPE stored another
+way: its regex becomes a Split pre-tokenizer, then ByteLevel writes each byte as one
+character (BYTES, GPT-2's); its ranks become the vocab, and each token's merge is found
+from them (merges); ignore_merges keeps a piece that is a token whole, as tiktoken does.
+char: the vocabulary is the characters, without merges. Where they differ: a character
+outside the vocabulary is dropped (we refuse it), "<|endoftext|>" in a text is the special
+token (text to us), and the regex engine has no possessive {n,m}+, written {n,m}: the same
+where nothing follows.
 """
 import re
 

@@ -1,20 +1,16 @@
 """Looking inside a trained GPT: each layer's attention weights for a prompt, and a few
 numbers per head that name the patterns one looks for in them.
 
-attention_maps(model, idx) runs the model once, as GPT.forward does, with every attention
-layer asked for its weights (return_weights=True): the weights the model uses, by each
-variant's own math (model/attention/). Linear attention's are φ(q_i)·φ(k_j) over their
-row's sum; with rope its rows need not sum to 1 and a weight can be negative.
+attention_maps(model, idx) runs the model once with every attention layer asked for its
+weights (return_weights=True): those the model uses, by each variant's own math
+(model/attention/; with rope, linear attention's rows need not sum to 1).
 
-head_scores(weights, texts) summarizes each head by the share of its attention that goes to
-    previous   the token just before it (i - 1)
-    first      the first token of the prompt
-    self       itself (the diagonal)
-    newline    the newline that began its line (the last token before it holding one)
+head_scores(weights, texts) gives each head's share of attention on
+    previous   the token just before it      first     the prompt's first token
+    self       itself                        newline   the newline that began its line
     line_up    the character in the same column one line up (character models only)
-and by its mean distance Σ_j a_ij (i - j) in tokens: small for local heads, large for
-far-looking ones. Each is averaged over the queries from the second token on (the first can
-only look at itself).
+and its mean distance Σ_j a_ij (i - j) in tokens: small for local heads, large for
+far-looking ones. Each is averaged over the queries from the second token on.
 """
 import torch
 

@@ -1,19 +1,15 @@
 """One prompt's attention as a single self-contained HTML page: hover or click a token to
 see where it looks, per layer and head; an overview of every head; the per-head summary.
 The data is inlined as JSON in attention_page.html (the template beside this file, vanilla
-JS), and its Content-Security-Policy forbids every network request.
+JS), whose Content-Security-Policy forbids every network request.
 
-How the weights are stored: a query i sees keys j <= i only, so each head keeps its lower
-triangle, row by row, one byte a weight on a square-root scale: per layer,
-    w = ±scale · ((code - zero) / levels)²
-    softmax layers   zero = 0, levels = 255, scale = max(1, the largest weight)
-    signed layers    zero = 128, levels = 127, scale = the largest |weight|
-                     (linear attention with rope)
-Rounding the root puts every weight shown within error_bound of the model's: for softmax
-layers 0.0039 at w = 1, 0.0004 at 0.01, 0.000004 at 0, where a linear byte would be off by
-0.002 everywhere, all of a weight of 1/500. Zero stays zero, and the page's shade, on a
-square-root scale as the PNGs', is linear in the code. The bytes are zlib-compressed and
-base64-encoded; the page inflates them with the browser's DecompressionStream.
+Each head's lower triangle (query i sees keys j <= i) is stored row by row, one byte a
+weight on a square-root scale: w = ±scale · ((code - zero) / levels)², per layer
+    softmax   zero = 0, levels = 255, scale = max(1, the largest weight)
+    signed    zero = 128, levels = 127, scale = the largest |weight| (linear with rope)
+A weight shown is within error_bound of the model's, for softmax 0.0039 at 1 and 0.0004 at
+0.01, where a linear byte is off by 0.002 everywhere (all of a weight of 1/500); zero stays
+zero. The bytes are zlib-compressed and base64-encoded (the page inflates them).
 """
 import base64
 import json

@@ -6,20 +6,16 @@
     linear           kernelized, O(T) memory, an RNN-like state             linear.py
     mla              keys and values from a cached low-rank latent          mla.py
 
-Every variant is an nn.Module with one interface, which the GPT and the sampler rely on:
+Every variant has one interface, which the GPT and the sampler rely on:
 
-    forward(x, rope=None, cache=None, pos=None) -> y
-        x, y (B, T, C); rope = (cos, sin) of x's positions when model.pos = 'rope';
-        with a cache, pos (T,) are x's positions: x is stored there and attends to
-        every cached position up to its own
-    new_cache(batch, max_len, device, dtype)
-        an empty cache of fixed shapes for decoding, written in place (reset() empties it)
-    cache_size(seq_len) -> int
-        numbers the cache holds for one sequence of seq_len tokens
-
-forward(..., return_weights=True) also returns the (B, nh, T, T) weights by the variant's
-own math (model/attention_maps.py); explicit=True computes softmax attention step by step
-instead of by the fused kernel (a compiled decoding step asks for it, model/sampling.py).
+    forward(x, rope=None, cache=None, pos=None) -> y    x, y (B, T, C); rope: (cos, sin)
+        of x's positions; with a cache, x is stored at its positions pos (T,) and
+        attends to every cached one up to its own
+    new_cache(batch, max_len, device, dtype)   an empty cache of fixed shapes, written in
+        place (reset() empties it)
+    cache_size(seq_len)   the numbers a cache holds for one sequence
+    forward(..., return_weights=True) also returns the (B, nh, T, T) weights (attention
+        maps); explicit=True: softmax attention step by step, not fused (model/sampling.py)
 """
 import importlib
 

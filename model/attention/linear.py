@@ -1,16 +1,14 @@
-"""Causal linear attention (`linear`): the softmax kernel exp(q·k) replaced by a product of
-positive features φ(q)·φ(k), φ(x) = elu(x) + 1 (Katharopoulos et al., 2020, "Transformers
-are RNNs"). Because φ(q_i)·φ(k_j) factorizes, the sums over the past are kept, not redone:
+"""Causal linear attention (`linear`): softmax's exp(q·k) replaced by a product of positive
+features φ(q)·φ(k), φ(x) = elu(x) + 1 (Katharopoulos et al., 2020, "Transformers are
+RNNs"). As it factorizes, the sums over the past are carried along, not redone:
 
-    out_i = φ(q_i) S_i / φ(q_i) z_i,   S_i = Σ_{j≤i} φ(k_j) v_jᵀ (hs, hs),  z_i = Σ_{j≤i} φ(k_j)
+    out_i = φ(q_i) S_i / φ(q_i) z_i,   S_i = Σ_{j≤i} φ(k_j) v_jᵀ,  z_i = Σ_{j≤i} φ(k_j)
 
-Two forms of the same numbers: recurrent, one token at a time (sampling keeps only (S, z),
-a constant-size state), and chunked for training (the quadratic form inside a chunk of L
-tokens, the state carried between chunks: O(T·L) memory instead of O(T²)).
-
-Cost: O(T·hs²) per head instead of O(T²·hs). Without softmax's sharp, sparse weights it
-usually trains to a worse loss. With rope only the numerator's features are rotated
-(RoFormer, section 3.3), so the denominator stays positive; ALiBi is refused by the config.
+Sampling adds one token at a time to (S, z), a state of constant size; training goes chunk
+by chunk, quadratic inside a chunk of L tokens, the state carried between chunks. Cost:
+O(T·hs²) time per head and O(T·L) memory, where softmax takes O(T²·hs) and O(T²). Without
+softmax's sharp weights it usually trains to a worse loss. With rope only the numerator's
+features are rotated (RoFormer, 3.3): the denominator stays positive.
 """
 import math
 from functools import partial

@@ -1,21 +1,18 @@
-"""Multi-head latent attention (`mla`): keys and values are rebuilt from one small latent
-vector per token, and only the latent is cached (DeepSeek-AI, 2024, "DeepSeek-V2").
+"""Multi-head latent attention (`mla`; DeepSeek-AI, 2024, "DeepSeek-V2"): keys and values
+are rebuilt from one small latent per token, and only the latent is cached.
 
     c      = norm(x W_down)             (T, d_c)   d_c = model.kv_latent_dim, << 2C
     K, V   = c W_key_up, c W_value_up   (T, C) each, split into n_head heads as usual
     Q      = x W_q                      (T, C)
 
-then ordinary causal softmax attention. Unlike GQA, every head keeps its own keys and
-values, constrained to a rank-d_c subspace shared by all heads.
+then causal softmax attention. Unlike GQA's, each head's keys and values are its own, in a
+rank-d_c subspace shared by all heads. The cache holds d_c numbers per token per layer, not
+2C; decoding up-projects every cached latent again (DeepSeek folds W_key_up into the
+queries and W_value_up into the output projection, skipped here for clarity).
 
-RoPE cannot rotate the latent (the up-projection would not commute with the rotation), so
-with `model.pos = 'rope'` MLA uses the paper's decoupled RoPE: one extra rotated key of hs
-channels per token, shared by the heads and cached beside the latent, and a matching
-rotated query part per head: scores q·k + q_rope·k_rope, scaled by 1/√(2 hs).
-
-Cost: the cache is d_c (+ hs with rope) numbers per token per layer instead of 2C. The
-latents are up-projected again at every decoding step; DeepSeek folds W_key_up into the
-queries and W_value_up into the output projection instead, skipped here for clarity.
+RoPE cannot rotate the latent (the up-projection would not commute with it): with
+`model.pos = 'rope'` a rotated key of hs channels per token, shared by the heads, is cached
+beside it (decoupled RoPE); a head's scores are q·k + q_rope·k_rope, scaled by 1/√(2 hs).
 """
 import math
 
@@ -57,8 +54,9 @@ class MultiHeadLatentAttention(nn.Module):
         super().__init__()
         C, self.n_head, self.head_dim = cfg.n_embd, cfg.n_head, cfg.head_dim
         self.latent_dim, self.rope = cfg.kv_latent_dim, cfg.pos == "rope"
-        self.qk_norm = cfg.qk_norm
-        score_dim = 2 * self.head_dim if self.rope else self.head_dim
+        # the channels of the shared rotated key (0: none)
+        self.rope_dim, self.qk_norm = self.head_dim if self.rope else 0, cfg.qk_norm
+        score_dim = self.head_dim + self.rope_dim
         self.scale = 1.0 / math.sqrt(score_dim) if cfg.attn_scale else 1.0
         self.dropout_p = cfg.dropout
         self.query = nn.Linear(C, C, bias=cfg.bias)
@@ -77,11 +75,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     def new_cache(self, batch: int, max_len: int, device, dtype) -> LatentCache:
-        rope_dim = self.head_dim if self.rope else 0
-        return LatentCache(batch, max_len, self.latent_dim, rope_dim, device, dtype)
+        return LatentCache(batch, max_len, self.latent_dim, self.rope_dim, device, dtype)
 
     def cache_size(self, seq_len: int) -> int:
-        return (self.latent_dim + (self.head_dim if self.rope else 0)) * seq_len
+        return (self.latent_dim + self.rope_dim) * seq_len
 
     def forward(self, x, rope=None, cache: LatentCache | None = None, pos=None,
                 return_weights: bool = False, explicit: bool = False):
