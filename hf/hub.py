@@ -1,6 +1,6 @@
 """GPT-2 checkpoints as files and hub names: Hugging Face directories read and written, a
-run started from GPT-2's weights (train.init_from, e.g. configs/finetune_gpt2.toml), a
-GPT-2 loaded to sample from (python sample.py gpt2).
+run started from GPT-2's weights (train.init_from, configs/finetune_gpt2.toml), a GPT-2
+loaded to sample from (python sample.py gpt2).
 
 train.init_from: the checkpoint fixes the architecture and the tokenizer (tiktoken's gpt2);
 a model.* key set to another value is a UserError, except model.dropout, model.attention
@@ -8,7 +8,7 @@ a model.* key set to another value is a UserError, except model.dropout, model.a
 is cropped). A resumed run loads its own checkpoint, never these weights.
 
 Weights are read from model.safetensors (or its shards), never from pytorch_model.bin, a
-pickle that can run code when loaded. huggingface_hub is imported only to download.
+pickle that can run code when loaded.
 """
 import json
 from pathlib import Path
@@ -35,7 +35,7 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
 
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
-    """A local directory as it is; a hub name (a HUB_MODELS name, or owner/name) through
+    """A local directory as it is; a hub name (of HUB_MODELS, or owner/name) through
     huggingface_hub's cache: config.json, and with weights the safetensors files."""
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
@@ -130,8 +130,8 @@ def check_vocab(source: str, cfg: ModelConfig) -> None:
 
 
 def resolve_init_from(cfg, explicit: set[str]) -> None:
-    """train.init_from (see the top): cfg.model becomes the checkpoint's, with the free keys
-    the user set (explicit: the dotted keys the config file and command line set)."""
+    """train.init_from: cfg.model becomes the checkpoint's, with the free keys the user
+    set (explicit: the dotted keys the config file and command line set)."""
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)
@@ -158,7 +158,6 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
 def load_init_weights(model: GPT, source: str) -> None:
     """Copy source's weights into model, the position table cropped to its block_size."""
     _, state = load_pretrained(source)
-    # (n_positions, C) -> (T, C)
     state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]
     try:
         model.load_state_dict(state)
@@ -169,8 +168,7 @@ def load_init_weights(model: GPT, source: str) -> None:
 
 
 def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
-    """(GPT in eval mode, tiktoken's gpt2, a one-line description) of a Hugging Face GPT-2:
-    a directory or a hub name."""
+    """(GPT in eval mode, tiktoken's gpt2, a one-line description) of a Hugging Face GPT-2."""
     cfg, state = load_pretrained(source)
     check_vocab(source, cfg)
     model = GPT(cfg)
