@@ -12,10 +12,9 @@ positions, LayerNorm, biases, tied head, GELU in its tanh form); only the names 
     norm_f, lm_head                  ln_f, lm_head (untied only; tied, it is wte)
 
 and the layout of linear layers: GPT-2's "Conv1D" stores a weight as (in, out), the
-transpose of nn.Linear's. Both directions walk one list of names (tensor_names).
-Import: the "transformer." prefix is optional (OpenAI's first checkpoints lack it), old
-causal-mask buffers are ignored, fp16/bf16 become fp32. Export: model.bias = false gives
-zero biases. A setting either side cannot express is a UserError naming it.
+transpose of nn.Linear's. Both directions walk one list of names (tensor_names). The
+"transformer." prefix is optional (OpenAI's first checkpoints lack it); model.bias = false
+exports zero biases. A setting either side cannot express is a UserError naming it.
 """
 import itertools
 import json
@@ -75,8 +74,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
              "this GPT scales every layer's scores alike"),
             (hf["add_cross_attention"], "add_cross_attention", "this GPT is decoder-only"),
             (not math.isclose(hf["layer_norm_epsilon"], 1e-5, rel_tol=1e-3),
-             "layer_norm_epsilon",
-             "this GPT's LayerNorm uses 1e-5")]:
+             "layer_norm_epsilon", "this GPT's LayerNorm uses 1e-5")]:
         if refused:
             refuse(key, f"supported ({why})")
     cfg = ModelConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
