@@ -1,20 +1,12 @@
 """GPT-2 weights in Hugging Face's layout: read them into this repo's GPT, write ours out.
 
 Hugging Face's GPT2LMHeadModel is model/gpt.py's network with GPT-2's settings (learned
-positions, LayerNorm, biases, tied head, GELU in its tanh form); only the names differ,
-
-    ours (model/gpt.py)              Hugging Face's ("transformer." prefix)
-    tok_emb, pos_emb                 wte, wpe
-    blocks.i.norm1, norm2            h.i.ln_1, ln_2
-    blocks.i.attn.{query,key,value}  h.i.attn.c_attn, fused: q | k | v
-    blocks.i.attn.proj               h.i.attn.c_proj
-    blocks.i.mlp.up, mlp.proj        h.i.mlp.c_fc, mlp.c_proj
-    norm_f, lm_head                  ln_f, lm_head (untied only; tied, it is wte)
-
-and the layout of linear layers: GPT-2's "Conv1D" stores a weight as (in, out), the
-transpose of nn.Linear's. Both directions walk one list of names (tensor_names). The
-"transformer." prefix is optional (OpenAI's first checkpoints lack it); model.bias = false
-exports zero biases. A setting either side cannot express is a UserError naming it.
+positions, LayerNorm, biases, tied head, GELU in its tanh form). Only the names differ
+(tok_emb is wte, blocks.i.mlp.up is h.i.mlp.c_fc, ...: tensor_names lists them for both
+directions), and two layouts: c_attn fuses the query, key and value projections (q | k | v),
+and GPT-2's "Conv1D" stores a weight as (in, out), the transpose of nn.Linear's.
+The "transformer." prefix is optional (OpenAI's first checkpoints lack it); model.bias =
+false exports zero biases. A setting either side cannot express is a UserError naming it.
 """
 import itertools
 import json

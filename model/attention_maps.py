@@ -14,9 +14,6 @@ far-looking ones. Each is averaged over the queries from the second token on.
 """
 import torch
 
-# shares of attention, in [0, 1] for softmax heads
-SCORES = ("previous", "first", "self", "newline", "line_up")
-
 
 @torch.no_grad()
 def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -81,8 +78,8 @@ def line_up_positions(texts: list[str]) -> torch.Tensor:
 
 def head_scores(weights: torch.Tensor,
                 texts: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """weights (nh, T, T) of one layer -> {score name: (nh,)}: SCORES and "distance".
-    newline needs the tokens' texts, line_up texts of one character each: else NaN."""
+    """weights (nh, T, T) of one layer -> {score name: (nh,)} (see the top). newline
+    needs the tokens' texts, line_up texts of one character each: else NaN."""
     T, w = weights.size(-1), weights.float()
     # the queries that have a past
     i = torch.arange(1, T)

@@ -8,14 +8,15 @@
 
 Every variant has one interface, which the GPT and the sampler rely on:
 
-    forward(x, rope=None, cache=None, pos=None) -> y    x, y (B, T, C); rope: (cos, sin)
-        of x's positions; with a cache, x is stored at its positions pos (T,) and
-        attends to every cached one up to its own
-    new_cache(batch, max_len, device, dtype)   an empty cache of fixed shapes, written in
-        place (reset() empties it)
-    cache_size(seq_len)   the numbers a cache holds for one sequence
-    forward(..., return_weights=True) also returns the (B, nh, T, T) weights (attention
-        maps); explicit=True: softmax attention step by step, not fused (model/sampling.py)
+    forward(x, rope=None, cache=None, pos=None) -> y
+        x, y (B, T, C); rope: (cos, sin) of x's positions; with a cache, x is stored at
+        its positions pos (T,) and attends to every cached one up to its own.
+        return_weights=True also returns the (B, nh, T, T) weights (attention maps);
+        explicit=True: softmax step by step, not fused (model/sampling.py)
+    new_cache(batch, max_len, device, dtype)
+        an empty cache of fixed shapes, written in place (reset() empties it)
+    cache_size(seq_len)
+        the numbers a cache holds for one sequence
 """
 import importlib
 

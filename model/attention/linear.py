@@ -112,8 +112,7 @@ class LinearAttention(nn.Module):
 
     def forward(self, x, rope=None, cache: LinearState | None = None, pos=None,
                 return_weights: bool = False, explicit: bool = False):
-        """x (B, T, C) -> (B, T, C). With a cache, x continues the tokens its state sums
-        over (pos is not needed). return_weights needs the whole sequence, not a cache;
+        """With a cache, x continues the tokens its state sums over (pos is not needed);
         with no softmax kernel to fuse, explicit changes nothing."""
         if return_weights and cache is not None:
             raise ValueError("linear attention's weights need the whole sequence, "

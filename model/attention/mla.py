@@ -54,10 +54,10 @@ class MultiHeadLatentAttention(nn.Module):
         super().__init__()
         C, self.n_head, self.head_dim = cfg.n_embd, cfg.n_head, cfg.head_dim
         self.latent_dim, self.rope = cfg.kv_latent_dim, cfg.pos == "rope"
+        self.qk_norm = cfg.qk_norm
         # the channels of the shared rotated key (0: none)
-        self.rope_dim, self.qk_norm = self.head_dim if self.rope else 0, cfg.qk_norm
-        score_dim = self.head_dim + self.rope_dim
-        self.scale = 1.0 / math.sqrt(score_dim) if cfg.attn_scale else 1.0
+        self.rope_dim = self.head_dim if self.rope else 0
+        self.scale = 1.0 / math.sqrt(self.head_dim + self.rope_dim) if cfg.attn_scale else 1.0
         self.dropout_p = cfg.dropout
         self.query = nn.Linear(C, C, bias=cfg.bias)
         # x -> the latent (cached) -> every head's keys and values
@@ -82,8 +82,6 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x, rope=None, cache: LatentCache | None = None, pos=None,
                 return_weights: bool = False, explicit: bool = False):
-        """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T_all)
-        weights, by the explicit path that explicit=True also asks for."""
         norm = unit_rms if self.qk_norm else (lambda t: t)
         # (B, nh, T, hs)
         q = norm(split_heads(self.query(x), self.n_head))
