@@ -75,12 +75,13 @@ def load_sweep(path: str, overrides=()) -> Sweep:
         out_dir = ROOT / "out" / "ablations" / name
     base = absolute("base", spec["base"], folder) if "base" in spec else None
     shared = as_overrides(spec.get("overrides", {}), folder)
-    # every run's, last
+    # every run's, last (out_dir: the sweep's)
     rest = [f"--{k}={v}" for k, v in cli if k != "out_dir"]
     # a mistake in the settings is said with where it is
     runs, stage = [], f"{where}[overrides]: "
     try:
         build_config(base, shared)
+        # the command line's
         stage = ""
         build_config(base, shared + rest)
         for variant, values in named:

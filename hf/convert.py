@@ -5,8 +5,9 @@ positions, LayerNorm, biases, tied head, GELU in its tanh form). Only the names 
 (tok_emb is wte, blocks.i.mlp.up is h.i.mlp.c_fc, ...: tensor_names lists them for both
 directions), and two layouts: c_attn fuses the query, key and value projections (q | k | v),
 and GPT-2's "Conv1D" stores a weight as (in, out), the transpose of nn.Linear's.
-The "transformer." prefix is optional (OpenAI's first checkpoints lack it); model.bias =
-false exports zero biases. A setting either side cannot express is a UserError naming it.
+The "transformer." prefix is optional (OpenAI's first checkpoints lack it). An export
+gives zero biases for model.bias = false and keeps a padded vocab_size (50304). A setting
+either side cannot express is a UserError naming it.
 """
 import itertools
 import json
