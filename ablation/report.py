@@ -27,8 +27,7 @@ def plural(n: int, word: str) -> str:
 
 
 def read_run(run) -> dict:
-    """One run's numbers from its metrics.jsonl and result.json (a missing one is None or
-    nan)."""
+    """One run's numbers from its metrics.jsonl and result.json (missing: None or nan)."""
     records = read_records(run.dir / "metrics.jsonl")
     result = read_json(run.dir / "result.json")
     evals = [r for r in records if r["kind"] == "eval"]
@@ -47,8 +46,8 @@ def read_run(run) -> dict:
 
 
 def summarize(sweep, runs: list[dict]) -> list[dict]:
-    """A row per variant: means over its finished seeds, the difference from the baseline,
-    the verdict."""
+    """A row per variant: means over its finished seeds, its difference from the baseline
+    and whether that is beyond the noise."""
     rows = []
     for name, values in sweep.variants:
         done = [r for r in runs if r["variant"] == name and r["done"]]
@@ -77,8 +76,7 @@ def summarize(sweep, runs: list[dict]) -> list[dict]:
 
 
 def write_csv(path, rows: list[dict]) -> None:
-    """rows as CSV: every column but the lists (a run's curve, a variant's final val
-    losses)."""
+    """rows as CSV, without the columns holding lists."""
     text = io.StringIO(newline="")
     columns = [k for k, v in rows[0].items() if not isinstance(v, list)]
     w = csv.DictWriter(text, columns, "", "ignore")

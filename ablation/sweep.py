@@ -1,5 +1,5 @@
-"""A sweep file (its format: ablate.py) read into runs, and the runs trained one after
-another in-process."""
+"""A sweep file (its format: ablate.py) read into runs, trained one after another
+in-process."""
 import gc
 import json
 import re
@@ -21,9 +21,8 @@ KINDS = {"name": (str, "a string"), "base": (str, "a string"),
          "overrides": (dict, "a table"), "variants": (list, "a list")}
 # what a variant may not set: the data, the token budget, how the runs are scored
 SHARED_KEYS = {"data.path", "data.tokenizer", "data.val_fraction", "data.val_path",
-               "train.max_steps",
-               "train.batch_size", "train.grad_accum", "model.block_size",
-               "train.eval_interval", "train.eval_iters"}
+               "train.max_steps", "train.batch_size", "train.grad_accum",
+               "model.block_size", "train.eval_interval", "train.eval_iters"}
 # a variant's name is a folder's
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 Run = namedtuple("Run", "variant seed dir cfg")
@@ -38,8 +37,7 @@ def as_overrides(values: dict, folder: Path) -> list[str]:
 
 
 def load_sweep(path: str, overrides=()) -> Sweep:
-    """Read and check a sweep file; build (and validate) every run's config before anything
-    runs."""
+    """Read and check a sweep file, and build every run's config before anything runs."""
     path, where = Path(path), f"{path}: "
     spec = load_toml(path)
     if unknown := sorted(set(spec) - set(KINDS)):
@@ -112,8 +110,8 @@ def read_json(path: Path) -> dict:
 
 def train_run(run: Run, resume: bool) -> dict:
     """train() the run, then write its result.json: whether it finished, its size, its KV
-    cache per token, its peak GPU memory on CUDA (none on the CPU, where this process's peak
-    holds every run before it)."""
+    cache per token, its peak GPU memory (none on the CPU, where it holds every run before
+    it)."""
     cfg, device = run.cfg, pick_device(run.cfg.train.device)
     cuda = device.type == "cuda"
     # fresh compile caches: dynamo compiles only so many models of one code
@@ -125,10 +123,9 @@ def train_run(run: Run, resume: bool) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     # overwrite: a run killed before it saved is set aside
     summary = train(cfg, resume=resume, overwrite=not resume)
-    # its last attempt's
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    # the model's size (cfg now has the data's vocab size), on the CPU: the meta device's
-    # random init imports torch._dynamo, a second of every sweep's time
+    # its size (cfg now has the data's vocab size), on the CPU: a meta device's init
+    # would import torch._dynamo, a second a sweep
     model = GPT(cfg.model)
     block = cfg.model.block_size
     kv_bytes = model.kv_cache_bytes(block, pick_dtype(device, cfg.train.dtype))
@@ -140,8 +137,8 @@ def train_run(run: Run, resume: bool) -> dict:
 
 
 def run_sweep(sweep: Sweep) -> tuple[int, list[str]]:
-    """Train the unfinished runs in order: (0, or the exit code of the run a signal stopped,
-    and with it the sweep; each run that failed, and why: the others go on)."""
+    """Train the unfinished runs in order: (0, or the exit code of the run a signal stopped
+    with the sweep; each run that failed, and why: the others go on)."""
     # a data problem, said once
     first = sweep.runs[0].cfg
     prepare(first.data, first.model.block_size)
@@ -156,7 +153,7 @@ def run_sweep(sweep: Sweep) -> tuple[int, list[str]]:
         print(f"[{i}/{len(sweep.runs)}] {label}: {doing}", flush=True)
         try:
             code = train_run(run, resume)["exit_code"]
-        # a diverged loss; a variant too big
+        # a diverged loss, a variant too big
         except (UserError, MemoryError, torch.OutOfMemoryError) as e:
             failed.append(f"{label}: {first_line(e)}")
             print(f"    failed: {failed[-1]}", flush=True)

@@ -1,31 +1,13 @@
 """GPT-2 weights in Hugging Face's layout: read them into this repo's GPT, write ours out.
 
-Hugging Face's GPT2LMHeadModel is the network of model/gpt.py with GPT-2's settings (learned
-positions, LayerNorm, biases, tied head, GELU in its tanh form); only the names and two
-layouts differ. Per block i, with C = n_embd, V = vocab_size, T = block_size (n_positions):
-
-    ours (model/gpt.py)              shape    Hugging Face ("transformer." prefix)  shape
-    tok_emb.weight                   (V, C)   wte.weight                            (V, C)
-    pos_emb.weight                   (T, C)   wpe.weight                            (T, C)
-    blocks.i.norm1.{weight,bias}     (C,)     h.i.ln_1.{weight,bias}                (C,)
-    blocks.i.attn.{query,key,value}  (C, C)   h.i.attn.c_attn.weight          (C, 3C) q|k|v
-    blocks.i.attn.proj.weight        (C, C)   h.i.attn.c_proj.weight                (C, C)
-    blocks.i.norm2.{weight,bias}     (C,)     h.i.ln_2.{weight,bias}                (C,)
-    blocks.i.mlp.up.weight           (4C, C)  h.i.mlp.c_fc.weight                   (C, 4C)
-    blocks.i.mlp.proj.weight         (C, 4C)  h.i.mlp.c_proj.weight                 (4C, C)
-    norm_f.{weight,bias}             (C,)     ln_f.{weight,bias}                    (C,)
-    lm_head.weight                   (V, C)   lm_head.weight (only untied; tied, it is wte)
-
-GPT-2's linear layers are "Conv1D" modules that store their weight as (in, out), the
-transpose of nn.Linear's (out, in); c_attn fuses the query, key and value projections
-(weight columns and bias: q | k | v). Both directions walk one list of these names and
-shapes (tensor_names).
-
-Import: the "transformer." prefix is optional (OpenAI's first checkpoints lack it), old
-checkpoints' causal-mask buffers (attn.bias, attn.masked_bias) are ignored, fp16/bf16 become
-fp32. Export: model.bias = false gives zero biases (the same function); a padded vocab_size
-(50304) stays as it is. A setting either side cannot express is a UserError naming it.
-Files: hf/hub.py.
+Hugging Face's GPT2LMHeadModel is model/gpt.py's network with GPT-2's settings (learned
+positions, LayerNorm, biases, tied head, GELU in its tanh form). Only the names differ
+(tok_emb is wte, blocks.i.mlp.up is h.i.mlp.c_fc, ...: tensor_names lists them for both
+directions), and two layouts: c_attn fuses the query, key and value projections (q | k | v),
+and GPT-2's "Conv1D" stores a weight as (in, out), the transpose of nn.Linear's.
+The "transformer." prefix is optional (OpenAI's first checkpoints lack it). An export
+gives zero biases for model.bias = false and keeps a padded vocab_size (50304). A setting
+either side cannot express is a UserError naming it.
 """
 import itertools
 import json
@@ -47,7 +29,7 @@ HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop"
                "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
                "add_cross_attention": False}
 SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
-# A block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units
+# a block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units
 # of C, or None for a norm's (C,))
 BLOCK_TENSORS = [
     (["norm1"], "ln_1", None),
@@ -61,23 +43,20 @@ BLOCK_TENSORS = [
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """A GPT-2 config.json (as a dict) -> ModelConfig; a UserError names what does not map."""
-    def refuse(problem: str):
-        raise UserError(f"{where}: {problem}")
+    def refuse(key: str, what: str):
+        raise UserError(f"{where}: {key}={json.dumps(hf.get(key))} is not {what}")
 
     # before the keys: a Llama's config.json has no n_layer
     if hf.get("model_type", "gpt2") != "gpt2":
-        refuse(f"model_type={json.dumps(hf['model_type'])} is not supported "
-               f"(only GPT-2 maps onto this GPT)")
+        refuse("model_type", "supported (only GPT-2 maps onto this GPT)")
     hf = {**HF_DEFAULTS, "n_positions": hf.get("n_ctx"), **hf}
     # JSON's numbers have no declared type
     for key in SIZES + ("resid_pdrop", "layer_norm_epsilon"):
         integer = key in SIZES
         if type(hf.get(key)) not in ((int,) if integer else (int, float)):
-            kind = "an integer" if integer else "a number"
-            refuse(f"{key}={json.dumps(hf.get(key))} is not {kind}")
+            refuse(key, "an integer" if integer else "a number")
     C, activation = hf["n_embd"], hf["activation_function"]
     unknown_activation = not isinstance(activation, str) or activation not in ACTIVATIONS
-    eps = hf["layer_norm_epsilon"]
     # reorder_and_upcast_attn is precision, not math: accepted
     for refused, key, why in [
             (unknown_activation, "activation_function",
@@ -87,10 +66,10 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             (hf["scale_attn_by_inverse_layer_idx"], "scale_attn_by_inverse_layer_idx",
              "this GPT scales every layer's scores alike"),
             (hf["add_cross_attention"], "add_cross_attention", "this GPT is decoder-only"),
-            (not math.isclose(eps, 1e-5, rel_tol=1e-3), "layer_norm_epsilon",
-             "this GPT's LayerNorm uses 1e-5")]:
+            (not math.isclose(hf["layer_norm_epsilon"], 1e-5, rel_tol=1e-3),
+             "layer_norm_epsilon", "this GPT's LayerNorm uses 1e-5")]:
         if refused:
-            refuse(f"{key}={json.dumps(hf[key])} is not supported ({why})")
+            refuse(key, f"supported ({why})")
     cfg = ModelConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
                       n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=C,
                       dropout=float(hf["resid_pdrop"]), bias=True, attention="sdpa",
@@ -105,8 +84,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def tensor_names(cfg: ModelConfig):
-    """(our names, GPT-2's name, the shape of each of ours, whether it is a Conv1D weight)
-    for each GPT-2 tensor."""
+    """(our names, GPT-2's name, each of ours' shape, whether a Conv1D weight) per tensor."""
     C, V = cfg.n_embd, cfg.vocab_size
     yield ["tok_emb.weight"], "transformer.wte.weight", (V, C), False
     yield ["pos_emb.weight"], "transformer.wpe.weight", (cfg.block_size, C), False
@@ -123,8 +101,8 @@ def tensor_names(cfg: ModelConfig):
 
 
 def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetensors") -> dict:
-    """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32); a missing, misshapen or
-    unexpected tensor is a UserError naming it."""
+    """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32); a missing, misshapen
+    or unexpected tensor is a UserError naming it."""
     # old checkpoints' causal-mask buffers are left out
     sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
           for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
@@ -155,9 +133,8 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
 
 
 def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
-    """This GPT's config and state dict -> (GPT-2 config.json dict, GPT-2 tensors as
-    transformers names them). Tensors are new and contiguous (safetensors needs both). A
-    setting GPT-2 cannot express is a UserError naming it."""
+    """This GPT's config and state dict -> (GPT-2's config.json dict, its tensors by
+    transformers' names, new and contiguous as safetensors needs)."""
     for key, allowed, why in [
             ("pos", ["learned"], "GPT-2 has learned absolute positions"),
             ("norm", ["layernorm"], "GPT-2 has LayerNorm"),

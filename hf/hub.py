@@ -1,19 +1,14 @@
-"""GPT-2 checkpoints as files and hub names: reading and writing Hugging Face directories,
-starting a run from GPT-2's weights (train.init_from), and loading a GPT-2 to sample from.
+"""GPT-2 checkpoints as files and hub names: Hugging Face directories read and written, a
+run started from GPT-2's weights (train.init_from, configs/finetune_gpt2.toml), a GPT-2
+loaded to sample from (python sample.py gpt2).
 
-    # train.init_from = "gpt2" (or a dir)
-    python train.py configs/finetune_gpt2.toml --data my.txt
-    python sample.py gpt2 --prompt "Hello"
-    python export.py out/run hf_model
+train.init_from: the checkpoint fixes the architecture and the tokenizer (tiktoken's gpt2);
+a model.* key set to another value is a UserError, except model.dropout, model.attention
+(naive or sdpa: the same math) and model.block_size up to n_positions (the position table
+is cropped). A resumed run loads its own checkpoint, never these weights.
 
-train.init_from: the checkpoint fixes the architecture and the tokenizer (tiktoken's gpt2).
-A model.* key set to another value is a UserError naming it, except model.dropout,
-model.attention (naive or sdpa: the same math) and model.block_size up to n_positions (the
-position table is cropped). A resumed run loads its own checkpoint, never these weights.
-
-Files: config.json and model.safetensors (or its shards), never pytorch_model.bin, a pickle
-that can run code when loaded; an export adds generation_config.json and the tokenizer's
-files (hf/tokenizer.py). huggingface_hub is imported only to download.
+Weights are read from model.safetensors (or its shards), never from pytorch_model.bin, a
+pickle that can run code when loaded.
 """
 import json
 from pathlib import Path
@@ -30,8 +25,8 @@ from model.gpt import GPT
 
 # tiktoken's gpt2: 50,256 merges and bytes, plus <|endoftext|>
 GPT2_VOCAB = 50257
-# name -> (hub repo, n_layer, n_head, n_embd): the published sizes (vocab 50257, context
-# 1024), so that a run's config is known before, and without, any download
+# name -> (hub repo, n_layer, n_head, n_embd), the published sizes (vocab 50257, context
+# 1024): a run's config is known without a download
 HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
               "gpt2-medium": ("openai-community/gpt2-medium", 24, 16, 1024),
               "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
@@ -40,9 +35,8 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
 
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
-    """A local directory as it is; a hub name (gpt2, gpt2-medium, ..., or owner/name)
-    downloaded through huggingface_hub's cache (config.json, and the safetensors files if
-    weights)."""
+    """A local directory as it is; a hub name (of HUB_MODELS, or owner/name) through
+    huggingface_hub's cache: config.json, and with weights the safetensors files."""
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
@@ -53,7 +47,7 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     files = ["config.json"]
     if weights:
         files += ["model.safetensors", "model-*.safetensors"]
-    # huggingface_hub missing, offline, an unknown repo, no access, a full disk: all end here
+    # huggingface_hub missing, offline, an unknown repo, no access, a full disk
     try:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(repo, allow_patterns=files))
@@ -66,8 +60,7 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
 
 
 def pretrained_config(name_or_dir: str) -> ModelConfig:
-    """The ModelConfig of a GPT-2 checkpoint: a known name's from HUB_MODELS, else its
-    config.json."""
+    """A GPT-2 checkpoint's ModelConfig: a HUB_MODELS name's, else its config.json's."""
     if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
         _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
         sizes = {"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer,
@@ -88,8 +81,7 @@ def pretrained_config(name_or_dir: str) -> ModelConfig:
 
 
 def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
-    """A GPT-2 checkpoint (local directory or hub name) -> (ModelConfig, this GPT's state
-    dict)."""
+    """A GPT-2 checkpoint (directory or hub name) -> (ModelConfig, this GPT's state dict)."""
     cfg = pretrained_config(name_or_dir)
     directory = resolve_source(name_or_dir)
     files = [directory / "model.safetensors"]
@@ -111,15 +103,14 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
 
 def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
                     tokenizer: dict | None = None) -> list[str]:
-    """Write config.json, generation_config.json and model.safetensors (GPT2LMHeadModel to
-    transformers), and a tokenizer meta()'s files (hf/tokenizer.py), each atomically;
-    returns the tokenizer files' names."""
+    """Write config.json, generation_config.json, model.safetensors (a GPT2LMHeadModel to
+    transformers) and a tokenizer meta()'s files, each atomically; return the latter's
+    names."""
     # refuses unmappable settings before any write
     config, tensors = to_hf(cfg, state_dict)
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
-    config.update(bos_token_id=eos, eos_token_id=eos)
-    # half the context by default (the pipeline's 256 overrun a small one; a max_length
-    # makes calls warn)
+    config |= {"bos_token_id": eos, "eos_token_id": eos}
+    # half the context (the pipeline's 256 overrun a small one; a max_length warns)
     generation = {"max_new_tokens": cfg.block_size // 2,
                   "bos_token_id": eos, "eos_token_id": eos}
     directory = Path(directory)
@@ -131,21 +122,22 @@ def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
     return list(files)
 
 
-# ----------------------------------------------------------------------------- using GPT-2
+def check_vocab(source: str, cfg: ModelConfig) -> None:
+    """Refuse a model too small for GPT-2's tokenizer, which fine-tuning and sampling use."""
+    if cfg.vocab_size < GPT2_VOCAB:
+        raise UserError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than "
+                        f"GPT-2's {GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
+
 
 def resolve_init_from(cfg, explicit: set[str]) -> None:
-    """train.init_from (see the top): cfg.model becomes the checkpoint's, with the free keys
-    the user set, and data.tokenizer gpt2. explicit: the dotted keys the config file and
-    command line set."""
+    """train.init_from: cfg.model becomes the checkpoint's, with the free keys the user
+    set (explicit: the dotted keys the config file and command line set)."""
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)
     except UserError as e:
         raise UserError(f"train.init_from: {e}") from None
-    if pretrained.vocab_size < GPT2_VOCAB:
-        raise UserError(f"train.init_from={source} has a vocabulary of "
-                        f"{pretrained.vocab_size} tokens, fewer than GPT-2's {GPT2_VOCAB}: "
-                        f"its tokenizer is not GPT-2's, which fine-tuning uses")
+    check_vocab(f"train.init_from={source}", pretrained)
     for key in sorted(k.removeprefix("model.") for k in explicit if k.startswith("model.")):
         mine, theirs = getattr(cfg.model, key), getattr(pretrained, key)
         free = (key == "dropout"
@@ -164,26 +156,17 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
 
 
 def load_init_weights(model: GPT, source: str) -> None:
-    """Copy the pretrained weights of source into model (built from the resolved config),
-    cropping the position table to model.cfg.block_size rows."""
+    """Copy source's weights into model (built from its resolve_init_from config), the
+    position table cropped to its block_size."""
     _, state = load_pretrained(source)
-    # (n_positions, C) -> (T, C)
     state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]
-    try:
-        model.load_state_dict(state)
-    # its files changed since its config was read
-    except RuntimeError as e:
-        raise UserError(f"{source} does not fit the model its config.json describes: "
-                        f"{first_line(e)}") from None
+    model.load_state_dict(state)
 
 
 def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
-    """(GPT in eval mode, tiktoken's gpt2 tokenizer, a one-line description) of a Hugging
-    Face GPT-2: a directory holding config.json, or a hub name."""
+    """(GPT in eval mode, tiktoken's gpt2, a one-line description) of a Hugging Face GPT-2."""
     cfg, state = load_pretrained(source)
-    if cfg.vocab_size < GPT2_VOCAB:
-        raise UserError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than "
-                        f"GPT-2's {GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
+    check_vocab(source, cfg)
     model = GPT(cfg)
     model.load_state_dict(state)
     size = (f"{model.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, "

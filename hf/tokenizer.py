@@ -1,28 +1,14 @@
-r"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json, written as
-plain JSON: AutoTokenizer and pipeline("text-generation") then encode and decode as we do,
-offline.
+"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json, written as
+plain JSON: AutoTokenizer and pipeline("text-generation") then encode and decode as we do.
 
-tiktoken's BPE (gpt2, and bpe:N trained on the data) and the `tokenizers` library's
-byte-level BPE are one algorithm, stored two ways:
-
-    tiktoken                             tokenizer.json
-    a regex cuts the text into pieces    pre_tokenizer: Split(that regex), then ByteLevel,
-                                         which writes each byte as one character (BYTES,
-                                         GPT-2's: printable bytes as themselves, the rest
-                                         from U+0100)
-    ranks: token bytes -> rank, its id   model.vocab: the token in those characters -> id
-    a piece merges its adjacent pair of  model.merges, in priority order: each token's pair
-    lowest rank while one is a token     is found by merging its bytes with lower ranks only
-    a piece that is a token is that      model.ignore_merges
-    token
-    <|endoftext|>                        added_tokens (special; in the vocab, to keep its id)
-    decode: the tokens' bytes joined     decoder: ByteLevel (the characters back to bytes)
-
-char: the vocabulary is the characters; no merges, no pre-tokenizer; the decoder Fuse joins
-tokens without spaces (a character outside the vocabulary is dropped, not refused). Where
-they differ: "<|endoftext|>" in a text is the special token to `tokenizers` (text to us),
-and its regex engine has no possessive {n,m}+, written {n,m}: the same where nothing follows
-it (GPT-4's \p{N}{1,3}+).
+tiktoken's BPE (gpt2, bpe:N) is the `tokenizers` library's byte-level BPE stored another
+way: its regex becomes a Split pre-tokenizer, then ByteLevel writes each byte as one
+character (BYTES, GPT-2's); its ranks become the vocab, and each token's merge is found
+from them (merges); ignore_merges keeps a piece that is a token whole, as tiktoken does.
+char: the vocabulary is the characters, without merges. Where they differ: a character
+outside the vocabulary is dropped (we refuse it), "<|endoftext|>" in a text is the special
+token (text to us), and the regex engine has no possessive {n,m}+, written {n,m}: the same
+where nothing follows.
 """
 import re
 
@@ -59,13 +45,12 @@ def as_chars(token: bytes) -> str:
 
 
 def tokenizer_files(meta: dict, max_length: int) -> tuple[dict, int | None]:
-    """({file name: JSON value} of the tokenizer that meta describes, the id of its
-    <|endoftext|> or None)."""
+    """({file name: JSON value} of meta's tokenizer, its <|endoftext|>'s id or None)."""
     if meta["kind"] == "char":
         vocab, pairs, special = {c: i for i, c in enumerate(meta["chars"])}, [], {}
         pre, decoder = None, {"type": "Fuse"}
     else:
-        # tiktoken's Encoding, of gpt2 or of a bpe:N trained on the data
+        # tiktoken's Encoding
         enc = load_tokenizer(meta).enc
         ranks, special = enc._mergeable_ranks, enc._special_tokens
         vocab = {as_chars(token): rank for token, rank in ranks.items()}

@@ -1,43 +1,25 @@
 """Looking inside a trained GPT: each layer's attention weights for a prompt, and a few
 numbers per head that name the patterns one looks for in them.
 
-attention_maps(model, idx) runs the model once, exactly as GPT.forward does, while every
-attention layer is asked for its weights (forward(..., return_weights=True), see
-model/attention/). They are the weights the model uses, by each variant's own math:
+attention_maps(model, idx) runs the model once with every attention layer asked for its
+weights (return_weights=True): those the model uses, by each variant's own math
+(model/attention/; with rope, linear attention's rows need not sum to 1).
 
-    naive, sdpa      softmax(QKᵀ/√hs + ALiBi bias, future masked); sdpa through the
-                     explicit path
-    gqa              each query head's weights (its group's shared keys)
-    sliding_window   the same, exactly zero outside the window
-    mla              softmax over the up-projected keys (+ the decoupled rope part)
-    linear           φ(q_i)·φ(k_j) / Σ_{j'≤i} φ(q_i)·φ(k_j'); with rope the numerator is
-                     rotated and the denominator is not, so rows need not sum to 1 and
-                     weights can be negative
-
-head_scores(weights, texts) summarizes each head by the share of its attention that goes to
-    previous   the token just before it (i - 1)
-    first      the first token of the prompt
-    self       itself (the diagonal)
-    newline    the newline that began its line (the last token before it holding one)
-    line_up    the character in the same column one line up (character models only; NaN
-               otherwise)
-and by its mean distance Σ_j a_ij (i - j) in tokens: small for local heads, large for
-far-looking ones. Each is averaged over the queries from the second token on (the first can
-only look at itself).
+head_scores(weights, texts) gives each head's share of attention on
+    previous   the token just before it      first     the prompt's first token
+    self       itself                        newline   the newline that began its line
+    line_up    the character in the same column one line up (character models only)
+and its mean distance Σ_j a_ij (i - j) in tokens: small for local heads, large for
+far-looking ones. Each is averaged over the queries from the second token on.
 """
 import torch
-
-# shares of attention, in [0, 1] for softmax heads
-SCORES = ("previous", "first", "self", "newline", "line_up")
 
 
 @torch.no_grad()
 def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """idx (B, T) -> the logits (B, T, V) and each layer's attention weights (B, nh, T, T).
-
-    Forward hooks pass return_weights=True to every attention layer and keep the weights it
-    returns, handing the usual output on; the model itself runs unchanged. Call model.eval()
-    first."""
+    """idx (B, T) -> the logits (B, T, V) and each layer's weights (B, nh, T, T).
+    Forward hooks ask each attention layer for its weights and hand its usual output on:
+    the model itself runs unchanged."""
     if model.training:
         raise ValueError("attention_maps needs model.eval(): "
                          "dropout would change what is drawn")
@@ -51,11 +33,9 @@ def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
         layers.append(weights)
         return out
 
-    hooks = []
-    for block in model.blocks:
-        attn = block.attn
-        hooks.append(attn.register_forward_pre_hook(ask_for_weights, with_kwargs=True))
-        hooks.append(attn.register_forward_hook(keep_weights, with_kwargs=True))
+    attns = [block.attn for block in model.blocks]
+    hooks = [a.register_forward_pre_hook(ask_for_weights, with_kwargs=True) for a in attns]
+    hooks += [a.register_forward_hook(keep_weights, with_kwargs=True) for a in attns]
     try:
         logits, _ = model(idx, all_logits=True)
     finally:
@@ -65,8 +45,7 @@ def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
 
 
 def newline_positions(texts: list[str]) -> torch.Tensor:
-    """(T,) for each position, the last earlier position whose token holds a newline, or
-    -1."""
+    """(T,) for each position, the last earlier one whose token holds a newline, or -1."""
     found, last = [], -1
     for i, text in enumerate(texts):
         found.append(last)
@@ -76,8 +55,8 @@ def newline_positions(texts: list[str]) -> torch.Tensor:
 
 
 def share_on(w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """w (nh, T, T), targets (T,) a key position per query or -1 -> (nh,) the mean weight on
-    the target over the queries that have one (NaN if none has)."""
+    """w (nh, T, T), targets (T,) a key position per query or -1 -> (nh,) the mean weight
+    on the targets over the queries that have one (NaN if none has)."""
     rows = (targets >= 0).nonzero().squeeze(1)
     if len(rows) == 0:
         return torch.full((w.size(0),), float("nan"))
@@ -85,9 +64,8 @@ def share_on(w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def line_up_positions(texts: list[str]) -> torch.Tensor:
-    """(T,) for each position, the position of the character in the same column on the line
-    above, or -1 where there is none (the first line, a shorter line above). texts: one
-    character each."""
+    """(T,) for each character, the one in the same column on the line above, or -1 where
+    there is none (the first line, a shorter line above)."""
     up, line_start, above_start = [], 0, -1
     for i, ch in enumerate(texts):
         j = above_start + (i - line_start)
@@ -100,11 +78,9 @@ def line_up_positions(texts: list[str]) -> torch.Tensor:
 
 def head_scores(weights: torch.Tensor,
                 texts: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """weights (nh, T, T) of one layer -> {score name: (nh,)}: SCORES and "distance" (see
-    the top). newline needs the tokens' texts, line_up texts of one character each; they are
-    NaN otherwise."""
-    nh, T, _ = weights.shape
-    w = weights.float()
+    """weights (nh, T, T) of one layer -> {score name: (nh,)} (see the top). newline
+    needs the tokens' texts, line_up texts of one character each: else NaN."""
+    T, w = weights.size(-1), weights.float()
     # the queries that have a past
     i = torch.arange(1, T)
     scores = {"previous": w[:, i, i - 1].mean(-1),

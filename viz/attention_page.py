@@ -1,30 +1,15 @@
 """One prompt's attention as a single self-contained HTML page: hover or click a token to
-see where it looks, per layer and head; an overview of every head; the per-head summary of
-attention.py's PNGs.
+see where it looks, per layer and head; an overview of every head; the per-head summary.
+The data is inlined as JSON in attention_page.html (the template beside this file, vanilla
+JS), whose Content-Security-Policy forbids every network request.
 
-    # texts: the tokens
-    html = attention_page(texts, weights, scores, title, layers, heads)
-
-The page needs nothing but itself: the data is inlined as JSON in attention_page.html (the
-template beside this file, vanilla JS), and its Content-Security-Policy forbids every
-network request.
-
-How the weights are stored. A query i sees keys j <= i only, so each head keeps its lower
-triangle, row by row (T(T+1)/2 numbers), in one byte each on a square-root scale: per layer,
-    w = ±scale · ((code - zero) / levels)²
-    softmax layers   zero = 0, levels = 255, scale = max(1, the layer's largest weight):
-                     in practice 1
-    signed layers    zero = 128, levels = 127, scale = the layer's largest |weight|
-                     (linear attention with rope: rows need not sum to 1, and weights can
-                     be negative)
-Rounding the root to 1/(2·levels) puts every weight the page shows within
-    scale · (√(|w| / scale) / levels + 1 / (4·levels²))      (error_bound)
-of the model's: for softmax layers 0.0039 at w = 1, 0.0020 at 0.25, 0.0004 at 0.01,
-0.000004 at 0. (A byte on a linear scale would be off by up to 0.002 everywhere: all of a
-weight of 1/500, common with a long prompt.) Zero stays exactly zero, and the page's shade,
-on a square-root scale as the PNGs' for softmax layers (signed ones too), is linear in the
-code. The bytes of all layers are zlib-compressed and base64-encoded; the page inflates
-them with the browser's DecompressionStream.
+Each head's lower triangle (query i sees keys j <= i) is stored row by row, one byte a
+weight on a square-root scale: w = ±scale · ((code - zero) / levels)², per layer
+    softmax   zero = 0, levels = 255, scale = max(1, the largest weight)
+    signed    zero = 128, levels = 127, scale = the largest |weight| (linear with rope)
+A weight shown is within error_bound of the model's, for softmax 0.0039 at 1 and 0.0004 at
+0.01, where a linear byte is off by 0.002 everywhere (all of a weight of 1/500); zero stays
+zero. The bytes are zlib-compressed and base64-encoded (the page inflates them).
 """
 import base64
 import json
@@ -44,26 +29,23 @@ SCORE_NAMES = {**{name: title.replace("\n", " ") for name, title in SHARE_NAMES.
 
 def attention_page(texts: list[str], weights: list[np.ndarray], scores: dict, title: str,
                    layers: list[int], heads: list[int]) -> str:
-    """The page's HTML. weights: per layer shown, (heads, T, T); scores: head_scores as
-    numpy, one per head, layer by layer; layers, heads: the model's numbers for those
-    shown."""
+    """The page's HTML. weights: (heads, T, T) per layer shown; scores: head_scores as
+    numpy, one per head, layer by layer; layers, heads: the numbers of those shown."""
     data = {"title": title, "tokens": texts, "layers": layers, "heads": heads,
             **encode_weights(weights)}
     # JSON has no NaN: null; a score NaN for every head is left out
     values = {name: [None if math.isnan(v) else float(v) for v in scores[name]]
               for name in SCORE_NAMES if not np.isnan(scores[name]).all()}
     data["summary"] = {"names": {name: SCORE_NAMES[name] for name in values}, "values": values}
-    # '<' as \u003c, the same string to JSON: no token's text can close the <script> element
-    # holding it
+    # '<' as \u003c, the same to JSON: no token's text can close the <script> holding it
     text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     text = text.replace("<", "\\u003c")
     return TEMPLATE.read_text(encoding="utf-8").replace(PLACEHOLDER, text)
 
 
 def encode_weights(weights: list[np.ndarray]) -> dict:
-    """Per-layer (heads, T, T) arrays -> {"signed", "zero", "levels", "scale": one per layer,
-    "weights": base64 of the zlib-compressed codes (layer, head, row i, key j <= i), one byte
-    each: the rounded square roots (see the top)}."""
+    """Per-layer (heads, T, T) arrays -> {"signed", "zero", "levels", "scale": one per
+    layer, "weights": base64 of the compressed codes (layer, head, row i, key j <= i)}."""
     # row-major: (0,0), (1,0), (1,1), ...
     rows, cols = np.tril_indices(weights[0].shape[-1])
     data, codes = {"signed": [], "zero": [], "levels": [], "scale": []}, []
@@ -82,6 +64,6 @@ def encode_weights(weights: list[np.ndarray]) -> dict:
 
 
 def error_bound(w, scale: float, levels: int):
-    """How far a stored weight can be from w (a number or an array) in a layer of this scale
+    """How far a stored weight can be from w (a number or array) in a layer of this scale
     and levels."""
     return scale * (np.sqrt(np.abs(w) / scale) / levels + 1 / (4 * levels ** 2))

@@ -1,13 +1,9 @@
-"""Attention weights as PNG figures: a heatmap panel per head for one layer (plot_layer), and
-the per-head summary of model/attention_maps.py's head_scores as two annotated heatmaps
-(plot_summary). Each returns a matplotlib Figure; attention.py saves them.
+"""Attention weights as figures: a heatmap per head of one layer (plot_layer), and
+head_scores' per-head summary as two annotated heatmaps (plot_summary). Each returns a
+matplotlib Figure; attention.py saves them, and imports this module only once it draws.
 
-    # weights (heads, T, T)
-    fig = plot_layer(weights, [visible(t) for t in texts], heads, "layer 0")
-
-A token's text is drawn in matplotlib's font, or in an installed font that has the
+A token's text is drawn in matplotlib's font, falling back on installed fonts for the
 characters it lacks (label_fonts); a character no installed font has is drawn as □.
-Importing this module loads matplotlib: attention.py does so only once it draws.
 """
 import functools
 import math
@@ -41,10 +37,9 @@ def lacks(family, chars: set) -> set:
 
 @functools.cache
 def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
-    """(the font families that draw text: matplotlib's own, then for the characters it lacks
-    the first installed fonts that have them, for matplotlib to fall back on glyph by glyph;
-    the characters of text that no installed font has). The Last Resort font matplotlib falls
-    back on has no characters, only placeholders for them."""
+    """(font families for matplotlib to fall back on glyph by glyph: its own, then the
+    first installed fonts with characters it lacks; the characters of text no font has).
+    Last Resort is skipped: it has placeholders, not characters."""
     families = tuple(rcParams["font.family"])
     missing = lacks(rcParams["font.family"], set(text))
     # a family's regular face, as matplotlib picks it
@@ -57,11 +52,10 @@ def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
 
 
 def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: int = 100):
-    """weights (len(heads), T, T) as a numpy array -> a Figure with one heatmap panel per head
-    (and a colour bar). Softmax weights are drawn on [0, 1] with a square-root scale, so that
-    a weight of 0.05 is still visible; signed weights (linear attention with rope) on a
-    diverging scale around 0. The figure is as large as the labels need, and a title wider
-    than the figure is wrapped."""
+    """weights (len(heads), T, T) numpy -> a Figure of a heatmap per head. Softmax weights
+    are drawn on [0, 1] on a square-root scale, so that 0.05 still shows; signed ones
+    (linear attention with rope) on a diverging scale around 0. The figure grows with its
+    labels."""
     n, T = len(heads), weights.shape[-1]
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
@@ -102,9 +96,8 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
 
 
 def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
-    """rows: a name per head ('layer 0 head 1'); scores: {name: (len(rows),) numpy} from
-    model.attention_maps.head_scores -> a Figure of two annotated heatmaps, shares and mean
-    distance."""
+    """rows: a name per head ('layer 0 head 1'); scores: head_scores' {name: (len(rows),)}
+    numpy -> a Figure of two annotated heatmaps, shares and mean distance."""
     names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
     # (heads, patterns)
     shares = np.stack([scores[s] for s in names], axis=1)

@@ -6,24 +6,17 @@
     linear           kernelized, O(T) memory, an RNN-like state             linear.py
     mla              keys and values from a cached low-rank latent          mla.py
 
-Every variant is an nn.Module with one interface, which the GPT and the sampler rely on:
+Every variant has one interface, which the GPT and the sampler rely on:
 
     forward(x, rope=None, cache=None, pos=None) -> y
-        x, y (B, T, C); rope = (cos, sin) of the T new positions when model.pos = 'rope';
-        with a cache, pos (T,) are x's positions: x is stored in it there and attends to
-        every cached position up to its own
+        x, y (B, T, C); rope: (cos, sin) of x's positions; with a cache, x is stored at
+        its positions pos (T,) and attends to every cached one up to its own.
+        return_weights=True also returns the (B, nh, T, T) weights (attention maps);
+        explicit=True: softmax step by step, not fused (model/sampling.py)
     new_cache(batch, max_len, device, dtype)
-        an empty cache for incremental decoding, of fixed shapes (written in place;
-        reset() empties it)
-    cache_size(seq_len) -> int
-        numbers the cache holds for one sequence of seq_len tokens (the KV-cache column of
-        an ablation)
-
-forward(..., return_weights=True) also returns the (B, nh, T, T) attention weights,
-computed by the variant's own math (sdpa through the explicit path): what
-model/attention_maps.py collects. forward(..., explicit=True) computes softmax attention
-by its explicit steps instead of the fused kernel, which a compiled one-token decoding
-step asks for (model/sampling.py).
+        an empty cache of fixed shapes, written in place (reset() empties it)
+    cache_size(seq_len)
+        the numbers a cache holds for one sequence
 """
 import importlib
 
@@ -38,8 +31,7 @@ REGISTRY = {
     "linear": "linear.LinearAttention",
     "mla": "mla.MultiHeadLatentAttention",
 }
-assert tuple(REGISTRY) == ATTENTIONS, (
-    "model/config.py's ATTENTIONS must list the registry's names")
+assert tuple(REGISTRY) == ATTENTIONS, "model/config.py's ATTENTIONS must be these names"
 
 
 def build_attention(cfg: ModelConfig):

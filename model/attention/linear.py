@@ -1,28 +1,14 @@
-"""Causal linear attention (`linear`): the softmax kernel exp(q·k) replaced by a dot
-product of positive features φ(q)·φ(k), with φ(x) = elu(x) + 1 (Katharopoulos et al.,
-2020, "Transformers are RNNs").
+"""Causal linear attention (`linear`): softmax's exp(q·k) replaced by a product of positive
+features φ(q)·φ(k), φ(x) = elu(x) + 1 (Katharopoulos et al., 2020, "Transformers are
+RNNs"). As it factorizes, the sums over the past are carried along, not redone:
 
-Because φ(q_i)·φ(k_j) factorizes, the sum over the past can be computed once and reused:
+    out_i = φ(q_i) S_i / φ(q_i) z_i,   S_i = Σ_{j≤i} φ(k_j) v_jᵀ,  z_i = Σ_{j≤i} φ(k_j)
 
-    out_i = Σ_{j≤i} (φ(q_i)·φ(k_j)) v_j / Σ_{j≤i} φ(q_i)·φ(k_j)
-          = φ(q_i) S_i / φ(q_i) z_i,    with S_i = Σ_{j≤i} φ(k_j) v_jᵀ  (hs, hs)
-                                         and  z_i = Σ_{j≤i} φ(k_j)       (hs,)
-
-Two forms of the same numbers:
-  recurrent  S += φ(k_t) v_tᵀ, one token at a time: sampling keeps only (S, z), a
-             constant-size state.
-  chunked    (training) the sequence in chunks of L tokens: the quadratic form inside a
-             chunk, the state carried between chunks. O(T·L) memory instead of softmax
-             attention's O(T²).
-
-Cost: O(T·hs²) per head instead of O(T²·hs); the cache is n_head·(hs² + hs) numbers per
-layer, whatever the sequence length. No softmax means no sharp, sparse attention: it
-usually trains to a worse loss than softmax attention at the same size.
-
-With rope, the features are rotated in the numerator only (RoFormer, section 3.3): the
-denominator stays a sum of positive numbers. ALiBi needs scores to bias and is refused by
-the config. attn_scale multiplies q by 1/√hs before φ; qk_norm normalizes q and k before
-φ.
+Sampling adds one token at a time to (S, z), a state of constant size; training goes chunk
+by chunk, quadratic inside a chunk of L tokens, the state carried between chunks. Cost:
+O(T·hs²) time per head and O(T·L) memory, where softmax takes O(T²·hs) and O(T²). Without
+softmax's sharp weights it usually trains to a worse loss. With rope only the numerator's
+features are rotated (RoFormer, 3.3): the denominator stays positive.
 """
 import math
 from functools import partial
@@ -41,7 +27,7 @@ CHUNK = 64
 
 def causal_linear_attention(q, k, v, state=None, chunk: int = CHUNK):
     """Σ_{j≤i} (q_i·k_j) v_j for every i, chunk by chunk. q, k (B, nh, T, dk),
-    v (B, nh, T, dv), state (B, nh, dk, dv): Σ k_j v_jᵀ over earlier tokens (None = none)
+    v (B, nh, T, dv), state (B, nh, dk, dv): Σ k_j v_jᵀ over earlier tokens, or None
     -> out (B, nh, T, dv), the new state."""
     B, nh, T, dk = q.shape
     n = math.ceil(T / chunk)
@@ -76,16 +62,12 @@ def recurrent_linear_attention(q, k, v, state=None):
 
 
 def linear_attention_weights(q, k, q_num, k_num):
-    """The weight each value gets, written out as a (B, nh, T, T) matrix (for attention
-    maps):
+    """The (B, nh, T, T) weights a_ij with out_i = Σ_j a_ij v_j (for attention maps):
 
         a_ij = q_num_i·k_num_j / Σ_{j'≤i} q_i·k_j'   for j ≤ i, 0 for j > i
-                                                     (so that out_i = Σ_j a_ij v_j)
 
-    q, k are the features φ(q), φ(k); q_num, k_num the same rotated by rope (or the same
-    tensors). Without rope each row is a distribution over the past. With rope the
-    numerator is rotated and the denominator is not: rows need not sum to 1 and a weight
-    can be negative."""
+    q, k: the features φ(q), φ(k); q_num, k_num: the same rotated by rope (or the same).
+    With rope, rows need not sum to 1 and a weight can be negative."""
     future = ~causal_mask(*consecutive_positions(q.size(2), k.size(2), q.device))
     # (B, nh, T, T)
     num = (q_num @ k_num.transpose(-2, -1)).masked_fill(future, 0.0)
@@ -95,8 +77,8 @@ def linear_attention_weights(q, k, q_num, k_num):
 
 
 class LinearState:
-    """One layer's recurrent state: S (B, nh, hs, hs) for the numerator, z (B, nh, hs, 1)
-    for the denominator. Its size does not depend on max_len; it is updated in place."""
+    """One layer's state, updated in place: S (B, nh, hs, hs) for the numerator,
+    z (B, nh, hs, 1) for the denominator, whatever max_len."""
 
     def __init__(self, batch: int, n_head: int, head_dim: int, device, dtype):
         shape = (batch, n_head, head_dim)
@@ -130,15 +112,11 @@ class LinearAttention(nn.Module):
 
     def forward(self, x, rope=None, cache: LinearState | None = None, pos=None,
                 return_weights: bool = False, explicit: bool = False):
-        """x (B, T, C) -> (B, T, C). With a cache, x continues the tokens its state sums
-        over (the state has no positions: pos is not needed). With return_weights also the
-        (B, nh, T, T) weights of linear_attention_weights (a whole sequence: a cache keeps
-        no past keys to weigh). There is no softmax kernel to fuse: explicit changes
-        nothing."""
+        """With a cache, x continues the tokens its state sums over (pos is not needed);
+        with no softmax kernel to fuse, explicit changes nothing."""
         if return_weights and cache is not None:
             raise ValueError("linear attention's weights need the whole sequence, "
                              "not a cache")
-        B, T, C = x.shape
         # (B, nh, T, hs)
         q, k, v = (split_heads(proj(x), self.n_head)
                    for proj in (self.query, self.key, self.value))
@@ -149,13 +127,11 @@ class LinearAttention(nn.Module):
         q_num, k_num = q, k
         if rope is not None:
             q_num, k_num = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
-        # Σ φ(q)·φ(k) · 1: the denominator
-        ones = v.new_ones(B, self.n_head, T, 1)
+        # the denominator: Σ φ(q)·φ(k) · 1
+        ones = torch.ones_like(v[..., :1])
 
-        S = z = None
-        if cache is not None:
-            S, z = cache.S, cache.z
-        if cache is not None and T == 1:
+        S, z = (cache.S, cache.z) if cache is not None else (None, None)
+        if cache is not None and x.size(1) == 1:
             attend = recurrent_linear_attention
         else:
             attend = partial(causal_linear_attention, chunk=self.chunk)

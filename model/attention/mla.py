@@ -1,24 +1,18 @@
-"""Multi-head latent attention (`mla`): keys and values are rebuilt from one small latent
-vector per token, and only the latent is cached (DeepSeek-AI, 2024, "DeepSeek-V2").
+"""Multi-head latent attention (`mla`; DeepSeek-AI, 2024, "DeepSeek-V2"): keys and values
+are rebuilt from one small latent per token, and only the latent is cached.
 
     c      = norm(x W_down)             (T, d_c)   d_c = model.kv_latent_dim, << 2C
     K, V   = c W_key_up, c W_value_up   (T, C) each, split into n_head heads as usual
     Q      = x W_q                      (T, C)
 
-then ordinary causal softmax attention. Unlike GQA, every head keeps its own keys and
-values; they are just constrained to a rank-d_c subspace shared by all heads.
+then causal softmax attention. Unlike GQA's, each head's keys and values are its own, in a
+rank-d_c subspace shared by all heads. The cache holds d_c numbers per token per layer, not
+2C; decoding up-projects every cached latent again (DeepSeek folds W_key_up into the
+queries and W_value_up into the output projection, skipped here for clarity).
 
-RoPE cannot rotate the latent (the rotation depends on the position, the up-projection
-would not commute with it), so with `model.pos = 'rope'` MLA uses the paper's decoupled
-RoPE: an extra key of hs channels per token, rotated and shared by all heads, cached
-beside the latent; each head's query gets a matching rotated part, and the scores are
-q·k + q_rope·k_rope, scaled by 1/√(2 hs).
-
-Cost: the KV cache is d_c (+ hs with rope) numbers per token per layer instead of 2C. The
-cached latents are up-projected again at every decoding step (O(T·d_c·C) work); DeepSeek
-avoids that by folding W_key_up into the queries and W_value_up into the output
-projection, which we skip for clarity. Training costs about as much as plain attention,
-with fewer parameters when d_c < C.
+RoPE cannot rotate the latent (the up-projection would not commute with it): with
+`model.pos = 'rope'` a rotated key of hs channels per token, shared by the heads, is cached
+beside it (decoupled RoPE); a head's scores are q·k + q_rope·k_rope, scaled by 1/√(2 hs).
 """
 import math
 
@@ -33,21 +27,19 @@ from model.positions import alibi_slopes, apply_rotary_emb
 
 class LatentCache:
     """One layer's latents (B, max_len, d_c) and, with rope, rotated shared keys
-    (B, 1, max_len, hs), preallocated: slot j holds position j (as in mha.KVCache)."""
+    (B, 1, max_len, hs): slot j holds position j (as in mha.KVCache)."""
 
     def __init__(self, batch: int, max_len: int, latent_dim: int, rope_dim: int, device,
                  dtype):
         self.c = torch.zeros(batch, max_len, latent_dim, device=device, dtype=dtype)
-        self.k_rope = None
-        if rope_dim:
-            shape = (batch, 1, max_len, rope_dim)
-            self.k_rope = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (batch, 1, max_len, rope_dim)
+        self.k_rope = torch.zeros(shape, device=device, dtype=dtype) if rope_dim else None
         # the position in each slot
         self.k_pos = torch.arange(max_len, device=device)
 
     def update(self, pos, c, k_rope):
-        """Write the latents c (B, T, d_c) (and k_rope) of the positions pos (T,) into
-        their slots; return every slot's latents, rotated keys and positions."""
+        """Write c (B, T, d_c) and k_rope of the positions pos (T,) into their slots;
+        return every slot's latents, rotated keys and positions."""
         self.c.index_copy_(1, pos, c.to(self.c.dtype))
         if k_rope is not None:
             self.k_rope.index_copy_(2, pos, k_rope.to(self.k_rope.dtype))
@@ -63,8 +55,9 @@ class MultiHeadLatentAttention(nn.Module):
         C, self.n_head, self.head_dim = cfg.n_embd, cfg.n_head, cfg.head_dim
         self.latent_dim, self.rope = cfg.kv_latent_dim, cfg.pos == "rope"
         self.qk_norm = cfg.qk_norm
-        score_dim = 2 * self.head_dim if self.rope else self.head_dim
-        self.scale = 1.0 / math.sqrt(score_dim) if cfg.attn_scale else 1.0
+        # the channels of the shared rotated key (0: none)
+        self.rope_dim = self.head_dim if self.rope else 0
+        self.scale = 1.0 / math.sqrt(self.head_dim + self.rope_dim) if cfg.attn_scale else 1.0
         self.dropout_p = cfg.dropout
         self.query = nn.Linear(C, C, bias=cfg.bias)
         # x -> the latent (cached) -> every head's keys and values
@@ -82,17 +75,13 @@ class MultiHeadLatentAttention(nn.Module):
         self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     def new_cache(self, batch: int, max_len: int, device, dtype) -> LatentCache:
-        rope_dim = self.head_dim if self.rope else 0
-        return LatentCache(batch, max_len, self.latent_dim, rope_dim, device, dtype)
+        return LatentCache(batch, max_len, self.latent_dim, self.rope_dim, device, dtype)
 
     def cache_size(self, seq_len: int) -> int:
-        return (self.latent_dim + (self.head_dim if self.rope else 0)) * seq_len
+        return (self.latent_dim + self.rope_dim) * seq_len
 
     def forward(self, x, rope=None, cache: LatentCache | None = None, pos=None,
                 return_weights: bool = False, explicit: bool = False):
-        """x (B, T, C) -> (B, T, C); with return_weights also the (B, nh, T, T_all)
-        weights by the explicit path (which explicit=True also asks for): the softmax of
-        the up-projected keys' scores (plus q_rope·k_rope with rope), scaled as here."""
         norm = unit_rms if self.qk_norm else (lambda t: t)
         # (B, nh, T, hs)
         q = norm(split_heads(self.query(x), self.n_head))
@@ -123,7 +112,6 @@ class MultiHeadLatentAttention(nn.Module):
         if return_weights or explicit:
             out, weights = naive_attention(q, k, v, settings, q_pos, k_pos)
         else:
-            # (B, nh, T, hs)
             out = sdpa_attention(q, k, v, settings, q_pos, k_pos)
         # (B, T, C): concatenate the heads
         out = merge_heads(out)
