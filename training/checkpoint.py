@@ -1,17 +1,8 @@
-"""Checkpoints: the out dir they go to, writing them, and a run continued from one (reading
-one is loading.py's).
-
-An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (the lowest val
-loss: a hard link to one of them, or a copy), config.toml, metrics.jsonl and curves.png.
-
-Choices:
-  one run       a folder holding a run, or files of the names a run writes, is refused unless
-                --resume or --overwrite; --overwrite renames it to <out_dir>.replaced-<UTC
-                time> and starts afresh: one rename, nothing lost
-  whole files   a checkpoint is written to a temporary file and renamed (atomic_write): a
-                reader, or a run killed mid-save, finds the old one or the new one
-  exact resume  a checkpoint holds the optimizer, the data order and every rank's random
-                generators besides the weights
+"""Checkpoints: the out dir, writing them, and a run continued from one (loading.py reads
+them). An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (a hard
+link to the one of the lowest val loss), config.toml, metrics.jsonl and curves.png. A folder
+holding a run is refused unless --resume, or --overwrite, which renames it aside: nothing is
+lost. A checkpoint is written whole or not at all, and holds all a run needs to go on exactly.
 """
 import errno
 import os
@@ -29,8 +20,7 @@ from training.config import FIELDS, flat, fmt, load_toml
 
 # the files a run writes, besides its ckpt_<step>.pt
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
-# A checkpoint's keys: what loading.py reads of any trained model, then what a run needs
-# besides to continue exactly
+# a checkpoint's keys: what loading.py reads of a model, and what resuming needs besides
 FOR_USING = ("format", "version", "config", "tokenizer", "model", "step", "best_val_loss")
 FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
                 "tokens", "is_best")
@@ -47,7 +37,7 @@ def run_files(out: Path) -> list[str]:
 def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=None,
                   again="--resume"):
     """The checkpoint a run on `data` continues (None: a new run), once out can take the run;
-    a refusal names `again`, the command that continues the run out holds. Writes nothing."""
+    a refusal names `again`, the command that continues the run out holds."""
     latest = (list_checkpoints(out) or [(0, out / "best.pt")])[-1][1]
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other: continue the run, "
@@ -64,22 +54,21 @@ def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=Non
     held = run_files(out) if out.is_dir() else []
     run = run_config(out)
     # a run stopped before its first checkpoint (its config.toml this code's): no run to keep
-    if not latest.is_file() and run and set(run) <= set(FIELDS) and "out_dir" in run:
-        held = []
+    unsaved = not latest.is_file() and run and set(run) <= set(FIELDS) and "out_dir" in run
+    if resume or overwrite or not held or unsaved:
+        return Path(checkpoint or latest).resolve() if resume else None
     kept = (f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), "
             f"or another --out_dir")
-    if held and not resume and not overwrite and latest.is_file():
-        was = (run.get("data.path"), run.get("data.tokenizer"))
-        now = (data.path, data.tokenizer)
-        # an out dir given twice, or texts of one name in two folders
-        if run and was != now:
-            raise UserError(f"{out} already holds a run trained on {was[0]} ({was[1]}), "
-                            f"not {now[0]} ({now[1]}): {again} would continue that run on "
-                            f"other data; {kept}")
-        raise UserError(f"{out} already holds a run: {again} continues it, {kept}")
-    if held and not resume and not overwrite:
+    if not latest.is_file():
         raise UserError(f"{out} holds {', '.join(held)}, which a run writes: {kept}")
-    return Path(checkpoint or latest).resolve() if resume else None
+    was = (run.get("data.path"), run.get("data.tokenizer"))
+    now = (data.path, data.tokenizer)
+    # an out dir given twice, or texts of one name in two folders
+    if run and was != now:
+        raise UserError(f"{out} already holds a run trained on {was[0]} ({was[1]}), not "
+                        f"{now[0]} ({now[1]}): {again} would continue that run on other "
+                        f"data; {kept}")
+    raise UserError(f"{out} already holds a run: {again} continues it, {kept}")
 
 
 def run_config(out: Path) -> dict:
@@ -91,9 +80,8 @@ def run_config(out: Path) -> dict:
 
 
 def open_out_dir(out: Path, overwrite: bool, first_writes) -> Path | None:
-    """Make out, after renaming (--overwrite) a folder holding an earlier run to a fresh
-    sibling, which it returns; then first_writes(). Their UserError undoes it all: a folder
-    made goes, the earlier run comes back."""
+    """Make out, after renaming (--overwrite) an earlier run's folder aside (returned), then
+    first_writes(); their UserError undoes it all."""
     made, aside = not out.exists(), None
     if overwrite and out.is_dir() and run_files(out):
         now = datetime.now(timezone.utc)
@@ -112,8 +100,8 @@ def open_out_dir(out: Path, overwrite: bool, first_writes) -> Path | None:
 
 
 def link_best(path: Path) -> None:
-    """best.pt becomes the checkpoint at path: a hard link (no space; it keeps the data when
-    ckpt_* is rotated out), or a copy where the file system has none."""
+    """best.pt becomes path: a hard link (it keeps the data when ckpt_* is rotated out), or a
+    copy where the file system has none."""
     best = path.parent / "best.pt"
     tmp = path.parent / ".best.pt.tmp"
     if best.exists() and os.path.samefile(best, path):
@@ -130,10 +118,9 @@ def link_best(path: Path) -> None:
 
 class Saver(ThreadPoolExecutor):
     """Checkpoints written by a thread of their own while the steps go on. save(state) waits
-    for the write before it (one copy held at most; its error raised), copies the checkpoint's
-    keys of state to host memory (the steps change the originals) and hands the write to the
-    thread; then(fn, ...) runs fn there after it; wait() waits for all of them. A Saver of no
-    out dir (ranks other than 0) writes nothing."""
+    for the write before (one copy held at most; its error raised), copies state to host
+    memory and hands the write to the thread; then(fn) runs fn there after it. Saver(None)
+    writes nothing (ranks but 0)."""
 
     def __init__(self, out: Path | None, keep: int):
         super().__init__(1)
@@ -145,7 +132,6 @@ class Saver(ThreadPoolExecutor):
         self.wait()
         ckpt = {"format": FORMAT, "version": VERSION}
         ckpt |= {k: state[k] for k in FOR_USING[2:] + FOR_RESUMING}
-        ckpt["optimizer"] = float_lrs(ckpt["optimizer"])
         self.then(save_checkpoint, to_host(ckpt), self.out, self.keep)
 
     def then(self, fn, *args) -> None:
@@ -159,8 +145,8 @@ class Saver(ThreadPoolExecutor):
 
 
 def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
-    """Write ckpt_<step>.pt, make it best.pt if it is the best, then delete all but the newest
-    `keep`, and any later one (a run resumed from an earlier checkpoint replaces them)."""
+    """Write ckpt_<step>.pt (best.pt if it is the best); keep the newest `keep`, none later (a
+    run resumed from an earlier checkpoint replaces them)."""
     path = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt"
     best = Path(out_dir) / "best.pt"
     # an abandoned run's checkpoint of this step is replaced
@@ -182,37 +168,25 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
     return path
 
 
-def to_host(obj):
-    """obj with its tensors (in dicts, lists, tuples) copied to host memory."""
+def to_host(obj, key=None):
+    """obj with its tensors (in dicts, lists, tuples) copied to host memory, and an optimizer's
+    lr a float (a CUDA graph's is a tensor): a checkpoint resumes with either kind of step."""
     if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
+        return float(obj) if key == "lr" else obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
+        return {k: to_host(v, k) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_host(v) for v in obj)
     return obj
 
 
-def float_lrs(state: dict) -> dict:
-    """An optimizer state dict (or Muon + AdamW's list of them) with every lr a float, not a
-    CUDA graph's tensor: a checkpoint loads anywhere and resumes with either kind of step."""
-    if "optimizers" in state:
-        return {**state, "optimizers": [float_lrs(s) for s in state["optimizers"]]}
-    groups = [{**g, "lr": float(g["lr"])} for g in state["param_groups"]]
-    return {**state, "param_groups": groups}
-
-
-def rng_state() -> dict:
-    """Every generator a run draws from (dropout's): torch's CPU one, this process's GPU's."""
-    cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
-    return {"torch": torch.get_rng_state(), "cuda": cuda}
-
-
 def training_state(cfg, model, optimizer, scaler, loader, ddp: bool) -> dict:
-    """A checkpoint's keys besides the run's progress (under FSDP every rank gathers the
-    shards, and rank 0 keeps them)."""
+    """A checkpoint's keys besides the run's progress (under FSDP every rank gathers)."""
     model_state, optimizer_state = distributed.full_state(model, optimizer)
-    rngs = distributed.gather(rng_state()) if ddp else [rng_state()]
+    # the generators dropout draws from: the CPU's, this process's GPU's
+    cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
+    rng = {"torch": torch.get_rng_state(), "cuda": cuda}
+    rngs = distributed.gather(rng) if ddp else [rng]
     meta = loader.meta
     return {"config": cfg.to_dict(), "tokenizer": meta["tokenizer"], "model": model_state,
             "optimizer": optimizer_state, "loader": loader.state_dict(),
@@ -236,8 +210,8 @@ def check_resumable(ckpt: dict, path, cfg) -> None:
 
 
 def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
-    """A resumed run's text must give the tokens it was trained on (a char text that gained
-    characters does not); another text of the same tokens is said, and goes on."""
+    """A resumed run's text must give its tokens (a char text that gained characters does
+    not); another text of the same tokens is said, and goes on."""
     if ckpt["tokenizer"] != meta["tokenizer"]:
         raise UserError(f"{path} was trained on a text of other tokens than "
                         f"{cfg.data.path} now gives: the text changed, and --resume needs "
@@ -248,8 +222,7 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
 
 
 def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
-    """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's
-    generators (at: this process's rank and world). Returns the run's progress."""
+    """Load the checkpoint into the run (at: this process's rank and world); its progress."""
     rank, world = at.rank, at.world
     # this run's hyperparameters: a checkpoint's would undo --train.lr=...
     now = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
@@ -275,9 +248,8 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
 
 
 def why_unwritten(error: Exception) -> str:
-    """Why a file could not be written, in words: the file's OSError, or the one behind torch's
-    zip writer's RuntimeError. EFBIG is a limit on a file's size: this process's
-    (RLIMIT_FSIZE; Python ignores the SIGXFSZ that would kill it) or the file system's."""
+    """Why a file could not be written: its OSError, or the one behind torch's RuntimeError.
+    EFBIG is this process's file-size limit (Python ignores SIGXFSZ) or the file system's."""
     cause = error if isinstance(error, OSError) else error.__context__
     if getattr(cause, "errno", None) == errno.EFBIG:
         # Unix alone has the limit, and the module that reads it

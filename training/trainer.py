@@ -1,21 +1,15 @@
-"""Training a GPT, top to bottom: `python train.py` calls train(cfg).
+"""Training a GPT, top to bottom: `python train.py` calls train(cfg). The set-up checks
+everything before the run's first write; train_step is one optimizer step (on one CUDA GPU
+recorded once as a CUDA graph); the loop logs, evaluates, saves and samples.
 
-    set-up     the device and processes; every check before the run's first write; the data,
-               the model, the optimizer
-    the step   train_step: grad_accum micro-batches forward and backward, clipping, the update;
-               on one CUDA GPU recorded once as a CUDA graph and replayed
-    the loop   a log line every log_interval steps; an evaluation and a checkpoint every
-               eval_interval steps and at the end; a sample every sample_every steps
-
-Choices:
-  exact resume  the weights, optimizer, LR schedule, data order and random generators go on
-                where the checkpoint left them (on a CPU: with as many threads)
-  non-finite    a loss or gradient norm the loop reads that is not finite stops the run,
-                naming the steps it came between; no checkpoint is written after it
+  exact resume  weights, optimizer, schedule, data order and random generators go on where
+                the checkpoint left them (on a CPU: with as many threads)
+  non-finite    a loss or gradient norm the loop reads that is not finite stops the run;
+                no checkpoint is written after it
   true speed    ms/step is timed once a log line has read the loss: the device has finished
   signals       SIGINT or SIGTERM: the step finishes (under torchrun: the steps to the next
-                log line), a checkpoint is saved, and the run exits 128 + the signal; a
-                second one exits at once
+                log line), a checkpoint is saved, the run exits 128 + the signal; a second
+                one exits at once
 """
 import json
 import math
@@ -46,9 +40,8 @@ from training.checkpoint import (Saver, check_out_dir, check_resumable, check_sa
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
 
-# evaluations draw the same batches every time, whatever the training seed
+# evaluations draw the same batches every time, and samples the same tokens
 EVAL_SEED = 4242
-# and samples the same draws
 SAMPLE_SEED = 1337
 # a little below 1: the likelier tokens, without greedy decoding's loops
 SAMPLE_TEMPERATURE = 0.8
@@ -90,14 +83,12 @@ def place(t) -> Place:
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
           checkpoint=None, again="the same command with --resume") -> dict:
     """Run, or resume (from `checkpoint` or the out dir's latest), the training cfg describes;
-    `again` is the command that resumes it. Returns its step, best val loss, seconds, how its
-    step ran, each log interval's (steps, ms/step) and the exit code (0, 128 + signal)."""
+    `again` resumes it. Returns what bench.py and the sweeps read, and the exit code."""
     t, out = cfg.train, Path(cfg.out_dir)
     at = place(t)
     say = printer(at.rank == 0 and not quiet)
 
-    # ---- every check before the run's first write: the data's files first (a mistyped --data
-    # is not an out dir holding other data), the out dir, the checkpoint, the data
+    # ---- every check before the first write (a mistyped --data is no out dir of other data)
     find_sources(cfg.data.path)
     resume_from = check_out_dir(out, cfg.data, resume, overwrite, checkpoint, again)
     ckpt = read_checkpoint(resume_from) if resume_from else None
@@ -192,7 +183,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 saved, checked = step, step
                 clock.pause()
             if sampled and at.rank == 0:
-                log_sample(say, metrics, step, sample(model, tokenizer, t, at))
+                text = sample(model, tokenizer, t, at)
+                say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
+                metrics.log({"step": step, "kind": "sample", "text": text})
                 clock.pause()
             if stopping:
                 break
@@ -214,9 +207,8 @@ def data_loader(cfg: Config, at: Place) -> BatchLoader:
     t, block_size = cfg.train, cfg.model.block_size
     make = partial(prepare, cfg.data, block_size)
     dataset = distributed.leader_first(make, at.local_rank == 0) if at.ddp else make()
-    share = Share(t.grad_accum, at.rank, at.world)
     return BatchLoader(dataset, block_size, t.batch_size, seed=t.seed, device=at.device,
-                       share=share)
+                       share=Share(t.grad_accum, at.rank, at.world))
 
 
 def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
@@ -230,9 +222,8 @@ def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
 
 
 def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
-    """The run's first writes: the out dir (returned: where --overwrite set the earlier run
-    aside), metrics.jsonl and wandb, config.toml. best: a resumed checkpoint that was the best,
-    and so is best.pt again."""
+    """The out dir (returned: where --overwrite set the earlier run aside), metrics.jsonl and
+    wandb, config.toml; best.pt again if the resumed checkpoint (best) was the best."""
     out = Path(cfg.out_dir)
     aside = open_out_dir(out, overwrite, metrics.open)
     if best is not None:
@@ -269,8 +260,7 @@ class Clock:
 
 
 def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
-    """The stopped run's line, with the command that continues it; or the done line, with the
-    one that samples it."""
+    """The stopped run's line and how to continue it, or the done line and how to sample it."""
     if run.step < t.max_steps:
         name = signal.Signals(signum).name
         return (f"stopped by {name} at step {run.step}: checkpoint saved in {out}; "
@@ -300,7 +290,7 @@ def global_batch(t, world: int) -> int:
 
 def fit_to_data(cfg: Config, meta: dict):
     """The data's tokenizer, and its vocabulary the model's (model.vocab_size = 0); a sample
-    prompt the tokenizer cannot encode is refused now, not at the first sample."""
+    prompt it cannot encode is refused now, not at the first sample."""
     cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
     if cfg.model.vocab_size < meta["vocab_size"]:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
@@ -355,9 +345,8 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
 
 
 def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
-    """(the loop's step, () -> (loss, grad norm); how it runs, in words): train_step on the
-    loader's next windows, compiled (train.compile) and recorded as a CUDA graph
-    (train.cuda_graph) where it can be, reading a buffer refilled before each replay."""
+    """(the loop's step: train_step on the next windows, compiled and recorded as a CUDA graph
+    where it can be; how it runs, in words)."""
     # DDP's (or FSDP's) module, as it was before compiling: where gradient syncs are set
     how, ddp = "eager", wrapped if at.ddp else None
     if t.compile:
@@ -394,7 +383,7 @@ def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
 
 
 def graph_blocker(at: Place) -> str | None:
-    """Why the step cannot be recorded as a CUDA graph here (None: it can)."""
+    """Why the step cannot be a CUDA graph here (None: it can)."""
     if at.device.type != "cuda":
         return f"graphs are CUDA's (device {at.device.type})"
     if at.ddp:
@@ -405,8 +394,8 @@ def graph_blocker(at: Place) -> str | None:
 
 
 def compile_trial(compiled, loader, at: Place) -> None:
-    """A forward and backward of the compiled model on a batch laid out as the step's (other
-    strides compile again), leaving no gradients and the generators as they were."""
+    """A forward and backward on a batch laid out as the step's (other strides compile
+    again), leaving no gradients and the generators as they were."""
     w = torch.zeros(loader.batch_size, loader.block_size + 1, dtype=torch.long, device=at.device)
     devices = [at.device] if at.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), autocast(at.device, at.dtype):
@@ -416,28 +405,25 @@ def compile_trial(compiled, loader, at: Place) -> None:
 
 @contextmanager
 def stop_signals(loud: bool = True):
-    """While inside, SIGINT and SIGTERM ask the run to stop (the yielded list gets the signal);
-    a second one ends the process. Said on stderr when loud (one process a machine: torchrun
-    signals them all) by os.write: a print() here could land inside one it cut short."""
+    """Inside, SIGINT and SIGTERM ask the run to stop (the yielded list gets the signal); a
+    second one ends the process. Said on stderr when loud (torchrun signals a machine's every
+    process) by os.write: a print() here could land inside one it cut short."""
     asked = []
 
     def handler(signum, frame):
-        again, name = bool(asked), signal.Signals(signum).name
         asked.append(signum)
-        said = "again: exiting now" if again else \
+        said = "again: exiting now" if len(asked) > 1 else \
             "finishing this step and saving a checkpoint (again to exit at once)"
         # a stderr whose reader is gone must not end the run unsaved
         with suppress(OSError):
-            loud and os.write(2, f"\n{name}: {said}\n".encode())
-        if again:
+            loud and os.write(2, f"\n{signal.Signals(signum).name}: {said}\n".encode())
+        if len(asked) > 1:
             os._exit(128 + signum)
-    # only the main thread can set handlers
+    # only the main thread can set handlers; a signal the shell ignores (`cmd &`) stays so
     main = threading.current_thread() is threading.main_thread()
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    for s, h in before.items():
-        # a signal the shell ignores, as for `cmd &`, stays ignored
-        if h is not signal.SIG_IGN:
-            signal.signal(s, handler)
+    for s in [s for s, h in before.items() if h is not signal.SIG_IGN]:
+        signal.signal(s, handler)
     try:
         yield asked
     finally:
@@ -446,7 +432,7 @@ def stop_signals(loud: bool = True):
 
 
 def check_finite(values: dict, since: int, step: int, saved: int | None) -> None:
-    """Stop the run, naming the steps between which it happened, if a value read is not finite."""
+    """Stop the run, naming the steps between which it happened, if a value is not finite."""
     for name, value in values.items():
         if not math.isfinite(value):
             kept = f"the checkpoint of step {saved} is kept"
@@ -458,8 +444,8 @@ def check_finite(values: dict, since: int, step: int, saved: int | None) -> None
 # ---------------------------------------------------------------- evaluations and samples
 
 def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
-    """Each split's mean loss: over loader.eval_windows (iters = 0: every rank all of them, as
-    FSDP's gathers need), else over the same `iters` random batches (each rank its share)."""
+    """Each split's mean loss: over loader.eval_windows (iters = 0: on every rank, as FSDP
+    needs), else over the same `iters` random batches (each rank its share)."""
     losses = {}
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(EVAL_SEED)
@@ -485,11 +471,6 @@ def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
                  "elapsed_s": run.elapsed, "time": time.time()})
 
 
-def log_sample(say, metrics, step: int, text: str) -> None:
-    say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
-    metrics.log({"step": step, "kind": "sample", "text": text})
-
-
 def draw_curves(out: Path, step: int) -> None:
     """curves.png: the run's losses so far (matplotlib is imported on first use)."""
     from viz.curves import draw, read_records, run_panels
@@ -498,18 +479,17 @@ def draw_curves(out: Path, step: int) -> None:
 
 
 def sample(model: GPT, tokenizer, t, at: Place) -> str:
-    """A sample of the same prompt and draws every time (samples compare across steps); its
-    own generator and eval mode change no later loss."""
+    """The same prompt and draws every time (samples compare across steps); its own generator
+    and eval mode change no later loss."""
     ids = prompt_ids(tokenizer, t.sample_prompt, model.cfg.block_size, "sampling")
     generator = torch.Generator(device=at.device).manual_seed(SAMPLE_SEED)
-    was_training = model.training
     model.eval()
     with autocast(at.device, at.dtype):
         prompt = torch.tensor([ids], device=at.device)
         columns = generate(model, prompt, t.sample_tokens, Choice(SAMPLE_TEMPERATURE),
                            generator, vocab_limit=tokenizer.vocab_size)
         new = torch.cat(list(columns), dim=1)[0].tolist()
-    model.train(was_training)
+    model.train()
     return t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")
 
 
@@ -528,8 +508,8 @@ def printer(enabled: bool):
 
 
 class Metrics:
-    """metrics.jsonl, and wandb when asked for; Metrics(None) records nothing (ranks but 0).
-    Resumed at resume_step, the records after it go: the run logs them again."""
+    """metrics.jsonl, and wandb; Metrics(None) records nothing (ranks but 0). Resumed at
+    resume_step, the records after it go: the run logs them again."""
 
     def __init__(self, cfg: Config | None, resume_step: int | None = None):
         self.cfg, self.resume_step, self.wandb = cfg, resume_step, None
@@ -572,7 +552,7 @@ class Metrics:
 
 def banner(say, cfg, stored: dict, was, world: int) -> None:
     """The settings that are not the defaults; what changed since a resumed run began (stored:
-    its config.toml; was: earlier_batch); a schedule that cannot work as meant."""
+    its config.toml); a schedule that cannot work as meant."""
     now, defaults = flat(cfg.to_dict()), flat(build_config().to_dict())
     differ = [f"{k} = {fmt(v)}" for k, v in now.items()
               if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
@@ -589,7 +569,7 @@ def banner(say, cfg, stored: dict, was, world: int) -> None:
 
 
 def shape(cfg, model, loader, at: Place, how: str) -> str:
-    """The banner's line of what runs: the model's size, where, the tokens per step, the data."""
+    """The banner's line of what runs, and where."""
     t, device = cfg.train, at.device
     procs = f" x {at.world} processes ({'FSDP' if t.fsdp else 'DDP'})" if at.ddp else ""
     threads = torch.get_num_threads()
@@ -602,7 +582,7 @@ def shape(cfg, model, loader, at: Place, how: str) -> str:
 
 
 def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
-    """A run resumed at another global batch: its tokens per step, and what keeps them."""
+    """A run resumed at another global batch: the setting that keeps it."""
     (seqs, procs), now = was, global_batch(t, world)
     if seqs % (t.batch_size * world) == 0:
         keep = f"--train.grad_accum={seqs // (t.batch_size * world)}"
