@@ -233,11 +233,11 @@ def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
 
 
 class Clock:
-    """ms/step over each log interval (evaluations, checkpoints and samples pause it), and the
-    run's seconds, everything included."""
+    """ms/step over each log interval (evaluations, saves and samples pause it); the run's
+    seconds."""
 
     def __init__(self, run: Progress):
-        self.first_step, self.run, self.before = run.step, run, run.elapsed
+        self.run, self.first_step, self.before = run, run.step, run.elapsed
         self.start = self.interval_start = time.perf_counter()
         # each log interval's (steps, ms/step); the steps since interval_start
         self.intervals, self.timed = [], 0
@@ -310,7 +310,7 @@ def earlier_batch(ckpt: dict) -> tuple[int, int]:
     return t["batch_size"] * t["grad_accum"] * procs, procs
 
 
-# ---------------------------------------------------------------- the step
+# --- the step
 
 def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
                windows: torch.Tensor):
@@ -441,7 +441,7 @@ def check_finite(values: dict, since: int, step: int, saved: int | None) -> None
                             f"stopped, {kept} (try a lower --train.lr)")
 
 
-# ---------------------------------------------------------------- evaluations and samples
+# --- evaluations and samples
 
 def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
     """Each split's mean loss: over loader.eval_windows (iters = 0: on every rank, as FSDP
@@ -493,7 +493,7 @@ def sample(model: GPT, tokenizer, t, at: Place) -> str:
     return t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")
 
 
-# ---------------------------------------------------------------- what a run says and records
+# --- what a run says and records
 
 def printer(enabled: bool):
     """print(), flushed (or nothing: quiet runs, ranks but 0); a stdout whose reader is gone
