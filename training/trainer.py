@@ -40,7 +40,7 @@ from training.checkpoint import (Saver, check_out_dir, check_resumable, check_sa
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
 
-# evaluations draw the same batches every time, and samples the same tokens
+# evaluations draw the same batches every time, whatever the training seed; samples likewise
 EVAL_SEED = 4242
 SAMPLE_SEED = 1337
 # a little below 1: the likelier tokens, without greedy decoding's loops
@@ -366,6 +366,8 @@ def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
             say(f"# no CUDA graph: {blocker}")
         return eager, how
     from speed.cuda_graph import graph_step
+    # the graph reads its windows from a buffer, refilled before each replay (on a CPU the
+    # step runs unrecorded: the tests')
     shape = (t.grad_accum, t.batch_size, loader.block_size + 1)
     buffer = torch.zeros(shape, dtype=torch.long, device=at.device)
     try:
@@ -509,7 +511,7 @@ def printer(enabled: bool):
 
 class Metrics:
     """metrics.jsonl, and wandb; Metrics(None) records nothing (ranks but 0). Resumed at
-    resume_step, the records after it go: the run logs them again."""
+    resume_step, the later records go: a run killed after its last save logs them again."""
 
     def __init__(self, cfg: Config | None, resume_step: int | None = None):
         self.cfg, self.resume_step, self.wandb = cfg, resume_step, None
