@@ -144,7 +144,6 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             loss, grad_norm = run_step()
             run.step += 1
             run.tokens += tokens_per_step
-            clock.timed += 1
             step = run.step
             logged = step % t.log_interval == 0 or step == t.max_steps
             evaluated = step % t.eval_interval == 0 or step == t.max_steps
@@ -238,18 +237,20 @@ class Clock:
 
     def __init__(self, run: Progress):
         self.run, self.first_step, self.before = run, run.step, run.elapsed
-        self.start = self.interval_start = time.perf_counter()
-        # each log interval's (steps, ms/step); the steps since interval_start
-        self.intervals, self.timed = [], 0
+        self.start = time.perf_counter()
+        # each log interval's (steps, ms/step)
+        self.intervals = []
+        self.pause()
 
     def interval(self) -> float:
-        ms = (time.perf_counter() - self.interval_start) * 1000 / self.timed
-        self.intervals.append((self.timed, ms))
+        steps = self.run.step - self.interval_step
+        ms = (time.perf_counter() - self.interval_start) * 1000 / steps
+        self.intervals.append((steps, ms))
         self.pause()
         return ms
 
     def pause(self) -> None:
-        self.interval_start, self.timed = time.perf_counter(), 0
+        self.interval_start, self.interval_step = time.perf_counter(), self.run.step
 
     def left(self, max_steps: int) -> str:
         pace = (time.perf_counter() - self.start) / (self.run.step - self.first_step)
