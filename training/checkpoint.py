@@ -1,21 +1,8 @@
-"""Checkpoints: the out dir they go to, writing them, and a run continued from one
-(reading one, and the model in it, is loading.py's).
-
-An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (the lowest
-val loss: a hard link to one of them, or a copy), config.toml, metrics.jsonl and
-curves.png.
-
-Choices:
-  one run       a folder holding a run is refused unless --resume or --overwrite, and so
-                is one holding files of the names a run writes (other files are left
-                alone). --overwrite renames the folder to <out_dir>.replaced-<UTC time>
-                and starts afresh: one rename, nothing lost, no state to recover. Two runs
-                started into one folder at once are yours to avoid
-  whole files   a checkpoint is written to a temporary file and renamed (atomic_write): a
-                reader, or a run killed mid-save, finds the old checkpoint or the new one,
-                never part of one
-  exact resume  a checkpoint holds the whole training state: the optimizer, the data
-                order and every rank's random generators, besides the weights
+"""Checkpoints: the out dir, writing them, and a run continued from one (loading.py reads
+them). An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (a hard
+link to the one of the lowest val loss), config.toml, metrics.jsonl and curves.png. A folder
+holding a run is refused unless --resume, or --overwrite, which renames it aside: nothing is
+lost. A checkpoint is written whole or not at all, and holds all a run needs to go on exactly.
 """
 import errno
 import os
@@ -33,8 +20,7 @@ from training.config import FIELDS, flat, fmt, load_toml
 
 # the files a run writes, besides its ckpt_<step>.pt
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
-# A checkpoint's keys: what loading.py reads of any trained model, then what a run needs
-# besides to continue exactly
+# a checkpoint's keys: what loading.py reads of a model, and what resuming needs besides
 FOR_USING = ("format", "version", "config", "tokenizer", "model", "step", "best_val_loss")
 FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
                 "tokens", "is_best")
@@ -50,9 +36,8 @@ def run_files(out: Path) -> list[str]:
 
 def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=None,
                   again="--resume"):
-    """The checkpoint a run on `data` continues (None: a new run), once out can take the
-    run; a refusal names `again`, the command that would continue the run out holds.
-    Writes nothing."""
+    """The checkpoint a run on `data` continues (None: a new run), once out can take the run;
+    a refusal names `again`, the command that continues the run out holds."""
     latest = (list_checkpoints(out) or [(0, out / "best.pt")])[-1][1]
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other: continue the run, "
@@ -65,28 +50,25 @@ def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=Non
     # the folder it will be made in
     parent = next(p for p in (out, *out.parents) if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write the out dir {out}: {parent} is not a writable "
-                        f"folder")
+        raise UserError(f"cannot write the out dir {out}: {parent} is not a writable folder")
     held = run_files(out) if out.is_dir() else []
     run = run_config(out)
-    # a run stopped before its first checkpoint (its config.toml all settings of this
-    # code's): the folder holds no run, and it starts again
-    if not latest.is_file() and run and set(run) <= set(FIELDS) and "out_dir" in run:
-        held = []
+    # a run stopped before its first checkpoint (its config.toml this code's): no run to keep
+    unsaved = not latest.is_file() and run and set(run) <= set(FIELDS) and "out_dir" in run
+    if resume or overwrite or not held or unsaved:
+        return Path(checkpoint or latest).resolve() if resume else None
     kept = (f"--overwrite starts over (keeping them in {out.name}.replaced-<time>), "
             f"or another --out_dir")
-    if held and not resume and not overwrite and latest.is_file():
-        was = (run.get("data.path"), run.get("data.tokenizer"))
-        now = (data.path, data.tokenizer)
-        # an out dir given twice, or texts of one name in two folders
-        if run and was != now:
-            raise UserError(f"{out} already holds a run trained on {was[0]} ({was[1]}), "
-                            f"not {now[0]} ({now[1]}): {again} would continue that run on "
-                            f"other data; {kept}")
-        raise UserError(f"{out} already holds a run: {again} continues it, {kept}")
-    if held and not resume and not overwrite:
+    if not latest.is_file():
         raise UserError(f"{out} holds {', '.join(held)}, which a run writes: {kept}")
-    return Path(checkpoint or latest).resolve() if resume else None
+    was = (run.get("data.path"), run.get("data.tokenizer"))
+    now = (data.path, data.tokenizer)
+    # an out dir given twice, or texts of one name in two folders
+    if run and was != now:
+        raise UserError(f"{out} already holds a run trained on {was[0]} ({was[1]}), not "
+                        f"{now[0]} ({now[1]}): {again} would continue that run on other "
+                        f"data; {kept}")
+    raise UserError(f"{out} already holds a run: {again} continues it, {kept}")
 
 
 def run_config(out: Path) -> dict:
@@ -97,29 +79,29 @@ def run_config(out: Path) -> dict:
         return {}
 
 
-def open_out_dir(out: Path, overwrite: bool) -> Path | None:
-    """The run's first write: make out, after renaming (--overwrite) the folder holding
-    an earlier run to a fresh sibling, which it returns."""
-    aside = None
+def open_out_dir(out: Path, overwrite: bool, first_writes) -> Path | None:
+    """Make out, after renaming (--overwrite) an earlier run's folder aside (returned), then
+    first_writes(); their UserError undoes it all."""
+    made, aside = not out.exists(), None
     if overwrite and out.is_dir() and run_files(out):
         now = datetime.now(timezone.utc)
         aside = out.with_name(f"{out.name}.replaced-{now:%Y%m%d-%H%M%S.%f}")
         os.rename(out, aside)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        first_writes()
+    except UserError:
+        if made or aside:
+            shutil.rmtree(out, ignore_errors=True)
+        if aside:
+            os.rename(aside, out)
+        raise
     return aside
 
 
-def close_out_dir(out: Path, made: bool, aside: Path | None) -> None:
-    """Undo open_out_dir: a folder it made goes, an earlier run set aside comes back."""
-    if made or aside:
-        shutil.rmtree(out, ignore_errors=True)
-    if aside:
-        os.rename(aside, out)
-
-
 def link_best(path: Path) -> None:
-    """best.pt becomes the checkpoint at path: a hard link (no space; it keeps the data
-    when ckpt_* is rotated out), or a copy where the file system has none."""
+    """best.pt becomes path: a hard link (it keeps the data when ckpt_* is rotated out), or a
+    copy where the file system has none."""
     best = path.parent / "best.pt"
     tmp = path.parent / ".best.pt.tmp"
     if best.exists() and os.path.samefile(best, path):
@@ -128,28 +110,21 @@ def link_best(path: Path) -> None:
     try:
         os.link(path, tmp)
     except OSError:
-        # no hard links here
         with open(path, "rb") as src:
             atomic_write(best, lambda f: shutil.copyfileobj(src, f))
         return
     os.replace(tmp, best)
 
 
-class Saver:
-    """Checkpoints written by a thread of their own while the steps go on.
+class Saver(ThreadPoolExecutor):
+    """Checkpoints written by a thread of their own while the steps go on. save(state) waits
+    for the write before (one copy held at most; its error raised), copies state to host
+    memory and hands the write to the thread; then(fn) runs fn there after it. Saver(None)
+    writes nothing (ranks but 0)."""
 
-    save(state) takes the checkpoint's keys from state (all but format and version),
-    copies them to host memory (the steps change the originals) and hands the write to
-    the thread. A save waits for the write before it, so one copy at most is held, and
-    raises that write's error; then(fn, ...) runs fn on the thread after the writes;
-    wait() waits for all of them. A Saver of no out dir (ranks other than 0) writes
-    nothing."""
-
-    def __init__(self, out: Path, keep: int):
-        self.out = out
-        self.keep = keep
-        self.thread = ThreadPoolExecutor(1)
-        self.pending = []
+    def __init__(self, out: Path | None, keep: int):
+        super().__init__(1)
+        self.out, self.keep, self.pending = out, keep, []
 
     def save(self, state: dict) -> None:
         if self.out is None:
@@ -157,34 +132,24 @@ class Saver:
         self.wait()
         ckpt = {"format": FORMAT, "version": VERSION}
         ckpt |= {k: state[k] for k in FOR_USING[2:] + FOR_RESUMING}
-        ckpt["optimizer"] = float_lrs(ckpt["optimizer"])
         self.then(save_checkpoint, to_host(ckpt), self.out, self.keep)
 
     def then(self, fn, *args) -> None:
-        if self.out is None:
-            return
-        self.pending.append(self.thread.submit(fn, *args))
+        if self.out is not None:
+            self.pending.append(self.submit(fn, *args))
 
     def wait(self) -> None:
         pending, self.pending = self.pending, []
         for write in pending:
             write.result()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *error):
-        self.thread.shutdown()
-
 
 def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
-    """Write ckpt_<step>.pt, make it best.pt if it is the best, then delete all but the
-    newest `keep` (and any later one, with a best.pt of theirs: a run resumed from an
-    earlier checkpoint replaces them)."""
+    """Write ckpt_<step>.pt (best.pt if it is the best); keep the newest `keep`, none later (a
+    run resumed from an earlier checkpoint replaces them)."""
     path = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt"
     best = Path(out_dir) / "best.pt"
-    # a checkpoint of this step from an abandoned run (resumed from an earlier one) is
-    # replaced
+    # an abandoned run's checkpoint of this step is replaced
     if path.is_file() and best.is_file() and os.path.samefile(best, path):
         best.unlink()
     try:
@@ -203,65 +168,50 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
     return path
 
 
-def to_host(obj):
-    """obj with its tensors (in dicts, lists, tuples) copied to host memory: a write
-    reads them while the steps change the originals."""
+def to_host(obj, key=None):
+    """obj with its tensors (in dicts, lists, tuples) copied to host memory, and an optimizer's
+    lr a float (a CUDA graph's is a tensor): a checkpoint resumes with either kind of step."""
     if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
+        return float(obj) if key == "lr" else obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
+        return {k: to_host(v, k) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_host(v) for v in obj)
     return obj
 
 
-def float_lrs(state: dict) -> dict:
-    """An optimizer state dict (or Muon + AdamW's list of them) with every lr a float: a
-    CUDA graph holds them in tensors, a checkpoint must load anywhere and resume with
-    either kind of step."""
-    if "optimizers" in state:
-        return {**state, "optimizers": [float_lrs(s) for s in state["optimizers"]]}
-    groups = [{**g, "lr": float(g["lr"])} for g in state["param_groups"]]
-    return {**state, "param_groups": groups}
-
-
-def rng_state() -> dict:
-    """Every generator a run draws from (dropout's): torch's CPU one, this process's
-    GPU's."""
+def training_state(cfg, model, optimizer, scaler, loader, ddp: bool) -> dict:
+    """A checkpoint's keys besides the run's progress (under FSDP every rank gathers)."""
+    model_state, optimizer_state = distributed.full_state(model, optimizer)
+    # the generators dropout draws from: the CPU's, this process's GPU's
     cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
-    return {"torch": torch.get_rng_state(), "cuda": cuda}
-
-
-def set_rng_state(s: dict) -> None:
-    torch.set_rng_state(s["torch"])
-    if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(s["cuda"][0])
+    rng = {"torch": torch.get_rng_state(), "cuda": cuda}
+    rngs = distributed.gather(rng) if ddp else [rng]
+    meta = loader.meta
+    return {"config": cfg.to_dict(), "tokenizer": meta["tokenizer"], "model": model_state,
+            "optimizer": optimizer_state, "loader": loader.state_dict(),
+            "dataset": {k: meta[k] for k in ("source", "sha256", "tokens", "bytes")},
+            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng_ranks": rngs}
 
 
 def check_resumable(ckpt: dict, path, cfg) -> None:
-    """Resuming needs the whole training state, and goes on with the run's own model and
-    tokenizer."""
+    """Resuming needs the whole training state, and the run's own model and tokenizer."""
     if missing := [k for k in FOR_RESUMING if k not in ckpt]:
         raise UserError(f"{path} cannot be resumed from: it lacks {', '.join(missing)}")
-    before, now = (model_and_tokenizer(c) for c in (ckpt["config"], cfg.to_dict()))
+    before, now = (flat(c) for c in (ckpt["config"], cfg.to_dict()))
     for key, value in now.items():
+        kept = key.startswith("model.") or key == "data.tokenizer"
         # model.vocab_size = 0: the tokenizer's, whatever it is
-        if before.get(key) == value or (key == "model.vocab_size" and value == 0):
+        if not kept or before.get(key) == value or (key == "model.vocab_size" and value == 0):
             continue
         raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(value)} now: "
                         f"--resume goes on with the run's own model and tokenizer (another "
                         f"--out_dir starts a new run)")
 
 
-def model_and_tokenizer(config: dict) -> dict:
-    """The flat settings of config that a resumed run must keep."""
-    settings = flat(config).items()
-    return {k: v for k, v in settings if k.startswith("model.") or k == "data.tokenizer"}
-
-
 def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
-    """A resumed run's text must give the tokens it was trained on (a char text that
-    gained characters does not); another text of the same tokens is said, and goes on."""
+    """A resumed run's text must give its tokens (a char text that gained characters does
+    not); another text of the same tokens is said, and goes on."""
     if ckpt["tokenizer"] != meta["tokenizer"]:
         raise UserError(f"{path} was trained on a text of other tokens than "
                         f"{cfg.data.path} now gives: the text changed, and --resume needs "
@@ -272,19 +222,12 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
 
 
 def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
-    """Continue the checkpoint: weights, optimizer, scaler, data order, every rank's
-    generators (at: this process's rank and world). Returns the run's progress: step,
-    tokens, best val loss, elapsed seconds."""
+    """Load the checkpoint into the run (at: this process's rank and world); its progress."""
     rank, world = at.rank, at.world
     # this run's hyperparameters: a checkpoint's would undo --train.lr=...
     now = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
     try:
-        if world > 1:
-            distributed.load_full_state(model, optimizer, ckpt["model"],
-                                        ckpt["optimizer"])
-        else:
-            model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
+        distributed.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
         for group, values in zip(optimizer.param_groups, now):
             group.update(values)
         if ckpt["scaler"]:
@@ -292,7 +235,10 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
         loader.load_state_dict(ckpt["loader"])
         # one per rank of the run that saved it
         rngs = ckpt["rng_ranks"]
-        set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
+        rng = rngs[rank] if len(rngs) == world else rngs[0]
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"][0])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
         raise UserError(f"{path} does not fit this run: {first_line(e)}") from None
     # another number of processes: new dropout streams per rank
@@ -302,10 +248,8 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
 
 
 def why_unwritten(error: Exception) -> str:
-    """Why a file could not be written, in words. The file's own OSError is the error, or
-    the context of the RuntimeError of torch's zip writer ("unexpected pos ..."). EFBIG
-    is a limit on a file's size: this process's (RLIMIT_FSIZE, `ulimit -f`; Python
-    ignores the SIGXFSZ that would kill it) or the file system's (FAT32: 4 GiB)."""
+    """Why a file could not be written: its OSError, or the one behind torch's RuntimeError.
+    EFBIG is this process's file-size limit (Python ignores SIGXFSZ) or the file system's."""
     cause = error if isinstance(error, OSError) else error.__context__
     if getattr(cause, "errno", None) == errno.EFBIG:
         # Unix alone has the limit, and the module that reads it

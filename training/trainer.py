@@ -1,25 +1,15 @@
-"""Training a GPT, top to bottom: `python train.py` calls train(cfg).
+"""Training a GPT, top to bottom: `python train.py` calls train(cfg). The set-up checks
+everything before the run's first write; train_step is one optimizer step (on one CUDA GPU
+recorded once as a CUDA graph); the loop logs, evaluates, saves and samples.
 
-    set-up     the device and the processes; every check before the run's first write (the
-               out dir, the checkpoint to resume, the data); the data, the model, the optimizer
-    the step   train_step: forward and backward over grad_accum micro-batches, gradient
-               clipping, the update; on one CUDA GPU recorded once as a CUDA graph and replayed
-    the loop   a log line every log_interval steps; an evaluation and a checkpoint every
-               eval_interval steps and at the end; a sample every sample_every steps
-
-Choices:
-  exact resume  the weights, the optimizer, the LR schedule, the data order and every random
-                generator continue where the checkpoint left them: the later losses are the
-                uninterrupted run's (on a CPU, with as many threads: OMP_NUM_THREADS)
-  non-finite    the loss and gradient norm the loop reads anyway (log lines; the eval losses at
-                evaluations): one that is not finite stops the run, naming the steps it came
-                between, and no checkpoint is written after it
+  exact resume  weights, optimizer, schedule, data order and random generators go on where
+                the checkpoint left them (on a CPU: with as many threads)
+  non-finite    a loss or gradient norm the loop reads that is not finite stops the run;
+                no checkpoint is written after it
   true speed    ms/step is timed once a log line has read the loss: the device has finished
-  one cast      a step's micro-batches run in one autocast region: each weight is cast to bf16
-                once a step
-  signals       SIGINT or SIGTERM: the step finishes (under torchrun: the steps to the next log
-                line), a checkpoint is saved (no extra evaluation), and the run exits 128 + the
-                signal (130, 143); a second one exits at once
+  signals       SIGINT or SIGTERM: the step finishes (under torchrun: the steps to the next
+                log line), a checkpoint is saved, the run exits 128 + the signal; a second
+                one exits at once
 """
 import json
 import math
@@ -46,14 +36,12 @@ from model.gpt import GPT, bits_per_byte, score
 from model.sampling import Choice, generate, prompt_ids
 from training import distributed
 from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
-                                 close_out_dir, link_best, open_out_dir, restore, rng_state,
-                                 run_config)
+                                 link_best, open_out_dir, restore, run_config, training_state)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
 
-# evaluation draws the same batches every time, whatever the training seed
+# evaluations draw the same batches every time, whatever the training seed; samples likewise
 EVAL_SEED = 4242
-# and samples while training the same draws
 SAMPLE_SEED = 1337
 # a little below 1: the likelier tokens, without greedy decoding's loops
 SAMPLE_TEMPERATURE = 0.8
@@ -94,15 +82,13 @@ def place(t) -> Place:
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
           checkpoint=None, again="the same command with --resume") -> dict:
-    """Run (or continue: resume, from `checkpoint` or the out dir's latest) the training cfg
-    describes; the command `again` resumes it. Returns its step, best val loss, seconds, how its
-    step ran, each log interval's (steps, ms/step) (bench.py's), the exit code (0, 128 + signal)."""
+    """Run, or resume (from `checkpoint` or the out dir's latest), the training cfg describes;
+    `again` resumes it. Returns what bench.py and the sweeps read, and the exit code."""
     t, out = cfg.train, Path(cfg.out_dir)
     at = place(t)
     say = printer(at.rank == 0 and not quiet)
 
-    # ---- every check before the run's first write: the data's files (a mistyped --data is no
-    # out dir holding other data), the out dir, the checkpoint, the data
+    # ---- every check before the first write (a mistyped --data is no out dir of other data)
     find_sources(cfg.data.path)
     resume_from = check_out_dir(out, cfg.data, resume, overwrite, checkpoint, again)
     ckpt = read_checkpoint(resume_from) if resume_from else None
@@ -158,7 +144,6 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             loss, grad_norm = run_step()
             run.step += 1
             run.tokens += tokens_per_step
-            clock.timed += 1
             step = run.step
             logged = step % t.log_interval == 0 or step == t.max_steps
             evaluated = step % t.eval_interval == 0 or step == t.max_steps
@@ -171,7 +156,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 # .item() waits for the device: the steps have run, and the timing is true
                 loss_value, norm = loss.item(), grad_norm.item()
                 ms = clock.interval()
-                # (fp16's scaler skips an inf gradient itself)
+                # fp16's scaler skips an inf gradient itself
                 norms = {} if scaler.is_enabled() else {"gradient norm": norm}
                 check_finite({"loss": loss_value} | norms, checked, step, saved)
                 checked = step
@@ -197,7 +182,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 saved, checked = step, step
                 clock.pause()
             if sampled and at.rank == 0:
-                log_sample(say, metrics, step, sample(model, tokenizer, t, at))
+                text = sample(model, tokenizer, t, at)
+                say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
+                metrics.log({"step": step, "kind": "sample", "text": text})
                 clock.pause()
             if stopping:
                 break
@@ -215,19 +202,16 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
 
 
 def data_loader(cfg: Config, at: Place) -> BatchLoader:
-    """The run's text prepared (under torchrun, by each machine's first process first) and its
-    batches drawn where the model computes."""
-    t = cfg.train
-    make = partial(prepare, cfg.data, cfg.model.block_size)
+    """The run's batches, on its device; under torchrun each machine's first process prepares."""
+    t, block_size = cfg.train, cfg.model.block_size
+    make = partial(prepare, cfg.data, block_size)
     dataset = distributed.leader_first(make, at.local_rank == 0) if at.ddp else make()
-    share = Share(t.grad_accum, at.rank, at.world)
-    return BatchLoader(dataset, cfg.model.block_size, t.batch_size, seed=t.seed, device=at.device,
-                       share=share)
+    return BatchLoader(dataset, block_size, t.batch_size, seed=t.seed, device=at.device,
+                       share=Share(t.grad_accum, at.rank, at.world))
 
 
 def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
-    """The model cfg describes on the device, from train.seed's initial weights (the same on every
-    rank) or, for a new run with train.init_from, pretrained ones."""
+    """The model with train.seed's initial weights (every rank's), or train.init_from's."""
     torch.manual_seed(cfg.train.seed)
     model = GPT(cfg.model).to(at.device)
     if cfg.train.init_from and not resumed:
@@ -237,19 +221,10 @@ def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
 
 
 def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
-    """The run's first writes: the out dir (the earlier run set aside by --overwrite: returned),
-    metrics.jsonl and wandb, config.toml. wandb that cannot start leaves the out dir as it was.
-    best: a resumed checkpoint that was the best when saved, and so is the best of the run that
-    goes on from it: best.pt is linked to it (again, after a kill cut its linking short; or
-    instead of a later checkpoint the resumed run abandons)."""
+    """The out dir (returned: where --overwrite set the earlier run aside), metrics.jsonl and
+    wandb, config.toml; best.pt again if the resumed checkpoint (best) was the best."""
     out = Path(cfg.out_dir)
-    made = not out.exists()
-    aside = open_out_dir(out, overwrite)
-    try:
-        metrics.open()
-    except UserError:
-        close_out_dir(out, made, aside)
-        raise
+    aside = open_out_dir(out, overwrite, metrics.open)
     if best is not None:
         link_best(best)
     atomic_write(out / "config.toml", describe(cfg))
@@ -257,27 +232,27 @@ def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
 
 
 class Clock:
-    """The loop's time: ms/step over each log interval (steps only: an evaluation, a checkpoint
-    or a sample pauses it), and the whole run's seconds, evaluations included."""
+    """ms/step over each log interval (evaluations, saves and samples pause it); the run's
+    seconds."""
 
     def __init__(self, run: Progress):
-        self.first_step, self.run, self.before = run.step, run, run.elapsed
-        self.start = self.interval_start = time.perf_counter()
-        # each log interval's (steps, ms/step); the steps since interval_start
-        self.intervals, self.timed = [], 0
+        self.run, self.first_step, self.before = run, run.step, run.elapsed
+        self.start = time.perf_counter()
+        # each log interval's (steps, ms/step)
+        self.intervals = []
+        self.pause()
 
     def interval(self) -> float:
-        """The ms/step since the interval began; the next one begins."""
-        ms = (time.perf_counter() - self.interval_start) * 1000 / self.timed
-        self.intervals.append((self.timed, ms))
+        steps = self.run.step - self.interval_step
+        ms = (time.perf_counter() - self.interval_start) * 1000 / steps
+        self.intervals.append((steps, ms))
         self.pause()
         return ms
 
     def pause(self) -> None:
-        self.interval_start, self.timed = time.perf_counter(), 0
+        self.interval_start, self.interval_step = time.perf_counter(), self.run.step
 
     def left(self, max_steps: int) -> str:
-        """The time to max_steps at the pace of the whole run so far, evaluations included."""
         pace = (time.perf_counter() - self.start) / (self.run.step - self.first_step)
         return duration(pace * (max_steps - self.run.step))
 
@@ -286,8 +261,7 @@ class Clock:
 
 
 def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
-    """The stopped run's line, with the command that continues it; or the done line, with the
-    one that samples it."""
+    """The stopped run's line and how to continue it, or the done line and how to sample it."""
     if run.step < t.max_steps:
         name = signal.Signals(signum).name
         return (f"stopped by {name} at step {run.step}: checkpoint saved in {out}; "
@@ -298,7 +272,7 @@ def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
 
 
 def finished(cfg: Config, ckpt: dict, say, ddp: bool) -> dict:
-    """A run resumed at or past its train.max_steps: nothing trains, nothing is written."""
+    """A run resumed at its train.max_steps: nothing trains, nothing is written."""
     t = cfg.train
     say(f"# {cfg.out_dir}: the run is at step {ckpt['step']}, train.max_steps = {t.max_steps}: "
         f"nothing to train, nothing changed (a larger --train.max_steps continues it)")
@@ -315,12 +289,9 @@ def global_batch(t, world: int) -> int:
     return t.batch_size * t.grad_accum * world
 
 
-# ---------------------------------------------------------------- the step
-
 def fit_to_data(cfg: Config, meta: dict):
-    """The data's tokenizer, and the model's vocabulary from the data's (model.vocab_size = 0);
-    the checks that need the tokenizer: a sample prompt's character the text never had is
-    refused now, not at a sample."""
+    """The data's tokenizer, and its vocabulary the model's (model.vocab_size = 0); a sample
+    prompt it cannot encode is refused now, not at the first sample."""
     cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
     if cfg.model.vocab_size < meta["vocab_size"]:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
@@ -334,19 +305,19 @@ def fit_to_data(cfg: Config, meta: dict):
 
 
 def earlier_batch(ckpt: dict) -> tuple[int, int]:
-    """A checkpoint's global batch (sequences per step) and processes: the banner says a
-    change."""
+    """A checkpoint's global batch (sequences per step) and processes."""
     procs = len(ckpt["rng_ranks"])
     t = ckpt["config"]["train"]
     return t["batch_size"] * t["grad_accum"] * procs, procs
 
 
+# --- the step
+
 def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
                windows: torch.Tensor):
-    """One optimizer step on windows (grad_accum, B, T + 1) on the device -> (mean loss over the
-    global batch, gradient norm before clipping), both left on the device: nothing here waits for
-    the host, so a CUDA graph can hold it. wrapped is the model as the step calls it (DDP's,
-    compiled); ddp, DDP's or FSDP's module under torchrun (None: one process)."""
+    """One optimizer step on windows (grad_accum, B, T + 1) -> (the global batch's mean loss,
+    the gradient norm), on the device: nothing waits for the host, so a CUDA graph can hold
+    it. wrapped: the model as called (DDP's, compiled); ddp: the DDP or FSDP module, or None."""
     accum = windows.size(0)
     loss_sum = torch.zeros((), device=windows.device)
     # one autocast region: each weight is cast once per step
@@ -375,10 +346,8 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
 
 
 def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
-    """(the step as the loop calls it: () -> (loss, grad norm), how it runs in words): train_step
-    on the loader's next windows, compiled (train.compile) and recorded as a CUDA graph
-    (train.cuda_graph) where possible. The graph reads its windows from a buffer, refilled before
-    each replay; on the CPU the same step runs without recording (the tests')."""
+    """(the loop's step: train_step on the next windows, compiled and recorded as a CUDA graph
+    where it can be; how it runs, in words)."""
     # DDP's (or FSDP's) module, as it was before compiling: where gradient syncs are set
     how, ddp = "eager", wrapped if at.ddp else None
     if t.compile:
@@ -398,6 +367,8 @@ def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
             say(f"# no CUDA graph: {blocker}")
         return eager, how
     from speed.cuda_graph import graph_step
+    # the graph reads its windows from a buffer, refilled before each replay (on a CPU the
+    # step runs unrecorded: the tests')
     shape = (t.grad_accum, t.batch_size, loader.block_size + 1)
     buffer = torch.zeros(shape, dtype=torch.long, device=at.device)
     try:
@@ -415,7 +386,7 @@ def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
 
 
 def graph_blocker(at: Place) -> str | None:
-    """Why the step cannot be recorded as a CUDA graph here (None: it can)."""
+    """Why the step cannot be a CUDA graph here (None: it can)."""
     if at.device.type != "cuda":
         return f"graphs are CUDA's (device {at.device.type})"
     if at.ddp:
@@ -426,9 +397,8 @@ def graph_blocker(at: Place) -> str | None:
 
 
 def compile_trial(compiled, loader, at: Place) -> None:
-    """One forward and backward of the compiled model on a batch laid out as the step's (views of
-    one (B, T + 1) batch: other strides would compile again), leaving no gradients and the
-    generators as they were."""
+    """A forward and backward on a batch laid out as the step's (other strides compile
+    again), leaving no gradients and the generators as they were."""
     w = torch.zeros(loader.batch_size, loader.block_size + 1, dtype=torch.long, device=at.device)
     devices = [at.device] if at.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), autocast(at.device, at.dtype):
@@ -438,30 +408,25 @@ def compile_trial(compiled, loader, at: Place) -> None:
 
 @contextmanager
 def stop_signals(loud: bool = True):
-    """While inside, SIGINT and SIGTERM ask the run to stop: the list it yields gets the signal's
-    number, the step in progress finishes and the loop saves a checkpoint; a second signal ends the
-    process at once. Said on stderr when loud (under torchrun, which passes a signal to every
-    process of its machine: local rank 0 alone), with os.write: a print() here could land inside
-    one it cut short."""
+    """Inside, SIGINT and SIGTERM ask the run to stop (the yielded list gets the signal); a
+    second one ends the process. Said on stderr when loud (torchrun signals a machine's every
+    process) by os.write: a print() here could land inside one it cut short."""
     asked = []
 
     def handler(signum, frame):
-        again, name = bool(asked), signal.Signals(signum).name
         asked.append(signum)
-        said = "again: exiting now" if again else \
+        said = "again: exiting now" if len(asked) > 1 else \
             "finishing this step and saving a checkpoint (again to exit at once)"
         # a stderr whose reader is gone must not end the run unsaved
         with suppress(OSError):
-            loud and os.write(2, f"\n{name}: {said}\n".encode())
-        if again:
+            loud and os.write(2, f"\n{signal.Signals(signum).name}: {said}\n".encode())
+        if len(asked) > 1:
             os._exit(128 + signum)
-    # only the main thread can set handlers
+    # only the main thread can set handlers; a signal the shell ignores (`cmd &`) stays so
     main = threading.current_thread() is threading.main_thread()
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    for s, h in before.items():
-        # a signal the shell ignores, as for `cmd &`, stays ignored
-        if h is not signal.SIG_IGN:
-            signal.signal(s, handler)
+    for s in [s for s, h in before.items() if h is not signal.SIG_IGN]:
+        signal.signal(s, handler)
     try:
         yield asked
     finally:
@@ -470,7 +435,7 @@ def stop_signals(loud: bool = True):
 
 
 def check_finite(values: dict, since: int, step: int, saved: int | None) -> None:
-    """Stop the run, naming the steps between which it happened, if a value read is not finite."""
+    """Stop the run, naming the steps between which it happened, if a value is not finite."""
     for name, value in values.items():
         if not math.isfinite(value):
             kept = f"the checkpoint of step {saved} is kept"
@@ -479,19 +444,17 @@ def check_finite(values: dict, since: int, step: int, saved: int | None) -> None
                             f"stopped, {kept} (try a lower --train.lr)")
 
 
-# ------------------------------------------------------------ evaluation, checkpoints, samples
+# --- evaluations and samples
 
 def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
-    """Mean loss of each split: over loader.eval_windows (iters = 0; every rank all of them, as
-    FSDP's gathers need), else over the same `iters` random batches every time (each rank its
-    share)."""
+    """Each split's mean loss: over loader.eval_windows (iters = 0: on every rank, as FSDP
+    needs), else over the same `iters` random batches (each rank its share)."""
     losses = {}
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(EVAL_SEED)
         batches = loader.eval_windows(split) if not iters else \
             (loader.batch(split, generator) for _ in range(iters))
         nats, count = score(wrapped, batches, autocast(at.device, at.dtype))
-        # every rank's share
         if at.ddp and iters:
             both = torch.tensor([nats, count], dtype=torch.float64, device=at.device)
             nats, count = distributed.mean(both).tolist()
@@ -500,8 +463,7 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
 
 
 def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
-    """An evaluation's line, and its record (bits per byte besides: comparable across
-    tokenizers); whether its val loss is the run's best."""
+    """An evaluation's line and record (bits per byte: comparable across tokenizers)."""
     run.is_best = losses["val"] < run.best_val_loss
     run.best_val_loss = min(run.best_val_loss, losses["val"])
     bpb = {s: bits_per_byte(losses[s], meta["tokens"][s], meta["bytes"][s]) for s in losses}
@@ -512,56 +474,33 @@ def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
                  "elapsed_s": run.elapsed, "time": time.time()})
 
 
-def log_sample(say, metrics, step: int, text: str) -> None:
-    say(f"sample {step:4d} | " + text.replace("\n", "\n" + " " * 14))
-    metrics.log({"step": step, "kind": "sample", "text": text})
-
-
-def training_state(cfg, model, optimizer, scaler, loader, ddp: bool) -> dict:
-    """What a checkpoint holds of the run besides its progress: the weights, the optimizer, the
-    data order and every rank's generators (under FSDP every rank gathers; rank 0 keeps them)."""
-    if ddp:
-        model_state, optimizer_state = distributed.full_state(model, optimizer)
-        rngs = distributed.gather(rng_state())
-    else:
-        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
-        rngs = [rng_state()]
-    meta = loader.meta
-    return {"config": cfg.to_dict(), "tokenizer": meta["tokenizer"], "model": model_state,
-            "optimizer": optimizer_state, "loader": loader.state_dict(),
-            "dataset": {k: meta[k] for k in ("source", "sha256", "tokens", "bytes")},
-            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng_ranks": rngs}
-
-
 def draw_curves(out: Path, step: int) -> None:
-    """curves.png: the run's losses so far (matplotlib is imported here, on first use)."""
+    """curves.png: the run's losses so far (matplotlib is imported on first use)."""
     from viz.curves import draw, read_records, run_panels
     records = read_records(out / "metrics.jsonl", warn=False)
     atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {step}"))
 
 
 def sample(model: GPT, tokenizer, t, at: Place) -> str:
-    """A short sample of the model as it is now: the same prompt and seed every time, so that
-    samples compare across steps; its own generator and eval mode leave every later loss as it
-    would have been."""
+    """The same prompt and draws every time (samples compare across steps); its own generator
+    and eval mode change no later loss."""
     ids = prompt_ids(tokenizer, t.sample_prompt, model.cfg.block_size, "sampling")
     generator = torch.Generator(device=at.device).manual_seed(SAMPLE_SEED)
-    was_training = model.training
     model.eval()
     with autocast(at.device, at.dtype):
         prompt = torch.tensor([ids], device=at.device)
         columns = generate(model, prompt, t.sample_tokens, Choice(SAMPLE_TEMPERATURE),
                            generator, vocab_limit=tokenizer.vocab_size)
         new = torch.cat(list(columns), dim=1)[0].tolist()
-    model.train(was_training)
+    model.train()
     return t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")
 
 
-# ---------------------------------------------------------------- what a run says and records
+# --- what a run says and records
 
 def printer(enabled: bool):
-    """print(), flushed at once (or nothing: quiet runs, ranks other than 0); a stdout whose
-    reader is gone stops the printing, not the run."""
+    """print(), flushed (or nothing: quiet runs, ranks but 0); a stdout whose reader is gone
+    stops the printing, not the run."""
     def say(*args, **kwargs):
         try:
             if enabled:
@@ -572,9 +511,8 @@ def printer(enabled: bool):
 
 
 class Metrics:
-    """metrics.jsonl (and wandb, when asked for). Resumed at resume_step, the records after it go
-    (a run killed after its last checkpoint logs them again). Metrics(None): nothing (ranks other
-    than 0)."""
+    """metrics.jsonl, and wandb; Metrics(None) records nothing (ranks but 0). Resumed at
+    resume_step, the later records go: a run killed after its last save logs them again."""
 
     def __init__(self, cfg: Config | None, resume_step: int | None = None):
         self.cfg, self.resume_step, self.wandb = cfg, resume_step, None
@@ -616,9 +554,8 @@ class Metrics:
 
 
 def banner(say, cfg, stored: dict, was, world: int) -> None:
-    """The run's settings that are not the defaults; resumed, what changed since it began (stored:
-    its config.toml; was: its sequences per step and processes); a schedule that cannot work as
-    meant."""
+    """The settings that are not the defaults; what changed since a resumed run began (stored:
+    its config.toml); a schedule that cannot work as meant."""
     now, defaults = flat(cfg.to_dict()), flat(build_config().to_dict())
     differ = [f"{k} = {fmt(v)}" for k, v in now.items()
               if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
@@ -635,8 +572,7 @@ def banner(say, cfg, stored: dict, was, world: int) -> None:
 
 
 def shape(cfg, model, loader, at: Place, how: str) -> str:
-    """The banner's line of what runs: the model's size, the device, dtype and processes, the
-    tokens per step, the data."""
+    """The banner's line of what runs, and where."""
     t, device = cfg.train, at.device
     procs = f" x {at.world} processes ({'FSDP' if t.fsdp else 'DDP'})" if at.ddp else ""
     threads = torch.get_num_threads()
@@ -649,9 +585,7 @@ def shape(cfg, model, loader, at: Place, how: str) -> str:
 
 
 def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
-    """The banner's line for a run resumed at another global batch (was: its sequences per step
-    and processes so far): the tokens per step before and now, and the setting that keeps the
-    earlier one."""
+    """A run resumed at another global batch: the setting that keeps it."""
     (seqs, procs), now = was, global_batch(t, world)
     if seqs % (t.batch_size * world) == 0:
         keep = f"--train.grad_accum={seqs // (t.batch_size * world)}"
