@@ -1,24 +1,21 @@
-"""Benchmarks, each measured in one run; the first line printed names the machine and its load
-(ratios travel, absolute times drift on a shared machine). A bad argument is one line, exit 2.
+"""Benchmarks, each measured in one run whose first line names the machine and its load
+(ratios travel; absolute times drift on a shared machine). Figures: docs/benchmarks/.
 
     python bench.py train CONFIG [--steps 10] [--rounds 3] [--section.key=value ...]
-        ms/step, tokens/s and MFU of the trainer's own step (the median of --rounds log
-        intervals of --steps steps, after a warm-up one), against plain PyTorch's step on
-        the same tokens (eager, fp32, torch.optim.AdamW's defaults)
+        ms/step, tokens/s and MFU of the trainer's step (the median of --rounds log
+        intervals after a warm-up one) against plain PyTorch's on the same tokens
     python bench.py sample [--device auto] [--new-tokens 256]
-        tokens/s of sampling with and without the KV cache, and compiled (sample.py
-        --compile), at batch 1 and 16
+        tokens/s of sampling with and without the KV cache, and compiled, at batch 1 and 16
     python bench.py race [--classic CONFIG] [--fast CONFIG] [--section.key=value ...]
         seconds from launching `python train.py` to the classic config's best val loss, for
-        it and the fast recipe (the CPU pair, on a GPU the GPU pair)
+        it and for the fast recipe (by default this machine's kind's pair)
     python bench.py threads [CONFIG] [--steps 20] [--section.key=value ...]
-        ms/step of `python train.py CONFIG` with 1 thread, one per core and the default
-        (fitted to the free cores), beside 0, 1 and 2 busy processes
+        ms/step of `python train.py CONFIG` with 1 thread, one per core and the default,
+        beside 0, 1 and 2 busy processes
 
-MFU = the model's training FLOPs per second / the best torch.mm rate measured in the same
-run, in the trainer's dtype. Per token: 6N for the N weights of the Linear layers (2 forward,
-4 backward), plus 6 L T C for causal attention (the scores and the weighted sum, 2C each per
-pair of positions, T/2 pairs on average, x3 with backward).
+MFU = training FLOPs per second / the best torch.mm rate measured in the run. Per token: 6N
+for the N weights of the Linear layers, plus 6 L T C for causal attention (scores and sum,
+2C each per pair of positions, T/2 pairs on average, x3 with backward).
 """
 import argparse
 import json

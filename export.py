@@ -1,21 +1,15 @@
 """Export a trained GPT as a Hugging Face directory: config.json, model.safetensors and its
-tokenizer.
+tokenizer, for transformers to read offline.
 
-    # the run's best.pt (else its latest checkpoint)
     python export.py out/run hf_model
     python export.py out/run/ckpt_0002000.pt hf_model --force
 
     >>> from transformers import pipeline
     >>> pipeline("text-generation", model="hf_model")("Hello", max_new_tokens=20)
 
-The prompt's tokens plus max_new_tokens must fit the model's context (its block size, as
-GPT-2's n_positions); generation_config.json asks for half of it when a call gives no
-max_new_tokens.
-
-Only an architecture GPT-2 has can be exported (learned positions, LayerNorm, plain
-multi-head attention, no qk_norm): any other setting is an error naming it (hf/convert.py).
-The tokenizer (char, gpt2, bpe:N) is written for AutoTokenizer to read offline
-(hf/tokenizer.py).
+The prompt plus max_new_tokens must fit the model's context; generation_config.json asks for
+half of it by default. Only an architecture GPT-2 has can be exported: any other setting is
+an error naming it (hf/convert.py).
 """
 import json
 import sys
@@ -26,12 +20,10 @@ from loading import load_model
 
 
 def parse_args(argv):
-    p = ArgumentParser(description="Export a trained GPT as a Hugging Face GPT-2 directory "
-                       "and tokenizer.")
+    p = ArgumentParser(description="Export a trained GPT as a Hugging Face GPT-2 directory.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("out_dir", help="the directory to write the model and tokenizer files to")
-    p.add_argument("--force", action="store_true",
-                   help="write into out_dir even if it is not empty")
+    p.add_argument("--force", action="store_true", help="write into out_dir even if not empty")
     return p.parse_args(argv)
 
 
