@@ -6,13 +6,12 @@ compare them (docs/ablations/README.md).
 --report only rewrites the results; a --section.key=value applies to every run. A sweep:
 
     seeds = [1337, 1338]
-    # optional, as are name (default: the file's) and out_dir
+    # optional, as are name and out_dir
     base = "configs/shakespeare_char_cpu.toml"
-    # optional: on top of base, for every run
+    # optional: for every run
     [overrides]
     train.max_steps = 600
-    # the first is the baseline; the others change a few settings, but not what decides
-    # the batches (the data, the steps, the batch shape, the evaluation)
+    # the first is the baseline; the others change a few settings, never the batches
     [[variants]]
     name = "sdpa"
     [[variants]]
@@ -20,9 +19,7 @@ compare them (docs/ablations/README.md).
     model.attention = "gqa"
     model.n_kv_head = 1
 
-The runs train one after another in <out_dir>/<variant>/seed<seed>/ (by default under
-out/ablations/<name>); the same command again skips finished runs and resumes an unfinished
-one. results.md says which variants differ from the baseline beyond the seed-to-seed noise.
+The same command again skips finished runs and resumes an unfinished one.
 """
 import shlex
 import sys

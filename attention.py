@@ -1,18 +1,10 @@
-"""Draw what a trained GPT attends to: every layer x head for a prompt, and which heads do
-what.
+"""Draw what a trained GPT attends to for a prompt: a PNG of every head per layer, a summary
+of which heads do what, or (--html) one interactive page. The weights are the model's own
+(model/attention_maps.py); a prompt longer than block_size is cut to its last block_size.
 
     python attention.py out/shakespeare_char_cpu --prompt $'ROMEO:\\nBut soft!\\n'
     python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2
     python attention.py out/shakespeare_char_cpu --prompt @scene.txt --html attention.html
-
-writes into --out (default <run dir>/attention/; GPT-2 by name out/attention/NAME/), and
-prints the paths of, attention_layer<i>.png (a panel per head: row i is query token i,
-column j the token it looks at, the colour the weight) and attention_summary.png (per head:
-the share of attention on the previous token, the first, itself, the newline that began its
-line, the same column one line up, and the mean distance looked back). --html FILE writes
-instead one self-contained page where hovering a token shows where it looks (with --out:
-both). The weights are the model's own (model/attention_maps.py). A prompt longer than the
-model's block_size is cut to its last block_size tokens.
 """
 import sys
 from pathlib import Path
@@ -33,7 +25,8 @@ def parse_args(argv):
     p = ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("--prompt", required=True, help="the text to look at, or @FILE")
-    p.add_argument("--out", default="", help="folder for the PNGs")
+    p.add_argument("--out", default="", help="folder for the PNGs (default: "
+                   "<run dir>/attention/, or out/attention/<name>/)")
     p.add_argument("--layers", default="", help="comma-separated layers from 0 (default: all)")
     p.add_argument("--heads", default="", help="comma-separated heads from 0 (default: all)")
     p.add_argument("--html", default="", metavar="FILE",

@@ -1,17 +1,10 @@
 """Benchmarks, each measured in one run whose first line names the machine and its load
-(ratios travel; absolute times drift on a shared machine). Figures: docs/benchmarks/.
+(ratios travel; absolute times drift). The figures and their commands: docs/benchmarks/.
 
     python bench.py train CONFIG [--steps 10] [--rounds 3] [--section.key=value ...]
-        ms/step, tokens/s and MFU of the trainer's step (the median of --rounds log
-        intervals after a warm-up one) against plain PyTorch's on the same tokens
     python bench.py sample [--device auto] [--new-tokens 256]
-        tokens/s of sampling with and without the KV cache, and compiled, at batch 1 and 16
     python bench.py race [--classic CONFIG] [--fast CONFIG] [--section.key=value ...]
-        seconds from launching `python train.py` to the classic config's best val loss, for
-        it and for the fast recipe (by default this machine's kind's pair)
     python bench.py threads [CONFIG] [--steps 20] [--section.key=value ...]
-        ms/step of `python train.py CONFIG` with 1 thread, one per core and the default,
-        beside 0, 1 and 2 busy processes
 
 MFU = training FLOPs per second / the best torch.mm rate measured in the run. Per token: 6N
 for the N weights of the Linear layers, plus 6 L T C for causal attention (scores and sum,
@@ -55,10 +48,9 @@ def machine() -> str:
     """One line: the processor, the GPU, torch and its threads, the load."""
     # on Linux platform.processor() names only the architecture
     try:
-        with open("/proc/cpuinfo") as f:
-            names = (line.split(":", 1)[1] for line in f if line.startswith("model name"))
-            cpu = next(names).strip()
-    except (OSError, StopIteration):
+        cpu = re.search(r"model name\s*: (.*)", Path("/proc/cpuinfo").read_text())[1]
+    # no such file, or no such line
+    except (OSError, TypeError):
         cpu = platform.processor() or platform.machine()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "unknown"
@@ -98,8 +90,8 @@ def flops_per_token(model) -> tuple[float, float]:
 
 
 def plain_ms_per_step(cfg, device, steps: int, rounds: int) -> float:
-    """The median ms/step of a training step as plain PyTorch writes it (eager, fp32, AdamW),
-    timed as the trainer's, with the config's micro-batches: the same tokens per step."""
+    """The median ms/step of a training step as plain PyTorch writes it (eager, fp32, AdamW)
+    on the config's micro-batches."""
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     shape = (cfg.train.batch_size, cfg.model.block_size)
@@ -150,16 +142,15 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
     # one model at a time on the GPU
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    ms = {"trainer": statistics.median(timed),
-          "plain": plain_ms_per_step(cfg, device, steps, rounds)}
-    hows = {"trainer": f"{summary['how']}, {dtype_name}; warm-up {warm_up:.1f} ms/step",
-            "plain": "eager, float32, torch.optim.AdamW"}
+    ours = f"{summary['how']}, {dtype_name}; warm-up {warm_up:.1f} ms/step"
+    rows = [("trainer", statistics.median(timed), ours),
+            ("plain", plain_ms_per_step(cfg, device, steps, rounds),
+             "eager, float32, torch.optim.AdamW")]
     print(f"{'step':8s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
-    for name, how in hows.items():
-        per_s = tokens * 1000 / ms[name]
-        mfu = (dense + attn) * per_s / peak
-        print(f"{name:8s} {ms[name]:9.2f} {per_s:10,.0f} {mfu:6.1%}  {how}")
-    print(f"trainer: {ms['plain'] / ms['trainer']:.2f}x plain PyTorch's speed "
+    for name, ms, how in rows:
+        per_s = tokens * 1000 / ms
+        print(f"{name:8s} {ms:9.2f} {per_s:10,.0f} {(dense + attn) * per_s / peak:6.1%}  {how}")
+    print(f"trainer: {rows[1][1] / rows[0][1]:.2f}x plain PyTorch's speed "
           f"(median of {rounds} intervals of {steps} steps, after a warm-up one)")
     return 0
 
@@ -203,7 +194,7 @@ def bench_sample(device, new_tokens: int) -> int:
 
 def train_py(config: str, args: list[str], out_dir, env=None) -> tuple[list[dict], str]:
     """(the metrics.jsonl records, the stdout) of `python train.py CONFIG ARGS`, run as a
-    user runs it, in a process of its own: its stderr and a Ctrl-C are this command's."""
+    user runs it; its stderr and a Ctrl-C are this command's."""
     argv = [sys.executable, str(ROOT / "train.py"), config, *args, f"--out_dir={out_dir}"]
     done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=env)
     if done.returncode:
@@ -213,9 +204,8 @@ def train_py(config: str, args: list[str], out_dir, env=None) -> tuple[list[dict
 
 
 def race(classic: str, fast: str, overrides: list[str]) -> dict:
-    """Train classic, then fast; each evaluation timed from the launch (Python's start, the
-    data, compiling included): when did the fast run first reach the classic's best val loss,
-    against when the classic did."""
+    """Train classic, then fast, each evaluation timed from the launch: when did the fast
+    run first reach the classic's best val loss, against when the classic did."""
     curves = {}
     with tempfile.TemporaryDirectory(prefix="bench_race_", ignore_cleanup_errors=True) as tmp:
         for label, config in ("classic", classic), ("fast", fast):
@@ -248,8 +238,8 @@ def race(classic: str, fast: str, overrides: list[str]) -> dict:
 
 
 def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: int) -> tuple:
-    """(ms/step of `python train.py CONFIG` over its second log interval with
-    OMP_NUM_THREADS=threads (None: unset), the threads it used then)."""
+    """(ms/step of train.py's second log interval with OMP_NUM_THREADS=threads (None:
+    unset), the threads it used then)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env |= {"OMP_NUM_THREADS": threads} if threads else {}
     settings = [f"--train.max_steps={2 * steps}", f"--train.log_interval={steps}",
@@ -286,17 +276,20 @@ def parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # each a common.ArgumentParser: one-line errors
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="the trainer's step against plain PyTorch")
+    t = sub.add_parser("train", help="ms/step, tokens/s and MFU of the trainer's step "
+                       "against plain PyTorch's (eager, fp32, AdamW) on the same tokens")
     t.add_argument("config")
     t.add_argument("--steps", type=int, default=10, help="steps per log interval")
     t.add_argument("--rounds", type=int, default=3, help="timed intervals after a warm-up one")
     s = sub.add_parser("sample", help="tokens/s with and without the KV cache, and compiled")
     s.add_argument("--device", default="auto", help="auto (cuda > cpu), cpu, cuda, cuda:N, mps")
     s.add_argument("--new-tokens", type=int, default=256, help="new tokens per decode")
-    r = sub.add_parser("race", help="classic vs fast: time from launch to the classic's best")
+    r = sub.add_parser("race", help="seconds from launching train.py to the classic "
+                       "config's best val loss, for it and the fast recipe")
     r.add_argument("--classic", help="default: the classic config of this machine's kind")
     r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
-    b = sub.add_parser("threads", help="ms/step by threads, beside busy processes")
+    b = sub.add_parser("threads", help="ms/step of train.py with 1 thread, one per core and "
+                       "the default, beside 0, 1 and 2 busy processes")
     b.add_argument("config", nargs="?", default=str(ROOT / PAIRS["cpu"][0]))
     b.add_argument("--steps", type=int, default=20, help="steps per log interval (timed: the 2nd)")
     return p

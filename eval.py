@@ -3,14 +3,9 @@
     python eval.py out/tinyshakespeare data/tinyshakespeare.txt
     python eval.py gpt2 'books/*.txt' --stride 512 --json
 
-MODEL is a run's out dir, a checkpoint file, or a Hugging Face GPT-2 (a directory, or a name
-such as gpt2). Each FILE (a file, a directory or a glob) is its own text; a JSONL or Parquet
-file's records are joined as in training, so a run's --data.val_path file scores as its val
-split. Every token after a text's first is scored once, from the tokens before it in its
-window of block_size tokens (data/loader.py's strided_windows; --stride S: windows S tokens
-apart, each scoring its last S). Bits per byte divide the total loss in bits by the UTF-8
-bytes of the scored tokens: comparable across tokenizers. Every file is read before any is
-scored; Ctrl-C prints the figures of the tokens scored so far, then exits 130.
+Each file is its own text, a JSONL or Parquet file's records joined as in training. Every
+token after a text's first is scored once, in windows of block_size tokens (--stride S:
+windows S apart, each scoring its last S). Ctrl-C prints the figures so far, exit 130.
 """
 import json
 import math
@@ -25,19 +20,15 @@ from model.gpt import bits_per_byte, score
 
 
 def parse_args(argv):
-    p = ArgumentParser(description="Loss, bits per byte and perplexity of a model on text "
-                       "files, over every token.")
-    p.add_argument("model", metavar="MODEL", help="a run's out dir, a checkpoint file, or a "
-                   "Hugging Face GPT-2 (directory or name)")
-    p.add_argument("files", nargs="+", metavar="FILE",
-                   help="a text file, a directory or a glob (quote it)")
-    p.add_argument("--stride", type=int, metavar="S", help="start a window every S tokens and "
-                   "score only its last S (default: the context, no overlap)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="N",
-                   help="windows per forward pass")
+    p = ArgumentParser(description="Loss, bits per byte and perplexity of a model on text.")
+    p.add_argument("model", metavar="MODEL",
+                   help="a run's out dir, a checkpoint file, or a Hugging Face GPT-2")
+    p.add_argument("files", nargs="+", metavar="FILE", help="a file, a directory or a glob")
+    p.add_argument("--stride", type=int, metavar="S",
+                   help="windows S tokens apart (default: the context, no overlap)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--max-tokens", type=int, metavar="N",
-                   help="score each file's first N tokens only")
+    p.add_argument("--max-tokens", type=int, help="score each file's first N tokens only")
     p.add_argument("--skip-unknown", action="store_true",
                    help="leave out the characters a character model never saw")
     p.add_argument("--json", action="store_true", help="print one JSON object, not a table")
@@ -110,7 +101,7 @@ def read_tokens(path, tokenizer, skip_unknown: bool, max_tokens: int | None):
 
 
 def score_files(loaded, texts: dict, stride, batch_size, autocast, rows: list) -> None:
-    """Append to rows a row of figures per file of texts ({path: token ids}): a scoring
+    """Append a row of figures per file of texts ({path: token ids}) to rows: a scoring
     stopped midway keeps what it scored."""
     progress = Progress("scoring", sum(len(ids) - 1 for ids in texts.values()), "tokens")
     try:
@@ -134,8 +125,7 @@ def score_files(loaded, texts: dict, stride, batch_size, autocast, rows: list) -
 
 
 def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
-    """A result row; a figure that is not a finite number (no bytes, a diverged loss, an exp
-    that overflows) is None."""
+    """A result row; a figure that is not a finite number is None."""
     finite = math.isfinite(nats)
     loss = nats / tokens if tokens and finite else None
     known = loss is not None

@@ -1,15 +1,8 @@
-"""Export a trained GPT as a Hugging Face directory: config.json, model.safetensors and its
-tokenizer, for transformers to read offline.
+"""Export a trained GPT as a Hugging Face GPT-2 directory: config.json, model.safetensors and
+its tokenizer (hf/), for transformers to read offline.
 
     python export.py out/run hf_model
     python export.py out/run/ckpt_0002000.pt hf_model --force
-
-    >>> from transformers import pipeline
-    >>> pipeline("text-generation", model="hf_model")("Hello", max_new_tokens=20)
-
-The prompt plus max_new_tokens must fit the model's context; generation_config.json asks for
-half of it by default. Only an architecture GPT-2 has can be exported: any other setting is
-an error naming it (hf/convert.py).
 """
 import json
 import sys
@@ -45,7 +38,7 @@ def main(argv) -> int:
           f"n_embd {cfg.n_embd}, context {cfg.block_size}, vocab {cfg.vocab_size})")
     print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} "
           f"(for AutoTokenizer)")
-    # past the context transformers' GPT-2 fails with an IndexError: the limit is said here
+    # past the context transformers' GPT-2 fails with an IndexError
     generation = (out / "generation_config.json").read_text(encoding="utf-8")
     default = json.loads(generation)["max_new_tokens"]
     print(f"# the prompt plus max_new_tokens must fit the context: {cfg.block_size} tokens "
