@@ -276,22 +276,19 @@ def parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # each a common.ArgumentParser: one-line errors
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="ms/step, tokens/s and MFU of the trainer's step "
-                       "against plain PyTorch's (eager, fp32, AdamW) on the same tokens")
+    t = sub.add_parser("train", help="the trainer's step against plain PyTorch's")
     t.add_argument("config")
     t.add_argument("--steps", type=int, default=10, help="steps per log interval")
     t.add_argument("--rounds", type=int, default=3, help="timed intervals after a warm-up one")
     s = sub.add_parser("sample", help="tokens/s with and without the KV cache, and compiled")
-    s.add_argument("--device", default="auto", help="auto (cuda > cpu), cpu, cuda, cuda:N, mps")
-    s.add_argument("--new-tokens", type=int, default=256, help="new tokens per decode")
-    r = sub.add_parser("race", help="seconds from launching train.py to the classic "
-                       "config's best val loss, for it and the fast recipe")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--new-tokens", type=int, default=256)
+    r = sub.add_parser("race", help="seconds from launch to the classic config's best val")
     r.add_argument("--classic", help="default: the classic config of this machine's kind")
     r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
-    b = sub.add_parser("threads", help="ms/step of train.py with 1 thread, one per core and "
-                       "the default, beside 0, 1 and 2 busy processes")
+    b = sub.add_parser("threads", help="ms/step by threads, beside busy processes")
     b.add_argument("config", nargs="?", default=str(ROOT / PAIRS["cpu"][0]))
-    b.add_argument("--steps", type=int, default=20, help="steps per log interval (timed: the 2nd)")
+    b.add_argument("--steps", type=int, default=20, help="steps per log interval")
     return p
 
 
@@ -310,7 +307,7 @@ def main(argv: list[str]) -> int:
         classic, fast = PAIRS[pick_device("auto").type]
         args.classic = args.classic or str(ROOT / classic)
         args.fast = args.fast or str(ROOT / fast)
-    # a missing file or a bad override: the one line of the OSError or UserError
+    # a missing file or a bad override: one line
     for name in ("config", "classic", "fast"):
         if hasattr(args, name):
             build_config(getattr(args, name), overrides)
