@@ -1,25 +1,11 @@
 """Ablate: train variants of one config, each with several seeds and the same budget, and
-compare them (docs/ablations/README.md).
+compare them. The sweep file and the report: docs/ablations/README.md; examples:
+configs/ablations/.
 
     python ablate.py SWEEP.toml [--report] [--section.key=value ...]
 
---report only rewrites the results; a --section.key=value applies to every run. A sweep:
-
-    seeds = [1337, 1338]
-    # optional, as are name and out_dir
-    base = "configs/shakespeare_char_cpu.toml"
-    # optional: for every run
-    [overrides]
-    train.max_steps = 600
-    # the first is the baseline; the others change a few settings, never the batches
-    [[variants]]
-    name = "sdpa"
-    [[variants]]
-    name = "mqa"
-    model.attention = "gqa"
-    model.n_kv_head = 1
-
-The same command again skips finished runs and resumes an unfinished one.
+--report only rewrites the results; a --section.key=value applies to every run. The same
+command again skips finished runs and resumes an unfinished one.
 """
 import shlex
 import sys

@@ -46,8 +46,7 @@ def pick(spec: str, n: int, option: str) -> list[int]:
     except ValueError:
         raise UserError(f"{option} takes comma-separated numbers, got {spec!r}") from None
     if bad := [i for i in chosen if not 0 <= i < n]:
-        raise UserError(f"{option}: {bad[0]} is out of range, "
-                        f"the model has {n} (0 to {n - 1})")
+        raise UserError(f"{option}: {bad[0]} is out of range, the model has {n} (0 to {n - 1})")
     return chosen
 
 
@@ -110,8 +109,7 @@ def main(argv) -> int:
                   file=sys.stderr)
         for layer, w in zip(layers, weights):
             written.append(out_dir / f"attention_layer{layer}.png")
-            title = (f"layer {layer} ({kind}): row = query token, "
-                     f"column = the token it attends to")
+            title = f"layer {layer} ({kind}): row = query token, column = the token it attends to"
             plot_layer(w, labels, heads, title, args.dpi).savefig(written[-1])
         if not args.no_summary:
             written.append(out_dir / "attention_summary.png")

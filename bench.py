@@ -73,7 +73,7 @@ def matmul_peak(device, dtype) -> float:
     best = 0.0
     for n in (1024, 2048) if device.type == "cpu" else (4096, 8192):
         a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        # Timer warms up and waits for the device; it runs on one thread unless told otherwise
+        # Timer warms up and waits for the device (on one thread unless told)
         timer = benchmark.Timer("mm(a, b)", globals={"mm": torch.mm, "a": a, "b": b},
                                 num_threads=torch.get_num_threads())
         seconds = min(timer.blocked_autorange(min_run_time=0.5).times)
@@ -162,8 +162,7 @@ def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=No
     generator = torch.Generator(device=device).manual_seed(0)
     start = now(device)
     decoding = sampling.Decoding(use_cache=use_cache, speed_up=speed_up)
-    *_, last = sampling.generate(model, prompt, new_tokens, generator=generator,
-                                 decoding=decoding)
+    *_, last = sampling.generate(model, prompt, new_tokens, generator=generator, decoding=decoding)
     # waits for the device
     last.cpu()
     return batch * new_tokens / (time.perf_counter() - start)
@@ -227,8 +226,7 @@ def race(classic: str, fast: str, overrides: list[str]) -> dict:
     reached = f"never reached val {target:.4f}"
     if hit:
         reached = f"val {hit['val']:.4f} at step {hit['step']}, {hit['seconds']:.1f} s from launch"
-    print(f"fast     {fast}: {reached} "
-          f"(it ends at val {last['val']:.4f}, {last['seconds']:.1f} s)")
+    print(f"fast     {fast}: {reached} (it ends at val {last['val']:.4f}, {last['seconds']:.1f} s)")
     # a time ratio in words: 0.49 is 2.04x faster
     if ratio := hit and hit["seconds"] / best["seconds"]:
         words = f"{max(ratio, 1 / ratio):.2f}x " + ("slower" if ratio > 1 else "faster")
@@ -247,7 +245,7 @@ def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: i
                 "--log.curves=false", "--train.device=cpu"]
     with tempfile.TemporaryDirectory(prefix="bench_threads_", ignore_cleanup_errors=True) as tmp:
         records, out = train_py(config, [*overrides, *settings], Path(tmp) / "run", env)
-    # the banner's "cpu x N threads", then each "# threads a -> b" of the log lines
+    # the banner's "cpu x N threads", then the log's "# threads a -> b"
     used = re.findall(r"cpu x (\d+) thread|# threads \d+ -> (\d+)", out)[-1]
     return [r for r in records if r["kind"] == "train"][-1]["ms_per_step"], used
 
@@ -257,8 +255,7 @@ def bench_threads(config: str, overrides: list[str], steps: int) -> int:
     print(f"busy | 1 thread ms | {cores} threads ms | default ms (threads) | default / best",
           flush=True)
     for busy in (0, 1, 2):
-        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(busy)]
+        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
         try:
             runs = [ms_per_step(config, overrides, threads, steps)
                     for threads in ("1", str(cores), None)]
@@ -284,8 +281,10 @@ def parser() -> ArgumentParser:
     s.add_argument("--device", default="auto")
     s.add_argument("--new-tokens", type=int, default=256)
     r = sub.add_parser("race", help="seconds from launch to the classic config's best val")
-    r.add_argument("--classic", help="default: the classic config of this machine's kind")
-    r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
+    # by default the pair of this machine's kind
+    classic, fast = PAIRS["cuda" if torch.cuda.is_available() else "cpu"]
+    r.add_argument("--classic", default=str(ROOT / classic), help="default: %(default)s")
+    r.add_argument("--fast", default=str(ROOT / fast), help="default: %(default)s")
     b = sub.add_parser("threads", help="ms/step by threads, beside busy processes")
     b.add_argument("config", nargs="?", default=str(ROOT / PAIRS["cpu"][0]))
     b.add_argument("--steps", type=int, default=20, help="steps per log interval")
@@ -303,10 +302,6 @@ def main(argv: list[str]) -> int:
             check("--" + option.replace("_", "-"), getattr(args, option), at_least=1)
     if args.command == "sample":
         args.device = pick_device(args.device, setting="--device")
-    if args.command == "race":
-        classic, fast = PAIRS[pick_device("auto").type]
-        args.classic = args.classic or str(ROOT / classic)
-        args.fast = args.fast or str(ROOT / fast)
     # a missing file or a bad override: one line
     for name in ("config", "classic", "fast"):
         if hasattr(args, name):

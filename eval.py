@@ -27,7 +27,7 @@ def parse_args(argv):
     p.add_argument("--stride", type=int, metavar="S",
                    help="windows S tokens apart (default: the context, no overlap)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--device", default="auto")
     p.add_argument("--max-tokens", type=int, help="score each file's first N tokens only")
     p.add_argument("--skip-unknown", action="store_true",
                    help="leave out the characters a character model never saw")

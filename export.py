@@ -24,8 +24,7 @@ def main(argv) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
     if out.is_dir() and any(out.glob("*.pt")):
-        raise UserError(f"{out} holds checkpoints of a run: "
-                        f"export into a directory of its own")
+        raise UserError(f"{out} holds checkpoints of a run: export into a directory of its own")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise UserError(f"{out} is not empty; pass --force to write the model and tokenizer "
                         f"files into it")
@@ -36,8 +35,7 @@ def main(argv) -> int:
     written = save_pretrained(out, cfg, loaded.model.state_dict(), meta)
     print(f"# {loaded.path} -> {out} (GPT2LMHeadModel: {cfg.n_layer} layers, "
           f"n_embd {cfg.n_embd}, context {cfg.block_size}, vocab {cfg.vocab_size})")
-    print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} "
-          f"(for AutoTokenizer)")
+    print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} (for AutoTokenizer)")
     # past the context transformers' GPT-2 fails with an IndexError
     generation = (out / "generation_config.json").read_text(encoding="utf-8")
     default = json.loads(generation)["max_new_tokens"]

@@ -1,11 +1,9 @@
-"""Kernels per transformer block of a config's training step, as torch.profiler counts them on
-a CPU: a 2-block model's forward and backward minus a 1-block model's, in fp32 and under bf16
-autocast, as set and with learned positions and no QK-norm (docs/benchmarks/cpu.md).
+"""Kernels per transformer block of a config's training step on a CPU (torch.profiler): a
+2-block model's forward and backward minus a 1-block model's, as set and with learned
+positions and no QK-norm (docs/benchmarks/cpu.md). A kernel: an aten op that does work of
+its own (no view, and no op under it that does).
 
     python docs/benchmarks/block_kernels.py CONFIG [--section.key=value ...]
-
-A kernel is an aten op that does work of its own (no view, and no op under it that does).
-Dropout is off: its masks are not the model's work.
 """
 import sys
 from pathlib import Path
@@ -31,8 +29,8 @@ def works(event) -> bool:
 
 
 def kernels(cfg, n_layer: int, dtype) -> int:
-    """Kernels of one forward and backward of cfg's model with n_layer blocks (after a
-    warm-up)."""
+    """Kernels of one forward and backward of cfg's model with n_layer blocks, dropout off
+    (its masks are not the model's work)."""
     cfg.model.n_layer, cfg.model.dropout = n_layer, 0.0
     cfg.model.vocab_size = cfg.model.vocab_size or 65
     torch.manual_seed(0)
