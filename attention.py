@@ -25,12 +25,11 @@ def parse_args(argv):
     p = ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("--prompt", required=True, help="the text to look at, or @FILE")
-    p.add_argument("--out", default="", help="folder for the PNGs (default: "
+    p.add_argument("--out", help="folder for the PNGs (default: "
                    "<run dir>/attention/, or out/attention/<name>/)")
-    p.add_argument("--layers", default="", help="comma-separated layers from 0 (default: all)")
-    p.add_argument("--heads", default="", help="comma-separated heads from 0 (default: all)")
-    p.add_argument("--html", default="", metavar="FILE",
-                   help="write the interactive page to FILE instead of the PNGs")
+    p.add_argument("--layers", help="comma-separated layers from 0 (default: all)")
+    p.add_argument("--heads", help="comma-separated heads from 0 (default: all)")
+    p.add_argument("--html", metavar="FILE", help="the interactive page, instead of the PNGs")
     p.add_argument("--no-summary", action="store_true", help="skip attention_summary.png")
     p.add_argument("--dpi", type=int, default=100, help="pixels per inch of the PNGs")
     args = p.parse_args(argv)
@@ -39,8 +38,8 @@ def parse_args(argv):
     return args
 
 
-def pick(spec: str, n: int, option: str) -> list[int]:
-    """'0,2' -> [0, 2], each in range(n); '' -> all of range(n)."""
+def pick(spec: str | None, n: int, option: str) -> list[int]:
+    """'0,2' -> [0, 2], each in range(n); None -> all of range(n)."""
     try:
         chosen = [int(s) for s in spec.split(",")] if spec else list(range(n))
     except ValueError:
