@@ -1,6 +1,5 @@
-"""Draw what a trained GPT attends to for a prompt: a PNG of every head per layer, a summary
-of which heads do what, or (--html) one interactive page. The weights are the model's own
-(model/attention_maps.py); a prompt longer than block_size is cut to its last block_size.
+"""Draw what a trained GPT attends to for a prompt: a PNG of every head per layer and a
+summary of which heads do what, or one interactive page (--html).
 
     python attention.py out/shakespeare_char_cpu --prompt $'ROMEO:\\nBut soft!\\n'
     python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2

@@ -3,9 +3,8 @@
     python eval.py out/tinyshakespeare data/tinyshakespeare.txt
     python eval.py gpt2 'books/*.txt' --stride 512 --json
 
-Each file is its own text, a JSONL or Parquet file's records joined as in training. Every
-token after a text's first is scored once, in windows of block_size tokens (--stride S:
-windows S apart, each scoring its last S). Ctrl-C prints the figures so far, exit 130.
+Each file is its own text (a JSONL or Parquet file's records joined as in training), every
+token after its first scored once, in windows of block_size tokens (data/loader.py).
 """
 import json
 import math
