@@ -1,35 +1,11 @@
 """Ablate: train variants of one config, each with several seeds and the same budget, and
-compare them.
+compare them. The sweep file and the report: docs/ablations/README.md; examples:
+configs/ablations/.
 
     python ablate.py SWEEP.toml [--report] [--section.key=value ...]
 
---report only rewrites the results; a --section.key=value applies to every run. A sweep
-file (TOML):
-
-    # every variant is trained with every seed
-    seeds = [1337, 1338]
-    # optional, as are name (default: the file's) and out_dir
-    base = "configs/shakespeare_char_cpu.toml"
-    # optional: on top of base, for every run
-    [overrides]
-    train.max_steps = 600
-    # the first is the baseline
-    [[variants]]
-    name = "sdpa"
-    # the others change a few settings, but not the data, the steps, the batch shape or
-    # the evaluation: for a given seed every variant sees the same batches
-    [[variants]]
-    name = "mqa"
-    model.attention = "gqa"
-    model.n_kv_head = 1
-
-Paths resolve as a config file's. The runs are train(), one after another in this process,
-in <out_dir>/<variant>/seed<seed>/ (out_dir: by default out/ablations/<name>). The same
-command again skips finished runs and resumes an unfinished one from its last checkpoint;
-Ctrl-C stops after the current step, saving it. results.md (with results.csv, runs.csv,
-loss_curves.png) calls a variant beyond the noise if its mean final val loss is over 2
-standard errors σ·√(1/n + 1/n_baseline) from the baseline's, σ the seed-to-seed standard
-deviation pooled over all variants (95% for one comparison; 'no': not resolved).
+--report only rewrites the results; a --section.key=value applies to every run. The same
+command again skips finished runs and resumes an unfinished one.
 """
 import shlex
 import sys

@@ -1,24 +1,9 @@
-"""Draw what a trained GPT attends to: every layer x head for a prompt, and which heads do
-what.
+"""Draw what a trained GPT attends to for a prompt: a PNG of every head per layer and a
+summary of which heads do what, or one interactive page (--html).
 
-    python attention.py out/shakespeare_char_cpu --prompt $'ROMEO:\\nBut soft, what light?\\n'
-    python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 \\
-        --out maps/
+    python attention.py out/shakespeare_char_cpu --prompt $'ROMEO:\\nBut soft!\\n'
+    python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2
     python attention.py out/shakespeare_char_cpu --prompt @scene.txt --html attention.html
-
-writes into --out (default <run dir>/attention/; GPT-2 by name out/attention/NAME/), and
-prints the paths of,
-    attention_layer<i>.png   one panel per head: row i is query token i, column j the token
-                             it looks at, the colour the weight a_ij (spaces as ␣, newlines
-                             as ⏎; a character no installed font has as □)
-    attention_summary.png    per head: the share of attention on the previous token, the
-                             first token, itself, the newline that began its line, the same
-                             column one line up, and the mean distance looked back
-With --html FILE it writes instead one self-contained page where hovering or clicking a
-token shows where it looks, for every chosen layer and head; it suits long prompts, where
-the PNGs' labels would not fit (--out as well: both). The weights are the model's own, by
-its variant's math (model/attention_maps.py). A prompt longer than the model's block_size
-is cut to its last block_size tokens.
 """
 import sys
 from pathlib import Path
@@ -38,33 +23,28 @@ from model.sampling import prompt_ids
 def parse_args(argv):
     p = ArgumentParser(description="Draw a trained GPT's attention weights for a prompt.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
-    p.add_argument("--prompt", required=True,
-                   help="the text to look at, or @FILE to read it from a file")
-    p.add_argument("--out", default="", help="folder for the PNGs (default: "
+    p.add_argument("--prompt", required=True, help="the text to look at, or @FILE")
+    p.add_argument("--out", help="folder for the PNGs (default: "
                    "<run dir>/attention/, or out/attention/<name>/)")
-    p.add_argument("--layers", default="",
-                   help="comma-separated layer numbers from 0 (default: all)")
-    p.add_argument("--heads", default="",
-                   help="comma-separated head numbers from 0 (default: all)")
-    p.add_argument("--html", default="", metavar="FILE", help="write the interactive page to "
-                   "FILE instead of the PNGs (with --out as well: both)")
+    p.add_argument("--layers", help="comma-separated layers from 0 (default: all)")
+    p.add_argument("--heads", help="comma-separated heads from 0 (default: all)")
+    p.add_argument("--html", metavar="FILE", help="the interactive page, instead of the PNGs")
     p.add_argument("--no-summary", action="store_true", help="skip attention_summary.png")
-    p.add_argument("--dpi", type=int, default=100, help="pixels per inch of the PNGs (1 to 1000)")
+    p.add_argument("--dpi", type=int, default=100, help="pixels per inch of the PNGs")
     args = p.parse_args(argv)
     if not 1 <= args.dpi <= 1000:
         p.error(f"--dpi must be in [1, 1000], got {args.dpi}")
     return args
 
 
-def pick(spec: str, n: int, option: str) -> list[int]:
-    """'0,2' -> [0, 2], each in range(n); '' -> all of range(n)."""
+def pick(spec: str | None, n: int, option: str) -> list[int]:
+    """'0,2' -> [0, 2], each in range(n); None -> all of range(n)."""
     try:
         chosen = [int(s) for s in spec.split(",")] if spec else list(range(n))
     except ValueError:
         raise UserError(f"{option} takes comma-separated numbers, got {spec!r}") from None
     if bad := [i for i in chosen if not 0 <= i < n]:
-        raise UserError(f"{option}: {bad[0]} is out of range, "
-                        f"the model has {n} (0 to {n - 1})")
+        raise UserError(f"{option}: {bad[0]} is out of range, the model has {n} (0 to {n - 1})")
     return chosen
 
 
@@ -79,7 +59,6 @@ def page_path(spec: str) -> Path:
     if path.is_dir():
         raise UserError(f"--html {path} is a folder: give a file name, "
                         f"such as {path / 'attention.html'}")
-    # the nearest that exists
     parent = next(p for p in path.absolute().parents if p.exists())
     if not parent.is_dir():
         raise UserError(f"--html {path}: {parent} is a file, not a folder")
@@ -102,12 +81,11 @@ def main(argv) -> int:
                         f"attention needs at least 2 to show anything")
     layers = pick(args.layers, cfg.n_layer, "--layers")
     heads = pick(args.heads, cfg.n_head, "--heads")
-
     _, maps = attention_maps(loaded.model, torch.tensor([ids]))
     texts = token_texts(loaded.tokenizer, ids)
     # each (heads, T, T)
     weights = [maps[layer][0, heads] for layer in layers]
-    # each (rows,)
+    # one row per head
     scores = {name: s.numpy() for name, s in head_scores(torch.cat(weights), texts).items()}
     weights = [w.numpy() for w in weights]
     rows = [f"layer {layer} head {h}" for layer in layers for h in heads]
@@ -129,16 +107,14 @@ def main(argv) -> int:
                   file=sys.stderr)
         for layer, w in zip(layers, weights):
             written.append(out_dir / f"attention_layer{layer}.png")
-            title = (f"layer {layer} ({kind}): row = query token, "
-                     f"column = the token it attends to")
+            title = f"layer {layer} ({kind}): row = query token, column = the token it attends to"
             plot_layer(w, labels, heads, title, args.dpi).savefig(written[-1])
         if not args.no_summary:
             written.append(out_dir / "attention_summary.png")
             plot_summary(rows, scores, args.dpi).savefig(written[-1])
-    # the page is written whole or not at all
     if html is not None:
-        title = f"{loaded.description}: {kind}"
-        page = attention_page(texts, weights, scores, title, layers, heads)
+        page = attention_page(texts, weights, scores, f"{loaded.description}: {kind}",
+                              layers, heads)
         html.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(html, page)
         written.append(html)

@@ -1,30 +1,14 @@
-"""Benchmarks, each measured in one run; the first line printed names the machine and its load
-(ratios travel, absolute times drift on a shared machine). A bad argument is one line, exit 2.
+"""Benchmarks, each measured in one run whose first line names the machine and its load
+(ratios travel; absolute times drift). The figures and their commands: docs/benchmarks/.
 
     python bench.py train CONFIG [--steps 10] [--rounds 3] [--section.key=value ...]
-        ms/step, tokens/s and MFU of the trainer's own step (the median of the ms/step the
-        trainer measured over --rounds log intervals of --steps steps, after a warm-up
-        interval), against plain PyTorch's step on the same tokens (eager, fp32,
-        torch.optim.AdamW's defaults)
     python bench.py sample [--device auto] [--new-tokens 256]
-        tokens/s of sampling with and without the KV cache, and with it compiled (on CUDA
-        replayed as a CUDA graph: sample.py --compile), at batch 1 and 16
     python bench.py race [--classic CONFIG] [--fast CONFIG] [--section.key=value ...]
-        the classic config against the fast recipe, each run as a user runs it: seconds from
-        launching `python train.py` to the classic's best val loss (by default the CPU pair,
-        on a GPU the GPU pair)
-
     python bench.py threads [CONFIG] [--steps 20] [--section.key=value ...]
-        ms/step of `python train.py CONFIG` (the classic CPU config) with 1 thread, with one
-        per core and with the default (threads fitted to the cores other processes leave
-        free), on the machine as it is and beside 1 and 2 other busy processes (Python loops
-        spinning)
 
-MFU = the model's training FLOPs per second / the matmul peak measured in the same run (the
-best torch.mm rate, in the trainer's dtype). Per token: 6N FLOPs for the N weights of the
-Linear layers, LM head included (2 forward, 4 backward), plus 6 L T C for causal attention
-(the scores and the weighted sum cost 2C each per pair of positions, T/2 visible positions
-on average, x3 with backward).
+MFU = training FLOPs per second / the best torch.mm rate measured in the run. Per token: 6N
+for the N weights of the Linear layers, plus 6 L T C for causal attention (scores and sum,
+2C each per pair of positions, T/2 pairs on average, x3 with backward).
 """
 import argparse
 import json
@@ -51,13 +35,12 @@ from model.gpt import GPT
 from training import trainer
 from training.config import build_config
 
-# (classic, fast) by the kind of machine: the race on a GPU races the GPU pair
+# (classic, fast) by the kind of machine
 PAIRS = {
     "cpu": ("configs/shakespeare_char_cpu.toml", "configs/shakespeare_char_cpu_fast.toml"),
     "cuda": ("configs/shakespeare_char.toml", "configs/shakespeare_char_fast.toml"),
 }
-# what sample decodes: the classic GPU shape, random weights
-# (speed does not depend on what they know)
+# what sample decodes: the classic GPU shape, random weights (speed does not depend on them)
 SAMPLE_SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)
 
 
@@ -65,10 +48,9 @@ def machine() -> str:
     """One line: the processor, the GPU, torch and its threads, the load."""
     # on Linux platform.processor() names only the architecture
     try:
-        with open("/proc/cpuinfo") as f:
-            names = (line.split(":", 1)[1] for line in f if line.startswith("model name"))
-            cpu = next(names).strip()
-    except (OSError, StopIteration):
+        cpu = re.search(r"model name\s*: (.*)", Path("/proc/cpuinfo").read_text())[1]
+    # no such file, or no such line
+    except (OSError, TypeError):
         cpu = platform.processor() or platform.machine()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "unknown"
@@ -84,7 +66,6 @@ def now(device) -> float:
     return time.perf_counter()
 
 
-# ---------------------------------------------------------------- train
 def matmul_peak(device, dtype) -> float:
     """The best FLOP/s of n x n torch.mm over a few sizes: what MFU divides by."""
     # torch's benchmark loads setuptools: only a measuring command pays for it
@@ -92,7 +73,7 @@ def matmul_peak(device, dtype) -> float:
     best = 0.0
     for n in (1024, 2048) if device.type == "cpu" else (4096, 8192):
         a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        # Timer warms up and waits for the device; it runs on one thread unless told otherwise
+        # Timer warms up and waits for the device (on one thread unless told)
         timer = benchmark.Timer("mm(a, b)", globals={"mm": torch.mm, "a": a, "b": b},
                                 num_threads=torch.get_num_threads())
         seconds = min(timer.blocked_autorange(min_run_time=0.5).times)
@@ -108,23 +89,9 @@ def flops_per_token(model) -> tuple[float, float]:
     return 6.0 * n, 6.0 * c.n_layer * c.block_size * c.n_embd
 
 
-def run_trainer(cfg, steps: int, rounds: int) -> dict:
-    """train(cfg)'s summary, quietly, in a temporary out dir: rounds + 1 log intervals of
-    `steps` steps (its "intervals": the trainer's ms/step), then one evaluation of one batch
-    and a checkpoint, outside every timing."""
-    t = cfg.train
-    t.log_interval, t.max_steps = steps, steps * (rounds + 1)
-    t.eval_interval, t.eval_iters, t.sample_every = t.max_steps, 1, 0
-    cfg.log.wandb = cfg.log.curves = False
-    with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
-        cfg.out_dir = str(Path(tmp) / "run")
-        return trainer.train(cfg, quiet=True)
-
-
 def plain_ms_per_step(cfg, device, steps: int, rounds: int) -> float:
-    """The median ms/step of a training step as plain PyTorch writes it (eager, fp32,
-    AdamW's defaults), timed as the trainer's, over the config's micro-batches: the same
-    tokens per step."""
+    """The median ms/step of a training step as plain PyTorch writes it (eager, fp32, AdamW)
+    on the config's micro-batches."""
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     shape = (cfg.train.batch_size, cfg.model.block_size)
@@ -161,7 +128,13 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
           f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, "
           f"batch {t.batch_size} x {t.grad_accum} ({tokens:,} tokens/step) | "
           f"FLOPs/token 6N + attention = {dense / 1e6:.2f}M + {attn / 1e6:.2f}M", flush=True)
-    summary = run_trainer(cfg, steps, rounds)
+    # rounds + 1 log intervals, then one evaluation of one batch and a checkpoint, untimed
+    t.log_interval, t.max_steps = steps, steps * (rounds + 1)
+    t.eval_interval, t.eval_iters, t.sample_every = t.max_steps, 1, 0
+    cfg.log.wandb = cfg.log.curves = False
+    with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
+        cfg.out_dir = str(Path(tmp) / "run")
+        summary = trainer.train(cfg, quiet=True)
     # a signal stopped it (the trainer said so on stderr)
     if summary["exit_code"]:
         return summary["exit_code"]
@@ -169,21 +142,19 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
     # one model at a time on the GPU
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    ms = {"trainer": statistics.median(timed),
-          "plain": plain_ms_per_step(cfg, device, steps, rounds)}
-    hows = {"trainer": f"{summary['how']}, {dtype_name}; warm-up {warm_up:.1f} ms/step",
-            "plain": "eager, float32, torch.optim.AdamW"}
+    ours = f"{summary['how']}, {dtype_name}; warm-up {warm_up:.1f} ms/step"
+    rows = [("trainer", statistics.median(timed), ours),
+            ("plain", plain_ms_per_step(cfg, device, steps, rounds),
+             "eager, float32, torch.optim.AdamW")]
     print(f"{'step':8s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s}  how")
-    for name, how in hows.items():
-        per_s = tokens * 1000 / ms[name]
-        mfu = (dense + attn) * per_s / peak
-        print(f"{name:8s} {ms[name]:9.2f} {per_s:10,.0f} {mfu:6.1%}  {how}")
-    print(f"trainer: {ms['plain'] / ms['trainer']:.2f}x plain PyTorch's speed "
+    for name, ms, how in rows:
+        per_s = tokens * 1000 / ms
+        print(f"{name:8s} {ms:9.2f} {per_s:10,.0f} {(dense + attn) * per_s / peak:6.1%}  {how}")
+    print(f"trainer: {rows[1][1] / rows[0][1]:.2f}x plain PyTorch's speed "
           f"(median of {rounds} intervals of {steps} steps, after a warm-up one)")
     return 0
 
 
-# ---------------------------------------------------------------- sample
 def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=None) -> float:
     """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts."""
     device = next(model.parameters()).device
@@ -191,8 +162,7 @@ def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=No
     generator = torch.Generator(device=device).manual_seed(0)
     start = now(device)
     decoding = sampling.Decoding(use_cache=use_cache, speed_up=speed_up)
-    *_, last = sampling.generate(model, prompt, new_tokens, generator=generator,
-                                 decoding=decoding)
+    *_, last = sampling.generate(model, prompt, new_tokens, generator=generator, decoding=decoding)
     # waits for the device
     last.cpu()
     return batch * new_tokens / (time.perf_counter() - start)
@@ -221,50 +191,42 @@ def bench_sample(device, new_tokens: int) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- race
-def run(config: str, overrides: list[str], out_dir: Path, label: str) -> list[dict]:
-    """Train config as a user does (`python train.py CONFIG`, in a process of its own); its
-    curve [{step, seconds, val}]: seconds from the launch to each evaluation's end, all a
-    user waits for (Python's start, the data, compiling, the evaluations) included."""
-    print(f"# {label}: python train.py {' '.join([config, *overrides])}", flush=True)
-    # the clock of the records' "time"
-    launch = time.time()
-    # its stdout is not read; its stderr, errors included, is this command's;
-    # Ctrl-C reaches it too
-    argv = [sys.executable, str(ROOT / "train.py"), config, *overrides, f"--out_dir={out_dir}"]
-    code = subprocess.run(argv, stdout=subprocess.DEVNULL).returncode
-    if code:
-        raise UserError(f"the {label} run (python train.py {config}) failed "
-                        f"with exit code {code}")
-    with open(out_dir / "metrics.jsonl", encoding="utf-8") as f:
-        evals = [r for r in map(json.loads, f) if r["kind"] == "eval"]
-    curve = [{"step": r["step"], "seconds": r["time"] - launch, "val": r["val_loss"]}
-             for r in evals]
-    for p in curve:
-        print(f"{label:8s} step {p['step']:5d} | {p['seconds']:7.1f} s from launch | "
-              f"val {p['val']:.4f}")
-    return curve
+def train_py(config: str, args: list[str], out_dir, env=None) -> tuple[list[dict], str]:
+    """(the metrics.jsonl records, the stdout) of `python train.py CONFIG ARGS`, run as a
+    user runs it; its stderr and a Ctrl-C are this command's."""
+    argv = [sys.executable, str(ROOT / "train.py"), config, *args, f"--out_dir={out_dir}"]
+    done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=env)
+    if done.returncode:
+        raise UserError(f"python train.py {config} failed with exit code {done.returncode}")
+    with open(Path(out_dir) / "metrics.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f], done.stdout
 
 
 def race(classic: str, fast: str, overrides: list[str]) -> dict:
-    """Train classic, then fast: the time from launch to the classic's best val loss (the
-    target), and to the fast run's first evaluation at or below it."""
+    """Train classic, then fast, each evaluation timed from the launch: when did the fast
+    run first reach the classic's best val loss, against when the classic did."""
+    curves = {}
     with tempfile.TemporaryDirectory(prefix="bench_race_", ignore_cleanup_errors=True) as tmp:
-        curves = {label: run(path, overrides, Path(tmp) / label, label)
-                  for label, path in (("classic", classic), ("fast", fast))}
+        for label, config in ("classic", classic), ("fast", fast):
+            print(f"# {label}: python train.py {' '.join([config, *overrides])}", flush=True)
+            # the clock of the records' "time"
+            launch = time.time()
+            records, _ = train_py(config, overrides, Path(tmp) / label)
+            curves[label] = [{"step": r["step"], "seconds": r["time"] - launch,
+                              "val": r["val_loss"]} for r in records if r["kind"] == "eval"]
+            for p in curves[label]:
+                print(f"{label:8s} step {p['step']:5d} | {p['seconds']:7.1f} s from launch | "
+                      f"val {p['val']:.4f}")
     # a long run may overfit after its best
     best = min(curves["classic"], key=lambda p: p["val"])
     target, last = best["val"], curves["fast"][-1]
     hit = next((p for p in curves["fast"] if p["val"] <= target), None)
     print(f"classic  {classic}: best val {target:.4f} at step {best['step']}, "
           f"{best['seconds']:.1f} s from launch")
+    reached = f"never reached val {target:.4f}"
     if hit:
-        reached = (f"val {hit['val']:.4f} at step {hit['step']}, "
-                   f"{hit['seconds']:.1f} s from launch")
-    else:
-        reached = f"never reached val {target:.4f}"
-    print(f"fast     {fast}: {reached} "
-          f"(it ends at val {last['val']:.4f}, {last['seconds']:.1f} s)")
+        reached = f"val {hit['val']:.4f} at step {hit['step']}, {hit['seconds']:.1f} s from launch"
+    print(f"fast     {fast}: {reached} (it ends at val {last['val']:.4f}, {last['seconds']:.1f} s)")
     # a time ratio in words: 0.49 is 2.04x faster
     if ratio := hit and hit["seconds"] / best["seconds"]:
         words = f"{max(ratio, 1 / ratio):.2f}x " + ("slower" if ratio > 1 else "faster")
@@ -273,37 +235,27 @@ def race(classic: str, fast: str, overrides: list[str]) -> dict:
     return {"curves": curves, "target": target, "hit": hit, "ratio": ratio}
 
 
-# ---------------------------------------------------------------- threads on a busy machine
 def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: int) -> tuple:
-    """(ms/step of `python train.py CONFIG` over its second log interval, with
-    OMP_NUM_THREADS=threads (None: unset); the threads it used then)."""
+    """(ms/step of train.py's second log interval with OMP_NUM_THREADS=threads (None:
+    unset), the threads it used then)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env |= {"OMP_NUM_THREADS": threads} if threads else {}
+    settings = [f"--train.max_steps={2 * steps}", f"--train.log_interval={steps}",
+                f"--train.eval_interval={2 * steps}", "--train.eval_iters=1",
+                "--log.curves=false", "--train.device=cpu"]
     with tempfile.TemporaryDirectory(prefix="bench_threads_", ignore_cleanup_errors=True) as tmp:
-        settings = [f"--train.max_steps={2 * steps}", f"--train.log_interval={steps}",
-                    f"--train.eval_interval={2 * steps}", "--train.eval_iters=1",
-                    "--log.curves=false", "--train.device=cpu", f"--out_dir={tmp}/run"]
-        argv = [sys.executable, str(ROOT / "train.py"), config, *overrides, *settings]
-        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, env=env)
-        if done.returncode:
-            raise UserError(f"python train.py {config} failed with exit code {done.returncode}")
-        with open(Path(tmp) / "run" / "metrics.jsonl", encoding="utf-8") as f:
-            logs = [r for r in map(json.loads, f) if r["kind"] == "train"]
-    # the banner's "cpu x N threads", then each "# threads a -> b" of the log lines
-    used = re.findall(r"cpu x (\d+) thread|# threads \d+ -> (\d+)", done.stdout)[-1]
-    return logs[-1]["ms_per_step"], used
+        records, out = train_py(config, [*overrides, *settings], Path(tmp) / "run", env)
+    # the banner's "cpu x N threads", then the log's "# threads a -> b"
+    used = re.findall(r"cpu x (\d+) thread|# threads \d+ -> (\d+)", out)[-1]
+    return [r for r in records if r["kind"] == "train"][-1]["ms_per_step"], used
 
 
 def bench_threads(config: str, overrides: list[str], steps: int) -> int:
-    if hasattr(os, "sched_getaffinity"):
-        cores = len(os.sched_getaffinity(0))
-    else:
-        cores = os.cpu_count()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"busy | 1 thread ms | {cores} threads ms | default ms (threads) | default / best",
           flush=True)
     for busy in (0, 1, 2):
-        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(busy)]
+        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
         try:
             runs = [ms_per_step(config, overrides, threads, steps)
                     for threads in ("1", str(cores), None)]
@@ -317,30 +269,25 @@ def bench_threads(config: str, overrides: list[str], steps: int) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- the command
 def parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # each a common.ArgumentParser: one-line errors
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="ms/step, tokens/s and MFU of the trainer's step "
-                                     "against plain PyTorch")
+    t = sub.add_parser("train", help="the trainer's step against plain PyTorch's")
     t.add_argument("config")
     t.add_argument("--steps", type=int, default=10, help="steps per log interval")
-    t.add_argument("--rounds", type=int, default=3,
-                   help="timed intervals after a warm-up one (their median)")
+    t.add_argument("--rounds", type=int, default=3, help="timed intervals after a warm-up one")
     s = sub.add_parser("sample", help="tokens/s with and without the KV cache, and compiled")
-    s.add_argument("--device", default="auto", help="auto (cuda > cpu), cpu, cuda, cuda:N, mps")
-    s.add_argument("--new-tokens", type=int, default=256,
-                   help="new tokens per decode (256: one whole block)")
-    r = sub.add_parser("race", help="classic vs fast recipe: time from launch to the "
-                                    "classic's best val loss")
-    r.add_argument("--classic", help="default: the classic config of this machine's kind")
-    r.add_argument("--fast", help="default: the fast recipe of this machine's kind")
-    b = sub.add_parser("threads", help="ms/step with 1 thread, all, and the default, "
-                                       "beside busy processes")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--new-tokens", type=int, default=256)
+    r = sub.add_parser("race", help="seconds from launch to the classic config's best val")
+    # by default the pair of this machine's kind
+    classic, fast = PAIRS["cuda" if torch.cuda.is_available() else "cpu"]
+    r.add_argument("--classic", default=str(ROOT / classic), help="default: %(default)s")
+    r.add_argument("--fast", default=str(ROOT / fast), help="default: %(default)s")
+    b = sub.add_parser("threads", help="ms/step by threads, beside busy processes")
     b.add_argument("config", nargs="?", default=str(ROOT / PAIRS["cpu"][0]))
-    b.add_argument("--steps", type=int, default=20,
-                   help="steps per log interval (the second is timed)")
+    b.add_argument("--steps", type=int, default=20, help="steps per log interval")
     return p
 
 
@@ -355,15 +302,10 @@ def main(argv: list[str]) -> int:
             check("--" + option.replace("_", "-"), getattr(args, option), at_least=1)
     if args.command == "sample":
         args.device = pick_device(args.device, setting="--device")
-    else:
-        # auto: cuda where there is a GPU, else cpu
-        if args.command == "race":
-            classic, fast = PAIRS[pick_device("auto").type]
-            args.classic = args.classic or str(ROOT / classic)
-            args.fast = args.fast or str(ROOT / fast)
-        # a missing file: the OSError's one line
-        for path in [args.classic, args.fast] if args.command == "race" else [args.config]:
-            build_config(path, overrides)
+    # a missing file or a bad override: one line
+    for name in ("config", "classic", "fast"):
+        if hasattr(args, name):
+            build_config(getattr(args, name), overrides)
     print(machine(), flush=True)
     if args.command == "train":
         return bench_train(args.config, overrides, args.steps, args.rounds)

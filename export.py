@@ -1,21 +1,8 @@
-"""Export a trained GPT as a Hugging Face directory: config.json, model.safetensors and its
-tokenizer.
+"""Export a trained GPT as a Hugging Face GPT-2 directory: config.json, model.safetensors and
+its tokenizer (hf/), for transformers to read offline.
 
-    # the run's best.pt (else its latest checkpoint)
     python export.py out/run hf_model
     python export.py out/run/ckpt_0002000.pt hf_model --force
-
-    >>> from transformers import pipeline
-    >>> pipeline("text-generation", model="hf_model")("Hello", max_new_tokens=20)
-
-The prompt's tokens plus max_new_tokens must fit the model's context (its block size, as
-GPT-2's n_positions); generation_config.json asks for half of it when a call gives no
-max_new_tokens.
-
-Only an architecture GPT-2 has can be exported (learned positions, LayerNorm, plain
-multi-head attention, no qk_norm): any other setting is an error naming it (hf/convert.py).
-The tokenizer (char, gpt2, bpe:N) is written for AutoTokenizer to read offline
-(hf/tokenizer.py).
 """
 import json
 import sys
@@ -26,12 +13,10 @@ from loading import load_model
 
 
 def parse_args(argv):
-    p = ArgumentParser(description="Export a trained GPT as a Hugging Face GPT-2 directory "
-                       "and tokenizer.")
+    p = ArgumentParser(description="Export a trained GPT as a Hugging Face GPT-2 directory.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
     p.add_argument("out_dir", help="the directory to write the model and tokenizer files to")
-    p.add_argument("--force", action="store_true",
-                   help="write into out_dir even if it is not empty")
+    p.add_argument("--force", action="store_true", help="write into out_dir even if not empty")
     return p.parse_args(argv)
 
 
@@ -39,8 +24,7 @@ def main(argv) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
     if out.is_dir() and any(out.glob("*.pt")):
-        raise UserError(f"{out} holds checkpoints of a run: "
-                        f"export into a directory of its own")
+        raise UserError(f"{out} holds checkpoints of a run: export into a directory of its own")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise UserError(f"{out} is not empty; pass --force to write the model and tokenizer "
                         f"files into it")
@@ -51,9 +35,8 @@ def main(argv) -> int:
     written = save_pretrained(out, cfg, loaded.model.state_dict(), meta)
     print(f"# {loaded.path} -> {out} (GPT2LMHeadModel: {cfg.n_layer} layers, "
           f"n_embd {cfg.n_embd}, context {cfg.block_size}, vocab {cfg.vocab_size})")
-    print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} "
-          f"(for AutoTokenizer)")
-    # past the context transformers' GPT-2 fails with an IndexError: the limit is said here
+    print(f"# tokenizer {meta.get('name', meta['kind'])}: {', '.join(written)} (for AutoTokenizer)")
+    # past the context transformers' GPT-2 fails with an IndexError
     generation = (out / "generation_config.json").read_text(encoding="utf-8")
     default = json.loads(generation)["max_new_tokens"]
     print(f"# the prompt plus max_new_tokens must fit the context: {cfg.block_size} tokens "

@@ -1,17 +1,8 @@
-"""Overlay the loss curves of several runs: val loss by step and by wall-clock time, each
-run's line named by the settings in which the runs' configs differ.
+"""Overlay the val loss curves of several runs, by step and by wall-clock time, each run's
+line named by the settings in which the runs' configs differ.
 
     python plot.py out/tinyshakespeare out/shakespeare_char_cpu_fast
-    # bits per byte
     python plot.py out/notes out/notes-bpe4096 --bpb --out compare.png
-
-Each RUN is a run's out dir (its metrics.jsonl and config.toml). --bpb draws val bits per
-byte, which compares runs of different tokenizers fairly (val loss is per token). The
-picture goes to --out (.png, .svg or .pdf) and its path is printed. By default it is named
-by the runs it draws, in out/ of this repository, beside the runs (for the first command
-above: out/runs-tinyshakespeare+shakespeare_char_cpu_fast.png): the same runs again redraw
-their picture, other runs never replace it. A run's own curves are in its out dir, as
-curves.png.
 """
 import hashlib
 import os
@@ -22,25 +13,21 @@ from pathlib import Path
 from common import ROOT, ArgumentParser, UserError, atomic_write, flat, run_cli
 from viz import curves
 
-# where runs go, git-ignored: a default picture's folder
+# a default picture's folder, and the bytes of its name (file systems allow 255)
 DEFAULT_DIR = ROOT / "out"
-# bytes of a default picture's name (file systems allow 255)
 LONGEST_NAME = 120
-# what is shown or kept of a run, not what it computes: never named in the legend (keys and
-# prefixes)
+# what is shown or kept of a run, not what it computes: never in the legend (keys, prefixes)
 SHOWN = ("out_dir", "data.prepared_dir", "log.", "train.log_interval",
          "train.keep_checkpoints", "train.sample_")
 
 
 def parse_args(argv):
-    p = ArgumentParser(description="Overlay the loss curves of several runs, by step and by "
-                       "wall-clock time.")
-    p.add_argument("runs", nargs="+", metavar="RUN",
-                   help="a run's out dir (with metrics.jsonl and config.toml)")
-    p.add_argument("--out", type=Path, help="the picture's path, .png, .svg or .pdf (default: "
-                   "out/runs-<the runs' names>.png in this repository)")
+    p = ArgumentParser(description="Overlay the loss curves of several runs.")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a run's out dir")
+    p.add_argument("--out", type=Path, help="the picture's path, .png, .svg or .pdf "
+                   "(default: out/runs-<the runs' names>.png)")
     p.add_argument("--bpb", action="store_true",
-                   help="val bits per byte instead of val loss per token")
+                   help="val bits per byte (fair across tokenizers), not val loss")
     args = p.parse_args(argv)
     if args.out is not None and args.out.suffix.lower() not in (".png", ".svg", ".pdf"):
         p.error(f"--out {args.out}: the picture is written as .png, .svg or .pdf, "
@@ -49,26 +36,22 @@ def parse_args(argv):
 
 
 def default_out(paths: list[Path], bpb: bool) -> Path:
-    """out/runs-<names>.png: each run named by its path below the folder the runs share (one
-    run by its folder's name), '+' between them; -bpb for bits per byte. A name too long for a
-    file keeps its start and a hash of the whole, so that other runs still get another
-    name."""
+    """out/runs-<names>.png, each run named by its path below the folder the runs share:
+    the same runs redraw their picture, others never replace it."""
     resolved = [p.resolve() for p in paths]
     common = Path(os.path.commonpath(resolved))
     names = [r.relative_to(common).as_posix().replace("/", "_") if r != common else r.name
              for r in resolved]
     name = "runs-" + "+".join(names) + ("-bpb" if bpb else "")
     if len(whole := os.fsencode(name)) > LONGEST_NAME:
-        # its start, in whole characters, then 8 hex digits of the whole
+        # too long for a file: its start, in whole characters, and a hash of the whole
         start = whole[:LONGEST_NAME - 9].decode("utf-8", errors="ignore")
         name = f"{start}-{hashlib.sha256(whole).hexdigest()[:8]}"
     return DEFAULT_DIR / f"{name}.png"
 
 
 def differences(configs: list[dict], most: int = 4) -> list[str]:
-    """For each config (flattened, as a run's config.toml holds every setting; one it lacks
-    is None), the settings that not every config shares, as 'key=value, ...' (at most `most`
-    of them, then how many more)."""
+    """Per flattened config, 'key=value, ...' of the settings not all share."""
     keys = sorted({k for c in configs for k in c if not k.startswith(SHOWN)})
     differing = [k for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
     more = f" and {len(differing) - most} more" if len(differing) > most else ""
@@ -76,12 +59,10 @@ def differences(configs: list[dict], most: int = 4) -> list[str]:
 
 
 def read_run(path: Path) -> tuple[list[dict], dict]:
-    """(eval records, flattened config) of a run's out dir; a one-line error if it has
-    none."""
+    """(eval records, flattened config) of a run's out dir."""
     if not (path / "metrics.jsonl").is_file() or not (path / "config.toml").is_file():
         raise UserError(f"{path} holds no run (no metrics.jsonl and config.toml)")
-    records = curves.read_records(path / "metrics.jsonl")
-    evals = [r for r in records if r["kind"] == "eval"]
+    evals = [r for r in curves.read_records(path / "metrics.jsonl") if r["kind"] == "eval"]
     if not evals:
         raise UserError(f"{path} has no evaluation yet to draw")
     try:

@@ -1,14 +1,11 @@
 """Sample text from a trained GPT, streaming it to stdout as it is produced.
 
-    python sample.py out/tinyshakespeare --prompt "ROMEO:" --num-samples 3 --max-new-tokens 300
-    # greedy
+    python sample.py out/tinyshakespeare --prompt "ROMEO:" --num-samples 3
     python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0
 
-A run dir means its best.pt (else its latest checkpoint). All samples are generated as one
-batch; the first is streamed token by token, the others are printed when they are done. A
-sample ends at --max-new-tokens, at the end-of-text token (tokenizers that have one: gpt2,
-bpe:N), or just before a --stop string. Where stdout's encoding lacks a character, it is
-printed as '?'.
+A run dir means its best.pt (else its latest checkpoint). The samples are one batch; the
+first is streamed, the others are printed when done. A sample ends at --max-new-tokens, at
+the end-of-text token, or just before a --stop string.
 """
 import codecs
 import math
@@ -32,25 +29,21 @@ NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of s
 def parse_args(argv):
     p = ArgumentParser(description="Sample from a trained GPT checkpoint.")
     p.add_argument("checkpoint", help="a run's out dir, or a checkpoint file")
-    p.add_argument("--prompt", default="", help="text to continue, or @FILE to read it from "
-                   "a file (empty: start from a newline / end-of-text token)")
+    p.add_argument("--prompt", default="", help="text to continue, or @FILE")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=500)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="sample only from the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: the smallest set of tokens with this much probability")
+    p.add_argument("--top-k", type=int, default=0, help="only the k most likely (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="only the most likely tokens "
+                   "that hold this much probability")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end a sample just before this text (may be given several times)")
+                   help="end a sample just before this text (repeatable)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-cache", action="store_true",
-                   help="recompute the whole context for every token (slow; for comparison)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the decoding step, on CUDA replayed as a CUDA graph: many "
-                   "more tokens/s on a GPU once compiled (compiling takes a while: pays for "
-                   "long samples)")
+                   help="recompute the whole context for every token (slow)")
+    p.add_argument("--compile", action="store_true", help="compile the decoding step (on "
+                   "CUDA a CUDA graph): faster on a GPU once compiled")
     args = p.parse_args(argv)
     checks = [(args.num_samples >= 1, "--num-samples must be >= 1"),
               (args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
@@ -66,8 +59,8 @@ def parse_args(argv):
 
 
 def extend(text: str, decoder, piece: bytes, stops: list[str]) -> tuple[str, bool]:
-    """(text followed by the decoded bytes of a new token, whether the sample ended): it ends
-    just before a stop string, looked for only where the new text could complete one."""
+    """(text and a new token's decoded bytes, whether the sample ended): it ends just before
+    a stop string, looked for only where the new text could complete one."""
     before, text = len(text), text + decoder.decode(piece)
     found = (text.find(s, max(0, before - len(s) + 1)) for s in stops)
     cuts = [c for c in found if c >= 0]

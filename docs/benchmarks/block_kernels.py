@@ -1,18 +1,11 @@
-"""Kernels per transformer block of a config's training step, as torch.profiler counts them on a
-CPU.
+"""Kernels per transformer block of a config's training step on a CPU (torch.profiler): a
+2-block model's forward and backward minus a 1-block model's, as set and with learned
+positions and no QK-norm (docs/benchmarks/cpu.md). A kernel: an aten op that does work of
+its own (no view, and no op under it that does).
 
     python docs/benchmarks/block_kernels.py CONFIG [--section.key=value ...]
-
-A kernel: an aten op that does work of its own (no view, and no op under it that does). A block's
-count is a 2-block model's forward and backward minus a 1-block model's, in fp32 and under bf16
-autocast, for CONFIG as it is and with rotary positions and QK-norm turned off (learned positions):
-the difference is what those two cost a block (dropout off: its masks are not the model's work).
-On a GPU each kernel is a launch; the counts here
-are the CPU's, whose QK-norm (F.rms_norm) is a composite of several kernels (one on CUDA). Run it
-in a checkout of each commit to compare them. How it was used: docs/benchmarks/cpu.md.
 """
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -24,27 +17,28 @@ from training.config import build_config  # noqa: E402
 
 VIEWS = {"aten::" + name for name in (
     "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "expand",
-    "as_strided", "unsqueeze", "squeeze", "slice", "select", "narrow", "split", "split_with_sizes",
-    "chunk", "unbind", "alias", "detach", "view_as", "contiguous", "to", "type_as", "lift_fresh",
-    "resolve_conj", "resolve_neg", "result_type", "empty", "empty_like", "empty_strided",
-    "dropout")}
+    "as_strided", "unsqueeze", "squeeze", "slice", "select", "narrow", "split",
+    "split_with_sizes", "chunk", "unbind", "alias", "detach", "view_as", "contiguous", "to",
+    "type_as", "lift_fresh", "resolve_conj", "resolve_neg", "result_type", "empty",
+    "empty_like", "empty_strided", "dropout")}
 
 
 def works(event) -> bool:
-    return event.name not in VIEWS and not any(works(c) for c in event.cpu_children
-                                               if c.name.startswith("aten::"))
+    children = (c for c in event.cpu_children if c.name.startswith("aten::"))
+    return event.name not in VIEWS and not any(works(c) for c in children)
 
 
 def kernels(cfg, n_layer: int, dtype) -> int:
-    """Kernels of one forward and backward of cfg's model with n_layer blocks (after a warm-up)."""
+    """Kernels of one forward and backward of cfg's model with n_layer blocks, dropout off
+    (its masks are not the model's work)."""
     cfg.model.n_layer, cfg.model.dropout = n_layer, 0.0
+    cfg.model.vocab_size = cfg.model.vocab_size or 65
     torch.manual_seed(0)
     model = GPT(cfg.model)
     idx = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.block_size))
-    low = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else nullcontext()
 
     def step():
-        with low:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             model(idx, idx)[1].backward()
     step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -54,19 +48,16 @@ def kernels(cfg, n_layer: int, dtype) -> int:
 
 def main(argv: list[str]) -> None:
     cfg = build_config(argv[0], argv[1:])
-    cfg.model.vocab_size = cfg.model.vocab_size or 65
     print(f"# {argv[0]}: {cfg.model.n_embd} wide, block {cfg.model.block_size}, batch "
           f"{cfg.train.batch_size} | torch {torch.__version__}")
     for dtype in (torch.float32, torch.bfloat16):
-        counts = {}
         for levers in ("as set", "learned positions, no QK-norm"):
+            cfg = build_config(argv[0], argv[1:])
             if levers != "as set":
                 cfg.model.pos, cfg.model.qk_norm = "learned", False
-            counts[levers] = kernels(cfg, 2, dtype) - kernels(cfg, 1, dtype)
+            count = kernels(cfg, 2, dtype) - kernels(cfg, 1, dtype)
             name = str(dtype).removeprefix("torch.")
-            print(f"{name:9s} {levers:30s} {counts[levers]:4d} kernels a block")
-        cfg = build_config(argv[0], argv[1:])
-        cfg.model.vocab_size = cfg.model.vocab_size or 65
+            print(f"{name:9s} {levers:30s} {count:4d} kernels a block")
 
 
 if __name__ == "__main__":
