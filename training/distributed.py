@@ -6,19 +6,13 @@
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST \
              --master_port=29500 train.py CONFIG
 
-torchrun starts one process per device and tells each who it is in the environment (RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR/PORT):
-relaunch rebuilds the command that continues a run from them.
+DDP (the default): every process holds the whole model, and backward averages the gradients
+of each one's slice of the batch. FSDP (train.fsdp): each holds 1/world of every parameter,
+gradient and optimizer state, and gathers a block's parameters just before it runs: the
+same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes.
 
-DDP (the default): every rank holds the whole model and optimizer, and backward averages the
-gradients of each rank's slice of the batch (all-reduce). FSDP (train.fsdp): each rank holds
-1/world of every parameter, gradient and optimizer state; a block's parameters are gathered
-just before it runs. Same maths, a fraction of the memory. nccl between GPUs, gloo between
-CPU processes (what the tests use).
-
-When a process dies, its torchrun ends the others on its machine; on the other machines the
-collective they wait in fails (gloo's at once, NCCL's at its watchdog, else at the group's
-timeout), and each machine ends with one line (lost_peer_line). The checkpoints stay whole.
+When a process dies, torchrun ends the others on its machine; on other machines the
+collective they wait in fails, and each machine ends in one line (lost_peer_line).
 """
 import atexit
 import gc
@@ -44,7 +38,7 @@ def launched() -> bool:
 
 
 def join(device: torch.device) -> tuple[torch.device, int, int, int]:
-    """Join torchrun's process group: (this process's device, rank, local rank, world size)."""
+    """Join torchrun's process group: (this process's device, rank, local rank, world)."""
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     cuda = device.type == "cuda"
     if cuda:
@@ -57,7 +51,7 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo",
                                 device_id=device if cuda else None)
-        # a run that fails: while Python is still whole
+        # a run that fails leaves while Python is still whole
         atexit.register(leave, finished=False)
     return device, rank, local_rank, world
 
@@ -129,14 +123,12 @@ def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     anywhere. Under FSDP every rank calls it: the shards are gathered to rank 0's CPU."""
     if not sharded(model):
         return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         get_model_state_dict,
-                                                         get_optimizer_state_dict)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=options)
+    import torch.distributed.checkpoint.state_dict as dcp
+    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = dcp.get_model_state_dict(model, options=options)
     # keyed by parameter name, empty but on rank 0 (a list: torch's helpers take a lone
     # optimizer for a torch.optim one)
-    optim_state = get_optimizer_state_dict(model, [optimizer], options=options)
+    optim_state = dcp.get_optimizer_state_dict(model, [optimizer], options=options)
     if not optim_state:
         return model_state, optim_state
     index = {}
@@ -149,20 +141,18 @@ def load_full_state(model: torch.nn.Module, optimizer, model_state: dict,
     if not sharded(model):
         model.load_state_dict(model_state)
         return optimizer.load_state_dict(optim_state)
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    import torch.distributed.checkpoint.state_dict as dcp
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=full)
+    full = dcp.StateDictOptions(full_state_dict=True)
+    dcp.set_model_state_dict(model, model_state, options=full)
     by_name = rekeyed(optim_state, order.__getitem__)
-    set_optimizer_state_dict(model, [optimizer], by_name, options=full)
+    dcp.set_optimizer_state_dict(model, [optimizer], by_name, options=full)
 
 
 def rekeyed(optim_state: dict, key) -> dict:
-    """optim_state with each parameter's key(n) for its n: torch's helpers name parameters,
-    a checkpoint numbers them as one process's optimizer does."""
+    """optim_state with each parameter n as key(n): torch's helpers name the parameters, a
+    checkpoint numbers them."""
     groups = [{**g, "params": [key(n) for n in g["params"]]} for g in optim_state["param_groups"]]
     return {"state": {key(n): s for n, s in optim_state["state"].items()}, "param_groups": groups}
 
