@@ -78,10 +78,6 @@ if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop_here)
 
 
-# how running out of memory reads: torch's allocators, C++'s
-OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "bad_alloc")
-# a C function that could not even make its exception: nearly always a failed allocation
-NO_EXCEPTION = ("without setting an exception", "error return without exception set")
 SMALLER = "try a smaller batch, block size or model (checkpoints already written are kept)"
 
 
@@ -95,12 +91,12 @@ def causes(error: BaseException) -> list[BaseException]:
 
 
 def out_of_memory(e: BaseException) -> bool:
-    """Python's MemoryError (or a SystemError where a C function could not even make one),
-    torch's and C++'s RuntimeError."""
+    """Python's MemoryError (or a SystemError: a C function that could not even make one),
+    torch's or C++'s RuntimeError."""
     if isinstance(e, RuntimeError):
-        return any(w in str(e) for w in OUT_OF_MEMORY)
+        return any(w in str(e) for w in ("out of memory", "can't allocate memory", "bad_alloc"))
     if isinstance(e, SystemError):
-        return any(w in str(e) for w in NO_EXCEPTION)
+        return "without setting an exception" in str(e) or "without exception set" in str(e)
     return isinstance(e, MemoryError)
 
 
@@ -129,8 +125,8 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
 
 def run_cli(main, argv: list[str]) -> int:
     """main(argv)'s exit code, what a user can cause said in one line (verdict). A stop noted
-    before it runs counts: torch's import of numpy swallows a Ctrl-C, and a later error of
-    the half-imported numpy is that stop."""
+    before counts: torch's import of numpy swallows a Ctrl-C, and the half-imported numpy's
+    later error is that stop."""
     # a character the terminal cannot show prints as '?'
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
@@ -171,8 +167,8 @@ OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None,
           one_of=None) -> None:
-    """A UserError naming key unless value is one of `one_of`, or a finite number within
-    the bounds: 'train.beta1 must be >= 0 and < 1, got 1.5'."""
+    """A UserError unless value is one of `one_of`, or a finite number within the bounds:
+    'train.beta1 must be >= 0 and < 1, got 1.5'."""
     if one_of is not None and value not in one_of:
         raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, one_of))}")
     bounds = [(op, b) for op, b in zip(OPS, (above, at_least, below, at_most)) if b is not None]
@@ -198,8 +194,8 @@ def check_fields(config, section: str) -> None:
 
 def atomic_write(path, data) -> None:
     """Write data (str, bytes, or a function that writes to a binary file) to .<name>.tmp,
-    fsync it and rename it over path: a reader finds the old file or the new one, never part
-    of one, whenever the writer is killed."""
+    fsync it and rename it over path: whenever the writer is killed, a reader finds the old
+    file or the new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if isinstance(data, str):

@@ -217,11 +217,10 @@ def default_out_dir(config_file: str | None, values: dict, given: set[str]) -> s
     """out/<name>: the config file's name, then the data's where the command line set it or
     no config file is given, then the tokenizer's likewise (but char): runs on other data
     or tokens never meet in one out dir."""
-    data = values.get("data.path", DataConfig.path)
     tokenizer = values.get("data.tokenizer", "char")
     parts = [Path(config_file).stem] if config_file else []
     if "data.path" in given or not config_file:
-        parts.append(data_name(data))
+        parts.append(data_name(values.get("data.path", DataConfig.path)))
     if "data.tokenizer" in given or not config_file and tokenizer != "char":
         parts.append(re.sub(r"[^A-Za-z0-9_.]", "", tokenizer))
     return "out/" + "-".join(parts)

@@ -2,15 +2,15 @@
 
 train.optimizer
   adamw  AdamW on every parameter; weight decay on matrices (linear weights, embeddings) only.
-  muon   Muon on the hidden matrices (attention and MLP weights in the blocks), AdamW on the
-         rest: a row of an embedding is one token's vector, not a linear map.
+  muon   Muon on the hidden matrices (attention and MLP weights), AdamW on the rest: a row
+         of an embedding is one token's vector, not a linear map.
 
 train.schedule (a factor on every group's base learning rate)
   cosine  linear warmup, then cosine decay to min_lr at max_steps
-  wsd     linear warmup, constant, then a linear warm-down to min_lr over the last
-          warmdown_frac of the steps: fast progress at a high lr, collected by the short
-          decay (Hägele et al., 2024, "Scaling Laws and Compute-Optimal Training Beyond
-          Fixed Training Durations").
+  wsd     linear warmup, constant, then a linear decay to min_lr over the last warmdown_frac
+          of the steps: fast progress at a high lr, collected by the short decay (Hägele et
+          al., 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training
+          Durations").
 """
 import math
 
@@ -20,8 +20,7 @@ from torch.optim.adamw import adamw
 
 
 def lr_at(step: int, t) -> float:
-    """The learning-rate multiplier (0..1) of optimizer step `step` (0-based) under t's schedule.
-    The floor is t.min_lr / t.lr."""
+    """The learning-rate multiplier (0..1) of step `step` (0-based); its floor t.min_lr / t.lr."""
     if step < t.warmup_steps:
         return (step + 1) / t.warmup_steps
     floor = t.min_lr / t.lr if t.lr > 0 else 0.0
@@ -34,8 +33,7 @@ def lr_at(step: int, t) -> float:
 
 
 def set_lr(optimizer, factor: float) -> None:
-    """Set every group's lr to its base_lr times factor. A tensor lr (which a CUDA graph reads
-    from its address) is filled in place."""
+    """Set every group's lr to its base_lr times factor; a tensor lr (a CUDA graph's) in place."""
     for group in optimizer.param_groups:
         # rounded as a tensor lr holds it
         value = float(np.float32(group["base_lr"] * factor))
@@ -150,9 +148,8 @@ class AdamW(PlainOptimizer):
 
 
 class Muon(PlainOptimizer):
-    """Muon: momentum SGD whose update, for each weight matrix, is orthogonalized (Keller
-    Jordan, 2024, https://kellerjordan.github.io/posts/muon/). Per matrix W (out, in) with
-    gradient G:
+    """Muon: momentum SGD whose update of each weight matrix is orthogonalized (Keller Jordan,
+    2024, https://kellerjordan.github.io/posts/muon/). Per matrix W (out, in), gradient G:
 
         M <- momentum M + G
         O  = orthogonalize(G + momentum M)    Nesterov; all singular values ~1
@@ -179,11 +176,9 @@ class Muon(PlainOptimizer):
             torch._foreach_mul_(bufs, group["momentum"])
             torch._foreach_add_(bufs, grads)
             updates = torch._foreach_add(grads, bufs, alpha=group["momentum"])
-            # a tall matrix joins the wide ones of its transposed shape: fewer batches
             by_shape = {}
             for p, g in zip(params, updates):
-                wide = g if p.size(0) <= p.size(1) else g.mT
-                by_shape.setdefault(wide.shape, []).append((p, wide))
+                by_shape.setdefault(p.shape, []).append((p, g))
             for items in by_shape.values():
                 stacked = torch.stack([g for _, g in items])
                 # bf16 where its matmuls are faster
@@ -192,7 +187,7 @@ class Muon(PlainOptimizer):
                 for (p, _), o in zip(items, ortho):
                     # a graph's lr is a tensor: the scale is one too
                     scale = -max(1.0, p.size(0) / p.size(1)) ** 0.5 * group["lr"]
-                    p.add_((o if o.shape == p.shape else o.mT) * scale)
+                    p.add_(o * scale)
 
 
 class Optimizers:
