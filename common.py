@@ -1,12 +1,8 @@
 """What every command keeps to; imports neither torch nor the rest of the project.
 
-  one line   run_cli says a UserError, an OSError, running out of memory or a stop (Ctrl-C,
-             SIGTERM, even while torch imports) in one line on stderr, never a traceback:
-             exit 2 for a mistake or a full disk, 3 for out of memory, 128 + the signal's
-             number for a stop (130, 143)
-  settings   setting(default, "what it does", bounds): --help prints the text,
-             check_fields() holds the field to its bounds
-  files      atomic_write: a file is written whole or not at all
+run_cli says a UserError, an OSError, running out of memory or a stop (Ctrl-C, SIGTERM, even
+while torch imports) in one line on stderr, never a traceback: exit 2 for a mistake or a full
+disk, 3 for out of memory, 128 + the signal's number for a stop (130, 143).
 """
 import argparse
 import dataclasses
@@ -32,8 +28,7 @@ def first_line(error: BaseException, limit: int = 160) -> str:
 
 
 def silence_stdout() -> None:
-    """Print nothing more: a stdout whose reader is gone (`| head`) stops the printing, not
-    the job, nor Python's flush at exit."""
+    """Print nothing more: a stdout whose reader is gone (`| head`) stops the printing only."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):
@@ -45,15 +40,15 @@ STOPS = []
 
 
 def stop_here(signum, frame):
-    """SIGINT and SIGTERM outside the training loop: a KeyboardInterrupt, which a command
-    cleans up after; noted, because a later error it causes is that stop."""
+    """SIGINT and SIGTERM outside the training loop: a KeyboardInterrupt, noted (a later error
+    it causes is that stop)."""
     STOPS.append(signum)
     raise KeyboardInterrupt
 
 
 def stopped(error: BaseException) -> tuple[int, str] | None:
-    """(exit code, line) of a command a signal stopped (STOPS), or with a KeyboardInterrupt
-    among the error's causes (a Ctrl-C in Python's own code can come out as another error)."""
+    """(exit code, line) of a stop: a signal in STOPS, or a KeyboardInterrupt among the
+    error's causes (a Ctrl-C in Python's own code can come out as another error)."""
     if not STOPS and not any(isinstance(e, KeyboardInterrupt) for e in causes(error)):
         return None
     signum = STOPS[-1] if STOPS else signal.SIGINT
@@ -61,8 +56,7 @@ def stopped(error: BaseException) -> tuple[int, str] | None:
 
 
 def quiet_stop(kind, error, trace) -> None:
-    """sys.excepthook: a stop before run_cli runs (while torch imports) is its one line too;
-    anything else is Python's own traceback."""
+    """sys.excepthook: a stop before run_cli runs (while torch imports) is one line too."""
     if said := stopped(error):
         print(said[1], file=sys.stderr, flush=True)
         os._exit(said[0])
@@ -91,8 +85,8 @@ def causes(error: BaseException) -> list[BaseException]:
 
 
 def out_of_memory(e: BaseException) -> bool:
-    """Python's MemoryError (or a SystemError: a C function that could not even make one),
-    torch's or C++'s RuntimeError."""
+    """Python's MemoryError (or a SystemError where it could not be made), torch's or C++'s
+    RuntimeError."""
     if isinstance(e, RuntimeError):
         return any(w in str(e) for w in ("out of memory", "can't allocate memory", "bad_alloc"))
     if isinstance(e, SystemError):
@@ -125,8 +119,7 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
 
 def run_cli(main, argv: list[str]) -> int:
     """main(argv)'s exit code, what a user can cause said in one line (verdict). A stop noted
-    before counts: torch's import of numpy swallows a Ctrl-C, and the half-imported numpy's
-    later error is that stop."""
+    before counts: torch's import swallows a Ctrl-C in numpy's, whose later error is it."""
     # a character the terminal cannot show prints as '?'
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
@@ -237,8 +230,8 @@ def duration(seconds: float) -> str:
 
 
 def cpu_clock() -> tuple[float, float, float] | None:
-    """(seconds, busy seconds of the cores this process may use, its own CPU seconds) from
-    Linux's /proc/stat, else None: two tell how busy other processes kept those cores."""
+    """(seconds, busy seconds of the cores this process may use, its own CPU seconds), from
+    Linux's /proc/stat (else None): two tell how busy other processes kept those cores."""
     try:
         cores = os.sched_getaffinity(0)
         lines = Path("/proc/stat").read_text().splitlines()
@@ -259,8 +252,8 @@ CPU_AT_START = cpu_clock()
 
 
 class Progress:
-    """How far a long job is, on stderr: 'label: done / total unit, rate unit/s, ETA',
-    redrawn at most 5 times a second on a terminal, a line every 10 s into a log."""
+    """'label: done / total unit, rate unit/s, ETA' on stderr: redrawn at most 5 times a
+    second on a terminal, a line every 10 s into a log."""
 
     def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}",
                  quiet=False):

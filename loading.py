@@ -1,10 +1,9 @@
-"""A trained model from a file, for sampling, scoring, drawing, exporting and resuming
-(training/checkpoint.py writes them): a checkpoint file, a run's out dir (its best.pt, else
-its latest ckpt_*.pt), or a Hugging Face GPT-2 by directory or hub name (the hf/ room).
+"""A trained model from a checkpoint file, a run's out dir (its best.pt, else its latest
+ckpt_*.pt) or a Hugging Face GPT-2 (the hf/ room), for every command but training.
 
 A checkpoint is read safely: every member's checksum (torch.save writes a zip), then
-torch.load(weights_only=True) (tensors and plain data: no code runs), its format and version,
-and the weights loaded strictly into the model its config describes. Any failure is one line.
+torch.load(weights_only=True) (no code runs), its format and version, and the weights
+strictly into the model its config describes. Any failure is one line.
 """
 import os
 import pickle
@@ -53,7 +52,7 @@ def read_checkpoint(path) -> dict:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()
         ckpt = None if damaged else torch.load(path, map_location="cpu", weights_only=True)
-    # weights_only's unpickler met more than tensors and plain data
+    # more than tensors and plain data
     except pickle.UnpicklingError:
         raise UserError(f"{path} was refused: it holds objects that could run code "
                         f"when loaded") from None
@@ -88,7 +87,7 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
     config.json, or a hub name such as gpt2)."""
     text, path = str(source), Path(source)
     hugging_face = (path / "config.json").is_file() and not list(path.glob("*.pt"))
-    # a folder of its files, or a hub name: the optional Hugging Face room
+    # a folder of its files, or a hub name
     if hugging_face or not path.exists() and "/" not in text:
         from hf.hub import load_gpt2
         model, tokenizer, description = load_gpt2(text)
@@ -99,7 +98,7 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
     tokenizer = load_tokenizer(ckpt["tokenizer"])
     try:
         model = GPT(ModelConfig(**ckpt["config"]["model"]))
-        # strict: every weight, each of its shape
+        # strict: every weight, of its shape
         model.load_state_dict(ckpt["model"])
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"its tokenizer has {tokenizer.vocab_size} tokens, its model "

@@ -1,14 +1,13 @@
 """Where a model computes: the device, the dtype, and on a CPU how many threads.
 
-  device   auto = CUDA where there is a GPU, else the CPU; any device torch knows
+  device   auto = CUDA where there is a GPU, else the CPU
   dtype    auto = bf16 on CUDA (fp16 where the GPU lacks it), else fp32; a low precision runs
-           under autocast (fp32 weights, low-precision matmuls); CUDA's fp32 matmuls use TF32
-  threads  torch's CPU threads wait for each other, spinning, after every operation: one
-           that lost its core to another process holds up the rest (on 2 busy cores, 2
-           threads can take 30x as long as 1). So a CPU run takes only the cores others
-           leave free (at least one), measured over its start-up and at each fit_threads
-           (the trainer's log lines). OMP_NUM_THREADS, when set, is kept: the thread count
-           moves a CPU run's last bits, and an exact resume under another load needs it.
+           under autocast (fp32 weights, low-precision matmuls)
+  threads  torch's CPU threads wait for each other after every operation: one that lost its
+           core to another process holds up the rest (2 threads on 2 busy cores: up to 30x
+           slower). So a CPU run takes the cores others leave free, measured over its
+           start-up and at each fit_threads, unless OMP_NUM_THREADS is set (an exact resume
+           under another load needs it: the thread count moves the last bits).
 """
 import math
 import os
@@ -45,8 +44,8 @@ def pick_device(name: str = "auto", setting: str = "train.device") -> torch.devi
 
 def fit_threads(since):
     """Use as many threads as cores other processes left free since the cpu_clock() reading
-    `since` (under half a second is too noisy: the window grows to the next call). Returns
-    (the reading to measure from next, a line saying a change or None)."""
+    `since` (a window under 0.5 s grows to the next call): (the next `since`, a line saying a
+    change or None)."""
     now = cpu_clock()
     if now is None or since is None or "OMP_NUM_THREADS" in os.environ:
         return now, None
