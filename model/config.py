@@ -14,8 +14,7 @@ class ModelConfig:
     vocab_size: int = setting(0, "0 = taken from the prepared dataset", at_least=0)
     block_size: int = setting(64, "longest context the model sees (T)", above=0)
     n_layer: int = setting(4, "transformer blocks", above=0)
-    n_head: int = setting(
-        4, "attention heads per block (head size = n_embd / n_head)", above=0)
+    n_head: int = setting(4, "attention heads per block (head size = n_embd / n_head)", above=0)
     n_embd: int = setting(128, "width of the residual stream (C)", above=0)
     dropout: float = setting(
         0.0, "dropout on embeddings, attention weights and residual branches",
@@ -26,8 +25,7 @@ class ModelConfig:
         one_of=ATTENTIONS)
     n_kv_head: int = setting(
         0, "gqa: key/value heads, a divisor of n_head (1 = multi-query)", at_least=0)
-    window: int = setting(
-        0, "sliding_window: tokens each token sees, itself included", at_least=0)
+    window: int = setting(0, "sliding_window: tokens each token sees, itself included", at_least=0)
     kv_latent_dim: int = setting(
         0, "mla: size of the cached key/value latent per token", at_least=0)
     pos: str = setting(
@@ -35,8 +33,7 @@ class ModelConfig:
     qk_norm: bool = setting(False, "normalize q and k per head before the scores")
     attn_scale: bool = setting(True, "scale scores by 1/sqrt(head_dim)")
     norm: str = setting("layernorm", "layernorm | rmsnorm", one_of=NORMS)
-    mlp: str = setting(
-        "gelu", "gelu | gelu_tanh (GPT-2's tanh approximation) | relu2", one_of=MLPS)
+    mlp: str = setting("gelu", "gelu | gelu_tanh (GPT-2's tanh approximation) | relu2", one_of=MLPS)
     tie_embeddings: bool = setting(True, "LM head shares the token embedding matrix")
     zero_init_proj: bool = setting(False, "residual output projections start at zero")
     rope_base: float = setting(

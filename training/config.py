@@ -43,8 +43,7 @@ class TrainConfig:
     beta1: float = setting(0.9, "AdamW's momentum", at_least=0, below=1)
     beta2: float = setting(0.99, "AdamW's second-moment decay", at_least=0, below=1)
     grad_clip: float = setting(1.0, "max global gradient norm (0 = off)", at_least=0)
-    eval_interval: int = setting(
-        500, "evaluate (and checkpoint) every this many steps", above=0)
+    eval_interval: int = setting(500, "evaluate (and checkpoint) every this many steps", above=0)
     eval_iters: int = setting(
         0, "0 = every val window (4,096 at most), an eighth as many train ones; "
            "N = N fixed random batches a split", at_least=0)
@@ -54,8 +53,7 @@ class TrainConfig:
         0, "print and record a sample every this many steps (0 = none)", at_least=0)
     sample_prompt: str = setting(
         "", "what those samples continue (\"\" = a newline, or end-of-text)")
-    sample_tokens: int = setting(
-        200, "new tokens per sample (the same seed every time)", above=0)
+    sample_tokens: int = setting(200, "new tokens per sample (the same seed every time)", above=0)
     seed: int = setting(
         1337, "initial weights, data order and dropout", at_least=0, at_most=2**32 - 1)
     device: str = setting(
@@ -64,8 +62,7 @@ class TrainConfig:
         "auto", "auto = bf16 on CUDA", one_of=("auto", "float32", "bfloat16", "float16"))
     compile: bool = setting(
         False, "torch.compile the model (compiling takes a minute: long runs win)")
-    cuda_graph: bool = setting(
-        True, "one CUDA GPU: record the step as a CUDA graph and replay it")
+    cuda_graph: bool = setting(True, "one CUDA GPU: record the step as a CUDA graph and replay it")
     keep_checkpoints: int = setting(
         2, "ckpt_<step>.pt files kept (the newest); best.pt besides", above=0)
     fsdp: bool = setting(

@@ -169,8 +169,6 @@ class Muon(PlainOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group, params, states in self.with_grads():
-            if any(p.ndim != 2 for p in params):
-                raise ValueError("Muon updates 2-D matrices only")
             grads = [p.grad for p in params]
             bufs = [s["momentum"] for s in states]
             torch._foreach_mul_(bufs, group["momentum"])
