@@ -72,9 +72,6 @@ if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop_here)
 
 
-SMALLER = "try a smaller batch, block size or model (checkpoints already written are kept)"
-
-
 def causes(error: BaseException) -> list[BaseException]:
     """error, the error it was raised from or while handling, and so on down."""
     chain = []
@@ -112,9 +109,11 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
     for e in chain:
         e.__traceback__ = None
     try:
-        return 3, f"error: out of memory ({first_line(memory[0], 100)}): {SMALLER}"
+        why = f" ({first_line(memory[0], 100)})"
     except MemoryError:
-        return 3, f"error: out of memory: {SMALLER}"
+        why = ""
+    return 3, (f"error: out of memory{why}: try a smaller batch, block size or model "
+               f"(checkpoints already written are kept)")
 
 
 def run_cli(main, argv: list[str]) -> int:

@@ -110,9 +110,7 @@ class Config:
 # every key: its dataclass field
 FIELDS = {"out_dir": dataclasses.fields(Config)[0]} | {
     f"{s.name}.{f.name}": f
-    for s in dataclasses.fields(Config)[1:]
-    for f in dataclasses.fields(s.type)
-}
+    for s in dataclasses.fields(Config)[1:] for f in dataclasses.fields(s.type)}
 PATHS = ("out_dir", "data.path", "data.prepared_dir", "data.val_path")
 BOOLS = (dict.fromkeys(("true", "1", "yes", "on"), True)
          | dict.fromkeys(("false", "0", "no", "off"), False))

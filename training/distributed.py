@@ -49,8 +49,7 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
         raise UserError(f"distributed training runs on cuda (nccl) or cpu (gloo), "
                         f"not {device.type}")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                device_id=device if cuda else None)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
         # a run that fails leaves while Python is still whole
         atexit.register(leave, finished=False)
     return device, rank, local_rank, world

@@ -235,6 +235,5 @@ def build_optimizer(model: torch.nn.Module, t, device: torch.device):
     opt = AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
     if not hidden:
         return opt
-    muon = Muon([{"params": hidden, "base_lr": t.muon_lr}], lr=t.muon_lr,
-                momentum=t.muon_momentum)
+    muon = Muon([{"params": hidden, "base_lr": t.muon_lr}], lr=t.muon_lr, momentum=t.muon_momentum)
     return Optimizers(muon, opt)
