@@ -35,13 +35,27 @@ def silence_stdout() -> None:
         pass
 
 
-# the signals that reached this process outside the training loop (which takes them over)
+# the signals that reached a running command outside the training loop (which takes them over)
 STOPS = []
 
 
+def stop_line(signum: int) -> tuple[int, str]:
+    """(exit code, line) of a command a signal stopped."""
+    return 128 + signum, "terminated" if signum == signal.SIGTERM else "interrupted"
+
+
+def quit_now(signum, frame):
+    """SIGINT and SIGTERM while a command starts (imports torch): its line, and exit at once.
+    A KeyboardInterrupt could land in torch's C++, which aborts on it, or in its import of
+    numpy, which swallows it."""
+    code, line = stop_line(signum)
+    print(line, file=sys.stderr, flush=True)
+    os._exit(code)
+
+
 def stop_here(signum, frame):
-    """SIGINT and SIGTERM outside the training loop: a KeyboardInterrupt, noted (a later error
-    it causes is that stop)."""
+    """SIGINT and SIGTERM once the command runs (run_cli), outside the training loop: a
+    KeyboardInterrupt, noted (a later error it causes is that stop)."""
     STOPS.append(signum)
     raise KeyboardInterrupt
 
@@ -49,27 +63,17 @@ def stop_here(signum, frame):
 def stopped(error: BaseException) -> tuple[int, str] | None:
     """(exit code, line) of a stop: a signal in STOPS, or a KeyboardInterrupt among the
     error's causes (a Ctrl-C in Python's own code can come out as another error)."""
-    if not STOPS and not any(isinstance(e, KeyboardInterrupt) for e in causes(error)):
-        return None
-    signum = STOPS[-1] if STOPS else signal.SIGINT
-    return 128 + signum, "terminated" if signum == signal.SIGTERM else "interrupted"
-
-
-def quiet_stop(kind, error, trace) -> None:
-    """sys.excepthook: a stop before run_cli runs (while torch imports) is one line too."""
-    if said := stopped(error):
-        print(said[1], file=sys.stderr, flush=True)
-        os._exit(said[0])
-    sys.__excepthook__(kind, error, trace)
+    if STOPS or any(isinstance(e, KeyboardInterrupt) for e in causes(error)):
+        return stop_line(STOPS[-1] if STOPS else signal.SIGINT)
+    return None
 
 
 # every command imports this module first
 if threading.current_thread() is threading.main_thread():
-    sys.excepthook = quiet_stop
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, stop_here)
+        signal.signal(signal.SIGINT, quit_now)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, stop_here)
+        signal.signal(signal.SIGTERM, quit_now)
 
 
 def causes(error: BaseException) -> list[BaseException]:
@@ -117,11 +121,15 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
 
 
 def run_cli(main, argv: list[str]) -> int:
-    """main(argv)'s exit code, what a user can cause said in one line (verdict). A stop noted
-    before counts: torch's import swallows a Ctrl-C in numpy's, whose later error is it."""
+    """main(argv)'s exit code, what a user can cause said in one line (verdict)."""
     # a character the terminal cannot show prints as '?'
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
+    # the command runs: a stop is a KeyboardInterrupt from here on, which it cleans up after
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is quit_now:
+            signal.signal(signum, stop_here)
+    STOPS.clear()
     try:
         return main(argv)
     except BrokenPipeError:
@@ -133,8 +141,6 @@ def run_cli(main, argv: list[str]) -> int:
         if said is None:
             raise
         code, message = said
-    finally:
-        STOPS.clear()
     print(message, file=sys.stderr)
     return code
 
