@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from common import ROOT, UserError, first_line, typed
 from loading import list_checkpoints
+from training.optim import rekeyed
 
 # how long processes wait for their leaders' data preparation
 LEADERS_TIMEOUT = timedelta(days=1)
@@ -147,13 +148,6 @@ def load_full_state(model: torch.nn.Module, optimizer, model_state: dict,
     dcp.set_model_state_dict(model, model_state, options=full)
     by_name = rekeyed(optim_state, order.__getitem__)
     dcp.set_optimizer_state_dict(model, [optimizer], by_name, options=full)
-
-
-def rekeyed(optim_state: dict, key) -> dict:
-    """optim_state with each parameter n as key(n): torch's helpers name the parameters, a
-    checkpoint numbers them."""
-    groups = [{**g, "params": [key(n) for n in g["params"]]} for g in optim_state["param_groups"]]
-    return {"state": {key(n): s for n, s in optim_state["state"].items()}, "param_groups": groups}
 
 
 def agreed_stop(signum: int, device: torch.device) -> int:

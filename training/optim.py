@@ -62,6 +62,14 @@ def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x if wide else x.mT
 
 
+def rekeyed(optim_state: dict, key) -> dict:
+    """An optimizer state dict with each parameter p as key(p): a state_dict numbers them,
+    torch's FSDP helpers name them."""
+    groups = [{**g, "params": [key(p) for p in g["params"]]} for g in optim_state["param_groups"]]
+    return {"state": {key(p): dict(s) for p, s in optim_state["state"].items()},
+            "param_groups": groups}
+
+
 class PlainOptimizer:
     """What AdamW and Muon share: parameter groups, a state per parameter, zero_grad, and
     state_dict / load_state_dict in torch.optim's format (state keyed by each parameter's
@@ -92,10 +100,8 @@ class PlainOptimizer:
     def state_dict(self) -> dict:
         """The state and the groups (their tensors not copied)."""
         index = {}
-        groups = [{**g, "params": [index.setdefault(p, len(index)) for p in g["params"]]}
-                  for g in self.param_groups]
-        state = {index[p]: dict(s) for p, s in self.state.items()}
-        return {"state": state, "param_groups": groups}
+        mine = {"state": self.state, "param_groups": self.param_groups}
+        return rekeyed(mine, lambda p: index.setdefault(p, len(index)))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A state_dict of this class or torch.optim's over the same groups: each state tensor
