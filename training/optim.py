@@ -180,9 +180,11 @@ class Muon(PlainOptimizer):
             torch._foreach_mul_(bufs, group["momentum"])
             torch._foreach_add_(bufs, grads)
             updates = torch._foreach_add(grads, bufs, alpha=group["momentum"])
+            # a tall matrix joins the wide ones of its transposed shape: fewer batches
             by_shape = {}
             for p, g in zip(params, updates):
-                by_shape.setdefault(p.shape, []).append((p, g))
+                wide = g if p.size(0) <= p.size(1) else g.mT
+                by_shape.setdefault(wide.shape, []).append((p, wide))
             for items in by_shape.values():
                 stacked = torch.stack([g for _, g in items])
                 # bf16 where its matmuls are faster
@@ -191,7 +193,7 @@ class Muon(PlainOptimizer):
                 for (p, _), o in zip(items, ortho):
                     # a graph's lr is a tensor: the scale is one too
                     scale = -max(1.0, p.size(0) / p.size(1)) ** 0.5 * group["lr"]
-                    p.add_(o * scale)
+                    p.add_((o if o.shape == p.shape else o.mT) * scale)
 
 
 class Optimizers:
