@@ -45,9 +45,8 @@ def stop_line(signum: int) -> tuple[int, str]:
 
 
 def quit_now(signum, frame):
-    """SIGINT and SIGTERM while a command starts (imports torch): its line, and exit at once.
-    A KeyboardInterrupt could land in torch's C++, which aborts on it, or in its import of
-    numpy, which swallows it."""
+    """SIGINT and SIGTERM while a command starts (imports torch): its line, and exit at once;
+    a KeyboardInterrupt could land in torch's C++, which aborts, or swallows it."""
     code, line = stop_line(signum)
     print(line, file=sys.stderr, flush=True)
     os._exit(code)

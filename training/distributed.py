@@ -57,9 +57,9 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
 
 
 def leader_first(fn, leader: bool):
-    """fn() on the leading processes first, then on the rest, which find its work done; a
-    leader's error is raised on every process. The rest wait in a gloo group of their own,
-    up to LEADERS_TIMEOUT: preparing tens of GB of text outlasts the run's own timeout."""
+    """fn() on the leaders first, then on the rest, which find its work done; a leader's error
+    is raised everywhere. The rest wait in a gloo group of their own, up to LEADERS_TIMEOUT:
+    preparing tens of GB of text outlasts the run's own timeout."""
     # made by every process before any leader starts: making it waits for all of them
     waiting = dist.new_group(backend="gloo", timeout=LEADERS_TIMEOUT)
     error = None
@@ -186,9 +186,9 @@ def relaunch(*args: str) -> str:
 
 @contextmanager
 def lost_peer_line(out_dir, again: str):
-    """A collective that fails because another process of the run ended or stopped answering
-    ends this process with exit 2, and one line from local rank 0: the checkpoint kept and
-    `again`, the command that continues from it. Any other error goes on as it is."""
+    """A collective that fails because another process ended or stopped answering ends this
+    one with exit 2, and one line from local rank 0: the checkpoint kept and `again`, the
+    command that continues from it."""
     try:
         yield
     except RuntimeError as e:

@@ -9,8 +9,7 @@ train.schedule (a factor on every group's base learning rate)
   cosine  linear warmup, then cosine decay to min_lr at max_steps
   wsd     linear warmup, constant, then a linear decay to min_lr over the last warmdown_frac
           of the steps: fast progress at a high lr, collected by the short decay (Hägele et
-          al., 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training
-          Durations").
+          al., 2024).
 """
 import math
 
@@ -71,9 +70,8 @@ def rekeyed(optim_state: dict, key) -> dict:
 
 
 class PlainOptimizer:
-    """What AdamW and Muon share: parameter groups, a state per parameter, zero_grad, and
-    state_dict / load_state_dict in torch.optim's format (state keyed by each parameter's
-    index over the groups): checkpoints cross between these and torch.optim's optimizers.
+    """What AdamW and Muon share: parameter groups, a state per parameter, and state dicts in
+    torch.optim's format, so checkpoints cross between these and torch.optim's optimizers.
     Not a torch.optim.Optimizer, whose methods import torch._dynamo (a second of start-up)."""
 
     def __init__(self, params, defaults: dict):
@@ -120,8 +118,7 @@ class PlainOptimizer:
 
 
 class AdamW(PlainOptimizer):
-    """AdamW (Loshchilov and Hutter, 2019, "Decoupled Weight Decay Regularization"): per
-    parameter p with gradient g, at step t,
+    """AdamW (Loshchilov and Hutter, 2019): per parameter p with gradient g, at step t,
 
         m <- beta1 m + (1 - beta1) g              a running mean of the gradient
         v <- beta2 v + (1 - beta2) g²             and of its square
