@@ -1,17 +1,8 @@
 """What every command keeps to; imports neither torch nor the rest of the project.
 
-  one line   a mistake a user can make is a UserError; run_cli turns it, an OSError,
-             running out of memory and Ctrl-C into one line on stderr and an exit code,
-             never a traceback; SIGTERM is a Ctrl-C, and so is a stop while torch imports
-  settings   a config field is setting(default, "what it does", bounds): --help prints the
-             text, and check_fields() holds every field to its bounds
-  files      a file is written whole or not at all (atomic_write)
-  progress   a long job says how far it is, on stderr (Progress)
-  the CPU    how busy other processes keep the cores this one may use (cpu_clock): a CPU
-             run leaves them their cores (model/device.py)
-
-Exit codes: 2 for a mistake (or the machine's fault: a full disk), 3 for out of memory, 130
-for Ctrl-C and 143 for SIGTERM (a run stopped by a signal: 128 + its number).
+run_cli says a UserError, an OSError, running out of memory or a stop (Ctrl-C, SIGTERM, even
+while torch imports) in one line on stderr, never a traceback: exit 2 for a mistake or a full
+disk, 3 for out of memory, 128 + the signal's number for a stop (130, 143).
 """
 import argparse
 import dataclasses
@@ -27,8 +18,7 @@ from pathlib import Path
 
 
 class UserError(Exception):
-    """Something the user can fix (or the machine's fault), said in one line: `error: ...`,
-    exit 2."""
+    """Something the user can fix (or the machine's fault): `error: ...`, exit 2."""
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
@@ -38,61 +28,51 @@ def first_line(error: BaseException, limit: int = 160) -> str:
 
 
 def silence_stdout() -> None:
-    """Whatever is still to be printed goes nowhere: a stdout whose reader is gone (`| head`,
-    a closed terminal) stops the printing, not the job, and Python's flush at exit does not
-    fail either."""
+    """Print nothing more: a stdout whose reader is gone (`| head`) stops the printing only."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):
         pass
 
 
-# the signals that reached this process outside the training loop (which takes them over)
+# the signals that reached a running command outside the training loop (which takes them over)
 STOPS = []
 
 
+def stop_line(signum: int) -> tuple[int, str]:
+    """(exit code, line) of a command a signal stopped."""
+    return 128 + signum, "terminated" if signum == signal.SIGTERM else "interrupted"
+
+
+def quit_now(signum, frame):
+    """SIGINT and SIGTERM while a command starts (imports torch): its line, and exit at once;
+    a KeyboardInterrupt could land in torch's C++, which aborts, or swallows it."""
+    code, line = stop_line(signum)
+    print(line, file=sys.stderr, flush=True)
+    os._exit(code)
+
+
 def stop_here(signum, frame):
-    """SIGINT and SIGTERM (what kill, timeout and job schedulers send) outside the training loop:
-    noted, and raised as KeyboardInterrupt, so that a command cleans up after either alike. Noted,
-    because an error that a stop causes later (a half-done import, cut short) is that stop."""
+    """SIGINT and SIGTERM once the command runs (run_cli), outside the training loop: a
+    KeyboardInterrupt, noted (a later error it causes is that stop)."""
     STOPS.append(signum)
     raise KeyboardInterrupt
 
 
-def stopped(chain: list) -> tuple[int, str] | None:
-    """(exit code, line) of a command a signal stopped: by STOPS, or by a KeyboardInterrupt among
-    an error's causes (a Ctrl-C inside Python's own code comes out as another error)."""
-    if not STOPS and not any(isinstance(e, KeyboardInterrupt) for e in chain):
-        return None
-    signum = STOPS[-1] if STOPS else signal.SIGINT
-    return 128 + signum, "terminated" if signum == signal.SIGTERM else "interrupted"
-
-
-def quiet_stop(kind, error, trace) -> None:
-    """sys.excepthook: a stop while a command imports torch, before run_cli runs, is the one line
-    it is under run_cli; anything else is Python's own traceback."""
-    said = stopped(causes(error))
-    if said is None:
-        return sys.__excepthook__(kind, error, trace)
-    print(said[1], file=sys.stderr, flush=True)
-    os._exit(said[0])
+def stopped(error: BaseException) -> tuple[int, str] | None:
+    """(exit code, line) of a stop: a signal in STOPS, or a KeyboardInterrupt among the
+    error's causes (a Ctrl-C in Python's own code can come out as another error)."""
+    if STOPS or any(isinstance(e, KeyboardInterrupt) for e in causes(error)):
+        return stop_line(STOPS[-1] if STOPS else signal.SIGINT)
+    return None
 
 
 # every command imports this module first
 if threading.current_thread() is threading.main_thread():
-    sys.excepthook = quiet_stop
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, stop_here)
+        signal.signal(signal.SIGINT, quit_now)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, stop_here)
-
-
-# how running out of memory reads: torch's allocators, C++'s, Python's
-OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "bad_alloc")
-# a C function that failed and could not make the exception: what an allocation that fails
-# leaves, nearly always
-NO_EXCEPTION = ("without setting an exception", "error return without exception set")
-SMALLER = "try a smaller batch, block size or model (checkpoints already written are kept)"
+        signal.signal(signal.SIGTERM, quit_now)
 
 
 def causes(error: BaseException) -> list[BaseException]:
@@ -104,42 +84,50 @@ def causes(error: BaseException) -> list[BaseException]:
     return chain
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Python's MemoryError (or a SystemError where it could not be made), torch's or C++'s
+    RuntimeError."""
+    if isinstance(e, RuntimeError):
+        return any(w in str(e) for w in ("out of memory", "can't allocate memory", "bad_alloc"))
+    if isinstance(e, SystemError):
+        return "without setting an exception" in str(e) or "without exception set" in str(e)
+    return isinstance(e, MemoryError)
+
+
 def verdict(error: BaseException) -> tuple[int, str] | None:
-    """(exit code, one line) for what a user or the machine can cause; None for a bug. A
-    Ctrl-C that lands while Python builds a class comes out as another error: its causes
-    tell."""
-    chain = causes(error)
+    """(exit code, one line) for what a user or the machine can cause; None for a bug."""
     if isinstance(error, UserError):
         return 2, f"error: {error}"
-    if said := stopped(chain):
+    if said := stopped(error):
         return said
     if isinstance(error, OSError):
-        # the machine's: a full disk, a read-only folder, a file that went away
+        # a full disk, a read-only folder, a file that went away
         where = f": {error.filename}" if error.filename else ""
         return 2, f"error: {error.strerror or error}{where}"
-    # Python's own allocations fail as MemoryError, or as a SystemError when a C function
-    # could not even make the exception; torch's as a RuntimeError
-    memory = [e for e in chain if isinstance(e, MemoryError) or isinstance(e, RuntimeError)
-              and any(w in str(e) for w in OUT_OF_MEMORY) or isinstance(e, SystemError)
-              and any(w in str(e) for w in NO_EXCEPTION)]
+    chain = causes(error)
+    memory = [e for e in chain if out_of_memory(e)]
     if not memory:
         return None
-    # the frames of the tracebacks hold what filled the memory: let it go before saying it
+    # the tracebacks' frames hold what filled the memory: let it go before saying it
     for e in chain:
         e.__traceback__ = None
     try:
-        return 3, f"error: out of memory ({first_line(memory[0], 100)}): {SMALLER}"
+        why = f" ({first_line(memory[0], 100)})"
     except MemoryError:
-        return 3, f"error: out of memory: {SMALLER}"
+        why = ""
+    return 3, (f"error: out of memory{why}: try a smaller batch, block size or model "
+               f"(checkpoints already written are kept)")
 
 
 def run_cli(main, argv: list[str]) -> int:
-    """main(argv)'s exit code, what a user can cause said in one line (verdict). SIGTERM is
-    a Ctrl-C here; the training loop takes both signals over itself."""
+    """main(argv)'s exit code, what a user can cause said in one line (verdict)."""
     # a character the terminal cannot show prints as '?'
-    strict = getattr(sys.stdout, "errors", None) == "strict"
-    if strict and hasattr(sys.stdout, "reconfigure"):
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
+    # the command runs: a stop is a KeyboardInterrupt from here on, which it cleans up after
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is quit_now:
+            signal.signal(signum, stop_here)
     STOPS.clear()
     try:
         return main(argv)
@@ -157,8 +145,7 @@ def run_cli(main, argv: list[str]) -> int:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, whose errors are one line like every other refusal:
-    'error: ... (see --help)'."""
+    """argparse, whose errors are one line: 'error: ... (see --help)'."""
 
     def error(self, message: str):
         print(f"error: {message} (see --help)", file=sys.stderr)
@@ -166,8 +153,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def setting(default, help: str, **bounds):
-    """A config dataclass field with what it does (for --help) and the bounds check() holds
-    it to."""
+    """A config dataclass field with what it does (for --help) and its bounds (check)."""
     return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
@@ -178,21 +164,18 @@ OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None,
           one_of=None) -> None:
-    """A UserError naming key unless value is one of `one_of`, or a finite number within
-    the bounds: 'train.beta1 must be >= 0 and < 1, got 1.5'."""
+    """A UserError unless value is one of `one_of`, or a finite number within the bounds:
+    'train.beta1 must be >= 0 and < 1, got 1.5'."""
     if one_of is not None and value not in one_of:
         raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, one_of))}")
-    limits = zip(OPS, (above, at_least, below, at_most))
-    bounds = [(op, b) for op, b in limits if b is not None]
-    within = all(OPS[op](value, b) for op, b in bounds)
-    if bounds and not (math.isfinite(value) and within):
+    bounds = [(op, b) for op, b in zip(OPS, (above, at_least, below, at_most)) if b is not None]
+    if bounds and not (math.isfinite(value) and all(OPS[op](value, b) for op, b in bounds)):
         said = " and ".join(f"{op} {b}" for op, b in bounds)
         raise UserError(f"{key} must be {said}, got {value}")
 
 
 def flat(values: dict, prefix: str = "") -> dict:
-    """A config's nested tables as dotted keys:
-    {'model': {'n_head': 4}} -> {'model.n_head': 4}."""
+    """Nested tables as dotted keys: {'model': {'n_head': 4}} -> {'model.n_head': 4}."""
     out = {}
     for k, v in values.items():
         out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
@@ -200,16 +183,16 @@ def flat(values: dict, prefix: str = "") -> dict:
 
 
 def check_fields(config, section: str) -> None:
-    """check() every field of a config dataclass against the bounds its setting() gave."""
+    """check() every field of a config dataclass against its setting()'s bounds."""
     for f in dataclasses.fields(config):
         if bounds := {k: v for k, v in f.metadata.items() if k != "help"}:
             check(f"{section}.{f.name}", getattr(config, f.name), **bounds)
 
 
 def atomic_write(path, data) -> None:
-    """Write data (str, bytes, or a function that writes to a binary file) to .<name>.tmp
-    beside path, fsync it and rename it over path: a reader, or a process killed meanwhile,
-    finds the old file or the new one, never part of one."""
+    """Write data (str, bytes, or a function that writes to a binary file) to .<name>.tmp,
+    fsync it and rename it over path: whenever the writer is killed, a reader finds the old
+    file or the new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if isinstance(data, str):
@@ -232,16 +215,14 @@ def atomic_write(path, data) -> None:
 
 
 def typed(p) -> str:
-    """A path as a user here types it: relative to the working directory when under it,
-    else absolute."""
+    """A path as a user here types it: relative to the working directory when under it."""
     if Path(p).absolute().is_relative_to(Path.cwd()):
         return os.path.relpath(p)
     return os.path.abspath(p)
 
 
 def command(script: str, *args: str) -> str:
-    """The command line that runs this repository's script with args from here, quoted for
-    a shell."""
+    """The shell command that runs this repository's script with args from here."""
     return shlex.join(["python", typed(ROOT / script), *args])
 
 
@@ -253,9 +234,8 @@ def duration(seconds: float) -> str:
 
 
 def cpu_clock() -> tuple[float, float, float] | None:
-    """A reading of (seconds, busy seconds of the cores this process may run on, this
-    process's own CPU seconds), from Linux's /proc/stat; None where there is none. Two
-    readings tell how many cores other processes kept busy in between."""
+    """(seconds, busy seconds of the cores this process may use, its own CPU seconds), from
+    Linux's /proc/stat (else None): two tell how busy other processes kept those cores."""
     try:
         cores = os.sched_getaffinity(0)
         lines = Path("/proc/stat").read_text().splitlines()
@@ -265,8 +245,7 @@ def cpu_clock() -> tuple[float, float, float] | None:
     for line in lines:
         name, *ticks = line.split()
         if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cores:
-            # user nice system idle iowait irq softirq steal: all but idle and iowait are
-            # work
+            # user nice system idle iowait irq softirq steal: all but idle and iowait work
             t = [int(n) for n in ticks[:8]]
             busy += sum(t) - t[3] - t[4]
     return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
@@ -277,9 +256,8 @@ CPU_AT_START = cpu_clock()
 
 
 class Progress:
-    """How far a long job is, on stderr: 'label: done / total unit, rate unit/s, ETA'. On a
-    terminal the line is redrawn at most 5 times a second; into a log a line is written every
-    10 s. quiet: nothing."""
+    """'label: done / total unit, rate unit/s, ETA' on stderr: redrawn at most 5 times a
+    second on a terminal, a line every 10 s into a log."""
 
     def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}",
                  quiet=False):
@@ -298,10 +276,8 @@ class Progress:
         left = duration((self.total - self.done) / max(rate, 1e-9))
         line = (f"{self.label}: {self.amount(self.done)} / {self.amount(self.total)} "
                 f"{self.unit}, {self.amount(rate)} {self.unit}/s, ETA {left}")
-        if self.tty:
-            print(f"\r{line}\033[K", end="", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
+        end = "\033[K" if self.tty else "\n"
+        print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.drawn and self.tty:

@@ -1,12 +1,9 @@
-"""A trained model from a file: what sampling, scoring, drawing, exporting and resuming read
-(training writes the checkpoints: training/checkpoint.py). The model itself reads no file.
+"""A trained model from a checkpoint file, a run's out dir (its best.pt, else its latest
+ckpt_*.pt) or a Hugging Face GPT-2 (the hf/ room), for every command but training.
 
-  reading   every member's checksum (torch.save writes a zip), then
-            torch.load(weights_only=True): tensors and plain data only, so a file cannot run
-            code; one format and version check; the weights loaded strictly into the model
-            its config describes. Any failure is one line
-  sources   a checkpoint file; a run's out dir (its best.pt, else its latest ckpt_*.pt); a
-            Hugging Face GPT-2, by directory or hub name (the optional hf/ room)
+A checkpoint is read safely: every member's checksum (torch.save writes a zip), then
+torch.load(weights_only=True) (no code runs), its format and version, and the weights
+strictly into the model its config describes. Any failure is one line.
 """
 import os
 import pickle
@@ -33,23 +30,20 @@ def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
 
 
 def find_checkpoint(path) -> Path:
-    """A checkpoint file as it is; a run's out dir -> its best.pt, else its latest
-    ckpt_*.pt."""
+    """A checkpoint file as it is; a run's out dir -> its best.pt, else its latest ckpt_*.pt."""
     path = Path(path)
     if not path.is_dir():
         return path
     if (path / "best.pt").is_file():
-        found = [path / "best.pt"]
-    else:
-        found = [p for _, p in list_checkpoints(path)]
-    if not found:
-        raise UserError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
-    return found[-1]
+        return path / "best.pt"
+    if found := list_checkpoints(path):
+        return found[-1][1]
+    raise UserError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
 
 
 def read_checkpoint(path) -> dict:
     """A checkpoint file's dict, read as the top says."""
-    # a run's path typed from another folder: the repository's is named
+    # a run's path typed from another folder names the repository's
     if not Path(path).is_file():
         near = f"; did you mean {ROOT / path}?" if (ROOT / path).exists() else ""
         raise UserError(f"checkpoint not found: {path}{near}")
@@ -58,7 +52,7 @@ def read_checkpoint(path) -> dict:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()
         ckpt = None if damaged else torch.load(path, map_location="cpu", weights_only=True)
-    # weights_only's unpickler met more than tensors and plain data
+    # more than tensors and plain data
     except pickle.UnpicklingError:
         raise UserError(f"{path} was refused: it holds objects that could run code "
                         f"when loaded") from None
@@ -68,8 +62,7 @@ def read_checkpoint(path) -> dict:
     if damaged:
         raise UserError(f"{path} is damaged: {damaged} does not match its checksum")
     version = ckpt.get("version") if isinstance(ckpt, dict) else None
-    ours = isinstance(ckpt, dict) and ckpt.get("format") == FORMAT
-    if not ours or type(version) is not int:
+    if type(version) is not int or ckpt.get("format") != FORMAT:
         raise UserError(f"{path} is not a checkpoint of this project "
                         f"(format {FORMAT} version {VERSION})")
     if version != VERSION:
@@ -81,7 +74,7 @@ def read_checkpoint(path) -> dict:
 
 @dataclass
 class LoadedModel:
-    """A model read from a file, ready to use (eval mode), with what came with it."""
+    """A model read from a file, in eval mode, with what came with it."""
     model: GPT
     tokenizer: object
     path: Path | str
@@ -90,11 +83,11 @@ class LoadedModel:
 
 
 def load_model(source, device=torch.device("cpu")) -> LoadedModel:
-    """The model and tokenizer of a checkpoint (a file, or a run's out dir) or of a Hugging
-    Face GPT-2 (a directory with config.json, or a hub name such as gpt2)."""
+    """The model and tokenizer of a checkpoint or a Hugging Face GPT-2 (a directory with
+    config.json, or a hub name such as gpt2)."""
     text, path = str(source), Path(source)
     hugging_face = (path / "config.json").is_file() and not list(path.glob("*.pt"))
-    # a folder of its files, or a hub name: the optional Hugging Face room
+    # a folder of its files, or a hub name
     if hugging_face or not path.exists() and "/" not in text:
         from hf.hub import load_gpt2
         model, tokenizer, description = load_gpt2(text)
@@ -105,7 +98,7 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
     tokenizer = load_tokenizer(ckpt["tokenizer"])
     try:
         model = GPT(ModelConfig(**ckpt["config"]["model"]))
-        # strict: every weight, each of its shape
+        # strict: every weight, of its shape
         model.load_state_dict(ckpt["model"])
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"its tokenizer has {tokenizer.vocab_size} tokens, its model "

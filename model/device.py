@@ -1,20 +1,13 @@
 """Where a model computes: the device, the dtype, and on a CPU how many threads.
 
-  device   auto = CUDA where there is a GPU, else the CPU; any name torch knows (cuda:1,
-           mps)
-  dtype    auto = bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 elsewhere. Lower
-           precision runs under autocast: the weights stay fp32, the matmuls run in the low
-           format; on CUDA fp32 matmuls may use TF32 tensor cores (far below what training
-           notices, much faster)
-  threads  PyTorch's CPU threads meet at a barrier after every operation, and wait there
-           spinning. When another process runs on one of the cores, a thread that lost its
-           core holds the others at each barrier: on 2 busy cores a step with 2 threads can
-           take 30x as long as with 1. So a CPU run takes only the cores that other
-           processes leave free (at least one), measured over its start-up and again
-           whenever fit_threads is called (the trainer: at each log line). OMP_NUM_THREADS,
-           when set, is kept as it is. The thread count moves a CPU run's last bits: a run
-           resumed under another load continues exactly only with OMP_NUM_THREADS set, as
-           the tests set it.
+  device   auto = CUDA where there is a GPU, else the CPU
+  dtype    auto = bf16 on CUDA (fp16 where the GPU lacks it), else fp32; a low precision runs
+           under autocast (fp32 weights, low-precision matmuls)
+  threads  torch's CPU threads wait for each other after every operation: one that lost its
+           core to another process holds up the rest (2 threads on 2 busy cores: up to 30x
+           slower). So a CPU run takes the cores others leave free, measured over its
+           start-up and at each fit_threads, unless OMP_NUM_THREADS is set (an exact resume
+           under another load needs it: the thread count moves the last bits).
 """
 import math
 import os
@@ -26,12 +19,10 @@ from common import CPU_AT_START, UserError, cpu_clock
 
 # all the threads torch starts with: one per core this process may use
 CORES = torch.get_num_threads()
-# the logical CPUs it may run on (two per core where cores run two threads each)
-LOGICAL = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else CORES
 
 
 def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
-    """The device of a name (see the top), checked against this machine."""
+    """The device of a name, checked against this machine."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -53,16 +44,16 @@ def pick_device(name: str = "auto", setting: str = "train.device") -> torch.devi
 
 def fit_threads(since):
     """Use as many threads as cores other processes left free since the cpu_clock() reading
-    `since` (a window under half a second is too noisy to judge: it grows until the next
-    call). Returns (the reading to measure from next; a line saying a change, or None)."""
+    `since` (a window under 0.5 s grows to the next call): (the next `since`, a line saying a
+    change or None)."""
     now = cpu_clock()
     if now is None or since is None or "OMP_NUM_THREADS" in os.environ:
         return now, None
     if now[0] - since[0] < 0.5:
         return since, None
     seconds, busy, own = (b - a for a, b in zip(since, now))
-    # busy time is counted on logical CPUs, torch's threads one per physical core
-    others = max(0.0, (busy - own) / seconds) * CORES / LOGICAL
+    # busy time is counted on logical CPUs (two a core, often), torch's threads one a core
+    others = max(0.0, (busy - own) / seconds) * CORES / len(os.sched_getaffinity(0))
     # a core counts as taken once another process keeps it a quarter busy
     threads = max(1, CORES - math.floor(others + 0.75))
     before = torch.get_num_threads()

@@ -1,15 +1,10 @@
-"""The run's settings: typed dataclasses, overridden by a TOML file, overridden by the
-command line.
+"""The run's settings: defaults < a resumed run's config.toml < a TOML file < the command line.
 
-  sections  a dataclass per section, beside the code it configures (ModelConfig in
-            model/config.py, DataConfig in data/prepare.py); each field says what it does
-            and its bounds (common.setting)
-  layers    defaults < a resumed run's config.toml < the TOML file < the command line,
-            each set once
-  paths     made absolute where they are read: a config file's against the repository when
-            the file is in it (the shipped configs), else against its folder; the command
-            line's against the working directory; a default's against the repository: out/
-            is the repository's wherever you run
+  sections  a dataclass each, beside the code it configures (ModelConfig in model/config.py,
+            DataConfig in data/prepare.py); each field says what it does and its bounds
+  paths     made absolute where they are read: a config file's against its folder (a
+            shipped one's against the repository), the command line's against the working
+            directory, a default's against the repository
 """
 import dataclasses
 import difflib
@@ -48,8 +43,7 @@ class TrainConfig:
     beta1: float = setting(0.9, "AdamW's momentum", at_least=0, below=1)
     beta2: float = setting(0.99, "AdamW's second-moment decay", at_least=0, below=1)
     grad_clip: float = setting(1.0, "max global gradient norm (0 = off)", at_least=0)
-    eval_interval: int = setting(
-        500, "evaluate (and checkpoint) every this many steps", above=0)
+    eval_interval: int = setting(500, "evaluate (and checkpoint) every this many steps", above=0)
     eval_iters: int = setting(
         0, "0 = every val window (4,096 at most), an eighth as many train ones; "
            "N = N fixed random batches a split", at_least=0)
@@ -59,8 +53,7 @@ class TrainConfig:
         0, "print and record a sample every this many steps (0 = none)", at_least=0)
     sample_prompt: str = setting(
         "", "what those samples continue (\"\" = a newline, or end-of-text)")
-    sample_tokens: int = setting(
-        200, "new tokens per sample (the same seed every time)", above=0)
+    sample_tokens: int = setting(200, "new tokens per sample (the same seed every time)", above=0)
     seed: int = setting(
         1337, "initial weights, data order and dropout", at_least=0, at_most=2**32 - 1)
     device: str = setting(
@@ -69,8 +62,7 @@ class TrainConfig:
         "auto", "auto = bf16 on CUDA", one_of=("auto", "float32", "bfloat16", "float16"))
     compile: bool = setting(
         False, "torch.compile the model (compiling takes a minute: long runs win)")
-    cuda_graph: bool = setting(
-        True, "one CUDA GPU: record the step as a CUDA graph and replay it")
+    cuda_graph: bool = setting(True, "one CUDA GPU: record the step as a CUDA graph and replay it")
     keep_checkpoints: int = setting(
         2, "ckpt_<step>.pt files kept (the newest); best.pt besides", above=0)
     fsdp: bool = setting(
@@ -118,17 +110,14 @@ class Config:
 # every key: its dataclass field
 FIELDS = {"out_dir": dataclasses.fields(Config)[0]} | {
     f"{s.name}.{f.name}": f
-    for s in dataclasses.fields(Config)[1:]
-    for f in dataclasses.fields(s.type)
-}
+    for s in dataclasses.fields(Config)[1:] for f in dataclasses.fields(s.type)}
 PATHS = ("out_dir", "data.path", "data.prepared_dir", "data.val_path")
 BOOLS = (dict.fromkeys(("true", "1", "yes", "on"), True)
          | dict.fromkeys(("false", "0", "no", "off"), False))
 
 
 def set_key(cfg: Config, key: str, value) -> None:
-    """Set a dotted key ('train.lr', 'out_dir') to value (TOML's, or command-line text) as
-    its type."""
+    """Set a dotted key ('train.lr') to value (TOML's, or command-line text) as its type."""
     if key not in FIELDS:
         match = difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.5)
         hint = f" (did you mean {match[0]!r}?)" if match else ""
@@ -148,8 +137,7 @@ def set_key(cfg: Config, key: str, value) -> None:
 
 
 def load_toml(path) -> dict:
-    """A TOML file as a dict; any problem with it is one line naming it (an OSError too:
-    common.run_cli)."""
+    """A TOML file as a dict; a problem with it is one line naming it."""
     try:
         return tomllib.loads(Path(path).read_bytes().decode("utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -172,21 +160,17 @@ def parse_overrides(args) -> list[tuple[str, str]]:
 
 
 def absolute(key: str, path, folder: Path):
-    """path made absolute against folder ('~' is the home folder); an empty one is refused, but
-    for data.val_path, where it means none."""
-    if key == "data.val_path" and path == "":
+    """path made absolute against folder ('~' is home); an empty one is refused, but for
+    data.val_path, where it means none."""
+    if not isinstance(path, str) or key == "data.val_path" and path == "":
         return path
-    if isinstance(path, str) and not path.strip():
+    if not path.strip():
         raise UserError(f"{key} is empty")
-    if not isinstance(path, str):
-        return path
     return os.path.abspath(folder / os.path.expanduser(path))
 
 
 def build_config(config_file: str | None = None, overrides=(), resume: bool = False) -> Config:
-    """Defaults, then (resume) the out dir's config.toml, then the TOML file, then the command
-    line (overrides: ['--train.lr=1e-3', ...]); each path made absolute where it is read;
-    validated."""
+    """The run's config, validated (see the top); overrides: ['--train.lr=1e-3', ...]."""
     in_file = flat(load_toml(config_file)) if config_file else {}
     # out_dir = "": out/<name>, the default
     in_file = {k: v for k, v in in_file.items() if (k, v) != ("out_dir", "")}
@@ -225,27 +209,24 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
 
 
 def default_out_dir(config_file: str | None, values: dict, given: set[str]) -> str:
-    """out/<name>: the config file's name, then the data's (data.sources.data_name: the cache
-    entry's too) where the command line set it or no config file is given, then the
-    tokenizer's likewise (char is left out): runs on other data or tokens never meet in one
-    out dir."""
-    data = values.get("data.path", DataConfig.path)
+    """out/<name>: the config file's name, then the data's where the command line set it or
+    no config file is given, then the tokenizer's likewise (but char): runs on other data
+    or tokens never meet in one out dir."""
     tokenizer = values.get("data.tokenizer", "char")
     parts = [Path(config_file).stem] if config_file else []
     if "data.path" in given or not config_file:
-        parts.append(data_name(data))
+        parts.append(data_name(values.get("data.path", DataConfig.path)))
     if "data.tokenizer" in given or not config_file and tokenizer != "char":
         parts.append(re.sub(r"[^A-Za-z0-9_.]", "", tokenizer))
     return "out/" + "-".join(parts)
 
 
 def fmt(v) -> str:
-    """A value as TOML writes it (JSON's numbers, booleans and string escapes are TOML's
-    too)."""
+    """A value as TOML writes it (JSON's numbers, booleans and escapes are TOML's too)."""
     return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def describe(cfg: Config) -> str:
-    """The resolved config as TOML text, a dotted key a line (config.toml in the out dir)."""
+    """The config as TOML, a dotted key a line (the out dir's config.toml)."""
     return "".join(f"{k} = {fmt(v)}\n" for k, v in flat(cfg.to_dict()).items())
 
