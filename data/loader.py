@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from common import UserError
-from data.prepare import SPLITS, check_split_sizes, load_meta
+from data.cache import SPLITS, check_split_sizes, load_meta
 
 # an exact evaluation's windows per split at most (bounded cost, any corpus)
 EVAL_MAX_WINDOWS = 4096

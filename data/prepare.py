@@ -1,23 +1,19 @@
-"""Turn text (a file, a folder of files, or a glob) into train/val token files and a
-meta.json: an entry of the cache under data.prepared_dir (data/prepared/ by default;
-safe to delete, whole or an entry), reused for the same bytes and settings.
+"""Turn text (a file, a folder of files, or a glob) into an entry of the cache (data/cache.py):
+train/val token files and a meta.json, in bounded memory, a piece (PIECE_CHARS to twice that)
+at a time.
 
-  streaming  a piece (PIECE_CHARS to twice that) at a time: memory stays bounded
-  passes     hash (the cache key: all a cache hit costs); scan (count the characters,
-             as the split point is a character index; char's vocabulary); train
-             (bpe:N); encode (BPE: on data.workers threads: tiktoken frees the GIL)
+  passes     scan (count the characters, as the split point is a character index; char's
+             vocabulary); train (bpe:N); encode (BPE: on data.workers threads: tiktoken
+             frees the GIL)
   val        the text's last val_fraction, or data.val_path's files (not trained on)
   documents  text files, JSONL lines and Parquet rows are one text in order, with the
              end-of-text token (BPE) or a newline (char) between them
-  an entry   train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and
-             meta.json, named by the text's sha256 and every setting that changes the
-             ids; built in a temporary folder, renamed into place once whole (a killed
+  an entry   built in a temporary folder, renamed into place once whole (a killed
              process's is removed by the next)
 
     python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096]
         [--val-fraction 0.1] [--val-path FILE|DIR|GLOB] [--workers N]
 """
-import hashlib
 import json
 import os
 import re
@@ -27,7 +23,6 @@ import socket
 import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import chain, takewhile
 from pathlib import Path
 
@@ -37,97 +32,23 @@ if __name__ == "__main__" and not __package__:
 
 import numpy as np  # noqa: E402
 
-from common import (ArgumentParser, Progress, UserError, atomic_write,  # noqa: E402
-                    check_fields, run_cli, setting)
-from data.sources import (data_name, describe, find_sources,  # noqa: E402
-                          iter_documents, kind_suffix, sha256)
-from data.tokenizers import (CharTokenizer, bpe_vocab_size,  # noqa: E402
-                             build_tokenizer, check_tokenizer_spec, code_points,
+from common import ArgumentParser, UserError, atomic_write, run_cli  # noqa: E402
+from data.bpe import train_bpe  # noqa: E402
+from data.cache import (FORMAT, SPLITS, DataConfig, check_split_sizes,  # noqa: E402
+                        load_meta, mb_progress, prepare, read_entry)
+from data.sources import iter_documents  # noqa: E402
+from data.tokenizers import (bpe_vocab_size, build_tokenizer, code_points,  # noqa: E402
                              load_tokenizer)
 
-# meta.json's layout, and how a text is read (a .gz is gunzipped): another prepares again
-FORMAT = 4
-SPLITS = ("train", "val")
 # characters encoded at a time (up to twice as many)
 PIECE_CHARS = 1 << 20
 # bpe:N learns from the first 256M characters of the train split at most
 TRAIN_MAX_CHARS = 256_000_000
-# a progress line for inputs at least this large
-PROGRESS_MIN_BYTES = 64 << 20
-
-
-@dataclass
-class DataConfig:
-    path: str = setting(
-        "data/tinyshakespeare.txt", "the text to train on: a file, a folder or a glob")
-    tokenizer: str = setting(
-        "char", "char | bpe:N (N tokens, trained on the data) | gpt2, or any tiktoken")
-    val_fraction: float = setting(
-        0.1, "the last 10% of the text is for validation", above=0.0, below=1.0)
-    prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
-    encoding_errors: str = setting(
-        "strict", "strict | replace: what to do with non-UTF-8 bytes",
-        one_of=("strict", "replace"))
-    text_field: str = setting(
-        "text", "the JSONL field or Parquet column that holds the text")
-    val_path: str = setting(
-        "", "its own validation text: a file, folder or glob (\"\" = none)")
-    workers: int = setting(0, "threads that encode BPE (0 = one per core)", at_least=0)
-
-    def validate(self) -> None:
-        check_fields(self, "data")
-        check_tokenizer_spec(self.tokenizer)
-
-
-def mb_progress(label: str, total: int) -> Progress:
-    """Progress in MB on stderr, for PROGRESS_MIN_BYTES or more."""
-    quiet = total < PROGRESS_MIN_BYTES
-    return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=quiet)
-
-
-def prepare(data: DataConfig, block_size: int | None = None) -> Path:
-    """The dataset's directory: data.path prepared, or an earlier preparation of the
-    same bytes and settings. block_size: each split must hold a training window, checked
-    before anything is published."""
-    data.validate()
-    val = find_sources(data.val_path) if data.val_path else []
-    # val_path's files are never trained on too
-    taken = {p.resolve() for p in val}
-    files = [p for p in find_sources(data.path) if p.resolve() not in taken]
-    if not files:
-        raise UserError(f"{data.path} holds no files but those of --data.val_path "
-                        f"{data.val_path}")
-    progress = mb_progress("hashing", sum(p.stat().st_size for p in files + val))
-    sha = sha256(files, progress)
-    if val:
-        # the key covers both texts
-        both = f"{sha}\0{sha256(val, progress)}"
-        sha = hashlib.sha256(both.encode()).hexdigest()
-    records = any(kind_suffix(p.name) for p in files + val)
-    out = Path(data.prepared_dir) / entry_name(data, sha, records)
-    meta = read_entry(out)
-    for path, group, label in ((data.path, files, "data"), (data.val_path, val, "val")):
-        # what a directory or glob took
-        if group and not Path(path).is_file():
-            size = sum(p.stat().st_size for p in group)
-            print(describe(path, group, size, label))
-    if meta is None and out.exists():
-        print(f"notice: {out} is unfinished, damaged or of an older format: "
-              f"preparing it again", file=sys.stderr)
-    if meta is None:
-        meta = build(out, (files, val), sha, data, block_size)
-        tokens = meta["tokens"]
-        print(f"prepared {data.path} with tokenizer {data.tokenizer}: "
-              f"{tokens['train']:,} train and {tokens['val']:,} val tokens "
-              f"(vocab {meta['vocab_size']:,}) -> {out}")
-    check_split_sizes(meta["tokens"], block_size)
-    return out
 
 
 def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> dict:
     """Scan, train (bpe:N), encode: the entry at out; its meta.json. sources: the train
-    files and the val files, each a text (no val files: the val split is the train
-    text's last val_fraction)."""
+    files and the val files (none: the val split is the train text's last val_fraction)."""
     files = sources[0] + sources[1]
     char = data.tokenizer == "char"
     stamp = stamps(files)
@@ -151,25 +72,21 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
 
     def text(label: str, train_chars: int):
         """(split, piece) pairs: train_chars in "train", then "val" (all of the val
-        files' text, from its first character on)."""
+        files' text)."""
         progress = mb_progress(label, total)
         texts = [(d for p in s[0] for d in iter_documents(p, *read, progress))
                  for s in scans]
         starts = zip(texts, (train_chars, 0))
         return chain(*(pieces(docs, at, not char) for docs, at in starts))
 
-    if char:
-        # every character seen, and the newline that goes between documents
+    if (size := bpe_vocab_size(data.tokenizer)) is None:
+        # char: every character seen, and the newline that goes between documents
         chars = "".join(s[3] for s in scans) + "\n" * any(s[1] > 1 for s in scans)
-        tok = CharTokenizer("".join(sorted(set(chars))))
-    elif bpe_vocab_size(data.tokenizer) is None:
-        tok = build_tokenizer(data.tokenizer)
+        tok = build_tokenizer(data.tokenizer, chars)
     else:
-        # bpe:N, trained on (the start of) the train split: takewhile stops at its end
-        from data.bpe import train_bpe
+        # trained on (the start of) the train split: takewhile stops at its end
         head = text("training the tokenizer", min(split_at, TRAIN_MAX_CHARS))
         train = takewhile(lambda item: item[0] == "train", head)
-        size = bpe_vocab_size(data.tokenizer)
         tok_meta, took = train_bpe((piece for _, piece in train if piece), size)
         tok = load_tokenizer(tok_meta)
         print(f"trained {data.tokenizer} on the train split in {took:.1f} s: "
@@ -179,8 +96,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     tmp = out.parent / f".{out.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
     # os.mkdir: the mode the umask gives, as for any file (tempfile.mkdtemp's is 0700)
     tmp.mkdir()
-    # data.workers = 0: a thread per core it may run on (its affinity, where the OS
-    # tells it); char: threads do not pay (docs/data.md)
+    # data.workers = 0: a thread per core it may run on; char: threads do not pay
     affinity = getattr(os, "sched_getaffinity", None)
     cores = len(affinity(0)) if affinity else os.cpu_count()
     workers = 1 if char else data.workers or cores
@@ -209,7 +125,6 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
         unchanged()
         raise
     finally:
-        # after the rename there is nothing left to remove
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
 
@@ -220,8 +135,8 @@ def stamps(files: list[Path]) -> list[tuple[int, int]]:
 
 
 def pid_space() -> str:
-    """This machine and its process-id namespace (Linux's; containers sharing a host name each
-    have their own): a pid means one process only within them."""
+    """This machine and its process-id namespace (containers sharing a host name each have
+    their own): a pid names one process only within both."""
     try:
         space = f".{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
@@ -234,9 +149,8 @@ TMP = f".tmp-{pid_space()}-"
 
 
 def remove_leftovers(folder: Path) -> None:
-    """Remove the temporary folders of builds on this machine whose process is gone: a
-    SIGKILL or a power cut leaves one, as large as the tokens written so far. (Windows'
-    os.kill(pid, 0) would stop the process: left alone there.)"""
+    """Remove the temporary folders of builds on this machine whose process is gone (a
+    SIGKILL, a power cut). Not on Windows, where os.kill(pid, 0) would stop the process."""
     for tmp in folder.glob(f".*{TMP}*") if os.name == "posix" else ():
         pid = re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2])
         if not pid:
@@ -286,10 +200,10 @@ LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 def pieces(documents, split_at: int, bpe: bool):
     """The documents (iterables of str chunks) as one text of (split, piece): its first
-    split_at characters in "train", the rest in "val"; between documents a newline
-    (char: a character of the text) or a piece None, the end-of-text token (BPE). A
-    piece has PIECE_CHARS to twice that many characters (fewer at a BPE document's end
-    or the split), BPE's cut at LAST_SAFE_CUT."""
+    split_at characters in "train", the rest in "val"; between documents a newline (char)
+    or a piece None, the end-of-text token (BPE). A piece has PIECE_CHARS to twice that
+    many characters (fewer at a BPE document's end or the split), BPE's cut at
+    LAST_SAFE_CUT."""
     split, pos = "train", 0
     # the next piece's chunks, of size characters
     held, size = [], 0
@@ -322,7 +236,7 @@ def pieces(documents, split_at: int, bpe: bool):
 
 
 def batches(text):
-    """The (split, piece) pairs of text as (split, [piece, ...]) of one split, PIECE_CHARS
+    """The (split, piece) pairs as (split, [piece, ...]) of one split, PIECE_CHARS
     characters or more each (fewer at a split's end): what a worker encodes at once."""
     batch, size, last = [], 0, None
     for split, piece in text:
@@ -349,8 +263,8 @@ def in_order(fn, items, workers: int):
 
 
 def encode(text, tok, tmp: Path, workers: int) -> dict:
-    """Encode text's (split, piece) pairs a batch at a time on `workers` threads (1:
-    this one), appending the ids to tmp/<split>.bin; the meta entries of them."""
+    """Encode text's (split, piece) pairs a batch at a time on `workers` threads (1: this
+    one), appending the ids to tmp/<split>.bin; the meta entries of them."""
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens = dict.fromkeys(SPLITS, 0)
     nbytes = dict.fromkeys(SPLITS, 0)
@@ -379,57 +293,6 @@ def encode(text, tok, tmp: Path, workers: int) -> dict:
                         f"{tok.decode([high])!r}): there is nothing to learn to predict")
     return {"tokenizer": tok.meta(), "vocab_size": tok.vocab_size,
             "dtype": np.dtype(dtype).name, "tokens": tokens, "bytes": nbytes}
-
-
-# ---------------------------------------------------------------- the cache
-
-def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
-    """The entry's name: the data's (sources.data_name), cut to 64 characters (a file
-    system allows 255 bytes), then all that changes the token files (for records, the
-    key holds the text_field)."""
-    # bpe:4096 -> bpe4096
-    label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)
-    errors = "-replace" * (data.encoding_errors == "replace")
-    key = sha256
-    if records:
-        key = hashlib.sha256(f"{sha256}\0{data.text_field}".encode()).hexdigest()
-    val = "files" if data.val_path else repr(data.val_fraction)
-    return f"{data_name(data.path)[:64]}-{label}-{key[:12]}-val{val}{errors}"
-
-
-def read_entry(entry: Path) -> dict | None:
-    """The meta.json of a usable entry (of this FORMAT, written last; its .bin files of
-    the sizes it says); None for any other (none, unfinished, damaged, older)."""
-    try:
-        meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
-        if meta["format"] != FORMAT:
-            return None
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        for split in SPLITS:
-            if (entry / f"{split}.bin").stat().st_size != meta["tokens"][split] * itemsize:
-                return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return meta
-
-
-def load_meta(entry) -> dict:
-    """The meta.json of a usable entry; an unusable one is a UserError naming it."""
-    if (meta := read_entry(Path(entry))) is None:
-        raise UserError(f"the prepared dataset {entry} is missing, unfinished, damaged "
-                        f"or of an older format: delete it and prepare the data again")
-    return meta
-
-
-def check_split_sizes(tokens: dict, block_size: int | None) -> None:
-    """Each split must hold a training window: block_size + 1 tokens (None: any)."""
-    if block_size is None:
-        return
-    for split in SPLITS:
-        if tokens[split] < block_size + 1:
-            raise UserError(f"the {split} split has {tokens[split]} tokens, fewer than "
-                            f"block_size + 1 = {block_size + 1}; use a longer text or a "
-                            f"smaller --model.block_size")
 
 
 def main(argv: list[str]) -> int:

@@ -1,22 +1,18 @@
-"""The text to prepare: which files a data path names, its name, their sha256, and
-their documents as str chunks in bounded memory: a text file (a .gz one gunzipped as it
-is read), a JSONL line, a Parquet row (KINDS). A non-UTF-8 byte is an error naming its
-offset, with advice: a file that looks binary (a NUL byte in its first 8 KB, git's
-test) is to be left out; in a text, encoding_errors=replace.
+"""A data file's documents as str chunks, in bounded memory: a text file (a .gz one
+gunzipped as it is read), a JSONL line, a Parquet row (cache.KINDS). A non-UTF-8 byte is
+an error naming its offset, with advice: a file that looks binary (a NUL byte in its
+first 8 KB, git's test) is to be left out; in a text, encoding_errors=replace.
 """
 import codecs
-import glob
 import gzip
-import hashlib
 import json
-import os
 import re
 import zlib
-from collections import Counter
 from itertools import chain, count
 from pathlib import Path
 
 from common import UserError
+from data.cache import kind_suffix
 
 # bytes read at a time
 READ_BYTES = 1 << 20
@@ -24,74 +20,11 @@ READ_BYTES = 1 << 20
 PROMPT_FILE_MAX = 1 << 20
 # rows read at a time
 PARQUET_ROWS = 1024
-# records, by a name's ending; any other file is a text
-KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
 # JSON's "\ud800" alone: a code point no UTF-8 text holds
 SURROGATE = re.compile("[\ud800-\udfff]")
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".tex", ".html", ".xml", ".json", ".csv", ".py",
-                 ".c", ".h", ".js", ".gz"}
 # what reading a damaged file raises: a .gz cut short or not gzip; a .parquet that is not
 # Parquet
 DAMAGED = (OSError, EOFError, zlib.error, ValueError)
-
-
-def find_sources(source) -> list[Path]:
-    """The regular files a data path names (a file; those under a directory, hidden
-    ones skipped; a glob's matches), sorted; a UserError saying why there are none."""
-    source = Path(source)
-    # its name may hold glob characters
-    if source.is_file():
-        return [source]
-    pattern = str(source)
-    if source.is_dir():
-        pattern = os.path.join(glob.escape(pattern), "**", "*")
-    # glob skips hidden files; a pipe or a device is no file: reading it could block, or
-    # never end
-    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-    if files:
-        return files
-    if source.is_dir():
-        raise UserError(f"no files in the data directory {source}")
-    if glob.has_magic(str(source)):
-        raise UserError(f"no files match {source}")
-    raise UserError(f"data file not found: {source}")
-
-
-def kind_suffix(name: str) -> str:
-    """The ending that makes a file records ('.jsonl', '.jsonl.gz', '.parquet'), or ''
-    (a text)."""
-    return next((suffix for suffix in KINDS if name.lower().endswith(suffix)), "")
-
-
-def data_name(path) -> str:
-    """The name of a data path's runs (out/<name>) and cache entries: a file's or
-    folder's name without its extension (my_notes.txt -> my_notes); a glob's last folder
-    and file part, each where it holds no glob character (books/*.txt -> books,
-    /usr/share/doc/*/copyright -> doc-copyright; neither: data). Records add their kind
-    (licenses.jsonl -> licenses-jsonl): never the name of the same-named text. A text's
-    .gz goes too (notes.txt.gz -> notes)."""
-    path = Path(path)
-    suffix = kind_suffix(path.name)
-    if suffix:
-        stem = path.name[:-len(suffix)]
-    else:
-        stem = Path(path.name.removesuffix(".gz")).stem
-    if glob.has_magic(str(path)):
-        folders = [p for p in path.parent.parts
-                   if p not in (path.anchor, "..") and not glob.has_magic(p)]
-        stem = "-".join(folders[-1:] + [stem] * (not glob.has_magic(stem)))
-    return (stem or "data") + (f"-{KINDS[suffix]}" if suffix else "")
-
-
-def describe(source, files: list[Path], total: int, label: str = "data") -> str:
-    """What a folder or glob took: 'data: books (4 files: 2 .txt, 1 .jsonl, 1 other;
-    3.2 MB)' (a stray file shows; label: 'val' for data.val_path's). A kind is named for
-    records and known text extensions only (foo.so.0: other)."""
-    known = [kind_suffix(p.name) or p.suffix.lower() for p in files]
-    named = (s if s in KINDS or s in TEXT_SUFFIXES else "other" for s in known)
-    kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(named).most_common())
-    return (f"{label}: {source} ({len(files)} file{'s' * (len(files) > 1)}: {kinds}; "
-            f"{total / 1e6:.1f} MB)")
 
 
 def read_bytes(path: Path, progress=None, gz: bool = False):
@@ -110,23 +43,6 @@ def read_bytes(path: Path, progress=None, gz: bool = False):
             if not gz:
                 raise
             raise UserError(f"{path} cannot be read as gzip: {e}") from None
-
-
-def sha256(files: list[Path], progress=None) -> str:
-    """The cache key: one file's sha256, or that of several files' names and sha256s in
-    order (so renaming or reordering files makes another dataset)."""
-    digests = []
-    for path in files:
-        h = hashlib.sha256()
-        for data in read_bytes(path, progress):
-            h.update(data)
-        digests.append(h.hexdigest())
-    if len(files) == 1:
-        return digests[0]
-    base = os.path.commonpath([p.resolve() for p in files])
-    names = (p.resolve().relative_to(base) for p in files)
-    listing = "".join(f"{name}\0{d}\n" for name, d in zip(names, digests))
-    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def iter_text(path: Path, errors: str = "strict", progress=None,

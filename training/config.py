@@ -2,7 +2,7 @@
 command line.
 
   sections  a dataclass per section, beside the code it configures (ModelConfig in
-            model/config.py, DataConfig in data/prepare.py); each field says what it does
+            model/config.py, DataConfig in data/cache.py); each field says what it does
             and its bounds (common.setting)
   layers    defaults < a resumed run's config.toml < the TOML file < the command line,
             each set once
@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import ROOT, UserError, check_fields, first_line, flat, setting
-from data.prepare import DataConfig
-from data.sources import data_name
+from data.cache import DataConfig, data_name
 from model.config import ModelConfig
 
 
@@ -225,7 +224,7 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
 
 
 def default_out_dir(config_file: str | None, values: dict, given: set[str]) -> str:
-    """out/<name>: the config file's name, then the data's (data.sources.data_name: the cache
+    """out/<name>: the config file's name, then the data's (data.cache.data_name: the cache
     entry's too) where the command line set it or no config file is given, then the
     tokenizer's likewise (char is left out): runs on other data or tokens never meet in one
     out dir."""
