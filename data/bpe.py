@@ -1,26 +1,15 @@
 """BPE tokenizers through tiktoken: a named encoding (gpt2, cl100k_base, ...), and bpe:N,
-a byte-level BPE of N tokens trained on the data's training split (train_bpe) whose meta
-holds the whole tokenizer (pattern, base64 token bytes in rank order, <|endoftext|>), so
-that tiktoken rebuilds it from the meta alone, with no file and no network. Imported
-only where a run uses BPE.
+a byte-level BPE of N tokens trained on the data's training split, whose meta holds the
+whole tokenizer, so that tiktoken rebuilds it with no file and no network.
 
-Choices:
-  trainer      rustbpe (nanochat's BPE trainer, Rust): it returns tiktoken's mergeable
-               ranks (token bytes -> rank) directly, so the result encodes with tiktoken
-               exactly like gpt2 does. Hugging Face `tokenizers` trains as well, but
-               keeps byte-level tokens in a remapped alphabet that would need translating
-               back to bytes (and trains more slowly).
-  bytes        the 256 byte values are tokens 0..255, so every text encodes, characters
-               never seen in training included
-  pattern      GPT-4's (cl100k) pre-tokenizer regex: no merge crosses a split point, and
-               cutting the text where prepare.LAST_SAFE_CUT does gives the tokens of the
-               whole text
-  vocabulary   N tokens: the 256 bytes, N - 257 merges, and <|endoftext|> (id N - 1),
-               which goes between documents like gpt2's
-  input        the training split only (the validation text never shapes the merges),
-               streamed in pieces, at most prepare.TRAIN_MAX_CHARS characters of it
-  determinism  the same text and N give the same ranks (tests/test_bpe.py), whatever the
-               thread count
+  trainer      rustbpe (nanochat's): it returns tiktoken's mergeable ranks directly (HF
+               `tokenizers` keeps byte-level tokens in a remapped alphabet)
+  bytes        the 256 byte values are tokens 0..255: every text encodes
+  pattern      GPT-4's (cl100k) pre-tokenizer regex: prepare.LAST_SAFE_CUT's cuts
+               change no token
+  vocabulary   the 256 bytes, N - 257 merges, and <|endoftext|> (id N - 1) between
+               documents, like gpt2's
+  determinism  the same text and N give the same ranks, whatever the thread count
 """
 import base64
 import time
@@ -46,8 +35,7 @@ def check_encoding(name: str) -> None:
 
 
 class TiktokenTokenizer:
-    """BPE encoded by tiktoken: a named encoding, or one trained on the data (see
-    trained_bpe)."""
+    """BPE encoded by tiktoken: a named encoding, or one trained on the data."""
 
     def __init__(self, enc, meta: dict):
         self.enc = enc
@@ -88,10 +76,8 @@ class TiktokenTokenizer:
 
     def encode_pieces(self, pieces: list) -> np.ndarray:
         """The ids of the pieces in order, a None the end-of-text token: one tiktoken call
-        (for many short records that costs less than the records) on the text joined by
-        <|endoftext|>, which it encodes as the token and never merges across. Pieces side
-        by side are one text (prepare cuts a document where that changes no token). A
-        piece that holds <|endoftext|> as text: each piece on its own."""
+        (cheaper than one a record) on the text joined by <|endoftext|>, which no token
+        crosses; where a piece holds <|endoftext|> as text, each piece on its own."""
         text = "".join([EOT if p is None else p for p in pieces])
         # the marker cannot overlap itself: a count tells
         if text.count(EOT) == pieces.count(None):
@@ -110,9 +96,8 @@ class TiktokenTokenizer:
 
 
 def trained_bpe(meta: dict) -> TiktokenTokenizer:
-    """The tokenizer train_bpe() describes, checked: a damaged description is a
-    UserError. tiktoken itself checks only the pattern and the types; a missing byte or
-    a repeated token would panic in Rust."""
+    """The tokenizer train_bpe() describes; a damaged description is a UserError
+    (tiktoken checks only the pattern and the types: a missing byte would panic in Rust)."""
 
     def damaged(why: str) -> UserError:
         return UserError(f"damaged BPE tokenizer description: {why}")
@@ -144,11 +129,9 @@ def trained_bpe(meta: dict) -> TiktokenTokenizer:
 
 
 def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
-    """(tokenizer meta, seconds) of a BPE of vocab_size tokens trained on the str pieces
-    in texts. rustbpe holds `batch` pieces at a time and counts them in parallel. A text
-    with too few distinct pairs gives fewer tokens than asked for (the meta says how
-    many). The meta holds the whole tokenizer: the pattern, each token's bytes in base64
-    in rank (and id) order, <|endoftext|> after them."""
+    """(tokenizer meta, seconds) of a BPE of vocab_size tokens (fewer for a text with
+    too few distinct pairs) trained on the str pieces in texts, `batch` at a time. The
+    meta: the pattern, each token's bytes in base64 in rank order, <|endoftext|> last."""
     try:
         import rustbpe
     except ImportError:

@@ -1,10 +1,9 @@
-"""The cache of prepared data: the files a data path names, the entry their bytes and the
-settings key under data.prepared_dir, and its meta.json. A run on prepared data needs only
-this module; data/prepare.py, which builds an entry, is imported on a miss.
+"""The cache of prepared data: the files a data path names, and the entry under
+data.prepared_dir that their bytes and the settings key. A run on prepared data needs only
+this; data/prepare.py, which builds an entry, is imported on a miss.
 
-An entry is train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and meta.json,
-written last: it is usable when its meta.json is of this FORMAT and the token files have the
-sizes it says. Deleting an entry, or the whole cache, is always safe.
+An entry: train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and meta.json,
+written last. Deleting an entry, or the whole cache, is always safe.
 """
 import glob
 import hashlib
@@ -34,20 +33,16 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".tex", ".html", ".xml", ".json", ".csv"
 
 @dataclass
 class DataConfig:
-    path: str = setting(
-        "data/tinyshakespeare.txt", "the text to train on: a file, a folder or a glob")
+    path: str = setting("data/tinyshakespeare.txt", "the text: a file, a folder or a glob")
     tokenizer: str = setting(
         "char", "char | bpe:N (N tokens, trained on the data) | gpt2, or any tiktoken")
     val_fraction: float = setting(
         0.1, "the last 10% of the text is for validation", above=0.0, below=1.0)
     prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
-    encoding_errors: str = setting(
-        "strict", "strict | replace: what to do with non-UTF-8 bytes",
-        one_of=("strict", "replace"))
-    text_field: str = setting(
-        "text", "the JSONL field or Parquet column that holds the text")
-    val_path: str = setting(
-        "", "its own validation text: a file, folder or glob (\"\" = none)")
+    encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 "
+                                   "bytes", one_of=("strict", "replace"))
+    text_field: str = setting("text", "the JSONL field or Parquet column that holds the text")
+    val_path: str = setting("", "its own validation text: a file, folder or glob")
     workers: int = setting(0, "threads that encode BPE (0 = one per core)", at_least=0)
 
     def validate(self) -> None:
@@ -62,8 +57,8 @@ def mb_progress(label: str, total: int) -> Progress:
 
 
 def find_sources(source) -> list[Path]:
-    """The regular files a data path names (a file; those under a directory, hidden ones
-    skipped; a glob's matches), sorted; a UserError saying why there are none."""
+    """The regular files a data path names (a file; those under a folder but hidden ones;
+    a glob's matches), sorted; a UserError saying why there are none."""
     source = Path(source)
     # its name may hold glob characters
     if source.is_file():
@@ -89,9 +84,9 @@ def kind_suffix(name: str) -> str:
 
 def data_name(path) -> str:
     """The name of a data path's runs (out/<name>) and cache entries: a file's or folder's
-    name without its extension (my_notes.txt, notes.txt.gz -> my_notes, notes); a glob's
-    last folder and file part without glob characters (books/*.txt -> books; neither:
-    data). Records add their kind (licenses.jsonl -> licenses-jsonl)."""
+    name without its extension (notes.txt.gz -> notes); a glob's last folder and file part
+    without glob characters (books/*.txt -> books; neither: data). Records add their kind
+    (licenses.jsonl -> licenses-jsonl)."""
     path = Path(path)
     suffix = kind_suffix(path.name)
     if suffix:
@@ -116,8 +111,8 @@ def describe(source, files: list[Path], total: int, label: str = "data") -> str:
 
 
 def sha256(files: list[Path], progress: Progress) -> str:
-    """One file's sha256, or that of several files' names and sha256s in order (renaming or
-    reordering files makes another dataset)."""
+    """One file's sha256, or that of several files' names and sha256s (renaming a file
+    makes another dataset)."""
     digests = []
     for path in files:
         h = hashlib.sha256()
@@ -172,8 +167,8 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
 
 
 def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
-    """The data's name (cut to 64 characters: a file name holds 255 bytes), then all that
-    changes the token files; for records, the key covers the text_field."""
+    """The data's name (64 characters at most), then all that changes the token files
+    (for records, the key covers the text_field)."""
     # bpe:4096 -> bpe4096
     label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)
     errors = "-replace" * (data.encoding_errors == "replace")
@@ -185,8 +180,8 @@ def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
 
 
 def read_entry(entry: Path) -> dict | None:
-    """The meta.json of a usable entry; None for any other (none, unfinished, damaged,
-    older)."""
+    """The meta.json of a usable entry (of this FORMAT, its token files of the sizes it
+    says); None for any other."""
     try:
         meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
         if meta["format"] != FORMAT:

@@ -1,15 +1,13 @@
-"""Turn text (a file, a folder of files, or a glob) into an entry of the cache (data/cache.py):
-train/val token files and a meta.json, in bounded memory, a piece (PIECE_CHARS to twice that)
-at a time.
+"""Turn text (a file, a folder or a glob) into an entry of the cache (data/cache.py), a
+piece at a time: memory stays bounded.
 
-  passes     scan (count the characters, as the split point is a character index; char's
-             vocabulary); train (bpe:N); encode (BPE: on data.workers threads: tiktoken
+  passes     scan (count the characters: the split point is a character index; char's
+             vocabulary), train (bpe:N), encode (BPE on data.workers threads: tiktoken
              frees the GIL)
-  val        the text's last val_fraction, or data.val_path's files (not trained on)
-  documents  text files, JSONL lines and Parquet rows are one text in order, with the
-             end-of-text token (BPE) or a newline (char) between them
-  an entry   built in a temporary folder, renamed into place once whole (a killed
-             process's is removed by the next)
+  documents  files, JSONL lines and Parquet rows are one text in order, the end-of-text
+             token (BPE) or a newline (char) between them; val is its last val_fraction,
+             or data.val_path's text
+  an entry   built in a temporary folder, renamed into place once whole
 
     python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096]
         [--val-fraction 0.1] [--val-path FILE|DIR|GLOB] [--workers N]
@@ -48,7 +46,7 @@ TRAIN_MAX_CHARS = 256_000_000
 
 def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> dict:
     """Scan, train (bpe:N), encode: the entry at out; its meta.json. sources: the train
-    files and the val files (none: the val split is the train text's last val_fraction)."""
+    files and the val files (none: val is the train text's last val_fraction)."""
     files = sources[0] + sources[1]
     char = data.tokenizer == "char"
     stamp = stamps(files)
@@ -58,10 +56,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     scans = [scan(group, *read, char, progress) for group in sources if group]
     # each text's characters (char: + the newlines between its documents)
     counts = [n + (docs - 1) * char for _, docs, n, _ in scans]
-    if sources[1]:
-        split_at = counts[0]
-    else:
-        split_at = int(counts[0] * (1.0 - data.val_fraction))
+    split_at = counts[0] if sources[1] else int(counts[0] * (1.0 - data.val_fraction))
 
     # the hash names the entry: a text that changed meanwhile is refused
     def unchanged() -> None:
@@ -71,8 +66,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
                                 f"try again once it no longer changes")
 
     def text(label: str, train_chars: int):
-        """(split, piece) pairs: train_chars in "train", then "val" (all of the val
-        files' text)."""
+        """(split, piece) pairs: train_chars in "train", then "val"."""
         progress = mb_progress(label, total)
         texts = [(d for p in s[0] for d in iter_documents(p, *read, progress))
                  for s in scans]
@@ -94,7 +88,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out.parent)
     tmp = out.parent / f".{out.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
-    # os.mkdir: the mode the umask gives, as for any file (tempfile.mkdtemp's is 0700)
+    # the mode the umask gives, as for any file (not tempfile.mkdtemp's 0700)
     tmp.mkdir()
     # data.workers = 0: a thread per core it may run on; char: threads do not pay
     affinity = getattr(os, "sched_getaffinity", None)
@@ -105,23 +99,21 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
         # before publishing: a refused text leaves nothing
         check_split_sizes(encoded["tokens"], block_size)
         unchanged()
-        if sources[1]:
-            split = {"val_path": str(Path(data.val_path).absolute())}
-        else:
-            split = {"val_fraction": data.val_fraction}
+        own = {"val_path": str(Path(data.val_path).absolute())}
+        split = own if sources[1] else {"val_fraction": data.val_fraction}
         split |= {"train_chars": split_at, "val_chars": sum(counts) - split_at}
         meta = {"format": FORMAT, "source": str(Path(data.path).absolute()),
                 "sha256": sha, "files": len(files), "tokenizer_spec": data.tokenizer,
                 **encoded, "encoding_errors": data.encoding_errors,
                 "text_field": data.text_field, "split": split}
-        # written last: what makes the entry usable
+        # written last: it makes the entry usable
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
         # one that another process has just published stays
         if read_entry(out) is None:
             shutil.rmtree(out, ignore_errors=True)
             os.rename(tmp, out)
     except UserError:
-        # a text that changed (an unknown character appended): its change is the error
+        # a text that changed (an unknown character appended): the change is said
         unchanged()
         raise
     finally:
@@ -138,10 +130,9 @@ def pid_space() -> str:
     """This machine and its process-id namespace (containers sharing a host name each have
     their own): a pid names one process only within both."""
     try:
-        space = f".{os.stat('/proc/self/ns/pid').st_ino}"
+        return f"{socket.gethostname()}.{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
-        space = ""
-    return socket.gethostname() + space
+        return socket.gethostname()
 
 
 # A build's temporary folder, .<entry>.tmp-<host>.<pid space>-<pid>-<random>: the next tells whose.
@@ -150,25 +141,24 @@ TMP = f".tmp-{pid_space()}-"
 
 def remove_leftovers(folder: Path) -> None:
     """Remove the temporary folders of builds on this machine whose process is gone (a
-    SIGKILL, a power cut). Not on Windows, where os.kill(pid, 0) would stop the process."""
+    SIGKILL, a power cut); not on Windows, where os.kill(pid, 0) stops the process."""
     for tmp in folder.glob(f".*{TMP}*") if os.name == "posix" else ():
         pid = re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2])
         if not pid:
             continue
-        # signal 0 sends nothing: it asks whether the process runs
+        # signal 0 asks whether the process runs (another user's: PermissionError)
         try:
             os.kill(int(pid[1]), 0)
         except ProcessLookupError:
             shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            # another user's: it runs
+        except PermissionError:
             pass
 
 
 def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
-    """(the files with any text, their documents (blank ones left out), characters,
-    the characters seen as a str (want_chars))."""
-    # a dict, as an ordered set
+    """(the files with any text, their documents (blank ones left out), characters, the
+    characters seen as a str (want_chars))."""
+    # an ordered set
     kept = {}
     n_docs = n_chars = 0
     seen = np.zeros(0x110000, dtype=bool)
@@ -201,9 +191,8 @@ LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 def pieces(documents, split_at: int, bpe: bool):
     """The documents (iterables of str chunks) as one text of (split, piece): its first
     split_at characters in "train", the rest in "val"; between documents a newline (char)
-    or a piece None, the end-of-text token (BPE). A piece has PIECE_CHARS to twice that
-    many characters (fewer at a BPE document's end or the split), BPE's cut at
-    LAST_SAFE_CUT."""
+    or None, the end-of-text token (BPE). A piece has PIECE_CHARS to twice that many
+    characters (fewer at a BPE document's end or the split), BPE's cut at LAST_SAFE_CUT."""
     split, pos = "train", 0
     # the next piece's chunks, of size characters
     held, size = [], 0
@@ -252,7 +241,7 @@ def batches(text):
 
 def in_order(fn, items, workers: int):
     """fn(item) for each item, in order, on `workers` threads, workers + 1 items at most
-    at a time: memory stays bounded however many items come."""
+    at a time: memory stays bounded."""
     with ThreadPoolExecutor(workers) as pool:
         jobs = deque()
         for item in items:
@@ -264,7 +253,7 @@ def in_order(fn, items, workers: int):
 
 def encode(text, tok, tmp: Path, workers: int) -> dict:
     """Encode text's (split, piece) pairs a batch at a time on `workers` threads (1: this
-    one), appending the ids to tmp/<split>.bin; the meta entries of them."""
+    one) into tmp/<split>.bin; their meta entries."""
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens = dict.fromkeys(SPLITS, 0)
     nbytes = dict.fromkeys(SPLITS, 0)
@@ -299,19 +288,15 @@ def main(argv: list[str]) -> int:
     p = ArgumentParser(description="Prepare a text (a file, a folder or a quoted glob) "
                                    "into token files, cached in --root (safe to delete).")
     p.add_argument("path", metavar="source")
-    p.add_argument("--tokenizer", default="char",
-                   help="char | bpe:N | gpt2, or any tiktoken name")
-    p.add_argument("--val-fraction", type=float, default=0.1)
     root = Path(__file__).resolve().parent / "prepared"
     p.add_argument("--root", dest="prepared_dir", default=str(root))
-    p.add_argument("--encoding-errors", "--data.encoding_errors", default="strict",
-                   help="strict | replace")
-    p.add_argument("--text-field", "--data.text_field", default="text",
-                   help="JSONL field or Parquet column")
-    p.add_argument("--val-path", "--data.val_path", default="",
-                   help="validation text: a path")
-    p.add_argument("--workers", "--data.workers", type=int, default=0,
-                   help="BPE threads")
+    # the settings as --tokenizer, or as train.py's --data.tokenizer (% is argparse's)
+    for name in ("tokenizer", "val_fraction", "encoding_errors", "text_field", "val_path",
+                 "workers"):
+        field = DataConfig.__dataclass_fields__[name]
+        flags = (f"--{name.replace('_', '-')}", f"--data.{name}")
+        p.add_argument(*flags, dest=name, type=type(field.default), default=field.default,
+                       help=field.metadata["help"].replace("%", "%%"))
     out = prepare(DataConfig(**vars(p.parse_args(argv))))
     tokens = load_meta(out)["tokens"]
     print(f"ready: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)")

@@ -1,7 +1,5 @@
 """A data file's documents as str chunks, in bounded memory: a text file (a .gz one
-gunzipped as it is read), a JSONL line, a Parquet row (cache.KINDS). A non-UTF-8 byte is
-an error naming its offset, with advice: a file that looks binary (a NUL byte in its
-first 8 KB, git's test) is to be left out; in a text, encoding_errors=replace.
+gunzipped), a JSONL line, a Parquet row. A non-UTF-8 byte is an error naming its offset.
 """
 import codecs
 import gzip
@@ -22,16 +20,14 @@ PROMPT_FILE_MAX = 1 << 20
 PARQUET_ROWS = 1024
 # JSON's "\ud800" alone: a code point no UTF-8 text holds
 SURROGATE = re.compile("[\ud800-\udfff]")
-# what reading a damaged file raises: a .gz cut short or not gzip; a .parquet that is not
-# Parquet
+# what reading a damaged .gz or .parquet raises
 DAMAGED = (OSError, EOFError, zlib.error, ValueError)
 
 
 def read_bytes(path: Path, progress=None, gz: bool = False):
-    """The file's bytes, READ_BYTES at a time (gz: gunzipped); progress: a Progress
-    advanced by the bytes read from the file. A damaged .gz is a UserError naming it."""
+    """The file's bytes, READ_BYTES at a time (gz: gunzipped); progress advanced by the
+    bytes read from the disk. A damaged .gz is a UserError naming it."""
     with open(path, "rb") as raw, (gzip.open(raw) if gz else raw) as f:
-        # bytes read from the file (gz: fewer than data's)
         done = 0
         try:
             while data := f.read(READ_BYTES):
@@ -47,9 +43,8 @@ def read_bytes(path: Path, progress=None, gz: bool = False):
 
 def iter_text(path: Path, errors: str = "strict", progress=None,
               hint: str | None = "set --data.encoding_errors=replace to replace such bytes"):
-    """The file's text as str chunks that never split a character; a non-UTF-8 byte is a
-    UserError (its advice, for a text: hint), or with errors='replace' a U+FFFD. A .gz
-    file is gunzipped."""
+    """The file's text (a .gz gunzipped) as str chunks; a non-UTF-8 byte is a UserError
+    with hint as advice, or with errors='replace' a U+FFFD."""
     # holds a character cut at a read's end
     decoder = codecs.getincrementaldecoder("utf-8")(errors)
     gz = path.name.lower().endswith(".gz")
@@ -63,7 +58,7 @@ def iter_text(path: Path, errors: str = "strict", progress=None,
         except UnicodeDecodeError as e:
             # e.object: the held bytes, then raw
             with (gzip.open if gz else open)(path, "rb") as f:
-                # it looks binary (git's test)
+                # it looks binary: a NUL byte in its first 8 KB (git's test)
                 if b"\0" in f.read(8192):
                     hint = (f"it looks binary: leave it out of the data (e.g. with a glob "
                             f"such as '{path.parent}/*.txt')")
@@ -76,9 +71,8 @@ def iter_text(path: Path, errors: str = "strict", progress=None,
 
 
 def iter_documents(path: Path, errors: str = "strict", field: str = "text", progress=None):
-    """The file's documents, each an iterable of str chunks, by its kind (KINDS): a text
-    is one; a JSONL line or a Parquet row, its field's text, one each (blank ones
-    skipped, as blank files are)."""
+    """The file's documents, each an iterable of str chunks: a text is one; a JSONL line
+    or a Parquet row, its field's text, one each (blank ones skipped)."""
     if not (suffix := kind_suffix(path.name)):
         yield iter_text(path, errors, progress)
         return
@@ -98,17 +92,14 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
             if text and not text.isspace():
                 yield (SURROGATE.sub("\ufffd", text) if lone else text,)
     except DAMAGED as e:
-        # not gzip, cut short, not Parquet (a Git LFS pointer)
         raise UserError(f"{path} cannot be read as {suffix}: {e}") from None
 
 
 def jsonl_texts(path: Path, errors: str, field: str, progress):
-    """(line number, its record's field or None) of each line of a JSON Lines file (.gz:
-    gzip)."""
+    """(line number, its record's field or None) of each line of a JSONL file."""
     gz = path.name.lower().endswith(".gz")
     with open(path, "rb") as raw, (gzip.open(raw) if gz else raw) as f:
         numbers = count(1)
-        # the bytes read before these lines (gzip: the compressed bytes)
         done = 0
         while lines := f.readlines(READ_BYTES):
             if progress:
@@ -120,8 +111,7 @@ def jsonl_texts(path: Path, errors: str, field: str, progress):
 
 
 def record_text(line: bytes, errors: str, field: str, where: str):
-    """The field of a JSON line's record, or None; a line that is not UTF-8 or JSON is
-    a UserError naming where."""
+    """The field of a JSON line's record, or None; not UTF-8 or JSON: a UserError."""
     if line.isspace():
         return ""
     try:
@@ -135,8 +125,7 @@ def record_text(line: bytes, errors: str, field: str, where: str):
 
 def parquet_texts(path: Path, errors: str, field: str, progress):
     """(row number, its text) of each row of a Parquet file's column `field`,
-    PARQUET_ROWS at a time (a row group at most is read at once). pyarrow is imported
-    only here: it is needed only here."""
+    PARQUET_ROWS at a time (a row group at most is held)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -156,9 +145,9 @@ def parquet_texts(path: Path, errors: str, field: str, progress):
 
 
 def read_prompt(prompt: str) -> str:
-    """A prompt argument's text: itself, or with @FILE the file's (UTF-8, at most
-    PROMPT_FILE_MAX bytes: a model sees only its last block_size tokens anyway, and
-    /dev/zero never ends)."""
+    """A prompt argument's text: itself, or with @FILE the file's (at most
+    PROMPT_FILE_MAX bytes: a model sees only its last block_size tokens, and /dev/zero
+    never ends)."""
     if not prompt.startswith("@"):
         return prompt
     # a missing file: one line, from common.run_cli
