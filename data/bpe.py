@@ -1,15 +1,9 @@
-"""BPE tokenizers through tiktoken: a named encoding (gpt2, cl100k_base, ...), and bpe:N,
-a byte-level BPE of N tokens trained on the data's training split, whose meta holds the
-whole tokenizer, so that tiktoken rebuilds it with no file and no network.
+"""BPE through tiktoken: a named encoding (gpt2, cl100k_base, ...), or bpe:N, a byte-level
+BPE of N tokens trained on the data's training split by rustbpe (nanochat's: it gives
+tiktoken's ranks directly), its meta the whole tokenizer: no file, no network.
 
-  trainer      rustbpe (nanochat's): it returns tiktoken's mergeable ranks directly (HF
-               `tokenizers` keeps byte-level tokens in a remapped alphabet)
-  bytes        the 256 byte values are tokens 0..255: every text encodes
-  pattern      GPT-4's (cl100k) pre-tokenizer regex: prepare.LAST_SAFE_CUT's cuts
-               change no token
-  vocabulary   the 256 bytes, N - 257 merges, and <|endoftext|> (id N - 1) between
-               documents, like gpt2's
-  determinism  the same text and N give the same ranks, whatever the thread count
+bpe:N's tokens: the 256 bytes (every text encodes), N - 257 merges under GPT-4's
+pre-tokenizer pattern, and <|endoftext|> (id N - 1) between documents, like gpt2's.
 """
 import base64
 import time
@@ -21,13 +15,12 @@ from common import UserError
 
 # the end-of-text token between documents (gpt2's name for it)
 EOT = "<|endoftext|>"
-
 PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
            r"""| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
 
 
 def check_encoding(name: str) -> None:
-    """A UserError unless name is a tiktoken encoding (its files are not loaded)."""
+    """A UserError unless name is a tiktoken encoding (whose files are not loaded)."""
     if name not in (names := tiktoken.list_encoding_names()):
         raise UserError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N "
                         f"tokens trained on the data) or a tiktoken encoding "
@@ -58,26 +51,23 @@ class TiktokenTokenizer:
         return self.enc.n_vocab
 
     @property
-    def start_token(self) -> int:
+    def end_token(self) -> int:
+        """<|endoftext|>: between documents, where a sample ends, and an empty prompt."""
         return self.enc.eot_token
 
-    @property
-    def end_token(self) -> int:
-        """<|endoftext|>: what goes between documents, and where a sample ends."""
-        return self.enc.eot_token
+    start_token = end_token
 
     def encode(self, text: str) -> list[int]:
         """The ids of text, in which "<|endoftext|>" is just text."""
         return self.enc.encode_ordinary(text)
 
     def encode_array(self, text: str) -> np.ndarray:
-        """The ids as uint32, with no Python list in between."""
+        """The ids as uint32, with no Python list."""
         return self.enc.encode_to_numpy(text, disallowed_special=())
 
     def encode_pieces(self, pieces: list) -> np.ndarray:
-        """The ids of the pieces in order, a None the end-of-text token: one tiktoken call
-        (cheaper than one a record) on the text joined by <|endoftext|>, which no token
-        crosses; where a piece holds <|endoftext|> as text, each piece on its own."""
+        """The ids of the pieces, a None the end-of-text token: one tiktoken call on the
+        text joined by <|endoftext|>, unless a piece holds it as text."""
         text = "".join([EOT if p is None else p for p in pieces])
         # the marker cannot overlap itself: a count tells
         if text.count(EOT) == pieces.count(None):
@@ -96,8 +86,8 @@ class TiktokenTokenizer:
 
 
 def trained_bpe(meta: dict) -> TiktokenTokenizer:
-    """The tokenizer train_bpe() describes; a damaged description is a UserError
-    (tiktoken checks only the pattern and the types: a missing byte would panic in Rust)."""
+    """The tokenizer train_bpe() describes; a damaged one is a UserError (tiktoken checks
+    only the pattern and types: a missing byte would panic in Rust)."""
 
     def damaged(why: str) -> UserError:
         return UserError(f"damaged BPE tokenizer description: {why}")
@@ -129,9 +119,9 @@ def trained_bpe(meta: dict) -> TiktokenTokenizer:
 
 
 def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
-    """(tokenizer meta, seconds) of a BPE of vocab_size tokens (fewer for a text with
-    too few distinct pairs) trained on the str pieces in texts, `batch` at a time. The
-    meta: the pattern, each token's bytes in base64 in rank order, <|endoftext|> last."""
+    """(meta, seconds) of a BPE of vocab_size tokens (fewer if the text has too few
+    pairs) trained on the str pieces in texts: the pattern, each token's bytes in base64
+    in rank order, <|endoftext|> last."""
     try:
         import rustbpe
     except ImportError:

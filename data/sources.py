@@ -6,7 +6,7 @@ import gzip
 import json
 import re
 import zlib
-from itertools import chain, count
+from itertools import chain
 from pathlib import Path
 
 from common import UserError
@@ -24,21 +24,17 @@ SURROGATE = re.compile("[\ud800-\udfff]")
 DAMAGED = (OSError, EOFError, zlib.error, ValueError)
 
 
-def read_bytes(path: Path, progress=None, gz: bool = False):
-    """The file's bytes, READ_BYTES at a time (gz: gunzipped); progress advanced by the
-    bytes read from the disk. A damaged .gz is a UserError naming it."""
+def chunks(path: Path, take, progress=None):
+    """take(f) on the file (a .gz gunzipped) until it gives nothing; progress advanced by
+    the bytes read from the disk."""
+    gz = path.name.lower().endswith(".gz")
     with open(path, "rb") as raw, (gzip.open(raw) if gz else raw) as f:
         done = 0
-        try:
-            while data := f.read(READ_BYTES):
-                if progress:
-                    progress.advance(raw.tell() - done)
-                done = raw.tell()
-                yield data
-        except DAMAGED as e:
-            if not gz:
-                raise
-            raise UserError(f"{path} cannot be read as gzip: {e}") from None
+        while chunk := take(f):
+            if progress:
+                progress.advance(raw.tell() - done)
+            done = raw.tell()
+            yield chunk
 
 
 def iter_text(path: Path, errors: str = "strict", progress=None,
@@ -48,26 +44,36 @@ def iter_text(path: Path, errors: str = "strict", progress=None,
     # holds a character cut at a read's end
     decoder = codecs.getincrementaldecoder("utf-8")(errors)
     gz = path.name.lower().endswith(".gz")
+    reads = chunks(path, lambda f: f.read(READ_BYTES), progress)
     # bytes read before raw
     offset = 0
-    # b"": the end, where a cut character is an error
-    for raw in chain(read_bytes(path, progress, gz), [b""]):
-        held = len(decoder.getstate()[0])
-        try:
-            text = decoder.decode(raw, final=not raw)
-        except UnicodeDecodeError as e:
-            # e.object: the held bytes, then raw
-            with (gzip.open if gz else open)(path, "rb") as f:
-                # it looks binary: a NUL byte in its first 8 KB (git's test)
-                if b"\0" in f.read(8192):
-                    hint = (f"it looks binary: leave it out of the data (e.g. with a glob "
-                            f"such as '{path.parent}/*.txt')")
-            raise UserError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset "
-                            f"{offset - held + e.start}" + (f"; {hint}" if hint else "")
-                            ) from None
-        if text:
-            yield text
-        offset += len(raw)
+    try:
+        # b"": the end, where a cut character is an error
+        for raw in chain(reads, [b""]):
+            held = len(decoder.getstate()[0])
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                # e.object: the held bytes, then raw
+                byte = e.object[e.start]
+                raise not_utf8(path, byte, offset - held + e.start, hint) from None
+            if text:
+                yield text
+            offset += len(raw)
+    except DAMAGED as e:
+        if not gz:
+            raise
+        raise UserError(f"{path} cannot be read as gzip: {e}") from None
+
+
+def not_utf8(path: Path, byte: int, offset: int, hint: str | None) -> UserError:
+    """The error of a byte that is not UTF-8, with advice: hint, or to leave out a file that
+    looks binary (a NUL byte in its first 8 KB: git's test)."""
+    if b"\0" in next(chunks(path, lambda f: f.read(8192)), b""):
+        hint = (f"it looks binary: leave it out of the data (e.g. with a glob such as "
+                f"'{path.parent}/*.txt')")
+    advice = f"; {hint}" if hint else ""
+    return UserError(f"{path} is not UTF-8: byte 0x{byte:02x} at offset {offset}{advice}")
 
 
 def iter_documents(path: Path, errors: str = "strict", field: str = "text", progress=None):
@@ -97,17 +103,9 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
 
 def jsonl_texts(path: Path, errors: str, field: str, progress):
     """(line number, its record's field or None) of each line of a JSONL file."""
-    gz = path.name.lower().endswith(".gz")
-    with open(path, "rb") as raw, (gzip.open(raw) if gz else raw) as f:
-        numbers = count(1)
-        done = 0
-        while lines := f.readlines(READ_BYTES):
-            if progress:
-                progress.advance(raw.tell() - done)
-            done = raw.tell()
-            # lines first: zip stops before taking a number
-            for line, n in zip(lines, numbers):
-                yield n, record_text(line, errors, field, f"{path}, line {n}")
+    lines = chain.from_iterable(chunks(path, lambda f: f.readlines(READ_BYTES), progress))
+    for n, line in enumerate(lines, 1):
+        yield n, record_text(line, errors, field, f"{path}, line {n}")
 
 
 def record_text(line: bytes, errors: str, field: str, where: str):
