@@ -1,9 +1,8 @@
-"""The cache of prepared data: the files a data path names, and the entry under
-data.prepared_dir that their bytes and the settings key. A run on prepared data needs only
-this; data/prepare.py, which builds an entry, is imported on a miss.
+"""The prepared-data cache: the files a data path names, and the entry their bytes and
+the settings key. A run on prepared data needs only this; data/prepare.py builds an entry.
 
 An entry: train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and meta.json,
-written last. Deleting an entry, or the whole cache, is always safe.
+written last. Deleting one, or the whole cache, is always safe.
 """
 import glob
 import hashlib
@@ -20,7 +19,7 @@ import numpy as np
 from common import Progress, UserError, check_fields, setting
 from data.tokenizers import check_tokenizer_spec
 
-# meta.json's layout, and how a text is read (a .gz is gunzipped): another prepares again
+# meta.json's layout and how a text is read: another prepares again
 FORMAT = 4
 SPLITS = ("train", "val")
 # a progress line for inputs at least this large
@@ -33,14 +32,14 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".tex", ".html", ".xml", ".json", ".csv"
 
 @dataclass
 class DataConfig:
-    path: str = setting("data/tinyshakespeare.txt", "the text: a file, a folder or a glob")
+    path: str = setting("data/tinyshakespeare.txt", "the text: a file, folder or glob")
     tokenizer: str = setting(
         "char", "char | bpe:N (N tokens, trained on the data) | gpt2, or any tiktoken")
     val_fraction: float = setting(
         0.1, "the last 10% of the text is for validation", above=0.0, below=1.0)
     prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
-    encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 "
-                                   "bytes", one_of=("strict", "replace"))
+    encoding_errors: str = setting(
+        "strict", "strict | replace: non-UTF-8 bytes", one_of=("strict", "replace"))
     text_field: str = setting("text", "the JSONL field or Parquet column that holds the text")
     val_path: str = setting("", "its own validation text: a file, folder or glob")
     workers: int = setting(0, "threads that encode BPE (0 = one per core)", at_least=0)
@@ -57,8 +56,8 @@ def mb_progress(label: str, total: int) -> Progress:
 
 
 def find_sources(source) -> list[Path]:
-    """The regular files a data path names (a file; those under a folder but hidden ones;
-    a glob's matches), sorted; a UserError saying why there are none."""
+    """The regular files a data path names (a file, a folder's but hidden ones, a glob's),
+    sorted; a UserError saying why there are none."""
     source = Path(source)
     # its name may hold glob characters
     if source.is_file():
@@ -66,7 +65,7 @@ def find_sources(source) -> list[Path]:
     pattern = str(source)
     if source.is_dir():
         pattern = os.path.join(glob.escape(pattern), "**", "*")
-    # a pipe or a device is no file: reading it could block, or never end
+    # not a pipe or a device: reading it could block, or never end
     files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     if files:
         return files
@@ -83,10 +82,9 @@ def kind_suffix(name: str) -> str:
 
 
 def data_name(path) -> str:
-    """The name of a data path's runs (out/<name>) and cache entries: a file's or folder's
-    name without its extension (notes.txt.gz -> notes); a glob's last folder and file part
-    without glob characters (books/*.txt -> books; neither: data). Records add their kind
-    (licenses.jsonl -> licenses-jsonl)."""
+    """The name of a data path's runs and cache entries: notes.txt.gz -> notes, books/*.txt
+    -> books (a glob's last folder and file part without glob characters; neither: data),
+    licenses.jsonl -> licenses-jsonl."""
     path = Path(path)
     suffix = kind_suffix(path.name)
     if suffix:
@@ -101,8 +99,8 @@ def data_name(path) -> str:
 
 
 def describe(source, files: list[Path], total: int, label: str = "data") -> str:
-    """What a folder or glob took: 'data: books (4 files: 2 .txt, 1 .jsonl, 1 other;
-    3.2 MB)', so that a stray file shows."""
+    """What a folder or glob took, so that a stray file shows: 'data: books (3 files:
+    2 .txt, 1 other; 3.2 MB)'."""
     known = [kind_suffix(p.name) or p.suffix.lower() for p in files]
     named = (s if s in KINDS or s in TEXT_SUFFIXES else "other" for s in known)
     kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(named).most_common())
@@ -130,8 +128,8 @@ def sha256(files: list[Path], progress: Progress) -> str:
 
 
 def prepare(data: DataConfig, block_size: int | None = None) -> Path:
-    """The entry of data.path's bytes and settings, prepared now if the cache has none.
-    block_size: each split must hold a training window."""
+    """The entry of data's bytes and settings, prepared if the cache has none; each split
+    must hold a window of block_size + 1 tokens."""
     data.validate()
     val = find_sources(data.val_path) if data.val_path else []
     # val_path's files are never trained on too
@@ -167,8 +165,7 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
 
 
 def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
-    """The data's name (64 characters at most), then all that changes the token files
-    (for records, the key covers the text_field)."""
+    """The data's name, then all that changes the token files (records: the text_field)."""
     # bpe:4096 -> bpe4096
     label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)
     errors = "-replace" * (data.encoding_errors == "replace")
@@ -180,8 +177,7 @@ def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
 
 
 def read_entry(entry: Path) -> dict | None:
-    """The meta.json of a usable entry (of this FORMAT, its token files of the sizes it
-    says); None for any other."""
+    """The meta.json of a usable entry (this FORMAT, the token files' sizes it says)."""
     try:
         meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
         if meta["format"] != FORMAT:
@@ -196,7 +192,7 @@ def read_entry(entry: Path) -> dict | None:
 
 
 def load_meta(entry) -> dict:
-    """The meta.json of a usable entry; an unusable one is a UserError naming it."""
+    """read_entry's meta.json, or a UserError naming the entry."""
     if (meta := read_entry(Path(entry))) is None:
         raise UserError(f"the prepared dataset {entry} is missing, unfinished, damaged "
                         f"or of an older format: delete it and prepare the data again")

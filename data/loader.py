@@ -1,12 +1,10 @@
-"""Batches of windows of a prepared dataset, drawn where the model runs. A window is
-block_size + 1 consecutive tokens: x its first block_size, y the same shifted by one.
+"""Batches of windows (block_size + 1 consecutive tokens: x, and y shifted by one) of a
+prepared dataset. One under a quarter of the device's free memory is copied there and its
+offsets drawn there: a step needs nothing from the host (a CUDA graph's replay reads the
+windows drawn before it). A larger one stays memory-mapped.
 
-A dataset under a quarter of the device's free memory is copied there, and the offsets
-are drawn there by the device's own generator: a step needs nothing from the host (a CUDA
-graph's replay reads the windows drawn just before it). A larger one stays memory-mapped.
-
-Every rank draws the offsets of the whole global batch from the same generator and keeps
-its own B windows, so a step's windows depend only on the global batch size.
+Every rank draws the whole global batch's offsets from the same generator and keeps its
+own B windows: a step's windows depend only on the global batch size.
 """
 import os
 import sys
@@ -21,28 +19,24 @@ import torch
 from common import UserError
 from data.cache import SPLITS, check_split_sizes, load_meta
 
-# an exact evaluation's windows per split at most (bounded cost, any corpus)
+# an exact evaluation's windows per split at most
 EVAL_MAX_WINDOWS = 4096
-# train's windows per val window in an evaluation: a check on overfitting, which a fixed
-# sample shows as well as the whole split
+# train's windows per val window in an evaluation: a sample shows overfitting as well
 EVAL_TRAIN_SHARE = 0.125
-# an evaluation batch: this many tokens (at least batch_size windows)
+# an evaluation batch's tokens (batch_size windows at least)
 EVAL_BATCH_TOKENS = 4096
 # tokens copied to the device at a time
 COPY_TOKENS = 1 << 26
 
 
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
-    """(x, y) int64 host tensors of at most batch_size windows each, in which every
-    token after the first is a scored target exactly once (y = -1: context only).
-
-    Window k starts at k * stride. The first scores all its targets, each later one its
-    last `stride`: a scored token has block_size - stride + 1 tokens of context at least.
-    The last window, which reaches the last token, may be shorter: a batch of its own."""
+    """(x, y) int64 host tensors of batch_size windows at most, scoring every token after
+    the first once (y = -1: context only). Window k starts at k * stride and scores its
+    last `stride` targets (the first, all); the last one may be shorter: a batch alone."""
     n = len(tokens)
     # a later window's first targets, not scored
     context = block_size - stride
-    # the index of the window that reaches the last token
+    # the window that reaches the last token
     last = max(0, -(-(n - 1 - block_size) // stride))
     starts = np.arange(last + 1) * stride
     # the windows with all block_size + 1 tokens
@@ -109,8 +103,8 @@ class BatchLoader:
         self.generator = torch.Generator(generator_device).manual_seed(seed)
 
     def copy_to_device(self, split: str) -> torch.Tensor:
-        """The split as int32 on the device (torch has no uint16 arithmetic), copied a
-        part at a time, its ids checked once."""
+        """The split as int32 on the device (no uint16 arithmetic in torch), copied a part
+        at a time, its ids checked."""
         tokens = self.mapped[split]
         on_device = torch.empty(len(tokens), dtype=torch.int32, device=self.device)
         for i in range(0, len(tokens), COPY_TOKENS):
@@ -120,8 +114,8 @@ class BatchLoader:
         return on_device
 
     def check_ids(self, split: str, top: int) -> None:
-        """A token id outside the vocabulary is a UserError, not an embedding's failure:
-        the files were damaged after the cache checked their sizes."""
+        """An id outside the vocabulary (files damaged after the cache checked them) is a
+        UserError, not an embedding's failure."""
         if top >= self.vocab_size:
             raise UserError(f"the prepared dataset {self.dataset_dir} holds token id {top} "
                             f"in {split}.bin, outside its vocabulary of {self.vocab_size}: "
@@ -157,9 +151,8 @@ class BatchLoader:
         return windows[:, :-1], windows[:, 1:]
 
     def eval_windows(self, split: str):
-        """(x, y) batches of an exact evaluation: val's consecutive windows (its first
-        EVAL_MAX_WINDOWS); train's, EVAL_TRAIN_SHARE as many (two at least: its first and
-        last) evenly spaced."""
+        """(x, y) batches of an exact evaluation: val's first EVAL_MAX_WINDOWS windows;
+        train's, EVAL_TRAIN_SHARE as many (its first and last at least) evenly spaced."""
         T = self.block_size
         per_batch = max(self.batch_size, EVAL_BATCH_TOKENS // T)
         val = self.mapped["val"][:EVAL_MAX_WINDOWS * T + 1]
@@ -176,9 +169,8 @@ class BatchLoader:
         return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
     def load_state_dict(self, state: dict) -> None:
-        """The data order where the checkpoint left it; a generator of another device
-        (the data resident then, memory-mapped now, or the reverse) cannot take its state:
-        a new order, seeded from it."""
+        """The data order where the checkpoint left it; one drawn on another device (the
+        data resident then, memory-mapped now) cannot go on: a new order, seeded from it."""
         was, now = state.get("device", "cpu"), self.generator.device.type
         if was == now:
             return self.generator.set_state(state["generator"])

@@ -1,12 +1,9 @@
-"""Turn text (a file, a folder or a glob) into an entry of the cache (data/cache.py), a
-piece at a time: memory stays bounded.
+"""Turn text into an entry of the cache (data/cache.py), a piece at a time: memory stays
+bounded. Files, JSONL lines and Parquet rows are one text, the end-of-text token (BPE) or a
+newline (char) between documents; val is its last val_fraction, or data.val_path's text.
 
-  passes     scan (count the characters: the split point is a character index; char's
-             vocabulary), train (bpe:N), encode (BPE on data.workers threads: tiktoken
-             frees the GIL)
-  documents  files, JSONL lines and Parquet rows are one text in order, the end-of-text
-             token (BPE) or a newline (char) between them; val is its last val_fraction,
-             or data.val_path's text
+  passes     scan (the split point is a character index; char's vocabulary), train
+             (bpe:N), encode (BPE on data.workers threads: tiktoken frees the GIL)
   an entry   built in a temporary folder, renamed into place once whole
 
     python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096]
@@ -45,8 +42,8 @@ TRAIN_MAX_CHARS = 256_000_000
 
 
 def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> dict:
-    """Scan, train (bpe:N), encode: the entry at out; its meta.json. sources: the train
-    files and the val files (none: val is the train text's last val_fraction)."""
+    """Scan, train (bpe:N), encode the entry at out; its meta.json. sources: the train
+    files, the val files (none: val is the end of the train text)."""
     files = sources[0] + sources[1]
     char = data.tokenizer == "char"
     stamp = stamps(files)
@@ -122,13 +119,13 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
 
 
 def stamps(files: list[Path]) -> list[tuple[int, int]]:
-    """Each file's (size, mtime): they tell a text that changed while it was read."""
+    """Each file's (size, mtime): a text that changed while it was read."""
     return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
 def pid_space() -> str:
-    """This machine and its process-id namespace (containers sharing a host name each have
-    their own): a pid names one process only within both."""
+    """This machine and its pid namespace (containers sharing a host name have their own):
+    where a pid names one process."""
     try:
         return f"{socket.gethostname()}.{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
@@ -141,7 +138,7 @@ TMP = f".tmp-{pid_space()}-"
 
 def remove_leftovers(folder: Path) -> None:
     """Remove the temporary folders of builds on this machine whose process is gone (a
-    SIGKILL, a power cut); not on Windows, where os.kill(pid, 0) stops the process."""
+    SIGKILL); not on Windows, where os.kill(pid, 0) stops the process."""
     for tmp in folder.glob(f".*{TMP}*") if os.name == "posix" else ():
         pid = re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2])
         if not pid:
@@ -182,17 +179,16 @@ def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
     return list(kept), n_docs, n_chars, "".join(map(chr, np.flatnonzero(seen)))
 
 
-# Cutting BPE input at these points gives the same tokens as encoding the whole text: no
-# token of the gpt2 / cl100k / o200k pre-tokenizers (nor bpe:N's) runs across "x\n|y" or
-# "x| y" (x, y not whitespace). The greedy .* makes a match end at the last such point.
+# Cutting BPE input here changes no token: none of the gpt2 / cl100k / o200k / bpe:N
+# pre-tokenizers runs across "x\n|y" or "x| y" (x, y not whitespace). .* finds the last.
 LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
 def pieces(documents, split_at: int, bpe: bool):
-    """The documents (iterables of str chunks) as one text of (split, piece): its first
-    split_at characters in "train", the rest in "val"; between documents a newline (char)
-    or None, the end-of-text token (BPE). A piece has PIECE_CHARS to twice that many
-    characters (fewer at a BPE document's end or the split), BPE's cut at LAST_SAFE_CUT."""
+    """The documents (iterables of str chunks) as (split, piece): the first split_at
+    characters in "train", the rest in "val"; between documents a newline (char) or None,
+    the end-of-text token (BPE). A piece holds PIECE_CHARS to twice that (fewer at a BPE
+    document's end or the split), cut at LAST_SAFE_CUT (BPE)."""
     split, pos = "train", 0
     # the next piece's chunks, of size characters
     held, size = [], 0
@@ -225,8 +221,8 @@ def pieces(documents, split_at: int, bpe: bool):
 
 
 def batches(text):
-    """The (split, piece) pairs as (split, [piece, ...]) of one split, PIECE_CHARS
-    characters or more each (fewer at a split's end): what a worker encodes at once."""
+    """The (split, piece) pairs as (split, [piece, ...]) of PIECE_CHARS or more (fewer at
+    a split's end): what a worker encodes at once."""
     batch, size, last = [], 0, None
     for split, piece in text:
         if batch and (split != last or size >= PIECE_CHARS):
@@ -240,8 +236,8 @@ def batches(text):
 
 
 def in_order(fn, items, workers: int):
-    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at most
-    at a time: memory stays bounded."""
+    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at a time
+    at most: memory stays bounded."""
     with ThreadPoolExecutor(workers) as pool:
         jobs = deque()
         for item in items:
@@ -266,10 +262,8 @@ def encode(text, tok, tmp: Path, workers: int) -> dict:
         return split, ids, len("".join(filter(None, texts)).encode())
 
     with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
-        if workers > 1:
-            results = in_order(encode_batch, batches(text), workers)
-        else:
-            results = map(encode_batch, batches(text))
+        work = batches(text)
+        results = in_order(encode_batch, work, workers) if workers > 1 else map(encode_batch, work)
         for split, ids, n in results:
             file = train if split == "train" else val
             file.write(ids.astype(dtype, copy=False).tobytes())
@@ -290,7 +284,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("path", metavar="source")
     root = Path(__file__).resolve().parent / "prepared"
     p.add_argument("--root", dest="prepared_dir", default=str(root))
-    # the settings as --tokenizer, or as train.py's --data.tokenizer (% is argparse's)
+    # as --tokenizer or train.py's --data.tokenizer (% is argparse's)
     for name in ("tokenizer", "val_fraction", "encoding_errors", "text_field", "val_path",
                  "workers"):
         field = DataConfig.__dataclass_fields__[name]

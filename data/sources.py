@@ -102,28 +102,24 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
 
 
 def jsonl_texts(path: Path, errors: str, field: str, progress):
-    """(line number, its record's field or None) of each line of a JSONL file."""
+    """(line number, its record's field or None) of each line of a JSONL file but blank
+    ones; a line that is not UTF-8 or JSON is a UserError."""
     lines = chain.from_iterable(chunks(path, lambda f: f.readlines(READ_BYTES), progress))
     for n, line in enumerate(lines, 1):
-        yield n, record_text(line, errors, field, f"{path}, line {n}")
-
-
-def record_text(line: bytes, errors: str, field: str, where: str):
-    """The field of a JSON line's record, or None; not UTF-8 or JSON: a UserError."""
-    if line.isspace():
-        return ""
-    try:
-        record = json.loads(line.decode("utf-8", errors))
-    except UnicodeDecodeError as e:
-        raise UserError(f"{where}: not UTF-8 ({e.reason})") from None
-    except ValueError as e:
-        raise UserError(f"{where}: not JSON ({e.msg})") from None
-    return record.get(field) if isinstance(record, dict) else None
+        if line.isspace():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8", errors))
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}, line {n}: not UTF-8 ({e.reason})") from None
+        except ValueError as e:
+            raise UserError(f"{path}, line {n}: not JSON ({e.msg})") from None
+        yield n, record.get(field) if isinstance(record, dict) else None
 
 
 def parquet_texts(path: Path, errors: str, field: str, progress):
-    """(row number, its text) of each row of a Parquet file's column `field`,
-    PARQUET_ROWS at a time (a row group at most is held)."""
+    """(row number, its text) of a Parquet file's column `field`, PARQUET_ROWS rows at a
+    time (a row group at most is held)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -143,9 +139,8 @@ def parquet_texts(path: Path, errors: str, field: str, progress):
 
 
 def read_prompt(prompt: str) -> str:
-    """A prompt argument's text: itself, or with @FILE the file's (at most
-    PROMPT_FILE_MAX bytes: a model sees only its last block_size tokens, and /dev/zero
-    never ends)."""
+    """A prompt argument's text: itself, or with @FILE the file's (PROMPT_FILE_MAX bytes
+    at most: /dev/zero never ends)."""
     if not prompt.startswith("@"):
         return prompt
     # a missing file: one line, from common.run_cli
