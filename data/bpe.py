@@ -1,9 +1,6 @@
-"""BPE through tiktoken: a named encoding (gpt2, cl100k_base, ...), or bpe:N, a byte-level
-BPE of N tokens trained on the data's training split by rustbpe (nanochat's: it gives
-tiktoken's ranks directly), its meta the whole tokenizer: no file, no network.
-
-bpe:N's tokens: the 256 bytes (every text encodes), N - 257 merges under GPT-4's
-pre-tokenizer pattern, and <|endoftext|> (id N - 1) between documents, like gpt2's.
+"""BPE through tiktoken: a named encoding (gpt2, ...), or bpe:N trained on the training split
+by rustbpe (it gives tiktoken's ranks), its meta the whole tokenizer: the 256 bytes, N - 257
+merges under GPT-4's pattern, and <|endoftext|> (id N - 1) between documents.
 """
 import base64
 import time
@@ -33,29 +30,21 @@ class TiktokenTokenizer:
     def __init__(self, enc, meta: dict):
         self.enc = enc
         self._meta = meta
+        self.vocab_size = enc.n_vocab
+        # <|endoftext|>: between documents, where a sample ends, and an empty prompt
+        self.end_token = self.start_token = enc.eot_token
 
     @classmethod
     def named(cls, name: str = "gpt2") -> "TiktokenTokenizer":
         check_encoding(name)
         try:
             enc = tiktoken.get_encoding(name)
-        # the BPE files are downloaded on first use
+        # the files are downloaded on first use
         except Exception as e:
             raise UserError(f"could not load tiktoken's {name!r} files "
                             f"({type(e).__name__}); without a network, set "
                             f"TIKTOKEN_CACHE_DIR to a folder that holds them") from None
         return cls(enc, {"kind": "tiktoken", "name": name})
-
-    @property
-    def vocab_size(self) -> int:
-        return self.enc.n_vocab
-
-    @property
-    def end_token(self) -> int:
-        """<|endoftext|>: between documents, where a sample ends, and an empty prompt."""
-        return self.enc.eot_token
-
-    start_token = end_token
 
     def encode(self, text: str) -> list[int]:
         """The ids of text, in which "<|endoftext|>" is just text."""

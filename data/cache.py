@@ -1,8 +1,6 @@
-"""The prepared-data cache: the files a data path names, and the entry their bytes and
-the settings key. A run on prepared data needs only this; data/prepare.py builds an entry.
-
-An entry: train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and meta.json,
-written last. Deleting one, or the whole cache, is always safe.
+"""The prepared-data cache: the files a data path names, and the entry (train.bin, val.bin,
+meta.json written last) their bytes and settings key: all a run on prepared data needs;
+data/prepare.py builds an entry. Deleting one, or the whole cache, is always safe.
 """
 import glob
 import hashlib
@@ -22,7 +20,7 @@ from data.tokenizers import check_tokenizer_spec
 # meta.json's layout and how a text is read: another prepares again
 FORMAT = 4
 SPLITS = ("train", "val")
-# a progress line for inputs at least this large
+# a progress line for inputs this large
 PROGRESS_MIN_BYTES = 64 << 20
 # records, by a name's ending; any other file is a text
 KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
@@ -87,10 +85,7 @@ def data_name(path) -> str:
     licenses.jsonl -> licenses-jsonl."""
     path = Path(path)
     suffix = kind_suffix(path.name)
-    if suffix:
-        stem = path.name[:-len(suffix)]
-    else:
-        stem = Path(path.name.removesuffix(".gz")).stem
+    stem = path.name[:-len(suffix)] if suffix else Path(path.name.removesuffix(".gz")).stem
     if glob.has_magic(str(path)):
         folders = [p for p in path.parent.parts
                    if p not in (path.anchor, "..") and not glob.has_magic(p)]

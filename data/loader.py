@@ -1,10 +1,7 @@
-"""Batches of windows (block_size + 1 consecutive tokens: x, and y shifted by one) of a
-prepared dataset. One under a quarter of the device's free memory is copied there and its
-offsets drawn there: a step needs nothing from the host (a CUDA graph's replay reads the
-windows drawn before it). A larger one stays memory-mapped.
-
-Every rank draws the whole global batch's offsets from the same generator and keeps its
-own B windows: a step's windows depend only on the global batch size.
+"""Batches of windows (block_size + 1 tokens: x, and y shifted by one) of a prepared dataset,
+copied to the device if it takes under a quarter of its free memory (a step, or a CUDA graph's
+replay, then needs nothing from the host), else memory-mapped. Every rank draws the global
+batch from one generator and keeps its own windows: they depend on the global batch only.
 """
 import os
 import sys
@@ -36,10 +33,8 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
     n = len(tokens)
     # a later window's first targets, not scored
     context = block_size - stride
-    # the window that reaches the last token
     last = max(0, -(-(n - 1 - block_size) // stride))
     starts = np.arange(last + 1) * stride
-    # the windows with all block_size + 1 tokens
     full = starts[starts + block_size < n]
     for i in range(0, len(full), batch_size):
         begin = full[i:i + batch_size]
@@ -48,7 +43,6 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
         y = w[:, 1:].clone()
         y[torch.from_numpy(begin > 0), :context] = -1
         yield w[:, :-1], y
-    # the last window, shorter than block_size
     if len(full) < len(starts):
         w = torch.from_numpy(tokens[starts[-1]:].astype(np.int64))[None]
         y = w[:, 1:].clone()
@@ -89,9 +83,9 @@ class BatchLoader:
         self.grad_accum, self.rank, self.world = share
         self.mapped = {s: np.memmap(self.dataset_dir / f"{s}.bin", dtype=meta["dtype"],
                                     mode="r", shape=(meta["tokens"][s],)) for s in SPLITS}
-        int32_bytes = 4 * sum(meta["tokens"].values())
-        fits = int(int32_bytes < free_memory(self.device) / 4)
-        fits = torch.tensor(fits, device=self.device)
+        # as int32, in a quarter of the free memory
+        fits = 4 * sum(meta["tokens"].values()) < free_memory(self.device) / 4
+        fits = torch.tensor(int(fits), device=self.device)
         # every rank alike: one draw, the global batch
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.all_reduce(fits, torch.distributed.ReduceOp.MIN)

@@ -1,10 +1,7 @@
-"""Turn text into an entry of the cache (data/cache.py), a piece at a time: memory stays
-bounded. Files, JSONL lines and Parquet rows are one text, the end-of-text token (BPE) or a
-newline (char) between documents; val is its last val_fraction, or data.val_path's text.
-
-  passes     scan (the split point is a character index; char's vocabulary), train
-             (bpe:N), encode (BPE on data.workers threads: tiktoken frees the GIL)
-  an entry   built in a temporary folder, renamed into place once whole
+"""Turn text into an entry of the cache (data/cache.py) a piece at a time, in bounded memory:
+a scan (the split point is a character index), training (bpe:N), encoding (BPE on threads:
+tiktoken frees the GIL), in a temporary folder renamed into place once whole. Documents are
+one text with the end-of-text token (BPE) or a newline (char) between them.
 
     python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096]
         [--val-fraction 0.1] [--val-path FILE|DIR|GLOB] [--workers N]
@@ -132,7 +129,7 @@ def pid_space() -> str:
         return socket.gethostname()
 
 
-# A build's temporary folder, .<entry>.tmp-<host>.<pid space>-<pid>-<random>: the next tells whose.
+# A build's folder: .<entry>.tmp-<host>.<pid space>-<pid>-<random>
 TMP = f".tmp-{pid_space()}-"
 
 
@@ -155,7 +152,7 @@ def remove_leftovers(folder: Path) -> None:
 def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
     """(the files with any text, their documents (blank ones left out), characters, the
     characters seen as a str (want_chars))."""
-    # an ordered set
+    # ordered
     kept = {}
     n_docs = n_chars = 0
     seen = np.zeros(0x110000, dtype=bool)
@@ -199,7 +196,6 @@ def pieces(documents, split_at: int, bpe: bool):
             yield split, None
             held, size = [], 0
         for text in chain(["\n"] if i and not bpe else [], document):
-            # the end of the train split
             if split == "train" and pos + len(text) >= split_at:
                 cut = split_at - pos
                 head, text = "".join(held) + text[:cut], text[cut:]

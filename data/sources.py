@@ -12,11 +12,8 @@ from pathlib import Path
 from common import UserError
 from data.cache import kind_suffix
 
-# bytes read at a time
 READ_BYTES = 1 << 20
-# a prompt read from a file: at most this many bytes
 PROMPT_FILE_MAX = 1 << 20
-# rows read at a time
 PARQUET_ROWS = 1024
 # JSON's "\ud800" alone: a code point no UTF-8 text holds
 SURROGATE = re.compile("[\ud800-\udfff]")

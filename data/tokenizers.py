@@ -1,12 +1,6 @@
-"""Tokenizers behind one small interface: encode, decode, vocab_size, and a JSON-able
-meta() saved with the dataset and in every checkpoint, so a model comes with its tokenizer.
-
-  char   one token per character: the sorted set of the text's characters
-  BPE    a tiktoken encoding by name ("gpt2", ...), or bpe:N trained on the data's
-         training split: data/bpe.py, imported where a run uses one
-
-encode_array(text) is encode() as a numpy array, encode_pieces(pieces) that of many texts
-at once: what preparing large files uses.
+"""Tokenizers behind one interface: encode (encode_array: as numpy, encode_pieces: many
+texts at once), decode, vocab_size, and a JSON-able meta() kept with the dataset and every
+checkpoint. char: a token per character of the text; BPE: data/bpe.py, imported if used.
 """
 import numpy as np
 
@@ -27,26 +21,20 @@ def code_points(text: str) -> np.ndarray:
 class CharTokenizer:
     def __init__(self, chars: str):
         self.chars = chars
+        self.vocab_size = len(chars)
         self.stoi = {c: i for i, c in enumerate(chars)}
         # each code point's id, -1 outside the vocabulary
         self.table = np.full(0x110000, -1, dtype=np.int32)
         self.table[[ord(c) for c in chars]] = np.arange(len(chars))
+        # an empty prompt starts from a newline where the vocabulary has one
+        self.start_token = self.stoi.get("\n", 0)
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
         return cls("".join(sorted(set(text))))
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
-
     # characters have no end-of-text token
     end_token = None
-
-    @property
-    def start_token(self) -> int:
-        """What an empty prompt starts from: a newline where the vocabulary has one."""
-        return self.stoi.get("\n", 0)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
