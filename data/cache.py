@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,17 +143,9 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
         if group and not Path(path).is_file():
             size = sum(p.stat().st_size for p in group)
             print(describe(path, group, size, label))
-    meta = read_entry(out)
-    if meta is None and out.exists():
-        print(f"notice: {out} is unfinished, damaged or of an older format: "
-              f"preparing it again", file=sys.stderr)
-    if meta is None:
+    if (meta := read_entry(out)) is None:
         from data.prepare import build
         meta = build(out, (files, val), sha, data, block_size)
-        tokens = meta["tokens"]
-        print(f"prepared {data.path} with tokenizer {data.tokenizer}: "
-              f"{tokens['train']:,} train and {tokens['val']:,} val tokens "
-              f"(vocab {meta['vocab_size']:,}) -> {out}")
     check_split_sizes(meta["tokens"], block_size)
     return out
 

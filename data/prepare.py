@@ -41,6 +41,9 @@ TRAIN_MAX_CHARS = 256_000_000
 def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> dict:
     """Scan, train (bpe:N), encode the entry at out; its meta.json. sources: the train
     files, the val files (none: val is the end of the train text)."""
+    if out.exists():
+        print(f"notice: {out} is unfinished, damaged or of an older format: "
+              f"preparing it again", file=sys.stderr)
     files = sources[0] + sources[1]
     char = data.tokenizer == "char"
     stamp = stamps(files)
@@ -112,6 +115,9 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    tokens = meta["tokens"]
+    print(f"prepared {data.path} with tokenizer {data.tokenizer}: {tokens['train']:,} train "
+          f"and {tokens['val']:,} val tokens (vocab {meta['vocab_size']:,}) -> {out}")
     return meta
 
 
