@@ -29,16 +29,17 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".tex", ".html", ".xml", ".json", ".csv"
 
 @dataclass
 class DataConfig:
-    path: str = setting("data/tinyshakespeare.txt", "the text: a file, folder or glob")
+    path: str = setting(
+        "data/tinyshakespeare.txt", "the text to train on: a file, a folder or a glob")
     tokenizer: str = setting(
         "char", "char | bpe:N (N tokens, trained on the data) | gpt2, or any tiktoken")
     val_fraction: float = setting(
         0.1, "the last 10% of the text is for validation", above=0.0, below=1.0)
     prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
-    encoding_errors: str = setting(
-        "strict", "strict | replace: non-UTF-8 bytes", one_of=("strict", "replace"))
+    encoding_errors: str = setting("strict", "strict | replace: what to do with non-UTF-8 bytes",
+                                   one_of=("strict", "replace"))
     text_field: str = setting("text", "the JSONL field or Parquet column that holds the text")
-    val_path: str = setting("", "its own validation text: a file, folder or glob")
+    val_path: str = setting("", "its own validation text: a file, folder or glob (\"\" = none)")
     workers: int = setting(0, "threads that encode BPE (0 = one per core)", at_least=0)
 
     def validate(self) -> None:
