@@ -12,7 +12,8 @@ import sys
 
 from common import ArgumentParser, Progress, UserError, check, run_cli
 from data.loader import strided_windows
-from data.sources import find_sources, iter_documents, iter_text, kind_suffix
+from data.cache import find_sources, kind_suffix
+from data.sources import iter_documents, iter_text
 from loading import load_model
 from model.device import autocast, pick_device, pick_dtype
 from model.gpt import bits_per_byte, score

@@ -1,26 +1,6 @@
-"""BPE tokenizers through tiktoken: a named encoding (gpt2, cl100k_base, ...), and bpe:N,
-a byte-level BPE of N tokens trained on the data's training split (train_bpe) whose meta
-holds the whole tokenizer (pattern, base64 token bytes in rank order, <|endoftext|>), so
-that tiktoken rebuilds it from the meta alone, with no file and no network. Imported
-only where a run uses BPE.
-
-Choices:
-  trainer      rustbpe (nanochat's BPE trainer, Rust): it returns tiktoken's mergeable
-               ranks (token bytes -> rank) directly, so the result encodes with tiktoken
-               exactly like gpt2 does. Hugging Face `tokenizers` trains as well, but
-               keeps byte-level tokens in a remapped alphabet that would need translating
-               back to bytes (and trains more slowly).
-  bytes        the 256 byte values are tokens 0..255, so every text encodes, characters
-               never seen in training included
-  pattern      GPT-4's (cl100k) pre-tokenizer regex: no merge crosses a split point, and
-               cutting the text where prepare.LAST_SAFE_CUT does gives the tokens of the
-               whole text
-  vocabulary   N tokens: the 256 bytes, N - 257 merges, and <|endoftext|> (id N - 1),
-               which goes between documents like gpt2's
-  input        the training split only (the validation text never shapes the merges),
-               streamed in pieces, at most prepare.TRAIN_MAX_CHARS characters of it
-  determinism  the same text and N give the same ranks (tests/test_bpe.py), whatever the
-               thread count
+"""BPE through tiktoken: a named encoding (gpt2, ...), or bpe:N trained on the training split
+by rustbpe (it gives tiktoken's ranks), its meta the whole tokenizer: the 256 bytes, N - 257
+merges under GPT-4's pattern, and <|endoftext|> (id N - 1) between documents.
 """
 import base64
 import time
@@ -32,13 +12,12 @@ from common import UserError
 
 # the end-of-text token between documents (gpt2's name for it)
 EOT = "<|endoftext|>"
-
 PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
            r"""| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
 
 
 def check_encoding(name: str) -> None:
-    """A UserError unless name is a tiktoken encoding (its files are not loaded)."""
+    """A UserError unless name is a tiktoken encoding (whose files are not loaded)."""
     if name not in (names := tiktoken.list_encoding_names()):
         raise UserError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N "
                         f"tokens trained on the data) or a tiktoken encoding "
@@ -46,52 +25,38 @@ def check_encoding(name: str) -> None:
 
 
 class TiktokenTokenizer:
-    """BPE encoded by tiktoken: a named encoding, or one trained on the data (see
-    trained_bpe)."""
+    """BPE encoded by tiktoken: a named encoding, or one trained on the data."""
 
     def __init__(self, enc, meta: dict):
         self.enc = enc
         self._meta = meta
+        self.vocab_size = enc.n_vocab
+        # <|endoftext|>: between documents, where a sample ends, and an empty prompt
+        self.end_token = self.start_token = enc.eot_token
 
     @classmethod
     def named(cls, name: str = "gpt2") -> "TiktokenTokenizer":
         check_encoding(name)
         try:
             enc = tiktoken.get_encoding(name)
-        # the BPE files are downloaded on first use
+        # the files are downloaded on first use
         except Exception as e:
             raise UserError(f"could not load tiktoken's {name!r} files "
                             f"({type(e).__name__}); without a network, set "
                             f"TIKTOKEN_CACHE_DIR to a folder that holds them") from None
         return cls(enc, {"kind": "tiktoken", "name": name})
 
-    @property
-    def vocab_size(self) -> int:
-        return self.enc.n_vocab
-
-    @property
-    def start_token(self) -> int:
-        return self.enc.eot_token
-
-    @property
-    def end_token(self) -> int:
-        """<|endoftext|>: what goes between documents, and where a sample ends."""
-        return self.enc.eot_token
-
     def encode(self, text: str) -> list[int]:
         """The ids of text, in which "<|endoftext|>" is just text."""
         return self.enc.encode_ordinary(text)
 
     def encode_array(self, text: str) -> np.ndarray:
-        """The ids as uint32, with no Python list in between."""
+        """The ids as uint32, with no Python list."""
         return self.enc.encode_to_numpy(text, disallowed_special=())
 
     def encode_pieces(self, pieces: list) -> np.ndarray:
-        """The ids of the pieces in order, a None the end-of-text token: one tiktoken call
-        (for many short records that costs less than the records) on the text joined by
-        <|endoftext|>, which it encodes as the token and never merges across. Pieces side
-        by side are one text (prepare cuts a document where that changes no token). A
-        piece that holds <|endoftext|> as text: each piece on its own."""
+        """The ids of the pieces, a None the end-of-text token: one tiktoken call on the
+        text joined by <|endoftext|>, unless a piece holds it as text."""
         text = "".join([EOT if p is None else p for p in pieces])
         # the marker cannot overlap itself: a count tells
         if text.count(EOT) == pieces.count(None):
@@ -110,9 +75,8 @@ class TiktokenTokenizer:
 
 
 def trained_bpe(meta: dict) -> TiktokenTokenizer:
-    """The tokenizer train_bpe() describes, checked: a damaged description is a
-    UserError. tiktoken itself checks only the pattern and the types; a missing byte or
-    a repeated token would panic in Rust."""
+    """The tokenizer train_bpe() describes; a damaged one is a UserError (tiktoken checks
+    only the pattern and types: a missing byte would panic in Rust)."""
 
     def damaged(why: str) -> UserError:
         return UserError(f"damaged BPE tokenizer description: {why}")
@@ -144,11 +108,9 @@ def trained_bpe(meta: dict) -> TiktokenTokenizer:
 
 
 def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
-    """(tokenizer meta, seconds) of a BPE of vocab_size tokens trained on the str pieces
-    in texts. rustbpe holds `batch` pieces at a time and counts them in parallel. A text
-    with too few distinct pairs gives fewer tokens than asked for (the meta says how
-    many). The meta holds the whole tokenizer: the pattern, each token's bytes in base64
-    in rank (and id) order, <|endoftext|> after them."""
+    """(meta, seconds) of a BPE of vocab_size tokens (fewer if the text has too few
+    pairs) trained on the str pieces in texts: the pattern, each token's bytes in base64
+    in rank order, <|endoftext|> last."""
     try:
         import rustbpe
     except ImportError:

@@ -1,18 +1,7 @@
-"""Batches of windows of a prepared dataset, drawn where the model runs.
-
-A window is block_size + 1 consecutive tokens: x is its first block_size, y the same
-shifted by one, so y[b, t] is the token that follows x[b, :t+1]. Training draws windows
-at random offsets.
-
-A dataset under a quarter of the device's free memory is copied there, and each step's
-offsets are drawn there by the device's own generator: a step needs nothing from the
-host (a CUDA graph's replay reads the windows drawn just before it). A larger one stays
-memory-mapped: a step reads only its windows.
-
-Many processes (torch.distributed): every rank draws the offsets of the whole global
-batch from the same generator and keeps its own B windows per micro-step, so the windows
-a step trains on depend only on the global batch size (the tests check that 1 and 2
-processes end with the same weights).
+"""Batches of windows (block_size + 1 tokens: x, and y shifted by one) of a prepared dataset,
+copied to the device if it takes under a quarter of its free memory (a step, or a CUDA graph's
+replay, then needs nothing from the host), else memory-mapped. Every rank draws the global
+batch from one generator and keeps its own windows: they depend on the global batch only.
 """
 import os
 import sys
@@ -25,38 +14,27 @@ import numpy as np
 import torch
 
 from common import UserError
-from data.prepare import SPLITS, check_split_sizes, load_meta
+from data.cache import SPLITS, check_split_sizes, load_meta
 
-# an exact evaluation's windows per split at most (bounded cost, any corpus)
+# an exact evaluation's windows per split at most
 EVAL_MAX_WINDOWS = 4096
-# train's windows in an evaluation, per val window: the train column is a check on
-# overfitting, which a fixed sample shows as well as the whole split, at a fraction of
-# the cost
+# train's windows per val window in an evaluation: a sample shows overfitting as well
 EVAL_TRAIN_SHARE = 0.125
-# an evaluation batch: this many tokens (at least batch_size windows)
+# an evaluation batch's tokens (batch_size windows at least)
 EVAL_BATCH_TOKENS = 4096
 # tokens copied to the device at a time
 COPY_TOKENS = 1 << 26
 
 
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
-    """(x, y) int64 host tensors of at most batch_size windows each, in which every
-    token after the first is a scored target exactly once (y = -1 marks a target that
-    is context only).
-
-    Window k holds tokens[k * stride : k * stride + block_size + 1]. The first window
-    scores all its targets, each later one only its last `stride` (those after the
-    previous window's last): so every token scored after the first window has at least
-    block_size - stride + 1 tokens of context. The last window, the one that reaches the
-    last token, may be shorter and comes in a batch of its own. With stride = block_size
-    no target is context only."""
+    """(x, y) int64 host tensors of batch_size windows at most, scoring every token after
+    the first once (y = -1: context only). Window k starts at k * stride and scores its
+    last `stride` targets (the first, all); the last one may be shorter: a batch alone."""
     n = len(tokens)
     # a later window's first targets, not scored
     context = block_size - stride
-    # the index of the window that reaches the last token
     last = max(0, -(-(n - 1 - block_size) // stride))
     starts = np.arange(last + 1) * stride
-    # the windows with all block_size + 1 tokens
     full = starts[starts + block_size < n]
     for i in range(0, len(full), batch_size):
         begin = full[i:i + batch_size]
@@ -65,7 +43,6 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
         y = w[:, 1:].clone()
         y[torch.from_numpy(begin > 0), :context] = -1
         yield w[:, :-1], y
-    # the last window, shorter than block_size
     if len(full) < len(starts):
         w = torch.from_numpy(tokens[starts[-1]:].astype(np.int64))[None]
         y = w[:, 1:].clone()
@@ -74,8 +51,7 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free on the device: CUDA's count, the host's available memory for the CPU,
-    else 0."""
+    """Bytes free on the device: CUDA's count, the host's available memory, else 0."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     # POSIX's names; Windows and macOS lack the first
@@ -96,7 +72,6 @@ class Share(NamedTuple):
 class BatchLoader:
     def __init__(self, dataset_dir: Path, block_size: int, batch_size: int, seed: int = 0,
                  device="cpu", share: Share = Share()):
-        # checked: a damaged dataset is a UserError naming it
         meta = load_meta(dataset_dir)
         check_split_sizes(meta["tokens"], block_size)
         self.dataset_dir = Path(dataset_dir)
@@ -106,28 +81,24 @@ class BatchLoader:
         self.batch_size = batch_size
         self.device = torch.device(device)
         self.grad_accum, self.rank, self.world = share
-        self.mapped = {}
-        for split in SPLITS:
-            path = self.dataset_dir / f"{split}.bin"
-            shape = (meta["tokens"][split],)
-            self.mapped[split] = np.memmap(path, dtype=meta["dtype"], mode="r", shape=shape)
-        int32_bytes = 4 * sum(meta["tokens"].values())
-        fits = int(int32_bytes < free_memory(self.device) / 4)
-        fits = torch.tensor(fits, device=self.device)
+        self.mapped = {s: np.memmap(self.dataset_dir / f"{s}.bin", dtype=meta["dtype"],
+                                    mode="r", shape=(meta["tokens"][s],)) for s in SPLITS}
+        # as int32, in a quarter of the free memory
+        fits = 4 * sum(meta["tokens"].values()) < free_memory(self.device) / 4
+        fits = torch.tensor(int(fits), device=self.device)
         # every rank alike: one draw, the global batch
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.all_reduce(fits, torch.distributed.ReduceOp.MIN)
         self.resident = bool(fits)
-        self.splits = dict(self.mapped)
+        self.splits = self.mapped
         if self.resident:
-            for split in SPLITS:
-                self.splits[split] = self.copy_to_device(split)
+            self.splits = {split: self.copy_to_device(split) for split in SPLITS}
         generator_device = self.device if self.resident else "cpu"
         self.generator = torch.Generator(generator_device).manual_seed(seed)
 
     def copy_to_device(self, split: str) -> torch.Tensor:
-        """The split as int32 on the device (torch has no uint16 arithmetic), copied a
-        part at a time (little host memory), its ids checked once."""
+        """The split as int32 on the device (no uint16 arithmetic in torch), copied a part
+        at a time, its ids checked."""
         tokens = self.mapped[split]
         on_device = torch.empty(len(tokens), dtype=torch.int32, device=self.device)
         for i in range(0, len(tokens), COPY_TOKENS):
@@ -137,17 +108,15 @@ class BatchLoader:
         return on_device
 
     def check_ids(self, split: str, top: int) -> None:
-        """A token id outside the vocabulary is a UserError before the embedding fails on
-        it: the files were damaged after the cache checked them (from meta.json and file
-        sizes)."""
+        """An id outside the vocabulary (files damaged after the cache checked them) is a
+        UserError, not an embedding's failure."""
         if top >= self.vocab_size:
             raise UserError(f"the prepared dataset {self.dataset_dir} holds token id {top} "
                             f"in {split}.bin, outside its vocabulary of {self.vocab_size}: "
                             f"it is damaged; delete it and prepare the data again")
 
     def windows(self, split: str, starts: torch.Tensor) -> torch.Tensor:
-        """The windows of block_size + 1 tokens at starts (...,): (..., T + 1) int64 on
-        the device."""
+        """The windows at starts (...,): (..., T + 1) int64 on the device."""
         index = starts[..., None] + torch.arange(self.block_size + 1, device=starts.device)
         if self.resident:
             return self.splits[split][index.to(self.device)].long()
@@ -160,28 +129,24 @@ class BatchLoader:
         return windows.to(self.device, non_blocking=True)
 
     def draw(self, split: str, generator: torch.Generator, *lead: int) -> torch.Tensor:
-        """This rank's B of (*lead, world, B) windows at offsets drawn from generator:
-        (*lead, B, T + 1)."""
+        """This rank's B of (*lead, world, B) windows drawn from generator."""
         shape = (*lead, self.world, self.batch_size)
         high = len(self.mapped[split]) - self.block_size
         starts = torch.randint(high, shape, generator=generator, device=generator.device)
         return self.windows(split, starts[..., self.rank, :])
 
     def step_windows(self) -> torch.Tensor:
-        """This rank's windows of the next optimizer step, (grad_accum, B, T + 1) on the
-        device."""
+        """This rank's windows of the next step: (grad_accum, B, T + 1)."""
         return self.draw("train", self.generator, self.grad_accum)
 
     def batch(self, split: str, generator: torch.Generator):
-        """(x, y): this rank's B of world x B windows at offsets from generator (a CPU
-        one: any device)."""
+        """(x, y) of this rank's windows, drawn from generator."""
         windows = self.draw(split, generator)
         return windows[:, :-1], windows[:, 1:]
 
     def eval_windows(self, split: str):
-        """(x, y) batches that an exact evaluation scores: val's consecutive windows,
-        each token a target once (of its first EVAL_MAX_WINDOWS windows); train's, an
-        eighth as many (two at least: its first and last) at evenly spaced offsets."""
+        """(x, y) batches of an exact evaluation: val's first EVAL_MAX_WINDOWS windows;
+        train's, EVAL_TRAIN_SHARE as many (its first and last at least) evenly spaced."""
         T = self.block_size
         per_batch = max(self.batch_size, EVAL_BATCH_TOKENS // T)
         val = self.mapped["val"][:EVAL_MAX_WINDOWS * T + 1]
@@ -198,9 +163,8 @@ class BatchLoader:
         return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
     def load_state_dict(self, state: dict) -> None:
-        """The data order where the checkpoint left it; a generator of another kind (the
-        data on the device then, memory-mapped now, or the reverse) cannot take its
-        state: a new order, seeded from it."""
+        """The data order where the checkpoint left it; one drawn on another device (the
+        data resident then, memory-mapped now) cannot go on: a new order, seeded from it."""
         was, now = state.get("device", "cpu"), self.generator.device.type
         if was == now:
             return self.generator.set_state(state["generator"])

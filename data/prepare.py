@@ -1,23 +1,11 @@
-"""Turn text (a file, a folder of files, or a glob) into train/val token files and a
-meta.json: an entry of the cache under data.prepared_dir (data/prepared/ by default;
-safe to delete, whole or an entry), reused for the same bytes and settings.
-
-  streaming  a piece (PIECE_CHARS to twice that) at a time: memory stays bounded
-  passes     hash (the cache key: all a cache hit costs); scan (count the characters,
-             as the split point is a character index; char's vocabulary); train
-             (bpe:N); encode (BPE: on data.workers threads: tiktoken frees the GIL)
-  val        the text's last val_fraction, or data.val_path's files (not trained on)
-  documents  text files, JSONL lines and Parquet rows are one text in order, with the
-             end-of-text token (BPE) or a newline (char) between them
-  an entry   train.bin, val.bin (uint16 ids, uint32 for a larger vocabulary) and
-             meta.json, named by the text's sha256 and every setting that changes the
-             ids; built in a temporary folder, renamed into place once whole (a killed
-             process's is removed by the next)
+"""Turn text into an entry of the cache (data/cache.py) a piece at a time, in bounded memory:
+a scan (the split point is a character index), training (bpe:N), encoding (BPE on threads:
+tiktoken frees the GIL), in a temporary folder renamed into place once whole. Documents are
+one text with the end-of-text token (BPE) or a newline (char) between them.
 
     python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096]
         [--val-fraction 0.1] [--val-path FILE|DIR|GLOB] [--workers N]
 """
-import hashlib
 import json
 import os
 import re
@@ -27,7 +15,6 @@ import socket
 import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import chain, takewhile
 from pathlib import Path
 
@@ -37,97 +24,26 @@ if __name__ == "__main__" and not __package__:
 
 import numpy as np  # noqa: E402
 
-from common import (ArgumentParser, Progress, UserError, atomic_write,  # noqa: E402
-                    check_fields, run_cli, setting)
-from data.sources import (data_name, describe, find_sources,  # noqa: E402
-                          iter_documents, kind_suffix, sha256)
-from data.tokenizers import (CharTokenizer, bpe_vocab_size,  # noqa: E402
-                             build_tokenizer, check_tokenizer_spec, code_points,
+from common import ArgumentParser, UserError, atomic_write, run_cli  # noqa: E402
+from data.bpe import train_bpe  # noqa: E402
+from data.cache import (FORMAT, SPLITS, DataConfig, check_split_sizes,  # noqa: E402
+                        load_meta, mb_progress, prepare, read_entry)
+from data.sources import iter_documents  # noqa: E402
+from data.tokenizers import (bpe_vocab_size, build_tokenizer, code_points,  # noqa: E402
                              load_tokenizer)
 
-# meta.json's layout, and how a text is read (a .gz is gunzipped): another prepares again
-FORMAT = 4
-SPLITS = ("train", "val")
 # characters encoded at a time (up to twice as many)
 PIECE_CHARS = 1 << 20
 # bpe:N learns from the first 256M characters of the train split at most
 TRAIN_MAX_CHARS = 256_000_000
-# a progress line for inputs at least this large
-PROGRESS_MIN_BYTES = 64 << 20
-
-
-@dataclass
-class DataConfig:
-    path: str = setting(
-        "data/tinyshakespeare.txt", "the text to train on: a file, a folder or a glob")
-    tokenizer: str = setting(
-        "char", "char | bpe:N (N tokens, trained on the data) | gpt2, or any tiktoken")
-    val_fraction: float = setting(
-        0.1, "the last 10% of the text is for validation", above=0.0, below=1.0)
-    prepared_dir: str = setting("data/prepared", "where prepared token files are cached")
-    encoding_errors: str = setting(
-        "strict", "strict | replace: what to do with non-UTF-8 bytes",
-        one_of=("strict", "replace"))
-    text_field: str = setting(
-        "text", "the JSONL field or Parquet column that holds the text")
-    val_path: str = setting(
-        "", "its own validation text: a file, folder or glob (\"\" = none)")
-    workers: int = setting(0, "threads that encode BPE (0 = one per core)", at_least=0)
-
-    def validate(self) -> None:
-        check_fields(self, "data")
-        check_tokenizer_spec(self.tokenizer)
-
-
-def mb_progress(label: str, total: int) -> Progress:
-    """Progress in MB on stderr, for PROGRESS_MIN_BYTES or more."""
-    quiet = total < PROGRESS_MIN_BYTES
-    return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=quiet)
-
-
-def prepare(data: DataConfig, block_size: int | None = None) -> Path:
-    """The dataset's directory: data.path prepared, or an earlier preparation of the
-    same bytes and settings. block_size: each split must hold a training window, checked
-    before anything is published."""
-    data.validate()
-    val = find_sources(data.val_path) if data.val_path else []
-    # val_path's files are never trained on too
-    taken = {p.resolve() for p in val}
-    files = [p for p in find_sources(data.path) if p.resolve() not in taken]
-    if not files:
-        raise UserError(f"{data.path} holds no files but those of --data.val_path "
-                        f"{data.val_path}")
-    progress = mb_progress("hashing", sum(p.stat().st_size for p in files + val))
-    sha = sha256(files, progress)
-    if val:
-        # the key covers both texts
-        both = f"{sha}\0{sha256(val, progress)}"
-        sha = hashlib.sha256(both.encode()).hexdigest()
-    records = any(kind_suffix(p.name) for p in files + val)
-    out = Path(data.prepared_dir) / entry_name(data, sha, records)
-    meta = read_entry(out)
-    for path, group, label in ((data.path, files, "data"), (data.val_path, val, "val")):
-        # what a directory or glob took
-        if group and not Path(path).is_file():
-            size = sum(p.stat().st_size for p in group)
-            print(describe(path, group, size, label))
-    if meta is None and out.exists():
-        print(f"notice: {out} is unfinished, damaged or of an older format: "
-              f"preparing it again", file=sys.stderr)
-    if meta is None:
-        meta = build(out, (files, val), sha, data, block_size)
-        tokens = meta["tokens"]
-        print(f"prepared {data.path} with tokenizer {data.tokenizer}: "
-              f"{tokens['train']:,} train and {tokens['val']:,} val tokens "
-              f"(vocab {meta['vocab_size']:,}) -> {out}")
-    check_split_sizes(meta["tokens"], block_size)
-    return out
 
 
 def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> dict:
-    """Scan, train (bpe:N), encode: the entry at out; its meta.json. sources: the train
-    files and the val files, each a text (no val files: the val split is the train
-    text's last val_fraction)."""
+    """Scan, train (bpe:N), encode the entry at out; its meta.json. sources: the train
+    files, the val files (none: val is the end of the train text)."""
+    if out.exists():
+        print(f"notice: {out} is unfinished, damaged or of an older format: "
+              f"preparing it again", file=sys.stderr)
     files = sources[0] + sources[1]
     char = data.tokenizer == "char"
     stamp = stamps(files)
@@ -137,10 +53,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     scans = [scan(group, *read, char, progress) for group in sources if group]
     # each text's characters (char: + the newlines between its documents)
     counts = [n + (docs - 1) * char for _, docs, n, _ in scans]
-    if sources[1]:
-        split_at = counts[0]
-    else:
-        split_at = int(counts[0] * (1.0 - data.val_fraction))
+    split_at = counts[0] if sources[1] else int(counts[0] * (1.0 - data.val_fraction))
 
     # the hash names the entry: a text that changed meanwhile is refused
     def unchanged() -> None:
@@ -150,26 +63,21 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
                                 f"try again once it no longer changes")
 
     def text(label: str, train_chars: int):
-        """(split, piece) pairs: train_chars in "train", then "val" (all of the val
-        files' text, from its first character on)."""
+        """(split, piece) pairs: train_chars in "train", then "val"."""
         progress = mb_progress(label, total)
         texts = [(d for p in s[0] for d in iter_documents(p, *read, progress))
                  for s in scans]
         starts = zip(texts, (train_chars, 0))
         return chain(*(pieces(docs, at, not char) for docs, at in starts))
 
-    if char:
-        # every character seen, and the newline that goes between documents
+    if (size := bpe_vocab_size(data.tokenizer)) is None:
+        # char: every character seen, and the newline that goes between documents
         chars = "".join(s[3] for s in scans) + "\n" * any(s[1] > 1 for s in scans)
-        tok = CharTokenizer("".join(sorted(set(chars))))
-    elif bpe_vocab_size(data.tokenizer) is None:
-        tok = build_tokenizer(data.tokenizer)
+        tok = build_tokenizer(data.tokenizer, chars)
     else:
-        # bpe:N, trained on (the start of) the train split: takewhile stops at its end
-        from data.bpe import train_bpe
+        # trained on (the start of) the train split: takewhile stops at its end
         head = text("training the tokenizer", min(split_at, TRAIN_MAX_CHARS))
         train = takewhile(lambda item: item[0] == "train", head)
-        size = bpe_vocab_size(data.tokenizer)
         tok_meta, took = train_bpe((piece for _, piece in train if piece), size)
         tok = load_tokenizer(tok_meta)
         print(f"trained {data.tokenizer} on the train split in {took:.1f} s: "
@@ -177,10 +85,9 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out.parent)
     tmp = out.parent / f".{out.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
-    # os.mkdir: the mode the umask gives, as for any file (tempfile.mkdtemp's is 0700)
+    # the mode the umask gives, as for any file (not tempfile.mkdtemp's 0700)
     tmp.mkdir()
-    # data.workers = 0: a thread per core it may run on (its affinity, where the OS
-    # tells it); char: threads do not pay (docs/data.md)
+    # data.workers = 0: a thread per core it may run on; char: threads do not pay
     affinity = getattr(os, "sched_getaffinity", None)
     cores = len(affinity(0)) if affinity else os.cpu_count()
     workers = 1 if char else data.workers or cores
@@ -189,72 +96,69 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
         # before publishing: a refused text leaves nothing
         check_split_sizes(encoded["tokens"], block_size)
         unchanged()
-        if sources[1]:
-            split = {"val_path": str(Path(data.val_path).absolute())}
-        else:
-            split = {"val_fraction": data.val_fraction}
+        own = {"val_path": str(Path(data.val_path).absolute())}
+        split = own if sources[1] else {"val_fraction": data.val_fraction}
         split |= {"train_chars": split_at, "val_chars": sum(counts) - split_at}
         meta = {"format": FORMAT, "source": str(Path(data.path).absolute()),
                 "sha256": sha, "files": len(files), "tokenizer_spec": data.tokenizer,
                 **encoded, "encoding_errors": data.encoding_errors,
                 "text_field": data.text_field, "split": split}
-        # written last: what makes the entry usable
+        # written last: it makes the entry usable
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
         # one that another process has just published stays
         if read_entry(out) is None:
             shutil.rmtree(out, ignore_errors=True)
             os.rename(tmp, out)
     except UserError:
-        # a text that changed (an unknown character appended): its change is the error
+        # a text that changed (an unknown character appended): the change is said
         unchanged()
         raise
     finally:
-        # after the rename there is nothing left to remove
         shutil.rmtree(tmp, ignore_errors=True)
+    tokens = meta["tokens"]
+    print(f"prepared {data.path} with tokenizer {data.tokenizer}: {tokens['train']:,} train "
+          f"and {tokens['val']:,} val tokens (vocab {meta['vocab_size']:,}) -> {out}")
     return meta
 
 
 def stamps(files: list[Path]) -> list[tuple[int, int]]:
-    """Each file's (size, mtime): they tell a text that changed while it was read."""
+    """Each file's (size, mtime): a text that changed while it was read."""
     return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
 def pid_space() -> str:
-    """This machine and its process-id namespace (Linux's; containers sharing a host name each
-    have their own): a pid means one process only within them."""
+    """This machine and its pid namespace (containers sharing a host name have their own):
+    where a pid names one process."""
     try:
-        space = f".{os.stat('/proc/self/ns/pid').st_ino}"
+        return f"{socket.gethostname()}.{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
-        space = ""
-    return socket.gethostname() + space
+        return socket.gethostname()
 
 
-# A build's temporary folder, .<entry>.tmp-<host>.<pid space>-<pid>-<random>: the next tells whose.
+# A build's folder: .<entry>.tmp-<host>.<pid space>-<pid>-<random>
 TMP = f".tmp-{pid_space()}-"
 
 
 def remove_leftovers(folder: Path) -> None:
-    """Remove the temporary folders of builds on this machine whose process is gone: a
-    SIGKILL or a power cut leaves one, as large as the tokens written so far. (Windows'
-    os.kill(pid, 0) would stop the process: left alone there.)"""
+    """Remove the temporary folders of builds on this machine whose process is gone (a
+    SIGKILL); not on Windows, where os.kill(pid, 0) stops the process."""
     for tmp in folder.glob(f".*{TMP}*") if os.name == "posix" else ():
         pid = re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2])
         if not pid:
             continue
-        # signal 0 sends nothing: it asks whether the process runs
+        # signal 0 asks whether the process runs (another user's: PermissionError)
         try:
             os.kill(int(pid[1]), 0)
         except ProcessLookupError:
             shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            # another user's: it runs
+        except PermissionError:
             pass
 
 
 def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
-    """(the files with any text, their documents (blank ones left out), characters,
-    the characters seen as a str (want_chars))."""
-    # a dict, as an ordered set
+    """(the files with any text, their documents (blank ones left out), characters, the
+    characters seen as a str (want_chars))."""
+    # ordered
     kept = {}
     n_docs = n_chars = 0
     seen = np.zeros(0x110000, dtype=bool)
@@ -278,18 +182,16 @@ def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
     return list(kept), n_docs, n_chars, "".join(map(chr, np.flatnonzero(seen)))
 
 
-# Cutting BPE input at these points gives the same tokens as encoding the whole text: no
-# token of the gpt2 / cl100k / o200k pre-tokenizers (nor bpe:N's) runs across "x\n|y" or
-# "x| y" (x, y not whitespace). The greedy .* makes a match end at the last such point.
+# Cutting BPE input here changes no token: none of the gpt2 / cl100k / o200k / bpe:N
+# pre-tokenizers runs across "x\n|y" or "x| y" (x, y not whitespace). .* finds the last.
 LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
 def pieces(documents, split_at: int, bpe: bool):
-    """The documents (iterables of str chunks) as one text of (split, piece): its first
-    split_at characters in "train", the rest in "val"; between documents a newline
-    (char: a character of the text) or a piece None, the end-of-text token (BPE). A
-    piece has PIECE_CHARS to twice that many characters (fewer at a BPE document's end
-    or the split), BPE's cut at LAST_SAFE_CUT."""
+    """The documents (iterables of str chunks) as (split, piece): the first split_at
+    characters in "train", the rest in "val"; between documents a newline (char) or None,
+    the end-of-text token (BPE). A piece holds PIECE_CHARS to twice that (fewer at a BPE
+    document's end or the split), cut at LAST_SAFE_CUT (BPE)."""
     split, pos = "train", 0
     # the next piece's chunks, of size characters
     held, size = [], 0
@@ -300,7 +202,6 @@ def pieces(documents, split_at: int, bpe: bool):
             yield split, None
             held, size = [], 0
         for text in chain(["\n"] if i and not bpe else [], document):
-            # the end of the train split
             if split == "train" and pos + len(text) >= split_at:
                 cut = split_at - pos
                 head, text = "".join(held) + text[:cut], text[cut:]
@@ -322,8 +223,8 @@ def pieces(documents, split_at: int, bpe: bool):
 
 
 def batches(text):
-    """The (split, piece) pairs of text as (split, [piece, ...]) of one split, PIECE_CHARS
-    characters or more each (fewer at a split's end): what a worker encodes at once."""
+    """The (split, piece) pairs as (split, [piece, ...]) of PIECE_CHARS or more (fewer at
+    a split's end): what a worker encodes at once."""
     batch, size, last = [], 0, None
     for split, piece in text:
         if batch and (split != last or size >= PIECE_CHARS):
@@ -337,8 +238,8 @@ def batches(text):
 
 
 def in_order(fn, items, workers: int):
-    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at most
-    at a time: memory stays bounded however many items come."""
+    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at a time
+    at most: memory stays bounded."""
     with ThreadPoolExecutor(workers) as pool:
         jobs = deque()
         for item in items:
@@ -349,8 +250,8 @@ def in_order(fn, items, workers: int):
 
 
 def encode(text, tok, tmp: Path, workers: int) -> dict:
-    """Encode text's (split, piece) pairs a batch at a time on `workers` threads (1:
-    this one), appending the ids to tmp/<split>.bin; the meta entries of them."""
+    """Encode text's (split, piece) pairs a batch at a time on `workers` threads (1: this
+    one) into tmp/<split>.bin; their meta entries."""
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens = dict.fromkeys(SPLITS, 0)
     nbytes = dict.fromkeys(SPLITS, 0)
@@ -363,10 +264,8 @@ def encode(text, tok, tmp: Path, workers: int) -> dict:
         return split, ids, len("".join(filter(None, texts)).encode())
 
     with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
-        if workers > 1:
-            results = in_order(encode_batch, batches(text), workers)
-        else:
-            results = map(encode_batch, batches(text))
+        work = batches(text)
+        results = in_order(encode_batch, work, workers) if workers > 1 else map(encode_batch, work)
         for split, ids, n in results:
             file = train if split == "train" else val
             file.write(ids.astype(dtype, copy=False).tobytes())
@@ -381,74 +280,19 @@ def encode(text, tok, tmp: Path, workers: int) -> dict:
             "dtype": np.dtype(dtype).name, "tokens": tokens, "bytes": nbytes}
 
 
-# ---------------------------------------------------------------- the cache
-
-def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
-    """The entry's name: the data's (sources.data_name), cut to 64 characters (a file
-    system allows 255 bytes), then all that changes the token files (for records, the
-    key holds the text_field)."""
-    # bpe:4096 -> bpe4096
-    label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)
-    errors = "-replace" * (data.encoding_errors == "replace")
-    key = sha256
-    if records:
-        key = hashlib.sha256(f"{sha256}\0{data.text_field}".encode()).hexdigest()
-    val = "files" if data.val_path else repr(data.val_fraction)
-    return f"{data_name(data.path)[:64]}-{label}-{key[:12]}-val{val}{errors}"
-
-
-def read_entry(entry: Path) -> dict | None:
-    """The meta.json of a usable entry (of this FORMAT, written last; its .bin files of
-    the sizes it says); None for any other (none, unfinished, damaged, older)."""
-    try:
-        meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
-        if meta["format"] != FORMAT:
-            return None
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        for split in SPLITS:
-            if (entry / f"{split}.bin").stat().st_size != meta["tokens"][split] * itemsize:
-                return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return meta
-
-
-def load_meta(entry) -> dict:
-    """The meta.json of a usable entry; an unusable one is a UserError naming it."""
-    if (meta := read_entry(Path(entry))) is None:
-        raise UserError(f"the prepared dataset {entry} is missing, unfinished, damaged "
-                        f"or of an older format: delete it and prepare the data again")
-    return meta
-
-
-def check_split_sizes(tokens: dict, block_size: int | None) -> None:
-    """Each split must hold a training window: block_size + 1 tokens (None: any)."""
-    if block_size is None:
-        return
-    for split in SPLITS:
-        if tokens[split] < block_size + 1:
-            raise UserError(f"the {split} split has {tokens[split]} tokens, fewer than "
-                            f"block_size + 1 = {block_size + 1}; use a longer text or a "
-                            f"smaller --model.block_size")
-
-
 def main(argv: list[str]) -> int:
     p = ArgumentParser(description="Prepare a text (a file, a folder or a quoted glob) "
                                    "into token files, cached in --root (safe to delete).")
     p.add_argument("path", metavar="source")
-    p.add_argument("--tokenizer", default="char",
-                   help="char | bpe:N | gpt2, or any tiktoken name")
-    p.add_argument("--val-fraction", type=float, default=0.1)
     root = Path(__file__).resolve().parent / "prepared"
     p.add_argument("--root", dest="prepared_dir", default=str(root))
-    p.add_argument("--encoding-errors", "--data.encoding_errors", default="strict",
-                   help="strict | replace")
-    p.add_argument("--text-field", "--data.text_field", default="text",
-                   help="JSONL field or Parquet column")
-    p.add_argument("--val-path", "--data.val_path", default="",
-                   help="validation text: a path")
-    p.add_argument("--workers", "--data.workers", type=int, default=0,
-                   help="BPE threads")
+    # as --tokenizer or train.py's --data.tokenizer (% is argparse's)
+    for name in ("tokenizer", "val_fraction", "encoding_errors", "text_field", "val_path",
+                 "workers"):
+        field = DataConfig.__dataclass_fields__[name]
+        flags = (f"--{name.replace('_', '-')}", f"--data.{name}")
+        p.add_argument(*flags, dest=name, type=type(field.default), default=field.default,
+                       help=field.metadata["help"].replace("%", "%%"))
     out = prepare(DataConfig(**vars(p.parse_args(argv))))
     tokens = load_meta(out)["tokens"]
     print(f"ready: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)")

@@ -1,168 +1,81 @@
-"""The text to prepare: which files a data path names, its name, their sha256, and
-their documents as str chunks in bounded memory: a text file (a .gz one gunzipped as it
-is read), a JSONL line, a Parquet row (KINDS). A non-UTF-8 byte is an error naming its
-offset, with advice: a file that looks binary (a NUL byte in its first 8 KB, git's
-test) is to be left out; in a text, encoding_errors=replace.
+"""A data file's documents as str chunks, in bounded memory: a text file (a .gz one
+gunzipped), a JSONL line, a Parquet row. A non-UTF-8 byte is an error naming its offset.
 """
 import codecs
-import glob
 import gzip
-import hashlib
 import json
-import os
 import re
 import zlib
-from collections import Counter
-from itertools import chain, count
+from itertools import chain
 from pathlib import Path
 
 from common import UserError
+from data.cache import kind_suffix
 
-# bytes read at a time
 READ_BYTES = 1 << 20
-# a prompt read from a file: at most this many bytes
 PROMPT_FILE_MAX = 1 << 20
-# rows read at a time
 PARQUET_ROWS = 1024
-# records, by a name's ending; any other file is a text
-KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".parquet": "parquet"}
 # JSON's "\ud800" alone: a code point no UTF-8 text holds
 SURROGATE = re.compile("[\ud800-\udfff]")
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".tex", ".html", ".xml", ".json", ".csv", ".py",
-                 ".c", ".h", ".js", ".gz"}
-# what reading a damaged file raises: a .gz cut short or not gzip; a .parquet that is not
-# Parquet
+# what reading a damaged .gz or .parquet raises
 DAMAGED = (OSError, EOFError, zlib.error, ValueError)
 
 
-def find_sources(source) -> list[Path]:
-    """The regular files a data path names (a file; those under a directory, hidden
-    ones skipped; a glob's matches), sorted; a UserError saying why there are none."""
-    source = Path(source)
-    # its name may hold glob characters
-    if source.is_file():
-        return [source]
-    pattern = str(source)
-    if source.is_dir():
-        pattern = os.path.join(glob.escape(pattern), "**", "*")
-    # glob skips hidden files; a pipe or a device is no file: reading it could block, or
-    # never end
-    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-    if files:
-        return files
-    if source.is_dir():
-        raise UserError(f"no files in the data directory {source}")
-    if glob.has_magic(str(source)):
-        raise UserError(f"no files match {source}")
-    raise UserError(f"data file not found: {source}")
-
-
-def kind_suffix(name: str) -> str:
-    """The ending that makes a file records ('.jsonl', '.jsonl.gz', '.parquet'), or ''
-    (a text)."""
-    return next((suffix for suffix in KINDS if name.lower().endswith(suffix)), "")
-
-
-def data_name(path) -> str:
-    """The name of a data path's runs (out/<name>) and cache entries: a file's or
-    folder's name without its extension (my_notes.txt -> my_notes); a glob's last folder
-    and file part, each where it holds no glob character (books/*.txt -> books,
-    /usr/share/doc/*/copyright -> doc-copyright; neither: data). Records add their kind
-    (licenses.jsonl -> licenses-jsonl): never the name of the same-named text. A text's
-    .gz goes too (notes.txt.gz -> notes)."""
-    path = Path(path)
-    suffix = kind_suffix(path.name)
-    if suffix:
-        stem = path.name[:-len(suffix)]
-    else:
-        stem = Path(path.name.removesuffix(".gz")).stem
-    if glob.has_magic(str(path)):
-        folders = [p for p in path.parent.parts
-                   if p not in (path.anchor, "..") and not glob.has_magic(p)]
-        stem = "-".join(folders[-1:] + [stem] * (not glob.has_magic(stem)))
-    return (stem or "data") + (f"-{KINDS[suffix]}" if suffix else "")
-
-
-def describe(source, files: list[Path], total: int, label: str = "data") -> str:
-    """What a folder or glob took: 'data: books (4 files: 2 .txt, 1 .jsonl, 1 other;
-    3.2 MB)' (a stray file shows; label: 'val' for data.val_path's). A kind is named for
-    records and known text extensions only (foo.so.0: other)."""
-    known = [kind_suffix(p.name) or p.suffix.lower() for p in files]
-    named = (s if s in KINDS or s in TEXT_SUFFIXES else "other" for s in known)
-    kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(named).most_common())
-    return (f"{label}: {source} ({len(files)} file{'s' * (len(files) > 1)}: {kinds}; "
-            f"{total / 1e6:.1f} MB)")
-
-
-def read_bytes(path: Path, progress=None, gz: bool = False):
-    """The file's bytes, READ_BYTES at a time (gz: gunzipped); progress: a Progress
-    advanced by the bytes read from the file. A damaged .gz is a UserError naming it."""
+def chunks(path: Path, take, progress=None):
+    """take(f) on the file (a .gz gunzipped) until it gives nothing; progress advanced by
+    the bytes read from the disk."""
+    gz = path.name.lower().endswith(".gz")
     with open(path, "rb") as raw, (gzip.open(raw) if gz else raw) as f:
-        # bytes read from the file (gz: fewer than data's)
         done = 0
-        try:
-            while data := f.read(READ_BYTES):
-                if progress:
-                    progress.advance(raw.tell() - done)
-                done = raw.tell()
-                yield data
-        except DAMAGED as e:
-            if not gz:
-                raise
-            raise UserError(f"{path} cannot be read as gzip: {e}") from None
-
-
-def sha256(files: list[Path], progress=None) -> str:
-    """The cache key: one file's sha256, or that of several files' names and sha256s in
-    order (so renaming or reordering files makes another dataset)."""
-    digests = []
-    for path in files:
-        h = hashlib.sha256()
-        for data in read_bytes(path, progress):
-            h.update(data)
-        digests.append(h.hexdigest())
-    if len(files) == 1:
-        return digests[0]
-    base = os.path.commonpath([p.resolve() for p in files])
-    names = (p.resolve().relative_to(base) for p in files)
-    listing = "".join(f"{name}\0{d}\n" for name, d in zip(names, digests))
-    return hashlib.sha256(listing.encode()).hexdigest()
+        while chunk := take(f):
+            if progress:
+                progress.advance(raw.tell() - done)
+            done = raw.tell()
+            yield chunk
 
 
 def iter_text(path: Path, errors: str = "strict", progress=None,
               hint: str | None = "set --data.encoding_errors=replace to replace such bytes"):
-    """The file's text as str chunks that never split a character; a non-UTF-8 byte is a
-    UserError (its advice, for a text: hint), or with errors='replace' a U+FFFD. A .gz
-    file is gunzipped."""
+    """The file's text (a .gz gunzipped) as str chunks; a non-UTF-8 byte is a UserError
+    with hint as advice, or with errors='replace' a U+FFFD."""
     # holds a character cut at a read's end
     decoder = codecs.getincrementaldecoder("utf-8")(errors)
     gz = path.name.lower().endswith(".gz")
+    reads = chunks(path, lambda f: f.read(READ_BYTES), progress)
     # bytes read before raw
     offset = 0
-    # b"": the end, where a cut character is an error
-    for raw in chain(read_bytes(path, progress, gz), [b""]):
-        held = len(decoder.getstate()[0])
-        try:
-            text = decoder.decode(raw, final=not raw)
-        except UnicodeDecodeError as e:
-            # e.object: the held bytes, then raw
-            with (gzip.open if gz else open)(path, "rb") as f:
-                # it looks binary (git's test)
-                if b"\0" in f.read(8192):
-                    hint = (f"it looks binary: leave it out of the data (e.g. with a glob "
-                            f"such as '{path.parent}/*.txt')")
-            raise UserError(f"{path} is not UTF-8: byte 0x{e.object[e.start]:02x} at offset "
-                            f"{offset - held + e.start}" + (f"; {hint}" if hint else "")
-                            ) from None
-        if text:
-            yield text
-        offset += len(raw)
+    try:
+        # b"": the end, where a cut character is an error
+        for raw in chain(reads, [b""]):
+            held = len(decoder.getstate()[0])
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                # e.object: the held bytes, then raw
+                byte = e.object[e.start]
+                raise not_utf8(path, byte, offset - held + e.start, hint) from None
+            if text:
+                yield text
+            offset += len(raw)
+    except DAMAGED as e:
+        if not gz:
+            raise
+        raise UserError(f"{path} cannot be read as gzip: {e}") from None
+
+
+def not_utf8(path: Path, byte: int, offset: int, hint: str | None) -> UserError:
+    """The error of a byte that is not UTF-8, with advice: hint, or to leave out a file that
+    looks binary (a NUL byte in its first 8 KB: git's test)."""
+    if b"\0" in next(chunks(path, lambda f: f.read(8192)), b""):
+        hint = (f"it looks binary: leave it out of the data (e.g. with a glob such as "
+                f"'{path.parent}/*.txt')")
+    advice = f"; {hint}" if hint else ""
+    return UserError(f"{path} is not UTF-8: byte 0x{byte:02x} at offset {offset}{advice}")
 
 
 def iter_documents(path: Path, errors: str = "strict", field: str = "text", progress=None):
-    """The file's documents, each an iterable of str chunks, by its kind (KINDS): a text
-    is one; a JSONL line or a Parquet row, its field's text, one each (blank ones
-    skipped, as blank files are)."""
+    """The file's documents, each an iterable of str chunks: a text is one; a JSONL line
+    or a Parquet row, its field's text, one each (blank ones skipped)."""
     if not (suffix := kind_suffix(path.name)):
         yield iter_text(path, errors, progress)
         return
@@ -182,45 +95,28 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
             if text and not text.isspace():
                 yield (SURROGATE.sub("\ufffd", text) if lone else text,)
     except DAMAGED as e:
-        # not gzip, cut short, not Parquet (a Git LFS pointer)
         raise UserError(f"{path} cannot be read as {suffix}: {e}") from None
 
 
 def jsonl_texts(path: Path, errors: str, field: str, progress):
-    """(line number, its record's field or None) of each line of a JSON Lines file (.gz:
-    gzip)."""
-    gz = path.name.lower().endswith(".gz")
-    with open(path, "rb") as raw, (gzip.open(raw) if gz else raw) as f:
-        numbers = count(1)
-        # the bytes read before these lines (gzip: the compressed bytes)
-        done = 0
-        while lines := f.readlines(READ_BYTES):
-            if progress:
-                progress.advance(raw.tell() - done)
-            done = raw.tell()
-            # lines first: zip stops before taking a number
-            for line, n in zip(lines, numbers):
-                yield n, record_text(line, errors, field, f"{path}, line {n}")
-
-
-def record_text(line: bytes, errors: str, field: str, where: str):
-    """The field of a JSON line's record, or None; a line that is not UTF-8 or JSON is
-    a UserError naming where."""
-    if line.isspace():
-        return ""
-    try:
-        record = json.loads(line.decode("utf-8", errors))
-    except UnicodeDecodeError as e:
-        raise UserError(f"{where}: not UTF-8 ({e.reason})") from None
-    except ValueError as e:
-        raise UserError(f"{where}: not JSON ({e.msg})") from None
-    return record.get(field) if isinstance(record, dict) else None
+    """(line number, its record's field or None) of each line of a JSONL file but blank
+    ones; a line that is not UTF-8 or JSON is a UserError."""
+    lines = chain.from_iterable(chunks(path, lambda f: f.readlines(READ_BYTES), progress))
+    for n, line in enumerate(lines, 1):
+        if line.isspace():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8", errors))
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}, line {n}: not UTF-8 ({e.reason})") from None
+        except ValueError as e:
+            raise UserError(f"{path}, line {n}: not JSON ({e.msg})") from None
+        yield n, record.get(field) if isinstance(record, dict) else None
 
 
 def parquet_texts(path: Path, errors: str, field: str, progress):
-    """(row number, its text) of each row of a Parquet file's column `field`,
-    PARQUET_ROWS at a time (a row group at most is read at once). pyarrow is imported
-    only here: it is needed only here."""
+    """(row number, its text) of a Parquet file's column `field`, PARQUET_ROWS rows at a
+    time (a row group at most is held)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -240,9 +136,8 @@ def parquet_texts(path: Path, errors: str, field: str, progress):
 
 
 def read_prompt(prompt: str) -> str:
-    """A prompt argument's text: itself, or with @FILE the file's (UTF-8, at most
-    PROMPT_FILE_MAX bytes: a model sees only its last block_size tokens anyway, and
-    /dev/zero never ends)."""
+    """A prompt argument's text: itself, or with @FILE the file's (PROMPT_FILE_MAX bytes
+    at most: /dev/zero never ends)."""
     if not prompt.startswith("@"):
         return prompt
     # a missing file: one line, from common.run_cli

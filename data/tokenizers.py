@@ -1,15 +1,6 @@
-"""Tokenizers behind one small interface: encode, decode, vocab_size, and a JSON-able
-meta dict that is saved with the dataset and in every checkpoint, so a model always
-comes with its tokenizer.
-
-  char   one token per character; the vocabulary is the sorted set of characters of
-         the text.
-  BPE    any tiktoken encoding by name ("gpt2", "cl100k_base", ...), or bpe:N, a
-         byte-level BPE of N tokens trained on the data's training split: data/bpe.py,
-         imported where a run uses one.
-
-encode_array(text) is encode() as a numpy array, without a Python int per token, and
-encode_pieces(pieces) that of many texts at once: what preparing large files uses.
+"""Tokenizers behind one interface: encode (encode_array: as numpy, encode_pieces: many
+texts at once), decode, vocab_size, and a JSON-able meta() kept with the dataset and every
+checkpoint. char: a token per character of the text; BPE: data/bpe.py, imported if used.
 """
 import numpy as np
 
@@ -21,8 +12,7 @@ MAX_VOCAB = 1 << 20
 
 
 def code_points(text: str) -> np.ndarray:
-    """The text's code points as an array: uint8 for ASCII text (1 byte a character),
-    else uint32."""
+    """The text's code points as an array: uint8 for ASCII text, else uint32."""
     if text.isascii():
         return np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
@@ -31,37 +21,27 @@ def code_points(text: str) -> np.ndarray:
 class CharTokenizer:
     def __init__(self, chars: str):
         self.chars = chars
+        self.vocab_size = len(chars)
         self.stoi = {c: i for i, c in enumerate(chars)}
+        # each code point's id, -1 outside the vocabulary
+        self.table = np.full(0x110000, -1, dtype=np.int32)
+        self.table[[ord(c) for c in chars]] = np.arange(len(chars))
+        # an empty prompt starts from a newline where the vocabulary has one
+        self.start_token = self.stoi.get("\n", 0)
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
         return cls("".join(sorted(set(text))))
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
-
     # characters have no end-of-text token
     end_token = None
-
-    @property
-    def start_token(self) -> int:
-        """What an empty prompt starts from: a newline where the vocabulary has one."""
-        return self.stoi.get("\n", 0)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        """The ids as int32: one table lookup per code point (the table is built on first
-        use, whole before it is kept: threads share it). A character not in the
-        vocabulary is a UserError that names it."""
-        if not hasattr(self, "_table"):
-            table = np.full(0x110000, -1, dtype=np.int32)
-            ids = np.arange(len(self.chars), dtype=np.int32)
-            table[[ord(c) for c in self.chars]] = ids
-            self._table = table
-        ids = self._table[code_points(text)]
+        """The ids as int32; an unknown character is a UserError naming it."""
+        ids = self.table[code_points(text)]
         if len(ids) and ids.min() < 0:
             unknown = sorted(set(text) - set(self.stoi))
             shown = ", ".join(repr(c) for c in unknown[:10])
@@ -72,8 +52,7 @@ class CharTokenizer:
         return ids
 
     def encode_pieces(self, pieces: list[str]) -> np.ndarray:
-        """The ids of the pieces in order (a piece None, an end-of-text token, is BPE's
-        only)."""
+        """The ids of the pieces in order (None, an end-of-text token, is BPE's only)."""
         return self.encode_array("".join(pieces))
 
     def decode(self, ids) -> str:
@@ -87,8 +66,7 @@ class CharTokenizer:
 
 
 def check_tokenizer_spec(spec: str) -> None:
-    """A UserError unless spec is char, bpe:N or a tiktoken encoding name (its files are
-    not loaded)."""
+    """A UserError unless spec is char, bpe:N or a tiktoken encoding name."""
     # these without importing tiktoken
     if spec == "char" or bpe_vocab_size(spec) is not None:
         return
@@ -97,9 +75,8 @@ def check_tokenizer_spec(spec: str) -> None:
 
 
 def build_tokenizer(name: str, text: str | None = None):
-    """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name.
-    ('bpe:N' is trained while preparing the data, on the training split: data/bpe.py's
-    train_bpe.)"""
+    """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name
+    (bpe:N is trained: data/bpe.py's train_bpe)."""
     if name == "char":
         return CharTokenizer.from_text(text)
     from data.bpe import TiktokenTokenizer
@@ -107,8 +84,7 @@ def build_tokenizer(name: str, text: str | None = None):
 
 
 def load_tokenizer(meta: dict):
-    """The tokenizer described by meta() (from a dataset's meta.json or a checkpoint),
-    checked."""
+    """The tokenizer a meta() describes (a dataset's or a checkpoint's), checked."""
     if not isinstance(meta, dict) or meta.get("kind") not in ("char", "tiktoken", "bpe"):
         raise UserError(f"not a tokenizer description: {str(meta)[:80]}")
     if meta["kind"] == "char":
@@ -126,8 +102,7 @@ def load_tokenizer(meta: dict):
 
 
 def bpe_vocab_size(spec: str) -> int | None:
-    """N for a tokenizer spec 'bpe:N', None for any other spec; a malformed N is a
-    UserError."""
+    """N for a spec 'bpe:N', None for any other; a malformed N is a UserError."""
     if spec != "bpe" and not spec.startswith("bpe:"):
         return None
     n = spec[4:]

@@ -14,7 +14,7 @@ import data.prepare as prep
 import data.sources
 from common import UserError
 from data.prepare import DataConfig, prepare
-from data.sources import data_name, describe
+from data.cache import data_name, describe
 from tests.conftest import TEXT, assert_refused, gpt2_or_skip, prepare_text
 
 # documents with what could go wrong: non-ASCII, a literal end-of-text marker, a blank one (left out,

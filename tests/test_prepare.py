@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import common
+import data.cache
 import data.prepare as prep
 import data.sources
 from common import UserError
@@ -232,7 +233,7 @@ def test_progress_shows_throughput_on_stderr(tmp_path, text_file, monkeypatch, c
                                              phases):
     """(A log gets a progress line every 10 s: here every reading of the clock is 20 s after the
     last.) bpe:N's training is the tokenizer's, not the model's."""
-    monkeypatch.setattr(prep, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(data.cache, "PROGRESS_MIN_BYTES", 0)
     monkeypatch.setattr(common.time, "perf_counter", lambda clock=itertools.count(): 20.0 * next(clock))
     prepare_text(text_file, tokenizer, 0.1, tmp_path / "prep")
     err = capsys.readouterr().err

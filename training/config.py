@@ -1,7 +1,7 @@
 """The run's settings: defaults < a resumed run's config.toml < a TOML file < the command line.
 
   sections  a dataclass each, beside the code it configures (ModelConfig in model/config.py,
-            DataConfig in data/prepare.py); each field says what it does and its bounds
+            DataConfig in data/cache.py); each field says what it does and its bounds
   paths     made absolute where they are read: a config file's against its folder (a
             shipped one's against the repository), the command line's against the working
             directory, a default's against the repository
@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import ROOT, UserError, check_fields, first_line, flat, setting
-from data.prepare import DataConfig
-from data.sources import data_name
+from data.cache import DataConfig, data_name
 from model.config import ModelConfig
 
 

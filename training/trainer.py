@@ -27,8 +27,7 @@ import torch
 from common import (UserError, atomic_write, command, cpu_clock, duration, first_line,
                     silence_stdout, typed)
 from data.loader import BatchLoader, Share
-from data.prepare import prepare
-from data.sources import find_sources
+from data.cache import find_sources, prepare
 from data.tokenizers import load_tokenizer
 from loading import read_checkpoint
 from model.device import autocast, fit_threads, pick_device, pick_dtype
