@@ -10,11 +10,12 @@ branch on a tensor's value). Two users: the training step (graph_step) and the d
 import torch
 
 
-def record(fn, warmup: int = 2):
+def record(fn, warmup: int = 2, generator: torch.Generator | None = None):
     """Call fn() `warmup` times on a side stream (compiling, allocating and choosing kernels
-    outside the recording, as CUDA graphs require), then record one more call. Returns (graph, what
-    that call returned): each graph.replay() runs the same kernels on the same tensors and
-    overwrites those outputs."""
+    outside the recording, as CUDA graphs require), then record one more call. Returns (graph,
+    what that call returned): each graph.replay() runs the same kernels on the same tensors and
+    overwrites those outputs. generator: one that fn draws from besides the default (which
+    torch.cuda.graph registers itself): a replay draws what eager code would from its state."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -22,6 +23,8 @@ def record(fn, warmup: int = 2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    if generator is not None:
+        graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
