@@ -110,6 +110,8 @@ class Decoder:
         device = next(model.parameters()).device
         self.choice, self.generator = sampling
         self.k = max(1, min(TOKENS_PER_RUN, model.cfg.block_size // 2))
+        # the lengths of runs: k, then halves to cover what is left before a slide or the end
+        self.sizes = [self.k >> i for i in range(self.k.bit_length())]
         self.cache = InferenceCache(model, batch, device, dtype) if dtype else None
         self.last = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
@@ -181,8 +183,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
             new, ok = decoder.prefill(tokens[:, -keep:])
             filled = keep if decoder.cache is not None else 0
         else:
-            fits = filled + decoder.k <= block and i + decoder.k <= max_new_tokens
-            new, ok = decoder.run(decoder.k if fits else 1)
+            room = min(block - filled, max_new_tokens - i)
+            new, ok = decoder.run(next(n for n in decoder.sizes if n <= room))
             filled += new.size(1)
         n = new.size(1)
         tokens = torch.cat([tokens, new], dim=1)[:, -block:]

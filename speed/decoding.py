@@ -17,7 +17,7 @@ from speed.compile import compiled_or_eager
 
 def compiled(run, decoder):
     """decoder.step compiled; on CUDA -> a run(n) that replays the CUDA graph of run(n) for
-    n = 1 or decoder.k, else run. A failure is one warning line and the code without it.
+    each n of decoder.sizes, else run. A failure is one warning line and the code without it.
 
     explicit=True: the compiler fuses the explicit attention math into a few kernels for one
     query. Coordinate descent tuning makes inductor turn each one-row matmul into a
@@ -39,7 +39,7 @@ def compiled(run, decoder):
     with torch.random.fork_rng(devices=[decoder.pos.device]):
         state = None if generator is None else generator.get_state()
         try:
-            for n in {1, decoder.k}:
+            for n in decoder.sizes:
                 decoder.pos.zero_()
                 graphs[n] = record(functools.partial(run, n), 1, generator)
         except Exception as e:
