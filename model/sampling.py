@@ -1,14 +1,9 @@
 """Autoregressive sampling: predict the next token, append it, repeat.
 
-With the cache (the default), the prompt goes through the model once (prefill), then each
-step feeds only the newest token, reusing the keys and values cached for the earlier ones.
-When the context reaches block_size, the cache is rebuilt from the last half block
-(positions restart at 0, as learned position embeddings need): amortized O(1) per token.
-
-Decoding updates fixed buffers in place, the new token's position a tensor (Decoder): every
-step is the same computation, which a compiler makes one graph and CUDA one replayed graph
-of several tokens (Decoding.speed_up, e.g. speed/decoding.py's; the model needs nothing
-from speed/).
+With the cache (the default), the prompt goes through the model once, then each step feeds
+only the newest token. At block_size the cache is rebuilt from the last half block
+(positions restart at 0, as learned position embeddings need). Every step updates the same
+buffers in place (Decoder), so a compiler makes it one graph (Decoding.speed_up).
 """
 import sys
 from collections.abc import Callable, Iterator
@@ -22,9 +17,8 @@ from model.gpt import GPT, InferenceCache
 
 # the smallest normal float32
 TINY = torch.finfo(torch.float32).tiny
-# Tokens per run of the decoder: on a GPU a run is one CUDA graph replay, whose launch and
-# Python's turn of the loop are then shared by 16 tokens; 16 divides the half block a slide
-# leaves for any block_size a power of two >= 32, so runs fill the cache to the end.
+# Tokens per run, one CUDA graph replay: 16 tokens share its launch and Python's turn of the
+# loop, and 16 divides the half block a slide leaves when block_size is 2^n >= 32.
 TOKENS_PER_RUN = 16
 
 
@@ -42,10 +36,8 @@ class Decoding:
 
     use_cache    reuse the keys and values of earlier tokens (False: recompute the window)
     cache_dtype  the cache's number format (None: the model's)
-    check_every  read the finite flags every this many tokens (None: every token on CPU,
-                 every 32 on a GPU, where a read waits for the device)
-    speed_up     speed_up(run, decoder) -> a faster decoder.run; it may run the decoder to
-                 warm up (the prefill resets it after)"""
+    check_every  read the finite flags every this many tokens (None: 1 on CPU, else 32)
+    speed_up     speed_up(run, decoder) -> a faster decoder.run (speed/decoding.py)"""
     use_cache: bool = True
     cache_dtype: torch.dtype | None = None
     check_every: int | None = None
@@ -54,12 +46,10 @@ class Decoding:
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B, 1). temperature 0 is greedy (argmax). noise (B, V):
-    draws of Exponential(1) (draw_noise), the randomness of the choice.
-
-    The logits are shifted to a maximum of 0 before they are divided by the temperature, so
-    the quotients cannot overflow and a temperature near 0 samples like greedy. A subnormal
-    temperature, which a GPU flushes to 0, counts as TINY."""
+    """logits (B, V) -> next token ids (B, 1); temperature 0 is greedy. noise (B, V): draws
+    of Exponential(1), the randomness of the choice. Shifted to a maximum of 0 before the
+    division, the logits cannot overflow; a subnormal temperature (flushed to 0 on a GPU)
+    counts as TINY."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
@@ -77,9 +67,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
     probs = F.softmax(logits, dim=-1)
     if noise is None:
         noise = draw_noise(torch.empty_like(probs))
-    # The exponential race: E_i / p_i is exponential of rate p_i, and the smallest is the
-    # i-th with probability p_i: torch.multinomial's distribution, in ops that compile.
-    # The clamp: a draw of 0 would make 0 / 0.
+    # The exponential race: the smallest E_i / p_i is the i-th with probability p_i, as
+    # torch.multinomial draws, in ops that compile. The clamp: a draw of 0 would make 0 / 0.
     return (probs / noise.clamp_min(TINY)).argmax(dim=-1, keepdim=True)
 
 
@@ -90,36 +79,34 @@ def draw_noise(noise: torch.Tensor, generator: torch.Generator | None = None) ->
 
 def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
          noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """The model on idx (B, T) at positions pos -> (next token ids (B, 1), whether every
-    logit was finite, a flag left on the device). Only the first V = noise's width tokens
-    are chosen from (a padded vocabulary has rows no tokenizer decodes). explicit: softmax
-    attention by its explicit steps (model/attention/mha.py)."""
+    """The model on idx (B, T) at positions pos -> (next token ids (B, 1), whether all
+    logits were finite, left on the device). Chosen only among the first noise.size(-1)
+    tokens (a padded vocabulary's rows decode to nothing). explicit: mha.py's explicit path."""
     logits, _ = model(idx, cache=cache, pos=pos, explicit_attention=explicit)
     logits = logits[:, -1, :noise.size(-1)]
-    c = choice
-    next_id = sample_next(logits, c.temperature, c.top_k, c.top_p, noise)
+    next_id = sample_next(logits, choice.temperature, choice.top_k, choice.top_p, noise)
     return next_id, torch.isfinite(logits).all()
 
 
 class Decoder:
-    """The cache and what decoding updates in place, at fixed addresses (as a CUDA graph
-    needs): the newest tokens `last` (B, 1), their position `pos` (1,), the noise (B, V), a
-    run's new tokens `out` (B, k) and their finite flags `ok` (k,)."""
+    """The cache and the tensors decoding updates in place, at fixed addresses as a CUDA
+    graph needs: the newest tokens `last` (B, 1) at `pos` (1,), the noise (B, V), a run's
+    new tokens `out` (B, k) and finite flags `ok` (k,). dtype: the cache's (None: none)."""
 
     def __init__(self, model: GPT, batch: int, vocab: int, sampling: tuple, dtype):
         device = next(model.parameters()).device
         self.choice, self.generator = sampling
-        self.k = max(1, min(TOKENS_PER_RUN, model.cfg.block_size // 2))
-        # the lengths of runs: k, then halves to cover what is left before a slide or the end
-        self.sizes = [self.k >> i for i in range(self.k.bit_length())]
+        k = max(1, min(TOKENS_PER_RUN, model.cfg.block_size // 2))
+        # run lengths: k, then halves for what is left before a slide or the end
+        self.sizes = [k >> i for i in range(k.bit_length())]
         self.cache = InferenceCache(model, batch, device, dtype) if dtype else None
         self.last = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.noise = torch.ones(batch, vocab, device=device)
-        self.out = torch.zeros(batch, self.k, dtype=torch.long, device=device)
-        self.ok = torch.ones(self.k, dtype=torch.bool, device=device)
+        self.out = torch.zeros(batch, k, dtype=torch.long, device=device)
+        self.ok = torch.ones(k, dtype=torch.bool, device=device)
         self.args = (model, self.cache, self.last, self.pos, self.noise, self.choice)
-        # the one-token step on these tensors, what speed_up compiles
+        # what speed_up compiles
         self.step = step
 
     def draw(self) -> None:
@@ -127,8 +114,8 @@ class Decoder:
             draw_noise(self.noise, self.generator)
 
     def prefill(self, idx: torch.Tensor):
-        """The model on idx (B, T) at positions 0..T-1 (the prompt, a slide; without the
-        cache, every token) -> (next token ids (B, 1), finite flag)."""
+        """step() on idx (B, T) from position 0: the prompt, a slide, or without the cache
+        every token."""
         self.draw()
         if self.cache is not None:
             self.cache.reset()
@@ -138,8 +125,8 @@ class Decoder:
         return next_id, ok
 
     def run(self, n: int):
-        """n <= k new tokens after the cached ones, each drawn, chosen and written into out
-        -> (out[:, :n], ok[:n]), overwritten by the next run."""
+        """n <= k new tokens, each drawn, chosen and written -> (out[:, :n], ok[:n]), which
+        the next run overwrites."""
         for j in range(n):
             self.draw()
             next_id, self.ok[j] = self.step(*self.args)
@@ -149,23 +136,18 @@ class Decoder:
         return self.out[:, :n], self.ok[:n]
 
 
-# inference_mode: like no_grad, and skips autograd's version counting too
+# no_grad, without autograd's version counting either
 @torch.inference_mode()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
              choice: Choice = Choice(), generator: torch.Generator | None = None,
              vocab_limit: int | None = None,
              decoding: Decoding = Decoding()) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T),
-    each chosen as `choice` says; `decoding` says how it computes. With the cache, runs of
-    k tokens, one token where fewer are left before a slide or the end; the same draws in
-    the same order whatever k, so the same tokens.
-
-    vocab_limit: choose only among the first vocab_limit tokens (the tokenizer's vocabulary).
-    Raises UserError when the logits are not finite, naming the first new token whose were
-    not."""
+    each chosen as `choice` says, among the first vocab_limit tokens. The same draws in the
+    same order whatever the runs, so the same tokens. Raises UserError naming the first new
+    token whose logits were not finite."""
     block, device = model.cfg.block_size, idx.device
     check_every = decoding.check_every or (1 if device.type == "cpu" else 32)
-    # a flag per new token
     finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)
     vocab = min(vocab_limit or model.cfg.vocab_size, model.cfg.vocab_size)
     dtype = decoding.cache_dtype or next(model.parameters()).dtype
@@ -176,8 +158,6 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
     # filled: positions in the cache; i: tokens made
     tokens, filled, i, checked = idx, 0, 0, 0
     while i < max_new_tokens:
-        # the last `keep` tokens from position 0: the prompt, a slide, or every token
-        # without the cache
         if decoder.cache is None or filled in (0, block):
             keep = min(tokens.size(1), block if filled == 0 else max(1, block // 2))
             new, ok = decoder.prefill(tokens[:, -keep:])
@@ -198,8 +178,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
 
 
 def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
-    """Raise UserError naming the first new token in start..end-1 whose logits were not all
-    finite."""
+    """Raise UserError naming the first of new tokens start..end-1 with a flag down."""
     window = flags[start:end]
     if not window.all():
         first = start + int((~window).nonzero()[0, 0]) + 1

@@ -1,10 +1,8 @@
 """sample.py --compile: the decoding step compiled, and on CUDA a run of several tokens
-replayed as one CUDA graph.
+(model/sampling.py's Decoder.run: each drawn, chosen, written) replayed as one CUDA graph.
 
-At batch 1 a decoding step is a hundred small kernels, and launching them from Python costs
-more than running them. Compiled, the step is one graph; a CUDA graph replays a run of
-model/sampling.py's Decoder (k steps with their draws and writes) with one launch and no
-wait for the host. On a CPU compiling costs more than a sample saves (bench.py sample).
+At batch 1 a step is a hundred small kernels, which cost more to launch from Python than to
+run. On a CPU compiling costs more than a sample saves (bench.py sample).
 """
 import functools
 import sys
@@ -19,9 +17,8 @@ def compiled(run, decoder):
     """decoder.step compiled; on CUDA -> a run(n) that replays the CUDA graph of run(n) for
     each n of decoder.sizes, else run. A failure is one warning line and the code without it.
 
-    explicit=True: the compiler fuses the explicit attention math into a few kernels for one
-    query. Coordinate descent tuning makes inductor turn each one-row matmul into a
-    reduction it tunes and fuses with its neighbours."""
+    explicit=True: inductor fuses explicit attention for one query into a few kernels; with
+    coordinate descent tuning, each one-row matmul becomes a reduction fused with neighbours."""
     cuda, generator = decoder.pos.is_cuda, decoder.generator
     options = {"coordinate_descent_tuning": True} if cuda else None
 
@@ -35,7 +32,7 @@ def compiled(run, decoder):
         return run
     from speed.cuda_graph import record
     graphs = {}
-    # the draws of the warm-up are undone: a seed gives the tokens of the eager code
+    # the warm-up's draws are undone: a seed gives the eager code's tokens
     with torch.random.fork_rng(devices=[decoder.pos.device]):
         state = None if generator is None else generator.get_state()
         try:
