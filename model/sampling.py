@@ -91,7 +91,7 @@ def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch
 class Decoder:
     """The cache and the tensors decoding updates in place, at fixed addresses as a CUDA
     graph needs: the newest tokens `last` (B, 1) at `pos` (1,), the noise (B, V), a run's
-    new tokens `out` (B, k) and finite flags `ok` (k,). dtype: the cache's (None: none)."""
+    tokens `out` (B, k) and finite flags `ok` (k,). dtype: the cache's (None: no cache)."""
 
     def __init__(self, model: GPT, batch: int, vocab: int, sampling: tuple, dtype):
         device = next(model.parameters()).device
@@ -114,8 +114,8 @@ class Decoder:
             draw_noise(self.noise, self.generator)
 
     def prefill(self, idx: torch.Tensor):
-        """step() on idx (B, T) from position 0: the prompt, a slide, or without the cache
-        every token."""
+        """step() on idx (B, T) from position 0: the prompt, a slide, or any token without
+        the cache."""
         self.draw()
         if self.cache is not None:
             self.cache.reset()

@@ -1,6 +1,6 @@
 """torch.compile tried at once, so that a failure is one warning line and the eager code runs:
 compiling is lazy, and a missing C++ compiler or an op the compiler cannot handle would
-otherwise be a long traceback in the middle of the first step or token.
+otherwise be a long traceback in the first step.
 """
 import sys
 

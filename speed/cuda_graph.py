@@ -11,8 +11,8 @@ import torch
 def record(fn, warmup: int = 2, generator: torch.Generator | None = None):
     """Call fn() `warmup` times on a side stream (compiling, allocating and choosing kernels
     outside the recording), then record one more call -> (graph, what that call returned,
-    which each graph.replay() overwrites). generator: one fn draws from besides the default
-    (registered by torch.cuda.graph): a replay draws what eager code would from its state."""
+    which each graph.replay() overwrites). generator: one fn draws from besides the default;
+    a replay draws what eager code would from its state, then advances it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -20,7 +20,8 @@ def record(fn, warmup: int = 2, generator: torch.Generator | None = None):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    if generator is not None:
+    # before torch 2.14 only the default generator registers itself (after, this call warns)
+    if generator is not None and torch.__version__ < "2.14.0a0":
         graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
         out = fn()
@@ -32,8 +33,8 @@ def graph_step(step, optimizer, capture: bool = True):
     replays it (capture=False: the same warm-up, then step itself; how a CPU tests it).
 
     The learning rates become tensors on the device (set_lr fills them). The warm-up's real
-    updates are undone in place; a failure puts the float learning rates back, for the eager
-    step that replaces this one."""
+    updates are undone in place; a failure puts the float learning rates back for the eager
+    step."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)

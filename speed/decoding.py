@@ -1,5 +1,5 @@
 """sample.py --compile: the decoding step compiled, and on CUDA a run of several tokens
-(model/sampling.py's Decoder.run: each drawn, chosen, written) replayed as one CUDA graph.
+(model/sampling.py's Decoder.run) replayed as one CUDA graph.
 
 At batch 1 a step is a hundred small kernels, which cost more to launch from Python than to
 run. On a CPU compiling costs more than a sample saves (bench.py sample).
@@ -14,8 +14,8 @@ from speed.compile import compiled_or_eager
 
 
 def compiled(run, decoder):
-    """decoder.step compiled; on CUDA -> a run(n) that replays the CUDA graph of run(n) for
-    each n of decoder.sizes, else run. A failure is one warning line and the code without it.
+    """decoder.step compiled; on CUDA -> a run(n) replaying a CUDA graph of run(n) for each n
+    in decoder.sizes, else run. A failure is one warning line and the code without it.
 
     explicit=True: inductor fuses explicit attention for one query into a few kernels; with
     coordinate descent tuning, each one-row matmul becomes a reduction fused with neighbours."""
@@ -34,7 +34,7 @@ def compiled(run, decoder):
     graphs = {}
     # the warm-up's draws are undone: a seed gives the eager code's tokens
     with torch.random.fork_rng(devices=[decoder.pos.device]):
-        state = None if generator is None else generator.get_state()
+        state = generator and generator.get_state()
         try:
             for n in decoder.sizes:
                 decoder.pos.zero_()
@@ -45,7 +45,7 @@ def compiled(run, decoder):
                   flush=True)
             return run
         finally:
-            if state is not None:
+            if generator:
                 generator.set_state(state)
 
     def replay(n):
