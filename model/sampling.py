@@ -37,7 +37,7 @@ class Decoding:
     use_cache    reuse the keys and values of earlier tokens (False: recompute the window)
     cache_dtype  the cache's number format (None: the model's)
     check_every  read the finite flags every this many tokens (None: 1 on CPU, else 32)
-    speed_up     speed_up(run, decoder) -> a faster decoder.run (speed/decoding.py)"""
+    speed_up     speed_up(run, decoder) -> a faster decoder.run"""
     use_cache: bool = True
     cache_dtype: torch.dtype | None = None
     check_every: int | None = None
@@ -81,17 +81,26 @@ def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch
          noise: torch.Tensor, choice: Choice, explicit: bool = False):
     """The model on idx (B, T) at positions pos -> (next token ids (B, 1), whether all
     logits were finite, left on the device). Chosen only among the first noise.size(-1)
-    tokens (a padded vocabulary's rows decode to nothing). explicit: mha.py's explicit path."""
+    tokens, not a padded vocabulary's extra rows. explicit: mha.py's explicit path."""
     logits, _ = model(idx, cache=cache, pos=pos, explicit_attention=explicit)
     logits = logits[:, -1, :noise.size(-1)]
     next_id = sample_next(logits, choice.temperature, choice.top_k, choice.top_p, noise)
     return next_id, torch.isfinite(logits).all()
 
 
+def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
+                noise: torch.Tensor, choice: Choice, explicit: bool = False):
+    """step() on the newest tokens last (B, 1) at pos (1,), which move on in place."""
+    next_id, ok = step(model, cache, last, pos, noise, choice, explicit)
+    last.copy_(next_id)
+    pos.add_(1)
+    return next_id, ok
+
+
 class Decoder:
     """The cache and the tensors decoding updates in place, at fixed addresses as a CUDA
-    graph needs: the newest tokens `last` (B, 1) at `pos` (1,), the noise (B, V), a run's
-    tokens `out` (B, k) and finite flags `ok` (k,). dtype: the cache's (None: no cache)."""
+    graph needs: the newest tokens `last` (B, 1) at `pos` (1,), the noise (B, V). dtype:
+    the cache's (None: no cache)."""
 
     def __init__(self, model: GPT, batch: int, vocab: int, sampling: tuple, dtype):
         device = next(model.parameters()).device
@@ -103,11 +112,9 @@ class Decoder:
         self.last = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.noise = torch.ones(batch, vocab, device=device)
-        self.out = torch.zeros(batch, k, dtype=torch.long, device=device)
-        self.ok = torch.ones(k, dtype=torch.bool, device=device)
         self.args = (model, self.cache, self.last, self.pos, self.noise, self.choice)
         # what speed_up compiles
-        self.step = step
+        self.step = decode_step
 
     def draw(self) -> None:
         if self.choice.temperature > 0:
@@ -125,18 +132,15 @@ class Decoder:
         return next_id, ok
 
     def run(self, n: int):
-        """n <= k new tokens, each drawn, chosen and written -> (out[:, :n], ok[:n]), which
-        the next run overwrites."""
-        for j in range(n):
+        """n new tokens, each drawn and chosen -> (their ids (B, n), finite flags (n,))."""
+        steps = []
+        for _ in range(n):
             self.draw()
-            next_id, self.ok[j] = self.step(*self.args)
-            self.out[:, j:j + 1] = next_id
-            self.last.copy_(next_id)
-            self.pos.add_(1)
-        return self.out[:, :n], self.ok[:n]
+            steps.append(self.step(*self.args))
+        ids, flags = zip(*steps)
+        return torch.cat(ids, dim=1), torch.stack(flags)
 
 
-# no_grad, without autograd's version counting either
 @torch.inference_mode()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
              choice: Choice = Choice(), generator: torch.Generator | None = None,
@@ -155,7 +159,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
                       dtype if decoding.use_cache else None)
     if decoding.use_cache and decoding.speed_up:
         decoder.run = decoding.speed_up(decoder.run, decoder)
-    # filled: positions in the cache; i: tokens made
+    # filled: positions cached; i: tokens yielded
     tokens, filled, i, checked = idx, 0, 0, 0
     while i < max_new_tokens:
         if decoder.cache is None or filled in (0, block):

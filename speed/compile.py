@@ -10,8 +10,8 @@ from common import first_line
 
 
 def compiled_or_eager(fn, trial, doing: str, **options):
-    """torch.compile(fn, **options), first called by trial(compiled) as it will run. A failure
-    there (dynamo, inductor, the toolchain) is one warning line, and fn itself returned."""
+    """torch.compile(fn, **options), first called by trial(compiled) as it will run; after a
+    failure there (dynamo, inductor, the toolchain), fn itself."""
     compiled = torch.compile(fn, **options)
     try:
         trial(compiled)

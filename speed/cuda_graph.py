@@ -39,7 +39,7 @@ def graph_step(step, optimizer, capture: bool = True):
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)
     saved = [p.detach().clone() for p in params]
-    saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+    saved_state = {p: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
                    for p, s in optimizer.state.items()}
     graph = out = None
     try:
