@@ -30,7 +30,7 @@ import torch
 from data.prepare import load_meta, prepare
 from model import sampling
 from model.config import ModelConfig
-from model.device import pick_device, pick_dtype
+from model.device import autocast, pick_device, pick_dtype
 from model.gpt import GPT
 from training import trainer
 from training.config import build_config
@@ -156,26 +156,40 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
 
 
 def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=None) -> float:
-    """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts."""
+    """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts, in the
+    dtype sample.py decodes in, after the set-up of speed_up."""
     device = next(model.parameters()).device
+    dtype = pick_dtype(device)
     prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(0)
-    start = now(device)
-    decoding = sampling.Decoding(use_cache=use_cache, speed_up=speed_up)
-    *_, last = sampling.generate(model, prompt, new_tokens, generator=generator, decoding=decoding)
+    starts = [now(device)]
+
+    def set_up(run, decoder):
+        faster = speed_up(run, decoder)
+        # timed from here: compiling and recording the CUDA graphs are set-up, not decoding
+        starts.append(now(device))
+        return faster
+    decoding = sampling.Decoding(use_cache=use_cache, cache_dtype=dtype,
+                                 speed_up=set_up if speed_up else None)
+    with autocast(device, dtype):
+        *_, last = sampling.generate(model, prompt, new_tokens, generator=generator,
+                                     decoding=decoding)
     # waits for the device
     last.cpu()
-    return batch * new_tokens / (time.perf_counter() - start)
+    return batch * new_tokens / (time.perf_counter() - starts[-1])
 
 
 def bench_sample(device, new_tokens: int) -> int:
     from speed.decoding import compiled
     torch.manual_seed(0)
-    s = SAMPLE_SHAPE
+    s, dtype = SAMPLE_SHAPE, pick_dtype(device)
     model = GPT(ModelConfig(**s)).to(device).eval()
+    # what a step reads: the weights as stored, each sequence's cache filled so far (on average)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cache = model.kv_cache_bytes((1 + min(new_tokens, s["block_size"])) // 2, dtype)
     print(f"# {new_tokens} new tokens after a 1-token prompt | {s['n_layer']} layers x "
-          f"{s['n_embd']}, block {s['block_size']}, random weights | {device}, float32, "
-          f"one decode each after a warm-up")
+          f"{s['n_embd']}, block {s['block_size']}, random weights | {device}, "
+          f"{str(dtype).removeprefix('torch.')}, one decode each after a warm-up")
     print(f"{'batch':>5s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} "
           f"{'compiled tok/s':>15s}  ratios")
     # cached, recomputed, cached and compiled
@@ -188,6 +202,11 @@ def bench_sample(device, new_tokens: int) -> int:
         print(f"{batch:5d} {cached:13,.1f} {recomputed:17,.1f} {fast:15,.1f}  "
               f"cached {cached / recomputed:.1f}x recomputed, "
               f"compiled {fast / cached:.1f}x cached", flush=True)
+        step_bytes = weights + batch * cache
+        print(f"{'':5s} memory read: {step_bytes / 1e6:.2f} MB a step (weights "
+              f"{weights / 1e6:.2f}, cache {batch} x {cache / 1e6:.2f}): cached "
+              f"{step_bytes * cached / batch / 1e9:.1f} GB/s, compiled "
+              f"{step_bytes * fast / batch / 1e9:.1f} GB/s", flush=True)
     return 0
 
 

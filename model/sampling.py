@@ -1,17 +1,9 @@
 """Autoregressive sampling: predict the next token, append it, repeat.
 
-With the cache (the default), the prompt goes through the model once (prefill) and every
-later step feeds only the newest token, reusing what the attention cached for the earlier
-ones (their keys and values; only the last window of them, a latent, or a recurrent state
-for some variants). When the context reaches block_size, the window slides: the cache is
-rebuilt from the last half block of tokens (positions restart at 0, as learned position
-embeddings need), so the cost stays amortized O(1) forwards of one token per step.
-
-The cache has fixed shapes and the position of the new token is a tensor, so every decoding
-step runs the same computation on the same buffers (decode_step): a compiler can turn it
-into one graph, and on CUDA into one CUDA graph replayed for every token. generate() takes
-that speed-up as a function (Decoding.speed_up, e.g. speed/decoding.py's compiled), so the
-model needs nothing from speed/.
+With the cache (the default), the prompt goes through the model once, then each step feeds
+only the newest token. At block_size the cache is rebuilt from the last half block
+(positions restart at 0, as learned position embeddings need). Every step updates the same
+buffers in place (Decoder), so a compiler makes it one graph (Decoding.speed_up).
 """
 import sys
 from collections.abc import Callable, Iterator
@@ -25,6 +17,9 @@ from model.gpt import GPT, InferenceCache
 
 # the smallest normal float32
 TINY = torch.finfo(torch.float32).tiny
+# Tokens per run, one CUDA graph replay: 16 tokens share its launch and Python's turn of the
+# loop, and 16 divides the half block a slide leaves when block_size is 2^n >= 32.
+TOKENS_PER_RUN = 16
 
 
 @dataclass(frozen=True)
@@ -41,10 +36,8 @@ class Decoding:
 
     use_cache    reuse the keys and values of earlier tokens (False: recompute the window)
     cache_dtype  the cache's number format (None: the model's)
-    check_every  read the finite flags every this many tokens (None: every token on CPU,
-                 every 32 on a GPU, where a read waits for the device)
-    speed_up     speed_up(decode_step, args) -> a faster function of the same args, which
-                 it may call to warm up (the prefill resets the cache after it)"""
+    check_every  read the finite flags every this many tokens (None: 1 on CPU, else 32)
+    speed_up     speed_up(run, decoder) -> a faster decoder.run"""
     use_cache: bool = True
     cache_dtype: torch.dtype | None = None
     check_every: int | None = None
@@ -53,12 +46,9 @@ class Decoding:
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B, 1). temperature 0 is greedy (argmax). noise (B, V):
-    draws of Exponential(1) (draw_noise), the randomness of the choice.
-
-    The logits are shifted so that the largest is 0 before they are divided by the
-    temperature: the quotients are <= 0 and cannot overflow, so a temperature near 0 samples
-    like greedy. A subnormal temperature (below TINY, about 1e-38), which a GPU flushes to 0,
+    """logits (B, V) -> next token ids (B, 1); temperature 0 is greedy. noise (B, V): draws
+    of Exponential(1), the randomness of the choice. Shifted to a maximum of 0 before the
+    division, the logits cannot overflow; a subnormal temperature (flushed to 0 on a GPU)
     counts as TINY."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
@@ -68,117 +58,131 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
         kth_best = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
     if top_p < 1.0:
-        # nucleus: keep the most likely tokens until their total probability reaches top_p
+        # nucleus: drop a token whose more likely ones already reach top_p
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = F.softmax(sorted_logits, dim=-1)
-        # dropped: a token whose more likely ones already reach top_p
         drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = F.softmax(logits, dim=-1)
     if noise is None:
         noise = draw_noise(torch.empty_like(probs))
-    # The exponential race: token i wins argmax p_i / E_i with probability p_i (E_i / p_i is
-    # an exponential of rate p_i, and the smallest of them is the i-th with that
-    # probability). The same distribution as torch.multinomial, in ops that compile into the
-    # decoding step. The clamp: a draw of 0 would make 0 / 0.
+    # The exponential race: the smallest E_i / p_i is the i-th with probability p_i, as
+    # torch.multinomial draws, in ops that compile. The clamp: a draw of 0 would make 0 / 0.
     return (probs / noise.clamp_min(TINY)).argmax(dim=-1, keepdim=True)
 
 
 def draw_noise(noise: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Fill noise (B, V) with draws of Exponential(1), in place (where the compiled step
-    reads it)."""
+    """Fill noise (B, V) with draws of Exponential(1), in place."""
     return noise.exponential_(generator=generator)
 
 
 def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
          noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """The model on idx (B, T) at positions pos -> (next token ids (B, 1), whether every
-    logit was finite). The flag stays on the device: reading it here would make the host
-    wait at every token. Only the first V = noise's width tokens are chosen from (a padded
-    vocabulary has rows no tokenizer can decode). explicit: softmax attention by its
-    explicit steps (model/attention/mha.py)."""
+    """The model on idx (B, T) at positions pos -> (next token ids (B, 1), whether all
+    logits were finite, left on the device). Chosen only among the first noise.size(-1)
+    tokens, not a padded vocabulary's extra rows. explicit: mha.py's explicit path."""
     logits, _ = model(idx, cache=cache, pos=pos, explicit_attention=explicit)
-    # (B, V)
     logits = logits[:, -1, :noise.size(-1)]
-    c = choice
-    next_id = sample_next(logits, c.temperature, c.top_k, c.top_p, noise)
+    next_id = sample_next(logits, choice.temperature, choice.top_k, choice.top_p, noise)
     return next_id, torch.isfinite(logits).all()
 
 
 def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
                 noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """One new token: step() on the newest tokens last (B, 1) at position pos (1,), which
-    then move on in place. Every call has the same shapes and tensors: one compiled graph,
-    one CUDA graph."""
+    """step() on the newest tokens last (B, 1) at pos (1,), which move on in place."""
     next_id, ok = step(model, cache, last, pos, noise, choice, explicit)
     last.copy_(next_id)
     pos.add_(1)
     return next_id, ok
 
 
-# inference_mode: like no_grad, and skips autograd's version counting too
+class Decoder:
+    """The cache and the tensors decoding updates in place, at fixed addresses as a CUDA
+    graph needs: the newest tokens `last` (B, 1) at `pos` (1,), the noise (B, V). dtype:
+    the cache's (None: no cache)."""
+
+    def __init__(self, model: GPT, batch: int, vocab: int, sampling: tuple, dtype):
+        device = next(model.parameters()).device
+        self.choice, self.generator = sampling
+        k = max(1, min(TOKENS_PER_RUN, model.cfg.block_size // 2))
+        # run lengths: k, then halves for what is left before a slide or the end
+        self.sizes = [k >> i for i in range(k.bit_length())]
+        self.cache = InferenceCache(model, batch, device, dtype) if dtype else None
+        self.last = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.noise = torch.ones(batch, vocab, device=device)
+        self.args = (model, self.cache, self.last, self.pos, self.noise, self.choice)
+        # what speed_up compiles
+        self.step = decode_step
+
+    def draw(self) -> None:
+        if self.choice.temperature > 0:
+            draw_noise(self.noise, self.generator)
+
+    def prefill(self, idx: torch.Tensor):
+        """step() on idx (B, T) from position 0: the prompt, a slide, or any token without
+        the cache."""
+        self.draw()
+        if self.cache is not None:
+            self.cache.reset()
+        next_id, ok = step(self.args[0], self.cache, idx, None, self.noise, self.choice)
+        self.last.copy_(next_id)
+        self.pos.fill_(idx.size(1))
+        return next_id, ok
+
+    def run(self, n: int):
+        """n new tokens, each drawn and chosen -> (their ids (B, n), finite flags (n,))."""
+        steps = []
+        for _ in range(n):
+            self.draw()
+            steps.append(self.step(*self.args))
+        ids, flags = zip(*steps)
+        return torch.cat(ids, dim=1), torch.stack(flags)
+
+
 @torch.inference_mode()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
              choice: Choice = Choice(), generator: torch.Generator | None = None,
              vocab_limit: int | None = None,
              decoding: Decoding = Decoding()) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T),
-    each chosen as `choice` says; `decoding` says how it computes (Decoding).
-
-    vocab_limit: choose only among the first vocab_limit tokens (the tokenizer's vocabulary).
-    Raises UserError when the logits are not finite, naming the first new token whose were
-    not."""
-    block_size, device, batch = model.cfg.block_size, idx.device, idx.size(0)
-    use_cache, speed_up = decoding.use_cache, decoding.speed_up
+    each chosen as `choice` says, among the first vocab_limit tokens. The same draws in the
+    same order whatever the runs, so the same tokens. Raises UserError naming the first new
+    token whose logits were not finite."""
+    block, device = model.cfg.block_size, idx.device
     check_every = decoding.check_every or (1 if device.type == "cpu" else 32)
-    # a flag per new token
     finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)
     vocab = min(vocab_limit or model.cfg.vocab_size, model.cfg.vocab_size)
-    # Exponential(1) draws, redrawn per token
-    noise = torch.ones(batch, vocab, device=device)
-    sampling = (noise, choice)
-    if use_cache:
-        dtype = decoding.cache_dtype or next(model.parameters()).dtype
-        cache = InferenceCache(model, batch, device, dtype)
-        # the newest tokens and their position
-        last = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        pos = torch.zeros(1, dtype=torch.long, device=device)
-        args = (model, cache, last, pos, *sampling)
-        decode = speed_up(decode_step, args) if speed_up else decode_step
-    # filled: positions in the cache
-    tokens, filled, checked = idx, 0, 0
-    for i in range(max_new_tokens):
-        if choice.temperature > 0:
-            draw_noise(noise, generator)
-        # recompute the window
-        if not use_cache:
-            next_id, ok = step(model, None, tokens[:, -block_size:], None, *sampling)
-        # prefill: the prompt, or a slide
-        elif filled == 0 or filled == block_size:
-            keep = block_size if filled == 0 else max(1, block_size // 2)
-            keep = min(tokens.size(1), keep)
-            cache.reset()
-            pos_keep = torch.arange(keep, device=device)
-            next_id, ok = step(model, cache, tokens[:, -keep:], pos_keep, *sampling)
-            filled = keep
-            last.copy_(next_id)
-            pos.fill_(filled)
-        # one new token
+    dtype = decoding.cache_dtype or next(model.parameters()).dtype
+    decoder = Decoder(model, idx.size(0), vocab, (choice, generator),
+                      dtype if decoding.use_cache else None)
+    if decoding.use_cache and decoding.speed_up:
+        decoder.run = decoding.speed_up(decoder.run, decoder)
+    # filled: positions cached; i: tokens yielded
+    tokens, filled, i, checked = idx, 0, 0, 0
+    while i < max_new_tokens:
+        if decoder.cache is None or filled in (0, block):
+            keep = min(tokens.size(1), block if filled == 0 else max(1, block // 2))
+            new, ok = decoder.prefill(tokens[:, -keep:])
+            filled = keep if decoder.cache is not None else 0
         else:
-            next_id, ok = decode(*args)
-            filled += 1
-        tokens = torch.cat([tokens, next_id], dim=1)
-        finite[i] = ok
-        if (i + 1) % check_every == 0 or i + 1 == max_new_tokens:
-            check_finite(finite, checked, i + 1)
-            checked = i + 1
-        yield tokens[:, -1:]
+            room = min(block - filled, max_new_tokens - i)
+            new, ok = decoder.run(next(n for n in decoder.sizes if n <= room))
+            filled += new.size(1)
+        n = new.size(1)
+        tokens = torch.cat([tokens, new], dim=1)[:, -block:]
+        finite[i:i + n] = ok
+        for column in tokens[:, -n:].split(1, dim=1):
+            i += 1
+            if i % check_every == 0 or i == max_new_tokens:
+                check_finite(finite, checked, i)
+                checked = i
+            yield column
 
 
 def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
-    """Raise UserError naming the first new token in start..end-1 whose logits were not all
-    finite."""
+    """Raise UserError naming the first of new tokens start..end-1 with a flag down."""
     window = flags[start:end]
     if not window.all():
         first = start + int((~window).nonzero()[0, 0]) + 1
@@ -187,8 +191,7 @@ def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
 
 
 def prompt_ids(tokenizer, text: str, block_size: int, doing: str) -> list[int]:
-    """A prompt's token ids (empty: the start token); one past block_size, the most a model
-    sees, is said."""
+    """A prompt's token ids (empty: the start token); one past block_size is said."""
     try:
         ids = tokenizer.encode(text) if text else [tokenizer.start_token]
     except UserError as e:

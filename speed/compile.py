@@ -1,8 +1,6 @@
-"""torch.compile, tried at once, so that a failure is one warning line and the eager code
-runs instead.
-
-Compiling is lazy: without a trial, a missing C++ compiler or an op the compiler cannot
-handle would surface as a long traceback in the middle of the first step or token.
+"""torch.compile tried at once, so that a failure is one warning line and the eager code runs:
+compiling is lazy, and a missing C++ compiler or an op the compiler cannot handle would
+otherwise be a long traceback in the first step.
 """
 import sys
 
@@ -12,9 +10,8 @@ from common import first_line
 
 
 def compiled_or_eager(fn, trial, doing: str, **options):
-    """torch.compile(fn, **options), first called by trial(compiled) (which should run it as
-    it will run). Any failure there (dynamo, inductor, the C++/Triton toolchain) prints
-    'warning: torch.compile failed, <doing> without it (...)' and returns fn itself."""
+    """torch.compile(fn, **options), first called by trial(compiled) as it will run; after a
+    failure there (dynamo, inductor, the toolchain), fn itself."""
     compiled = torch.compile(fn, **options)
     try:
         trial(compiled)

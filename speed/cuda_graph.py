@@ -1,20 +1,18 @@
 """CUDA graphs: a step's kernels recorded once and replayed with one launch.
 
-Why: a small model on a big GPU spends most of a step in Python launching hundreds of small kernels
-while the GPU waits; a replay costs one launch. What a graph needs: everything it touches stays at
-the same address (inputs are copied into a static buffer, the learning rate is a tensor, gradients
-and optimizer state are allocated once), and nothing in it waits for the host (no .item(), no Python
-branch on a tensor's value). Two users: the training step (graph_step) and the decoding step
-(speed/decoding.py, sample.py --compile).
+A small model on a big GPU spends most of a step in Python launching small kernels while the
+GPU waits. A graph needs everything it touches to stay at the same address (static buffers, the
+learning rate a tensor) and nothing in it to wait for the host (no .item(), no Python branch on
+a tensor's value).
 """
 import torch
 
 
-def record(fn, warmup: int = 2):
+def record(fn, warmup: int = 2, generator: torch.Generator | None = None):
     """Call fn() `warmup` times on a side stream (compiling, allocating and choosing kernels
-    outside the recording, as CUDA graphs require), then record one more call. Returns (graph, what
-    that call returned): each graph.replay() runs the same kernels on the same tensors and
-    overwrites those outputs."""
+    outside the recording), then record one more call -> (graph, what that call returned,
+    which each graph.replay() overwrites). generator: one fn draws from besides the default;
+    a replay draws what eager code would from its state, then advances it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -22,25 +20,26 @@ def record(fn, warmup: int = 2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    # before torch 2.14 only the default generator registers itself (after, this call warns)
+    if generator is not None and torch.__version__ < "2.14.0a0":
+        graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
 
 
 def graph_step(step, optimizer, capture: bool = True):
-    """step(), a whole training step on static tensors (its windows in a buffer refilled before
-    each call), recorded as a CUDA graph: returns run(), which replays it. capture=False runs the
-    same step without recording (how it is tested on a CPU).
+    """step(), a training step on static tensors, recorded as a CUDA graph -> run(), which
+    replays it (capture=False: the same warm-up, then step itself; how a CPU tests it).
 
-    The learning rates become tensors on the device (set_lr fills them in place). The warm-up
-    before recording executes real updates: the parameters and the optimizer's state are put back
-    afterwards, in place, so that training starts where it would have. Any failure puts the float
-    learning rates back, for the eager step that replaces this one."""
+    The learning rates become tensors on the device (set_lr fills them). The warm-up's real
+    updates are undone in place; a failure puts the float learning rates back for the eager
+    step."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)
     saved = [p.detach().clone() for p in params]
-    saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+    saved_state = {p: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
                    for p, s in optimizer.state.items()}
     graph = out = None
     try:

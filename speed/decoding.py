@@ -1,50 +1,55 @@
-"""The one-token decoding step, compiled, and on CUDA replayed as a CUDA graph: sample.py
---compile.
+"""sample.py --compile: the decoding step compiled, and on CUDA a run of several tokens
+(model/sampling.py's Decoder.run) replayed as one CUDA graph.
 
-At batch 1 a decoding step is a hundred small kernels, and launching them one by one from
-Python costs more than running them. model/sampling.py's decode_step has fixed shapes and
-updates its tensors in place, so torch.compile makes it one graph, and a CUDA graph replays
-that graph with one launch per token. generate(..., decoding=Decoding(speed_up=compiled))
-asks for it; on a CPU, compiling costs tens of seconds, more than a sample saves (bench.py
-sample measures both).
+At batch 1 a step is a hundred small kernels, which cost more to launch from Python than to
+run. On a CPU compiling costs more than a sample saves (bench.py sample).
 """
 import functools
 import sys
+
+import torch
 
 from common import first_line
 from speed.compile import compiled_or_eager
 
 
-def compiled(step, args: tuple):
-    """step (decode_step) compiled for args, which it updates in place; on CUDA a graph
-    replay that returns the graph's own outputs (the next replay overwrites them). A failure
-    is one warning line and the step without it.
+def compiled(run, decoder):
+    """decoder.step compiled; on CUDA -> a run(n) replaying a CUDA graph of run(n) for each n
+    in decoder.sizes, else run. A failure is one warning line and the code without it.
 
-    explicit=True: the compiler fuses the explicit attention math into a few kernels for one
-    query (the fused attention kernels are made for many). Coordinate descent tuning makes
-    inductor turn each one-row matmul into a reduction it tunes and fuses with its
-    neighbours."""
-    model = args[0]
-    cuda = next(model.parameters()).is_cuda
+    explicit=True: inductor fuses explicit attention for one query into a few kernels; with
+    coordinate descent tuning, each one-row matmul becomes a reduction fused with neighbours."""
+    cuda, generator = decoder.pos.is_cuda, decoder.generator
     options = {"coordinate_descent_tuning": True} if cuda else None
 
     def trial(fn):
         for _ in range(2):
-            fn(*args)
-    explicit = functools.partial(step, explicit=True)
-    decode = compiled_or_eager(explicit, trial, "decoding",
-                               fullgraph=True, dynamic=False, options=options)
+            fn(*decoder.args)
+    explicit = functools.partial(decoder.step, explicit=True)
+    decoder.step = compiled_or_eager(explicit, trial, "decoding",
+                                     fullgraph=True, dynamic=False, options=options)
     if not cuda:
-        return decode
+        return run
     from speed.cuda_graph import record
-    try:
-        graph, out = record(lambda: decode(*args))
-    except Exception as e:
-        print(f"warning: recording the decoding step as a CUDA graph failed, decoding "
-              f"without it ({type(e).__name__}: {first_line(e)})", file=sys.stderr, flush=True)
-        return decode
+    graphs = {}
+    # the warm-up's draws are undone: a seed gives the eager code's tokens
+    with torch.random.fork_rng(devices=[decoder.pos.device]):
+        state = generator and generator.get_state()
+        try:
+            for n in decoder.sizes:
+                decoder.pos.zero_()
+                graphs[n] = record(functools.partial(run, n), 1, generator)
+        except Exception as e:
+            print(f"warning: recording the decoding step as a CUDA graph failed, decoding "
+                  f"without it ({type(e).__name__}: {first_line(e)})", file=sys.stderr,
+                  flush=True)
+            return run
+        finally:
+            if generator:
+                generator.set_state(state)
 
-    def replay(*same_args):
+    def replay(n):
+        graph, out = graphs[n]
         graph.replay()
         return out
     return replay
