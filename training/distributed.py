@@ -10,32 +10,20 @@ DDP (the default): every process holds the whole model, and backward averages th
 of each one's slice of the batch. FSDP (train.fsdp): each holds 1/world of every parameter,
 gradient and optimizer state, and gathers a block's parameters just before it runs: the
 same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes.
-
-When a process dies, torchrun ends the others on its machine; on other machines the
-collective they wait in fails, and each machine ends in one line (lost_peer_line).
+Only such a run loads this module (training.trainer.place).
 """
 import atexit
 import gc
 import os
-import shlex
-import sys
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from common import ROOT, UserError, first_line, typed
-from loading import list_checkpoints
-from training.optim import rekeyed
+from common import UserError
 
 # how long processes wait for their leaders' data preparation
 LEADERS_TIMEOUT = timedelta(days=1)
-
-
-def launched() -> bool:
-    """Whether torchrun started this process as one of several."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def join(device: torch.device) -> tuple[torch.device, int, int, int]:
@@ -91,24 +79,7 @@ def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool, seed: int):
     return fully_shard(model, mesh=mesh)
 
 
-def sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP holds model (DDP has no set_requires_gradient_sync)."""
-    return hasattr(model, "set_requires_gradient_sync")
 
-
-def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
-    """Whether the next backward averages the gradients over the ranks: only a step's last
-    micro-step does, the others accumulate locally."""
-    if sharded(module):
-        module.set_requires_gradient_sync(sync)
-    else:
-        module.require_backward_grad_sync = sync
-
-
-def mean(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of tensor over the ranks, in place on every rank."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.div_(dist.get_world_size())
 
 
 def gather(obj, group=None) -> list:
@@ -118,36 +89,6 @@ def gather(obj, group=None) -> list:
     return out
 
 
-def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts as one process holds them: a checkpoint loads
-    anywhere. Under FSDP every rank calls it: the shards are gathered to rank 0's CPU."""
-    if not sharded(model):
-        return model.state_dict(), optimizer.state_dict()
-    import torch.distributed.checkpoint.state_dict as dcp
-    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = dcp.get_model_state_dict(model, options=options)
-    # keyed by parameter name, empty but on rank 0 (a list: torch's helpers take a lone
-    # optimizer for a torch.optim one)
-    optim_state = dcp.get_optimizer_state_dict(model, [optimizer], options=options)
-    if not optim_state:
-        return model_state, optim_state
-    index = {}
-    return model_state, rekeyed(optim_state, lambda n: index.setdefault(n, len(index)))
-
-
-def load_full_state(model: torch.nn.Module, optimizer, model_state: dict,
-                    optim_state: dict) -> None:
-    """The inverse of full_state, on every rank: each keeps its own shards under FSDP."""
-    if not sharded(model):
-        model.load_state_dict(model_state)
-        return optimizer.load_state_dict(optim_state)
-    import torch.distributed.checkpoint.state_dict as dcp
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    full = dcp.StateDictOptions(full_state_dict=True)
-    dcp.set_model_state_dict(model, model_state, options=full)
-    by_name = rekeyed(optim_state, order.__getitem__)
-    dcp.set_optimizer_state_dict(model, [optimizer], by_name, options=full)
 
 
 def agreed_stop(signum: int, device: torch.device) -> int:
@@ -167,40 +108,3 @@ def leave(finished: bool = True) -> None:
             gc.collect()
             dist.barrier()
         dist.destroy_process_group()
-
-
-def relaunch(*args: str) -> str:
-    """The torchrun command that starts this run's processes again, train.py given args: as
-    many on each machine, on several machines the same rendezvous."""
-    env = os.environ
-    per_node = f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', env['WORLD_SIZE'])}"
-    script = [typed(ROOT / "train.py"), *args]
-    if env.get("GROUP_WORLD_SIZE", "1") == "1":
-        return shlex.join(["torchrun", "--standalone", per_node, *script])
-    words = [f"--nnodes={env['GROUP_WORLD_SIZE']}", f"--node_rank={env['GROUP_RANK']}",
-             per_node, f"--master_addr={env['MASTER_ADDR']}",
-             f"--master_port={env['MASTER_PORT']}"]
-    note = " (on each machine, with its own --node_rank)"
-    return shlex.join(["torchrun", *words, *script]) + note
-
-
-@contextmanager
-def lost_peer_line(out_dir, again: str):
-    """A collective that fails because another process ended or stopped answering ends this
-    one with exit 2, and one line from local rank 0: the checkpoint kept and `again`, the
-    command that continues from it."""
-    try:
-        yield
-    except RuntimeError as e:
-        if not (isinstance(e, dist.DistError) or "gloo/transport/" in str(e)):
-            raise
-        if int(os.environ.get("LOCAL_RANK", "0")):
-            sys.exit(2)
-        kept = f"no checkpoint in {out_dir}"
-        if saved := list_checkpoints(out_dir):
-            kept = (f"the checkpoint of step {saved[-1][0]} is kept in {out_dir}: "
-                    f"{again} continues it")
-        # gloo says "[file:line] What happened. What to do."
-        why = first_line(e).split("] ", 1)[-1].split(". ")[0]
-        raise UserError(f"another process of this run ended or stopped answering "
-                        f"({why}); {kept}") from None

@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from common import (UserError, atomic_write, command, cpu_clock, duration, first_line,
                     silence_stdout, typed)
@@ -34,11 +35,12 @@ from loading import read_checkpoint
 from model.device import autocast, fit_threads, pick_device, pick_dtype
 from model.gpt import GPT, bits_per_byte, score
 from model.sampling import Choice, generate, prompt_ids
-from training import distributed
 from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
-                                 link_best, open_out_dir, restore, run_config, training_state)
+                                 link_best, open_out_dir, restore, run_config, sharded,
+                                 training_state)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
+from viz.curves import draw, read_records, run_panels
 
 # evaluations draw the same batches every time, whatever the training seed; samples likewise
 EVAL_SEED = 4242
@@ -60,24 +62,33 @@ class Progress:
 
 @dataclass
 class Place:
-    """Where the run computes: the device and dtype, and under torchrun this process's ranks."""
+    """Where the run computes: the device and dtype; under torchrun this process's ranks and
+    the torchrun machinery (training/distributed.py, loaded only then)."""
     device: torch.device
     dtype: torch.dtype
     rank: int = 0
     local_rank: int = 0
     world: int = 1
+    dist: object = None
 
     @property
     def ddp(self) -> bool:
         return self.world > 1
 
 
+def launched() -> bool:
+    """Whether torchrun started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def place(t) -> Place:
     """The device and dtype t asks for; under torchrun, after joining the other processes."""
-    device, ranks = pick_device(t.device), ()
-    if distributed.launched():
-        device, *ranks = distributed.join(device)
-    return Place(device, pick_dtype(device, t.dtype), *ranks)
+    device = pick_device(t.device)
+    if not launched():
+        return Place(device, pick_dtype(device, t.dtype))
+    from training import distributed
+    device, *ranks = distributed.join(device)
+    return Place(device, pick_dtype(device, t.dtype), *ranks, distributed)
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
@@ -95,7 +106,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     if ckpt is not None:
         check_resumable(ckpt, resume_from, cfg)
         if ckpt["step"] >= t.max_steps:
-            return finished(cfg, ckpt, say, at.ddp)
+            return finished(cfg, ckpt, say, at)
     loader = data_loader(cfg, at)
     meta = loader.meta
     if ckpt is not None:
@@ -105,7 +116,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     # ---- the model (the same initial weights on every rank), the optimizer, the step
     model = build_model(cfg, at, resumed=ckpt is not None)
     # DDP and FSDP wrap the model before the optimizer is built over its parameters
-    wrapped = distributed.wrap(model, at.device, t.fsdp, t.seed) if at.ddp else model
+    wrapped = at.dist.wrap(model, at.device, t.fsdp, t.seed) if at.ddp else model
     optimizer = build_optimizer(model, t, at.device)
     scaler = torch.amp.GradScaler(at.device.type, enabled=at.dtype == torch.float16)
     run = Progress()
@@ -150,7 +161,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             sampled = t.sample_every and (step % t.sample_every == 0 or step == t.max_steps)
             # the signal a stop was asked by (0: none; at the last step the run ends as it would)
             asked = stop[0] if stop and step < t.max_steps else 0
-            stopping = asked if not at.ddp else logged and distributed.agreed_stop(asked, at.device)
+            stopping = asked if not at.ddp else logged and at.dist.agreed_stop(asked, at.device)
             # a sample of weights that a non-finite step touched would say nothing
             if logged or stopping or sampled:
                 # .item() waits for the device: the steps have run, and the timing is true
@@ -176,7 +187,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                     losses = evaluate(wrapped, loader, t.eval_iters, at)
                     check_finite({f"{s} loss": v for s, v in losses.items()}, checked, step, saved)
                     log_eval(say, metrics, meta, run, losses)
-                state = training_state(cfg, model, optimizer, scaler, loader, at.ddp)
+                state = training_state(cfg, model, optimizer, scaler, loader, at)
                 saver.save(state | asdict(run))
                 cfg.log.curves and saver.then(draw_curves, out, step)
                 saved, checked = step, step
@@ -195,7 +206,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     signum = stopping if run.step < t.max_steps else (stop or [0])[0]
     say(last_line(run, t, signum, out, again))
     if at.ddp:
-        distributed.leave()
+        at.dist.leave()
     code = 128 + signum if stop or run.step < t.max_steps else 0
     return {"step": run.step, "best_val_loss": run.best_val_loss, "elapsed_s": run.elapsed,
             "how": how, "intervals": clock.intervals, "exit_code": code}
@@ -205,7 +216,7 @@ def data_loader(cfg: Config, at: Place) -> BatchLoader:
     """The run's batches, on its device; under torchrun each machine's first process prepares."""
     t, block_size = cfg.train, cfg.model.block_size
     make = partial(prepare, cfg.data, block_size)
-    dataset = distributed.leader_first(make, at.local_rank == 0) if at.ddp else make()
+    dataset = at.dist.leader_first(make, at.local_rank == 0) if at.ddp else make()
     return BatchLoader(dataset, block_size, t.batch_size, seed=t.seed, device=at.device,
                        share=Share(t.grad_accum, at.rank, at.world))
 
@@ -271,15 +282,15 @@ def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
             f"to sample it: {command('sample.py', typed(out))}")
 
 
-def finished(cfg: Config, ckpt: dict, say, ddp: bool) -> dict:
+def finished(cfg: Config, ckpt: dict, say, at: Place) -> dict:
     """A run resumed at its train.max_steps: nothing trains, nothing is written."""
     t = cfg.train
     say(f"# {cfg.out_dir}: the run is at step {ckpt['step']}, train.max_steps = {t.max_steps}: "
         f"nothing to train, nothing changed (a larger --train.max_steps continues it)")
     # the config handed back is the run's (a sweep sizes the model from it)
     cfg.model.vocab_size = ckpt["config"]["model"]["vocab_size"]
-    if ddp:
-        distributed.leave()
+    if at.ddp:
+        at.dist.leave()
     return {"step": ckpt["step"], "best_val_loss": ckpt["best_val_loss"],
             "elapsed_s": ckpt["elapsed"], "how": "", "intervals": [], "exit_code": 0}
 
@@ -327,13 +338,13 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
             x, y = windows[micro, :, :-1], windows[micro, :, 1:]
             # only the last micro-step averages the gradients over the ranks
             if ddp is not None:
-                distributed.sync_gradients(ddp, micro == accum - 1)
+                sync_gradients(ddp, micro == accum - 1)
             _, loss = wrapped(x, y)
             loss_sum += loss.detach()
             scaler.scale(loss / accum).backward()
     # the loss of the whole global batch, on every rank
     if ddp is not None:
-        distributed.mean(loss_sum)
+        mean(loss_sum)
     scaler.unscale_(optimizer)
     clip = grad_clip if grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
@@ -343,6 +354,21 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / accum, grad_norm
+
+
+def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
+    """Whether the next backward averages the gradients over the ranks: only a step's last
+    micro-step does, the others accumulate locally."""
+    if sharded(module):
+        module.set_requires_gradient_sync(sync)
+    else:
+        module.require_backward_grad_sync = sync
+
+
+def mean(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of tensor over the ranks, in place on every rank."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.div_(dist.get_world_size())
 
 
 def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
@@ -457,7 +483,7 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
         nats, count = score(wrapped, batches, autocast(at.device, at.dtype))
         if at.ddp and iters:
             both = torch.tensor([nats, count], dtype=torch.float64, device=at.device)
-            nats, count = distributed.mean(both).tolist()
+            nats, count = mean(both).tolist()
         losses[split] = nats / count
     return losses
 
@@ -475,8 +501,7 @@ def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
 
 
 def draw_curves(out: Path, step: int) -> None:
-    """curves.png: the run's losses so far (matplotlib is imported on first use)."""
-    from viz.curves import draw, read_records, run_panels
+    """curves.png: the run's losses so far."""
     records = read_records(out / "metrics.jsonl", warn=False)
     atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {step}"))
 
@@ -532,9 +557,7 @@ class Metrics:
                             f"{first_line(e, 80)}); pip install wandb, run `wandb login` or set "
                             f"WANDB_MODE=offline") from None
         kept = []
-        # viz/curves.py is loaded only here and for curves.png
         if self.resume_step is not None:
-            from viz.curves import read_records
             kept = [r for r in read_records(self.path) if r["step"] <= self.resume_step]
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
