@@ -19,16 +19,11 @@ kept beside it as <out_dir>.replaced-<time>).
 Runs go to out/<name> in the repository, and prepared data to data/prepared/, wherever
 you run from.
 """
-import os
-import shlex
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
-import torch.distributed as dist
-
-from common import ROOT, ArgumentParser, UserError, command, first_line, run_cli, typed
-from loading import list_checkpoints
+from common import ArgumentParser, command, run_cli
 from training.config import FIELDS, Config, build_config, flat, fmt
 from training.trainer import launched, train
 
@@ -69,49 +64,13 @@ def main(argv: list[str]) -> int:
     lost = nullcontext()
     # under torchrun: torchrun's command, and a lost peer said in one line
     if launched():
-        again = relaunch(*words)
-        lost = lost_peer_line(cfg.out_dir, again)
+        from training import distributed
+        again = distributed.relaunch(*words)
+        lost = distributed.lost_peer_line(cfg.out_dir, again)
     with lost:
         result = train(cfg, bool(args.resume), args.overwrite, checkpoint=checkpoint,
                        again=again)
         return result["exit_code"]
-
-
-def relaunch(*args: str) -> str:
-    """The torchrun command that starts this run's processes again, train.py given args: as
-    many on each machine, on several machines the same rendezvous."""
-    env = os.environ
-    per_node = f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', env['WORLD_SIZE'])}"
-    script = [typed(ROOT / "train.py"), *args]
-    if env.get("GROUP_WORLD_SIZE", "1") == "1":
-        return shlex.join(["torchrun", "--standalone", per_node, *script])
-    words = [f"--nnodes={env['GROUP_WORLD_SIZE']}", f"--node_rank={env['GROUP_RANK']}",
-             per_node, f"--master_addr={env['MASTER_ADDR']}",
-             f"--master_port={env['MASTER_PORT']}"]
-    note = " (on each machine, with its own --node_rank)"
-    return shlex.join(["torchrun", *words, *script]) + note
-
-
-@contextmanager
-def lost_peer_line(out_dir, again: str):
-    """When a process dies, torchrun ends the others on its machine; on other machines the
-    collective they wait in fails. That ends each machine with exit 2 and one line from its
-    local rank 0: the checkpoint kept and `again`, the command that continues from it."""
-    try:
-        yield
-    except RuntimeError as e:
-        if not (isinstance(e, dist.DistError) or "gloo/transport/" in str(e)):
-            raise
-        if int(os.environ.get("LOCAL_RANK", "0")):
-            sys.exit(2)
-        kept = f"no checkpoint in {out_dir}"
-        if saved := list_checkpoints(out_dir):
-            kept = (f"the checkpoint of step {saved[-1][0]} is kept in {out_dir}: "
-                    f"{again} continues it")
-        # gloo says "[file:line] What happened. What to do."
-        why = first_line(e).split("] ", 1)[-1].split(". ")[0]
-        raise UserError(f"another process of this run ended or stopped answering "
-                        f"({why}); {kept}") from None
 
 
 if __name__ == "__main__":

@@ -34,10 +34,10 @@ def run_files(out: Path) -> list[str]:
     return sorted(n for n in names if n in RUN_FILES or CKPT_RE.match(n))
 
 
-def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=None,
+def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, checkpoint=None,
                   again="--resume"):
-    """The checkpoint a run on `data` continues (None: a new run), once out can take the run;
-    a refusal names `again`, the command that continues the run out holds."""
+    """The checkpoint a run on `data` continues (None: a new run), once out (whose config.toml
+    says `run`) can take the run; a refusal names `again`, the command that continues it."""
     latest = (list_checkpoints(out) or [(0, out / "best.pt")])[-1][1]
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other: continue the run, "
@@ -52,7 +52,6 @@ def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=Non
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write the out dir {out}: {parent} is not a writable folder")
     held = run_files(out) if out.is_dir() else []
-    run = run_config(out)
     # a run stopped before its first checkpoint (its config.toml this code's): no run to keep
     unsaved = not latest.is_file() and run and set(run) <= set(FIELDS) and "out_dir" in run
     if resume or overwrite or not held or unsaved:

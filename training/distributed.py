@@ -10,17 +10,24 @@ DDP (the default): every process holds the whole model, and backward averages th
 of each one's slice of the batch. FSDP (train.fsdp): each holds 1/world of every parameter,
 gradient and optimizer state, and gathers a block's parameters just before it runs: the
 same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes.
-Only such a run loads this module (training.trainer.place).
+Only such a run loads this module (trainer.place, and train.py for the lines it ends with).
+
+When a process dies, torchrun ends the others on its machine; on other machines the
+collective they wait in fails, and each machine ends in one line (lost_peer_line).
 """
 import atexit
 import gc
 import os
+import shlex
+import sys
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from common import UserError
+from common import ROOT, UserError, first_line, typed
+from loading import list_checkpoints
 
 # how long processes wait for their leaders' data preparation
 LEADERS_TIMEOUT = timedelta(days=1)
@@ -108,3 +115,40 @@ def leave(finished: bool = True) -> None:
             gc.collect()
             dist.barrier()
         dist.destroy_process_group()
+
+
+def relaunch(*args: str) -> str:
+    """The torchrun command that starts this run's processes again, train.py given args: as
+    many on each machine, on several machines the same rendezvous."""
+    env = os.environ
+    per_node = f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', env['WORLD_SIZE'])}"
+    script = [typed(ROOT / "train.py"), *args]
+    if env.get("GROUP_WORLD_SIZE", "1") == "1":
+        return shlex.join(["torchrun", "--standalone", per_node, *script])
+    words = [f"--nnodes={env['GROUP_WORLD_SIZE']}", f"--node_rank={env['GROUP_RANK']}",
+             per_node, f"--master_addr={env['MASTER_ADDR']}",
+             f"--master_port={env['MASTER_PORT']}"]
+    note = " (on each machine, with its own --node_rank)"
+    return shlex.join(["torchrun", *words, *script]) + note
+
+
+@contextmanager
+def lost_peer_line(out_dir, again: str):
+    """A collective that fails because another process ended or stopped answering ends this
+    one with exit 2, and one line from local rank 0: the checkpoint kept and `again`, the
+    command that continues from it."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not (isinstance(e, dist.DistError) or "gloo/transport/" in str(e)):
+            raise
+        if int(os.environ.get("LOCAL_RANK", "0")):
+            sys.exit(2)
+        kept = f"no checkpoint in {out_dir}"
+        if saved := list_checkpoints(out_dir):
+            kept = (f"the checkpoint of step {saved[-1][0]} is kept in {out_dir}: "
+                    f"{again} continues it")
+        # gloo says "[file:line] What happened. What to do."
+        why = first_line(e).split("] ", 1)[-1].split(". ")[0]
+        raise UserError(f"another process of this run ended or stopped answering "
+                        f"({why}); {kept}") from None

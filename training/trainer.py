@@ -1,23 +1,21 @@
-"""Training a GPT, top to bottom: `python train.py` calls train(cfg). The set-up checks
-everything before the run's first write; train_step is one optimizer step (on one CUDA GPU
-recorded once as a CUDA graph); the loop logs, evaluates, saves and samples.
+"""Training a GPT: `python train.py` calls train(cfg). The set-up checks everything before
+the run's first write; train_step is one optimizer step (on one CUDA GPU, a CUDA graph); the
+loop logs, evaluates, saves and samples.
 
-  exact resume  weights, optimizer, schedule, data order and random generators go on where
-                the checkpoint left them (on a CPU: with as many threads)
-  non-finite    a loss or gradient norm the loop reads that is not finite stops the run;
-                no checkpoint is written after it
-  true speed    ms/step is timed once a log line has read the loss: the device has finished
+  exact resume  weights, optimizer, schedule, data order and generators go on where the
+                checkpoint left them (on a CPU: with as many threads)
+  non-finite    a non-finite loss or gradient norm stops the run; no checkpoint follows it
+  true speed    ms/step is timed once a log line has read the loss: the device is done
   signals       SIGINT or SIGTERM: the step finishes (under torchrun: the steps to the next
                 log line), a checkpoint is saved, the run exits 128 + the signal; a second
-                one exits at once
+                one exits at once (common.stop_after_step)
 """
 import json
 import math
 import os
 import signal
-import threading
 import time
-from contextlib import closing, contextmanager, suppress
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -25,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import (UserError, atomic_write, command, cpu_clock, duration, first_line,
-                    silence_stdout, typed)
+from common import (UserError, atomic_write, command, cpu_clock, duration, first_line, printer,
+                    stop_after_step, typed)
 from data.loader import BatchLoader, Share
 from data.prepare import prepare
 from data.sources import find_sources
@@ -101,7 +99,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
 
     # ---- every check before the first write (a mistyped --data is no out dir of other data)
     find_sources(cfg.data.path)
-    resume_from = check_out_dir(out, cfg.data, resume, overwrite, checkpoint, again)
+    stored = run_config(out)
+    resume_from = check_out_dir(out, stored, cfg.data, resume, overwrite, checkpoint, again)
     ckpt = read_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
         check_resumable(ckpt, resume_from, cfg)
@@ -129,18 +128,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     run_step, how = build_step(wrapped, optimizer, scaler, loader, at, t, say)
 
     # ---- the run's first write
-    stored = run_config(out) if resume_from else {}
     metrics = Metrics(cfg if at.rank == 0 else None, run.step if resume_from else None)
     if at.rank == 0:
         aside = open_run(cfg, overwrite, best, metrics)
         what = f"resuming {resume_from} at step {run.step}" if resume_from else "a new run"
         kept = f"; the earlier run is kept in {aside}" if aside else ""
         say(f"# {out}: {what} (every setting: {out / 'config.toml'}){kept}")
-        banner(say, cfg, stored, was, at.world)
+        banner(say, cfg, stored if resume_from else {}, was, at.world)
         say(shape(cfg, model, loader, at, how))
 
     # ---- the loop
-    tokens_per_step = global_batch(t, at.world) * cfg.model.block_size
+    tokens_per_step = t.global_batch(at.world) * cfg.model.block_size
     # the last checkpoint's step, and the last step whose loss was read
     saved = run.step if resume_from else None
     checked = run.step
@@ -148,7 +146,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     # the cores other processes keep busy, read again at each log line
     cpu = cpu_clock()
     saver = Saver(out if at.rank == 0 else None, t.keep_checkpoints)
-    with stop_signals(at.local_rank == 0) as stop, closing(metrics), saver:
+    with stop_after_step(at.local_rank == 0) as stop, closing(metrics), saver:
         while run.step < t.max_steps:
             lr = lr_at(run.step, t)
             set_lr(optimizer, lr)
@@ -295,11 +293,6 @@ def finished(cfg: Config, ckpt: dict, say, at: Place) -> dict:
             "elapsed_s": ckpt["elapsed"], "how": "", "intervals": [], "exit_code": 0}
 
 
-def global_batch(t, world: int) -> int:
-    """Sequences per optimizer step, over every process."""
-    return t.batch_size * t.grad_accum * world
-
-
 def fit_to_data(cfg: Config, meta: dict):
     """The data's tokenizer, and its vocabulary the model's (model.vocab_size = 0); a sample
     prompt it cannot encode is refused now, not at the first sample."""
@@ -432,34 +425,6 @@ def compile_trial(compiled, loader, at: Place) -> None:
     compiled.zero_grad(set_to_none=True)
 
 
-@contextmanager
-def stop_signals(loud: bool = True):
-    """Inside, SIGINT and SIGTERM ask the run to stop (the yielded list gets the signal); a
-    second one ends the process. Said on stderr when loud (torchrun signals a machine's every
-    process) by os.write: a print() here could land inside one it cut short."""
-    asked = []
-
-    def handler(signum, frame):
-        asked.append(signum)
-        said = "again: exiting now" if len(asked) > 1 else \
-            "finishing this step and saving a checkpoint (again to exit at once)"
-        # a stderr whose reader is gone must not end the run unsaved
-        with suppress(OSError):
-            loud and os.write(2, f"\n{signal.Signals(signum).name}: {said}\n".encode())
-        if len(asked) > 1:
-            os._exit(128 + signum)
-    # only the main thread can set handlers; a signal the shell ignores (`cmd &`) stays so
-    main = threading.current_thread() is threading.main_thread()
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    for s in [s for s, h in before.items() if h is not signal.SIG_IGN]:
-        signal.signal(s, handler)
-    try:
-        yield asked
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-
 def check_finite(values: dict, since: int, step: int, saved: int | None) -> None:
     """Stop the run, naming the steps between which it happened, if a value is not finite."""
     for name, value in values.items():
@@ -521,19 +486,9 @@ def sample(model: GPT, tokenizer, t, at: Place) -> str:
     return t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")
 
 
+
+
 # --- what a run says and records
-
-def printer(enabled: bool):
-    """print(), flushed (or nothing: quiet runs, ranks but 0); a stdout whose reader is gone
-    stops the printing, not the run."""
-    def say(*args, **kwargs):
-        try:
-            if enabled:
-                print(*args, **kwargs, flush=True)
-        except (OSError, ValueError):
-            silence_stdout()
-    return say
-
 
 class Metrics:
     """metrics.jsonl, and wandb; Metrics(None) records nothing (ranks but 0). Resumed at
@@ -586,7 +541,7 @@ def banner(say, cfg, stored: dict, was, world: int) -> None:
     for key in [k for k in now if k in stored and stored[k] != now[k]]:
         say(f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}")
     t = cfg.train
-    if was and was[0] != global_batch(t, world):
+    if was and was[0] != t.global_batch(world):
         say(resized(was, t, world, cfg.model.block_size))
     if t.warmup_steps >= t.max_steps:
         say(f"# note: train.warmup_steps = {t.warmup_steps} is not below train.max_steps = "
@@ -600,7 +555,7 @@ def shape(cfg, model, loader, at: Place, how: str) -> str:
     procs = f" x {at.world} processes ({'FSDP' if t.fsdp else 'DDP'})" if at.ddp else ""
     threads = torch.get_num_threads()
     where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
-    tokens = global_batch(t, at.world) * cfg.model.block_size
+    tokens = t.global_batch(at.world) * cfg.model.block_size
     data = f"{loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})"
     dtype = str(at.dtype).removeprefix("torch.")
     return (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | "
@@ -609,7 +564,7 @@ def shape(cfg, model, loader, at: Place, how: str) -> str:
 
 def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
     """A run resumed at another global batch: the setting that keeps it."""
-    (seqs, procs), now = was, global_batch(t, world)
+    (seqs, procs), now = was, t.global_batch(world)
     if seqs % (t.batch_size * world) == 0:
         keep = f"--train.grad_accum={seqs // (t.batch_size * world)}"
     elif seqs % (t.grad_accum * world) == 0:
