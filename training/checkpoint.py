@@ -1,8 +1,8 @@
-"""Checkpoints: the out dir, writing them, and a run continued from one (loading.py reads
-them). An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (a hard
-link to the one of the lowest val loss), config.toml, metrics.jsonl and curves.png. A folder
-holding a run is refused unless --resume, or --overwrite, which renames it aside: nothing is
-lost. A checkpoint is written whole or not at all, and holds all a run needs to go on exactly.
+"""Checkpoints: the out dir, writing them, and resuming from one (loading.py reads them).
+An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (a hard link to
+the one of the lowest val loss), config.toml, metrics.jsonl and curves.png. A folder holding
+a run is refused unless --resume, or --overwrite, which renames it aside. A checkpoint is
+written whole or not at all, and holds all a run needs to go on exactly.
 """
 import errno
 import os
@@ -24,8 +24,6 @@ RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
 FOR_USING = ("format", "version", "config", "tokenizer", "model", "step", "best_val_loss")
 FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
                 "tokens", "is_best")
-# a resumed run's own, from its config
-HYPERPARAMETERS = ("base_lr", "betas", "weight_decay", "momentum")
 
 
 def run_files(out: Path) -> list[str]:
@@ -79,8 +77,8 @@ def run_config(out: Path) -> dict:
 
 
 def open_out_dir(out: Path, overwrite: bool, first_writes) -> Path | None:
-    """Make out, after renaming (--overwrite) an earlier run's folder aside (returned), then
-    first_writes(); their UserError undoes it all."""
+    """Make out (--overwrite: after renaming an earlier run aside, returned), then
+    first_writes(); a UserError there undoes it all."""
     made, aside = not out.exists(), None
     if overwrite and out.is_dir() and run_files(out):
         now = datetime.now(timezone.utc)
@@ -99,8 +97,7 @@ def open_out_dir(out: Path, overwrite: bool, first_writes) -> Path | None:
 
 
 def link_best(path: Path) -> None:
-    """best.pt becomes path: a hard link (it keeps the data when ckpt_* is rotated out), or a
-    copy where the file system has none."""
+    """best.pt becomes path: a hard link (it outlives ckpt_*'s rotation), else a copy."""
     best = path.parent / "best.pt"
     tmp = path.parent / ".best.pt.tmp"
     if best.exists() and os.path.samefile(best, path):
@@ -116,10 +113,9 @@ def link_best(path: Path) -> None:
 
 
 class Saver(ThreadPoolExecutor):
-    """Checkpoints written by a thread of their own while the steps go on. save(state) waits
-    for the write before (one copy held at most; its error raised), copies state to host
-    memory and hands the write to the thread; then(fn) runs fn there after it. Saver(None)
-    writes nothing (ranks but 0)."""
+    """Checkpoints written on a thread of their own while the steps go on. save(state) waits
+    for the write before (its error raised), copies state to host memory and hands it to
+    the thread; then(fn) runs fn there after it. Saver(None) writes nothing (ranks but 0)."""
 
     def __init__(self, out: Path | None, keep: int):
         super().__init__(1)
@@ -144,8 +140,8 @@ class Saver(ThreadPoolExecutor):
 
 
 def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
-    """Write ckpt_<step>.pt (best.pt if it is the best); keep the newest `keep`, none later (a
-    run resumed from an earlier checkpoint replaces them)."""
+    """Write ckpt_<step>.pt (and best.pt); keep the newest `keep`, and none later (a run
+    resumed from an earlier checkpoint replaces them)."""
     path = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt"
     best = Path(out_dir) / "best.pt"
     # an abandoned run's checkpoint of this step is replaced
@@ -168,8 +164,8 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
 
 
 def to_host(obj, key=None):
-    """obj with its tensors (in dicts, lists, tuples) copied to host memory, and an optimizer's
-    lr a float (a CUDA graph's is a tensor): a checkpoint resumes with either kind of step."""
+    """obj with its tensors copied to host memory, and an optimizer's lr a float (a CUDA
+    graph's is a tensor): a checkpoint resumes with either kind of step."""
     if torch.is_tensor(obj):
         return float(obj) if key == "lr" else obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -186,14 +182,14 @@ def sharded(model: torch.nn.Module) -> bool:
 
 def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts as one process holds them: a checkpoint loads
-    anywhere. Under FSDP every rank calls it: the shards are gathered to rank 0's CPU."""
+    anywhere. Under FSDP every rank calls it, and rank 0's CPU gets the shards."""
     if not sharded(model):
         return model.state_dict(), optimizer.state_dict()
     import torch.distributed.checkpoint.state_dict as dcp
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = dcp.get_model_state_dict(model, options=options)
-    # keyed by parameter name, empty but on rank 0 (a list: torch's helpers take a lone
-    # optimizer for a torch.optim one)
+    # keyed by parameter name, empty but on rank 0 (a list: a lone optimizer is taken for
+    # a torch.optim one)
     optim_state = dcp.get_optimizer_state_dict(model, [optimizer], options=options)
     if not optim_state:
         return model_state, optim_state
@@ -246,8 +242,8 @@ def check_resumable(ckpt: dict, path, cfg) -> None:
 
 
 def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
-    """A resumed run's text must give its tokens (a char text that gained characters does
-    not); another text of the same tokens is said, and goes on."""
+    """A resumed run's text must give its tokens; another text of the same tokens is said,
+    and goes on."""
     if ckpt["tokenizer"] != meta["tokenizer"]:
         raise UserError(f"{path} was trained on a text of other tokens than "
                         f"{cfg.data.path} now gives: the text changed, and --resume needs "
@@ -258,14 +254,10 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
 
 
 def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
-    """Load the checkpoint into the run (at: this process's rank and world); its progress."""
+    """Load the checkpoint into the run (at: this process's ranks); returns its progress."""
     rank, world = at.rank, at.world
-    # this run's hyperparameters: a checkpoint's would undo --train.lr=...
-    now = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
     try:
         load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
-        for group, values in zip(optimizer.param_groups, now):
-            group.update(values)
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])
@@ -285,10 +277,9 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
 
 def why_unwritten(error: Exception) -> str:
     """Why a file could not be written: its OSError, or the one behind torch's RuntimeError.
-    EFBIG is this process's file-size limit (Python ignores SIGXFSZ) or the file system's."""
+    EFBIG: this process's file-size limit (Python ignores SIGXFSZ) or the file system's."""
     cause = error if isinstance(error, OSError) else error.__context__
     if getattr(cause, "errno", None) == errno.EFBIG:
-        # Unix alone has the limit, and the module that reads it
         if os.name == "posix":
             import resource
             limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]

@@ -60,8 +60,7 @@ class Progress:
 
 @dataclass
 class Place:
-    """Where the run computes: the device and dtype; under torchrun this process's ranks and
-    the torchrun machinery (training/distributed.py, loaded only then)."""
+    """Where the run computes; under torchrun also its ranks and training/distributed.py."""
     device: torch.device
     dtype: torch.dtype
     rank: int = 0
@@ -92,7 +91,7 @@ def place(t) -> Place:
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
           checkpoint=None, again="the same command with --resume") -> dict:
     """Run, or resume (from `checkpoint` or the out dir's latest), the training cfg describes;
-    `again` resumes it. Returns what bench.py and the sweeps read, and the exit code."""
+    `again` is the command that resumes it. Returns a summary and the exit code."""
     t, out = cfg.train, Path(cfg.out_dir)
     at = place(t)
     say = printer(at.rank == 0 and not quiet)
@@ -211,7 +210,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
 
 
 def data_loader(cfg: Config, at: Place) -> BatchLoader:
-    """The run's batches, on its device; under torchrun each machine's first process prepares."""
+    """The run's batches; under torchrun each machine's first process prepares the data."""
     t, block_size = cfg.train, cfg.model.block_size
     make = partial(prepare, cfg.data, block_size)
     dataset = at.dist.leader_first(make, at.local_rank == 0) if at.ddp else make()
@@ -230,8 +229,8 @@ def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
 
 
 def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
-    """The out dir (returned: where --overwrite set the earlier run aside), metrics.jsonl and
-    wandb, config.toml; best.pt again if the resumed checkpoint (best) was the best."""
+    """The out dir, metrics.jsonl, wandb, config.toml, and best.pt again where the resumed
+    checkpoint was the best; returns where --overwrite set the earlier run aside."""
     out = Path(cfg.out_dir)
     aside = open_out_dir(out, overwrite, metrics.open)
     if best is not None:
@@ -241,8 +240,7 @@ def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
 
 
 class Clock:
-    """ms/step over each log interval (evaluations, saves and samples pause it); the run's
-    seconds."""
+    """ms/step over each log interval (evaluations, saves and samples pause it); seconds."""
 
     def __init__(self, run: Progress):
         self.run, self.first_step, self.before = run, run.step, run.elapsed
@@ -270,7 +268,7 @@ class Clock:
 
 
 def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
-    """The stopped run's line and how to continue it, or the done line and how to sample it."""
+    """The stopped run's last line and how to continue it, or the done line."""
     if run.step < t.max_steps:
         name = signal.Signals(signum).name
         return (f"stopped by {name} at step {run.step}: checkpoint saved in {out}; "
@@ -294,8 +292,8 @@ def finished(cfg: Config, ckpt: dict, say, at: Place) -> dict:
 
 
 def fit_to_data(cfg: Config, meta: dict):
-    """The data's tokenizer, and its vocabulary the model's (model.vocab_size = 0); a sample
-    prompt it cannot encode is refused now, not at the first sample."""
+    """The data's tokenizer, its vocabulary the model's (model.vocab_size = 0); a sample
+    prompt it cannot encode is refused now."""
     cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
     if cfg.model.vocab_size < meta["vocab_size"]:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
@@ -319,15 +317,14 @@ def earlier_batch(ckpt: dict) -> tuple[int, int]:
 
 def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
                windows: torch.Tensor):
-    """One optimizer step on windows (grad_accum, B, T + 1) -> (the global batch's mean loss,
-    the gradient norm), on the device: nothing waits for the host, so a CUDA graph can hold
-    it. wrapped: the model as called (DDP's, compiled); ddp: the DDP or FSDP module, or None."""
+    """One optimizer step on windows (grad_accum, B, T + 1) -> (mean loss, gradient norm),
+    all on the device (a CUDA graph can hold it). wrapped: the model as called (DDP's,
+    compiled); ddp: the DDP or FSDP module, or None."""
     accum = windows.size(0)
     loss_sum = torch.zeros((), device=windows.device)
     # one autocast region: each weight is cast once per step
     with low_precision:
         for micro in range(accum):
-            # (B, T) each: y is x shifted by one
             x, y = windows[micro, :, :-1], windows[micro, :, 1:]
             # only the last micro-step averages the gradients over the ranks
             if ddp is not None:
@@ -350,8 +347,7 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
 
 
 def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
-    """Whether the next backward averages the gradients over the ranks: only a step's last
-    micro-step does, the others accumulate locally."""
+    """Whether the next backward averages the gradients over the ranks."""
     if sharded(module):
         module.set_requires_gradient_sync(sync)
     else:
@@ -365,9 +361,9 @@ def mean(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
-    """(the loop's step: train_step on the next windows, compiled and recorded as a CUDA graph
-    where it can be; how it runs, in words)."""
-    # DDP's (or FSDP's) module, as it was before compiling: where gradient syncs are set
+    """(the loop's step: train_step on the next windows, compiled and a CUDA graph where it
+    can be; how it runs, in words)."""
+    # DDP's (or FSDP's) module before compiling: where gradient syncs are set
     how, ddp = "eager", wrapped if at.ddp else None
     if t.compile:
         say("# compiling the model: about a minute (train.compile = false skips it)")
@@ -386,14 +382,12 @@ def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
             say(f"# no CUDA graph: {blocker}")
         return eager, how
     from speed.cuda_graph import graph_step
-    # the graph reads its windows from a buffer, refilled before each replay (on a CPU the
-    # step runs unrecorded: the tests')
+    # the graph reads a buffer, refilled before each replay (on a CPU: not recorded, for tests)
     shape = (t.grad_accum, t.batch_size, loader.block_size + 1)
     buffer = torch.zeros(shape, dtype=torch.long, device=at.device)
     try:
         replay = graph_step(lambda: step(buffer), optimizer, capture=at.device.type == "cuda")
     except Exception as e:
-        # what the recording cannot hold: the eager step does the same work
         say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: "
             f"{first_line(e)})")
         return eager, how
@@ -417,7 +411,7 @@ def graph_blocker(at: Place) -> str | None:
 
 def compile_trial(compiled, loader, at: Place) -> None:
     """A forward and backward on a batch laid out as the step's (other strides compile
-    again), leaving no gradients and the generators as they were."""
+    again), leaving no gradients and the generators untouched."""
     w = torch.zeros(loader.batch_size, loader.block_size + 1, dtype=torch.long, device=at.device)
     devices = [at.device] if at.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), autocast(at.device, at.dtype):
@@ -426,7 +420,7 @@ def compile_trial(compiled, loader, at: Place) -> None:
 
 
 def check_finite(values: dict, since: int, step: int, saved: int | None) -> None:
-    """Stop the run, naming the steps between which it happened, if a value is not finite."""
+    """A UserError naming the steps between which a value became non-finite."""
     for name, value in values.items():
         if not math.isfinite(value):
             kept = f"the checkpoint of step {saved} is kept"
@@ -472,8 +466,8 @@ def draw_curves(out: Path, step: int) -> None:
 
 
 def sample(model: GPT, tokenizer, t, at: Place) -> str:
-    """The same prompt and draws every time (samples compare across steps); its own generator
-    and eval mode change no later loss."""
+    """The same prompt and draws every time (samples compare across steps); no later loss
+    changes (its own generator)."""
     ids = prompt_ids(tokenizer, t.sample_prompt, model.cfg.block_size, "sampling")
     generator = torch.Generator(device=at.device).manual_seed(SAMPLE_SEED)
     model.eval()
@@ -486,13 +480,11 @@ def sample(model: GPT, tokenizer, t, at: Place) -> str:
     return t.sample_prompt + tokenizer.decode_bytes(new).decode("utf-8", errors="replace")
 
 
-
-
 # --- what a run says and records
 
 class Metrics:
     """metrics.jsonl, and wandb; Metrics(None) records nothing (ranks but 0). Resumed at
-    resume_step, the later records go: a run killed after its last save logs them again."""
+    resume_step, later records go: the resumed run logs them again."""
 
     def __init__(self, cfg: Config | None, resume_step: int | None = None):
         self.cfg, self.resume_step, self.wandb = cfg, resume_step, None
@@ -532,8 +524,8 @@ class Metrics:
 
 
 def banner(say, cfg, stored: dict, was, world: int) -> None:
-    """The settings that are not the defaults; what changed since a resumed run began (stored:
-    its config.toml); a schedule that cannot work as meant."""
+    """The settings that are not the defaults; those changed since a resumed run's config.toml
+    (stored); a schedule that cannot work as meant."""
     now, defaults = flat(cfg.to_dict()), flat(build_config().to_dict())
     differ = [f"{k} = {fmt(v)}" for k, v in now.items()
               if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
