@@ -40,8 +40,6 @@ def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, che
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other: continue the run, "
                         "or start it over")
-    if resume and checkpoint is not None and not Path(checkpoint).is_file():
-        raise UserError(f"--resume {checkpoint}: no such checkpoint file")
     if resume and checkpoint is None and not latest.is_file():
         raise UserError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {out} to resume "
                         f"from; leave out --resume to start a new run")

@@ -1,19 +1,11 @@
-"""One training run on many processes, with torch.distributed under torchrun (WORLD_SIZE > 1).
-
-    # 8 GPUs, one machine
-    torchrun --standalone --nproc_per_node=8 train.py CONFIG
-    # 2 machines
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST \
-             --master_port=29500 train.py CONFIG
+"""One training run on many processes under torchrun (`torchrun --standalone
+--nproc_per_node=8 train.py CONFIG`; several machines: docs/distributed.md). Only such a run
+loads this module (trainer.place, and train.py for the lines it ends with).
 
 DDP (the default): every process holds the whole model, and backward averages the gradients
 of each one's slice of the batch. FSDP (train.fsdp): each holds 1/world of every parameter,
 gradient and optimizer state, and gathers a block's parameters just before it runs: the
 same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes.
-Only such a run loads this module (trainer.place, and train.py for the lines it ends with).
-
-When a process dies, torchrun ends the others on its machine; on other machines the
-collective they wait in fails, and each machine ends in one line (lost_peer_line).
 """
 import atexit
 import gc
@@ -53,8 +45,8 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
 
 def leader_first(fn, leader: bool):
     """fn() on the leaders first, then on the rest, which find its work done; a leader's error
-    is raised everywhere. The rest wait in a gloo group of their own, up to LEADERS_TIMEOUT:
-    preparing tens of GB of text outlasts the run's own timeout."""
+    is raised everywhere. The rest wait up to LEADERS_TIMEOUT (tens of GB of text to prepare
+    outlast the run's own timeout)."""
     # made by every process before any leader starts: making it waits for all of them
     waiting = dist.new_group(backend="gloo", timeout=LEADERS_TIMEOUT)
     error = None
@@ -108,8 +100,7 @@ def agreed_stop(signum: int, device: torch.device) -> int:
 
 def leave(finished: bool = True) -> None:
     """Destroy the process group while Python is whole (gloo's threads can abort a process
-    at shutdown); after a clean run, free DDP's and FSDP's reference cycles first and wait
-    for every rank."""
+    at shutdown); after a clean run, first free DDP's reference cycles and wait for all."""
     if dist.is_initialized():
         if finished:
             gc.collect()
@@ -134,9 +125,9 @@ def relaunch(*args: str) -> str:
 
 @contextmanager
 def lost_peer_line(out_dir, again: str):
-    """A collective that fails because another process ended or stopped answering ends this
-    one with exit 2, and one line from local rank 0: the checkpoint kept and `again`, the
-    command that continues from it."""
+    """When a process dies, torchrun ends the others on its machine; on other machines a
+    collective fails. That ends each machine with exit 2 and one line from local rank 0: the
+    checkpoint kept and `again`, the command that continues from it."""
     try:
         yield
     except RuntimeError as e:
