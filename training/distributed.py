@@ -5,7 +5,8 @@ loads this module (trainer.place, and train.py for the lines it ends with).
 DDP (the default): every process holds the whole model, and backward averages the gradients
 of each one's slice of the batch. FSDP (train.fsdp): each holds 1/world of every parameter,
 gradient and optimizer state, and gathers a block's parameters just before it runs: the
-same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes.
+same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes. Their
+imports take seconds (torch._dynamo): only a run of many processes pays them.
 """
 import atexit
 import gc
@@ -17,6 +18,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import ROOT, UserError, first_line, typed
 from loading import list_checkpoints
@@ -63,10 +67,6 @@ def leader_first(fn, leader: bool):
 def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool, seed: int):
     """DDP(model), or model sharded in place by FSDP2 (a block at a time); from here each
     rank draws its own dropout masks."""
-    # seconds to import (torch._dynamo with them): only a run of many processes pays it
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
     if dist.get_rank():
         torch.manual_seed(seed + dist.get_rank())
     if not fsdp:

@@ -38,7 +38,6 @@ from training.checkpoint import (Saver, check_out_dir, check_resumable, check_sa
                                  training_state)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
-from viz import curves
 
 # evaluations draw the same batches every time, whatever the training seed; samples likewise
 EVAL_SEED = 4242
@@ -460,10 +459,10 @@ def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
 
 
 def draw_curves(out: Path, step: int) -> None:
-    """curves.png: the run's losses so far."""
-    records = curves.read_records(out / "metrics.jsonl", warn=False)
-    png = curves.draw(curves.run_panels(records), f"{out.name}: step {step}")
-    atomic_write(out / "curves.png", png)
+    """curves.png: the run's losses so far (viz/ and matplotlib are loaded on first use)."""
+    from viz.curves import draw, read_records, run_panels
+    records = read_records(out / "metrics.jsonl", warn=False)
+    atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {step}"))
 
 
 def sample(model: GPT, tokenizer, t, at: Place) -> str:
@@ -506,7 +505,8 @@ class Metrics:
                             f"WANDB_MODE=offline") from None
         kept = []
         if self.resume_step is not None:
-            kept = [r for r in curves.read_records(self.path) if r["step"] <= self.resume_step]
+            from viz.curves import read_records
+            kept = [r for r in read_records(self.path) if r["step"] <= self.resume_step]
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, record: dict) -> None:
