@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 
@@ -35,8 +36,32 @@ def silence_stdout() -> None:
         pass
 
 
-# the signals that reached a running command outside the training loop (which takes them over)
+def printer(enabled: bool):
+    """print(), flushed (or nothing: a quiet run, ranks but 0); a stdout whose reader is gone
+    stops the printing, not the command."""
+    def say(*args, **kwargs):
+        try:
+            if enabled:
+                print(*args, **kwargs, flush=True)
+        except (OSError, ValueError):
+            silence_stdout()
+    return say
+
+
+# SIGINT and SIGTERM as a command goes: while it starts (imports torch) quit_now, once it runs
+# (run_cli) stop_here, in the training loop stop_after_step's; STOPS: the signals stop_here got
 STOPS = []
+
+
+def swap_handlers(handler, when) -> dict:
+    """handler for SIGINT and SIGTERM where when(the handler now) holds, if this is the main
+    thread (the only one that can set them): {signal: its handler before}."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in [s for s, h in before.items() if when(h)]:
+        signal.signal(s, handler)
+    return before
 
 
 def stop_line(signum: int) -> tuple[int, str]:
@@ -45,18 +70,42 @@ def stop_line(signum: int) -> tuple[int, str]:
 
 
 def quit_now(signum, frame):
-    """SIGINT and SIGTERM while a command starts (imports torch): its line, and exit at once;
-    a KeyboardInterrupt could land in torch's C++, which aborts, or swallows it."""
+    """Say the line and exit at once: a KeyboardInterrupt could land in torch's C++, which
+    aborts, or swallows it."""
     code, line = stop_line(signum)
     print(line, file=sys.stderr, flush=True)
     os._exit(code)
 
 
 def stop_here(signum, frame):
-    """SIGINT and SIGTERM once the command runs (run_cli), outside the training loop: a
-    KeyboardInterrupt, noted (a later error it causes is that stop)."""
+    """A KeyboardInterrupt, noted (a later error it causes is that stop)."""
     STOPS.append(signum)
     raise KeyboardInterrupt
+
+
+@contextmanager
+def stop_after_step(loud: bool = True):
+    """Inside, a signal asks for a stop (the yielded list gets it), which the loop acts on after
+    its step; a second one exits at once. Said on stderr when loud (torchrun signals a
+    machine's every process) by os.write: a print() could land inside one it cut short."""
+    asked = []
+
+    def ask(signum, frame):
+        asked.append(signum)
+        said = "again: exiting now" if len(asked) > 1 else \
+            "finishing this step and saving a checkpoint (again to exit at once)"
+        # a stderr whose reader is gone must not end the run unsaved
+        with suppress(OSError):
+            loud and os.write(2, f"\n{signal.Signals(signum).name}: {said}\n".encode())
+        if len(asked) > 1:
+            os._exit(128 + signum)
+    # a signal the shell ignores (`cmd &`) stays so
+    before = swap_handlers(ask, lambda h: h is not signal.SIG_IGN)
+    try:
+        yield asked
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
 def stopped(error: BaseException) -> tuple[int, str] | None:
@@ -68,11 +117,7 @@ def stopped(error: BaseException) -> tuple[int, str] | None:
 
 
 # every command imports this module first
-if threading.current_thread() is threading.main_thread():
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, quit_now)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, quit_now)
+swap_handlers(quit_now, lambda h: h in (signal.default_int_handler, signal.SIG_DFL))
 
 
 def causes(error: BaseException) -> list[BaseException]:
@@ -125,9 +170,7 @@ def run_cli(main, argv: list[str]) -> int:
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     # the command runs: a stop is a KeyboardInterrupt from here on, which it cleans up after
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(signum) is quit_now:
-            signal.signal(signum, stop_here)
+    swap_handlers(stop_here, lambda h: h is quit_now)
     STOPS.clear()
     try:
         return main(argv)

@@ -24,9 +24,8 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from common import ArgumentParser, command, run_cli
-from training import distributed
 from training.config import FIELDS, Config, build_config, flat, fmt
-from training.trainer import train
+from training.trainer import launched, train
 
 
 def main(argv: list[str]) -> int:
@@ -64,7 +63,8 @@ def main(argv: list[str]) -> int:
     again = command("train.py", *words)
     lost = nullcontext()
     # under torchrun: torchrun's command, and a lost peer said in one line
-    if distributed.launched():
+    if launched():
+        from training import distributed
         again = distributed.relaunch(*words)
         lost = distributed.lost_peer_line(cfg.out_dir, again)
     with lost:

@@ -11,10 +11,10 @@ MLPS = ("gelu", "gelu_tanh", "relu2")
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = setting(0, "0 = taken from the prepared dataset", at_least=0)
+    vocab_size: int = setting(0, "0 = the prepared data's", at_least=0)
     block_size: int = setting(64, "longest context the model sees (T)", above=0)
     n_layer: int = setting(4, "transformer blocks", above=0)
-    n_head: int = setting(4, "attention heads per block (head size = n_embd / n_head)", above=0)
+    n_head: int = setting(4, "attention heads (head size = n_embd / n_head)", above=0)
     n_embd: int = setting(128, "width of the residual stream (C)", above=0)
     dropout: float = setting(
         0.0, "dropout on embeddings, attention weights and residual branches",

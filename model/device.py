@@ -4,10 +4,9 @@
   dtype    auto = bf16 on CUDA (fp16 where the GPU lacks it), else fp32; a low precision runs
            under autocast (fp32 weights, low-precision matmuls)
   threads  torch's CPU threads wait for each other after every operation: one that lost its
-           core to another process holds up the rest (2 threads on 2 busy cores: up to 30x
-           slower). So a CPU run takes the cores others leave free, measured over its
-           start-up and at each fit_threads, unless OMP_NUM_THREADS is set (an exact resume
-           under another load needs it: the thread count moves the last bits).
+           core to another process holds up the rest (up to 30x slower). So a CPU run takes
+           the cores others leave free (fit_threads), unless OMP_NUM_THREADS is set (an
+           exact resume under another load needs it: the thread count moves the last bits).
 """
 import math
 import os
@@ -43,9 +42,9 @@ def pick_device(name: str = "auto", setting: str = "train.device") -> torch.devi
 
 
 def fit_threads(since):
-    """Use as many threads as cores other processes left free since the cpu_clock() reading
-    `since` (a window under 0.5 s grows to the next call): (the next `since`, a line saying a
-    change or None)."""
+    """As many threads as cores other processes left free since the cpu_clock() reading
+    `since` (under 0.5 s ago: at the next call) -> (the next `since`, a line saying a change
+    or None)."""
     now = cpu_clock()
     if now is None or since is None or "OMP_NUM_THREADS" in os.environ:
         return now, None

@@ -165,7 +165,7 @@ def test_gradients_are_synced_only_on_the_last_micro_step(tmp_path):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from training.distributed import sync_gradients
+    from training.trainer import sync_gradients
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = DDP(torch.nn.Linear(4, 4))

@@ -1,8 +1,8 @@
-"""Checkpoints: the out dir, writing them, and a run continued from one (loading.py reads
-them). An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (a hard
-link to the one of the lowest val loss), config.toml, metrics.jsonl and curves.png. A folder
-holding a run is refused unless --resume, or --overwrite, which renames it aside: nothing is
-lost. A checkpoint is written whole or not at all, and holds all a run needs to go on exactly.
+"""Checkpoints: the out dir, writing them, and resuming from one (loading.py reads them).
+An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (a hard link to
+the one of the lowest val loss), config.toml, metrics.jsonl and curves.png. A folder holding
+a run is refused unless --resume, or --overwrite, which renames it aside. A checkpoint is
+written whole or not at all, and holds all a run needs to go on exactly.
 """
 import errno
 import os
@@ -15,8 +15,8 @@ import torch
 
 from common import UserError, atomic_write, first_line
 from loading import CKPT_RE, FORMAT, VERSION, list_checkpoints
-from training import distributed
 from training.config import FIELDS, flat, fmt, load_toml
+from training.optim import rekeyed
 
 # the files a run writes, besides its ckpt_<step>.pt
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
@@ -24,8 +24,6 @@ RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
 FOR_USING = ("format", "version", "config", "tokenizer", "model", "step", "best_val_loss")
 FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
                 "tokens", "is_best")
-# a resumed run's own, from its config
-HYPERPARAMETERS = ("base_lr", "betas", "weight_decay", "momentum")
 
 
 def run_files(out: Path) -> list[str]:
@@ -34,16 +32,14 @@ def run_files(out: Path) -> list[str]:
     return sorted(n for n in names if n in RUN_FILES or CKPT_RE.match(n))
 
 
-def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=None,
+def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, checkpoint=None,
                   again="--resume"):
-    """The checkpoint a run on `data` continues (None: a new run), once out can take the run;
-    a refusal names `again`, the command that continues the run out holds."""
+    """The checkpoint a run on `data` continues (None: a new run), once out (whose config.toml
+    says `run`) can take the run; a refusal names `again`, the command that continues it."""
     latest = (list_checkpoints(out) or [(0, out / "best.pt")])[-1][1]
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other: continue the run, "
                         "or start it over")
-    if resume and checkpoint is not None and not Path(checkpoint).is_file():
-        raise UserError(f"--resume {checkpoint}: no such checkpoint file")
     if resume and checkpoint is None and not latest.is_file():
         raise UserError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {out} to resume "
                         f"from; leave out --resume to start a new run")
@@ -52,7 +48,6 @@ def check_out_dir(out: Path, data, resume: bool, overwrite: bool, checkpoint=Non
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write the out dir {out}: {parent} is not a writable folder")
     held = run_files(out) if out.is_dir() else []
-    run = run_config(out)
     # a run stopped before its first checkpoint (its config.toml this code's): no run to keep
     unsaved = not latest.is_file() and run and set(run) <= set(FIELDS) and "out_dir" in run
     if resume or overwrite or not held or unsaved:
@@ -80,8 +75,8 @@ def run_config(out: Path) -> dict:
 
 
 def open_out_dir(out: Path, overwrite: bool, first_writes) -> Path | None:
-    """Make out, after renaming (--overwrite) an earlier run's folder aside (returned), then
-    first_writes(); their UserError undoes it all."""
+    """Make out (--overwrite: after renaming an earlier run aside, returned), then
+    first_writes(); a UserError there undoes it all."""
     made, aside = not out.exists(), None
     if overwrite and out.is_dir() and run_files(out):
         now = datetime.now(timezone.utc)
@@ -100,8 +95,7 @@ def open_out_dir(out: Path, overwrite: bool, first_writes) -> Path | None:
 
 
 def link_best(path: Path) -> None:
-    """best.pt becomes path: a hard link (it keeps the data when ckpt_* is rotated out), or a
-    copy where the file system has none."""
+    """best.pt becomes path: a hard link (it outlives ckpt_*'s rotation), else a copy."""
     best = path.parent / "best.pt"
     tmp = path.parent / ".best.pt.tmp"
     if best.exists() and os.path.samefile(best, path):
@@ -117,10 +111,9 @@ def link_best(path: Path) -> None:
 
 
 class Saver(ThreadPoolExecutor):
-    """Checkpoints written by a thread of their own while the steps go on. save(state) waits
-    for the write before (one copy held at most; its error raised), copies state to host
-    memory and hands the write to the thread; then(fn) runs fn there after it. Saver(None)
-    writes nothing (ranks but 0)."""
+    """Checkpoints written on a thread of their own while the steps go on. save(state) waits
+    for the write before (its error raised), copies state to host memory and hands it to
+    the thread; then(fn) runs fn there after it. Saver(None) writes nothing (ranks but 0)."""
 
     def __init__(self, out: Path | None, keep: int):
         super().__init__(1)
@@ -145,8 +138,8 @@ class Saver(ThreadPoolExecutor):
 
 
 def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
-    """Write ckpt_<step>.pt (best.pt if it is the best); keep the newest `keep`, none later (a
-    run resumed from an earlier checkpoint replaces them)."""
+    """Write ckpt_<step>.pt (and best.pt); keep the newest `keep`, and none later (a run
+    resumed from an earlier checkpoint replaces them)."""
     path = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt"
     best = Path(out_dir) / "best.pt"
     # an abandoned run's checkpoint of this step is replaced
@@ -169,8 +162,8 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
 
 
 def to_host(obj, key=None):
-    """obj with its tensors (in dicts, lists, tuples) copied to host memory, and an optimizer's
-    lr a float (a CUDA graph's is a tensor): a checkpoint resumes with either kind of step."""
+    """obj with its tensors copied to host memory, and an optimizer's lr a float (a CUDA
+    graph's is a tensor): a checkpoint resumes with either kind of step."""
     if torch.is_tensor(obj):
         return float(obj) if key == "lr" else obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -180,13 +173,50 @@ def to_host(obj, key=None):
     return obj
 
 
-def training_state(cfg, model, optimizer, scaler, loader, ddp: bool) -> dict:
+def sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP holds model (DDP has no set_requires_gradient_sync)."""
+    return hasattr(model, "set_requires_gradient_sync")
+
+
+def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts as one process holds them: a checkpoint loads
+    anywhere. Under FSDP every rank calls it, and rank 0's CPU gets the shards."""
+    if not sharded(model):
+        return model.state_dict(), optimizer.state_dict()
+    import torch.distributed.checkpoint.state_dict as dcp
+    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = dcp.get_model_state_dict(model, options=options)
+    # keyed by parameter name, empty but on rank 0 (a list: a lone optimizer is taken for
+    # a torch.optim one)
+    optim_state = dcp.get_optimizer_state_dict(model, [optimizer], options=options)
+    if not optim_state:
+        return model_state, optim_state
+    index = {}
+    return model_state, rekeyed(optim_state, lambda n: index.setdefault(n, len(index)))
+
+
+def load_full_state(model: torch.nn.Module, optimizer, model_state: dict,
+                    optim_state: dict) -> None:
+    """The inverse of full_state, on every rank: each keeps its own shards under FSDP."""
+    if not sharded(model):
+        model.load_state_dict(model_state)
+        return optimizer.load_state_dict(optim_state)
+    import torch.distributed.checkpoint.state_dict as dcp
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    full = dcp.StateDictOptions(full_state_dict=True)
+    dcp.set_model_state_dict(model, model_state, options=full)
+    by_name = rekeyed(optim_state, order.__getitem__)
+    dcp.set_optimizer_state_dict(model, [optimizer], by_name, options=full)
+
+
+def training_state(cfg, model, optimizer, scaler, loader, at) -> dict:
     """A checkpoint's keys besides the run's progress (under FSDP every rank gathers)."""
-    model_state, optimizer_state = distributed.full_state(model, optimizer)
+    model_state, optimizer_state = full_state(model, optimizer)
     # the generators dropout draws from: the CPU's, this process's GPU's
     cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
     rng = {"torch": torch.get_rng_state(), "cuda": cuda}
-    rngs = distributed.gather(rng) if ddp else [rng]
+    rngs = at.dist.gather(rng) if at.ddp else [rng]
     meta = loader.meta
     return {"config": cfg.to_dict(), "tokenizer": meta["tokenizer"], "model": model_state,
             "optimizer": optimizer_state, "loader": loader.state_dict(),
@@ -210,8 +240,8 @@ def check_resumable(ckpt: dict, path, cfg) -> None:
 
 
 def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
-    """A resumed run's text must give its tokens (a char text that gained characters does
-    not); another text of the same tokens is said, and goes on."""
+    """A resumed run's text must give its tokens; another text of the same tokens is said,
+    and goes on."""
     if ckpt["tokenizer"] != meta["tokenizer"]:
         raise UserError(f"{path} was trained on a text of other tokens than "
                         f"{cfg.data.path} now gives: the text changed, and --resume needs "
@@ -222,14 +252,10 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
 
 
 def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
-    """Load the checkpoint into the run (at: this process's rank and world); its progress."""
+    """Load the checkpoint into the run (at: this process's ranks); returns its progress."""
     rank, world = at.rank, at.world
-    # this run's hyperparameters: a checkpoint's would undo --train.lr=...
-    now = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
     try:
-        distributed.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
-        for group, values in zip(optimizer.param_groups, now):
-            group.update(values)
+        load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])
@@ -249,10 +275,9 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
 
 def why_unwritten(error: Exception) -> str:
     """Why a file could not be written: its OSError, or the one behind torch's RuntimeError.
-    EFBIG is this process's file-size limit (Python ignores SIGXFSZ) or the file system's."""
+    EFBIG: this process's file-size limit (Python ignores SIGXFSZ) or the file system's."""
     cause = error if isinstance(error, OSError) else error.__context__
     if getattr(cause, "errno", None) == errno.EFBIG:
-        # Unix alone has the limit, and the module that reads it
         if os.name == "posix":
             import resource
             limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]

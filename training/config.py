@@ -1,10 +1,9 @@
 """The run's settings: defaults < a resumed run's config.toml < a TOML file < the command line.
 
-  sections  a dataclass each, beside the code it configures (ModelConfig in model/config.py,
-            DataConfig in data/cache.py); each field says what it does and its bounds
-  paths     made absolute where they are read: a config file's against its folder (a
-            shipped one's against the repository), the command line's against the working
-            directory, a default's against the repository
+  sections  a dataclass each, beside the code it configures (model/config.py,
+            data/cache.py); each field says what it does and its bounds
+  paths     made absolute against where they are written: a config file's folder (a
+            shipped one's: the repository), the working directory, the repository
 """
 import dataclasses
 import difflib
@@ -24,12 +23,11 @@ from model.config import ModelConfig
 class TrainConfig:
     batch_size: int = setting(12, "sequences per micro-step", above=0)
     grad_accum: int = setting(1, "micro-steps per optimizer step", above=0)
-    max_steps: int = setting(
-        2000, "optimizer steps in the whole run (the LR schedule ends here)", above=0)
+    max_steps: int = setting(2000, "optimizer steps in the run (the LR schedule's end)", above=0)
     optimizer: str = setting(
         "adamw", "adamw | muon (on the hidden matrices)", one_of=("adamw", "muon"))
     lr: float = setting(1e-3, "AdamW's peak learning rate", at_least=0)
-    muon_lr: float = setting(0.02, "Muon's peak learning rate (optimizer = muon)", at_least=0)
+    muon_lr: float = setting(0.02, "Muon's peak learning rate", at_least=0)
     muon_momentum: float = setting(0.95, "Muon's momentum (Nesterov)", at_least=0, below=1)
     schedule: str = setting(
         "cosine", "cosine | wsd (warmup, flat, linear decay)", one_of=("cosine", "wsd"))
@@ -37,21 +35,18 @@ class TrainConfig:
         1e-4, "the floor the decay ends at (Muon's: muon_lr * min_lr / lr)", at_least=0)
     warmup_steps: int = setting(100, "steps of linear LR warmup from 0", at_least=0)
     warmdown_frac: float = setting(
-        0.2, "wsd: the fraction of the steps that decays", above=0, at_most=1)
+        0.2, "wsd: the fraction of steps that decays", above=0, at_most=1)
     weight_decay: float = setting(0.1, "AdamW weight decay, on matrices only", at_least=0)
     beta1: float = setting(0.9, "AdamW's momentum", at_least=0, below=1)
     beta2: float = setting(0.99, "AdamW's second-moment decay", at_least=0, below=1)
     grad_clip: float = setting(1.0, "max global gradient norm (0 = off)", at_least=0)
-    eval_interval: int = setting(500, "evaluate (and checkpoint) every this many steps", above=0)
+    eval_interval: int = setting(500, "steps between evaluations (and checkpoints)", above=0)
     eval_iters: int = setting(
-        0, "0 = every val window (4,096 at most), an eighth as many train ones; "
-           "N = N fixed random batches a split", at_least=0)
-    log_interval: int = setting(
-        50, "print and record the training loss every this many steps", above=0)
-    sample_every: int = setting(
-        0, "print and record a sample every this many steps (0 = none)", at_least=0)
-    sample_prompt: str = setting(
-        "", "what those samples continue (\"\" = a newline, or end-of-text)")
+        0, "0 = every val window (4,096 at most), 1/8 as many train ones; N = N fixed batches",
+        at_least=0)
+    log_interval: int = setting(50, "steps between training loss lines", above=0)
+    sample_every: int = setting(0, "steps between samples (0 = none)", at_least=0)
+    sample_prompt: str = setting("", "the samples' prompt (\"\" = a newline, or end-of-text)")
     sample_tokens: int = setting(200, "new tokens per sample (the same seed every time)", above=0)
     seed: int = setting(
         1337, "initial weights, data order and dropout", at_least=0, at_most=2**32 - 1)
@@ -59,15 +54,17 @@ class TrainConfig:
         "auto", "auto (cuda > cpu) | cpu | cuda | cuda:N | any device torch knows")
     dtype: str = setting(
         "auto", "auto = bf16 on CUDA", one_of=("auto", "float32", "bfloat16", "float16"))
-    compile: bool = setting(
-        False, "torch.compile the model (compiling takes a minute: long runs win)")
-    cuda_graph: bool = setting(True, "one CUDA GPU: record the step as a CUDA graph and replay it")
+    compile: bool = setting(False, "torch.compile the model (a minute to compile: long runs win)")
+    cuda_graph: bool = setting(True, "on one CUDA GPU: the step as a CUDA graph, replayed")
     keep_checkpoints: int = setting(
         2, "ckpt_<step>.pt files kept (the newest); best.pt besides", above=0)
-    fsdp: bool = setting(
-        False, "under torchrun: shard the model and optimizer (FSDP) instead of DDP")
+    fsdp: bool = setting(False, "under torchrun: FSDP (model and optimizer sharded), not DDP")
     init_from: str = setting(
         "", "\"\" = random init | gpt2, gpt2-medium, ... | a Hugging Face GPT-2 dir")
+
+    def global_batch(self, world: int) -> int:
+        """Sequences per optimizer step, over every process."""
+        return self.batch_size * self.grad_accum * world
 
     def validate(self) -> None:
         check_fields(self, "train")
@@ -82,11 +79,11 @@ class TrainConfig:
 class LogConfig:
     wandb: bool = setting(
         False, "also log to Weights & Biases (honours WANDB_MODE=offline/disabled)")
-    wandb_project: str = setting("gpt", "the wandb project the runs go to")
+    wandb_project: str = setting("gpt", "the runs' wandb project")
     wandb_run_name: str = setting("", "\"\" = the out dir's name")
     wandb_group: str = setting(
         "", "runs of one group overlay in wandb's charts (ablate.py: the sweep's)")
-    curves: bool = setting(True, "redraw curves.png in the out dir at each evaluation")
+    curves: bool = setting(True, "redraw curves.png at each evaluation")
 
 
 @dataclass
@@ -208,9 +205,9 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
 
 
 def default_out_dir(config_file: str | None, values: dict, given: set[str]) -> str:
-    """out/<name>: the config file's name, then the data's where the command line set it or
-    no config file is given, then the tokenizer's likewise (but char): runs on other data
-    or tokens never meet in one out dir."""
+    """out/<name>: the config file's name, then the data's and the tokenizer's (but char)
+    where the command line set them or no file is given: runs on other data or tokens
+    never meet in one out dir."""
     tokenizer = values.get("data.tokenizer", "char")
     parts = [Path(config_file).stem] if config_file else []
     if "data.path" in given or not config_file:

@@ -1,18 +1,12 @@
-"""One training run on many processes, with torch.distributed under torchrun (WORLD_SIZE > 1).
-
-    # 8 GPUs, one machine
-    torchrun --standalone --nproc_per_node=8 train.py CONFIG
-    # 2 machines
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST \
-             --master_port=29500 train.py CONFIG
+"""One training run on many processes under torchrun (`torchrun --standalone
+--nproc_per_node=8 train.py CONFIG`; several machines: docs/distributed.md). Only such a run
+loads this module (trainer.place, and train.py for the lines it ends with).
 
 DDP (the default): every process holds the whole model, and backward averages the gradients
 of each one's slice of the batch. FSDP (train.fsdp): each holds 1/world of every parameter,
 gradient and optimizer state, and gathers a block's parameters just before it runs: the
-same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes.
-
-When a process dies, torchrun ends the others on its machine; on other machines the
-collective they wait in fails, and each machine ends in one line (lost_peer_line).
+same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes. Their
+imports take seconds (torch._dynamo): only a run of many processes pays them.
 """
 import atexit
 import gc
@@ -24,18 +18,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import ROOT, UserError, first_line, typed
 from loading import list_checkpoints
-from training.optim import rekeyed
 
 # how long processes wait for their leaders' data preparation
 LEADERS_TIMEOUT = timedelta(days=1)
-
-
-def launched() -> bool:
-    """Whether torchrun started this process as one of several."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def join(device: torch.device) -> tuple[torch.device, int, int, int]:
@@ -58,8 +49,8 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
 
 def leader_first(fn, leader: bool):
     """fn() on the leaders first, then on the rest, which find its work done; a leader's error
-    is raised everywhere. The rest wait in a gloo group of their own, up to LEADERS_TIMEOUT:
-    preparing tens of GB of text outlasts the run's own timeout."""
+    is raised everywhere. The rest wait up to LEADERS_TIMEOUT (tens of GB of text to prepare
+    outlast the run's own timeout)."""
     # made by every process before any leader starts: making it waits for all of them
     waiting = dist.new_group(backend="gloo", timeout=LEADERS_TIMEOUT)
     error = None
@@ -76,10 +67,6 @@ def leader_first(fn, leader: bool):
 def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool, seed: int):
     """DDP(model), or model sharded in place by FSDP2 (a block at a time); from here each
     rank draws its own dropout masks."""
-    # seconds to import (torch._dynamo with them): only a run of many processes pays it
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
     if dist.get_rank():
         torch.manual_seed(seed + dist.get_rank())
     if not fsdp:
@@ -91,24 +78,7 @@ def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool, seed: int):
     return fully_shard(model, mesh=mesh)
 
 
-def sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP holds model (DDP has no set_requires_gradient_sync)."""
-    return hasattr(model, "set_requires_gradient_sync")
 
-
-def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
-    """Whether the next backward averages the gradients over the ranks: only a step's last
-    micro-step does, the others accumulate locally."""
-    if sharded(module):
-        module.set_requires_gradient_sync(sync)
-    else:
-        module.require_backward_grad_sync = sync
-
-
-def mean(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of tensor over the ranks, in place on every rank."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.div_(dist.get_world_size())
 
 
 def gather(obj, group=None) -> list:
@@ -118,36 +88,6 @@ def gather(obj, group=None) -> list:
     return out
 
 
-def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts as one process holds them: a checkpoint loads
-    anywhere. Under FSDP every rank calls it: the shards are gathered to rank 0's CPU."""
-    if not sharded(model):
-        return model.state_dict(), optimizer.state_dict()
-    import torch.distributed.checkpoint.state_dict as dcp
-    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = dcp.get_model_state_dict(model, options=options)
-    # keyed by parameter name, empty but on rank 0 (a list: torch's helpers take a lone
-    # optimizer for a torch.optim one)
-    optim_state = dcp.get_optimizer_state_dict(model, [optimizer], options=options)
-    if not optim_state:
-        return model_state, optim_state
-    index = {}
-    return model_state, rekeyed(optim_state, lambda n: index.setdefault(n, len(index)))
-
-
-def load_full_state(model: torch.nn.Module, optimizer, model_state: dict,
-                    optim_state: dict) -> None:
-    """The inverse of full_state, on every rank: each keeps its own shards under FSDP."""
-    if not sharded(model):
-        model.load_state_dict(model_state)
-        return optimizer.load_state_dict(optim_state)
-    import torch.distributed.checkpoint.state_dict as dcp
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    full = dcp.StateDictOptions(full_state_dict=True)
-    dcp.set_model_state_dict(model, model_state, options=full)
-    by_name = rekeyed(optim_state, order.__getitem__)
-    dcp.set_optimizer_state_dict(model, [optimizer], by_name, options=full)
 
 
 def agreed_stop(signum: int, device: torch.device) -> int:
@@ -160,8 +100,7 @@ def agreed_stop(signum: int, device: torch.device) -> int:
 
 def leave(finished: bool = True) -> None:
     """Destroy the process group while Python is whole (gloo's threads can abort a process
-    at shutdown); after a clean run, free DDP's and FSDP's reference cycles first and wait
-    for every rank."""
+    at shutdown); after a clean run, first free DDP's reference cycles and wait for all."""
     if dist.is_initialized():
         if finished:
             gc.collect()
@@ -186,9 +125,9 @@ def relaunch(*args: str) -> str:
 
 @contextmanager
 def lost_peer_line(out_dir, again: str):
-    """A collective that fails because another process ended or stopped answering ends this
-    one with exit 2, and one line from local rank 0: the checkpoint kept and `again`, the
-    command that continues from it."""
+    """When a process dies, torchrun ends the others on its machine; on other machines a
+    collective fails. That ends each machine with exit 2 and one line from local rank 0: the
+    checkpoint kept and `again`, the command that continues from it."""
     try:
         yield
     except RuntimeError as e:

@@ -103,7 +103,7 @@ class PlainOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A state_dict of this class or torch.optim's over the same groups: each state tensor
-        goes where this one holds it; the saved hyperparameters this class has replace its own."""
+        goes where this one holds it. The hyperparameters stay this run's (its config's)."""
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("the saved optimizer state has other parameter groups than this one")
@@ -113,8 +113,6 @@ class PlainOptimizer:
         for i, state in state_dict["state"].items():
             fresh = self.new_state(params[i])
             self.state[params[i]] = {k: state[k].to(v.device, v.dtype) for k, v in fresh.items()}
-        for group, s in zip(self.param_groups, saved):
-            group.update({k: v for k, v in s.items() if k in group and k != "params"})
 
 
 class AdamW(PlainOptimizer):

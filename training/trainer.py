@@ -1,31 +1,30 @@
-"""Training a GPT, top to bottom: `python train.py` calls train(cfg). The set-up checks
-everything before the run's first write; train_step is one optimizer step (on one CUDA GPU
-recorded once as a CUDA graph); the loop logs, evaluates, saves and samples.
+"""Training a GPT: `python train.py` calls train(cfg). The set-up checks everything before
+the run's first write; train_step is one optimizer step (on one CUDA GPU, a CUDA graph); the
+loop logs, evaluates, saves and samples.
 
-  exact resume  weights, optimizer, schedule, data order and random generators go on where
-                the checkpoint left them (on a CPU: with as many threads)
-  non-finite    a loss or gradient norm the loop reads that is not finite stops the run;
-                no checkpoint is written after it
-  true speed    ms/step is timed once a log line has read the loss: the device has finished
+  exact resume  weights, optimizer, schedule, data order and generators go on where the
+                checkpoint left them (on a CPU: with as many threads)
+  non-finite    a non-finite loss or gradient norm stops the run; no checkpoint follows it
+  true speed    ms/step is timed once a log line has read the loss: the device is done
   signals       SIGINT or SIGTERM: the step finishes (under torchrun: the steps to the next
                 log line), a checkpoint is saved, the run exits 128 + the signal; a second
-                one exits at once
+                one exits at once (common.stop_after_step)
 """
 import json
 import math
 import os
 import signal
-import threading
 import time
-from contextlib import closing, contextmanager, suppress
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from common import (UserError, atomic_write, command, cpu_clock, duration, first_line,
-                    silence_stdout, typed)
+from common import (UserError, atomic_write, command, cpu_clock, duration, first_line, printer,
+                    stop_after_step, typed)
 from data.loader import BatchLoader, Share
 from data.cache import find_sources, prepare
 from data.tokenizers import load_tokenizer
@@ -33,9 +32,9 @@ from loading import read_checkpoint
 from model.device import autocast, fit_threads, pick_device, pick_dtype
 from model.gpt import GPT, bits_per_byte, score
 from model.sampling import Choice, generate, prompt_ids
-from training import distributed
 from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
-                                 link_best, open_out_dir, restore, run_config, training_state)
+                                 link_best, open_out_dir, restore, run_config, sharded,
+                                 training_state)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
 
@@ -59,42 +58,51 @@ class Progress:
 
 @dataclass
 class Place:
-    """Where the run computes: the device and dtype, and under torchrun this process's ranks."""
+    """Where the run computes; under torchrun also its ranks and training/distributed.py."""
     device: torch.device
     dtype: torch.dtype
     rank: int = 0
     local_rank: int = 0
     world: int = 1
+    dist: object = None
 
     @property
     def ddp(self) -> bool:
         return self.world > 1
 
 
+def launched() -> bool:
+    """Whether torchrun started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def place(t) -> Place:
     """The device and dtype t asks for; under torchrun, after joining the other processes."""
-    device, ranks = pick_device(t.device), ()
-    if distributed.launched():
-        device, *ranks = distributed.join(device)
-    return Place(device, pick_dtype(device, t.dtype), *ranks)
+    device = pick_device(t.device)
+    if not launched():
+        return Place(device, pick_dtype(device, t.dtype))
+    from training import distributed
+    device, *ranks = distributed.join(device)
+    return Place(device, pick_dtype(device, t.dtype), *ranks, distributed)
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: bool = False,
           checkpoint=None, again="the same command with --resume") -> dict:
     """Run, or resume (from `checkpoint` or the out dir's latest), the training cfg describes;
-    `again` resumes it. Returns what bench.py and the sweeps read, and the exit code."""
+    `again` is the command that resumes it. Returns a summary and the exit code."""
     t, out = cfg.train, Path(cfg.out_dir)
     at = place(t)
     say = printer(at.rank == 0 and not quiet)
 
     # ---- every check before the first write (a mistyped --data is no out dir of other data)
     find_sources(cfg.data.path)
-    resume_from = check_out_dir(out, cfg.data, resume, overwrite, checkpoint, again)
+    stored = run_config(out)
+    resume_from = check_out_dir(out, stored, cfg.data, resume, overwrite, checkpoint, again)
     ckpt = read_checkpoint(resume_from) if resume_from else None
     if ckpt is not None:
         check_resumable(ckpt, resume_from, cfg)
         if ckpt["step"] >= t.max_steps:
-            return finished(cfg, ckpt, say, at.ddp)
+            return finished(cfg, ckpt, say, at)
     loader = data_loader(cfg, at)
     meta = loader.meta
     if ckpt is not None:
@@ -104,7 +112,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     # ---- the model (the same initial weights on every rank), the optimizer, the step
     model = build_model(cfg, at, resumed=ckpt is not None)
     # DDP and FSDP wrap the model before the optimizer is built over its parameters
-    wrapped = distributed.wrap(model, at.device, t.fsdp, t.seed) if at.ddp else model
+    wrapped = at.dist.wrap(model, at.device, t.fsdp, t.seed) if at.ddp else model
     optimizer = build_optimizer(model, t, at.device)
     scaler = torch.amp.GradScaler(at.device.type, enabled=at.dtype == torch.float16)
     run = Progress()
@@ -117,18 +125,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     run_step, how = build_step(wrapped, optimizer, scaler, loader, at, t, say)
 
     # ---- the run's first write
-    stored = run_config(out) if resume_from else {}
     metrics = Metrics(cfg if at.rank == 0 else None, run.step if resume_from else None)
     if at.rank == 0:
         aside = open_run(cfg, overwrite, best, metrics)
         what = f"resuming {resume_from} at step {run.step}" if resume_from else "a new run"
         kept = f"; the earlier run is kept in {aside}" if aside else ""
         say(f"# {out}: {what} (every setting: {out / 'config.toml'}){kept}")
-        banner(say, cfg, stored, was, at.world)
+        banner(say, cfg, stored if resume_from else {}, was, at.world)
         say(shape(cfg, model, loader, at, how))
 
     # ---- the loop
-    tokens_per_step = global_batch(t, at.world) * cfg.model.block_size
+    tokens_per_step = t.global_batch(at.world) * cfg.model.block_size
     # the last checkpoint's step, and the last step whose loss was read
     saved = run.step if resume_from else None
     checked = run.step
@@ -136,7 +143,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     # the cores other processes keep busy, read again at each log line
     cpu = cpu_clock()
     saver = Saver(out if at.rank == 0 else None, t.keep_checkpoints)
-    with stop_signals(at.local_rank == 0) as stop, closing(metrics), saver:
+    with stop_after_step(at.local_rank == 0) as stop, closing(metrics), saver:
         while run.step < t.max_steps:
             lr = lr_at(run.step, t)
             set_lr(optimizer, lr)
@@ -149,7 +156,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             sampled = t.sample_every and (step % t.sample_every == 0 or step == t.max_steps)
             # the signal a stop was asked by (0: none; at the last step the run ends as it would)
             asked = stop[0] if stop and step < t.max_steps else 0
-            stopping = asked if not at.ddp else logged and distributed.agreed_stop(asked, at.device)
+            stopping = asked if not at.ddp else logged and at.dist.agreed_stop(asked, at.device)
             # a sample of weights that a non-finite step touched would say nothing
             if logged or stopping or sampled:
                 # .item() waits for the device: the steps have run, and the timing is true
@@ -175,7 +182,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                     losses = evaluate(wrapped, loader, t.eval_iters, at)
                     check_finite({f"{s} loss": v for s, v in losses.items()}, checked, step, saved)
                     log_eval(say, metrics, meta, run, losses)
-                state = training_state(cfg, model, optimizer, scaler, loader, at.ddp)
+                state = training_state(cfg, model, optimizer, scaler, loader, at)
                 saver.save(state | asdict(run))
                 cfg.log.curves and saver.then(draw_curves, out, step)
                 saved, checked = step, step
@@ -194,17 +201,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     signum = stopping if run.step < t.max_steps else (stop or [0])[0]
     say(last_line(run, t, signum, out, again))
     if at.ddp:
-        distributed.leave()
+        at.dist.leave()
     code = 128 + signum if stop or run.step < t.max_steps else 0
     return {"step": run.step, "best_val_loss": run.best_val_loss, "elapsed_s": run.elapsed,
             "how": how, "intervals": clock.intervals, "exit_code": code}
 
 
 def data_loader(cfg: Config, at: Place) -> BatchLoader:
-    """The run's batches, on its device; under torchrun each machine's first process prepares."""
+    """The run's batches; under torchrun each machine's first process prepares the data."""
     t, block_size = cfg.train, cfg.model.block_size
     make = partial(prepare, cfg.data, block_size)
-    dataset = distributed.leader_first(make, at.local_rank == 0) if at.ddp else make()
+    dataset = at.dist.leader_first(make, at.local_rank == 0) if at.ddp else make()
     return BatchLoader(dataset, block_size, t.batch_size, seed=t.seed, device=at.device,
                        share=Share(t.grad_accum, at.rank, at.world))
 
@@ -220,8 +227,8 @@ def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
 
 
 def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
-    """The out dir (returned: where --overwrite set the earlier run aside), metrics.jsonl and
-    wandb, config.toml; best.pt again if the resumed checkpoint (best) was the best."""
+    """The out dir, metrics.jsonl, wandb, config.toml, and best.pt again where the resumed
+    checkpoint was the best; returns where --overwrite set the earlier run aside."""
     out = Path(cfg.out_dir)
     aside = open_out_dir(out, overwrite, metrics.open)
     if best is not None:
@@ -231,8 +238,7 @@ def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
 
 
 class Clock:
-    """ms/step over each log interval (evaluations, saves and samples pause it); the run's
-    seconds."""
+    """ms/step over each log interval (evaluations, saves and samples pause it); seconds."""
 
     def __init__(self, run: Progress):
         self.run, self.first_step, self.before = run, run.step, run.elapsed
@@ -260,7 +266,7 @@ class Clock:
 
 
 def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
-    """The stopped run's line and how to continue it, or the done line and how to sample it."""
+    """The stopped run's last line and how to continue it, or the done line."""
     if run.step < t.max_steps:
         name = signal.Signals(signum).name
         return (f"stopped by {name} at step {run.step}: checkpoint saved in {out}; "
@@ -270,27 +276,22 @@ def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
             f"to sample it: {command('sample.py', typed(out))}")
 
 
-def finished(cfg: Config, ckpt: dict, say, ddp: bool) -> dict:
+def finished(cfg: Config, ckpt: dict, say, at: Place) -> dict:
     """A run resumed at its train.max_steps: nothing trains, nothing is written."""
     t = cfg.train
     say(f"# {cfg.out_dir}: the run is at step {ckpt['step']}, train.max_steps = {t.max_steps}: "
         f"nothing to train, nothing changed (a larger --train.max_steps continues it)")
     # the config handed back is the run's (a sweep sizes the model from it)
     cfg.model.vocab_size = ckpt["config"]["model"]["vocab_size"]
-    if ddp:
-        distributed.leave()
+    if at.ddp:
+        at.dist.leave()
     return {"step": ckpt["step"], "best_val_loss": ckpt["best_val_loss"],
             "elapsed_s": ckpt["elapsed"], "how": "", "intervals": [], "exit_code": 0}
 
 
-def global_batch(t, world: int) -> int:
-    """Sequences per optimizer step, over every process."""
-    return t.batch_size * t.grad_accum * world
-
-
 def fit_to_data(cfg: Config, meta: dict):
-    """The data's tokenizer, and its vocabulary the model's (model.vocab_size = 0); a sample
-    prompt it cannot encode is refused now, not at the first sample."""
+    """The data's tokenizer, its vocabulary the model's (model.vocab_size = 0); a sample
+    prompt it cannot encode is refused now."""
     cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
     if cfg.model.vocab_size < meta["vocab_size"]:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
@@ -314,25 +315,24 @@ def earlier_batch(ckpt: dict) -> tuple[int, int]:
 
 def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
                windows: torch.Tensor):
-    """One optimizer step on windows (grad_accum, B, T + 1) -> (the global batch's mean loss,
-    the gradient norm), on the device: nothing waits for the host, so a CUDA graph can hold
-    it. wrapped: the model as called (DDP's, compiled); ddp: the DDP or FSDP module, or None."""
+    """One optimizer step on windows (grad_accum, B, T + 1) -> (mean loss, gradient norm),
+    all on the device (a CUDA graph can hold it). wrapped: the model as called (DDP's,
+    compiled); ddp: the DDP or FSDP module, or None."""
     accum = windows.size(0)
     loss_sum = torch.zeros((), device=windows.device)
     # one autocast region: each weight is cast once per step
     with low_precision:
         for micro in range(accum):
-            # (B, T) each: y is x shifted by one
             x, y = windows[micro, :, :-1], windows[micro, :, 1:]
             # only the last micro-step averages the gradients over the ranks
             if ddp is not None:
-                distributed.sync_gradients(ddp, micro == accum - 1)
+                sync_gradients(ddp, micro == accum - 1)
             _, loss = wrapped(x, y)
             loss_sum += loss.detach()
             scaler.scale(loss / accum).backward()
     # the loss of the whole global batch, on every rank
     if ddp is not None:
-        distributed.mean(loss_sum)
+        mean(loss_sum)
     scaler.unscale_(optimizer)
     clip = grad_clip if grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
@@ -344,10 +344,24 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
     return loss_sum / accum, grad_norm
 
 
+def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
+    """Whether the next backward averages the gradients over the ranks."""
+    if sharded(module):
+        module.set_requires_gradient_sync(sync)
+    else:
+        module.require_backward_grad_sync = sync
+
+
+def mean(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of tensor over the ranks, in place on every rank."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.div_(dist.get_world_size())
+
+
 def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
-    """(the loop's step: train_step on the next windows, compiled and recorded as a CUDA graph
-    where it can be; how it runs, in words)."""
-    # DDP's (or FSDP's) module, as it was before compiling: where gradient syncs are set
+    """(the loop's step: train_step on the next windows, compiled and a CUDA graph where it
+    can be; how it runs, in words)."""
+    # DDP's (or FSDP's) module before compiling: where gradient syncs are set
     how, ddp = "eager", wrapped if at.ddp else None
     if t.compile:
         say("# compiling the model: about a minute (train.compile = false skips it)")
@@ -366,14 +380,12 @@ def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
             say(f"# no CUDA graph: {blocker}")
         return eager, how
     from speed.cuda_graph import graph_step
-    # the graph reads its windows from a buffer, refilled before each replay (on a CPU the
-    # step runs unrecorded: the tests')
+    # the graph reads a buffer, refilled before each replay (on a CPU: not recorded, for tests)
     shape = (t.grad_accum, t.batch_size, loader.block_size + 1)
     buffer = torch.zeros(shape, dtype=torch.long, device=at.device)
     try:
         replay = graph_step(lambda: step(buffer), optimizer, capture=at.device.type == "cuda")
     except Exception as e:
-        # what the recording cannot hold: the eager step does the same work
         say(f"warning: the CUDA graph step failed, training eagerly ({type(e).__name__}: "
             f"{first_line(e)})")
         return eager, how
@@ -397,7 +409,7 @@ def graph_blocker(at: Place) -> str | None:
 
 def compile_trial(compiled, loader, at: Place) -> None:
     """A forward and backward on a batch laid out as the step's (other strides compile
-    again), leaving no gradients and the generators as they were."""
+    again), leaving no gradients and the generators untouched."""
     w = torch.zeros(loader.batch_size, loader.block_size + 1, dtype=torch.long, device=at.device)
     devices = [at.device] if at.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), autocast(at.device, at.dtype):
@@ -405,36 +417,8 @@ def compile_trial(compiled, loader, at: Place) -> None:
     compiled.zero_grad(set_to_none=True)
 
 
-@contextmanager
-def stop_signals(loud: bool = True):
-    """Inside, SIGINT and SIGTERM ask the run to stop (the yielded list gets the signal); a
-    second one ends the process. Said on stderr when loud (torchrun signals a machine's every
-    process) by os.write: a print() here could land inside one it cut short."""
-    asked = []
-
-    def handler(signum, frame):
-        asked.append(signum)
-        said = "again: exiting now" if len(asked) > 1 else \
-            "finishing this step and saving a checkpoint (again to exit at once)"
-        # a stderr whose reader is gone must not end the run unsaved
-        with suppress(OSError):
-            loud and os.write(2, f"\n{signal.Signals(signum).name}: {said}\n".encode())
-        if len(asked) > 1:
-            os._exit(128 + signum)
-    # only the main thread can set handlers; a signal the shell ignores (`cmd &`) stays so
-    main = threading.current_thread() is threading.main_thread()
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    for s in [s for s, h in before.items() if h is not signal.SIG_IGN]:
-        signal.signal(s, handler)
-    try:
-        yield asked
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-
 def check_finite(values: dict, since: int, step: int, saved: int | None) -> None:
-    """Stop the run, naming the steps between which it happened, if a value is not finite."""
+    """A UserError naming the steps between which a value became non-finite."""
     for name, value in values.items():
         if not math.isfinite(value):
             kept = f"the checkpoint of step {saved} is kept"
@@ -456,7 +440,7 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
         nats, count = score(wrapped, batches, autocast(at.device, at.dtype))
         if at.ddp and iters:
             both = torch.tensor([nats, count], dtype=torch.float64, device=at.device)
-            nats, count = distributed.mean(both).tolist()
+            nats, count = mean(both).tolist()
         losses[split] = nats / count
     return losses
 
@@ -474,15 +458,15 @@ def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
 
 
 def draw_curves(out: Path, step: int) -> None:
-    """curves.png: the run's losses so far (matplotlib is imported on first use)."""
+    """curves.png: the run's losses so far (viz/ and matplotlib are loaded on first use)."""
     from viz.curves import draw, read_records, run_panels
     records = read_records(out / "metrics.jsonl", warn=False)
     atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {step}"))
 
 
 def sample(model: GPT, tokenizer, t, at: Place) -> str:
-    """The same prompt and draws every time (samples compare across steps); its own generator
-    and eval mode change no later loss."""
+    """The same prompt and draws every time (samples compare across steps); no later loss
+    changes (its own generator)."""
     ids = prompt_ids(tokenizer, t.sample_prompt, model.cfg.block_size, "sampling")
     generator = torch.Generator(device=at.device).manual_seed(SAMPLE_SEED)
     model.eval()
@@ -497,21 +481,9 @@ def sample(model: GPT, tokenizer, t, at: Place) -> str:
 
 # --- what a run says and records
 
-def printer(enabled: bool):
-    """print(), flushed (or nothing: quiet runs, ranks but 0); a stdout whose reader is gone
-    stops the printing, not the run."""
-    def say(*args, **kwargs):
-        try:
-            if enabled:
-                print(*args, **kwargs, flush=True)
-        except (OSError, ValueError):
-            silence_stdout()
-    return say
-
-
 class Metrics:
     """metrics.jsonl, and wandb; Metrics(None) records nothing (ranks but 0). Resumed at
-    resume_step, the later records go: a run killed after its last save logs them again."""
+    resume_step, later records go: the resumed run logs them again."""
 
     def __init__(self, cfg: Config | None, resume_step: int | None = None):
         self.cfg, self.resume_step, self.wandb = cfg, resume_step, None
@@ -531,7 +503,6 @@ class Metrics:
                             f"{first_line(e, 80)}); pip install wandb, run `wandb login` or set "
                             f"WANDB_MODE=offline") from None
         kept = []
-        # viz/curves.py is loaded only here and for curves.png
         if self.resume_step is not None:
             from viz.curves import read_records
             kept = [r for r in read_records(self.path) if r["step"] <= self.resume_step]
@@ -553,8 +524,8 @@ class Metrics:
 
 
 def banner(say, cfg, stored: dict, was, world: int) -> None:
-    """The settings that are not the defaults; what changed since a resumed run began (stored:
-    its config.toml); a schedule that cannot work as meant."""
+    """The settings that are not the defaults; those changed since a resumed run's config.toml
+    (stored); a schedule that cannot work as meant."""
     now, defaults = flat(cfg.to_dict()), flat(build_config().to_dict())
     differ = [f"{k} = {fmt(v)}" for k, v in now.items()
               if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
@@ -562,7 +533,7 @@ def banner(say, cfg, stored: dict, was, world: int) -> None:
     for key in [k for k in now if k in stored and stored[k] != now[k]]:
         say(f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}")
     t = cfg.train
-    if was and was[0] != global_batch(t, world):
+    if was and was[0] != t.global_batch(world):
         say(resized(was, t, world, cfg.model.block_size))
     if t.warmup_steps >= t.max_steps:
         say(f"# note: train.warmup_steps = {t.warmup_steps} is not below train.max_steps = "
@@ -576,7 +547,7 @@ def shape(cfg, model, loader, at: Place, how: str) -> str:
     procs = f" x {at.world} processes ({'FSDP' if t.fsdp else 'DDP'})" if at.ddp else ""
     threads = torch.get_num_threads()
     where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
-    tokens = global_batch(t, at.world) * cfg.model.block_size
+    tokens = t.global_batch(at.world) * cfg.model.block_size
     data = f"{loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})"
     dtype = str(at.dtype).removeprefix("torch.")
     return (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | "
@@ -585,7 +556,7 @@ def shape(cfg, model, loader, at: Place, how: str) -> str:
 
 def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
     """A run resumed at another global batch: the setting that keeps it."""
-    (seqs, procs), now = was, global_batch(t, world)
+    (seqs, procs), now = was, t.global_batch(world)
     if seqs % (t.batch_size * world) == 0:
         keep = f"--train.grad_accum={seqs // (t.batch_size * world)}"
     elif seqs % (t.grad_accum * world) == 0:
