@@ -78,7 +78,7 @@ def main(argv) -> int:
 
 
 def read_tokens(path, tokenizer, skip_unknown: bool, max_tokens: int | None):
-    """A text file's token ids (max_tokens + 1 at most: the first is context only)."""
+    """A file's token ids (max_tokens + 1 at most: the first is context only)."""
     docs = [iter_text(path, hint=None)] if not kind_suffix(path.name) else iter_documents(path)
     # between documents: a newline (char), or the end-of-text token (None: BPE)
     sep = "\n" if tokenizer.end_token is None else None
@@ -101,8 +101,7 @@ def read_tokens(path, tokenizer, skip_unknown: bool, max_tokens: int | None):
 
 
 def score_files(loaded, texts: dict, stride, batch_size, autocast, rows: list) -> None:
-    """Append a row of figures per file of texts ({path: token ids}) to rows: a scoring
-    stopped midway keeps what it scored."""
+    """Append a row per file of texts ({path: ids}) to rows, kept if scoring stops midway."""
     progress = Progress("scoring", sum(len(ids) - 1 for ids in texts.values()), "tokens")
     try:
         for i, (path, ids) in enumerate(texts.items()):
@@ -137,7 +136,8 @@ def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as aligned columns under a header; a figure that is None as '-'."""
+    """The rows as aligned columns under a header; a None as '-'."""
+
     width = max(len("file"), *(len(r["file"]) for r in rows))
 
     def number(value, width, digits):

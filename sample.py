@@ -59,8 +59,8 @@ def parse_args(argv):
 
 
 def extend(text: str, decoder, piece: bytes, stops: list[str]) -> tuple[str, bool]:
-    """(text and a new token's decoded bytes, whether the sample ended): it ends just before
-    a stop string, looked for only where the new text could complete one."""
+    """(text and a token's decoded bytes, whether the sample ended): just before a stop
+    string, looked for only where the new text could complete one."""
     before, text = len(text), text + decoder.decode(piece)
     found = (text.find(s, max(0, before - len(s) + 1)) for s in stops)
     cuts = [c for c in found if c >= 0]
@@ -98,8 +98,8 @@ def main(argv) -> int:
     columns = generate(loaded.model, idx, args.max_new_tokens, choice, generator,
                        vocab_limit=tokenizer.vocab_size, decoding=decoding)
     try:
-        # the finite flags are read with each token, read for streaming anyway
         with autocast(device, dtype):
+
             for col in columns:
                 # made once the model has run: a batch too large for memory is refused first
                 if not new:

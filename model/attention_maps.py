@@ -1,9 +1,5 @@
-"""Looking inside a trained GPT: each layer's attention weights for a prompt, and a few
-numbers per head that name the patterns one looks for in them.
-
-attention_maps(model, idx) runs the model once with every attention layer asked for its
-weights (return_weights=True): those the model uses, by each variant's own math
-(model/attention/; with rope, linear attention's rows need not sum to 1).
+"""Looking inside a trained GPT: each layer's attention weights for a prompt (attention_maps,
+by each variant's own math), and a few numbers per head that name their patterns.
 
 head_scores(weights, texts) gives each head's share of attention on
     previous   the token just before it      first     the prompt's first token
@@ -17,9 +13,8 @@ import torch
 
 @torch.no_grad()
 def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """idx (B, T) -> the logits (B, T, V) and each layer's weights (B, nh, T, T).
-    Forward hooks ask each attention layer for its weights and hand its usual output on:
-    the model itself runs unchanged."""
+    """idx (B, T) -> the logits (B, T, V) and each layer's weights (B, nh, T, T), through
+    forward hooks: the model itself runs unchanged."""
     if model.training:
         raise ValueError("attention_maps needs model.eval(): "
                          "dropout would change what is drawn")
@@ -45,7 +40,7 @@ def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
 
 
 def newline_positions(texts: list[str]) -> torch.Tensor:
-    """(T,) for each position, the last earlier one whose token holds a newline, or -1."""
+    """(T,) per position, the last earlier one whose token holds a newline, or -1."""
     found, last = [], -1
     for i, text in enumerate(texts):
         found.append(last)
@@ -55,8 +50,8 @@ def newline_positions(texts: list[str]) -> torch.Tensor:
 
 
 def share_on(w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """w (nh, T, T), targets (T,) a key position per query or -1 -> (nh,) the mean weight
-    on the targets over the queries that have one (NaN if none has)."""
+    """w (nh, T, T), targets (T,) a key per query or -1 -> (nh,) the mean weight on the
+    targets (NaN if no query has one)."""
     rows = (targets >= 0).nonzero().squeeze(1)
     if len(rows) == 0:
         return torch.full((w.size(0),), float("nan"))
@@ -64,8 +59,7 @@ def share_on(w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def line_up_positions(texts: list[str]) -> torch.Tensor:
-    """(T,) for each character, the one in the same column on the line above, or -1 where
-    there is none (the first line, a shorter line above)."""
+    """(T,) per character, the one in the same column on the line above, or -1."""
     up, line_start, above_start = [], 0, -1
     for i, ch in enumerate(texts):
         j = above_start + (i - line_start)
@@ -78,8 +72,9 @@ def line_up_positions(texts: list[str]) -> torch.Tensor:
 
 def head_scores(weights: torch.Tensor,
                 texts: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """weights (nh, T, T) of one layer -> {score name: (nh,)} (see the top). newline
-    needs the tokens' texts, line_up texts of one character each: else NaN."""
+    """weights (nh, T, T) of one layer -> {score name: (nh,)}. newline needs the tokens'
+    texts, line_up texts of one character each: else NaN."""
+
     T, w = weights.size(-1), weights.float()
     # the queries that have a past
     i = torch.arange(1, T)
