@@ -217,7 +217,6 @@ def train_py(config: str, args: list[str], out_dir, env=None) -> tuple[list[dict
     return read_records(Path(out_dir) / "metrics.jsonl"), done.stdout
 
 
-
 def race(classic: str, fast: str, overrides: list[str]) -> dict:
     """Train classic, then fast: when did fast first reach classic's best val loss, from
     launch, against when classic did."""
@@ -254,7 +253,6 @@ def race(classic: str, fast: str, overrides: list[str]) -> dict:
 def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: int) -> tuple:
     """(ms/step of train.py's second log interval with OMP_NUM_THREADS=threads or unset,
     the threads it used)."""
-
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env |= {"OMP_NUM_THREADS": threads} if threads else {}
     settings = [f"--train.max_steps={2 * steps}", f"--train.log_interval={steps}",

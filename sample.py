@@ -99,7 +99,6 @@ def main(argv) -> int:
                        vocab_limit=tokenizer.vocab_size, decoding=decoding)
     try:
         with autocast(device, dtype):
-
             for col in columns:
                 # made once the model has run: a batch too large for memory is refused first
                 if not new:

@@ -74,7 +74,6 @@ def head_scores(weights: torch.Tensor,
                 texts: list[str] | None = None) -> dict[str, torch.Tensor]:
     """weights (nh, T, T) of one layer -> {score name: (nh,)}. newline needs the tokens'
     texts, line_up texts of one character each: else NaN."""
-
     T, w = weights.size(-1), weights.float()
     # the queries that have a past
     i = torch.arange(1, T)

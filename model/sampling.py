@@ -180,7 +180,6 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
 
 def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
     """A UserError naming the first of new tokens start..end-1 with a flag down."""
-
     window = flags[start:end]
     if not window.all():
         first = start + int((~window).nonzero()[0, 0]) + 1

@@ -64,5 +64,4 @@ def encode_weights(weights: list[np.ndarray]) -> dict:
 
 def error_bound(w, scale: float, levels: int):
     """How far a stored weight can be from w in a layer of this scale and levels."""
-
     return scale * (np.sqrt(np.abs(w) / scale) / levels + 1 / (4 * levels ** 2))

@@ -94,7 +94,6 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
 def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
     """rows: a name per head ('layer 0 head 1'); scores: head_scores' {name: (len(rows),)}
     numpy -> a Figure of shares and mean distance."""
-
     names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
     # (heads, patterns)
     shares = np.stack([scores[s] for s in names], axis=1)

@@ -24,4 +24,3 @@ def build_attention(cfg: ModelConfig):
     """The attention module that cfg.attention names."""
     module, name = OTHERS.get(cfg.attention, "mha.CausalSelfAttention").split(".")
     return getattr(importlib.import_module(f"model.attention.{module}"), name)(cfg)
-

@@ -135,7 +135,6 @@ class LinearAttention(nn.Module):
             cache.z.copy_(z)
         out = merge_heads(num / den.clamp_min(1e-6))
         out = self.resid_dropout(self.proj(out))
-
         if return_weights:
             return out, linear_attention_weights(q, k, q_num, k_num)
         return out

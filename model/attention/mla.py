@@ -112,4 +112,3 @@ class MultiHeadLatentAttention(nn.Module):
             out = sdpa_attention(q, k, v, settings, q_pos, k_pos)
         out = self.resid_dropout(self.proj(merge_heads(out)))
         return (out, weights) if return_weights else out
-
