@@ -1,13 +1,10 @@
 """GPT-2 weights in Hugging Face's layout: read them into this repo's GPT, write ours out.
 
-Hugging Face's GPT2LMHeadModel is model/gpt.py's network with GPT-2's settings (learned
-positions, LayerNorm, biases, tied head, GELU in its tanh form). Only the names differ
-(tok_emb is wte, blocks.i.mlp.up is h.i.mlp.c_fc, ...: tensor_names lists them for both
-directions), and two layouts: c_attn fuses the query, key and value projections (q | k | v),
-and GPT-2's "Conv1D" stores a weight as (in, out), the transpose of nn.Linear's.
-The "transformer." prefix is optional (OpenAI's first checkpoints lack it). An export
-gives zero biases for model.bias = false and keeps a padded vocab_size (50304). A setting
-either side cannot express is a UserError naming it.
+GPT2LMHeadModel is model/gpt.py's network with GPT-2's settings (learned positions,
+LayerNorm, biases, tied head, tanh GELU). Only the names differ (tensor_names), and two
+layouts: c_attn fuses the query, key and value projections (q | k | v), and GPT-2's
+"Conv1D" stores a weight as (in, out), the transpose of nn.Linear's. An export gives zero
+biases for model.bias = false. A setting either side cannot express is a UserError.
 """
 import itertools
 import json
@@ -29,8 +26,8 @@ HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop"
                "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
                "add_cross_attention": False}
 SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
-# a block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units
-# of C, or None for a norm's (C,))
+# a block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units of C,
+# or None for a norm's (C,))
 BLOCK_TENSORS = [
     (["norm1"], "ln_1", None),
     (["attn.query", "attn.key", "attn.value"], "attn.c_attn", (1, 1)),
@@ -103,7 +100,8 @@ def tensor_names(cfg: ModelConfig):
 def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetensors") -> dict:
     """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32); a missing, misshapen
     or unexpected tensor is a UserError naming it."""
-    # old checkpoints' causal-mask buffers are left out
+    # the "transformer." prefix is optional (OpenAI's first checkpoints lack it); their
+    # causal-mask buffers are left out
     sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
           for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     out = {}

@@ -1,12 +1,5 @@
-"""GPT-2 checkpoints as files and hub names: Hugging Face directories read and written, a
-run started from GPT-2's weights (train.init_from, configs/finetune_gpt2.toml), a GPT-2
-loaded to sample from (python sample.py gpt2).
-
-train.init_from: the checkpoint fixes the architecture and the tokenizer (tiktoken's gpt2);
-a model.* key set to another value is a UserError, except model.dropout, model.attention
-(naive or sdpa: the same math) and model.block_size up to n_positions (the position table
-is cropped). A resumed run loads its own checkpoint, never these weights.
-
+"""GPT-2 checkpoints as Hugging Face directories and hub names: read and written, trained
+from (train.init_from: the checkpoint fixes the architecture and the tokenizer), sampled.
 Weights are read from model.safetensors (or its shards), never from pytorch_model.bin, a
 pickle that can run code when loaded.
 """
@@ -25,8 +18,8 @@ from model.gpt import GPT
 
 # tiktoken's gpt2: 50,256 merges and bytes, plus <|endoftext|>
 GPT2_VOCAB = 50257
-# name -> (hub repo, n_layer, n_head, n_embd), the published sizes (vocab 50257, context
-# 1024): a run's config is known without a download
+# name -> (hub repo, n_layer, n_head, n_embd) (vocab 50257, context 1024): a run's config is
+# known without a download
 HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
               "gpt2-medium": ("openai-community/gpt2-medium", 24, 16, 1024),
               "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
@@ -36,7 +29,7 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     """A local directory as it is; a hub name (of HUB_MODELS, or owner/name) through
-    huggingface_hub's cache: config.json, and with weights the safetensors files."""
+    huggingface_hub's cache: config.json, and with weights the safetensors."""
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
@@ -104,8 +97,7 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
 def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
                     tokenizer: dict | None = None) -> list[str]:
     """Write config.json, generation_config.json, model.safetensors (a GPT2LMHeadModel to
-    transformers) and a tokenizer meta()'s files, each atomically; return the latter's
-    names."""
+    transformers) and a tokenizer meta()'s files, each atomically -> the latter's names."""
     # refuses unmappable settings before any write
     config, tensors = to_hf(cfg, state_dict)
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
@@ -130,8 +122,9 @@ def check_vocab(source: str, cfg: ModelConfig) -> None:
 
 
 def resolve_init_from(cfg, explicit: set[str]) -> None:
-    """train.init_from: cfg.model becomes the checkpoint's, with the free keys the user
-    set (explicit: the dotted keys the config file and command line set)."""
+    """train.init_from: cfg.model becomes the checkpoint's, with the keys the user set
+    (explicit: dotted keys) that it leaves free: model.dropout, model.attention (naive or
+    sdpa: the same math), model.block_size up to n_positions (the table is cropped)."""
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)
@@ -156,8 +149,7 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
 
 
 def load_init_weights(model: GPT, source: str) -> None:
-    """Copy source's weights into model (built from its resolve_init_from config), the
-    position table cropped to its block_size."""
+    """Copy source's weights into model (of its resolve_init_from config)."""
     _, state = load_pretrained(source)
     state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]
     model.load_state_dict(state)

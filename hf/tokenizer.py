@@ -1,14 +1,13 @@
-"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json, written as
-plain JSON: AutoTokenizer and pipeline("text-generation") then encode and decode as we do.
+"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json: AutoTokenizer
+and pipeline("text-generation") then encode and decode as we do.
 
-tiktoken's BPE (gpt2, bpe:N) is the `tokenizers` library's byte-level BPE stored another
-way: its regex becomes a Split pre-tokenizer, then ByteLevel writes each byte as one
-character (BYTES, GPT-2's); its ranks become the vocab, and each token's merge is found
-from them (merges); ignore_merges keeps a piece that is a token whole, as tiktoken does.
-char: the vocabulary is the characters, without merges. Where they differ: a character
-outside the vocabulary is dropped (we refuse it), "<|endoftext|>" in a text is the special
-token (text to us), and the regex engine has no possessive {n,m}+, written {n,m}: the same
-where nothing follows.
+tiktoken's BPE (gpt2, bpe:N) is byte-level BPE stored another way: its regex becomes a Split
+pre-tokenizer, then ByteLevel writes each byte as one character (BYTES, GPT-2's); its ranks
+become the vocab, each token's merge found from them; ignore_merges keeps a piece that is a
+token whole, as tiktoken does. char: the characters, without merges. Where they differ: an
+unknown character is dropped (we refuse it), "<|endoftext|>" in a text is the special token
+(text to us), and the regex engine has no possessive {n,m}+, written {n,m}: the same where
+nothing follows.
 """
 import re
 
