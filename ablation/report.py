@@ -1,5 +1,4 @@
-"""A sweep's results: results.csv and .md (a row per variant), runs.csv (a row per run),
-loss_curves.png."""
+"""A sweep's results: results.csv and .md (a row per variant), runs.csv, loss_curves.png."""
 import csv
 import io
 import os
@@ -27,7 +26,7 @@ def plural(n: int, word: str) -> str:
 
 
 def read_run(run) -> dict:
-    """One run's numbers from its metrics.jsonl and result.json (missing: None or nan)."""
+    """One run's numbers from its metrics.jsonl and result.json (missing: None or NaN)."""
     records = read_records(run.dir / "metrics.jsonl")
     result = read_json(run.dir / "result.json")
     evals = [r for r in records if r["kind"] == "eval"]
@@ -46,8 +45,8 @@ def read_run(run) -> dict:
 
 
 def summarize(sweep, runs: list[dict]) -> list[dict]:
-    """A row per variant: means over its finished seeds, its difference from the baseline
-    and whether that is beyond the noise."""
+    """A row per variant: means over its finished seeds, its difference from the baseline,
+    whether beyond the noise."""
     rows = []
     for name, values in sweep.variants:
         done = [r for r in runs if r["variant"] == name and r["done"]]
@@ -129,8 +128,7 @@ def write_md(sweep, rows: list[dict], command: str) -> None:
 
 
 def plot(sweep, runs: list[dict], out) -> None:
-    """loss_curves.png: each variant's val loss by step and by time, its seeds' mean and
-    min-max band."""
+    """loss_curves.png: each variant's val loss by step and time, mean and min-max band."""
     by_step = Panel("val loss by step", "step", "val loss")
     by_time = Panel("val loss by wall-clock time", "wall-clock seconds (training + evals)",
                     "val loss")
@@ -150,7 +148,7 @@ def plot(sweep, runs: list[dict], out) -> None:
 
 
 def write_report(sweep, command: str) -> None:
-    """results.csv, runs.csv, results.md and loss_curves.png in the sweep's out dir."""
+    """The results in the sweep's out dir."""
     runs = [read_run(r) for r in sweep.runs]
     rows = summarize(sweep, runs)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)

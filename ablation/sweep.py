@@ -1,5 +1,4 @@
-"""A sweep file (its format: ablate.py) read into runs, trained one after another
-in-process."""
+"""A sweep file (docs/ablations/README.md) read into runs, trained one after another."""
 import gc
 import json
 import re
@@ -31,13 +30,13 @@ Sweep = namedtuple("Sweep", "name out_dir seeds variants runs")
 
 
 def as_overrides(values: dict, folder: Path) -> list[str]:
-    """A table of settings as command-line overrides (paths absolute against folder)."""
+    """A table of settings as overrides (paths absolute against folder)."""
     return [f"--{k}={absolute(k, v, folder) if k in PATHS else v}"
             for k, v in flat(values).items()]
 
 
 def load_sweep(path: str, overrides=()) -> Sweep:
-    """Read and check a sweep file, and build every run's config before anything runs."""
+    """Read and check a sweep file, and every run's config, before anything runs."""
     path, where = Path(path), f"{path}: "
     spec = load_toml(path)
     if unknown := sorted(set(spec) - set(KINDS)):
@@ -101,7 +100,7 @@ def load_sweep(path: str, overrides=()) -> Sweep:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON file; {} where it is missing, cut or damaged: that run is done again."""
+    """A JSON file; {} where it is missing or damaged: that run is done again."""
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -110,8 +109,7 @@ def read_json(path: Path) -> dict:
 
 def train_run(run: Run, resume: bool) -> dict:
     """train() the run, then write its result.json: whether it finished, its size, its KV
-    cache per token, its peak GPU memory (none on the CPU, where it holds every run before
-    it)."""
+    cache per token, its peak GPU memory (on CUDA)."""
     cfg, device = run.cfg, pick_device(run.cfg.train.device)
     cuda = device.type == "cuda"
     # fresh compile caches: dynamo compiles only so many models of one code
@@ -124,8 +122,7 @@ def train_run(run: Run, resume: bool) -> dict:
     # overwrite: a run killed before it saved is set aside
     summary = train(cfg, resume=resume, overwrite=not resume)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    # its size (cfg now has the data's vocab size), on the CPU: a meta device's init
-    # would import torch._dynamo, a second a sweep
+    # cfg now has the data's vocab size; on the CPU: a meta device's init imports dynamo
     model = GPT(cfg.model)
     block = cfg.model.block_size
     kv_bytes = model.kv_cache_bytes(block, pick_dtype(device, cfg.train.dtype))
@@ -137,8 +134,8 @@ def train_run(run: Run, resume: bool) -> dict:
 
 
 def run_sweep(sweep: Sweep) -> tuple[int, list[str]]:
-    """Train the unfinished runs in order: (0, or the exit code of the run a signal stopped
-    with the sweep; each run that failed, and why: the others go on)."""
+    """Train the unfinished runs in order -> (0, or the exit code of the run a signal
+    stopped; each run that failed, and why: the others go on)."""
     # a data problem, said once
     first = sweep.runs[0].cfg
     prepare(first.data, first.model.block_size)
