@@ -1,5 +1,5 @@
-"""Benchmarks, each measured in one run whose first line names the machine and its load
-(ratios travel; absolute times drift). The figures and their commands: docs/benchmarks/.
+"""Benchmarks, each in one run whose first line names the machine and its load (ratios
+travel; absolute times drift). The figures and their commands: docs/benchmarks/.
 
     python bench.py train CONFIG [--steps 10] [--rounds 3] [--section.key=value ...]
     python bench.py sample [--device auto] [--new-tokens 256]
@@ -7,8 +7,8 @@
     python bench.py threads [CONFIG] [--steps 20] [--section.key=value ...]
 
 MFU = training FLOPs per second / the best torch.mm rate measured in the run. Per token: 6N
-for the N weights of the Linear layers, plus 6 L T C for causal attention (scores and sum,
-2C each per pair of positions, T/2 pairs on average, x3 with backward).
+for the N weights of the Linear layers, plus 6 L T C for causal attention (2C each for the
+scores and the sum, T/2 pairs on average, x3 with backward).
 """
 import argparse
 import os

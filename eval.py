@@ -3,8 +3,8 @@
     python eval.py out/tinyshakespeare data/tinyshakespeare.txt
     python eval.py gpt2 'books/*.txt' --stride 512 --json
 
-Each file is its own text (a JSONL or Parquet file's records joined as in training), every
-token after its first scored once, in windows of block_size tokens (data/loader.py).
+Each file is its own text (records joined as in training), every token after its first
+scored once, in windows of block_size tokens.
 """
 import json
 import math

@@ -4,8 +4,7 @@
     python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0
 
 A run dir means its best.pt (else its latest checkpoint). The samples are one batch; the
-first is streamed, the others are printed when done. A sample ends at --max-new-tokens, at
-the end-of-text token, or just before a --stop string.
+first is streamed, the others printed when done.
 """
 import codecs
 import math

@@ -2,8 +2,8 @@
 
 With the cache (the default), the prompt goes through the model once, then each step feeds
 only the newest token. At block_size the cache is rebuilt from the last half block
-(positions restart at 0, as learned position embeddings need). Every step updates the same
-buffers in place (Decoder), so a compiler makes it one graph (Decoding.speed_up).
+(positions restart at 0). Every step updates the same buffers in place (Decoder), so a
+compiler makes it one graph (Decoding.speed_up).
 """
 import sys
 from collections.abc import Callable, Iterator

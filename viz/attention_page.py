@@ -6,9 +6,8 @@ Each head's lower triangle (query i sees keys j <= i) is stored row by row, one 
 weight on a square-root scale: w = ±scale · ((code - zero) / levels)², per layer
     softmax   zero = 0, levels = 255, scale = max(1, the largest weight)
     signed    zero = 128, levels = 127, scale = the largest |weight| (linear with rope)
-A weight shown is within error_bound of the model's, for softmax 0.0039 at 1 and 0.0004 at
-0.01, where a linear byte is off by 0.002 everywhere (all of a weight of 1/500); zero stays
-zero. The bytes are zlib-compressed and base64-encoded (the page inflates them).
+A shown softmax weight is within 0.0039 of the model's at 1, 0.0004 at 0.01 (a linear byte:
+0.002 everywhere); zero stays zero. The bytes are zlib-compressed and base64-encoded.
 """
 import base64
 import json

@@ -1,5 +1,5 @@
-"""Multi-head latent attention (`mla`; DeepSeek-AI, 2024, "DeepSeek-V2"): keys and values
-are rebuilt from one small latent per token, and only the latent is cached.
+"""Multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2"): keys and values are
+rebuilt from one small latent per token, and only the latent is cached.
 
     c      = norm(x W_down)             (T, d_c)   d_c = model.kv_latent_dim, << 2C
     K, V   = c W_key_up, c W_value_up   (T, C) each, split into n_head heads as usual
