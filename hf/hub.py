@@ -122,9 +122,9 @@ def check_vocab(source: str, cfg: ModelConfig) -> None:
 
 
 def resolve_init_from(cfg, explicit: set[str]) -> None:
-    """train.init_from: cfg.model becomes the checkpoint's, with the keys the user set
-    (explicit: dotted keys) that it leaves free: model.dropout, model.attention (naive or
-    sdpa: the same math), model.block_size up to n_positions (the table is cropped)."""
+    """train.init_from: cfg.model becomes the checkpoint's, with the free keys the user
+    set (explicit: dotted keys): dropout, attention naive or sdpa, block_size up to
+    n_positions (the table is cropped); another is a UserError."""
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)

@@ -32,12 +32,10 @@ class Choice:
 
 @dataclass(frozen=True)
 class Decoding:
-    """How generate() computes, which never changes the tokens.
-
-    use_cache    reuse the keys and values of earlier tokens (False: recompute the window)
-    cache_dtype  the cache's number format (None: the model's)
-    check_every  read the finite flags every this many tokens (None: 1 on CPU, else 32)
-    speed_up     speed_up(run, decoder) -> a faster decoder.run"""
+    """How generate() computes, which never changes the tokens: use_cache (False:
+    recompute the window), cache_dtype (None: the model's), check_every (read the finite
+    flags every this many tokens; None: 1 on CPU, else 32), speed_up(run, decoder) -> a
+    faster decoder.run."""
     use_cache: bool = True
     cache_dtype: torch.dtype | None = None
     check_every: int | None = None
