@@ -131,8 +131,7 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
 
 
 def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
-    """This GPT's config and state dict -> (GPT-2's config.json dict, its tensors by
-    transformers' names, new and contiguous as safetensors needs)."""
+    """This GPT's config and state dict -> (GPT-2's config.json dict, its tensors)."""
     for key, allowed, why in [
             ("pos", ["learned"], "GPT-2 has learned absolute positions"),
             ("norm", ["layernorm"], "GPT-2 has LayerNorm"),
@@ -148,6 +147,7 @@ def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
         parts = [torch.zeros(shape, dtype=dtype) if o.endswith("bias") and o not in sd
                  else sd[o] for o in ours]
         t = torch.cat(parts)
+        # new and contiguous, as safetensors needs
         tensors[theirs] = t.t().contiguous() if conv else t
     # the rest as GPT2Config's defaults
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",

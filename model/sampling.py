@@ -32,10 +32,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class Decoding:
-    """How generate() computes, which never changes the tokens: use_cache (False:
-    recompute the window), cache_dtype (None: the model's), check_every (read the finite
-    flags every this many tokens; None: 1 on CPU, else 32), speed_up(run, decoder) -> a
-    faster decoder.run."""
+    """How generate() computes, which never changes the tokens. check_every: read the
+    finite flags every this many tokens (None: 1 on CPU, else 32)."""
     use_cache: bool = True
     cache_dtype: torch.dtype | None = None
     check_every: int | None = None
@@ -76,9 +74,8 @@ def draw_noise(noise: torch.Tensor, generator: torch.Generator | None = None) ->
 
 def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
          noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """The model on idx (B, T) at positions pos -> (next token ids (B, 1), whether all
-    logits were finite, on the device), among the first noise.size(-1) tokens (not a padded
-    vocabulary's). explicit: mha.py's explicit path."""
+    """The model on idx (B, T) at positions pos -> (next token ids (B, 1) among the first
+    noise.size(-1), whether all logits were finite, on the device)."""
     logits, _ = model(idx, cache=cache, pos=pos, explicit_attention=explicit)
     logits = logits[:, -1, :noise.size(-1)]
     next_id = sample_next(logits, choice.temperature, choice.top_k, choice.top_p, noise)
@@ -96,8 +93,7 @@ def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torc
 
 class Decoder:
     """The cache and the tensors decoding updates in place, at fixed addresses as a CUDA
-    graph needs: the newest tokens `last` (B, 1) at `pos` (1,), the noise (B, V). dtype: the
-    cache's (None: no cache)."""
+    graph needs: the newest tokens `last` (B, 1) at `pos` (1,), the noise (B, V)."""
 
     def __init__(self, model: GPT, batch: int, vocab: int, sampling: tuple, dtype):
         device = next(model.parameters()).device
@@ -143,8 +139,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
              vocab_limit: int | None = None,
              decoding: Decoding = Decoding()) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T),
-    chosen among the first vocab_limit tokens. The same draws in the same order whatever the
-    runs, so the same tokens. A UserError names the first token whose logits were not finite."""
+    among the first vocab_limit tokens: the same draws in the same order whatever the runs."""
     block, device = model.cfg.block_size, idx.device
     check_every = decoding.check_every or (1 if device.type == "cpu" else 32)
     finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)

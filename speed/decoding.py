@@ -13,9 +13,8 @@ from speed.compile import compiled_or_eager
 
 def compiled(run, decoder):
     """decoder.step compiled; on CUDA -> a run(n) replaying a CUDA graph of run(n) for each n
-    in decoder.sizes, else run. A failure is one warning line and the code without it.
-    explicit=True: inductor fuses explicit attention for one query into a few kernels; with
-    coordinate descent tuning, each one-row matmul becomes a reduction fused with neighbours."""
+    in decoder.sizes, else run. explicit=True: inductor fuses explicit attention for one query
+    into a few kernels; coordinate descent tuning fuses each one-row matmul with neighbours."""
     cuda, generator = decoder.pos.is_cuda, decoder.generator
     options = {"coordinate_descent_tuning": True} if cuda else None
 

@@ -42,8 +42,8 @@ def attention_page(texts: list[str], weights: list[np.ndarray], scores: dict, ti
 
 
 def encode_weights(weights: list[np.ndarray]) -> dict:
-    """Per-layer (heads, T, T) arrays -> {"signed", "zero", "levels", "scale": a list, one
-    per layer, "weights": base64 of the codes (layer, head, row i, key j <= i)}."""
+    """Per-layer (heads, T, T) arrays -> {"signed", "zero", "levels", "scale": one per layer,
+    "weights": base64 of the codes}."""
     # row-major: (0,0), (1,0), (1,1), ...
     rows, cols = np.tril_indices(weights[0].shape[-1])
     data, codes = {"signed": [], "zero": [], "levels": [], "scale": []}, []
