@@ -51,10 +51,8 @@ def newline_positions(texts: list[str]) -> torch.Tensor:
 
 def share_on(w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """w (nh, T, T), targets (T,) a key per query or -1 -> (nh,) the mean weight on the
-    targets (NaN if no query has one)."""
+    targets (the mean of none: NaN)."""
     rows = (targets >= 0).nonzero().squeeze(1)
-    if len(rows) == 0:
-        return torch.full((w.size(0),), float("nan"))
     return w[:, rows, targets[rows]].mean(-1)
 
 
