@@ -29,7 +29,7 @@ class TiktokenTokenizer:
         self.enc = enc
         self._meta = meta
         self.vocab_size = enc.n_vocab
-        # <|endoftext|>: between documents, where a sample ends, and an empty prompt
+        # between documents, where a sample ends, and an empty prompt
         self.end_token = self.start_token = enc.eot_token
 
     @classmethod

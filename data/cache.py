@@ -16,7 +16,7 @@ import numpy as np
 from common import Progress, UserError, check_fields, setting
 from data.tokenizers import check_tokenizer_spec
 
-# meta.json's layout and how a text is read: another prepares again
+# meta.json's layout and how a text is read: another is prepared again
 FORMAT = 4
 SPLITS = ("train", "val")
 # a progress line for inputs this large
@@ -93,8 +93,8 @@ def data_name(path) -> str:
 
 
 def describe(source, files: list[Path], total: int, label: str = "data") -> str:
-    """What a folder or glob took, so that a stray file shows: 'data: books (3 files:
-    2 .txt, 1 other; 3.2 MB)'."""
+    """What a folder or glob took, a stray file shown: 'data: books (3 files: 2 .txt, 1
+    other; 3.2 MB)'."""
     known = [kind_suffix(p.name) or p.suffix.lower() for p in files]
     named = (s if s in KINDS or s in TEXT_SUFFIXES else "other" for s in known)
     kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(named).most_common())
@@ -125,7 +125,7 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
     window of block_size + 1 tokens."""
     data.validate()
     val = find_sources(data.val_path) if data.val_path else []
-    # val_path's files are never trained on too
+    # val_path's files are not trained on
     taken = {p.resolve() for p in val}
     files = [p for p in find_sources(data.path) if p.resolve() not in taken]
     if not files:
@@ -162,7 +162,7 @@ def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
 
 
 def read_entry(entry: Path) -> dict | None:
-    """The meta.json of a usable entry (this FORMAT, the token files' sizes it says)."""
+    """The meta.json of a usable entry (this FORMAT, the sizes it says)."""
     try:
         meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
         if meta["format"] != FORMAT:

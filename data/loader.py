@@ -18,7 +18,7 @@ from data.cache import SPLITS, check_split_sizes, load_meta
 
 # an exact evaluation's windows per split at most
 EVAL_MAX_WINDOWS = 4096
-# train's windows per val window in an evaluation: a sample shows overfitting as well
+# train's windows per val window in an evaluation: a sample shows overfitting
 EVAL_TRAIN_SHARE = 0.125
 # an evaluation batch's tokens (batch_size windows at least)
 EVAL_BATCH_TOKENS = 4096
@@ -28,8 +28,8 @@ COPY_TOKENS = 1 << 26
 
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
     """(x, y) int64 host tensors of batch_size windows at most, scoring every token after
-    the first once (y = -1: context only). Window k starts at k * stride and scores its
-    last `stride` targets (the first, all); a shorter last one is a batch alone."""
+    the first once (y = -1: context only): window k starts at k * stride and scores its
+    last `stride` targets (the first, all)."""
     n = len(tokens)
     # a later window's first targets, not scored
     context = block_size - stride

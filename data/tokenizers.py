@@ -83,7 +83,7 @@ def build_tokenizer(name: str, text: str | None = None):
 
 
 def load_tokenizer(meta: dict):
-    """The tokenizer a meta() describes (a dataset's or a checkpoint's), checked."""
+    """The tokenizer a meta() describes, checked."""
     if not isinstance(meta, dict) or meta.get("kind") not in ("char", "tiktoken", "bpe"):
         raise UserError(f"not a tokenizer description: {str(meta)[:80]}")
     if meta["kind"] == "char":
@@ -101,7 +101,7 @@ def load_tokenizer(meta: dict):
 
 
 def bpe_vocab_size(spec: str) -> int | None:
-    """N for a spec 'bpe:N', None for any other; a malformed N is a UserError."""
+    """N for a spec 'bpe:N', None for any other; a bad N is a UserError."""
     if spec != "bpe" and not spec.startswith("bpe:"):
         return None
     n = spec[4:]
