@@ -3,8 +3,7 @@
     python sample.py out/tinyshakespeare --prompt "ROMEO:" --num-samples 3
     python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0
 
-A run dir means its best.pt (else its latest checkpoint). The samples are one batch; the
-first is streamed, the others printed when done.
+The samples are one batch: the first is streamed, the others printed when done.
 """
 import codecs
 import math

@@ -54,11 +54,10 @@ def free_memory(device: torch.device) -> int:
     """Bytes free on the device (CUDA, or the host's for cpu), else 0."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    # POSIX's names; Windows and macOS lack the first
-    names = ("SC_AVPHYS_PAGES", "SC_PAGE_SIZE")
-    if device.type != "cpu" or not set(names) <= set(getattr(os, "sysconf_names", {})):
+    # Windows and macOS lack SC_AVPHYS_PAGES
+    if device.type != "cpu" or "SC_AVPHYS_PAGES" not in getattr(os, "sysconf_names", {}):
         return 0
-    return os.sysconf(names[0]) * os.sysconf(names[1])
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Share(NamedTuple):

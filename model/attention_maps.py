@@ -5,8 +5,8 @@ head_scores(weights, texts) gives each head's share of attention on
     previous   the token just before it      first     the prompt's first token
     self       itself                        newline   the newline that began its line
     line_up    the character in the same column one line up (character models only)
-and its mean distance Σ_j a_ij (i - j) in tokens: small for local heads, large for
-far-looking ones. Each is averaged over the queries from the second token on.
+and its mean distance Σ_j a_ij (i - j) in tokens, each averaged over the queries from the
+second token on.
 """
 import torch
 

@@ -5,10 +5,9 @@ rebuilt from one small latent per token, and only the latent is cached.
     K, V   = c W_key_up, c W_value_up   (T, C) each, split into n_head heads as usual
     Q      = x W_q                      (T, C)
 
-then causal softmax attention: each head's keys and values are its own, in a rank-d_c
-subspace all heads share. The cache holds d_c numbers per token per layer, not 2C; decoding
-up-projects every cached latent again (DeepSeek folds W_key_up into the queries and
-W_value_up into the output projection, skipped here for clarity).
+then causal softmax attention. The cache holds d_c numbers per token per layer, not 2C;
+decoding up-projects every cached latent again (DeepSeek folds the up-projections into the
+query and output projections, skipped here for clarity).
 
 RoPE cannot rotate the latent (the up-projection would not commute with it): with
 `model.pos = 'rope'` a rotated key of hs channels per token, shared by the heads, is cached
