@@ -251,8 +251,8 @@ def race(classic: str, fast: str, overrides: list[str]) -> dict:
 
 
 def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: int) -> tuple:
-    """(ms/step of train.py's second log interval with OMP_NUM_THREADS=threads or unset,
-    the threads it used)."""
+    """(ms/step of train.py's second log interval, the threads it used) with
+    OMP_NUM_THREADS=threads (None: unset)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env |= {"OMP_NUM_THREADS": threads} if threads else {}
     settings = [f"--train.max_steps={2 * steps}", f"--train.log_interval={steps}",

@@ -29,7 +29,7 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     """A local directory as it is; a hub name (of HUB_MODELS, or owner/name) through
-    huggingface_hub's cache: config.json, and with weights the safetensors."""
+    huggingface_hub's cache (weights: the safetensors too)."""
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
@@ -96,8 +96,8 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
 
 def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
                     tokenizer: dict | None = None) -> list[str]:
-    """Write config.json, generation_config.json, model.safetensors (a GPT2LMHeadModel to
-    transformers) and a tokenizer meta()'s files, each atomically -> the latter's names."""
+    """Write config.json, generation_config.json, model.safetensors and a tokenizer meta()'s
+    files, each atomically -> the latter's names."""
     # refuses unmappable settings before any write
     config, tensors = to_hf(cfg, state_dict)
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
@@ -115,7 +115,7 @@ def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
 
 
 def check_vocab(source: str, cfg: ModelConfig) -> None:
-    """Refuse a model too small for GPT-2's tokenizer, which fine-tuning and sampling use."""
+    """Refuse a model too small for GPT-2's tokenizer."""
     if cfg.vocab_size < GPT2_VOCAB:
         raise UserError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than "
                         f"GPT-2's {GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")

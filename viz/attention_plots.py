@@ -15,7 +15,7 @@ from matplotlib.textpath import TextToPath
 
 VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
 BOX = "□"
-# what head_scores measures, as column titles (broken where a narrow column needs it)
+# head_scores' shares, as column titles
 SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself",
                "newline": "newline that\nbegan its line", "line_up": "same column\none line up"}
 
@@ -35,13 +35,13 @@ def lacks(family, chars: set) -> set:
 @functools.cache
 def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
     """(font families to fall back on glyph by glyph: matplotlib's, then the first installed
-    fonts with characters it lacks; the characters of text no font has). Last Resort is
-    skipped: it has placeholders, not characters."""
+    fonts with characters it lacks; the characters of text no font has)."""
     families = tuple(rcParams["font.family"])
     missing = lacks(rcParams["font.family"], set(text))
     # a family's regular face, as matplotlib picks it
     fonts = font_manager.fontManager.ttflist
     regular = (f.name for f in fonts if f.style == "normal" and f.weight in (400, "normal"))
+    # Last Resort has placeholders, not characters
     for name in dict.fromkeys(regular):
         if missing and "Last Resort" not in name and (left := lacks([name], missing)) != missing:
             families, missing = (*families, name), left
