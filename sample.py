@@ -57,8 +57,7 @@ def parse_args(argv):
 
 
 def extend(text: str, decoder, piece: bytes, stops: list[str]) -> tuple[str, bool]:
-    """(text and a token's decoded bytes, whether the sample ended): just before a stop
-    string, looked for only where the new text could complete one."""
+    """(text and a token's decoded bytes, cut just before a stop string, whether it was)."""
     before, text = len(text), text + decoder.decode(piece)
     found = (text.find(s, max(0, before - len(s) + 1)) for s in stops)
     cuts = [c for c in found if c >= 0]

@@ -53,8 +53,7 @@ def mb_progress(label: str, total: int) -> Progress:
 
 
 def find_sources(source) -> list[Path]:
-    """The regular files a data path names (a file, a folder's, a glob's), sorted; a
-    UserError saying why there are none."""
+    """The regular files a data path names (a file, a folder's, a glob's), sorted."""
     source = Path(source)
     # its name may hold glob characters
     if source.is_file():
@@ -121,8 +120,7 @@ def sha256(files: list[Path], progress: Progress) -> str:
 
 
 def prepare(data: DataConfig, block_size: int | None = None) -> Path:
-    """The entry of data's bytes and settings, prepared on a miss; each split must hold a
-    window of block_size + 1 tokens."""
+    """The entry of data's bytes and settings, prepared on a miss."""
     data.validate()
     val = find_sources(data.val_path) if data.val_path else []
     # val_path's files are not trained on

@@ -158,8 +158,8 @@ class BatchLoader:
         return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
     def load_state_dict(self, state: dict) -> None:
-        """The data order where the checkpoint left it; one drawn on another device cannot
-        go on: a new order, seeded from it."""
+        """The data order where the checkpoint left it (drawn on another device: a new
+        order, seeded from it)."""
         was, now = state.get("device", "cpu"), self.generator.device.type
         if was == now:
             return self.generator.set_state(state["generator"])

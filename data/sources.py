@@ -22,8 +22,7 @@ DAMAGED = (OSError, EOFError, zlib.error, ValueError)
 
 
 def chunks(path: Path, take, progress=None):
-    """take(f) on the file (a .gz gunzipped) until it gives nothing; progress advanced by
-    the bytes read."""
+    """take(f) on the file (a .gz gunzipped) until it gives nothing, progress advanced."""
     gz = path.name.lower().endswith(".gz")
     with open(path, "rb") as raw, (gzip.open(raw) if gz else raw) as f:
         done = 0
@@ -98,8 +97,7 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
 
 
 def jsonl_texts(path: Path, errors: str, field: str, progress):
-    """(line number, its record's field or None) of each non-blank line of a JSONL file;
-    a line that is not UTF-8 or JSON is a UserError."""
+    """(line number, its record's field or None) of each non-blank line of a JSONL file."""
     lines = chain.from_iterable(chunks(path, lambda f: f.readlines(READ_BYTES), progress))
     for n, line in enumerate(lines, 1):
         if line.isspace():
@@ -134,8 +132,7 @@ def parquet_texts(path: Path, errors: str, field: str, progress):
 
 
 def read_prompt(prompt: str) -> str:
-    """A prompt argument's text: itself, or with @FILE the file's (PROMPT_FILE_MAX bytes
-    at most)."""
+    """A prompt argument's text: itself, or with @FILE the file's."""
     if not prompt.startswith("@"):
         return prompt
     # a missing file: one line, from common.run_cli

@@ -98,8 +98,7 @@ def tensor_names(cfg: ModelConfig):
 
 
 def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetensors") -> dict:
-    """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32); a missing, misshapen
-    or unexpected tensor is a UserError naming it."""
+    """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32), each checked."""
     # the "transformer." prefix is optional (OpenAI's first checkpoints lack it); their
     # causal-mask buffers are left out
     sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
