@@ -1,7 +1,6 @@
 """Batches of windows (block_size + 1 tokens: x, and y shifted by one) of a prepared dataset,
-copied to the device if it takes under a quarter of its free memory (a step then needs
-nothing from the host), else memory-mapped. Every rank draws the global batch from one
-generator and keeps its own windows.
+on the device if it takes under a quarter of its free memory, else memory-mapped. Every rank
+draws the global batch from one generator and keeps its own windows.
 """
 import os
 import sys

@@ -1,7 +1,6 @@
 """Turn text into an entry of the cache (data/cache.py) a piece at a time, in bounded memory:
 a scan, training (bpe:N), encoding (BPE on threads: tiktoken frees the GIL), in a temporary
-folder renamed into place once whole. Documents are joined by the end-of-text token (BPE) or
-a newline (char).
+folder renamed into place once whole.
 
     python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096]
         [--val-fraction 0.1] [--val-path FILE|DIR|GLOB] [--workers N]

@@ -1,10 +1,8 @@
-"""GPT-2 weights in Hugging Face's layout: read them into this repo's GPT, write ours out.
-
-GPT2LMHeadModel is model/gpt.py's network with GPT-2's settings (learned positions,
-LayerNorm, biases, tied head, tanh GELU). Only the names differ (tensor_names), and two
-layouts: c_attn fuses the query, key and value projections (q | k | v), and GPT-2's
-"Conv1D" stores a weight as (in, out), the transpose of nn.Linear's. An export gives zero
-biases for model.bias = false. A setting either side cannot express is a UserError.
+"""GPT-2 weights in Hugging Face's layout, in and out. GPT2LMHeadModel is model/gpt.py's
+network with GPT-2's settings (learned positions, LayerNorm, biases, tied head, tanh GELU).
+Only the names differ (tensor_names), and two layouts: c_attn fuses the query, key and value
+projections (q | k | v), and GPT-2's "Conv1D" stores a weight as (in, out), the transpose of
+nn.Linear's. A setting either side cannot express is a UserError.
 """
 import itertools
 import json
