@@ -1,10 +1,6 @@
 """Benchmarks, each in one run whose first line names the machine and its load (ratios
-travel; absolute times drift). The figures and their commands: docs/benchmarks/.
-
-    python bench.py train CONFIG [--steps 10] [--rounds 3] [--section.key=value ...]
-    python bench.py sample [--device auto] [--new-tokens 256]
-    python bench.py race [--classic CONFIG] [--fast CONFIG] [--section.key=value ...]
-    python bench.py threads [CONFIG] [--steps 20] [--section.key=value ...]
+travel; absolute times drift). The figures and their commands: docs/benchmarks/. train, race
+and threads also take train.py's --section.key=value settings.
 
 MFU = training FLOPs per second / the best torch.mm rate measured in the run. Per token: 6N
 for the N weights of the Linear layers, plus 6 L T C for causal attention (2C each for the
