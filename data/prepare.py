@@ -2,8 +2,7 @@
 a scan, training (bpe:N), encoding (BPE on threads: tiktoken frees the GIL), in a temporary
 folder renamed into place once whole.
 
-    python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096]
-        [--val-fraction 0.1] [--val-path FILE|DIR|GLOB] [--workers N]
+    python data/prepare.py FILE|DIR|GLOB [--tokenizer bpe:4096 ...] (see --help)
 """
 import json
 import os
