@@ -40,8 +40,7 @@ def load_sweep(path: str, overrides=()) -> Sweep:
     path, where = Path(path), f"{path}: "
     spec = load_toml(path)
     if unknown := sorted(set(spec) - set(KINDS)):
-        raise UserError(f"{where}unknown sweep key {unknown[0]!r} "
-                        f"(a sweep has {', '.join(KINDS)})")
+        raise UserError(f"{where}unknown sweep key {unknown[0]!r} (a sweep has {', '.join(KINDS)})")
     if wrong := [k for k, v in spec.items() if not isinstance(v, KINDS[k][0])]:
         raise UserError(f"{where}{wrong[0]} is not {KINDS[wrong[0]][1]}")
     seeds, variants = spec.get("seeds", [1337]), spec.get("variants")
@@ -51,8 +50,7 @@ def load_sweep(path: str, overrides=()) -> Sweep:
         raise UserError(f"{where}seeds must be a non-empty list of distinct integers, "
                         f"got {seeds!r}")
     if not variants or not all(isinstance(v, dict) for v in variants):
-        raise UserError(f"{where}needs at least one [[variants]] table "
-                        f"(the first is the baseline)")
+        raise UserError(f"{where}needs at least one [[variants]] table (the first is the baseline)")
     named = [(v.get("name"), {k: x for k, x in v.items() if k != "name"}) for v in variants]
     for i, (name, values) in enumerate(named):
         taken = name in [n for n, _ in named[:i]]

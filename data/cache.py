@@ -127,8 +127,7 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
     taken = {p.resolve() for p in val}
     files = [p for p in find_sources(data.path) if p.resolve() not in taken]
     if not files:
-        raise UserError(f"{data.path} holds no files but those of --data.val_path "
-                        f"{data.val_path}")
+        raise UserError(f"{data.path} holds no files but those of --data.val_path {data.val_path}")
     progress = mb_progress("hashing", sum(p.stat().st_size for p in files + val))
     sha = sha256(files, progress)
     if val:

@@ -55,9 +55,8 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
 def pretrained_config(name_or_dir: str) -> ModelConfig:
     """A GPT-2 checkpoint's ModelConfig: a HUB_MODELS name's, else its config.json's."""
     if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
-        _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
-        sizes = {"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer,
-                 "n_head": n_head, "n_embd": n_embd}
+        sizes = dict(zip(("n_layer", "n_head", "n_embd"), HUB_MODELS[name_or_dir][1:]))
+        sizes |= {"vocab_size": GPT2_VOCAB, "n_positions": 1024}
         return config_from_hf(sizes, where=name_or_dir)
     path = resolve_source(name_or_dir, weights=False) / "config.json"
     try:
@@ -103,8 +102,7 @@ def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
     config |= {"bos_token_id": eos, "eos_token_id": eos}
     # half the context (the pipeline's 256 overrun a small one; a max_length warns)
-    generation = {"max_new_tokens": cfg.block_size // 2,
-                  "bos_token_id": eos, "eos_token_id": eos}
+    generation = {"max_new_tokens": cfg.block_size // 2, "bos_token_id": eos, "eos_token_id": eos}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", save(tensors, metadata={"format": "pt"}))

@@ -26,8 +26,7 @@ def merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
         while len(parts) > 2:
             pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
             if min(pair_ranks) >= rank:
-                raise UserError(f"BPE token {token!r} cannot be made from tokens of "
-                                f"lower ranks")
+                raise UserError(f"BPE token {token!r} cannot be made from tokens of lower ranks")
             i = pair_ranks.index(min(pair_ranks))
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:

@@ -16,8 +16,7 @@ def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
     """idx (B, T) -> the logits (B, T, V) and each layer's weights (B, nh, T, T), through
     forward hooks: the model itself runs unchanged."""
     if model.training:
-        raise ValueError("attention_maps needs model.eval(): "
-                         "dropout would change what is drawn")
+        raise ValueError("attention_maps needs model.eval(): dropout would change what is drawn")
     layers = []
 
     def ask_for_weights(module, args, kwargs):

@@ -108,8 +108,7 @@ class LinearAttention(nn.Module):
         """With a cache, x continues the tokens its state sums over; explicit changes
         nothing (no softmax to fuse)."""
         if return_weights and cache is not None:
-            raise ValueError("linear attention's weights need the whole sequence, "
-                             "not a cache")
+            raise ValueError("linear attention's weights need the whole sequence, not a cache")
         # (B, nh, T, hs)
         q, k, v = (split_heads(proj(x), self.n_head)
                    for proj in (self.query, self.key, self.value))
