@@ -100,8 +100,7 @@ def main(argv) -> int:
                 # made once the model has run: a batch too large for memory is refused first
                 if not new:
                     new, done = [""] * args.num_samples, [False] * args.num_samples
-                    streams = [codecs.getincrementaldecoder("utf-8")(errors="replace")
-                               for _ in new]
+                    streams = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in new]
                 for i, token in enumerate(col[:, 0].tolist()):
                     if done[i] or token == tokenizer.end_token:
                         done[i] = True

@@ -30,8 +30,7 @@ def read_run(run) -> dict:
     records = read_records(run.dir / "metrics.jsonl")
     result = read_json(run.dir / "result.json")
     evals = [r for r in records if r["kind"] == "eval"]
-    speeds = [r["tokens_per_s"] for r in records
-              if r["kind"] == "train" and "tokens_per_s" in r]
+    speeds = [r["tokens_per_s"] for r in records if r["kind"] == "train" and "tokens_per_s" in r]
     last = evals[-1] if evals else {}
     sizes = {k: result.get(k) for k in ("params", "peak_gpu_bytes", "kv_bytes_per_token")}
     return {"variant": run.variant, "seed": run.seed, "done": result.get("done") is True,

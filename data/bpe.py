@@ -19,9 +19,8 @@ PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
 def check_encoding(name: str) -> None:
     """A UserError unless name is a tiktoken encoding (its files not loaded)."""
     if name not in (names := tiktoken.list_encoding_names()):
-        raise UserError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N "
-                        f"tokens trained on the data) or a tiktoken encoding "
-                        f"({', '.join(names)})")
+        raise UserError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N tokens "
+                        f"trained on the data) or a tiktoken encoding ({', '.join(names)})")
 
 
 class TiktokenTokenizer:

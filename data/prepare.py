@@ -63,8 +63,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     def text(label: str, train_chars: int):
         """(split, piece) pairs: train_chars in "train", then "val"."""
         progress = mb_progress(label, total)
-        texts = [(d for p in s[0] for d in iter_documents(p, *read, progress))
-                 for s in scans]
+        texts = [(d for p in s[0] for d in iter_documents(p, *read, progress)) for s in scans]
         starts = zip(texts, (train_chars, 0))
         return chain(*(pieces(docs, at, not char) for docs, at in starts))
 

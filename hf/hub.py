@@ -140,9 +140,8 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
                             f"{limit} (train.init_from); remove the override")
         setattr(pretrained, key, mine)
     if "data.tokenizer" in explicit and cfg.data.tokenizer != "gpt2":
-        raise UserError(f"data.tokenizer={cfg.data.tokenizer} conflicts with "
-                        f"train.init_from={source}, whose tokenizer is gpt2; "
-                        f"remove the override")
+        raise UserError(f"data.tokenizer={cfg.data.tokenizer} conflicts with train.init_from="
+                        f"{source}, whose tokenizer is gpt2; remove the override")
     cfg.model, cfg.data.tokenizer = pretrained, "gpt2"
 
 

@@ -37,8 +37,7 @@ def compiled(run, decoder):
                 graphs[n] = record(functools.partial(run, n), 1, generator)
         except Exception as e:
             print(f"warning: recording the decoding step as a CUDA graph failed, decoding "
-                  f"without it ({type(e).__name__}: {first_line(e)})", file=sys.stderr,
-                  flush=True)
+                  f"without it ({type(e).__name__}: {first_line(e)})", file=sys.stderr, flush=True)
             return run
         finally:
             if generator:

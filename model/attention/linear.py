@@ -31,8 +31,7 @@ def causal_linear_attention(q, k, v, state=None, chunk: int = CHUNK):
     n = math.ceil(T / chunk)
     # zero keys and values at the end add nothing
     pad = n * chunk - T
-    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, nh, n, chunk, t.size(-1))
-               for t in (q, k, v))
+    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, nh, n, chunk, t.size(-1)) for t in (q, k, v))
     within = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     # (B, nh, n, L, L): inside each chunk
     scores = (q @ k.transpose(-2, -1)).masked_fill(~within, 0.0)
@@ -110,8 +109,7 @@ class LinearAttention(nn.Module):
         if return_weights and cache is not None:
             raise ValueError("linear attention's weights need the whole sequence, not a cache")
         # (B, nh, T, hs)
-        q, k, v = (split_heads(proj(x), self.n_head)
-                   for proj in (self.query, self.key, self.value))
+        q, k, v = (split_heads(proj(x), self.n_head) for proj in (self.query, self.key, self.value))
         if self.qk_norm:
             q, k = unit_rms(q), unit_rms(k)
         # φ: positive features
