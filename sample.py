@@ -19,9 +19,8 @@ from loading import load_model
 from model.device import autocast, pick_device, pick_dtype
 from model.sampling import Choice, Decoding, generate, prompt_ids
 
-NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, "
-                    "more than it saves on a sample (bench.py sample measures both): "
-                    "leave out --compile")
+NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, more than "
+                    "it saves on a sample (bench.py sample measures both): leave out --compile")
 
 
 def parse_args(argv):

@@ -87,9 +87,8 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
                 raise UserError(f"{path}, {where} {n}: no string in {field!r} ({got}); "
                                 f"--data.text_field names the field that holds the text")
             if (lone := SURROGATE.search(text)) and errors != "replace":
-                raise UserError(f"{path}, {where} {n}: a lone surrogate "
-                                f"\\u{ord(lone[0]):04x} is no character; set "
-                                f"--data.encoding_errors=replace to replace it")
+                raise UserError(f"{path}, {where} {n}: a lone surrogate \\u{ord(lone[0]):04x} is "
+                                f"no character; set --data.encoding_errors=replace to replace it")
             if text and not text.isspace():
                 yield (SURROGATE.sub("\ufffd", text) if lone else text,)
     except DAMAGED as e:
