@@ -2,8 +2,7 @@
 summary of which heads do what, or one interactive page (--html).
 
     python attention.py out/shakespeare_char_cpu --prompt $'ROMEO:\\nBut soft!\\n'
-    python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2
-    python attention.py out/shakespeare_char_cpu --prompt @scene.txt --html attention.html
+    python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 --html a.html
 """
 import sys
 from pathlib import Path

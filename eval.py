@@ -129,8 +129,7 @@ def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
     loss = nats / tokens if tokens and finite else None
     known = loss is not None
     return {"file": name, "tokens": tokens, "bytes": nbytes,
-            "nats": nats if finite else None,
-            "loss": loss,
+            "nats": nats if finite else None, "loss": loss,
             "bits_per_byte": bits_per_byte(loss, tokens, nbytes) if known and nbytes else None,
             "perplexity": math.exp(loss) if known and loss < 700 else None}
 
