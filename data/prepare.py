@@ -185,8 +185,7 @@ LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 def pieces(documents, split_at: int, bpe: bool):
     """The documents (iterables of str chunks) as (split, piece): the first split_at
     characters in "train", the rest in "val"; between documents a newline (char) or None
-    (BPE's end-of-text). A piece holds PIECE_CHARS to twice that (fewer at a BPE document's
-    end or the split), cut at LAST_SAFE_CUT."""
+    (BPE's end-of-text). A piece holds PIECE_CHARS to twice that, cut at LAST_SAFE_CUT."""
     split, pos = "train", 0
     # the next piece's chunks, of size characters
     held, size = [], 0

@@ -50,8 +50,7 @@ def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
 
 def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: int = 100):
     """weights (len(heads), T, T) numpy -> a Figure of a heatmap per head: softmax weights
-    on a square-root scale of [0, 1], so that 0.05 still shows; signed ones (linear
-    attention with rope) on a diverging scale around 0."""
+    on a square-root scale (0.05 still shows), signed ones (linear with rope) around 0."""
     n, T = len(heads), weights.shape[-1]
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
