@@ -34,13 +34,10 @@ def read_run(run) -> dict:
     last = evals[-1] if evals else {}
     sizes = {k: result.get(k) for k in ("params", "peak_gpu_bytes", "kv_bytes_per_token")}
     return {"variant": run.variant, "seed": run.seed, "done": result.get("done") is True,
-            "steps": [r["step"] for r in evals],
-            "val": [r["val_loss"] for r in evals],
+            "steps": [r["step"] for r in evals], "val": [r["val_loss"] for r in evals],
             "elapsed": [r.get("elapsed_s", nan) for r in evals],
-            "final_val": last.get("val_loss", nan),
-            "wall_s": last.get("elapsed_s", nan),
-            "tokens_per_s": statistics.median(speeds or [nan]),
-            **sizes}
+            "final_val": last.get("val_loss", nan), "wall_s": last.get("elapsed_s", nan),
+            "tokens_per_s": statistics.median(speeds or [nan]), **sizes}
 
 
 def summarize(sweep, runs: list[dict]) -> list[dict]:
@@ -50,11 +47,9 @@ def summarize(sweep, runs: list[dict]) -> list[dict]:
     for name, values in sweep.variants:
         done = [r for r in runs if r["variant"] == name and r["done"]]
         finals = [r["final_val"] for r in done]
-        row = {"variant": name,
-               "changes": " ".join(f"{k}={v}" for k, v in flat(values).items()),
+        row = {"variant": name, "changes": " ".join(f"{k}={v}" for k, v in flat(values).items()),
                "seeds_done": len(done), "seeds": len(sweep.seeds),
-               "params": (done or [{}])[0].get("params"),
-               "_final": finals}
+               "params": (done or [{}])[0].get("params"), "_final": finals}
         for key in FIGURES:
             known = [r[key] for r in done if r[key] is not None]
             row[key] = statistics.fmean(known) if known else nan
@@ -120,9 +115,7 @@ def write_md(sweep, rows: list[dict], command: str) -> None:
             f"not equal (python ablate.py --help).")
     lines = [f"# Ablation: {sweep.name}", "",
              f"`{command}`: {t.max_steps} steps of {tokens:,} tokens a run. {machine}.", "",
-             HEADER, *map(table_row, rows), "",
-             "![val loss curves](loss_curves.png)", "",
-             note]
+             HEADER, *map(table_row, rows), "", "![val loss curves](loss_curves.png)", "", note]
     atomic_write(sweep.out_dir / "results.md", "\n".join(lines) + "\n")
 
 

@@ -150,9 +150,7 @@ def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
               "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size,
               "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-              "activation_function": EXPORT_ACTIVATION[cfg.mlp],
-              "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
-              "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5,
-              "scale_attn_weights": cfg.attn_scale,
-              "tie_word_embeddings": cfg.tie_embeddings}
+              "activation_function": EXPORT_ACTIVATION[cfg.mlp], "resid_pdrop": cfg.dropout,
+              "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5,
+              "scale_attn_weights": cfg.attn_scale, "tie_word_embeddings": cfg.tie_embeddings}
     return config, tensors
