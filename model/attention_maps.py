@@ -74,8 +74,7 @@ def head_scores(weights: torch.Tensor,
     T, w = weights.size(-1), weights.float()
     # the queries that have a past
     i = torch.arange(1, T)
-    scores = {"previous": w[:, i, i - 1].mean(-1),
-              "first": w[:, i, 0].mean(-1),
+    scores = {"previous": w[:, i, i - 1].mean(-1), "first": w[:, i, 0].mean(-1),
               "self": w[:, i, i].mean(-1)}
     none = torch.full((T,), -1)
     scores["newline"] = share_on(w, newline_positions(texts) if texts is not None else none)
