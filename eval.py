@@ -55,9 +55,8 @@ def main(argv) -> int:
     dtype = pick_dtype(device)
     print(f"# {loaded.description}", file=sys.stderr)
     overlap = " (no overlap)" if stride == block_size else ""
-    print(f"# windows of {block_size} tokens, stride {stride}{overlap}, "
-          f"batch {args.batch_size}, {device} {str(dtype).removeprefix('torch.')}",
-          file=sys.stderr)
+    print(f"# windows of {block_size} tokens, stride {stride}{overlap}, batch {args.batch_size}, "
+          f"{device} {str(dtype).removeprefix('torch.')}", file=sys.stderr)
     rows, stopped = [], False
     try:
         score_files(loaded, texts, stride, args.batch_size, autocast(device, dtype), rows)

@@ -59,9 +59,9 @@ def recurrent_linear_attention(q, k, v, state=None):
 
 
 def linear_attention_weights(q, k, q_num, k_num):
-    """The weights a_ij = q_num_i·k_num_j / Σ_{j'≤i} q_i·k_j' (j ≤ i, else 0), out_i =
-    Σ_j a_ij v_j: (B, nh, T, T) for attention maps. q, k: the features φ(q), φ(k); q_num,
-    k_num: the same rotated by rope. With rope a row need not sum to 1."""
+    """The (B, nh, T, T) weights a_ij = q_num_i·k_num_j / Σ_{j'≤i} q_i·k_j' (j ≤ i, else 0)
+    of out_i = Σ_j a_ij v_j. q, k: the features φ(q), φ(k); q_num, k_num: the same rotated
+    by rope (then a row need not sum to 1)."""
     future = ~causal_mask(*consecutive_positions(q.size(2), k.size(2), q.device))
     # (B, nh, T, T)
     num = (q_num @ k_num.transpose(-2, -1)).masked_fill(future, 0.0)
