@@ -140,7 +140,6 @@ def plot(sweep, runs: list[dict], out) -> None:
 
 
 def write_report(sweep, command: str) -> None:
-    """The results in the sweep's out dir."""
     runs = [read_run(r) for r in sweep.runs]
     rows = summarize(sweep, runs)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)

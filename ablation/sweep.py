@@ -15,9 +15,8 @@ from loading import list_checkpoints
 from training.config import PATHS, ROOT, absolute, build_config, load_toml, parse_overrides
 from training.trainer import train
 
-KINDS = {"name": (str, "a string"), "base": (str, "a string"),
-         "out_dir": (str, "a string"), "seeds": (list, "a list"),
-         "overrides": (dict, "a table"), "variants": (list, "a list")}
+KINDS = {"name": (str, "a string"), "base": (str, "a string"), "out_dir": (str, "a string"),
+         "seeds": (list, "a list"), "overrides": (dict, "a table"), "variants": (list, "a list")}
 # what a variant may not set: the data, the token budget, how the runs are scored
 SHARED_KEYS = {"data.path", "data.tokenizer", "data.val_fraction", "data.val_path",
                "train.max_steps", "train.batch_size", "train.grad_accum",
@@ -123,9 +122,8 @@ def train_run(run: Run, resume: bool) -> dict:
     model = GPT(cfg.model)
     block = cfg.model.block_size
     kv_bytes = model.kv_cache_bytes(block, pick_dtype(device, cfg.train.dtype))
-    result = {"done": summary["step"] >= cfg.train.max_steps,
-              "params": model.num_params(), "peak_gpu_bytes": peak,
-              "kv_bytes_per_token": kv_bytes / block}
+    result = {"done": summary["step"] >= cfg.train.max_steps, "params": model.num_params(),
+              "peak_gpu_bytes": peak, "kv_bytes_per_token": kv_bytes / block}
     atomic_write(run.dir / "result.json", json.dumps(result))
     return summary
 

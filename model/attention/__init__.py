@@ -21,6 +21,5 @@ OTHERS = {"linear": "linear.LinearAttention", "mla": "mla.MultiHeadLatentAttenti
 
 
 def build_attention(cfg: ModelConfig):
-    """The attention module that cfg.attention names."""
     module, name = OTHERS.get(cfg.attention, "mha.CausalSelfAttention").split(".")
     return getattr(importlib.import_module(f"model.attention.{module}"), name)(cfg)
