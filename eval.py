@@ -142,8 +142,7 @@ def table(rows: list[dict]) -> str:
     lines = [f"{'file':<{width}}  {'tokens':>12}  {'loss':>8}  {'bits/byte':>9}  "
              f"{'perplexity':>11}"]
     lines += [f"{r['file']:<{width}}  {r['tokens']:>12,}  {number(r['loss'], 8, 4)}  "
-              f"{number(r['bits_per_byte'], 9, 4)}  {number(r['perplexity'], 11, 3)}"
-              for r in rows]
+              f"{number(r['bits_per_byte'], 9, 4)}  {number(r['perplexity'], 11, 3)}" for r in rows]
     return "\n".join(lines)
 
 

@@ -92,8 +92,7 @@ def data_name(path) -> str:
 
 
 def describe(source, files: list[Path], total: int, label: str = "data") -> str:
-    """What a folder or glob took, a stray file shown: 'data: books (3 files: 2 .txt, 1
-    other; 3.2 MB)'."""
+    """What a folder or glob took: 'data: books (3 files: 2 .txt, 1 other; 3.2 MB)'."""
     known = [kind_suffix(p.name) or p.suffix.lower() for p in files]
     named = (s if s in KINDS or s in TEXT_SUFFIXES else "other" for s in known)
     kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(named).most_common())
