@@ -77,7 +77,7 @@ def matmul_peak(device, dtype) -> float:
 
 
 def flops_per_token(model) -> tuple[float, float]:
-    """(6N, attention): training FLOPs per token, as the top says."""
+    """(6N, attention): training FLOPs per token."""
     linears = (m for m in model.modules() if isinstance(m, torch.nn.Linear))
     n = sum(m.weight.numel() for m in linears)
     c = model.cfg

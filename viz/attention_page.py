@@ -28,7 +28,7 @@ SCORE_NAMES = {**{name: title.replace("\n", " ") for name, title in SHARE_NAMES.
 def attention_page(texts: list[str], weights: list[np.ndarray], scores: dict, title: str,
                    layers: list[int], heads: list[int]) -> str:
     """The page's HTML. weights: (heads, T, T) per layer shown; scores: head_scores as
-    numpy, layer by layer; layers, heads: the numbers of those shown."""
+    numpy; layers, heads: the numbers shown."""
     data = {"title": title, "tokens": texts, "layers": layers, "heads": heads,
             **encode_weights(weights)}
     # JSON has no NaN: null; a score NaN for every head is left out
