@@ -2,8 +2,7 @@
 summary of which heads do what, or one interactive page (--html).
 
     python attention.py out/shakespeare_char_cpu --prompt $'ROMEO:\\nBut soft!\\n'
-    python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2
-    python attention.py out/shakespeare_char_cpu --prompt @scene.txt --html attention.html
+    python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 --html a.html
 """
 import sys
 from pathlib import Path
@@ -38,7 +37,7 @@ def parse_args(argv):
 
 
 def pick(spec: str | None, n: int, option: str) -> list[int]:
-    """'0,2' -> [0, 2], each in range(n); None -> all of range(n)."""
+    """'0,2' -> [0, 2], each in range(n); None -> all."""
     try:
         chosen = [int(s) for s in spec.split(",")] if spec else list(range(n))
     except ValueError:
@@ -54,7 +53,7 @@ def token_texts(tokenizer, ids: list[int]) -> list[str]:
 
 
 def page_path(spec: str) -> Path:
-    """--html's file, checked before the model runs: not a folder, and not below a file."""
+    """--html's file, checked before the model runs."""
     path = Path(spec)
     if path.is_dir():
         raise UserError(f"--html {path} is a folder: give a file name, "
@@ -93,13 +92,10 @@ def main(argv) -> int:
     written = []
     # the PNGs, a figure at a time (a large model's would not all fit at once)
     if html is None or args.out:
-        # a checkpoint file, or GPT-2's directory or name
-        path = Path(str(loaded.path))
-        if path.is_file():
-            default = path.parent / "attention"
-        else:
-            default = ROOT / "out" / "attention" / path.name
-        out_dir = Path(args.out) if args.out else default
+        # beside a checkpoint file; GPT-2's (a directory or a name) in out/attention/
+        path = Path(loaded.path)
+        beside = path.parent / "attention" if path.is_file() else None
+        out_dir = Path(args.out or beside or ROOT / "out" / "attention" / path.name)
         out_dir.mkdir(parents=True, exist_ok=True)
         labels = [visible(t) for t in texts]
         if missing := label_fonts("".join(labels))[1]:

@@ -1,17 +1,12 @@
-"""Benchmarks, each measured in one run whose first line names the machine and its load
-(ratios travel; absolute times drift). The figures and their commands: docs/benchmarks/.
-
-    python bench.py train CONFIG [--steps 10] [--rounds 3] [--section.key=value ...]
-    python bench.py sample [--device auto] [--new-tokens 256]
-    python bench.py race [--classic CONFIG] [--fast CONFIG] [--section.key=value ...]
-    python bench.py threads [CONFIG] [--steps 20] [--section.key=value ...]
+"""Benchmarks, each in one run whose first line names the machine and its load (ratios
+travel; absolute times drift). The figures and their commands: docs/benchmarks/. train, race
+and threads also take train.py's --section.key=value settings.
 
 MFU = training FLOPs per second / the best torch.mm rate measured in the run. Per token: 6N
-for the N weights of the Linear layers, plus 6 L T C for causal attention (scores and sum,
-2C each per pair of positions, T/2 pairs on average, x3 with backward).
+for the N weights of the Linear layers, plus 6 L T C for causal attention (2C each for the
+scores and the sum, T/2 pairs on average, x3 with backward).
 """
 import argparse
-import json
 import os
 import platform
 import re
@@ -34,6 +29,7 @@ from model.device import autocast, pick_device, pick_dtype
 from model.gpt import GPT
 from training import trainer
 from training.config import build_config
+from viz.curves import read_records
 
 # (classic, fast) by the kind of machine
 PAIRS = {
@@ -45,7 +41,6 @@ SAMPLE_SHAPE = dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=3
 
 
 def machine() -> str:
-    """One line: the processor, the GPU, torch and its threads, the load."""
     # on Linux platform.processor() names only the architecture
     try:
         cpu = re.search(r"model name\s*: (.*)", Path("/proc/cpuinfo").read_text())[1]
@@ -60,14 +55,14 @@ def machine() -> str:
 
 
 def now(device) -> float:
-    """time.perf_counter() once the device has done what it was given."""
+    """time.perf_counter() once the device is done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
 def matmul_peak(device, dtype) -> float:
-    """The best FLOP/s of n x n torch.mm over a few sizes: what MFU divides by."""
+    """The best FLOP/s of torch.mm over a few sizes: what MFU divides by."""
     # torch's benchmark loads setuptools: only a measuring command pays for it
     from torch.utils import benchmark
     best = 0.0
@@ -82,7 +77,7 @@ def matmul_peak(device, dtype) -> float:
 
 
 def flops_per_token(model) -> tuple[float, float]:
-    """(6N, attention): training FLOPs per token (see the top)."""
+    """(6N, attention): training FLOPs per token."""
     linears = (m for m in model.modules() if isinstance(m, torch.nn.Linear))
     n = sum(m.weight.numel() for m in linears)
     c = model.cfg
@@ -90,8 +85,7 @@ def flops_per_token(model) -> tuple[float, float]:
 
 
 def plain_ms_per_step(cfg, device, steps: int, rounds: int) -> float:
-    """The median ms/step of a training step as plain PyTorch writes it (eager, fp32, AdamW)
-    on the config's micro-batches."""
+    """The median ms/step of plain PyTorch's step (eager, fp32, AdamW) on cfg's batches."""
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     shape = (cfg.train.batch_size, cfg.model.block_size)
@@ -156,8 +150,8 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
 
 
 def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=None) -> float:
-    """tokens/s of one decode of new_tokens tokens after `batch` one-token prompts, in the
-    dtype sample.py decodes in, after the set-up of speed_up."""
+    """tokens/s of one decode after `batch` one-token prompts, in sample.py's dtype, timed
+    after speed_up's set-up."""
     device = next(model.parameters()).device
     dtype = pick_dtype(device)
     prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -174,7 +168,6 @@ def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=No
     with autocast(device, dtype):
         *_, last = sampling.generate(model, prompt, new_tokens, generator=generator,
                                      decoding=decoding)
-    # waits for the device
     last.cpu()
     return batch * new_tokens / (time.perf_counter() - starts[-1])
 
@@ -211,19 +204,18 @@ def bench_sample(device, new_tokens: int) -> int:
 
 
 def train_py(config: str, args: list[str], out_dir, env=None) -> tuple[list[dict], str]:
-    """(the metrics.jsonl records, the stdout) of `python train.py CONFIG ARGS`, run as a
-    user runs it; its stderr and a Ctrl-C are this command's."""
+    """(the metrics.jsonl records, the stdout) of `python train.py CONFIG ARGS`; its stderr
+    and a Ctrl-C are this command's."""
     argv = [sys.executable, str(ROOT / "train.py"), config, *args, f"--out_dir={out_dir}"]
     done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=env)
     if done.returncode:
         raise UserError(f"python train.py {config} failed with exit code {done.returncode}")
-    with open(Path(out_dir) / "metrics.jsonl", encoding="utf-8") as f:
-        return [json.loads(line) for line in f], done.stdout
+    return read_records(Path(out_dir) / "metrics.jsonl"), done.stdout
 
 
 def race(classic: str, fast: str, overrides: list[str]) -> dict:
-    """Train classic, then fast, each evaluation timed from the launch: when did the fast
-    run first reach the classic's best val loss, against when the classic did."""
+    """Train classic, then fast: when did fast first reach classic's best val loss, from
+    launch, against when classic did."""
     curves = {}
     with tempfile.TemporaryDirectory(prefix="bench_race_", ignore_cleanup_errors=True) as tmp:
         for label, config in ("classic", classic), ("fast", fast):
@@ -255,8 +247,8 @@ def race(classic: str, fast: str, overrides: list[str]) -> dict:
 
 
 def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: int) -> tuple:
-    """(ms/step of train.py's second log interval with OMP_NUM_THREADS=threads (None:
-    unset), the threads it used then)."""
+    """(ms/step of train.py's second log interval, the threads it used) with
+    OMP_NUM_THREADS=threads (None: unset)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env |= {"OMP_NUM_THREADS": threads} if threads else {}
     settings = [f"--train.max_steps={2 * steps}", f"--train.log_interval={steps}",

@@ -3,8 +3,8 @@
     python eval.py out/tinyshakespeare data/tinyshakespeare.txt
     python eval.py gpt2 'books/*.txt' --stride 512 --json
 
-Each file is its own text (a JSONL or Parquet file's records joined as in training), every
-token after its first scored once, in windows of block_size tokens (data/loader.py).
+Each file is its own text (records joined as in training), every token after its first
+scored once, in windows of block_size tokens.
 """
 import json
 import math
@@ -55,9 +55,8 @@ def main(argv) -> int:
     dtype = pick_dtype(device)
     print(f"# {loaded.description}", file=sys.stderr)
     overlap = " (no overlap)" if stride == block_size else ""
-    print(f"# windows of {block_size} tokens, stride {stride}{overlap}, "
-          f"batch {args.batch_size}, {device} {str(dtype).removeprefix('torch.')}",
-          file=sys.stderr)
+    print(f"# windows of {block_size} tokens, stride {stride}{overlap}, batch {args.batch_size}, "
+          f"{device} {str(dtype).removeprefix('torch.')}", file=sys.stderr)
     rows, stopped = [], False
     try:
         score_files(loaded, texts, stride, args.batch_size, autocast(device, dtype), rows)
@@ -78,7 +77,7 @@ def main(argv) -> int:
 
 
 def read_tokens(path, tokenizer, skip_unknown: bool, max_tokens: int | None):
-    """A text file's token ids (max_tokens + 1 at most: the first is context only)."""
+    """A file's token ids (max_tokens + 1 at most: the first is context only)."""
     docs = [iter_text(path, hint=None)] if not kind_suffix(path.name) else iter_documents(path)
     # between documents: a newline (char), or the end-of-text token (None: BPE)
     sep = "\n" if tokenizer.end_token is None else None
@@ -101,8 +100,7 @@ def read_tokens(path, tokenizer, skip_unknown: bool, max_tokens: int | None):
 
 
 def score_files(loaded, texts: dict, stride, batch_size, autocast, rows: list) -> None:
-    """Append a row of figures per file of texts ({path: token ids}) to rows: a scoring
-    stopped midway keeps what it scored."""
+    """Append a row per file of texts ({path: ids}) to rows, kept if scoring stops midway."""
     progress = Progress("scoring", sum(len(ids) - 1 for ids in texts.values()), "tokens")
     try:
         for i, (path, ids) in enumerate(texts.items()):
@@ -130,14 +128,13 @@ def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
     loss = nats / tokens if tokens and finite else None
     known = loss is not None
     return {"file": name, "tokens": tokens, "bytes": nbytes,
-            "nats": nats if finite else None,
-            "loss": loss,
+            "nats": nats if finite else None, "loss": loss,
             "bits_per_byte": bits_per_byte(loss, tokens, nbytes) if known and nbytes else None,
             "perplexity": math.exp(loss) if known and loss < 700 else None}
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as aligned columns under a header; a figure that is None as '-'."""
+    """The rows as aligned columns under a header; a None as '-'."""
     width = max(len("file"), *(len(r["file"]) for r in rows))
 
     def number(value, width, digits):
@@ -145,8 +142,7 @@ def table(rows: list[dict]) -> str:
     lines = [f"{'file':<{width}}  {'tokens':>12}  {'loss':>8}  {'bits/byte':>9}  "
              f"{'perplexity':>11}"]
     lines += [f"{r['file']:<{width}}  {r['tokens']:>12,}  {number(r['loss'], 8, 4)}  "
-              f"{number(r['bits_per_byte'], 9, 4)}  {number(r['perplexity'], 11, 3)}"
-              for r in rows]
+              f"{number(r['bits_per_byte'], 9, 4)}  {number(r['perplexity'], 11, 3)}" for r in rows]
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
-"""Overlay the val loss curves of several runs, by step and by wall-clock time, each run's
-line named by the settings in which the runs' configs differ.
+"""Overlay the val loss curves of several runs, by step and by wall-clock time, each run
+named by the settings in which their configs differ.
 
     python plot.py out/tinyshakespeare out/shakespeare_char_cpu_fast
     python plot.py out/notes out/notes-bpe4096 --bpb --out compare.png
@@ -36,8 +36,8 @@ def parse_args(argv):
 
 
 def default_out(paths: list[Path], bpb: bool) -> Path:
-    """out/runs-<names>.png, each run named by its path below the folder the runs share:
-    the same runs redraw their picture, others never replace it."""
+    """out/runs-<names>.png, each run named by its path below the runs' common folder: the
+    same runs redraw their picture, others never replace it."""
     resolved = [p.resolve() for p in paths]
     common = Path(os.path.commonpath(resolved))
     names = [r.relative_to(common).as_posix().replace("/", "_") if r != common else r.name

@@ -3,9 +3,7 @@
     python sample.py out/tinyshakespeare --prompt "ROMEO:" --num-samples 3
     python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0
 
-A run dir means its best.pt (else its latest checkpoint). The samples are one batch; the
-first is streamed, the others are printed when done. A sample ends at --max-new-tokens, at
-the end-of-text token, or just before a --stop string.
+The samples are one batch: the first is streamed, the others printed when done.
 """
 import codecs
 import math
@@ -21,9 +19,8 @@ from loading import load_model
 from model.device import autocast, pick_device, pick_dtype
 from model.sampling import Choice, Decoding, generate, prompt_ids
 
-NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, "
-                    "more than it saves on a sample (bench.py sample measures both): "
-                    "leave out --compile")
+NOTE_CPU_COMPILE = ("note: on a CPU, compiling the decoding step takes tens of seconds, more than "
+                    "it saves on a sample (bench.py sample measures both): leave out --compile")
 
 
 def parse_args(argv):
@@ -59,8 +56,7 @@ def parse_args(argv):
 
 
 def extend(text: str, decoder, piece: bytes, stops: list[str]) -> tuple[str, bool]:
-    """(text and a new token's decoded bytes, whether the sample ended): it ends just before
-    a stop string, looked for only where the new text could complete one."""
+    """(text and a token's decoded bytes, cut just before a stop string, whether it was)."""
     before, text = len(text), text + decoder.decode(piece)
     found = (text.find(s, max(0, before - len(s) + 1)) for s in stops)
     cuts = [c for c in found if c >= 0]
@@ -98,14 +94,12 @@ def main(argv) -> int:
     columns = generate(loaded.model, idx, args.max_new_tokens, choice, generator,
                        vocab_limit=tokenizer.vocab_size, decoding=decoding)
     try:
-        # the finite flags are read with each token, read for streaming anyway
         with autocast(device, dtype):
             for col in columns:
                 # made once the model has run: a batch too large for memory is refused first
                 if not new:
                     new, done = [""] * args.num_samples, [False] * args.num_samples
-                    streams = [codecs.getincrementaldecoder("utf-8")(errors="replace")
-                               for _ in new]
+                    streams = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in new]
                 for i, token in enumerate(col[:, 0].tolist()):
                     if done[i] or token == tokenizer.end_token:
                         done[i] = True

@@ -1,5 +1,4 @@
-"""A sweep's results: results.csv and .md (a row per variant), runs.csv (a row per run),
-loss_curves.png."""
+"""A sweep's results: results.csv and .md (a row per variant), runs.csv, loss_curves.png."""
 import csv
 import io
 import os
@@ -27,36 +26,30 @@ def plural(n: int, word: str) -> str:
 
 
 def read_run(run) -> dict:
-    """One run's numbers from its metrics.jsonl and result.json (missing: None or nan)."""
+    """One run's numbers from its metrics.jsonl and result.json (missing: None or NaN)."""
     records = read_records(run.dir / "metrics.jsonl")
     result = read_json(run.dir / "result.json")
     evals = [r for r in records if r["kind"] == "eval"]
-    speeds = [r["tokens_per_s"] for r in records
-              if r["kind"] == "train" and "tokens_per_s" in r]
+    speeds = [r["tokens_per_s"] for r in records if r["kind"] == "train" and "tokens_per_s" in r]
     last = evals[-1] if evals else {}
     sizes = {k: result.get(k) for k in ("params", "peak_gpu_bytes", "kv_bytes_per_token")}
     return {"variant": run.variant, "seed": run.seed, "done": result.get("done") is True,
-            "steps": [r["step"] for r in evals],
-            "val": [r["val_loss"] for r in evals],
+            "steps": [r["step"] for r in evals], "val": [r["val_loss"] for r in evals],
             "elapsed": [r.get("elapsed_s", nan) for r in evals],
-            "final_val": last.get("val_loss", nan),
-            "wall_s": last.get("elapsed_s", nan),
-            "tokens_per_s": statistics.median(speeds or [nan]),
-            **sizes}
+            "final_val": last.get("val_loss", nan), "wall_s": last.get("elapsed_s", nan),
+            "tokens_per_s": statistics.median(speeds or [nan]), **sizes}
 
 
 def summarize(sweep, runs: list[dict]) -> list[dict]:
-    """A row per variant: means over its finished seeds, its difference from the baseline
-    and whether that is beyond the noise."""
+    """A row per variant: means over its finished seeds, its difference from the baseline,
+    whether beyond the noise."""
     rows = []
     for name, values in sweep.variants:
         done = [r for r in runs if r["variant"] == name and r["done"]]
         finals = [r["final_val"] for r in done]
-        row = {"variant": name,
-               "changes": " ".join(f"{k}={v}" for k, v in flat(values).items()),
+        row = {"variant": name, "changes": " ".join(f"{k}={v}" for k, v in flat(values).items()),
                "seeds_done": len(done), "seeds": len(sweep.seeds),
-               "params": (done or [{}])[0].get("params"),
-               "_final": finals}
+               "params": (done or [{}])[0].get("params"), "_final": finals}
         for key in FIGURES:
             known = [r[key] for r in done if r[key] is not None]
             row[key] = statistics.fmean(known) if known else nan
@@ -122,15 +115,12 @@ def write_md(sweep, rows: list[dict], command: str) -> None:
             f"not equal (python ablate.py --help).")
     lines = [f"# Ablation: {sweep.name}", "",
              f"`{command}`: {t.max_steps} steps of {tokens:,} tokens a run. {machine}.", "",
-             HEADER, *map(table_row, rows), "",
-             "![val loss curves](loss_curves.png)", "",
-             note]
+             HEADER, *map(table_row, rows), "", "![val loss curves](loss_curves.png)", "", note]
     atomic_write(sweep.out_dir / "results.md", "\n".join(lines) + "\n")
 
 
 def plot(sweep, runs: list[dict], out) -> None:
-    """loss_curves.png: each variant's val loss by step and by time, its seeds' mean and
-    min-max band."""
+    """loss_curves.png: each variant's val loss by step and time, mean and min-max band."""
     by_step = Panel("val loss by step", "step", "val loss")
     by_time = Panel("val loss by wall-clock time", "wall-clock seconds (training + evals)",
                     "val loss")
@@ -150,7 +140,6 @@ def plot(sweep, runs: list[dict], out) -> None:
 
 
 def write_report(sweep, command: str) -> None:
-    """results.csv, runs.csv, results.md and loss_curves.png in the sweep's out dir."""
     runs = [read_run(r) for r in sweep.runs]
     rows = summarize(sweep, runs)
     sweep.out_dir.mkdir(parents=True, exist_ok=True)

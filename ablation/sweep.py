@@ -1,5 +1,4 @@
-"""A sweep file (its format: ablate.py) read into runs, trained one after another
-in-process."""
+"""A sweep file (docs/ablations/README.md) read into runs, trained one after another."""
 import gc
 import json
 import re
@@ -16,9 +15,8 @@ from loading import list_checkpoints
 from training.config import PATHS, ROOT, absolute, build_config, load_toml, parse_overrides
 from training.trainer import train
 
-KINDS = {"name": (str, "a string"), "base": (str, "a string"),
-         "out_dir": (str, "a string"), "seeds": (list, "a list"),
-         "overrides": (dict, "a table"), "variants": (list, "a list")}
+KINDS = {"name": (str, "a string"), "base": (str, "a string"), "out_dir": (str, "a string"),
+         "seeds": (list, "a list"), "overrides": (dict, "a table"), "variants": (list, "a list")}
 # what a variant may not set: the data, the token budget, how the runs are scored
 SHARED_KEYS = {"data.path", "data.tokenizer", "data.val_fraction", "data.val_path",
                "train.max_steps", "train.batch_size", "train.grad_accum",
@@ -31,18 +29,17 @@ Sweep = namedtuple("Sweep", "name out_dir seeds variants runs")
 
 
 def as_overrides(values: dict, folder: Path) -> list[str]:
-    """A table of settings as command-line overrides (paths absolute against folder)."""
+    """A table of settings as overrides (paths absolute against folder)."""
     return [f"--{k}={absolute(k, v, folder) if k in PATHS else v}"
             for k, v in flat(values).items()]
 
 
 def load_sweep(path: str, overrides=()) -> Sweep:
-    """Read and check a sweep file, and build every run's config before anything runs."""
+    """Read and check a sweep file, and every run's config, before anything runs."""
     path, where = Path(path), f"{path}: "
     spec = load_toml(path)
     if unknown := sorted(set(spec) - set(KINDS)):
-        raise UserError(f"{where}unknown sweep key {unknown[0]!r} "
-                        f"(a sweep has {', '.join(KINDS)})")
+        raise UserError(f"{where}unknown sweep key {unknown[0]!r} (a sweep has {', '.join(KINDS)})")
     if wrong := [k for k, v in spec.items() if not isinstance(v, KINDS[k][0])]:
         raise UserError(f"{where}{wrong[0]} is not {KINDS[wrong[0]][1]}")
     seeds, variants = spec.get("seeds", [1337]), spec.get("variants")
@@ -52,8 +49,7 @@ def load_sweep(path: str, overrides=()) -> Sweep:
         raise UserError(f"{where}seeds must be a non-empty list of distinct integers, "
                         f"got {seeds!r}")
     if not variants or not all(isinstance(v, dict) for v in variants):
-        raise UserError(f"{where}needs at least one [[variants]] table "
-                        f"(the first is the baseline)")
+        raise UserError(f"{where}needs at least one [[variants]] table (the first is the baseline)")
     named = [(v.get("name"), {k: x for k, x in v.items() if k != "name"}) for v in variants]
     for i, (name, values) in enumerate(named):
         taken = name in [n for n, _ in named[:i]]
@@ -101,7 +97,7 @@ def load_sweep(path: str, overrides=()) -> Sweep:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON file; {} where it is missing, cut or damaged: that run is done again."""
+    """A JSON file; {} where it is missing or damaged: that run is done again."""
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -109,9 +105,7 @@ def read_json(path: Path) -> dict:
 
 
 def train_run(run: Run, resume: bool) -> dict:
-    """train() the run, then write its result.json: whether it finished, its size, its KV
-    cache per token, its peak GPU memory (none on the CPU, where it holds every run before
-    it)."""
+    """train() the run, then write its result.json (whether it finished, its sizes)."""
     cfg, device = run.cfg, pick_device(run.cfg.train.device)
     cuda = device.type == "cuda"
     # fresh compile caches: dynamo compiles only so many models of one code
@@ -124,21 +118,19 @@ def train_run(run: Run, resume: bool) -> dict:
     # overwrite: a run killed before it saved is set aside
     summary = train(cfg, resume=resume, overwrite=not resume)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    # its size (cfg now has the data's vocab size), on the CPU: a meta device's init
-    # would import torch._dynamo, a second a sweep
+    # cfg now has the data's vocab size; on the CPU: a meta device's init imports dynamo
     model = GPT(cfg.model)
     block = cfg.model.block_size
     kv_bytes = model.kv_cache_bytes(block, pick_dtype(device, cfg.train.dtype))
-    result = {"done": summary["step"] >= cfg.train.max_steps,
-              "params": model.num_params(), "peak_gpu_bytes": peak,
-              "kv_bytes_per_token": kv_bytes / block}
+    result = {"done": summary["step"] >= cfg.train.max_steps, "params": model.num_params(),
+              "peak_gpu_bytes": peak, "kv_bytes_per_token": kv_bytes / block}
     atomic_write(run.dir / "result.json", json.dumps(result))
     return summary
 
 
 def run_sweep(sweep: Sweep) -> tuple[int, list[str]]:
-    """Train the unfinished runs in order: (0, or the exit code of the run a signal stopped
-    with the sweep; each run that failed, and why: the others go on)."""
+    """Train the unfinished runs in order -> (0, or the exit code of the run a signal
+    stopped; each run that failed, and why: the others go on)."""
     # a data problem, said once
     first = sweep.runs[0].cfg
     prepare(first.data, first.model.block_size)

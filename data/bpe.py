@@ -1,6 +1,6 @@
-"""BPE through tiktoken: a named encoding (gpt2, ...), or bpe:N trained on the training split
-by rustbpe (it gives tiktoken's ranks), its meta the whole tokenizer: the 256 bytes, N - 257
-merges under GPT-4's pattern, and <|endoftext|> (id N - 1) between documents.
+"""BPE through tiktoken: a named encoding (gpt2, ...), or bpe:N trained on the train split by
+rustbpe, its meta the whole tokenizer: the 256 bytes, N - 257 merges under GPT-4's pattern,
+and <|endoftext|> (id N - 1) between documents.
 """
 import base64
 import time
@@ -17,21 +17,18 @@ PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
 
 
 def check_encoding(name: str) -> None:
-    """A UserError unless name is a tiktoken encoding (whose files are not loaded)."""
+    """A UserError unless name is a tiktoken encoding (its files not loaded)."""
     if name not in (names := tiktoken.list_encoding_names()):
-        raise UserError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N "
-                        f"tokens trained on the data) or a tiktoken encoding "
-                        f"({', '.join(names)})")
+        raise UserError(f"unknown tokenizer {name!r}: use 'char', 'bpe:N' (a BPE of N tokens "
+                        f"trained on the data) or a tiktoken encoding ({', '.join(names)})")
 
 
 class TiktokenTokenizer:
-    """BPE encoded by tiktoken: a named encoding, or one trained on the data."""
-
     def __init__(self, enc, meta: dict):
         self.enc = enc
         self._meta = meta
         self.vocab_size = enc.n_vocab
-        # <|endoftext|>: between documents, where a sample ends, and an empty prompt
+        # between documents, where a sample ends, and an empty prompt
         self.end_token = self.start_token = enc.eot_token
 
     @classmethod
@@ -51,12 +48,11 @@ class TiktokenTokenizer:
         return self.enc.encode_ordinary(text)
 
     def encode_array(self, text: str) -> np.ndarray:
-        """The ids as uint32, with no Python list."""
         return self.enc.encode_to_numpy(text, disallowed_special=())
 
     def encode_pieces(self, pieces: list) -> np.ndarray:
-        """The ids of the pieces, a None the end-of-text token: one tiktoken call on the
-        text joined by <|endoftext|>, unless a piece holds it as text."""
+        """The ids of the pieces, a None the end-of-text token: one tiktoken call, unless
+        a piece holds "<|endoftext|>" as text."""
         text = "".join([EOT if p is None else p for p in pieces])
         # the marker cannot overlap itself: a count tells
         if text.count(EOT) == pieces.count(None):
@@ -76,7 +72,7 @@ class TiktokenTokenizer:
 
 def trained_bpe(meta: dict) -> TiktokenTokenizer:
     """The tokenizer train_bpe() describes; a damaged one is a UserError (tiktoken checks
-    only the pattern and types: a missing byte would panic in Rust)."""
+    only the pattern and types: a missing byte would panic)."""
 
     def damaged(why: str) -> UserError:
         return UserError(f"damaged BPE tokenizer description: {why}")
@@ -108,9 +104,8 @@ def trained_bpe(meta: dict) -> TiktokenTokenizer:
 
 
 def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
-    """(meta, seconds) of a BPE of vocab_size tokens (fewer if the text has too few
-    pairs) trained on the str pieces in texts: the pattern, each token's bytes in base64
-    in rank order, <|endoftext|> last."""
+    """(meta, seconds) of a BPE of vocab_size tokens at most, trained on the str pieces in
+    texts: the pattern, each token's bytes in base64 in rank order, <|endoftext|> last."""
     try:
         import rustbpe
     except ImportError:

@@ -1,6 +1,6 @@
 """The prepared-data cache: the files a data path names, and the entry (train.bin, val.bin,
-meta.json written last) their bytes and settings key: all a run on prepared data needs;
-data/prepare.py builds an entry. Deleting one, or the whole cache, is always safe.
+meta.json written last) their bytes and settings key; data/prepare.py builds one. Deleting
+an entry, or the whole cache, is always safe.
 """
 import glob
 import hashlib
@@ -16,7 +16,7 @@ import numpy as np
 from common import Progress, UserError, check_fields, setting
 from data.tokenizers import check_tokenizer_spec
 
-# meta.json's layout and how a text is read: another prepares again
+# meta.json's layout and how a text is read: another is prepared again
 FORMAT = 4
 SPLITS = ("train", "val")
 # a progress line for inputs this large
@@ -48,14 +48,12 @@ class DataConfig:
 
 
 def mb_progress(label: str, total: int) -> Progress:
-    """Progress in MB on stderr, for PROGRESS_MIN_BYTES or more."""
     quiet = total < PROGRESS_MIN_BYTES
     return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=quiet)
 
 
 def find_sources(source) -> list[Path]:
-    """The regular files a data path names (a file, a folder's but hidden ones, a glob's),
-    sorted; a UserError saying why there are none."""
+    """The regular files a data path names (a file, a folder's, a glob's), sorted."""
     source = Path(source)
     # its name may hold glob characters
     if source.is_file():
@@ -81,8 +79,8 @@ def kind_suffix(name: str) -> str:
 
 def data_name(path) -> str:
     """The name of a data path's runs and cache entries: notes.txt.gz -> notes, books/*.txt
-    -> books (a glob's last folder and file part without glob characters; neither: data),
-    licenses.jsonl -> licenses-jsonl."""
+    -> books (a glob's last plain folder and file part; neither: data), licenses.jsonl ->
+    licenses-jsonl."""
     path = Path(path)
     suffix = kind_suffix(path.name)
     stem = path.name[:-len(suffix)] if suffix else Path(path.name.removesuffix(".gz")).stem
@@ -94,8 +92,7 @@ def data_name(path) -> str:
 
 
 def describe(source, files: list[Path], total: int, label: str = "data") -> str:
-    """What a folder or glob took, so that a stray file shows: 'data: books (3 files:
-    2 .txt, 1 other; 3.2 MB)'."""
+    """What a folder or glob took: 'data: books (3 files: 2 .txt, 1 other; 3.2 MB)'."""
     known = [kind_suffix(p.name) or p.suffix.lower() for p in files]
     named = (s if s in KINDS or s in TEXT_SUFFIXES else "other" for s in known)
     kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(named).most_common())
@@ -104,8 +101,7 @@ def describe(source, files: list[Path], total: int, label: str = "data") -> str:
 
 
 def sha256(files: list[Path], progress: Progress) -> str:
-    """One file's sha256, or that of several files' names and sha256s (renaming a file
-    makes another dataset)."""
+    """One file's sha256, or that of several files' names and sha256s."""
     digests = []
     for path in files:
         h = hashlib.sha256()
@@ -123,16 +119,14 @@ def sha256(files: list[Path], progress: Progress) -> str:
 
 
 def prepare(data: DataConfig, block_size: int | None = None) -> Path:
-    """The entry of data's bytes and settings, prepared if the cache has none; each split
-    must hold a window of block_size + 1 tokens."""
+    """The entry of data's bytes and settings, prepared on a miss."""
     data.validate()
     val = find_sources(data.val_path) if data.val_path else []
-    # val_path's files are never trained on too
+    # val_path's files are not trained on
     taken = {p.resolve() for p in val}
     files = [p for p in find_sources(data.path) if p.resolve() not in taken]
     if not files:
-        raise UserError(f"{data.path} holds no files but those of --data.val_path "
-                        f"{data.val_path}")
+        raise UserError(f"{data.path} holds no files but those of --data.val_path {data.val_path}")
     progress = mb_progress("hashing", sum(p.stat().st_size for p in files + val))
     sha = sha256(files, progress)
     if val:
@@ -152,7 +146,7 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
 
 
 def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
-    """The data's name, then all that changes the token files (records: the text_field)."""
+    """The data's name, then all that changes the token files."""
     # bpe:4096 -> bpe4096
     label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)
     errors = "-replace" * (data.encoding_errors == "replace")
@@ -164,7 +158,7 @@ def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
 
 
 def read_entry(entry: Path) -> dict | None:
-    """The meta.json of a usable entry (this FORMAT, the token files' sizes it says)."""
+    """The meta.json of a usable entry (this FORMAT, the sizes it says)."""
     try:
         meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
         if meta["format"] != FORMAT:
@@ -187,7 +181,7 @@ def load_meta(entry) -> dict:
 
 
 def check_split_sizes(tokens: dict, block_size: int | None) -> None:
-    """Each split must hold a training window: block_size + 1 tokens (None: any)."""
+    """Each split must hold block_size + 1 tokens (None: any)."""
     if block_size is None:
         return
     for split in SPLITS:

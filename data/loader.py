@@ -1,7 +1,6 @@
 """Batches of windows (block_size + 1 tokens: x, and y shifted by one) of a prepared dataset,
-copied to the device if it takes under a quarter of its free memory (a step, or a CUDA graph's
-replay, then needs nothing from the host), else memory-mapped. Every rank draws the global
-batch from one generator and keeps its own windows: they depend on the global batch only.
+on the device if it takes under a quarter of its free memory, else memory-mapped. Every rank
+draws the global batch from one generator and keeps its own windows.
 """
 import os
 import sys
@@ -18,7 +17,7 @@ from data.cache import SPLITS, check_split_sizes, load_meta
 
 # an exact evaluation's windows per split at most
 EVAL_MAX_WINDOWS = 4096
-# train's windows per val window in an evaluation: a sample shows overfitting as well
+# train's windows per val window in an evaluation: a sample shows overfitting
 EVAL_TRAIN_SHARE = 0.125
 # an evaluation batch's tokens (batch_size windows at least)
 EVAL_BATCH_TOKENS = 4096
@@ -28,8 +27,8 @@ COPY_TOKENS = 1 << 26
 
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
     """(x, y) int64 host tensors of batch_size windows at most, scoring every token after
-    the first once (y = -1: context only). Window k starts at k * stride and scores its
-    last `stride` targets (the first, all); the last one may be shorter: a batch alone."""
+    the first once (y = -1: context only): window k starts at k * stride and scores its
+    last `stride` targets (the first, all)."""
     n = len(tokens)
     # a later window's first targets, not scored
     context = block_size - stride
@@ -51,19 +50,17 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free on the device: CUDA's count, the host's available memory, else 0."""
+    """Bytes free on the device (CUDA, or the host's for cpu), else 0."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    # POSIX's names; Windows and macOS lack the first
-    names = ("SC_AVPHYS_PAGES", "SC_PAGE_SIZE")
-    if device.type != "cpu" or not set(names) <= set(getattr(os, "sysconf_names", {})):
+    # Windows and macOS lack SC_AVPHYS_PAGES
+    if device.type != "cpu" or "SC_AVPHYS_PAGES" not in getattr(os, "sysconf_names", {}):
         return 0
-    return os.sysconf(names[0]) * os.sysconf(names[1])
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Share(NamedTuple):
-    """How a step's global batch is divided: grad_accum micro-steps of world x B
-    windows, of which this process (rank) keeps its B."""
+    """A step's global batch: grad_accum micro-steps of world x B windows; rank keeps B."""
     grad_accum: int = 1
     rank: int = 0
     world: int = 1
@@ -97,8 +94,7 @@ class BatchLoader:
         self.generator = torch.Generator(generator_device).manual_seed(seed)
 
     def copy_to_device(self, split: str) -> torch.Tensor:
-        """The split as int32 on the device (no uint16 arithmetic in torch), copied a part
-        at a time, its ids checked."""
+        """The split as int32 on the device (no uint16 arithmetic in torch), ids checked."""
         tokens = self.mapped[split]
         on_device = torch.empty(len(tokens), dtype=torch.int32, device=self.device)
         for i in range(0, len(tokens), COPY_TOKENS):
@@ -108,8 +104,7 @@ class BatchLoader:
         return on_device
 
     def check_ids(self, split: str, top: int) -> None:
-        """An id outside the vocabulary (files damaged after the cache checked them) is a
-        UserError, not an embedding's failure."""
+        """An id outside the vocabulary (damaged files) is a UserError, not a crash."""
         if top >= self.vocab_size:
             raise UserError(f"the prepared dataset {self.dataset_dir} holds token id {top} "
                             f"in {split}.bin, outside its vocabulary of {self.vocab_size}: "
@@ -136,17 +131,16 @@ class BatchLoader:
         return self.windows(split, starts[..., self.rank, :])
 
     def step_windows(self) -> torch.Tensor:
-        """This rank's windows of the next step: (grad_accum, B, T + 1)."""
+        """(grad_accum, B, T + 1): this rank's windows of the next step."""
         return self.draw("train", self.generator, self.grad_accum)
 
     def batch(self, split: str, generator: torch.Generator):
-        """(x, y) of this rank's windows, drawn from generator."""
         windows = self.draw(split, generator)
         return windows[:, :-1], windows[:, 1:]
 
     def eval_windows(self, split: str):
         """(x, y) batches of an exact evaluation: val's first EVAL_MAX_WINDOWS windows;
-        train's, EVAL_TRAIN_SHARE as many (its first and last at least) evenly spaced."""
+        train's, EVAL_TRAIN_SHARE as many evenly spaced (its first and last at least)."""
         T = self.block_size
         per_batch = max(self.batch_size, EVAL_BATCH_TOKENS // T)
         val = self.mapped["val"][:EVAL_MAX_WINDOWS * T + 1]
@@ -163,8 +157,8 @@ class BatchLoader:
         return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
     def load_state_dict(self, state: dict) -> None:
-        """The data order where the checkpoint left it; one drawn on another device (the
-        data resident then, memory-mapped now) cannot go on: a new order, seeded from it."""
+        """The data order where the checkpoint left it (drawn on another device: a new
+        order, seeded from it)."""
         was, now = state.get("device", "cpu"), self.generator.device.type
         if was == now:
             return self.generator.set_state(state["generator"])

@@ -1,10 +1,8 @@
 """Turn text into an entry of the cache (data/cache.py) a piece at a time, in bounded memory:
-a scan (the split point is a character index), training (bpe:N), encoding (BPE on threads:
-tiktoken frees the GIL), in a temporary folder renamed into place once whole. Documents are
-one text with the end-of-text token (BPE) or a newline (char) between them.
+a scan, training (bpe:N), encoding (BPE on threads: tiktoken frees the GIL), in a temporary
+folder renamed into place once whole.
 
-    python data/prepare.py FILE|DIR|GLOB [--tokenizer char|gpt2|bpe:4096]
-        [--val-fraction 0.1] [--val-path FILE|DIR|GLOB] [--workers N]
+    python data/prepare.py FILE|DIR|GLOB [--tokenizer bpe:4096 ...] (see --help)
 """
 import json
 import os
@@ -39,7 +37,7 @@ TRAIN_MAX_CHARS = 256_000_000
 
 
 def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> dict:
-    """Scan, train (bpe:N), encode the entry at out; its meta.json. sources: the train
+    """Scan, train (bpe:N), encode the entry at out -> its meta.json. sources: the train
     files, the val files (none: val is the end of the train text)."""
     if out.exists():
         print(f"notice: {out} is unfinished, damaged or of an older format: "
@@ -65,8 +63,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     def text(label: str, train_chars: int):
         """(split, piece) pairs: train_chars in "train", then "val"."""
         progress = mb_progress(label, total)
-        texts = [(d for p in s[0] for d in iter_documents(p, *read, progress))
-                 for s in scans]
+        texts = [(d for p in s[0] for d in iter_documents(p, *read, progress)) for s in scans]
         starts = zip(texts, (train_chars, 0))
         return chain(*(pieces(docs, at, not char) for docs, at in starts))
 
@@ -122,13 +119,13 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
 
 
 def stamps(files: list[Path]) -> list[tuple[int, int]]:
-    """Each file's (size, mtime): a text that changed while it was read."""
+    """Each file's (size, mtime): a text that changed shows."""
     return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
 def pid_space() -> str:
-    """This machine and its pid namespace (containers sharing a host name have their own):
-    where a pid names one process."""
+    """This machine and its pid namespace (containers may share a host name): where a pid
+    names one process."""
     try:
         return f"{socket.gethostname()}.{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
@@ -140,8 +137,8 @@ TMP = f".tmp-{pid_space()}-"
 
 
 def remove_leftovers(folder: Path) -> None:
-    """Remove the temporary folders of builds on this machine whose process is gone (a
-    SIGKILL); not on Windows, where os.kill(pid, 0) stops the process."""
+    """Remove the temporary folders of this machine's killed builds; not on Windows, where
+    os.kill(pid, 0) stops the process."""
     for tmp in folder.glob(f".*{TMP}*") if os.name == "posix" else ():
         pid = re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2])
         if not pid:
@@ -174,11 +171,9 @@ def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
                 kept[path] = True
                 n_docs += 1
                 n_chars += n
-    if not kept and len(files) == 1:
-        raise UserError(f"data file is empty: {files[0]}")
     if not kept:
-        raise UserError(f"the data files are all empty ({len(files)} files, "
-                        f"first {files[0]})")
+        raise UserError(f"data file is empty: {files[0]}" if len(files) == 1 else
+                        f"the data files are all empty ({len(files)} files, first {files[0]})")
     return list(kept), n_docs, n_chars, "".join(map(chr, np.flatnonzero(seen)))
 
 
@@ -189,9 +184,8 @@ LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 def pieces(documents, split_at: int, bpe: bool):
     """The documents (iterables of str chunks) as (split, piece): the first split_at
-    characters in "train", the rest in "val"; between documents a newline (char) or None,
-    the end-of-text token (BPE). A piece holds PIECE_CHARS to twice that (fewer at a BPE
-    document's end or the split), cut at LAST_SAFE_CUT (BPE)."""
+    characters in "train", the rest in "val"; between documents a newline (char) or None
+    (BPE's end-of-text). A piece holds PIECE_CHARS to twice that, cut at LAST_SAFE_CUT."""
     split, pos = "train", 0
     # the next piece's chunks, of size characters
     held, size = [], 0
@@ -223,8 +217,8 @@ def pieces(documents, split_at: int, bpe: bool):
 
 
 def batches(text):
-    """The (split, piece) pairs as (split, [piece, ...]) of PIECE_CHARS or more (fewer at
-    a split's end): what a worker encodes at once."""
+    """(split, piece) pairs as (split, [piece, ...]) of PIECE_CHARS or more (fewer at a
+    split's end): what a worker encodes at once."""
     batch, size, last = [], 0, None
     for split, piece in text:
         if batch and (split != last or size >= PIECE_CHARS):
@@ -238,8 +232,8 @@ def batches(text):
 
 
 def in_order(fn, items, workers: int):
-    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at a time
-    at most: memory stays bounded."""
+    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at most
+    at a time."""
     with ThreadPoolExecutor(workers) as pool:
         jobs = deque()
         for item in items:
@@ -250,15 +244,15 @@ def in_order(fn, items, workers: int):
 
 
 def encode(text, tok, tmp: Path, workers: int) -> dict:
-    """Encode text's (split, piece) pairs a batch at a time on `workers` threads (1: this
-    one) into tmp/<split>.bin; their meta entries."""
+    """Encode text's (split, piece) pairs on `workers` threads (1: this one) into
+    tmp/<split>.bin -> their meta entries."""
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens = dict.fromkeys(SPLITS, 0)
     nbytes = dict.fromkeys(SPLITS, 0)
     low, high = tok.vocab_size, -1
 
+    # -> (split, ids, the pieces' UTF-8 bytes)
     def encode_batch(batch):
-        """(split, ids, the pieces' UTF-8 bytes)"""
         split, texts = batch
         ids = tok.encode_pieces(texts)
         return split, ids, len("".join(filter(None, texts)).encode())

@@ -22,8 +22,7 @@ DAMAGED = (OSError, EOFError, zlib.error, ValueError)
 
 
 def chunks(path: Path, take, progress=None):
-    """take(f) on the file (a .gz gunzipped) until it gives nothing; progress advanced by
-    the bytes read from the disk."""
+    """take(f) on the file (a .gz gunzipped) until it gives nothing, progress advanced."""
     gz = path.name.lower().endswith(".gz")
     with open(path, "rb") as raw, (gzip.open(raw) if gz else raw) as f:
         done = 0
@@ -36,11 +35,10 @@ def chunks(path: Path, take, progress=None):
 
 def iter_text(path: Path, errors: str = "strict", progress=None,
               hint: str | None = "set --data.encoding_errors=replace to replace such bytes"):
-    """The file's text (a .gz gunzipped) as str chunks; a non-UTF-8 byte is a UserError
-    with hint as advice, or with errors='replace' a U+FFFD."""
+    """The file's text as str chunks; a non-UTF-8 byte is a UserError with hint as advice,
+    or with errors='replace' a U+FFFD."""
     # holds a character cut at a read's end
     decoder = codecs.getincrementaldecoder("utf-8")(errors)
-    gz = path.name.lower().endswith(".gz")
     reads = chunks(path, lambda f: f.read(READ_BYTES), progress)
     # bytes read before raw
     offset = 0
@@ -58,14 +56,14 @@ def iter_text(path: Path, errors: str = "strict", progress=None,
                 yield text
             offset += len(raw)
     except DAMAGED as e:
-        if not gz:
+        if not path.name.lower().endswith(".gz"):
             raise
         raise UserError(f"{path} cannot be read as gzip: {e}") from None
 
 
 def not_utf8(path: Path, byte: int, offset: int, hint: str | None) -> UserError:
-    """The error of a byte that is not UTF-8, with advice: hint, or to leave out a file that
-    looks binary (a NUL byte in its first 8 KB: git's test)."""
+    """The error of a byte that is not UTF-8, with hint, or to leave out a file that looks
+    binary (a NUL byte in its first 8 KB: git's test)."""
     if b"\0" in next(chunks(path, lambda f: f.read(8192)), b""):
         hint = (f"it looks binary: leave it out of the data (e.g. with a glob such as "
                 f"'{path.parent}/*.txt')")
@@ -75,7 +73,7 @@ def not_utf8(path: Path, byte: int, offset: int, hint: str | None) -> UserError:
 
 def iter_documents(path: Path, errors: str = "strict", field: str = "text", progress=None):
     """The file's documents, each an iterable of str chunks: a text is one; a JSONL line
-    or a Parquet row, its field's text, one each (blank ones skipped)."""
+    or a Parquet row, its field's text (blank ones skipped)."""
     if not (suffix := kind_suffix(path.name)):
         yield iter_text(path, errors, progress)
         return
@@ -89,9 +87,8 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
                 raise UserError(f"{path}, {where} {n}: no string in {field!r} ({got}); "
                                 f"--data.text_field names the field that holds the text")
             if (lone := SURROGATE.search(text)) and errors != "replace":
-                raise UserError(f"{path}, {where} {n}: a lone surrogate "
-                                f"\\u{ord(lone[0]):04x} is no character; set "
-                                f"--data.encoding_errors=replace to replace it")
+                raise UserError(f"{path}, {where} {n}: a lone surrogate \\u{ord(lone[0]):04x} is "
+                                f"no character; set --data.encoding_errors=replace to replace it")
             if text and not text.isspace():
                 yield (SURROGATE.sub("\ufffd", text) if lone else text,)
     except DAMAGED as e:
@@ -99,8 +96,7 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
 
 
 def jsonl_texts(path: Path, errors: str, field: str, progress):
-    """(line number, its record's field or None) of each line of a JSONL file but blank
-    ones; a line that is not UTF-8 or JSON is a UserError."""
+    """(line number, its record's field or None) of each non-blank line of a JSONL file."""
     lines = chain.from_iterable(chunks(path, lambda f: f.readlines(READ_BYTES), progress))
     for n, line in enumerate(lines, 1):
         if line.isspace():
@@ -115,8 +111,7 @@ def jsonl_texts(path: Path, errors: str, field: str, progress):
 
 
 def parquet_texts(path: Path, errors: str, field: str, progress):
-    """(row number, its text) of a Parquet file's column `field`, PARQUET_ROWS rows at a
-    time (a row group at most is held)."""
+    """(row number, its text) of a Parquet file's column `field`, PARQUET_ROWS at a time."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -136,8 +131,7 @@ def parquet_texts(path: Path, errors: str, field: str, progress):
 
 
 def read_prompt(prompt: str) -> str:
-    """A prompt argument's text: itself, or with @FILE the file's (PROMPT_FILE_MAX bytes
-    at most: /dev/zero never ends)."""
+    """A prompt argument's text: itself, or with @FILE the file's."""
     if not prompt.startswith("@"):
         return prompt
     # a missing file: one line, from common.run_cli

@@ -1,6 +1,6 @@
 """Tokenizers behind one interface: encode (encode_array: as numpy, encode_pieces: many
 texts at once), decode, vocab_size, and a JSON-able meta() kept with the dataset and every
-checkpoint. char: a token per character of the text; BPE: data/bpe.py, imported if used.
+checkpoint. char: a token per character; BPE: data/bpe.py, imported if used.
 """
 import numpy as np
 
@@ -12,7 +12,7 @@ MAX_VOCAB = 1 << 20
 
 
 def code_points(text: str) -> np.ndarray:
-    """The text's code points as an array: uint8 for ASCII text, else uint32."""
+    """The text's code points: uint8 for ASCII text, else uint32."""
     if text.isascii():
         return np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
@@ -52,7 +52,7 @@ class CharTokenizer:
         return ids
 
     def encode_pieces(self, pieces: list[str]) -> np.ndarray:
-        """The ids of the pieces in order (None, an end-of-text token, is BPE's only)."""
+        """The ids of the pieces in order (no None: that is BPE's end-of-text)."""
         return self.encode_array("".join(pieces))
 
     def decode(self, ids) -> str:
@@ -75,8 +75,7 @@ def check_tokenizer_spec(spec: str) -> None:
 
 
 def build_tokenizer(name: str, text: str | None = None):
-    """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name
-    (bpe:N is trained: data/bpe.py's train_bpe)."""
+    """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name."""
     if name == "char":
         return CharTokenizer.from_text(text)
     from data.bpe import TiktokenTokenizer
@@ -84,7 +83,7 @@ def build_tokenizer(name: str, text: str | None = None):
 
 
 def load_tokenizer(meta: dict):
-    """The tokenizer a meta() describes (a dataset's or a checkpoint's), checked."""
+    """The tokenizer a meta() describes, checked."""
     if not isinstance(meta, dict) or meta.get("kind") not in ("char", "tiktoken", "bpe"):
         raise UserError(f"not a tokenizer description: {str(meta)[:80]}")
     if meta["kind"] == "char":
@@ -102,7 +101,7 @@ def load_tokenizer(meta: dict):
 
 
 def bpe_vocab_size(spec: str) -> int | None:
-    """N for a spec 'bpe:N', None for any other; a malformed N is a UserError."""
+    """N for a spec 'bpe:N', None for any other; a bad N is a UserError."""
     if spec != "bpe" and not spec.startswith("bpe:"):
         return None
     n = spec[4:]

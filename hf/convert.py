@@ -1,13 +1,8 @@
-"""GPT-2 weights in Hugging Face's layout: read them into this repo's GPT, write ours out.
-
-Hugging Face's GPT2LMHeadModel is model/gpt.py's network with GPT-2's settings (learned
-positions, LayerNorm, biases, tied head, GELU in its tanh form). Only the names differ
-(tok_emb is wte, blocks.i.mlp.up is h.i.mlp.c_fc, ...: tensor_names lists them for both
-directions), and two layouts: c_attn fuses the query, key and value projections (q | k | v),
-and GPT-2's "Conv1D" stores a weight as (in, out), the transpose of nn.Linear's.
-The "transformer." prefix is optional (OpenAI's first checkpoints lack it). An export
-gives zero biases for model.bias = false and keeps a padded vocab_size (50304). A setting
-either side cannot express is a UserError naming it.
+"""GPT-2 weights in Hugging Face's layout, in and out. GPT2LMHeadModel is model/gpt.py's
+network with GPT-2's settings (learned positions, LayerNorm, biases, tied head, tanh GELU).
+Only the names differ (tensor_names), and two layouts: c_attn fuses the query, key and value
+projections (q | k | v), and GPT-2's "Conv1D" stores a weight as (in, out), the transpose of
+nn.Linear's. A setting either side cannot express is a UserError.
 """
 import itertools
 import json
@@ -29,8 +24,8 @@ HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop"
                "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
                "add_cross_attention": False}
 SIZES = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
-# a block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units
-# of C, or None for a norm's (C,))
+# a block's tensors: (ours, stacked along dim 0; theirs; our weight's (out, in) in units of C,
+# or None for a norm's (C,))
 BLOCK_TENSORS = [
     (["norm1"], "ln_1", None),
     (["attn.query", "attn.key", "attn.value"], "attn.c_attn", (1, 1)),
@@ -101,9 +96,9 @@ def tensor_names(cfg: ModelConfig):
 
 
 def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetensors") -> dict:
-    """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32); a missing, misshapen
-    or unexpected tensor is a UserError naming it."""
-    # old checkpoints' causal-mask buffers are left out
+    """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32), each checked."""
+    # the "transformer." prefix is optional (OpenAI's first checkpoints lack it); their
+    # causal-mask buffers are left out
     sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
           for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     out = {}
@@ -133,8 +128,7 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
 
 
 def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
-    """This GPT's config and state dict -> (GPT-2's config.json dict, its tensors by
-    transformers' names, new and contiguous as safetensors needs)."""
+    """This GPT's config and state dict -> (GPT-2's config.json dict, its tensors)."""
     for key, allowed, why in [
             ("pos", ["learned"], "GPT-2 has learned absolute positions"),
             ("norm", ["layernorm"], "GPT-2 has LayerNorm"),
@@ -150,14 +144,13 @@ def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
         parts = [torch.zeros(shape, dtype=dtype) if o.endswith("bias") and o not in sd
                  else sd[o] for o in ours]
         t = torch.cat(parts)
+        # new and contiguous, as safetensors needs
         tensors[theirs] = t.t().contiguous() if conv else t
     # the rest as GPT2Config's defaults
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
               "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size,
               "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-              "activation_function": EXPORT_ACTIVATION[cfg.mlp],
-              "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
-              "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5,
-              "scale_attn_weights": cfg.attn_scale,
-              "tie_word_embeddings": cfg.tie_embeddings}
+              "activation_function": EXPORT_ACTIVATION[cfg.mlp], "resid_pdrop": cfg.dropout,
+              "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": 1e-5,
+              "scale_attn_weights": cfg.attn_scale, "tie_word_embeddings": cfg.tie_embeddings}
     return config, tensors

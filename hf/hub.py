@@ -1,12 +1,5 @@
-"""GPT-2 checkpoints as files and hub names: Hugging Face directories read and written, a
-run started from GPT-2's weights (train.init_from, configs/finetune_gpt2.toml), a GPT-2
-loaded to sample from (python sample.py gpt2).
-
-train.init_from: the checkpoint fixes the architecture and the tokenizer (tiktoken's gpt2);
-a model.* key set to another value is a UserError, except model.dropout, model.attention
-(naive or sdpa: the same math) and model.block_size up to n_positions (the position table
-is cropped). A resumed run loads its own checkpoint, never these weights.
-
+"""GPT-2 checkpoints as Hugging Face directories and hub names: read and written, trained
+from (train.init_from: the checkpoint fixes the architecture and the tokenizer), sampled.
 Weights are read from model.safetensors (or its shards), never from pytorch_model.bin, a
 pickle that can run code when loaded.
 """
@@ -25,8 +18,8 @@ from model.gpt import GPT
 
 # tiktoken's gpt2: 50,256 merges and bytes, plus <|endoftext|>
 GPT2_VOCAB = 50257
-# name -> (hub repo, n_layer, n_head, n_embd), the published sizes (vocab 50257, context
-# 1024): a run's config is known without a download
+# name -> (hub repo, n_layer, n_head, n_embd) (vocab 50257, context 1024): a run's config is
+# known without a download
 HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
               "gpt2-medium": ("openai-community/gpt2-medium", 24, 16, 1024),
               "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
@@ -36,7 +29,7 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
     """A local directory as it is; a hub name (of HUB_MODELS, or owner/name) through
-    huggingface_hub's cache: config.json, and with weights the safetensors files."""
+    huggingface_hub's cache (weights: the safetensors too)."""
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
@@ -62,9 +55,8 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
 def pretrained_config(name_or_dir: str) -> ModelConfig:
     """A GPT-2 checkpoint's ModelConfig: a HUB_MODELS name's, else its config.json's."""
     if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
-        _, n_layer, n_head, n_embd = HUB_MODELS[name_or_dir]
-        sizes = {"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": n_layer,
-                 "n_head": n_head, "n_embd": n_embd}
+        sizes = dict(zip(("n_layer", "n_head", "n_embd"), HUB_MODELS[name_or_dir][1:]))
+        sizes |= {"vocab_size": GPT2_VOCAB, "n_positions": 1024}
         return config_from_hf(sizes, where=name_or_dir)
     path = resolve_source(name_or_dir, weights=False) / "config.json"
     try:
@@ -103,16 +95,14 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
 
 def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
                     tokenizer: dict | None = None) -> list[str]:
-    """Write config.json, generation_config.json, model.safetensors (a GPT2LMHeadModel to
-    transformers) and a tokenizer meta()'s files, each atomically; return the latter's
-    names."""
+    """Write config.json, generation_config.json, model.safetensors and a tokenizer meta()'s
+    files, each atomically -> the latter's names."""
     # refuses unmappable settings before any write
     config, tensors = to_hf(cfg, state_dict)
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
     config |= {"bos_token_id": eos, "eos_token_id": eos}
     # half the context (the pipeline's 256 overrun a small one; a max_length warns)
-    generation = {"max_new_tokens": cfg.block_size // 2,
-                  "bos_token_id": eos, "eos_token_id": eos}
+    generation = {"max_new_tokens": cfg.block_size // 2, "bos_token_id": eos, "eos_token_id": eos}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     atomic_write(directory / "model.safetensors", save(tensors, metadata={"format": "pt"}))
@@ -123,7 +113,7 @@ def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
 
 
 def check_vocab(source: str, cfg: ModelConfig) -> None:
-    """Refuse a model too small for GPT-2's tokenizer, which fine-tuning and sampling use."""
+    """Refuse a model too small for GPT-2's tokenizer."""
     if cfg.vocab_size < GPT2_VOCAB:
         raise UserError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than "
                         f"GPT-2's {GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
@@ -131,7 +121,8 @@ def check_vocab(source: str, cfg: ModelConfig) -> None:
 
 def resolve_init_from(cfg, explicit: set[str]) -> None:
     """train.init_from: cfg.model becomes the checkpoint's, with the free keys the user
-    set (explicit: the dotted keys the config file and command line set)."""
+    set (explicit: dotted keys): dropout, attention naive or sdpa, block_size up to
+    n_positions (the table is cropped); another is a UserError."""
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)
@@ -149,15 +140,13 @@ def resolve_init_from(cfg, explicit: set[str]) -> None:
                             f"{limit} (train.init_from); remove the override")
         setattr(pretrained, key, mine)
     if "data.tokenizer" in explicit and cfg.data.tokenizer != "gpt2":
-        raise UserError(f"data.tokenizer={cfg.data.tokenizer} conflicts with "
-                        f"train.init_from={source}, whose tokenizer is gpt2; "
-                        f"remove the override")
+        raise UserError(f"data.tokenizer={cfg.data.tokenizer} conflicts with train.init_from="
+                        f"{source}, whose tokenizer is gpt2; remove the override")
     cfg.model, cfg.data.tokenizer = pretrained, "gpt2"
 
 
 def load_init_weights(model: GPT, source: str) -> None:
-    """Copy source's weights into model (built from its resolve_init_from config), the
-    position table cropped to its block_size."""
+    """Copy source's weights into model (of its resolve_init_from config)."""
     _, state = load_pretrained(source)
     state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]
     model.load_state_dict(state)

@@ -1,14 +1,10 @@
-"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json, written as
-plain JSON: AutoTokenizer and pipeline("text-generation") then encode and decode as we do.
+"""Our tokenizers as Hugging Face's tokenizer.json and tokenizer_config.json: AutoTokenizer
+and pipeline("text-generation") then encode and decode as we do.
 
-tiktoken's BPE (gpt2, bpe:N) is the `tokenizers` library's byte-level BPE stored another
-way: its regex becomes a Split pre-tokenizer, then ByteLevel writes each byte as one
-character (BYTES, GPT-2's); its ranks become the vocab, and each token's merge is found
-from them (merges); ignore_merges keeps a piece that is a token whole, as tiktoken does.
-char: the vocabulary is the characters, without merges. Where they differ: a character
-outside the vocabulary is dropped (we refuse it), "<|endoftext|>" in a text is the special
-token (text to us), and the regex engine has no possessive {n,m}+, written {n,m}: the same
-where nothing follows.
+tiktoken's BPE is byte-level BPE stored another way: its regex a Split pre-tokenizer, then
+ByteLevel's one character a byte (BYTES); its ranks the vocab, each token's merge found from
+them. Where they differ: an unknown character is dropped (we refuse it), "<|endoftext|>" in
+a text is the special token (text to us), and {n,m}+ (not possessive there) is {n,m}.
 """
 import re
 
@@ -30,8 +26,7 @@ def merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
         while len(parts) > 2:
             pair_ranks = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
             if min(pair_ranks) >= rank:
-                raise UserError(f"BPE token {token!r} cannot be made from tokens of "
-                                f"lower ranks")
+                raise UserError(f"BPE token {token!r} cannot be made from tokens of lower ranks")
             i = pair_ranks.index(min(pair_ranks))
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:
@@ -64,6 +59,7 @@ def tokenizer_files(meta: dict, max_length: int) -> tuple[dict, int | None]:
     added = [{"id": i, "content": token, "single_word": False, "lstrip": False,
               "rstrip": False, "normalized": False, "special": True}
              for token, i in special.items()]
+    # ignore_merges: a piece that is a token stays whole, as in tiktoken
     model = {"type": "BPE", "ignore_merges": True, "vocab": vocab | special, "merges": pairs}
     tokenizer = {"version": "1.0", "added_tokens": added, "pre_tokenizer": pre,
                  "decoder": decoder, "model": model}

@@ -1,28 +1,22 @@
-"""Looking inside a trained GPT: each layer's attention weights for a prompt, and a few
-numbers per head that name the patterns one looks for in them.
-
-attention_maps(model, idx) runs the model once with every attention layer asked for its
-weights (return_weights=True): those the model uses, by each variant's own math
-(model/attention/; with rope, linear attention's rows need not sum to 1).
+"""Looking inside a trained GPT: each layer's attention weights for a prompt (attention_maps,
+by each variant's own math), and a few numbers per head that name their patterns.
 
 head_scores(weights, texts) gives each head's share of attention on
     previous   the token just before it      first     the prompt's first token
     self       itself                        newline   the newline that began its line
     line_up    the character in the same column one line up (character models only)
-and its mean distance Σ_j a_ij (i - j) in tokens: small for local heads, large for
-far-looking ones. Each is averaged over the queries from the second token on.
+and its mean distance Σ_j a_ij (i - j) in tokens, each averaged over the queries from the
+second token on.
 """
 import torch
 
 
 @torch.no_grad()
 def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """idx (B, T) -> the logits (B, T, V) and each layer's weights (B, nh, T, T).
-    Forward hooks ask each attention layer for its weights and hand its usual output on:
-    the model itself runs unchanged."""
+    """idx (B, T) -> the logits (B, T, V) and each layer's weights (B, nh, T, T), through
+    forward hooks: the model itself runs unchanged."""
     if model.training:
-        raise ValueError("attention_maps needs model.eval(): "
-                         "dropout would change what is drawn")
+        raise ValueError("attention_maps needs model.eval(): dropout would change what is drawn")
     layers = []
 
     def ask_for_weights(module, args, kwargs):
@@ -45,7 +39,7 @@ def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
 
 
 def newline_positions(texts: list[str]) -> torch.Tensor:
-    """(T,) for each position, the last earlier one whose token holds a newline, or -1."""
+    """(T,) per position, the last earlier one whose token holds a newline, or -1."""
     found, last = [], -1
     for i, text in enumerate(texts):
         found.append(last)
@@ -55,17 +49,14 @@ def newline_positions(texts: list[str]) -> torch.Tensor:
 
 
 def share_on(w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """w (nh, T, T), targets (T,) a key position per query or -1 -> (nh,) the mean weight
-    on the targets over the queries that have one (NaN if none has)."""
+    """w (nh, T, T), targets (T,) a key per query or -1 -> (nh,) the mean weight on the
+    targets (the mean of none: NaN)."""
     rows = (targets >= 0).nonzero().squeeze(1)
-    if len(rows) == 0:
-        return torch.full((w.size(0),), float("nan"))
     return w[:, rows, targets[rows]].mean(-1)
 
 
 def line_up_positions(texts: list[str]) -> torch.Tensor:
-    """(T,) for each character, the one in the same column on the line above, or -1 where
-    there is none (the first line, a shorter line above)."""
+    """(T,) per character, the one in the same column on the line above, or -1."""
     up, line_start, above_start = [], 0, -1
     for i, ch in enumerate(texts):
         j = above_start + (i - line_start)
@@ -78,13 +69,12 @@ def line_up_positions(texts: list[str]) -> torch.Tensor:
 
 def head_scores(weights: torch.Tensor,
                 texts: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """weights (nh, T, T) of one layer -> {score name: (nh,)} (see the top). newline
-    needs the tokens' texts, line_up texts of one character each: else NaN."""
+    """weights (nh, T, T) of one layer -> {score name: (nh,)}. newline needs the tokens'
+    texts, line_up texts of one character each: else NaN."""
     T, w = weights.size(-1), weights.float()
     # the queries that have a past
     i = torch.arange(1, T)
-    scores = {"previous": w[:, i, i - 1].mean(-1),
-              "first": w[:, i, 0].mean(-1),
+    scores = {"previous": w[:, i, i - 1].mean(-1), "first": w[:, i, 0].mean(-1),
               "self": w[:, i, i].mean(-1)}
     none = torch.full((T,), -1)
     scores["newline"] = share_on(w, newline_positions(texts) if texts is not None else none)

@@ -2,8 +2,8 @@
 
 With the cache (the default), the prompt goes through the model once, then each step feeds
 only the newest token. At block_size the cache is rebuilt from the last half block
-(positions restart at 0, as learned position embeddings need). Every step updates the same
-buffers in place (Decoder), so a compiler makes it one graph (Decoding.speed_up).
+(positions restart at 0). Every step updates the same buffers in place (Decoder), so a
+compiler makes it one graph (Decoding.speed_up).
 """
 import sys
 from collections.abc import Callable, Iterator
@@ -32,12 +32,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class Decoding:
-    """How generate() computes, which never changes the tokens.
-
-    use_cache    reuse the keys and values of earlier tokens (False: recompute the window)
-    cache_dtype  the cache's number format (None: the model's)
-    check_every  read the finite flags every this many tokens (None: 1 on CPU, else 32)
-    speed_up     speed_up(run, decoder) -> a faster decoder.run"""
+    """How generate() computes, which never changes the tokens. check_every: read the
+    finite flags every this many tokens (None: 1 on CPU, else 32)."""
     use_cache: bool = True
     cache_dtype: torch.dtype | None = None
     check_every: int | None = None
@@ -47,9 +43,8 @@ class Decoding:
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, noise: torch.Tensor | None = None) -> torch.Tensor:
     """logits (B, V) -> next token ids (B, 1); temperature 0 is greedy. noise (B, V): draws
-    of Exponential(1), the randomness of the choice. Shifted to a maximum of 0 before the
-    division, the logits cannot overflow; a subnormal temperature (flushed to 0 on a GPU)
-    counts as TINY."""
+    of Exponential(1). Shifted to a maximum of 0, the logits cannot overflow; a subnormal
+    temperature (flushed to 0 on a GPU) counts as TINY."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
@@ -79,9 +74,8 @@ def draw_noise(noise: torch.Tensor, generator: torch.Generator | None = None) ->
 
 def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
          noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """The model on idx (B, T) at positions pos -> (next token ids (B, 1), whether all
-    logits were finite, left on the device). Chosen only among the first noise.size(-1)
-    tokens, not a padded vocabulary's extra rows. explicit: mha.py's explicit path."""
+    """The model on idx (B, T) at positions pos -> (next token ids (B, 1) among the first
+    noise.size(-1), whether all logits were finite, on the device)."""
     logits, _ = model(idx, cache=cache, pos=pos, explicit_attention=explicit)
     logits = logits[:, -1, :noise.size(-1)]
     next_id = sample_next(logits, choice.temperature, choice.top_k, choice.top_p, noise)
@@ -99,8 +93,7 @@ def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torc
 
 class Decoder:
     """The cache and the tensors decoding updates in place, at fixed addresses as a CUDA
-    graph needs: the newest tokens `last` (B, 1) at `pos` (1,), the noise (B, V). dtype:
-    the cache's (None: no cache)."""
+    graph needs: the newest tokens `last` (B, 1) at `pos` (1,), the noise (B, V)."""
 
     def __init__(self, model: GPT, batch: int, vocab: int, sampling: tuple, dtype):
         device = next(model.parameters()).device
@@ -121,8 +114,7 @@ class Decoder:
             draw_noise(self.noise, self.generator)
 
     def prefill(self, idx: torch.Tensor):
-        """step() on idx (B, T) from position 0: the prompt, a slide, or any token without
-        the cache."""
+        """step() on idx (B, T) from position 0: the prompt, a slide, or any uncached step."""
         self.draw()
         if self.cache is not None:
             self.cache.reset()
@@ -147,9 +139,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
              vocab_limit: int | None = None,
              decoding: Decoding = Decoding()) -> Iterator[torch.Tensor]:
     """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T),
-    each chosen as `choice` says, among the first vocab_limit tokens. The same draws in the
-    same order whatever the runs, so the same tokens. Raises UserError naming the first new
-    token whose logits were not finite."""
+    among the first vocab_limit tokens: the same draws in the same order whatever the runs."""
     block, device = model.cfg.block_size, idx.device
     check_every = decoding.check_every or (1 if device.type == "cpu" else 32)
     finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)
@@ -182,7 +172,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
 
 
 def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
-    """Raise UserError naming the first of new tokens start..end-1 with a flag down."""
+    """A UserError naming the first of new tokens start..end-1 with a flag down."""
     window = flags[start:end]
     if not window.all():
         first = start + int((~window).nonzero()[0, 0]) + 1

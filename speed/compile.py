@@ -1,6 +1,5 @@
-"""torch.compile tried at once, so that a failure is one warning line and the eager code runs:
-compiling is lazy, and a missing C++ compiler or an op the compiler cannot handle would
-otherwise be a long traceback in the first step.
+"""torch.compile tried at once, so that a failure (a missing C++ compiler, an op it cannot
+handle) is one warning line and the eager code runs, not a traceback in the first step.
 """
 import sys
 
@@ -10,8 +9,8 @@ from common import first_line
 
 
 def compiled_or_eager(fn, trial, doing: str, **options):
-    """torch.compile(fn, **options), first called by trial(compiled) as it will run; after a
-    failure there (dynamo, inductor, the toolchain), fn itself."""
+    """torch.compile(fn, **options), first called by trial(compiled); after a failure
+    there, fn itself."""
     compiled = torch.compile(fn, **options)
     try:
         trial(compiled)

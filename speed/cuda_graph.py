@@ -1,18 +1,14 @@
-"""CUDA graphs: a step's kernels recorded once and replayed with one launch.
-
-A small model on a big GPU spends most of a step in Python launching small kernels while the
-GPU waits. A graph needs everything it touches to stay at the same address (static buffers, the
-learning rate a tensor) and nothing in it to wait for the host (no .item(), no Python branch on
-a tensor's value).
+"""CUDA graphs: a step's kernels recorded once and replayed with one launch (a small model on
+a big GPU spends most of a step launching kernels). Everything a graph touches stays at one
+address (static buffers, the learning rate a tensor), and nothing in it waits for the host.
 """
 import torch
 
 
 def record(fn, warmup: int = 2, generator: torch.Generator | None = None):
-    """Call fn() `warmup` times on a side stream (compiling, allocating and choosing kernels
-    outside the recording), then record one more call -> (graph, what that call returned,
-    which each graph.replay() overwrites). generator: one fn draws from besides the default;
-    a replay draws what eager code would from its state, then advances it."""
+    """Call fn() `warmup` times on a side stream (compiling, allocating, choosing kernels),
+    then record one more call -> (graph, what it returned, which each replay overwrites).
+    generator: one fn draws from besides the default, advanced by each replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -30,11 +26,8 @@ def record(fn, warmup: int = 2, generator: torch.Generator | None = None):
 
 def graph_step(step, optimizer, capture: bool = True):
     """step(), a training step on static tensors, recorded as a CUDA graph -> run(), which
-    replays it (capture=False: the same warm-up, then step itself; how a CPU tests it).
-
-    The learning rates become tensors on the device (set_lr fills them). The warm-up's real
-    updates are undone in place; a failure puts the float learning rates back for the eager
-    step."""
+    replays it (capture=False: the same warm-up, then step itself). The learning rates
+    become tensors on the device; the warm-up's updates are undone."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)

@@ -1,8 +1,6 @@
 """sample.py --compile: the decoding step compiled, and on CUDA a run of several tokens
-(model/sampling.py's Decoder.run) replayed as one CUDA graph.
-
-At batch 1 a step is a hundred small kernels, which cost more to launch from Python than to
-run. On a CPU compiling costs more than a sample saves (bench.py sample).
+(model/sampling.py's Decoder.run) replayed as one CUDA graph: at batch 1 a step is a hundred
+small kernels, which cost more to launch from Python than to run.
 """
 import functools
 import sys
@@ -15,10 +13,8 @@ from speed.compile import compiled_or_eager
 
 def compiled(run, decoder):
     """decoder.step compiled; on CUDA -> a run(n) replaying a CUDA graph of run(n) for each n
-    in decoder.sizes, else run. A failure is one warning line and the code without it.
-
-    explicit=True: inductor fuses explicit attention for one query into a few kernels; with
-    coordinate descent tuning, each one-row matmul becomes a reduction fused with neighbours."""
+    in decoder.sizes, else run. explicit=True: inductor fuses explicit attention for one query
+    into a few kernels; coordinate descent tuning fuses each one-row matmul with neighbours."""
     cuda, generator = decoder.pos.is_cuda, decoder.generator
     options = {"coordinate_descent_tuning": True} if cuda else None
 
@@ -41,8 +37,7 @@ def compiled(run, decoder):
                 graphs[n] = record(functools.partial(run, n), 1, generator)
         except Exception as e:
             print(f"warning: recording the decoding step as a CUDA graph failed, decoding "
-                  f"without it ({type(e).__name__}: {first_line(e)})", file=sys.stderr,
-                  flush=True)
+                  f"without it ({type(e).__name__}: {first_line(e)})", file=sys.stderr, flush=True)
             return run
         finally:
             if generator:

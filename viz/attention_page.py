@@ -1,15 +1,13 @@
-"""One prompt's attention as a single self-contained HTML page: hover or click a token to
-see where it looks, per layer and head; an overview of every head; the per-head summary.
-The data is inlined as JSON in attention_page.html (the template beside this file, vanilla
-JS), whose Content-Security-Policy forbids every network request.
+"""One prompt's attention as one self-contained HTML page (hover or click a token to see
+where it looks; every head; the summary): JSON inlined in the template attention_page.html,
+whose Content-Security-Policy forbids every network request.
 
 Each head's lower triangle (query i sees keys j <= i) is stored row by row, one byte a
 weight on a square-root scale: w = ±scale · ((code - zero) / levels)², per layer
     softmax   zero = 0, levels = 255, scale = max(1, the largest weight)
     signed    zero = 128, levels = 127, scale = the largest |weight| (linear with rope)
-A weight shown is within error_bound of the model's, for softmax 0.0039 at 1 and 0.0004 at
-0.01, where a linear byte is off by 0.002 everywhere (all of a weight of 1/500); zero stays
-zero. The bytes are zlib-compressed and base64-encoded (the page inflates them).
+A shown softmax weight is within 0.0039 of the model's at 1, 0.0004 at 0.01 (a linear byte:
+0.002 everywhere); zero stays zero. The bytes are zlib-compressed and base64-encoded.
 """
 import base64
 import json
@@ -30,7 +28,7 @@ SCORE_NAMES = {**{name: title.replace("\n", " ") for name, title in SHARE_NAMES.
 def attention_page(texts: list[str], weights: list[np.ndarray], scores: dict, title: str,
                    layers: list[int], heads: list[int]) -> str:
     """The page's HTML. weights: (heads, T, T) per layer shown; scores: head_scores as
-    numpy, one per head, layer by layer; layers, heads: the numbers of those shown."""
+    numpy; layers, heads: the numbers shown."""
     data = {"title": title, "tokens": texts, "layers": layers, "heads": heads,
             **encode_weights(weights)}
     # JSON has no NaN: null; a score NaN for every head is left out
@@ -44,8 +42,8 @@ def attention_page(texts: list[str], weights: list[np.ndarray], scores: dict, ti
 
 
 def encode_weights(weights: list[np.ndarray]) -> dict:
-    """Per-layer (heads, T, T) arrays -> {"signed", "zero", "levels", "scale": one per
-    layer, "weights": base64 of the compressed codes (layer, head, row i, key j <= i)}."""
+    """Per-layer (heads, T, T) arrays -> {"signed", "zero", "levels", "scale": one per layer,
+    "weights": base64 of the codes}."""
     # row-major: (0,0), (1,0), (1,1), ...
     rows, cols = np.tril_indices(weights[0].shape[-1])
     data, codes = {"signed": [], "zero": [], "levels": [], "scale": []}, []
@@ -64,6 +62,5 @@ def encode_weights(weights: list[np.ndarray]) -> dict:
 
 
 def error_bound(w, scale: float, levels: int):
-    """How far a stored weight can be from w (a number or array) in a layer of this scale
-    and levels."""
+    """How far a stored weight can be from w in a layer of this scale and levels."""
     return scale * (np.sqrt(np.abs(w) / scale) / levels + 1 / (4 * levels ** 2))

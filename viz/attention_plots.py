@@ -1,9 +1,6 @@
-"""Attention weights as figures: a heatmap per head of one layer (plot_layer), and
-head_scores' per-head summary as two annotated heatmaps (plot_summary). Each returns a
-matplotlib Figure; attention.py saves them, and imports this module only once it draws.
-
-A token's text is drawn in matplotlib's font, falling back on installed fonts for the
-characters it lacks (label_fonts); a character no installed font has is drawn as □.
+"""Attention weights as matplotlib Figures: a heatmap per head of one layer (plot_layer),
+head_scores' summary as two annotated heatmaps (plot_summary). A label's characters that
+matplotlib's font lacks come from other installed fonts (label_fonts), else are drawn as □.
 """
 import functools
 import math
@@ -18,7 +15,7 @@ from matplotlib.textpath import TextToPath
 
 VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
 BOX = "□"
-# what head_scores measures, as column titles (broken where a narrow column needs it)
+# head_scores' shares, as column titles
 SCORE_NAMES = {"previous": "previous\ntoken", "first": "first\ntoken", "self": "itself",
                "newline": "newline that\nbegan its line", "line_up": "same column\none line up"}
 
@@ -29,7 +26,7 @@ def visible(text: str) -> str:
 
 
 def lacks(family, chars: set) -> set:
-    """The characters of chars that the font matplotlib picks for family does not have."""
+    """The characters of chars that matplotlib's font for family lacks."""
     path = font_manager.findfont(FontProperties(family=family))
     charmap = FT2Font(path).get_charmap()
     return {c for c in chars if ord(c) not in charmap}
@@ -37,14 +34,14 @@ def lacks(family, chars: set) -> set:
 
 @functools.cache
 def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
-    """(font families for matplotlib to fall back on glyph by glyph: its own, then the
-    first installed fonts with characters it lacks; the characters of text no font has).
-    Last Resort is skipped: it has placeholders, not characters."""
+    """(font families to fall back on glyph by glyph: matplotlib's, then the first installed
+    fonts with characters it lacks; the characters of text no font has)."""
     families = tuple(rcParams["font.family"])
     missing = lacks(rcParams["font.family"], set(text))
     # a family's regular face, as matplotlib picks it
     fonts = font_manager.fontManager.ttflist
     regular = (f.name for f in fonts if f.style == "normal" and f.weight in (400, "normal"))
+    # Last Resort has placeholders, not characters
     for name in dict.fromkeys(regular):
         if missing and "Last Resort" not in name and (left := lacks([name], missing)) != missing:
             families, missing = (*families, name), left
@@ -52,10 +49,8 @@ def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
 
 
 def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: int = 100):
-    """weights (len(heads), T, T) numpy -> a Figure of a heatmap per head. Softmax weights
-    are drawn on [0, 1] on a square-root scale, so that 0.05 still shows; signed ones
-    (linear attention with rope) on a diverging scale around 0. The figure grows with its
-    labels."""
+    """weights (len(heads), T, T) numpy -> a Figure of a heatmap per head: softmax weights
+    on a square-root scale (0.05 still shows), signed ones (linear with rope) around 0."""
     n, T = len(heads), weights.shape[-1]
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
@@ -97,7 +92,7 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
 
 def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
     """rows: a name per head ('layer 0 head 1'); scores: head_scores' {name: (len(rows),)}
-    numpy -> a Figure of two annotated heatmaps, shares and mean distance."""
+    numpy -> a Figure of shares and mean distance."""
     names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
     # (heads, patterns)
     shares = np.stack([scores[s] for s in names], axis=1)

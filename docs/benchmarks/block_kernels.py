@@ -1,7 +1,6 @@
 """Kernels per transformer block of a config's training step on a CPU (torch.profiler): a
-2-block model's forward and backward minus a 1-block model's, as set and with learned
-positions and no QK-norm (docs/benchmarks/cpu.md). A kernel: an aten op that does work of
-its own (no view, and no op under it that does).
+2-block model's forward and backward minus a 1-block model's (docs/benchmarks/cpu.md). A
+kernel: an aten op that does work of its own (no view, and no op under it that does).
 
     python docs/benchmarks/block_kernels.py CONFIG [--section.key=value ...]
 """
@@ -29,8 +28,7 @@ def works(event) -> bool:
 
 
 def kernels(cfg, n_layer: int, dtype) -> int:
-    """Kernels of one forward and backward of cfg's model with n_layer blocks, dropout off
-    (its masks are not the model's work)."""
+    """Kernels of one forward and backward of cfg's model with n_layer blocks, no dropout."""
     cfg.model.n_layer, cfg.model.dropout = n_layer, 0.0
     cfg.model.vocab_size = cfg.model.vocab_size or 65
     torch.manual_seed(0)

@@ -1,12 +1,6 @@
-"""Causal self-attention and its variants, chosen by `model.attention`.
-
-    naive, sdpa      plain multi-head attention, explicit or fused          mha.py
-    gqa              fewer key/value heads (model.n_kv_head; 1 = MQA)       mha.py
-    sliding_window   each token sees the last model.window tokens           mha.py
-    linear           kernelized, O(T) memory, an RNN-like state             linear.py
-    mla              keys and values from a cached low-rank latent          mla.py
-
-Every variant has one interface, which the GPT and the sampler rely on:
+"""Causal self-attention and its variants, chosen by `model.attention`: naive, sdpa, gqa and
+sliding_window in mha.py, linear in linear.py, mla in mla.py. Each has one interface, which
+the GPT and the sampler rely on:
 
     forward(x, rope=None, cache=None, pos=None) -> y
         x, y (B, T, C); rope: (cos, sin) of x's positions; with a cache, x is stored at
@@ -20,21 +14,12 @@ Every variant has one interface, which the GPT and the sampler rely on:
 """
 import importlib
 
-from model.config import ATTENTIONS, ModelConfig
+from model.config import ModelConfig
 
-# name -> module.Class (a variant's module is imported when a model first uses it)
-REGISTRY = {
-    "naive": "mha.CausalSelfAttention",
-    "sdpa": "mha.CausalSelfAttention",
-    "gqa": "mha.CausalSelfAttention",
-    "sliding_window": "mha.CausalSelfAttention",
-    "linear": "linear.LinearAttention",
-    "mla": "mla.MultiHeadLatentAttention",
-}
-assert tuple(REGISTRY) == ATTENTIONS, "model/config.py's ATTENTIONS must be these names"
+# module.Class of the variants not in mha.py (a module is imported when a model first uses it)
+OTHERS = {"linear": "linear.LinearAttention", "mla": "mla.MultiHeadLatentAttention"}
 
 
 def build_attention(cfg: ModelConfig):
-    """The attention module that cfg.attention names."""
-    module, name = REGISTRY[cfg.attention].split(".")
+    module, name = OTHERS.get(cfg.attention, "mha.CausalSelfAttention").split(".")
     return getattr(importlib.import_module(f"model.attention.{module}"), name)(cfg)

@@ -5,10 +5,9 @@ RNNs"). As it factorizes, the sums over the past are carried along, not redone:
     out_i = φ(q_i) S_i / φ(q_i) z_i,   S_i = Σ_{j≤i} φ(k_j) v_jᵀ,  z_i = Σ_{j≤i} φ(k_j)
 
 Sampling adds one token at a time to (S, z), a state of constant size; training goes chunk
-by chunk, quadratic inside a chunk of L tokens, the state carried between chunks. Cost:
-O(T·hs²) time per head and O(T·L) memory, where softmax takes O(T²·hs) and O(T²). Without
-softmax's sharp weights it usually trains to a worse loss. With rope only the numerator's
-features are rotated (RoFormer, 3.3): the denominator stays positive.
+by chunk, quadratic inside a chunk of L tokens: O(T·hs²) time per head and O(T·L) memory,
+where softmax takes O(T²·hs) and O(T²), usually to a worse loss. With rope only the
+numerator's features are rotated (RoFormer, 3.3): the denominator stays positive.
 """
 import math
 from functools import partial
@@ -27,14 +26,12 @@ CHUNK = 64
 
 def causal_linear_attention(q, k, v, state=None, chunk: int = CHUNK):
     """Σ_{j≤i} (q_i·k_j) v_j for every i, chunk by chunk. q, k (B, nh, T, dk),
-    v (B, nh, T, dv), state (B, nh, dk, dv): Σ k_j v_jᵀ over earlier tokens, or None
-    -> out (B, nh, T, dv), the new state."""
+    v (B, nh, T, dv), state (B, nh, dk, dv) or None -> out (B, nh, T, dv), the new state."""
     B, nh, T, dk = q.shape
     n = math.ceil(T / chunk)
     # zero keys and values at the end add nothing
     pad = n * chunk - T
-    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, nh, n, chunk, t.size(-1))
-               for t in (q, k, v))
+    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, nh, n, chunk, t.size(-1)) for t in (q, k, v))
     within = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     # (B, nh, n, L, L): inside each chunk
     scores = (q @ k.transpose(-2, -1)).masked_fill(~within, 0.0)
@@ -62,12 +59,9 @@ def recurrent_linear_attention(q, k, v, state=None):
 
 
 def linear_attention_weights(q, k, q_num, k_num):
-    """The (B, nh, T, T) weights a_ij with out_i = Σ_j a_ij v_j (for attention maps):
-
-        a_ij = q_num_i·k_num_j / Σ_{j'≤i} q_i·k_j'   for j ≤ i, 0 for j > i
-
-    q, k: the features φ(q), φ(k); q_num, k_num: the same rotated by rope (or the same).
-    With rope, rows need not sum to 1 and a weight can be negative."""
+    """The (B, nh, T, T) weights a_ij = q_num_i·k_num_j / Σ_{j'≤i} q_i·k_j' (j ≤ i, else 0)
+    of out_i = Σ_j a_ij v_j. q, k: the features φ(q), φ(k); q_num, k_num: the same rotated
+    by rope (then a row need not sum to 1)."""
     future = ~causal_mask(*consecutive_positions(q.size(2), k.size(2), q.device))
     # (B, nh, T, T)
     num = (q_num @ k_num.transpose(-2, -1)).masked_fill(future, 0.0)
@@ -77,8 +71,7 @@ def linear_attention_weights(q, k, q_num, k_num):
 
 
 class LinearState:
-    """One layer's state, updated in place: S (B, nh, hs, hs) for the numerator,
-    z (B, nh, hs, 1) for the denominator, whatever max_len."""
+    """One layer's state, updated in place: S (B, nh, hs, hs) and z (B, nh, hs, 1)."""
 
     def __init__(self, batch: int, n_head: int, head_dim: int, device, dtype):
         shape = (batch, n_head, head_dim)
@@ -86,7 +79,6 @@ class LinearState:
         self.z = torch.zeros(*shape, 1, device=device, dtype=dtype)
 
     def reset(self) -> None:
-        """Start again from position 0: the sums over no token are zero."""
         self.S.zero_()
         self.z.zero_()
 
@@ -112,14 +104,12 @@ class LinearAttention(nn.Module):
 
     def forward(self, x, rope=None, cache: LinearState | None = None, pos=None,
                 return_weights: bool = False, explicit: bool = False):
-        """With a cache, x continues the tokens its state sums over (pos is not needed);
-        with no softmax kernel to fuse, explicit changes nothing."""
+        """With a cache, x continues the tokens its state sums over; explicit changes
+        nothing (no softmax to fuse)."""
         if return_weights and cache is not None:
-            raise ValueError("linear attention's weights need the whole sequence, "
-                             "not a cache")
+            raise ValueError("linear attention's weights need the whole sequence, not a cache")
         # (B, nh, T, hs)
-        q, k, v = (split_heads(proj(x), self.n_head)
-                   for proj in (self.query, self.key, self.value))
+        q, k, v = (split_heads(proj(x), self.n_head) for proj in (self.query, self.key, self.value))
         if self.qk_norm:
             q, k = unit_rms(q), unit_rms(k)
         # φ: positive features
@@ -135,15 +125,12 @@ class LinearAttention(nn.Module):
             attend = recurrent_linear_attention
         else:
             attend = partial(causal_linear_attention, chunk=self.chunk)
-        # (B, nh, T, hs) and (B, nh, T, 1)
         num, S = attend(q_num, k_num, v, S)
         den, z = attend(q, k, ones, z)
         if cache is not None:
             cache.S.copy_(S)
             cache.z.copy_(z)
-        out = num / den.clamp_min(1e-6)
-        # (B, T, C): concatenate the heads
-        out = merge_heads(out)
+        out = merge_heads(num / den.clamp_min(1e-6))
         out = self.resid_dropout(self.proj(out))
         if return_weights:
             return out, linear_attention_weights(q, k, q_num, k_num)

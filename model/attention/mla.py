@@ -1,14 +1,13 @@
-"""Multi-head latent attention (`mla`; DeepSeek-AI, 2024, "DeepSeek-V2"): keys and values
-are rebuilt from one small latent per token, and only the latent is cached.
+"""Multi-head latent attention (DeepSeek-AI, 2024, "DeepSeek-V2"): keys and values are
+rebuilt from one small latent per token, and only the latent is cached.
 
     c      = norm(x W_down)             (T, d_c)   d_c = model.kv_latent_dim, << 2C
     K, V   = c W_key_up, c W_value_up   (T, C) each, split into n_head heads as usual
     Q      = x W_q                      (T, C)
 
-then causal softmax attention. Unlike GQA's, each head's keys and values are its own, in a
-rank-d_c subspace shared by all heads. The cache holds d_c numbers per token per layer, not
-2C; decoding up-projects every cached latent again (DeepSeek folds W_key_up into the
-queries and W_value_up into the output projection, skipped here for clarity).
+then causal softmax attention. The cache holds d_c numbers per token per layer, not 2C;
+decoding up-projects every cached latent again (DeepSeek folds the up-projections into the
+query and output projections, skipped here for clarity).
 
 RoPE cannot rotate the latent (the up-projection would not commute with it): with
 `model.pos = 'rope'` a rotated key of hs channels per token, shared by the heads, is cached
@@ -27,26 +26,24 @@ from model.positions import alibi_slopes, apply_rotary_emb
 
 class LatentCache:
     """One layer's latents (B, max_len, d_c) and, with rope, rotated shared keys
-    (B, 1, max_len, hs): slot j holds position j (as in mha.KVCache)."""
+    (B, 1, max_len, hs): slot j holds position j."""
 
     def __init__(self, batch: int, max_len: int, latent_dim: int, rope_dim: int, device,
                  dtype):
         self.c = torch.zeros(batch, max_len, latent_dim, device=device, dtype=dtype)
         shape = (batch, 1, max_len, rope_dim)
         self.k_rope = torch.zeros(shape, device=device, dtype=dtype) if rope_dim else None
-        # the position in each slot
         self.k_pos = torch.arange(max_len, device=device)
 
     def update(self, pos, c, k_rope):
-        """Write c (B, T, d_c) and k_rope of the positions pos (T,) into their slots;
-        return every slot's latents, rotated keys and positions."""
+        """Write c (B, T, d_c) and k_rope at positions pos (T,); return every slot's."""
         self.c.index_copy_(1, pos, c.to(self.c.dtype))
         if k_rope is not None:
             self.k_rope.index_copy_(2, pos, k_rope.to(self.k_rope.dtype))
         return self.c, self.k_rope, self.k_pos
 
     def reset(self) -> None:
-        """Nothing to clear (see mha.KVCache.reset)."""
+        """Nothing to clear (as mha.KVCache): a stale slot is overwritten before it is read."""
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -99,7 +96,6 @@ class MultiHeadLatentAttention(nn.Module):
             # (B, T_cache, d_c), (T_cache,)
             c, k_rope, k_pos = cache.update(pos, c, k_rope)
             q_pos = pos
-        # (B, nh, T_all, hs)
         k = norm(split_heads(self.key_up(c), self.n_head))
         v = split_heads(self.value_up(c), self.n_head)
         if self.rope:
@@ -113,7 +109,5 @@ class MultiHeadLatentAttention(nn.Module):
             out, weights = naive_attention(q, k, v, settings, q_pos, k_pos)
         else:
             out = sdpa_attention(q, k, v, settings, q_pos, k_pos)
-        # (B, T, C): concatenate the heads
-        out = merge_heads(out)
-        out = self.resid_dropout(self.proj(out))
+        out = self.resid_dropout(self.proj(merge_heads(out)))
         return (out, weights) if return_weights else out
