@@ -210,15 +210,6 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert all(g["lr"] == pytest.approx(1e-4) for g in adamw.param_groups)
 
 
-def test_resume_with_muon_and_wsd_is_exact(tmp_path, tiny_cfg):
-    extra = {"train.optimizer": "muon", "train.schedule": "wsd", "model.tie_embeddings": False}
-    cfg = tiny_cfg(**extra, out_dir=tmp_path / "whole")
-    train(cfg, quiet=True)
-    resumed = resumed_copy(cfg, 10, tmp_path / "split")
-    assert records(resumed) == pytest.approx(records(tmp_path / "whole"), abs=1e-6)
-    assert records(resumed, "eval", "val_loss") == pytest.approx(records(tmp_path / "whole", "eval", "val_loss"))
-
-
 def test_resume_with_another_optimizer_is_a_checkpoint_error(tmp_path, tiny_cfg):
     train(tiny_cfg(out_dir=tmp_path / "run", **{"train.max_steps": 5}), quiet=True)
     with pytest.raises(UserError, match="does not fit this run"):

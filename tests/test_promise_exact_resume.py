@@ -40,12 +40,15 @@ def test_a_checkpoint_holds_everything_a_resume_needs(trained):
     assert ckpt["best_val_loss"] < 10
 
 
-def test_resume_is_exact_from_any_step_twice_over(tmp_path, tiny_cfg, monkeypatch):
+@pytest.mark.parametrize("extra", [
+    {"model.dropout": 0.1, "train.grad_accum": 2},
+    {"train.optimizer": "muon", "train.schedule": "wsd", "model.tie_embeddings": False},
+], ids=["adamw-dropout-accum", "muon-wsd"])
+def test_resume_is_exact_from_any_step_twice_over(extra, tmp_path, tiny_cfg, monkeypatch):
     """Ctrl-C at step 5 and again at step 9 (not evaluation steps: each stop saves its own
-    checkpoint); every later loss, learning rate and the final weights are the uninterrupted
-    run's."""
-    extra = {"model.dropout": 0.1, "train.grad_accum": 2, "train.eval_interval": 4,
-             "train.max_steps": 12}
+    checkpoint); every later loss, val loss, learning rate and the final weights are the
+    uninterrupted run's (dropout: the RNG state resumes as well)."""
+    extra = {**extra, "train.eval_interval": 4, "train.max_steps": 12}
     train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
     split = tiny_cfg(**extra, out_dir=tmp_path / "split")
     interrupt_at(monkeypatch, 5)
@@ -57,6 +60,8 @@ def test_resume_is_exact_from_any_step_twice_over(tmp_path, tiny_cfg, monkeypatc
     assert list(records(tmp_path / "split")) == list(range(1, 13)), "every step logged once"
     assert records(tmp_path / "split") == pytest.approx(records(tmp_path / "whole"), abs=1e-6)
     assert records(tmp_path / "split", key="lr") == records(tmp_path / "whole", key="lr")
+    val = records(tmp_path / "whole", "eval", "val_loss")
+    assert records(tmp_path / "split", "eval", "val_loss") == pytest.approx(val, abs=1e-6)
     a = read_checkpoint(tmp_path / "whole" / "ckpt_0000012.pt")["model"]
     b = read_checkpoint(tmp_path / "split" / "ckpt_0000012.pt")["model"]
     assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)

@@ -35,33 +35,6 @@ def test_save_then_load_gives_identical_logits(tiny_cfg):
     assert loaded.tokenizer.vocab_size == cfg.model.vocab_size and "(step 20, val loss " in loaded.description
 
 
-def test_resume_is_exact(tmp_path, tiny_cfg):
-    extra = {"model.dropout": 0.1}   # dropout too: the RNG state must resume as well
-    cfg = tiny_cfg(**extra, out_dir=tmp_path / "whole")
-    train(cfg, quiet=True)
-    whole = records(tmp_path / "whole")
-    resumed = resumed_copy(cfg, 10, tmp_path / "split")
-    assert list(records(resumed)) == list(range(1, 21)), "the records after the checkpoint are logged again"
-    assert records(resumed) == pytest.approx(whole, abs=1e-6)
-    assert records(resumed, "eval", "val_loss") == pytest.approx(records(tmp_path / "whole", "eval", "val_loss"))
-
-
-def test_out_dir_protection(tiny_cfg):
-    cfg = tiny_cfg()
-    with pytest.raises(UserError, match="no checkpoint"):
-        train(cfg, resume=True, quiet=True)
-    train(cfg, quiet=True)
-    with pytest.raises(UserError, match="already holds a run"):
-        train(cfg, quiet=True)
-    assert train(cfg, overwrite=True, quiet=True)["step"] == 20
-
-
-def test_resume_with_another_model_is_refused(tiny_cfg):
-    train(tiny_cfg(), quiet=True)
-    with pytest.raises(UserError, match=r"model.n_layer: 2 in the run, 3 now"):
-        train(tiny_cfg(**{"model.n_layer": 3}), resume=True, quiet=True)
-
-
 def test_a_run_writes_its_config_and_metrics_as_it_ran(trained):
     """config.toml loads back as the run's resolved config; every log and eval line is a metrics record."""
     from training.config import build_config
