@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import train as train_cli
-from common import UserError
+from common import UserError, run_cli
 from loading import FORMAT, VERSION, list_checkpoints, read_checkpoint
 from tests.conftest import (ROOT, TEXT, interrupt_at, mkdir, posix_signals, records, run_tool,
                             tiny_overrides, tree)
@@ -267,6 +267,22 @@ def test_best_pt_is_never_a_checkpoint_that_a_resumed_run_replaces(tmp_path, tin
     assert not best.exists() or any(os.path.samefile(best, p) for p in kept), "a replaced best.pt"
 
 
+def test_resuming_an_earlier_checkpoint_abandons_the_best_pt_of_the_later_ones(tiny_cfg, tmp_path):
+    """best.pt of the abandoned later steps must not outlive them: every command that loads the
+    run's best would use a model of a branch that no longer exists."""
+    cfg = tiny_cfg(**{"train.max_steps": 20, "train.eval_interval": 10, "train.lr": 3e-3})
+    train(cfg)
+    out = tmp_path / "out"
+    assert os.path.samefile(out / "best.pt", out / "ckpt_0000020.pt")
+    at_10 = read_checkpoint(out / "ckpt_0000010.pt")["model"]
+    argv = tiny_overrides(tmp_path, tmp_path / "tiny.txt", **{"train.max_steps": 20,
+                          "train.eval_interval": 10, "train.lr": 3.0})
+    assert run_cli(train_cli.main, [*argv, "--resume", str(out / "ckpt_0000010.pt")]) == 0
+    best = read_checkpoint(out / "best.pt")
+    # lr 3.0 ruins the model: the best of the branch that goes on is its step 10
+    assert best["step"] == 10 and all(torch.equal(best["model"][k], v) for k, v in at_10.items())
+
+
 def test_resume_links_best_pt_again_where_a_kill_cut_its_linking_short(tiny_cfg):
     cfg = tiny_cfg(**{"train.max_steps": 10})
     train(cfg, quiet=True)
@@ -294,7 +310,8 @@ def test_an_out_dir_holding_only_best_pt_is_resumed_as_the_refusal_says(tmp_path
 
 def test_resume_continues_the_run_s_own_settings_naming_each_change(tmp_path, text_file, capsys):
     """A bare --resume (or --resume with the run's folder) is the run that was started, not the
-    defaults; a changed setting is named."""
+    defaults; a changed setting is named; a finished run resumed with fewer steps changes
+    nothing."""
     first = tiny_overrides(tmp_path, text_file,
                            **{"train.max_steps": 12, "train.lr": 3e-3, "train.min_lr": 3e-4})
     rc, _, err = run_tool(train_cli, [*first, "--train.eval_interval=6"], capsys)
@@ -305,6 +322,10 @@ def test_resume_continues_the_run_s_own_settings_naming_each_change(tmp_path, te
     # max_steps would be 2000 by default
     rc, stdout, err = run_tool(train_cli, [*bare, "--resume"], capsys)
     assert rc == 0 and "at step 12, train.max_steps = 12: nothing to train" in stdout, stdout
+    before = tree(out)
+    rc, stdout, err = run_tool(train_cli, [*bare, "--resume", "--train.max_steps=6"], capsys)
+    assert rc == 0 and "at step 12, train.max_steps = 6: nothing to train, nothing changed" in stdout
+    assert tree(out) == before
     rc, stdout, err = run_tool(train_cli, [*bare, "--resume", "--train.max_steps=16",
                                            "--train.log_interval=4"], capsys)
     assert rc == 0 and "# resuming with train.max_steps: 12 -> 16" in stdout, stdout

@@ -1,7 +1,8 @@
 """Nothing is lost: checkpoints are written whole or not at all, so a full disk keeps the ones
 written before; the last train.keep_checkpoints and the true best stay; an out dir holding a run,
 or files of the names a run writes, is refused unless --resume or --overwrite, and --overwrite
-keeps the earlier run whole beside the new one; a damaged metrics.jsonl is a log to skip lines of,
+keeps the earlier run whole beside the new one (a folder a run left before its first checkpoint
+holds no run); a damaged metrics.jsonl is a log to skip lines of,
 not a reason to stop."""
 import errno
 import json
@@ -12,7 +13,7 @@ import torch
 
 import train as train_cli
 from loading import list_checkpoints, read_checkpoint
-from tests.conftest import assert_refused, poison, run_tool, tiny_overrides, tree
+from tests.conftest import assert_refused, poison, records, run_tool, tiny_overrides, tree
 from training.checkpoint import link_best
 from training.trainer import train
 
@@ -162,6 +163,21 @@ def test_a_refusal_says_when_the_run_in_the_out_dir_was_trained_on_other_data(tm
     rc, _, err = on(a)
     assert rc == 2 and "already holds a run: python " in err and "other data" not in err, err
     assert tree(tmp_path) == before
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_started_by_the_same_command(tmp_path, text_file,
+                                                                                   capsys):
+    """kill -9 (or an OOM kill) between the out dir's first write and the first checkpoint leaves
+    config.toml and an empty metrics.jsonl: that folder holds no run."""
+    argv = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 4, "train.eval_interval": 4})
+    assert run_tool(train_cli, argv, capsys)[0] == 0
+    out = tmp_path / "out"
+    for path in out.glob("*.pt"):
+        path.unlink()
+    (out / "metrics.jsonl").write_text("")
+    rc, stdout, err = run_tool(train_cli, argv, capsys)
+    assert rc == 0 and "a new run" in stdout, err
+    assert list(records(out)) == [1, 2, 3, 4]
 
 
 # a damaged line at the end is what a kill leaves: the resumed run writes after it

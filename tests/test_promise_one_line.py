@@ -243,19 +243,24 @@ def test_out_of_memory_names_the_fix_and_keeps_the_checkpoint(tmp_path, text_fil
     assert read_checkpoint(tmp_path / "out" / "ckpt_0000010.pt")["step"] == 10
 
 
-@pytest.mark.parametrize("tool, argv", [
+@pytest.mark.parametrize("tool, argv, memory", [
     ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text,
-                                                        **{"train.batch_size": 300_000_000})),
+                                                        **{"train.batch_size": 300_000_000}), 2 << 30),
+    ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text, **{
+        "model.n_layer": 300_000, "model.n_embd": 8, "model.n_head": 1}), 300 << 20),
     ("sample.py", lambda tmp, text, ckpt: [ckpt, "--num-samples", 100_000_000,
-                                           "--max-new-tokens", 5, "--device", "cpu"]),
-], ids=["train batch", "sample batch"])
-def test_memory_that_runs_out_for_real_is_one_line(tool, argv, tmp_path, trained):
-    """Allocations that really fail (a process limited to 2 GB of address space): a batch of 300
-    million sequences to train, 100 million samples to generate. sample.py writes nothing."""
+                                           "--max-new-tokens", 5, "--device", "cpu"], 2 << 30),
+], ids=["train batch", "train model", "sample batch"])
+def test_memory_that_runs_out_for_real_is_one_line(tool, argv, memory, tmp_path, trained):
+    """Allocations that really fail (a process limited in its address space): a batch of 300
+    million sequences to train, a model of 300,000 layers to build (whichever allocation fails
+    first, Python's, C++'s or torch's), 100 million samples to generate. sample.py writes
+    nothing."""
     text = write(tmp_path / "tiny.txt", TEXT)
     prepare_text(text, "char", 0.1, tmp_path / "prepared")
     before = tree(tmp_path)
-    rc, out, err, _ = run_limited([tool, *argv(tmp_path, text, trained / "ckpt_0000004.pt")])
+    argv = [tool, *argv(tmp_path, text, trained / "ckpt_0000004.pt")]
+    rc, out, err, _ = run_limited(argv, memory=memory)
     # sample.py names the checkpoint first
     lines = [line for line in err.splitlines() if not line.startswith("# ")]
     assert rc == 3 and len(lines) == 1, err[-2000:]
@@ -299,13 +304,19 @@ def no_login(**kwargs):
 def test_wandb_that_cannot_start_is_one_line_and_the_run_writes_nothing(wandb, said, tmp_path,
                                                                         text_file, monkeypatch,
                                                                         capsys):
+    """Neither a new run's out dir nor, with --overwrite, an earlier run's is touched: it is
+    neither replaced nor set aside."""
     # None: `import wandb` fails
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     prepare_text(text_file, "char", 0.1, tmp_path / "prepared")
     before = tree(tmp_path)
-    args = tiny_overrides(tmp_path, text_file, **{"log.wandb": "true"})
-    rc, _, err = run_tool(train_cli, args, capsys)
+    args = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 2, "train.eval_interval": 2})
+    rc, _, err = run_tool(train_cli, [*args, "--log.wandb=true"], capsys)
     assert rc == 2 and err.count("\n") == 1, err
     assert err.startswith("error: log.wandb = true but wandb did not start " + said), err
     assert "wandb login" in err, err
     assert tree(tmp_path) == before, "the out dir is as it was: none"
+    assert run_tool(train_cli, args, capsys)[0] == 0
+    before = tree(tmp_path)
+    rc, _, err = run_tool(train_cli, [*args, "--log.wandb=true", "--overwrite"], capsys)
+    assert rc == 2 and tree(tmp_path) == before, err

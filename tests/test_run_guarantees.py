@@ -78,3 +78,10 @@ def test_the_final_line_gives_the_whole_run_s_time_and_tokens(tiny_cfg, capsys, 
     tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
     tokens = int(m.group(4).replace(",", ""))
     assert tokens == 20 * tokens_per_step, "every step's tokens, the resumed ones too"
+
+
+def test_a_warm_up_longer_than_the_run_is_said_in_the_banner(tiny_cfg, capsys):
+    train(tiny_cfg(**{"train.max_steps": 4, "train.warmup_steps": 10, "train.eval_interval": 4}))
+    out = capsys.readouterr().out
+    assert "train.warmup_steps = 10 is not below train.max_steps = 4" in out, out
+    assert "--train.warmup_steps=1" in out
