@@ -340,24 +340,3 @@ def test_the_command_draws_the_chosen_heads_and_cuts_a_long_prompt(run_dir, caps
     assert "drawing the last 24" in printed.err
     names = ("attention_layer1.png", "attention_summary.png")
     assert printed.out.split() == [str(run_dir / "attention" / n) for n in names]
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--prompt", "to be ~ or not"], "error: the prompt has 1 character(s) not in the"),
-    (["--prompt", "a"], "error: the prompt has 1 token(s)"),
-    (["--prompt", "to be", "--layers", "2"], "error: --layers: 2 is out of range, the model has 2"),
-    (["--prompt", "to be", "--heads", "x"], "error: --heads takes comma-separated numbers"),
-])
-def test_a_bad_prompt_or_option_is_one_line_and_exit_2(run_dir, capsys, args, message):
-    from attention import main
-    from common import run_cli
-    assert run_cli(main, [str(run_dir), *args]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(message) and err.count("\n") == 1, err
-
-
-def test_a_missing_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
-    from attention import main
-    from common import run_cli
-    assert run_cli(main, [str(tmp_path / "nothing"), "--prompt", "hi"]) == 2
-    assert capsys.readouterr().err.startswith("error: checkpoint not found")

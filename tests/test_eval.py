@@ -267,17 +267,6 @@ def test_a_bad_option_is_one_line(trained, tmp_path, capsys, args, message):
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
 
 
-@pytest.mark.parametrize("model, message", [
-    (lambda d: d / "no_run", "checkpoint not found"),
-    (lambda d: write(d / "notes.txt", "not a checkpoint"), "is not a readable checkpoint"),
-    (lambda d: "nonsense-name", "neither a directory nor a GPT-2 name"),
-])
-def test_a_bad_model_is_one_line(tmp_path, capsys, model, message):
-    text = write(tmp_path / "t.txt", TEXT[:100])
-    rc, out, err = run_tool(eval_cli, [model(tmp_path), text, "--device", "cpu"], capsys)
-    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
-
-
 def test_a_figure_that_is_not_a_finite_number_is_shown_as_such_and_is_valid_json():
     """A loss past ~709 nats overflows exp(): its perplexity is no number, in the table and in --json."""
     assert eval_cli.figures("nan.txt", tokens=10, nbytes=40, nats=float("nan"))["loss"] is None

@@ -78,6 +78,7 @@ BAD_OPTIONS = [
     (attention_cli, ["--prompt", "First", "--layers", "9"], "--layers: 9 is out of range, the "
                                                             "model has 2"),
     (attention_cli, ["--prompt", "F"], "the prompt has 1 token"),
+    (attention_cli, ["--prompt", "First", "--heads", "x"], "--heads takes comma-separated numbers"),
     (attention_cli, ["--prompt", "@no-such-prompt.txt"], "No such file or directory: "),
 ]
 

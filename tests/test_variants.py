@@ -1,5 +1,6 @@
-"""Attention variants x position encodings: causal, equal to plain attention where they should be,
-the same logits with or without the cache, and the configs that cannot work are refused."""
+"""Attention variants x position encodings: causal, equal to plain attention where they should be
+(naive and sdpa in gradients too), the same logits with or without the cache, and the configs that
+cannot work are refused; the residual projections' scaled init."""
 import pytest
 import torch
 
@@ -77,6 +78,29 @@ def test_naive_and_sdpa_math_agree_with_windows_alibi_and_cached_keys(window, al
     torch.testing.assert_close(fused, expected, atol=1e-6, rtol=0)
     visible = (weights > 0).sum(-1)
     assert visible.max() <= (window or 8) and visible[..., -1].min() == min(8, window or 8)
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+def test_naive_and_sdpa_agree_in_outputs_and_gradients(pos):
+    naive, sdpa = make_model("naive", pos), make_model("sdpa", pos)
+    sdpa.load_state_dict(naive.state_dict())
+    idx, targets = tokens(b=4, seed=2), tokens(b=4, seed=3)
+    out_n, loss_n = naive(idx, targets)
+    out_s, loss_s = sdpa(idx, targets)
+    torch.testing.assert_close(out_s, out_n, atol=1e-5, rtol=0)
+    loss_n.backward()
+    loss_s.backward()
+    for (name, p_n), p_s in zip(naive.named_parameters(), sdpa.parameters()):
+        torch.testing.assert_close(p_s.grad, p_n.grad, atol=1e-5, rtol=0, msg=f"gradient of {name}")
+
+
+def test_residual_projections_get_the_scaled_init():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=50, n_layer=8, n_embd=256, n_head=4))
+    std = model.blocks[0].attn.proj.weight.std().item()
+    assert abs(std - 0.02 / (2 * 8) ** 0.5) < 0.001
+    assert abs(model.blocks[0].attn.query.weight.std().item() - 0.02) < 0.002
+    assert model.lm_head.weight is model.tok_emb.weight
 
 
 def test_alibi_slopes_are_the_papers():

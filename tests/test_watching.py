@@ -34,15 +34,6 @@ def test_sampling_from_a_resumed_run_is_named_but_not_called_a_different_run(tin
     assert "# resuming with train.sample_every: 0 -> 5" in out and not err, err
 
 
-def test_the_same_weights_give_the_same_sample(tiny_cfg, tmp_path):
-    """A fixed seed: two runs that trained alike sample alike, so a change in a sample is the model's."""
-    texts = []
-    for name in ("a", "b"):
-        train(tiny_cfg(out_dir=tmp_path / name, **{"train.sample_every": 10, "train.max_steps": 10}), quiet=True)
-        texts.append(records(tmp_path / name, "sample")[0]["text"])
-    assert texts[0] == texts[1]
-
-
 def test_sampling_time_is_not_billed_to_the_steps(tiny_cfg, monkeypatch):
     import time
     import training.trainer
@@ -115,36 +106,24 @@ def test_a_run_s_curves_are_its_losses_and_bits_per_byte(tiny_cfg):
                                                          [r["val_bpb"] for r in evals])]
 
 
-def test_samples_curves_scoring_and_the_page_on_a_text_that_is_not_shakespeare(tiny_cfg, tmp_path, capsys):
-    """Watching a run end to end on Python source (argparse.py): samples of its characters, its curves,
-    eval.py's score of the val split equal to the run's val loss, and its attention page."""
+def test_samples_curves_and_the_page_on_a_text_that_is_not_shakespeare(tiny_cfg, tmp_path, capsys):
+    """Watching a run end to end on Python source (argparse.py): samples of its characters, its
+    curves and its attention page."""
     import argparse
 
-    import numpy as np
-
     import attention as attention_cli
-    import eval as eval_cli
-    from data.prepare import load_meta
-    from data.prepare import prepare
-    from loading import load_model
     source = open(argparse.__file__, encoding="utf-8").read()[:30_000]
     text_file = tmp_path / "argparse.txt"
     text_file.write_bytes(source.encode("utf-8"))
     cfg = tiny_cfg(**{"data.path": text_file, "train.sample_every": 10, "train.sample_prompt": "def ",
-                      "train.sample_tokens": 40, "log.curves": "true", "train.eval_iters": 0, "model.block_size": 16})
+                      "train.sample_tokens": 40, "log.curves": "true", "model.block_size": 16})
     train(cfg, quiet=True)
     samples = records(cfg.out_dir, "sample")
-    assert [s["step"] for s in samples] == [10, 20] and all(set(s["text"]) <= set(source) for s in samples)
+    assert [s["step"] for s in samples] == [10, 20]
+    assert all(set(s["text"]) <= set(source) for s in samples)
     assert open(f"{cfg.out_dir}/curves.png", "rb").read().startswith(PNG)
-
-    dataset = prepare(cfg.data)
-    val = np.fromfile(dataset / "val.bin", dtype=load_meta(dataset)["dtype"])   # every token of it is evaluated
-    scored = tmp_path / "val.txt"
-    scored.write_bytes(load_model(cfg.out_dir).tokenizer.decode(val.tolist()).encode("utf-8"))
-    rc, out, err = run_tool(eval_cli, [f"{cfg.out_dir}/ckpt_0000020.pt", scored, "--device", "cpu", "--json"], capsys)
-    assert rc == 0 and json.loads(out)["total"]["loss"] == pytest.approx(records(cfg.out_dir, "eval")[-1]["val_loss"], abs=1e-6), err
-
     page, prompt = tmp_path / "page.html", source[:16]
     rc, _, err = run_tool(attention_cli, [cfg.out_dir, "--prompt", prompt, "--html", page], capsys)
-    inlined = re.search(r'<script id="data" type="application/json">(.*?)</script>', page.read_text("utf-8"), re.S)
+    data = r'<script id="data" type="application/json">(.*?)</script>'
+    inlined = re.search(data, page.read_text("utf-8"), re.S)
     assert rc == 0 and "".join(json.loads(inlined[1])["tokens"]) == prompt, err
