@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from model.gpt import GPT
 from common import UserError
+from data.tokenizers import CharTokenizer
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
 from hf.hub import load_pretrained, save_pretrained
 from tests.conftest import ROOT, gpt2_or_skip, records, resumed_copy
@@ -154,9 +155,11 @@ def test_export_refuses_models_gpt2_cannot_express(tmp_path, setting):
     name, value = setting
     extra = {"kv_latent_dim": 8} if value == "mla" else {}
     model = our_model(**{name: value}, **extra)
+    tokenizer = CharTokenizer("".join(map(chr, range(32, 128)))).meta()
     with pytest.raises(UserError, match=f"model.{name}={value!r}"):
-        save_pretrained(tmp_path / "out", model.cfg, model.state_dict())
-    assert not (tmp_path / "out").exists()   # refused before anything was written
+        save_pretrained(tmp_path / "out", model.cfg, model.state_dict(), tokenizer)
+    # refused before anything was written, the tokenizer's files too
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("key, value", [("scale_attn_by_inverse_layer_idx", True), ("n_inner", 64),
@@ -305,46 +308,3 @@ def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_doe
     assert r.returncode == 0, r.stderr
     assert "Hugging Face GPT-2" in r.stderr
     assert r.stdout == prompt + tok.decode_bytes(expected).decode("utf-8", errors="replace") + "\n"
-
-
-@needs_transformers
-def test_export_py_end_to_end(tmp_path, text_file, tiny_cfg):
-    from transformers import AutoTokenizer, GPT2LMHeadModel
-
-    from loading import load_model
-    from training.trainer import train
-    cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2})
-    train(cfg, quiet=True)
-    out = tmp_path / "hf"
-    r = run("export.py", cfg.out_dir, str(out))
-    assert r.returncode == 0, r.stderr
-    assert "# tokenizer char: tokenizer.json, tokenizer_config.json" in r.stdout   # a char-level run
-    assert GPT2LMHeadModel.from_pretrained(out).config.vocab_size == cfg.model.vocab_size
-    theirs = AutoTokenizer.from_pretrained(out)("First Citizen:")["input_ids"]
-    assert theirs == load_model(cfg.out_dir).tokenizer.encode("First Citizen:")
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in ("model.safetensors", "config.json", "tokenizer.json"):   # as any file the user writes
-        assert os.stat(out / name).st_mode & 0o777 == 0o666 & ~umask, name
-    r = run("export.py", cfg.out_dir, str(out))
-    assert r.returncode == 2 and r.stderr.startswith("error:") and "--force" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
-    assert run("export.py", cfg.out_dir, str(out), "--force").returncode == 0
-
-    rope = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2, "model.pos": "rope",
-                       "out_dir": tmp_path / "rope"})
-    train(rope, quiet=True)
-    r = run("export.py", rope.out_dir, str(tmp_path / "hf_rope"))
-    assert r.returncode == 2 and r.stderr.strip() == ("error: model.pos='rope' does not map onto GPT-2 "
-                                                      "(GPT-2 has learned absolute positions)")
-    assert not (tmp_path / "hf_rope").exists()
-
-
-def test_training_does_not_import_transformers_or_safetensors_unless_asked():
-    code = ("import sys; from training.config import build_config; build_config(None, []); "
-            "import training.trainer, train, sample, export; "
-            "print(sorted(m for m in ('transformers', 'safetensors', 'huggingface_hub') "
-            "if m in sys.modules))")
-    r = run("-c", code)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]"
