@@ -62,13 +62,15 @@ def test_a_damaged_entry_is_prepared_again_with_a_notice(tmp_path, text_file, ca
     assert os.listdir(tmp_path / "prep") == [out.name], "no temporary dir left"
 
 
-def test_a_sound_entry_is_reused_without_a_notice(tmp_path, text_file, capsys):
+def test_a_sound_entry_is_reused_without_a_notice_and_new_content_is_a_new_one(tmp_path, text_file, capsys):
     out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
     stamp = os.stat(out / "train.bin").st_mtime_ns
     capsys.readouterr()
     assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") == out
     assert capsys.readouterr() == ("", "") and os.stat(out / "train.bin").st_mtime_ns == stamp
     assert load_meta(out)["format"] == FORMAT
+    text_file.write_text(TEXT + "more")
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") != out, "new content, new entry"
 
 
 def test_a_text_too_short_for_the_block_is_refused_before_it_is_published(tmp_path, text_file):

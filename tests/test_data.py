@@ -1,7 +1,6 @@
 """Tokenizers round-trip; preparing writes what meta.json says and is cached; batches are shifted windows."""
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -9,7 +8,6 @@ import torch
 
 from data.loader import BatchLoader, Share
 from common import UserError
-from data.sources import iter_text
 from data.tokenizers import CharTokenizer, build_tokenizer, load_tokenizer
 from tests.conftest import TEXT, gpt2_or_skip, prepare_text
 
@@ -44,41 +42,12 @@ def test_unknown_tiktoken_name_is_a_clear_error():
         build_tokenizer("nope")
 
 
-def test_prepare_writes_token_files_and_meta(tmp_path, text_file):
-    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
-    meta = json.loads((out / "meta.json").read_text())
-    tok = load_tokenizer(meta["tokenizer"])
-    split = int(len(TEXT) * 0.9)
-    train = np.fromfile(out / "train.bin", dtype=meta["dtype"])
-    val = np.fromfile(out / "val.bin", dtype=meta["dtype"])
-    assert meta["dtype"] == "uint16" and meta["tokens"] == {"train": len(train), "val": len(val)}
-    assert tok.decode(train.tolist()) == TEXT[:split] and tok.decode(val.tolist()) == TEXT[split:]
-    assert len(meta["sha256"]) == 64 and meta["split"]["val_fraction"] == 0.1
-
-
-def test_prepare_is_cached_by_content(tmp_path, text_file):
-    first = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
-    stamp = os.stat(first / "train.bin").st_mtime_ns
-    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") == first
-    assert os.stat(first / "train.bin").st_mtime_ns == stamp, "a second run must reuse the files"
-    text_file.write_text(TEXT + "more")
-    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") != first, "new content, new dataset"
-
-
 def test_prepare_uses_uint32_for_large_vocabularies(tmp_path):
     path = tmp_path / "wide.txt"
     chars = [chr(i) for i in range(0x100, 0x100 + 70000) if not 0xD800 <= i < 0xE000]   # no surrogates
     path.write_text("".join(chars), encoding="utf-8")
     meta = json.loads((prepare_text(path, "char", 0.5, tmp_path / "prep") / "meta.json").read_text())
     assert meta["vocab_size"] > 65536 and meta["dtype"] == "uint32"
-
-
-def test_non_utf8_names_the_byte_offset(tmp_path):
-    path = tmp_path / "bad.txt"
-    path.write_bytes(b"hello \xff world")
-    with pytest.raises(UserError, match="offset 6"):
-        "".join(iter_text(path))
-    assert "\ufffd" in "".join(iter_text(path, errors="replace"))
 
 
 def test_batches_are_windows_shifted_by_one_and_seeded(tmp_path, text_file):
@@ -93,12 +62,6 @@ def test_batches_are_windows_shifted_by_one_and_seeded(tmp_path, text_file):
     x, y = BatchLoader(out, block_size=16, batch_size=4).batch("val", torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal(first_step(7), windows) and not torch.equal(first_step(8), windows)
-
-
-def test_a_split_shorter_than_a_block_is_a_clear_error(tmp_path, text_file):
-    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
-    with pytest.raises(UserError, match="val split has .* fewer than block_size"):
-        BatchLoader(out, block_size=1000, batch_size=2)
 
 
 def test_the_default_data_ships_with_the_repo_and_prepares_offline(tmp_path, monkeypatch):
