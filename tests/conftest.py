@@ -4,6 +4,7 @@ would (run_tool in-process, run_limited as a memory-limited subprocess), a snaps
 (tree) for the promise that a failed command writes nothing; what a test needs of the system
 (posix_signals) where not every system has it."""
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -328,6 +329,32 @@ def poison(monkeypatch, bad_steps, kind="loss"):
 
     monkeypatch.setattr(GPT, "forward", forward)
     return seen
+
+
+def scramble_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random and O(1)-ish (biases and norm shifts non-zero, norm gains around 1),
+    so that the logits depend strongly on the context and a mix-up of layouts, activations, scales
+    or windows shows in them; the model, in eval mode."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gain = p.dim() == 1 and ("ln_" in name or "norm" in name) and name.endswith("weight")
+            p.copy_((1 if gain else 0) + 0.3 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory):
+    """The directory of a tiny random GPT-2 saved by transformers: context 16, GPT-2's vocabulary
+    (tiktoken's gpt2 is its tokenizer)."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install -r requirements-dev.txt)")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(1)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=50257)
+    path = tmp_path_factory.mktemp("gpt2_tiny")
+    scramble_(GPT2LMHeadModel(config), seed=1).save_pretrained(path)
+    return path
 
 
 @pytest.fixture
