@@ -28,70 +28,9 @@ import torch  # noqa: E402
 
 from common import run_cli  # noqa: E402
 
-# A short text with enough variety to be a real (if tiny) language: ~2,300 characters.
-TEXT = """First Citizen:
-Before we proceed any further, hear me speak.
-
-All:
-Speak, speak.
-
-First Citizen:
-You are all resolved rather to die than to famish?
-
-All:
-Resolved. resolved.
-
-First Citizen:
-First, you know Caius Marcius is chief enemy to the people.
-
-All:
-We know't, we know't.
-
-First Citizen:
-Let us kill him, and we'll have corn at our own price.
-Is't a verdict?
-
-All:
-No more talking on't; let it be done: away, away!
-
-Second Citizen:
-One word, good citizens.
-
-First Citizen:
-We are accounted poor citizens, the patricians good.
-What authority surfeits on would relieve us: if they
-would yield us but the superfluity, while it were
-wholesome, we might guess they relieved us humanely;
-but they think we are too dear: the leanness that
-afflicts us, the object of our misery, is as an
-inventory to particularise their abundance; our
-sufferance is a gain to them Let us revenge this with
-our pikes, ere we become rakes: for the gods know I
-speak this in hunger for bread, not in thirst for revenge.
-
-Second Citizen:
-Would you proceed especially against Caius Marcius?
-
-All:
-Against him first: he's a very dog to the commonalty.
-
-Second Citizen:
-Consider you what services he has done for his country?
-
-First Citizen:
-Very well; and could be content to give him good
-report fort, but that he pays himself with being proud.
-
-Second Citizen:
-Nay, but speak not maliciously.
-
-First Citizen:
-I say unto you, what he hath done famously, he did
-it to that end: though soft-conscienced men can be
-content to say it was for his country he did it to
-please his mother and to be partly proud; which he
-is, even till the altitude of his virtue.
-"""
+# A short text with enough variety to be a real (if tiny) language: the first 1,633 characters (48
+# distinct ones, ending with a line) of the tinyshakespeare.txt the repository ships.
+TEXT = (ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:1633]
 
 
 @contextmanager
