@@ -1,13 +1,24 @@
-"""Tokenizers round-trip; preparing writes what meta.json says and is cached; batches are shifted windows."""
+"""Tokenizers round-trip (bpe:N trained on the train split alone, deterministic, described in
+meta.json); batches are shifted windows. The prepared-data cache never uses an entry that is
+damaged, unfinished or of another format: it prepares it again (with a one-line notice), or, where
+only the entry is at hand, names it in a one-line error; a sound entry is reused as it is; text
+that cannot be used is refused before anything is published; encoding errors are part of the
+key."""
+import base64
 import json
 import math
+import os
+import re
 
 import numpy as np
 import pytest
 import torch
 
-from data.loader import BatchLoader, Share
+import data.prepare as prep
 from common import UserError
+from data.bpe import EOT
+from data.loader import BatchLoader, Share
+from data.prepare import FORMAT, load_meta
 from data.tokenizers import CharTokenizer, build_tokenizer, load_tokenizer
 from tests.conftest import TEXT, gpt2_or_skip, prepare_text
 
@@ -192,3 +203,251 @@ def test_a_checkpoint_s_data_order_from_another_kind_of_generator_goes_on_in_a_n
     moved.load_state_dict({"generator": torch.Generator().manual_seed(5).get_state(), "device": "cuda"})
     assert "notice: the checkpoint drew its batches on cuda, this run on cpu" in capsys.readouterr().err
     assert not torch.equal(fresh.step_windows(), moved.step_windows())
+
+
+def edit_meta(out, change):
+    meta = json.loads((out / "meta.json").read_text())
+    change(meta)
+    (out / "meta.json").write_text(json.dumps(meta))
+
+
+def truncate(path, by=1):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - by)
+
+
+ENTRY_DAMAGES = {   # what makes the entry unusable, and the reason the notice gives
+    "truncated train.bin": (lambda out: truncate(out / "train.bin"), "has a train.bin that is not the"),
+    "deleted val.bin": (lambda out: (out / "val.bin").unlink(), "has a val.bin that is not the"),
+    "extra bytes in val.bin": (lambda out: open(out / "val.bin", "ab").write(b"\0\0"), "val.bin that is not"),
+    "a count that is not the file's": (lambda out: edit_meta(out, lambda m: m["tokens"].update(val=-5)),
+                                       "val.bin that is not the -10 bytes"),
+    "meta.json not JSON": (lambda out: (out / "meta.json").write_text('{"format": 3,'), "no readable meta"),
+    "meta.json not an object": (lambda out: (out / "meta.json").write_text("[]"), "is of format None"),
+    "another format": (lambda out: edit_meta(out, lambda m: m.update(format=FORMAT - 1) or m.pop("bytes")),
+                       f"is of format {FORMAT - 1}, not this code's {FORMAT}"),
+    "no meta.json": (lambda out: (out / "meta.json").unlink(), "has no readable meta.json"),
+}
+
+
+@pytest.mark.parametrize("damage", ENTRY_DAMAGES, ids=list(ENTRY_DAMAGES))
+def test_a_damaged_entry_is_prepared_again_with_a_notice(tmp_path, text_file, capsys, damage):
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
+    good = {name: (out / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")}
+    change, _ = ENTRY_DAMAGES[damage]
+    change(out)
+    capsys.readouterr()
+
+    with pytest.raises(UserError, match=rf"the prepared dataset {re.escape(str(out))} is missing, unfinished, "
+                                        rf"damaged or of an older format: delete it and prepare the data again$"):
+        load_meta(out)   # where the text is not at hand: a one-line error that names the entry
+    with pytest.raises(UserError, match="delete it"):
+        BatchLoader(out, block_size=8, batch_size=2)
+
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") == out
+    err = capsys.readouterr().err.strip()
+    assert err == f"notice: {out} is unfinished, damaged or of an older format: preparing it again", err
+    assert "\n" not in err
+    assert {name: (out / name).read_bytes() for name in good} == good, "the same entry as before the damage"
+    assert os.listdir(tmp_path / "prep") == [out.name], "no temporary dir left"
+
+
+def test_a_sound_entry_is_reused_without_a_notice_and_new_content_is_a_new_one(tmp_path, text_file, capsys):
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
+    stamp = os.stat(out / "train.bin").st_mtime_ns
+    capsys.readouterr()
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") == out
+    assert capsys.readouterr() == ("", "") and os.stat(out / "train.bin").st_mtime_ns == stamp
+    assert load_meta(out)["format"] == FORMAT
+    text_file.write_text(TEXT + "more")
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep") != out, "new content, new entry"
+
+
+def test_a_text_too_short_for_the_block_is_refused_before_it_is_published(tmp_path, text_file):
+    short = tmp_path / "short.txt"
+    short.write_text("abcdefghij" * 3)
+    for tokenizer in ("char", "bpe:300"):
+        with pytest.raises(UserError, match=r"the (train|val) split has \d+ tokens, fewer than block_size "
+                                            r"\+ 1 = 9; use a longer text or a smaller --model.block_size"):
+            prepare_text(short, tokenizer, 0.1, tmp_path / "prep", block_size=8)
+        assert os.listdir(tmp_path / "prep") == [], "no entry and no temporary dir"
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")   # no block_size: no check
+    with pytest.raises(UserError, match="the val split has 164 tokens, fewer than block_size"):
+        prepare_text(text_file, "char", 0.1, tmp_path / "prep", block_size=200)   # a cache hit is checked too
+    assert prepare_text(text_file, "char", 0.1, tmp_path / "prep", block_size=163) == out
+
+
+def test_encoding_errors_are_part_of_the_cache_key(tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(TEXT.encode() + b"\xff")
+    replaced = prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
+    assert load_meta(replaced)["encoding_errors"] == "replace"
+    with pytest.raises(UserError, match="byte 0xff at offset"):
+        prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="strict")
+    assert load_meta(replaced)["encoding_errors"] == "replace", "kept"
+    clean = tmp_path / "clean.txt"
+    clean.write_text(TEXT)
+    assert prepare_text(clean, "char", 0.1, tmp_path / "prep") != \
+        prepare_text(clean, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
+    with pytest.raises(UserError, match="data.encoding_errors='ignore' is not one of strict, replace"):
+        prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="ignore")
+
+
+def test_token_ids_past_the_vocabulary_in_a_file_of_the_right_size_are_one_line(tmp_path, text_file):
+    """The cache's checks read meta.json and file sizes; a train.bin damaged in place is caught where
+    its windows are read, before the embedding would fail on them: one line that names the entry."""
+    out = prepare_text(text_file, "char", 0.1, tmp_path / "prepared")
+    tokens = np.fromfile(out / "train.bin", dtype=np.uint16)
+    tokens[::7] = 60_000   # far past the 48 characters, same size, same dtype
+    tokens.tofile(out / "train.bin")
+    with pytest.raises(UserError) as e:
+        BatchLoader(out, block_size=32, batch_size=8).step_windows()
+    assert "\n" not in str(e.value) and f"{out} holds token id 60000 in train.bin" in str(e.value)
+    assert "delete it and prepare the data again" in str(e.value)
+
+
+def test_a_text_of_one_distinct_token_is_refused(tmp_path):
+    """A file of NUL bytes (or any one character over and over) would train to a loss of 0 on nothing."""
+    path = tmp_path / "zeros.txt"
+    path.write_bytes(b"\0" * 5000)
+    for tokenizer in ("char", "gpt2"):
+        if tokenizer == "gpt2":
+            gpt2_or_skip()   # (once the char case has passed)
+        with pytest.raises(UserError, match=r"a single distinct token \(id \d+, '\\x00'\): there is nothing"):
+            prepare_text(path, tokenizer, 0.1, tmp_path / "prep")
+    assert not list((tmp_path / "prep").glob("zeros*")), "nothing was kept"
+
+
+def test_a_file_name_too_long_for_a_cache_entry_is_prepared(tmp_path):
+    path = tmp_path / ("n" * 240 + ".txt")   # with the tokenizer, hash and split it would pass 255 bytes
+    path.write_text(TEXT)
+    assert load_meta(prepare_text(path, "char", 0.1, tmp_path / "prep"))["tokens"]["train"] > 0
+
+
+UNSEEN = "héllo wörld, naïve café — 日本語のテキスト 😀🎉 ∑ x² \t\r\n <|endoftext|> \x00 \U0010fffd"
+
+
+def trained(tmp_path, text: str, tokenizer="bpe:300", name="t.txt", root="prep", **kw) -> tuple:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    out = prepare_text(path, tokenizer, 0.2, tmp_path / root, **kw)
+    meta = json.loads((out / "meta.json").read_text())
+    return out, meta
+
+
+def test_the_same_text_gives_the_same_ranks(tmp_path):
+    _, first = trained(tmp_path, TEXT, root="a")
+    _, again = trained(tmp_path, TEXT, root="b")
+    assert first["tokenizer"] == again["tokenizer"]
+    assert first["tokenizer"]["kind"] == "bpe" and len(first["tokenizer"]["ranks"]) == 299
+    assert first["vocab_size"] == 300 and first["tokenizer"]["special_tokens"] == {EOT: 299}
+
+
+def test_only_the_training_split_shapes_the_merges(tmp_path):
+    split = int(len(TEXT) * 0.8)
+    other_val = "".join(reversed(TEXT[split:]))   # same length: the split point does not move
+    _, base = trained(tmp_path, TEXT, name="a.txt")
+    _, new_val = trained(tmp_path, TEXT[:split] + other_val, name="b.txt")
+    _, new_train = trained(tmp_path, TEXT[:split].upper() + TEXT[split:], name="c.txt")
+    assert new_val["sha256"] != base["sha256"] and new_val["tokenizer"] == base["tokenizer"]
+    assert new_train["tokenizer"] != base["tokenizer"], "the train split does shape them"
+
+
+def test_training_reads_at_most_the_cap(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "PIECE_CHARS", 97)
+    monkeypatch.setattr(prep, "TRAIN_MAX_CHARS", 600)
+    head, tail = TEXT[:1000], TEXT[1000:]
+    _, a = trained(tmp_path, head + tail, name="a.txt")
+    _, b = trained(tmp_path, head + tail.upper(), name="b.txt")   # differs only after the cap
+    assert a["tokenizer"] == b["tokenizer"]
+    monkeypatch.setattr(prep, "TRAIN_MAX_CHARS", 10**9)
+    _, c = trained(tmp_path, head + tail.upper(), name="c.txt", root="uncapped")
+    assert c["tokenizer"] != a["tokenizer"]
+
+
+def test_any_text_round_trips_through_the_stored_meta_alone(tmp_path):
+    _, meta = trained(tmp_path, TEXT)
+    tok = load_tokenizer(json.loads(json.dumps(meta["tokenizer"])))
+    for text in (UNSEEN, TEXT, "", " ", "\n\n", "ZZZZqqqq"):
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text and tok.decode_bytes(ids) == text.encode("utf-8")
+        assert max(ids, default=0) < tok.vocab_size == 300
+    assert len(tok.encode(TEXT)) < 0.75 * len(TEXT.encode()), "the merges compress the text they came from"
+    assert tok.encode("<|endoftext|>") != [tok.start_token], "in a text it is just text"
+
+
+def test_the_vocabulary_size_is_part_of_the_cache_key(tmp_path):
+    out300, m300 = trained(tmp_path, TEXT, "bpe:300")
+    out400, m400 = trained(tmp_path, TEXT, "bpe:400")
+    assert out300 != out400 and (m300["vocab_size"], m400["vocab_size"]) == (300, 400)
+    assert "bpe300" in out300.name and "bpe400" in out400.name
+    assert trained(tmp_path, TEXT, "bpe:300")[0] == out300
+
+
+def test_documents_are_separated_by_the_end_of_text_token(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(TEXT[:1500])
+    (docs / "b.txt").write_text(TEXT[1500:])
+    out = prepare_text(docs, "bpe:300", 0.1, tmp_path / "prep")
+    meta = json.loads((out / "meta.json").read_text())
+    ids = np.concatenate([np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")]).tolist()
+    tok = load_tokenizer(meta["tokenizer"])
+    assert ids.count(tok.start_token) == 1 and tok.decode(ids) == TEXT[:1500] + EOT + TEXT[1500:]
+
+
+def test_too_few_pairs_give_fewer_tokens_and_say_so(tmp_path):
+    _, meta = trained(tmp_path, "abab abab abab " * 50, "bpe:5000")
+    assert meta["vocab_size"] < 5000 and meta["vocab_size"] == len(meta["tokenizer"]["ranks"]) + 1
+
+
+@pytest.mark.parametrize("spec", ["bpe:abc", "bpe:256", "bpe", "bpe:99999999", "bpe:-5"])
+def test_a_bad_vocabulary_size_is_refused_before_anything_is_read(tmp_path, text_file, spec):
+    with pytest.raises(UserError, match=r"write bpe:N with N the vocabulary size, 257 to"):
+        prepare_text(text_file, spec, 0.1, tmp_path / "prep")
+    assert not (tmp_path / "prep").exists()
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+DESCRIPTION_DAMAGES = {
+    "ranks not a list": (lambda t: t.update(ranks="abc"), "not a list of base64"),
+    "a rank not base64": (lambda t: t["ranks"].__setitem__(280, "@@@"), "not a list of base64 strings"),
+    "a byte missing": (lambda t: t["ranks"].__setitem__(65, _b64(b"\xff\xfe")), "not every byte"),
+    "a token twice": (lambda t: t["ranks"].__setitem__(280, t["ranks"][281]), "appears twice"),
+    "an empty token": (lambda t: t["ranks"].__setitem__(280, ""), "empty or appears twice"),
+    "no end-of-text": (lambda t: t.update(special_tokens={}), r"special tokens must be <\|endoftext\|> alone"),
+    "end-of-text id clashes": (lambda t: t.update(special_tokens={EOT: 5}), "with the id after the 299 ranks"),
+    "end-of-text id not an int": (lambda t: t.update(special_tokens={EOT: "299"}), "with the id after the 299 ranks"),
+    "end-of-text id a float": (lambda t: t.update(special_tokens={EOT: 299.0}), "damaged BPE tokenizer description"),
+    "pattern not a regex": (lambda t: t.update(pattern="(unclosed"), "damaged BPE tokenizer description"),
+    "no pattern": (lambda t: t.pop("pattern"), "name or pattern is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", DESCRIPTION_DAMAGES, ids=list(DESCRIPTION_DAMAGES))
+def test_a_damaged_description_is_a_one_line_tokenizer_error(tmp_path, damage):
+    _, meta = trained(tmp_path, TEXT)
+    tok_meta = json.loads(json.dumps(meta["tokenizer"]))
+    change, message = DESCRIPTION_DAMAGES[damage]
+    change(tok_meta)
+    with pytest.raises(UserError, match=message) as e:
+        load_tokenizer(tok_meta)
+    assert "\n" not in str(e.value)
+
+
+def test_another_special_token_written_as_text_is_encoded_as_text():
+    """A chat corpus holds '<|endofprompt|>' (cl100k_base's) as plain text: records of it encode
+    as the same text would alone, with the end-of-text token between documents."""
+    import tiktoken
+    from data.bpe import TiktokenTokenizer
+    gpt2 = tiktoken.get_encoding("gpt2")
+    special = {**gpt2._special_tokens, "<|endofprompt|>": gpt2.n_vocab}
+    enc = tiktoken.Encoding("gpt2-chat", pat_str=gpt2._pat_str, mergeable_ranks=gpt2._mergeable_ranks,
+                            special_tokens=special)
+    tok = TiktokenTokenizer(enc, {})
+    pieces = ["Q: hi <|endofprompt|> A:", None, " bye"]
+    alone = [tok.encode_array(pieces[0]), [tok.end_token], tok.encode_array(pieces[2])]
+    assert tok.encode_pieces(pieces).tolist() == [i for part in alone for i in part]
