@@ -23,14 +23,6 @@ from data.tokenizers import CharTokenizer, build_tokenizer, load_tokenizer
 from tests.conftest import TEXT, gpt2_or_skip, prepare_text
 
 
-def test_char_tokenizer_round_trips_and_saves():
-    tok = CharTokenizer.from_text(TEXT)
-    assert tok.vocab_size == len(set(TEXT))
-    assert tok.decode(tok.encode(TEXT)) == TEXT
-    again = load_tokenizer(json.loads(json.dumps(tok.meta())))
-    assert again.encode(TEXT) == tok.encode(TEXT)
-
-
 def test_char_tokenizer_names_unknown_characters():
     tok = CharTokenizer.from_text("abc")
     with pytest.raises(UserError, match=r"'z'.*|.*'z'") as e:

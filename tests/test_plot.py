@@ -237,20 +237,22 @@ def test_sampling_from_a_resumed_run_is_named_but_not_called_a_different_run(tin
 
 
 def test_sampling_time_is_not_billed_to_the_steps(tiny_cfg, monkeypatch):
+    """A sample that takes a second, drawn in each log interval of two steps, would add 500 ms to
+    each step's time: the steps' own time is far less, however busy the machine."""
     import time
     import training.trainer
     real, calls = training.trainer.generate, []
 
     def slow_generate(*args, **kwargs):
         # as a long sample would take
-        calls.append(time.sleep(0.3))
+        calls.append(time.sleep(1.0))
         yield from real(*args, **kwargs)
     monkeypatch.setattr(training.trainer, "generate", slow_generate)
-    cfg = tiny_cfg(**{"train.sample_every": 2, "train.log_interval": 2, "train.max_steps": 10})
+    cfg = tiny_cfg(**{"train.sample_every": 2, "train.log_interval": 2, "train.max_steps": 4})
     train(cfg, quiet=True)
-    assert len(calls) == 5, "the samples were drawn"
+    assert len(calls) == 2, "the samples were drawn"
     steps = records(cfg.out_dir, "train")
-    assert all(r["ms_per_step"] < 100 for r in steps), steps
+    assert all(r["ms_per_step"] < 400 for r in steps), steps
 
 
 def test_a_sample_prompt_the_text_cannot_encode_is_refused_at_once(tiny_cfg):

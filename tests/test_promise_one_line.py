@@ -2,7 +2,6 @@
 commands (in-process, through common.run_cli, as their __main__ does: the commands as real
 processes, test_end_to_end.py), then what the machine does wrong (a full disk, a read-only folder,
 memory that runs out: exit 3) and what is missing (wandb, GPT-2's files), each said in one line."""
-import errno
 import os
 import shutil
 import subprocess
@@ -17,7 +16,6 @@ import eval as eval_cli
 import export as export_cli
 import sample as sample_cli
 import train as train_cli
-from common import run_cli
 from loading import list_checkpoints, read_checkpoint
 from tests.conftest import (TEXT, assert_refused, mkdir, prepare_text, run_limited, run_tool,
                             tiny_overrides, tree, write)
@@ -184,31 +182,11 @@ def test_a_run_path_typed_from_another_folder_names_the_repository_s_run(tmp_pat
     assert rc == 2 and err == "error: checkpoint not found: out/y\n", err
 
 
-def test_replacing_bad_bytes_is_an_option(tmp_path, tiny_cfg):
-    """What the non-UTF-8 refusal offers works."""
-    (tmp_path / "tiny.txt").write_bytes(TEXT.encode() + b"\xff\xfe")
-    cfg = tiny_cfg(**{"data.encoding_errors": "replace", "train.max_steps": 2})
-    assert train(cfg, quiet=True)["step"] == 2
-
-
 def test_a_config_file_with_a_byte_order_mark_loads(tmp_path):
     """Windows' Notepad saves UTF-8 with a BOM; TOML itself does not allow one."""
     path = tmp_path / "notepad.toml"
     path.write_bytes("\ufeff[model]\nn_layer = 3\n".encode("utf-8"))
     assert build_config(str(path), []).model.n_layer == 3
-
-
-# ---------------------------------------------------------------- what the machine does wrong
-
-@pytest.mark.parametrize("failure", [
-    OSError(errno.EROFS, os.strerror(errno.EROFS), "/mnt/ro/out"),
-    OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/tmp/x/ckpt.pt"),
-], ids=["read-only", "full"])
-def test_a_fault_of_the_machine_is_said_with_its_path(failure, capsys):
-    def main(argv):
-        raise failure
-    assert run_cli(main, []) == 2
-    assert capsys.readouterr().err == f"error: {failure.strerror}: {failure.filename}\n"
 
 
 def test_a_read_only_out_dir_is_one_line_saying_what_to_do(tmp_path, text_file, small_disk,
