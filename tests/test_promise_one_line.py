@@ -1,6 +1,6 @@
 """A mistake is one line and a non-zero exit, and writes nothing: a table of mistakes through the
 commands (in-process, through common.run_cli, as their __main__ does: the commands as real
-processes, test_end_to_end.py), then what the machine does wrong (a full disk, a read-only folder,
+processes, test_training.py), then what the machine does wrong (a full disk, a read-only folder,
 memory that runs out: exit 3) and what is missing (wandb, GPT-2's files), each said in one line."""
 import os
 import shutil
@@ -223,8 +223,8 @@ def test_out_of_memory_names_the_fix_and_keeps_the_checkpoint(tmp_path, text_fil
 
 
 @pytest.mark.parametrize("tool, argv, memory", [
-    ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text,
-                                                        **{"train.batch_size": 300_000_000}), 2 << 30),
+    ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text, **{
+        "train.batch_size": 300_000_000}), 2 << 30),
     ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text, **{
         "model.n_layer": 300_000, "model.n_embd": 8, "model.n_head": 1}), 300 << 20),
     ("sample.py", lambda tmp, text, ckpt: [ckpt, "--num-samples", 100_000_000,
