@@ -140,6 +140,8 @@ def test_a_failed_run_is_one_line_naming_it_and_the_same_command_runs_it_again(t
      "variant 'bad': model.n_head=2 is not a multiple of model.n_kv_head=3"),
     ('[[variants]]\nname = "typo"\nmodel.n_layr = 3\n', "variant 'typo': unknown config key 'model.n_layr'"),
     ("", "needs at least one \\[\\[variants\\]\\] table"),
+    # under [overrides]
+    ("learning_rate = 3\n" + VARIANTS, "\\[overrides\\]: unknown config key 'learning_rate'"),
 ])
 def test_bad_sweeps_are_refused_before_anything_runs(tmp_path, text_file, variants, message):
     with pytest.raises(UserError, match=message):
@@ -152,12 +154,6 @@ def test_bad_sweeps_are_refused_before_anything_runs(tmp_path, text_file, varian
 def test_ablate_without_a_sweep_file_is_one_line(argv, named, tmp_path, capsys):
     import ablate
     assert_refused(ablate, [tmp_path / a if a.endswith(".toml") else a for a in argv], capsys, tmp_path, named)
-
-
-def test_sweep_errors_are_one_line_from_the_command(tmp_path, text_file, capsys):
-    import ablate
-    path = write_sweep(tmp_path, text_file, extra="learning_rate = 3")
-    assert_refused(ablate, [path], capsys, tmp_path, "[overrides]: unknown config key 'learning_rate'")
 
 
 SHIPPED = sorted((ROOT / "configs" / "ablations").glob("*.toml"))
