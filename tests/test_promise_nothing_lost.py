@@ -221,8 +221,8 @@ def test_a_refusal_says_when_the_run_in_the_out_dir_was_trained_on_other_data(tm
     assert tree(tmp_path) == before
 
 
-def test_a_run_stopped_before_its_first_checkpoint_is_started_by_the_same_command(tmp_path, text_file,
-                                                                                   capsys):
+def test_a_run_stopped_before_its_first_checkpoint_is_started_by_the_same_command(
+        tmp_path, text_file, capsys):
     """kill -9 (or an OOM kill) between the out dir's first write and the first checkpoint leaves
     config.toml and an empty metrics.jsonl: that folder holds no run."""
     argv = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 4, "train.eval_interval": 4})

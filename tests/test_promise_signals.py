@@ -163,7 +163,8 @@ def test_sigterm_during_preparation_leaves_no_temporary_folder(tmp_path):
     argv = [sys.executable, str(ROOT / "data" / "prepare.py"), str(text), "--root", str(prepared)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not list(prepared.glob(".*.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+    while (not list(prepared.glob(".*.tmp-*")) and proc.poll() is None
+           and time.monotonic() < deadline):
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
