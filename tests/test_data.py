@@ -62,23 +62,6 @@ def test_batches_are_windows_shifted_by_one_and_seeded(tmp_path, text_file):
     assert torch.equal(first_step(7), windows) and not torch.equal(first_step(8), windows)
 
 
-def test_the_default_data_ships_with_the_repo_and_prepares_offline(tmp_path, monkeypatch):
-    import socket
-
-    from tests.conftest import ROOT
-    from training.config import Config
-
-    path = ROOT / Config().data.path
-    assert path.is_file() and path.stat().st_size > 1_000_000, "data/tinyshakespeare.txt is in the repository"
-
-    def no_network(*a, **k):
-        raise AssertionError("preparing the default data tried to open a network connection")
-    monkeypatch.setattr(socket, "socket", no_network)
-    monkeypatch.setattr(socket, "create_connection", no_network)
-    out = prepare_text(path, Config().data.tokenizer, Config().data.val_fraction, tmp_path / "prep")
-    assert json.loads((out / "meta.json").read_text())["vocab_size"] == 65
-
-
 def test_bits_per_byte_divides_by_the_bytes_of_the_text(tmp_path, text_file):
     from data.prepare import load_meta
     from model.gpt import bits_per_byte
