@@ -262,23 +262,34 @@ def test_a_sample_prompt_the_text_cannot_encode_is_refused_at_once(tiny_cfg):
 
 
 def test_every_run_draws_its_curves_at_each_evaluation(tiny_cfg, monkeypatch):
+    """At each evaluation, its resumed part too, curves.png is drawn again: the losses it logged,
+    the train and val losses of its evaluations, and its val bits per byte."""
     import viz.curves
-    titles, draw = [], viz.curves.draw
+    drawn, draw = [], viz.curves.draw
 
     def counted(panels, title, **kw):
-        titles.append(title)
+        drawn.append((title, panels))
         return draw(panels, title, **kw)
     monkeypatch.setattr(viz.curves, "draw", counted)
-    cfg = tiny_cfg(**{"log.curves": "true", "train.max_steps": 10})   # evaluations at steps 10 and 20
+    # evaluations at steps 10 and 20
+    cfg = tiny_cfg(**{"log.curves": "true", "train.max_steps": 10, "train.log_interval": 5})
     train(cfg, quiet=True)
     first = open(f"{cfg.out_dir}/curves.png", "rb").read()
     cfg.train.max_steps = 20
     train(cfg, quiet=True, resume=True)
     second = open(f"{cfg.out_dir}/curves.png", "rb").read()
-    assert [t.split(": ")[1] for t in titles] == ["step 10", "step 20"], titles
+    assert [title.split(": ")[1] for title, _ in drawn] == ["step 10", "step 20"], drawn
     assert first.startswith(PNG) and second.startswith(PNG), "a PNG at each evaluation"
     assert first != second, "redrawn at the second evaluation"
-    monkeypatch.setattr(viz.curves, "draw", lambda *a, **kw: pytest.fail("log.curves=false draws nothing"))
+    logged, evals = records(cfg.out_dir, "train"), records(cfg.out_dir, "eval")
+    loss, bpb = drawn[-1][1]
+    lines = {line.label: (line.x, line.y) for line in loss.lines}
+    assert lines["train (logged steps)"] == ([r["step"] for r in logged], [r["loss"] for r in logged])
+    steps = [r["step"] for r in evals]
+    assert lines["train (evaluation)"] == (steps, [r["train_loss"] for r in evals])
+    assert lines["val"] == (steps, [r["val_loss"] for r in evals])
+    assert [(line.x, line.y) for line in bpb.lines] == [(steps, [r["val_bpb"] for r in evals])]
+    monkeypatch.setattr(viz.curves, "draw", lambda *a, **kw: pytest.fail("log.curves=false draws"))
     off = tiny_cfg(**{"log.curves": "false", "train.max_steps": 10}, out_dir=f"{cfg.out_dir}-off")
     train(off, quiet=True)
 
@@ -294,20 +305,6 @@ def test_every_sample_draws_with_the_same_seed_and_is_printed(tiny_cfg, capsys):
     out = capsys.readouterr().out
     for step in (5, 10, 15, 20):
         assert f"sample {step:4d} | {texts[0].splitlines()[0]}" in out, out
-
-
-def test_a_run_s_curves_are_its_losses_and_bits_per_byte(tiny_cfg):
-    from viz.curves import read_records, run_panels
-    cfg = tiny_cfg(**{"train.log_interval": 5})
-    train(cfg, quiet=True)
-    logged, evals = records(cfg.out_dir, "train"), records(cfg.out_dir, "eval")
-    loss, bpb = run_panels(read_records(f"{cfg.out_dir}/metrics.jsonl"))
-    drawn = {line.label: (line.x, line.y) for line in loss.lines}
-    assert drawn["train (logged steps)"] == ([r["step"] for r in logged], [r["loss"] for r in logged])
-    assert drawn["train (evaluation)"] == ([r["step"] for r in evals], [r["train_loss"] for r in evals])
-    assert drawn["val"] == ([r["step"] for r in evals], [r["val_loss"] for r in evals])
-    assert [(line.x, line.y) for line in bpb.lines] == [([r["step"] for r in evals],
-                                                         [r["val_bpb"] for r in evals])]
 
 
 def test_samples_curves_and_the_page_on_a_text_that_is_not_shakespeare(tiny_cfg, tmp_path, capsys):
