@@ -135,16 +135,3 @@ def test_export_says_what_it_wrote_and_what_fits_the_context(tmp_path, capsys):
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
     assert modes == dict.fromkeys(names, 0o666 & ~umask)
     assert run_tool(export, [run, out, "--force"], capsys)[0] == 0
-
-
-def test_export_refuses_a_directory_that_is_not_empty_without_force(tmp_path, capsys):
-    out = tmp_path / "hf"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    rc, _, err = run_tool(export, [tmp_path / "no_such_run", out], capsys)
-    assert rc == 2 and err.strip().splitlines() == [
-        f"error: {out} is not empty; pass --force to write the model and tokenizer files into it"]
-    assert [p.name for p in out.iterdir()] == ["notes.txt"]
-    (out / "best.pt").write_bytes(b"")
-    rc, _, err = run_tool(export, [tmp_path / "no_such_run", out, "--force"], capsys)
-    assert rc == 2 and "holds checkpoints of a run" in err

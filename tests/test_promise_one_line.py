@@ -123,8 +123,6 @@ CASES = [
      "contradict each other"),
     ("fresh run over a run", train_cli, a_run_in_out,
      "--resume continues it, --overwrite starts over"),
-    ("sample, missing checkpoint", sample_cli, lambda e: [e["tmp"] / "gone.pt"],
-     "checkpoint not found"),
     ("sample, dir without checkpoints", sample_cli, lambda e: [e["tmp"]],
      "no checkpoint (best.pt or ckpt_*.pt)"),
     ("export into a run's dir", export_cli, lambda e: [e["trained"], e["trained"], "--force"],
@@ -132,8 +130,6 @@ CASES = [
     ("export into a dir that is not empty", export_cli,
      lambda e: [e["ckpt"], write(mkdir(e["tmp"] / "notes") / "a.txt", "x").parent],
      "is not empty; pass --force"),
-    ("export, missing checkpoint", export_cli, lambda e: [e["tmp"] / "gone.pt", e["tmp"] / "hf"],
-     "checkpoint not found"),
 ] + [
     (f"{key}={value}", train_cli, lambda e, key=key, value=value: e["base"](**{key: value}), said)
     for key, value, said in BAD_SETTINGS
