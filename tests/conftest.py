@@ -175,9 +175,10 @@ class Evil:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """A real 4-step run's out dir (the model of tiny_overrides), shared by the tests that need one."""
+    """A real 4-step run's out dir (the model of tiny_overrides), shared by the tests that need one
+    (which copy what they would change)."""
     root = tmp_path_factory.mktemp("trained")
     text = root / "tiny.txt"
     text.write_text(TEXT)
