@@ -11,8 +11,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import zlib
 from functools import partial
 
@@ -27,7 +25,7 @@ from model.attention_maps import attention_maps, head_scores, line_up_positions,
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.positions import rope_tables
-from tests.conftest import CHARS, ROOT, save_char_model
+from tests.conftest import CHARS, run_tool, save_char_model
 from viz.attention_page import PLACEHOLDER, TEMPLATE, attention_page, encode_weights, error_bound
 
 OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
@@ -322,15 +320,17 @@ def test_the_command_names_the_characters_it_cannot_draw_once(fonts, tmp_path, c
     assert notes == ["note: no installed font has the characters '日本語': drawn as □"], err
 
 
-def test_the_command_writes_a_png_per_layer_and_a_summary(run_dir, tmp_path):
+def test_the_command_writes_a_png_per_layer_and_a_summary(run_dir, tmp_path, capsys):
+    """(As a process of its own: the README's commands, tests/test_readme.py.)"""
     import matplotlib.image
+
+    import attention
     out = tmp_path / "maps"
-    result = subprocess.run([sys.executable, "attention.py", str(run_dir), "--prompt",
-                             "ROMEO:\nTo be, or not?", "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    argv = [run_dir, "--prompt", "ROMEO:\nTo be, or not?", "--out", out]
+    rc, said, err = run_tool(attention, argv, capsys)
+    assert rc == 0, err
     names = ["attention_layer0.png", "attention_layer1.png", "attention_summary.png"]
-    assert result.stdout.split() == [str(out / n) for n in names]
+    assert said.split() == [str(out / n) for n in names]
     for name in names:
         assert matplotlib.image.imread(out / name).shape[0] > 100
 
