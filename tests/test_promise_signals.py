@@ -80,8 +80,8 @@ def before_the_command(err: str, script: str) -> bool:
 @pytest.mark.parametrize("script", ["train.py", "sample.py"])
 def test_ctrl_c_in_the_first_instants_ends_quietly(script, trained, tmp_path, text_file):
     """While torch imports and the run sets up (the first second or so), Ctrl-C ends the command
-    at once. The run would go on for minutes: on an idle machine too, the signal lands while it
-    works, not as it exits."""
+    at once. The training run would go on for minutes: even on an idle machine the signal lands
+    while it works, not as it exits."""
     # from then on main runs, under run_cli, even on a busy machine
     for delay in (0.6, 1.0, 1.5):
         # each run its own out dir: one that got as far as its first checkpoint holds a run
