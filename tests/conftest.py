@@ -4,6 +4,7 @@ would (run_tool in-process, run_limited as a memory-limited subprocess), a snaps
 (tree) for the promise that a failed command writes nothing; what a test needs of the system
 (posix_signals) where not every system has it."""
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -27,70 +28,9 @@ import torch  # noqa: E402
 
 from common import run_cli  # noqa: E402
 
-# A short text with enough variety to be a real (if tiny) language: ~2,300 characters.
-TEXT = """First Citizen:
-Before we proceed any further, hear me speak.
-
-All:
-Speak, speak.
-
-First Citizen:
-You are all resolved rather to die than to famish?
-
-All:
-Resolved. resolved.
-
-First Citizen:
-First, you know Caius Marcius is chief enemy to the people.
-
-All:
-We know't, we know't.
-
-First Citizen:
-Let us kill him, and we'll have corn at our own price.
-Is't a verdict?
-
-All:
-No more talking on't; let it be done: away, away!
-
-Second Citizen:
-One word, good citizens.
-
-First Citizen:
-We are accounted poor citizens, the patricians good.
-What authority surfeits on would relieve us: if they
-would yield us but the superfluity, while it were
-wholesome, we might guess they relieved us humanely;
-but they think we are too dear: the leanness that
-afflicts us, the object of our misery, is as an
-inventory to particularise their abundance; our
-sufferance is a gain to them Let us revenge this with
-our pikes, ere we become rakes: for the gods know I
-speak this in hunger for bread, not in thirst for revenge.
-
-Second Citizen:
-Would you proceed especially against Caius Marcius?
-
-All:
-Against him first: he's a very dog to the commonalty.
-
-Second Citizen:
-Consider you what services he has done for his country?
-
-First Citizen:
-Very well; and could be content to give him good
-report fort, but that he pays himself with being proud.
-
-Second Citizen:
-Nay, but speak not maliciously.
-
-First Citizen:
-I say unto you, what he hath done famously, he did
-it to that end: though soft-conscienced men can be
-content to say it was for his country he did it to
-please his mother and to be partly proud; which he
-is, even till the altitude of his virtue.
-"""
+# A short text with enough variety to be a real (if tiny) language: the first 1,633 characters (48
+# distinct ones, ending with a line) of the tinyshakespeare.txt the repository ships.
+TEXT = (ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:1633]
 
 
 @contextmanager
@@ -235,9 +175,10 @@ class Evil:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """A real 4-step run's out dir (the model of tiny_overrides), shared by the tests that need one."""
+    """A real 4-step run's out dir (the model of tiny_overrides), shared by the tests that need one
+    (which copy what they would change)."""
     root = tmp_path_factory.mktemp("trained")
     text = root / "tiny.txt"
     text.write_text(TEXT)
@@ -328,6 +269,32 @@ def poison(monkeypatch, bad_steps, kind="loss"):
 
     monkeypatch.setattr(GPT, "forward", forward)
     return seen
+
+
+def scramble_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random and O(1)-ish (biases and norm shifts non-zero, norm gains around 1),
+    so that the logits depend strongly on the context and a mix-up of layouts, activations, scales
+    or windows shows in them; the model, in eval mode."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gain = p.dim() == 1 and ("ln_" in name or "norm" in name) and name.endswith("weight")
+            p.copy_((1 if gain else 0) + 0.3 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory):
+    """The directory of a tiny random GPT-2 saved by transformers: context 16, GPT-2's vocabulary
+    (tiktoken's gpt2 is its tokenizer)."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install -r requirements-dev.txt)")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(1)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=50257)
+    path = tmp_path_factory.mktemp("gpt2_tiny")
+    scramble_(GPT2LMHeadModel(config), seed=1).save_pretrained(path)
+    return path
 
 
 @pytest.fixture

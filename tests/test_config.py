@@ -53,34 +53,19 @@ def test_values_are_coerced_to_field_types():
 @pytest.mark.parametrize("args, message", [
     (["--model.n_layr=3"], "unknown config key 'model.n_layr' (did you mean 'model.n_layer'?)"),
     (["--modle.n_layer=3"], "unknown config key 'modle.n_layer' (did you mean 'model.n_layer'?)"),
-    (["--train.lr=fast"], "train.lr: expected float, got 'fast'"),
     (["--model.n_layer=2.5"], "model.n_layer: expected int"),
     (["--model.n_head=5"], "model.n_embd=128 is not divisible by model.n_head=5"),
-    (["--model.n_layer=0"], "model.n_layer must be > 0"),
-    (["--train.batch_size=-1"], "train.batch_size must be > 0"),
     (["--model.attention=magic"], "model.attention='magic' is not one of"),
     (["--train.lr"], "unexpected argument '--train.lr'"),
     (["oops"], "unexpected argument 'oops'"),
     (["--train.optimizer=sgd"], "train.optimizer='sgd' is not one of adamw, muon"),
     (["--train.schedule=step"], "train.schedule='step' is not one of cosine, wsd"),
     (["--train.optimizer=muon", "--train.fsdp=true"], "train.fsdp shards what train.optimizer=muon"),
-    (["--train.beta1=1"], "train.beta1 must be >= 0 and < 1, got 1.0"),
 ])
 def test_bad_overrides_name_the_problem(args, message):
     with pytest.raises(UserError) as e:
         build_config(None, args)
     assert message in str(e.value)
-
-
-def test_toml_errors_name_the_file_and_key(tmp_path):
-    with pytest.raises(UserError, match="c.toml is not a TOML config file"):
-        build_config(str(write(tmp_path, "[model\nn_layer = 3")), [])
-    with pytest.raises(UserError, match=r"c.toml: unknown config key 'train.learning_rate'"):
-        build_config(str(write(tmp_path, "[train]\nlearning_rate = 3")), [])
-    with pytest.raises(UserError, match="model.n_layer: expected int, got 'four'"):
-        build_config(str(write(tmp_path, '[model]\nn_layer = "four"')), [])
-    with pytest.raises(FileNotFoundError):   # (said in one line by common.run_cli)
-        build_config(str(tmp_path / "missing.toml"), [])
 
 
 @pytest.mark.parametrize("text, override, message", [
@@ -102,7 +87,11 @@ def test_a_config_file_with_an_error_is_refused_whatever_the_command_line_sets(
 
 
 def test_described_config_is_valid_toml_that_round_trips(tmp_path):
-    cfg = build_config(None, ["--model.n_layer=3", "--out_dir=o", "--log.wandb_run_name=a \"b\""])
+    """Every value comes back as it was, quotes and control characters too."""
+    prompt = "ROMEO:\n\t\"O\" \\ \u2603\x7f"
+    cfg = build_config(None, ["--model.n_layer=3", "--out_dir=o", "--log.wandb_run_name=a \"b\"",
+                              f"--train.sample_prompt={prompt}", "--train.sample_every=5"])
+    assert cfg.train.sample_prompt == prompt
     path = write(tmp_path, describe(cfg))
     assert build_config(str(path), []).to_dict() == cfg.to_dict()
 
@@ -140,21 +129,6 @@ def test_paths_resolve_where_they_were_written_wherever_the_command_runs(tmp_pat
     assert build_config(str(mine), ["--data", "other.txt"]).data.path == str(tmp_path / "other.txt")
 
 
-def test_train_py_runs_from_another_directory(tmp_path):
-    """`python /path/to/repo/train.py` from anywhere: the default text is the repository's, a relative
-    --out_dir is the working directory's."""
-    import subprocess
-    import sys
-    args = ["--train.max_steps=2", "--train.warmup_steps=1", "--train.eval_interval=2", "--train.eval_iters=1",
-            "--model.n_layer=1", "--model.n_embd=16", "--model.n_head=1", "--model.block_size=16",
-            "--data.prepared_dir=prep", "--out_dir=run", "--log.curves=false", "--train.device=cpu"]
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert (tmp_path / "run" / "ckpt_0000002.pt").is_file() and any((tmp_path / "prep").iterdir())
-    assert str(ROOT / "data" / "tinyshakespeare.txt") in (tmp_path / "run" / "config.toml").read_text()
-
-
 @pytest.mark.parametrize("make, message", [
     (lambda tmp: (tmp / "my.txt").write_text(TEXT) and tmp / "my.txt", "is not a TOML config file"),
     (lambda tmp: ROOT / "configs", "Is a directory: "),
@@ -166,12 +140,6 @@ def test_a_config_that_is_not_one_says_what_it_is(make, message, tmp_path, capsy
 
 def test_a_run_shorter_than_its_warm_up_just_runs():
     assert build_config(None, ["--train.max_steps=5"]).train.warmup_steps == 100
-
-
-def test_a_value_with_control_characters_round_trips_through_config_toml(tmp_path):
-    cfg = build_config(None, ["--train.sample_prompt=ROMEO:\n\t\"O\" \\ \u2603\x7f", "--train.sample_every=5"])
-    path = write(tmp_path, describe(cfg))
-    assert build_config(str(path), []).train.sample_prompt == "ROMEO:\n\t\"O\" \\ \u2603\x7f"
 
 
 @pytest.mark.parametrize("key", ["out_dir", "data.path", "data.prepared_dir"])

@@ -162,15 +162,27 @@ def test_parquet_errors_name_the_columns_and_the_row(tmp_path):
 
 
 def test_a_damaged_file_is_one_line_naming_it(tmp_path):
-    """A download cut short, a file that is not what its name says, a Git LFS pointer where the Parquet
-    file should be (a clone without git-lfs): one line, not a traceback."""
-    whole = gzip.compress(write_jsonl(tmp_path / "docs.jsonl", DOCS * 50).read_bytes())
-    (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
-    (tmp_path / "plain.jsonl.gz").write_bytes((tmp_path / "docs.jsonl").read_bytes())
-    (tmp_path / "pointer.parquet").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\n")
-    pytest.importorskip("pyarrow")
-    for name in ("cut.jsonl.gz", "plain.jsonl.gz", "pointer.parquet"):
-        with pytest.raises(UserError, match=rf"^{tmp_path / name} cannot be read as \.(jsonl\.gz|parquet): "):
+    """A download cut short, a file that is not what its name says, a deflate block of a type that
+    does not exist, a Git LFS pointer where the Parquet file should be (a clone without git-lfs):
+    one line naming the file and how it was read, not a traceback."""
+    records = write_jsonl(tmp_path / "docs.jsonl", DOCS * 50).read_bytes()
+    text = TEXT.encode() * 20
+    gz_records, gz_text = gzip.compress(records), gzip.compress(text)
+    bad_block = bytearray(gz_text)
+    # the first deflate block's type: 3, which does not exist
+    bad_block[10] |= 0b110
+    damaged = {"cut.jsonl.gz": (gz_records[:len(gz_records) // 2], r"\.jsonl\.gz"),
+               "plain.jsonl.gz": (records, r"\.jsonl\.gz"),
+               "docs.jsonl.gz": (bytes(bad_block), r"\.jsonl\.gz(?=: .*block type)"),
+               "cut.txt.gz": (gz_text[:len(gz_text) // 2], "gzip"),
+               "plain.txt.gz": (TEXT.encode(), "gzip"), "bad.1.gz": (bytes(bad_block), "gzip"),
+               "pointer.parquet": (b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n",
+                                   r"\.parquet")}
+    for name, (content, kind) in damaged.items():
+        if name.endswith(".parquet"):
+            pytest.importorskip("pyarrow")
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(UserError, match=rf"^{tmp_path / name} cannot be read as {kind}: \S"):
             prepare_text(tmp_path / name, "char", 0.1, tmp_path / "p")
 
 
@@ -190,21 +202,6 @@ def test_gzipped_text_gives_the_tokens_of_the_text(tmp_path, small_reads, tokeni
     plain, gz = (prepared(prepare_text(tmp_path / folder, tokenizer, 0.1, tmp_path / "p"))
                  for folder in ("plain", "gz"))
     assert gz[0] == plain[0] and gz[1]["bytes"] == plain[1]["bytes"]
-
-
-def test_a_damaged_gz_text_is_one_line_naming_it(tmp_path):
-    whole = gzip.compress(TEXT.encode() * 20)
-    bad_block = bytearray(whole)
-    bad_block[10] |= 0b110   # the first deflate block's type: 3, which does not exist
-    damaged = {"cut.txt.gz": whole[:len(whole) // 2], "plain.txt.gz": TEXT.encode(),
-               "bad.1.gz": bytes(bad_block)}
-    for name, content in damaged.items():
-        (tmp_path / name).write_bytes(content)
-        with pytest.raises(UserError, match=rf"^{tmp_path / name} cannot be read as gzip: \S"):
-            prepare_text(tmp_path / name, "char", 0.1, tmp_path / "p")
-    (tmp_path / "docs.jsonl.gz").write_bytes(bytes(bad_block))
-    with pytest.raises(UserError, match=r"docs.jsonl.gz cannot be read as .jsonl.gz: .*block type"):
-        prepare_text(tmp_path / "docs.jsonl.gz", "char", 0.1, tmp_path / "p")
 
 
 def test_pyarrow_is_needed_for_parquet_only(tmp_path, monkeypatch):

@@ -145,6 +145,10 @@ def prepare_slowly(rank: int, store: str) -> None:
     import torch.distributed as dist
 
     from training.distributed import leader_first
+    # both processes here, however long a busy machine took to start them, before the 1 s counts
+    open(f"{store}.{rank}", "w").close()
+    while not os.path.exists(f"{store}.{1 - rank}"):
+        time.sleep(0.01)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=1))
     try:

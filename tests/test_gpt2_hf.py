@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from model.gpt import GPT
 from common import UserError
+from data.tokenizers import CharTokenizer
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
 from hf.hub import load_pretrained, save_pretrained
-from tests.conftest import ROOT, gpt2_or_skip, records, resumed_copy
+from tests.conftest import ROOT, gpt2_or_skip, records, resumed_copy, scramble_
 
 def run(*args, env=None):
     """A command-line tool in a subprocess that never reaches the network."""
@@ -30,17 +31,6 @@ needs_transformers = pytest.mark.skipif(
     reason="transformers is not installed (pip install -r requirements-dev.txt)")
 TOL = 1e-4   # fp32, max abs logit difference
 TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
-
-
-def scramble_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Every parameter random and O(1)-ish (biases and norm shifts non-zero, norm gains around 1),
-    so that a mix-up of layouts, activations or scales shows in the logits."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            is_gain = p.dim() == 1 and any(n in name for n in ("ln_", "norm")) and name.endswith("weight")
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.3 * noise if is_gain else 0.3 * noise)
 
 
 def hf_model(seed: int = 0, **overrides):
@@ -76,8 +66,12 @@ def max_diff(ours: GPT, theirs, seed: int = 0) -> float:
                                        {"tie_word_embeddings": False}, {"reorder_and_upcast_attn": True}],
                          ids=["gpt2", "exact-gelu", "unscaled", "untied", "upcast"])
 def test_import_gives_transformers_logits(tmp_path, overrides):
+    """The plain GPT-2 is saved in shards, as the large ones are; the others in one file."""
     theirs = hf_model(**overrides)
-    theirs.save_pretrained(tmp_path)
+    shards = {} if overrides else {"max_shard_size": "20KB"}
+    theirs.save_pretrained(tmp_path, **shards)
+    sharded = (tmp_path / "model.safetensors.index.json").is_file()
+    assert sharded == (len(list(tmp_path.glob("*.safetensors"))) > 1) == bool(shards)
     cfg, state = load_pretrained(str(tmp_path))
     ours = GPT(cfg).eval()
     ours.load_state_dict(state)
@@ -134,18 +128,6 @@ def test_original_openai_layout_loads(tmp_path):
     assert all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
 
 
-@needs_transformers
-def test_a_sharded_checkpoint_loads(tmp_path):
-    theirs = hf_model()
-    theirs.save_pretrained(tmp_path, max_shard_size="20KB")
-    assert (tmp_path / "model.safetensors.index.json").is_file()
-    assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    cfg, state = load_pretrained(str(tmp_path))
-    ours = GPT(cfg).eval()
-    ours.load_state_dict(state)
-    assert max_diff(ours, theirs) <= TOL
-
-
 # ----------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("setting", [("pos", "rope"), ("pos", "alibi"), ("norm", "rmsnorm"),
@@ -154,9 +136,11 @@ def test_export_refuses_models_gpt2_cannot_express(tmp_path, setting):
     name, value = setting
     extra = {"kv_latent_dim": 8} if value == "mla" else {}
     model = our_model(**{name: value}, **extra)
+    tokenizer = CharTokenizer("".join(map(chr, range(32, 128)))).meta()
     with pytest.raises(UserError, match=f"model.{name}={value!r}"):
-        save_pretrained(tmp_path / "out", model.cfg, model.state_dict())
-    assert not (tmp_path / "out").exists()   # refused before anything was written
+        save_pretrained(tmp_path / "out", model.cfg, model.state_dict(), tokenizer)
+    # refused before anything was written, the tokenizer's files too
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("key, value", [("scale_attn_by_inverse_layer_idx", True), ("n_inner", 64),
@@ -209,20 +193,9 @@ def test_a_hub_name_that_cannot_be_downloaded_is_a_one_line_error(tmp_path):
 
 # ----------------------------------------------------------------------------- train.init_from, sample.py
 
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory):
-    """A tiny random GPT-2 with GPT-2's vocabulary (the tokenizer is tiktoken's gpt2), saved by
-    transformers."""
-    if importlib.util.find_spec("transformers") is None:
-        pytest.skip("transformers is not installed (pip install -r requirements-dev.txt)")
-    path = tmp_path_factory.mktemp("gpt2_tiny")
-    hf_model(seed=1, vocab_size=50257).save_pretrained(path)
-    return path
-
-
-def test_init_from_takes_the_model_section_and_refuses_conflicts(tmp_path, text_file, gpt2_dir):
+def test_init_from_takes_the_model_section_and_refuses_conflicts(tmp_path, text_file, tiny_gpt2):
     from training.config import build_config
-    base = [f"--data={text_file}", f"--train.init_from={gpt2_dir}"]
+    base = [f"--data={text_file}", f"--train.init_from={tiny_gpt2}"]
     cfg = build_config(None, base + ["--model.block_size=8", "--model.dropout=0.2",
                                      "--model.attention=naive"])
     m = cfg.model
@@ -238,7 +211,7 @@ def test_init_from_takes_the_model_section_and_refuses_conflicts(tmp_path, text_
         with pytest.raises(UserError, match=f"{key}.*conflicts with"):
             build_config(None, base + [override])
     toml = tmp_path / "ft.toml"   # a key set in the config file conflicts the same way
-    toml.write_text(f'[train]\ninit_from = "{gpt2_dir}"\n[model]\nn_embd = 64\n')
+    toml.write_text(f'[train]\ninit_from = "{tiny_gpt2}"\n[model]\nn_embd = 64\n')
     with pytest.raises(UserError, match="model.n_embd=64 conflicts with .*n_embd=32"):
         build_config(str(toml), [f"--data={text_file}"])
     with pytest.raises(UserError, match="neither a directory nor"):
@@ -258,7 +231,7 @@ def test_the_shipped_finetune_config_is_gpt2_small_without_a_download(text_file)
                      [f"--data={text_file}", "--model.n_layer=4"])
 
 
-def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_cfg, gpt2_dir):
+def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_cfg, tiny_gpt2):
     """The first training loss is transformers' loss on the same batch (with the position table
     cropped to block_size 8); a resumed run continues its own checkpoint, not the pretrained weights."""
     from transformers import GPT2LMHeadModel
@@ -267,7 +240,7 @@ def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_
     from data.loader import BatchLoader
     from data.prepare import prepare
     from training.trainer import train
-    extra = {"train.init_from": gpt2_dir, "model.block_size": 8, "model.dropout": 0.0, "train.batch_size": 4,
+    extra = {"train.init_from": tiny_gpt2, "model.block_size": 8, "model.dropout": 0.0, "train.batch_size": 4,
              "train.max_steps": 4, "train.eval_interval": 2, "train.lr": 1e-2, "train.warmup_steps": 0}
     whole_cfg = tiny_cfg(**extra, out_dir=tmp_path / "whole")
     train(whole_cfg, quiet=True)
@@ -277,74 +250,31 @@ def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_
     windows = BatchLoader(prepare(cfg.data), 8, 4, seed=cfg.train.seed).step_windows()[0]
     x, y = windows[:, :-1], windows[:, 1:].reshape(-1)
     with torch.no_grad():
-        logits = GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()(x).logits
+        logits = GPT2LMHeadModel.from_pretrained(tiny_gpt2).eval()(x).logits
     hf_loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y).item()
     assert whole[1] == pytest.approx(hf_loss, abs=1e-4)
     assert whole[4] < whole[1] - 0.5   # and it trains
 
-    weights = gpt2_dir / "model.safetensors"
-    weights.rename(gpt2_dir / "hidden")   # resuming must not need them
+    weights = tiny_gpt2 / "model.safetensors"
+    weights.rename(tiny_gpt2 / "hidden")   # resuming must not need them
     try:
         resumed = resumed_copy(whole_cfg, 2, tmp_path / "split")
     finally:
-        (gpt2_dir / "hidden").rename(weights)
+        (tiny_gpt2 / "hidden").rename(weights)
     assert records(resumed)[4] == pytest.approx(whole[4], abs=1e-5)
 
 
-def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_does(gpt2_dir):
+def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_does(tiny_gpt2):
     from transformers import GPT2LMHeadModel
 
     tok = gpt2_or_skip()
     prompt = "First Citizen:"
     ids = torch.tensor([tok.encode(prompt)])
     with torch.no_grad():
-        expected = GPT2LMHeadModel.from_pretrained(gpt2_dir).eval().generate(
+        expected = GPT2LMHeadModel.from_pretrained(tiny_gpt2).eval().generate(
             ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
-    r = run("sample.py", str(gpt2_dir), "--prompt", prompt, "--max-new-tokens", "6", "--temperature", "0",
+    r = run("sample.py", str(tiny_gpt2), "--prompt", prompt, "--max-new-tokens", "6", "--temperature", "0",
             "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert "Hugging Face GPT-2" in r.stderr
     assert r.stdout == prompt + tok.decode_bytes(expected).decode("utf-8", errors="replace") + "\n"
-
-
-@needs_transformers
-def test_export_py_end_to_end(tmp_path, text_file, tiny_cfg):
-    from transformers import AutoTokenizer, GPT2LMHeadModel
-
-    from loading import load_model
-    from training.trainer import train
-    cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2})
-    train(cfg, quiet=True)
-    out = tmp_path / "hf"
-    r = run("export.py", cfg.out_dir, str(out))
-    assert r.returncode == 0, r.stderr
-    assert "# tokenizer char: tokenizer.json, tokenizer_config.json" in r.stdout   # a char-level run
-    assert GPT2LMHeadModel.from_pretrained(out).config.vocab_size == cfg.model.vocab_size
-    theirs = AutoTokenizer.from_pretrained(out)("First Citizen:")["input_ids"]
-    assert theirs == load_model(cfg.out_dir).tokenizer.encode("First Citizen:")
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in ("model.safetensors", "config.json", "tokenizer.json"):   # as any file the user writes
-        assert os.stat(out / name).st_mode & 0o777 == 0o666 & ~umask, name
-    r = run("export.py", cfg.out_dir, str(out))
-    assert r.returncode == 2 and r.stderr.startswith("error:") and "--force" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
-    assert run("export.py", cfg.out_dir, str(out), "--force").returncode == 0
-
-    rope = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2, "model.pos": "rope",
-                       "out_dir": tmp_path / "rope"})
-    train(rope, quiet=True)
-    r = run("export.py", rope.out_dir, str(tmp_path / "hf_rope"))
-    assert r.returncode == 2 and r.stderr.strip() == ("error: model.pos='rope' does not map onto GPT-2 "
-                                                      "(GPT-2 has learned absolute positions)")
-    assert not (tmp_path / "hf_rope").exists()
-
-
-def test_training_does_not_import_transformers_or_safetensors_unless_asked():
-    code = ("import sys; from training.config import build_config; build_config(None, []); "
-            "import training.trainer, train, sample, export; "
-            "print(sorted(m for m in ('transformers', 'safetensors', 'huggingface_hub') "
-            "if m in sys.modules))")
-    r = run("-c", code)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]"

@@ -3,6 +3,7 @@ our tokenizer does (char, bpe:N, gpt2), and pipeline("text-generation") continue
 Models are built directly (tiny, random), never trained."""
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -116,43 +117,21 @@ def test_a_vocabulary_in_rank_order_is_needed_for_merges():
     assert merges(ranks) == [(b"a", b"b"), (b"ab", b"c")]
 
 
-def test_export_says_which_tokenizer_files_it_wrote(tmp_path, capsys):
-    run = save_char_model(tmp_path / "run", block_size=8, n_layer=1, n_head=2, n_embd=16)
-    rc, out, err = run_tool(export, [run, tmp_path / "hf"], capsys)
-    assert rc == 0 and f"{run / 'best.pt'} -> " in out, err
-    assert "# tokenizer char: tokenizer.json, tokenizer_config.json" in out
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-        "tokenizer_config.json"]
-
-
-def test_export_says_that_the_prompt_and_the_new_tokens_must_fit_the_context(tmp_path, capsys):
+def test_export_says_what_it_wrote_and_what_fits_the_context(tmp_path, capsys):
     """Past the context (here 8 positions) transformers' pipeline ends in an IndexError: the export
-    names the limit, and the default it wrote to generation_config.json."""
+    names the limit, and the default it wrote to generation_config.json. Its files have the modes
+    the umask gives any file the user writes, and --force writes them again."""
     run = save_char_model(tmp_path / "run", block_size=8, n_layer=1, n_head=2, n_embd=16)
-    rc, out, err = run_tool(export, [run, tmp_path / "hf"], capsys)
-    assert rc == 0, err
-    assert out.splitlines()[-1] == ("# the prompt plus max_new_tokens must fit the context: 8 tokens in "
-                                    "all (max_new_tokens 4 unless given)")
-
-
-def test_export_refuses_a_directory_that_is_not_empty_without_force(tmp_path, capsys):
     out = tmp_path / "hf"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    rc, _, err = run_tool(export, [tmp_path / "no_such_run", out], capsys)
-    assert rc == 2 and err.strip().splitlines() == [
-        f"error: {out} is not empty; pass --force to write the model and tokenizer files into it"]
-    assert [p.name for p in out.iterdir()] == ["notes.txt"]
-    (out / "best.pt").write_bytes(b"")
-    rc, _, err = run_tool(export, [tmp_path / "no_such_run", out, "--force"], capsys)
-    assert rc == 2 and "holds checkpoints of a run" in err
-
-
-def test_an_unexportable_model_writes_no_tokenizer_files_either(tmp_path):
-    tok = tokenizer("char")
-    model = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16,
-                            pos="rope"))
-    with pytest.raises(UserError, match="model.pos='rope'"):
-        save_pretrained(tmp_path / "out", model.cfg, model.state_dict(), tok.meta())
-    assert not (tmp_path / "out").exists()
+    rc, said, err = run_tool(export, [run, out], capsys)
+    assert rc == 0 and f"{run / 'best.pt'} -> " in said, err
+    assert "# tokenizer char: tokenizer.json, tokenizer_config.json" in said
+    assert said.splitlines()[-1] == ("# the prompt plus max_new_tokens must fit the context: 8 "
+                                     "tokens in all (max_new_tokens 4 unless given)")
+    umask = os.umask(0)
+    os.umask(umask)
+    names = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+             "tokenizer_config.json")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes == dict.fromkeys(names, 0o666 & ~umask)
+    assert run_tool(export, [run, out, "--force"], capsys)[0] == 0

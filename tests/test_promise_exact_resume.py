@@ -40,12 +40,15 @@ def test_a_checkpoint_holds_everything_a_resume_needs(trained):
     assert ckpt["best_val_loss"] < 10
 
 
-def test_resume_is_exact_from_any_step_twice_over(tmp_path, tiny_cfg, monkeypatch):
+@pytest.mark.parametrize("extra", [
+    {"model.dropout": 0.1, "train.grad_accum": 2},
+    {"train.optimizer": "muon", "train.schedule": "wsd", "model.tie_embeddings": False},
+], ids=["adamw-dropout-accum", "muon-wsd"])
+def test_resume_is_exact_from_any_step_twice_over(extra, tmp_path, tiny_cfg, monkeypatch):
     """Ctrl-C at step 5 and again at step 9 (not evaluation steps: each stop saves its own
-    checkpoint); every later loss, learning rate and the final weights are the uninterrupted
-    run's."""
-    extra = {"model.dropout": 0.1, "train.grad_accum": 2, "train.eval_interval": 4,
-             "train.max_steps": 12}
+    checkpoint); every later loss, val loss, learning rate and the final weights are the
+    uninterrupted run's (dropout: the RNG state resumes as well)."""
+    extra = {**extra, "train.eval_interval": 4, "train.max_steps": 12}
     train(tiny_cfg(**extra, out_dir=tmp_path / "whole"), quiet=True)
     split = tiny_cfg(**extra, out_dir=tmp_path / "split")
     interrupt_at(monkeypatch, 5)
@@ -57,6 +60,8 @@ def test_resume_is_exact_from_any_step_twice_over(tmp_path, tiny_cfg, monkeypatc
     assert list(records(tmp_path / "split")) == list(range(1, 13)), "every step logged once"
     assert records(tmp_path / "split") == pytest.approx(records(tmp_path / "whole"), abs=1e-6)
     assert records(tmp_path / "split", key="lr") == records(tmp_path / "whole", key="lr")
+    val = records(tmp_path / "whole", "eval", "val_loss")
+    assert records(tmp_path / "split", "eval", "val_loss") == pytest.approx(val, abs=1e-6)
     a = read_checkpoint(tmp_path / "whole" / "ckpt_0000012.pt")["model"]
     b = read_checkpoint(tmp_path / "split" / "ckpt_0000012.pt")["model"]
     assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
@@ -248,18 +253,26 @@ def test_resume_from_a_chosen_checkpoint_continues_exactly_from_it(tmp_path, tex
 def test_best_pt_is_never_a_checkpoint_that_a_resumed_run_replaces(tmp_path, tiny_cfg, monkeypatch):
     """Resumed from an earlier checkpoint, best.pt stays the run's best until the resumed run
     writes a checkpoint of its own; then the later checkpoints go, and a best.pt that was one of
-    them too."""
+    them too: a command that loads the run's best would use a model of a branch that no longer
+    exists. Where the branch that goes on does worse (lr 3.0 ruins it), its best is the checkpoint
+    it resumed from."""
     extra = {"train.eval_interval": 5, "train.keep_checkpoints": 4}
     train(tiny_cfg(**extra), quiet=True)
     out = tmp_path / "out"
     best, first = out / "best.pt", out / "ckpt_0000005.pt"
+    at_5 = read_checkpoint(first)["model"]
     later = next(p for _, p in list_checkpoints(out) if os.path.samefile(best, p))
     assert later != first, "the val loss fell after step 5"
+    ruin = {**extra, "train.lr": 3.0}
     interrupt_at(monkeypatch, 5)   # stopped at step 10, before an evaluation of its own
-    assert train(tiny_cfg(**extra), quiet=True, resume=True, checkpoint=first)["step"] == 10
+    assert train(tiny_cfg(**ruin), quiet=True, resume=True, checkpoint=first)["step"] == 10
     kept = [p for _, p in list_checkpoints(out)]
     assert [p.name for p in kept] == ["ckpt_0000005.pt", "ckpt_0000010.pt"]
     assert not best.exists() or any(os.path.samefile(best, p) for p in kept), "a replaced best.pt"
+    monkeypatch.undo()
+    assert train(tiny_cfg(**ruin), quiet=True, resume=True)["step"] == 20
+    best = read_checkpoint(best)
+    assert best["step"] == 5 and all(torch.equal(best["model"][k], v) for k, v in at_5.items())
 
 
 def test_resume_links_best_pt_again_where_a_kill_cut_its_linking_short(tiny_cfg):
@@ -289,7 +302,8 @@ def test_an_out_dir_holding_only_best_pt_is_resumed_as_the_refusal_says(tmp_path
 
 def test_resume_continues_the_run_s_own_settings_naming_each_change(tmp_path, text_file, capsys):
     """A bare --resume (or --resume with the run's folder) is the run that was started, not the
-    defaults; a changed setting is named."""
+    defaults; a changed setting is named; a finished run resumed with fewer steps changes
+    nothing."""
     first = tiny_overrides(tmp_path, text_file,
                            **{"train.max_steps": 12, "train.lr": 3e-3, "train.min_lr": 3e-4})
     rc, _, err = run_tool(train_cli, [*first, "--train.eval_interval=6"], capsys)
@@ -300,6 +314,11 @@ def test_resume_continues_the_run_s_own_settings_naming_each_change(tmp_path, te
     # max_steps would be 2000 by default
     rc, stdout, err = run_tool(train_cli, [*bare, "--resume"], capsys)
     assert rc == 0 and "at step 12, train.max_steps = 12: nothing to train" in stdout, stdout
+    before = tree(out)
+    rc, stdout, err = run_tool(train_cli, [*bare, "--resume", "--train.max_steps=6"], capsys)
+    said = "at step 12, train.max_steps = 6: nothing to train, nothing changed"
+    assert rc == 0 and said in stdout, stdout
+    assert tree(out) == before
     rc, stdout, err = run_tool(train_cli, [*bare, "--resume", "--train.max_steps=16",
                                            "--train.log_interval=4"], capsys)
     assert rc == 0 and "# resuming with train.max_steps: 12 -> 16" in stdout, stdout

@@ -1,19 +1,23 @@
 """Nothing is lost: checkpoints are written whole or not at all, so a full disk keeps the ones
-written before; the last train.keep_checkpoints and the true best stay; an out dir holding a run,
-or files of the names a run writes, is refused unless --resume or --overwrite, and --overwrite
-keeps the earlier run whole beside the new one; a damaged metrics.jsonl is a log to skip lines of,
-not a reason to stop."""
+written before, and a file-size limit is named as one, not as a full disk; the last
+train.keep_checkpoints and the true best stay; an out dir holding a run, or files of the names a
+run writes, is refused unless --resume or --overwrite, and --overwrite keeps the earlier run whole
+beside the new one (a folder a run left before its first checkpoint holds no run); a damaged
+metrics.jsonl is a log to skip lines of, not a reason to stop."""
 import errno
 import json
 import os
 import subprocess
+import sys
+
 import pytest
 import torch
 
 import train as train_cli
 from loading import list_checkpoints, read_checkpoint
-from tests.conftest import assert_refused, poison, run_tool, tiny_overrides, tree
-from training.checkpoint import link_best
+from tests.conftest import (ROOT, assert_refused, poison, records, run_tool, tiny_overrides,
+                            tree)
+from training.checkpoint import link_best, why_unwritten
 from training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
@@ -98,6 +102,59 @@ def test_a_disk_that_really_fills_is_said_and_the_run_resumes_once_there_is_room
     assert [s for s, _ in list_checkpoints(out)] == [10, 20]
 
 
+# bytes: room for the prepared tiny text and the logs, not for a checkpoint
+LIMIT = 100_000
+UNIX = pytest.mark.skipif(os.name != "posix", reason="a file-size limit (RLIMIT_FSIZE) is Unix's")
+
+
+def limit_file_size():
+    """In the child: files may grow to LIMIT bytes (as after `ulimit -f`)."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.RLIM_INFINITY))
+
+
+@UNIX
+def test_a_file_size_limit_while_saving_a_checkpoint_is_said_as_that_limit(tmp_path, text_file):
+    out = tmp_path / "out"
+    args = tiny_overrides(tmp_path, text_file, out_dir=out)
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True,
+                       text=True, preexec_fn=limit_file_size, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr == (f"error: could not write {out / 'ckpt_0000010.pt'}: it is larger than "
+                        f"this process's file-size limit of {LIMIT:,} bytes (ulimit -f; "
+                        f"`ulimit -f unlimited` lifts it)\n")
+    assert not list(out.glob("*.pt")) and not list(out.glob(".*.tmp")), "no part of a checkpoint"
+
+
+def raised(error: OSError, wrapped: bool) -> Exception:
+    """error as torch.save lets it out: itself, or (wrapped) the RuntimeError of torch's zip
+    writer, raised while the file's error was handled."""
+    try:
+        try:
+            raise error
+        except OSError:
+            if wrapped:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704")
+            raise
+    except Exception as e:
+        return e
+
+
+@UNIX
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_full_disk_and_a_file_system_s_size_limit_are_told_apart(wrapped):
+    import resource
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        pytest.skip("this test process has a file-size limit of its own")
+    full = raised(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), wrapped)
+    assert why_unwritten(full) == "No space left on device"
+    too_large = raised(OSError(errno.EFBIG, os.strerror(errno.EFBIG)), wrapped)
+    assert why_unwritten(too_large) == ("it is larger than its file system allows (FAT32: 4 GiB): "
+                                        "write it to another one")
+    unknown = RuntimeError("unexpected pos 704 vs 598")
+    assert why_unwritten(unknown) == "unexpected pos 704 vs 598: is the disk full?"
+
+
 # ---------------------------------------------------------------- the out dir
 
 def test_overwrite_keeps_the_earlier_run_whole_beside_the_new_one(tmp_path, text_file, monkeypatch,
@@ -162,6 +219,21 @@ def test_a_refusal_says_when_the_run_in_the_out_dir_was_trained_on_other_data(tm
     rc, _, err = on(a)
     assert rc == 2 and "already holds a run: python " in err and "other data" not in err, err
     assert tree(tmp_path) == before
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_started_by_the_same_command(
+        tmp_path, text_file, capsys):
+    """kill -9 (or an OOM kill) between the out dir's first write and the first checkpoint leaves
+    config.toml and an empty metrics.jsonl: that folder holds no run."""
+    argv = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 4, "train.eval_interval": 4})
+    assert run_tool(train_cli, argv, capsys)[0] == 0
+    out = tmp_path / "out"
+    for path in out.glob("*.pt"):
+        path.unlink()
+    (out / "metrics.jsonl").write_text("")
+    rc, stdout, err = run_tool(train_cli, argv, capsys)
+    assert rc == 0 and "a new run" in stdout, err
+    assert list(records(out)) == [1, 2, 3, 4]
 
 
 # a damaged line at the end is what a kill leaves: the resumed run writes after it

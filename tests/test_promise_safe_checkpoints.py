@@ -12,6 +12,7 @@ import torch
 
 import sample as sample_cli
 import train as train_cli
+from loading import VERSION
 from tests.conftest import Evil, assert_refused, mkdir, run_tool, tiny_overrides, write
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
@@ -39,8 +40,8 @@ def damaged(trained, tmp, kind):
         return write(path, bytes(data))
     ckpt = torch.load(good, weights_only=True)
     model = ckpt["config"]["model"]
-    if kind == "version":
-        ckpt["version"] = 1
+    if kind in ("version", "later version"):
+        ckpt["version"] = 1 if kind == "version" else VERSION + 1
     elif kind == "foreign":
         ckpt = {"state_dict": ckpt["model"]}
     elif kind == "mismatched":   # its config says 3 layers, its weights have 2
@@ -60,7 +61,10 @@ def damaged(trained, tmp, kind):
     ("truncated", "is not a readable checkpoint"),
     ("random", "is not a readable checkpoint"),
     ("text", "is not a readable checkpoint"),
-    ("version", "is a checkpoint of format version 1, this code reads"),
+    ("version", f"is a checkpoint of format version 1, this code reads version {VERSION}: an "
+                "earlier commit of this repository reads it"),
+    ("later version", f"is a checkpoint of format version {VERSION + 1}, this code reads version "
+                      f"{VERSION}: a later commit of this repository reads it"),
     ("foreign", "is not a checkpoint of this project"),
     ("flipped", "is damaged: archive/"),
     ("mismatched", "does not hold a usable model"),

@@ -9,7 +9,8 @@ import torch
 
 import training.trainer as trainer
 from common import UserError
-from tests.conftest import ROOT, interrupt_at, records, resumed_copy
+from loading import read_checkpoint
+from tests.conftest import ROOT, records, resumed_copy
 from training.config import TrainConfig, build_config
 from training.trainer import graph_blocker, train
 
@@ -62,9 +63,14 @@ def test_the_graph_step_trains_exactly_as_the_eager_step(extra, tiny_cfg, tmp_pa
                                                                                     "val_loss"), abs=1e-6)
 
 
-def test_the_graph_step_resumes_exactly(tiny_cfg, tmp_path, graph_on_cpu):
-    cfg = tiny_cfg(**{"model.dropout": 0.1}, out_dir=tmp_path / "whole")
+def test_the_graph_step_resumes_exactly_from_float_learning_rates(tiny_cfg, tmp_path, graph_on_cpu):
+    """The graph step holds the lr in a device tensor; a checkpoint must not (it loads anywhere)."""
+    cfg = tiny_cfg(**{"model.dropout": 0.1, "train.optimizer": "muon"}, out_dir=tmp_path / "whole")
     train(cfg, quiet=True)
+    states = read_checkpoint(tmp_path / "whole" / "ckpt_0000010.pt")["optimizer"]["optimizers"]
+    # Muon's and AdamW's
+    assert len(states) == 2
+    assert all(type(g["lr"]) is float for s in states for g in s["param_groups"])
     resumed = resumed_copy(cfg, 10, tmp_path / "split")
     assert records(resumed) == pytest.approx(records(tmp_path / "whole"), abs=1e-6)
     assert len(graph_on_cpu) == 2
@@ -190,18 +196,6 @@ def test_on_cuda_the_default_device_is_the_gpu_with_bf16():
     from model.device import pick_device, pick_dtype
     device = pick_device("auto")
     assert device.type == "cuda" and pick_dtype(device) in (torch.bfloat16, torch.float16)
-
-
-def test_a_graph_run_checkpoints_float_learning_rates_and_resumes_eagerly(tiny_cfg, graph_on_cpu, monkeypatch):
-    """The graph step holds the lr in a device tensor; a checkpoint must not (it loads anywhere)."""
-    from loading import read_checkpoint
-    cfg = tiny_cfg(**{"train.optimizer": "muon"})
-    interrupt_at(monkeypatch, 7)
-    assert train(cfg, quiet=True)["step"] == 7
-    states = read_checkpoint(f"{cfg.out_dir}/ckpt_0000007.pt")["optimizer"]["optimizers"]
-    assert len(states) == 2 and all(type(g["lr"]) is float for s in states for g in s["param_groups"])   # Muon, AdamW
-    monkeypatch.undo()
-    assert train(cfg, quiet=True, resume=True)["step"] == 20
 
 
 def test_the_graph_step_fed_from_memory_mapped_files_trains_as_the_one_that_draws_on_the_device(

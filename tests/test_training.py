@@ -1,15 +1,27 @@
-"""The loop learns, checkpoints round-trip, and a resumed run is the run it would have been."""
+"""The loop learns, checkpoints round-trip and are written while the steps go on; a run writes
+its config and metrics; --help documents every setting; the log lines say how long is left, the
+final line the whole run's time and tokens, the banner a warm-up longer than the run. train.py then
+sample.py as a user runs them (subprocesses, exit codes, what they print), and the first command
+with no network."""
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from model.gpt import GPT
+import train as train_cli
 from common import UserError
 from loading import list_checkpoints, load_model, read_checkpoint
-from tests.conftest import TEXT, records, resumed_copy
+from model.gpt import GPT
+from tests.conftest import ROOT, TEXT, interrupt_at, records, resumed_copy, run_tool, tiny_overrides
+from training.config import Config, FIELDS, flat, fmt
 from training.trainer import train
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
 
 
 def test_a_tiny_model_overfits_a_short_text(tiny_cfg, text_file):
@@ -33,33 +45,6 @@ def test_save_then_load_gives_identical_logits(tiny_cfg):
     b, _ = live(idx, all_logits=True)
     assert torch.equal(a, b)
     assert loaded.tokenizer.vocab_size == cfg.model.vocab_size and "(step 20, val loss " in loaded.description
-
-
-def test_resume_is_exact(tmp_path, tiny_cfg):
-    extra = {"model.dropout": 0.1}   # dropout too: the RNG state must resume as well
-    cfg = tiny_cfg(**extra, out_dir=tmp_path / "whole")
-    train(cfg, quiet=True)
-    whole = records(tmp_path / "whole")
-    resumed = resumed_copy(cfg, 10, tmp_path / "split")
-    assert list(records(resumed)) == list(range(1, 21)), "the records after the checkpoint are logged again"
-    assert records(resumed) == pytest.approx(whole, abs=1e-6)
-    assert records(resumed, "eval", "val_loss") == pytest.approx(records(tmp_path / "whole", "eval", "val_loss"))
-
-
-def test_out_dir_protection(tiny_cfg):
-    cfg = tiny_cfg()
-    with pytest.raises(UserError, match="no checkpoint"):
-        train(cfg, resume=True, quiet=True)
-    train(cfg, quiet=True)
-    with pytest.raises(UserError, match="already holds a run"):
-        train(cfg, quiet=True)
-    assert train(cfg, overwrite=True, quiet=True)["step"] == 20
-
-
-def test_resume_with_another_model_is_refused(tiny_cfg):
-    train(tiny_cfg(), quiet=True)
-    with pytest.raises(UserError, match=r"model.n_layer: 2 in the run, 3 now"):
-        train(tiny_cfg(**{"model.n_layer": 3}), resume=True, quiet=True)
 
 
 def test_a_run_writes_its_config_and_metrics_as_it_ran(trained):
@@ -105,3 +90,141 @@ def test_a_checkpoint_is_written_while_the_steps_go_on_and_is_on_disk_when_the_r
     monkeypatch.setattr(trainer, "save_checkpoint", failing)
     with pytest.raises(UserError, match="is the disk full"):
         train(tiny_cfg(out_dir=Path(cfg.out_dir).parent / "failing"), quiet=True)
+
+
+def test_help_documents_every_setting_with_type_default_and_meaning(capsys):
+    rc, out, err = run_tool(train_cli, ["--help"], capsys)
+    assert rc == 0 and not err
+    found = {m[1]: (m[2], m[3], m[4]) for line in out.splitlines()
+             if (m := re.fullmatch(r"  --([\w.]+)=(\S*) +(\w+) +(.*)", line))}
+    defaults = flat(Config().to_dict())
+    assert len(FIELDS) > 50 and set(found) == set(FIELDS)
+    for key, field in FIELDS.items():
+        assert found[key] == (fmt(defaults[key]), field.type.__name__, field.metadata["help"]), key
+    assert found["train.lr"][2] == "AdamW's peak learning rate"
+
+
+def test_docs_config_md_shows_the_help_of_today(capsys):
+    rc, out, _ = run_tool(train_cli, ["--help"], capsys)
+    assert rc == 0 and out[out.index("Settings"):] in (ROOT / "docs" / "config.md").read_text(), \
+        "docs/config.md is out of date: paste the settings of `python train.py --help` into it"
+
+
+LOG_LINE = re.compile(r"step +(\d+) \| loss \d+\.\d{4} \| lr \d\.\d\de[-+]\d\d \| "
+                      r"+(\d+\.\d) ms/step \| [\d,]+ tok/s \| ETA ((?:\d+:)?\d?\d:\d\d)")
+
+
+def seconds(duration: str) -> int:
+    """'1:02:05' -> 3725, '8:20' -> 500."""
+    return sum(int(part) * 60**i for i, part in enumerate(reversed(duration.split(":"))))
+
+
+def test_each_log_line_shows_the_time_left_at_the_whole_run_s_pace(tiny_cfg, capsys, monkeypatch):
+    """The time left is the steps left at the pace of the whole run so far (its evaluations too),
+    not of the last log interval alone: here each step's time, and the ETA, within a factor of
+    two."""
+    max_steps = 100_000
+    interrupt_at(monkeypatch, 8)
+    train(tiny_cfg(**{"train.max_steps": max_steps, "train.eval_interval": 3}))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 8
+    ms = []
+    for line in lines:
+        m = LOG_LINE.fullmatch(line)
+        assert m, line
+        step, eta = int(m[1]), seconds(m[3])
+        ms.append(float(m[2]))
+        pace = sum(ms) / len(ms) / 1000
+        assert 0.5 * pace * (max_steps - step) <= eta, line
+
+
+def test_the_final_line_gives_the_whole_run_s_time_and_tokens(tiny_cfg, capsys, monkeypatch):
+    cfg = tiny_cfg(**{"train.grad_accum": 2})
+    interrupt_at(monkeypatch, 10)
+    first = train(cfg)
+    assert "# done" not in capsys.readouterr().out, "a run stopped early is not done"
+    monkeypatch.undo()
+    rest = train(cfg, resume=True)
+    done = capsys.readouterr().out.splitlines()[-1]
+    m = re.fullmatch(r"# done: step 20, best val loss (\d+\.\d{4}), ((?:\d+:)?\d?\d:\d\d) "
+                     r"\((\d+\.\d) s\), ([\d,]+) tokens; to sample it: python (\S+) (\S+)", done)
+    assert m and Path(m[5]).absolute() == ROOT / "sample.py", done
+    assert Path(m[6]).absolute() == Path(cfg.out_dir), "the sample command of this run, from here"
+    assert float(m.group(1)) == pytest.approx(rest["best_val_loss"], abs=5e-5)
+    assert float(m.group(3)) == pytest.approx(rest["elapsed_s"], abs=0.05)
+    assert rest["elapsed_s"] > first["elapsed_s"]
+    assert abs(seconds(m.group(2)) - rest["elapsed_s"]) <= 0.5
+    tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
+    tokens = int(m.group(4).replace(",", ""))
+    assert tokens == 20 * tokens_per_step, "every step's tokens, the resumed ones too"
+
+
+def test_a_warm_up_longer_than_the_run_is_said_in_the_banner(tiny_cfg, capsys):
+    train(tiny_cfg(**{"train.max_steps": 4, "train.warmup_steps": 10, "train.eval_interval": 4}))
+    out = capsys.readouterr().out
+    assert "train.warmup_steps = 10 is not below train.max_steps = 4" in out, out
+    assert "--train.warmup_steps=1" in out
+
+
+def run(*args, cwd=ROOT, env=None):
+    env = env or {**os.environ, "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_train_then_sample(tmp_path, text_file):
+    out = tmp_path / "out"
+    args = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 30, "train.log_interval": 10})
+    r = run("train.py", *args)
+    assert r.returncode == 0, r.stderr
+    assert f"\n# {out}: a new run" in r.stdout and "step     30 | loss" in r.stdout
+    changed = next(l for l in r.stdout.splitlines() if l.startswith("# not the defaults: "))
+    set_here = ("n_layer = 2", "n_head = 2", "n_embd = 32", "block_size = 32")
+    assert all(f"model.{k}" in changed for k in set_here), changed
+    assert "model.dropout" not in changed and "train.lr" not in changed, "a default is not a change"
+    assert "model.vocab_size" not in changed, "the data's vocabulary is no change"
+    assert "parameters, vocab 48 |" in r.stdout, "the data's vocabulary is said"
+    assert all((out / name).exists() for name in ("best.pt", "metrics.jsonl", "config.toml"))
+    assert "(on the device)" in r.stdout, "a small dataset is copied to the device"
+
+    sample = ("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40",
+              "--seed", "3")
+    r = run(*sample)
+    assert r.returncode == 0, r.stderr
+    samples = r.stdout.split("--- sample ")[1:]
+    assert len(samples) == 2
+    for s in samples:
+        body = s.split("\n", 1)[1].rstrip("\n")
+        assert body.startswith("First") and len(body) == len("First") + 40
+    assert run(*sample).stdout == r.stdout, "a seed fixes the samples"
+
+    r = run("sample.py", str(out), "--prompt", "", "--max-new-tokens", "10", "--temperature", "0")
+    assert r.returncode == 0 and len(r.stdout) == 11   # 10 characters and the final newline
+
+
+def test_the_first_command_works_without_a_network_from_any_directory(tmp_path):
+    """python /path/to/repo/train.py on a fresh machine with no network, from another directory:
+    the default data ships with the repository and is the repository's, and a relative --out_dir
+    is the working directory's. The child process can neither resolve a name nor connect anywhere
+    (sitecustomize, run at start)."""
+    blocker = tmp_path / "offline"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import socket\n"
+        "def refuse(*a, **k):\n"
+        "    raise OSError('no network in this test')\n"
+        "socket.socket.connect = socket.socket.connect_ex = refuse\n"
+        "socket.create_connection = socket.getaddrinfo = refuse\n")
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": f"{blocker}{os.pathsep}{ROOT}"}
+    args = [ROOT / "train.py", "--out_dir=run", "--data.prepared_dir=prep", "--train.max_steps=3",
+            "--train.warmup_steps=1", "--train.eval_interval=3", "--train.eval_iters=1",
+            "--train.log_interval=1", "--model.n_layer=1", "--model.n_embd=16", "--model.n_head=1",
+            "--model.block_size=16"]
+    r = run(*args, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "data/tinyshakespeare.txt" in r.stdout and "# done: step 3" in r.stdout
+    assert (tmp_path / "run" / "ckpt_0000003.pt").is_file() and any((tmp_path / "prep").iterdir())
+    default_text = str(ROOT / "data" / "tinyshakespeare.txt")
+    assert default_text in (tmp_path / "run" / "config.toml").read_text()
+    probe = run("-c", "import socket; socket.socket().connect(('127.0.0.1', 9))", env=env)
+    assert probe.returncode != 0 and "no network" in probe.stderr, "the child really had no network"

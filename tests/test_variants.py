@@ -1,15 +1,22 @@
-"""Attention variants x position encodings: causal, equal to plain attention where they should be,
-the same logits with or without the cache, and the configs that cannot work are refused."""
+"""Attention variants x position encodings: causal, equal to plain attention where they should be
+(naive and sdpa in gradients too), the same logits with or without the cache, and the configs that
+cannot work are refused; the residual projections' scaled init; the rotation is RoFormer's, pair
+by pair, and a low-precision step keeps its queries and keys in its own dtype, reading rotary
+tables cast once."""
+import math
+
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+import model.attention.mha as mha
 from common import UserError
+from loading import load_model
 from model.attention.linear import causal_linear_attention, recurrent_linear_attention
 from model.attention.mha import Settings, naive_attention, sdpa_attention
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
-from loading import load_model
-from model.positions import alibi_slopes
+from model.positions import alibi_slopes, apply_rotary_emb, rope_tables
 from model.sampling import Choice, Decoding, generate, sample_next
 from tests.conftest import records
 from training.config import build_config
@@ -77,6 +84,62 @@ def test_naive_and_sdpa_math_agree_with_windows_alibi_and_cached_keys(window, al
     torch.testing.assert_close(fused, expected, atol=1e-6, rtol=0)
     visible = (weights > 0).sum(-1)
     assert visible.max() <= (window or 8) and visible[..., -1].min() == min(8, window or 8)
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+def test_naive_and_sdpa_agree_in_outputs_and_gradients(pos):
+    naive, sdpa = make_model("naive", pos), make_model("sdpa", pos)
+    sdpa.load_state_dict(naive.state_dict())
+    idx, targets = tokens(b=4, seed=2), tokens(b=4, seed=3)
+    out_n, loss_n = naive(idx, targets)
+    out_s, loss_s = sdpa(idx, targets)
+    torch.testing.assert_close(out_s, out_n, atol=1e-5, rtol=0)
+    loss_n.backward()
+    loss_s.backward()
+    for (name, p_n), p_s in zip(naive.named_parameters(), sdpa.parameters()):
+        torch.testing.assert_close(p_s.grad, p_n.grad, atol=1e-5, rtol=0, msg=f"gradient of {name}")
+
+
+def test_residual_projections_get_the_scaled_init():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=50, n_layer=8, n_embd=256, n_head=4))
+    std = model.blocks[0].attn.proj.weight.std().item()
+    assert abs(std - 0.02 / (2 * 8) ** 0.5) < 0.001
+    assert abs(model.blocks[0].attn.query.weight.std().item() - 0.02) < 0.002
+    assert model.lm_head.weight is model.tok_emb.weight
+
+
+def test_the_rotation_turns_each_pair_of_channels_by_its_angle():
+    """Channel i and channel i + hs/2 turn as one complex number by t / base^(2i / hs) at
+    position t: the rotation that the models trained before were trained with."""
+    T, hs, base = 7, 8, 100.0
+    x = torch.randn(2, 3, T, hs, dtype=torch.float64)
+    got = apply_rotary_emb(x, *(table.double() for table in rope_tables(hs, T, base)))
+    for t in range(T):
+        for i in range(hs // 2):
+            angle = t / base ** (2 * i / hs)
+            turned = torch.complex(x[..., t, i], x[..., t, i + hs // 2]) * complex(math.cos(angle),
+                                                                                   math.sin(angle))
+            torch.testing.assert_close(got[..., t, i], turned.real, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got[..., t, i + hs // 2], turned.imag, rtol=1e-6, atol=1e-6)
+
+
+def test_a_bf16_step_keeps_queries_and_keys_in_bf16_and_casts_no_rotary_table(monkeypatch):
+    """Under bf16 autocast the queries and keys reach the attention in bf16 (QK-norm and rotation
+    run in it), and no rotary table is cast: each dtype's tables were cast once, with the model."""
+    T, hs = 16, 16
+    model = GPT(ModelConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, block_size=T, pos="rope",
+                            qk_norm=True))
+    seen, real = [], mha.sdpa_attention
+    monkeypatch.setattr(mha, "sdpa_attention", lambda q, k, v, *a: seen.append((q.dtype, k.dtype))
+                        or real(q, k, v, *a))
+    idx = torch.randint(0, 50, (2, T))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx, idx)[1].backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * 2
+    casts = [e.input_shapes[0] for e in prof.events() if e.name == "aten::_to_copy"]
+    assert [T, hs] not in casts and [T, hs // 2] not in casts, "a table's rows cast in the step"
 
 
 def test_alibi_slopes_are_the_papers():
