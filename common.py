@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import tomllib
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -257,6 +258,15 @@ def atomic_write(path, data) -> None:
         raise
 
 
+def load_toml(path, what: str = "a TOML config file") -> dict:
+    """A TOML file as a dict; a problem with it is one line naming it."""
+    try:
+        return tomllib.loads(Path(path).read_bytes().decode("utf-8-sig"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        hint = f" (did you mean --data {path}?)" if Path(path).suffix != ".toml" else ""
+        raise UserError(f"{path} is not {what} ({first_line(e, 80)}){hint}") from None
+
+
 def typed(p) -> str:
     """A path as a user here types it: relative to the working directory when under it."""
     if Path(p).absolute().is_relative_to(Path.cwd()):
@@ -276,14 +286,21 @@ def duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def usable_cores() -> set[int]:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
 def cpu_clock() -> tuple[float, float, float] | None:
     """(seconds, busy seconds of the cores this process may use, its own CPU seconds), from
     Linux's /proc/stat (else None): two tell how busy other processes kept those cores."""
     try:
-        cores = os.sched_getaffinity(0)
         lines = Path("/proc/stat").read_text().splitlines()
-    except (AttributeError, OSError):
+    except OSError:
         return None
+    cores = usable_cores()
     busy = 0
     for line in lines:
         name, *ticks = line.split()

@@ -29,7 +29,7 @@ from data.loader import BatchLoader, Share
 from data.cache import find_sources, prepare
 from data.tokenizers import load_tokenizer
 from loading import read_checkpoint
-from model.device import autocast, fit_threads, pick_device, pick_dtype
+from model.device import autocast, dtype_name, fit_threads, pick_device, pick_dtype
 from model.gpt import GPT, bits_per_byte, score
 from model.sampling import Choice, generate, prompt_ids
 from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
@@ -549,9 +549,8 @@ def shape(cfg, model, loader, at: Place, how: str) -> str:
     where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
     tokens = t.global_batch(at.world) * cfg.model.block_size
     data = f"{loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})"
-    dtype = str(at.dtype).removeprefix("torch.")
     return (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | "
-            f"{where}, {dtype}, {how}{procs} | {tokens:,} tokens/step | data {data}")
+            f"{where}, {dtype_name(at.dtype)}, {how}{procs} | {tokens:,} tokens/step | data {data}")
 
 
 def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
