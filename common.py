@@ -1,8 +1,8 @@
 """What every command keeps to; imports neither torch nor the rest of the project.
 
-run_cli says a UserError, an OSError, running out of memory or a stop (Ctrl-C, SIGTERM, even
-while torch imports) in one line on stderr, never a traceback: exit 2 for a mistake or a full
-disk, 3 for out of memory, 128 + the signal's number for a stop (130, 143).
+run_cli says a UserError, an OSError, running out of memory or a stop (Ctrl-C, SIGTERM) in
+one line on stderr: exit 2 for a mistake or a full disk, 3 for out of memory, 128 + the
+signal's number for a stop.
 """
 import argparse
 import dataclasses
@@ -38,8 +38,7 @@ def silence_stdout() -> None:
 
 
 def printer(enabled: bool):
-    """print(), flushed (or nothing: a quiet run, ranks but 0); a stdout whose reader is gone
-    stops the printing, not the command."""
+    """print(), flushed (or nothing: a quiet run, ranks but 0); see silence_stdout."""
     def say(*args, **kwargs):
         try:
             if enabled:
@@ -55,8 +54,8 @@ STOPS = []
 
 
 def swap_handlers(handler, when) -> dict:
-    """handler for SIGINT and SIGTERM where when(the handler now) holds, if this is the main
-    thread (the only one that can set them): {signal: its handler before}."""
+    """handler for SIGINT and SIGTERM where when(the handler now) holds, in the main thread
+    (the only one that can set them): {signal: its handler before}."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -87,8 +86,8 @@ def stop_here(signum, frame):
 @contextmanager
 def stop_after_step(loud: bool = True):
     """Inside, a signal asks for a stop (the yielded list gets it), which the loop acts on after
-    its step; a second one exits at once. Said on stderr when loud (torchrun signals a
-    machine's every process) by os.write: a print() could land inside one it cut short."""
+    its step; a second one exits at once. Said on stderr when loud by os.write: a print()
+    could land inside one it cut short."""
     asked = []
 
     def ask(signum, frame):
@@ -131,8 +130,7 @@ def causes(error: BaseException) -> list[BaseException]:
 
 
 def out_of_memory(e: BaseException) -> bool:
-    """Python's MemoryError (or a SystemError where it could not be made), torch's or C++'s
-    RuntimeError."""
+    """Python's MemoryError (or a SystemError where it could not be made), torch's or C++'s."""
     if isinstance(e, RuntimeError):
         return any(w in str(e) for w in ("out of memory", "can't allocate memory", "bad_alloc"))
     if isinstance(e, SystemError):
@@ -197,7 +195,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def setting(default, help: str, **bounds):
-    """A config dataclass field with what it does (for --help) and its bounds (check)."""
+    """A config dataclass field with its --help and its bounds (check)."""
     return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
@@ -235,8 +233,7 @@ def check_fields(config, section: str) -> None:
 
 def atomic_write(path, data) -> None:
     """Write data (str, bytes, or a function that writes to a binary file) to .<name>.tmp,
-    fsync it and rename it over path: whenever the writer is killed, a reader finds the old
-    file or the new one."""
+    fsync it and rename it over path: a reader finds the old file or the new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if isinstance(data, str):
@@ -295,7 +292,7 @@ def usable_cores() -> set[int]:
 
 def cpu_clock() -> tuple[float, float, float] | None:
     """(seconds, busy seconds of the cores this process may use, its own CPU seconds), from
-    Linux's /proc/stat (else None): two tell how busy other processes kept those cores."""
+    Linux's /proc/stat (else None)."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
