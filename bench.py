@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 
 # common first: a Ctrl-C while torch loads is then one quiet line
-from common import ROOT, ArgumentParser, UserError, check, run_cli
+from common import ROOT, ArgumentParser, UserError, check, run_cli, usable_cores
 
 import torch
 
 from data.prepare import load_meta, prepare
 from model import sampling
 from model.config import ModelConfig
-from model.device import autocast, pick_device, pick_dtype
+from model.device import autocast, dtype_name, pick_device, pick_dtype
 from model.gpt import GPT
 from training import trainer
 from training.config import build_config
@@ -115,9 +115,8 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
     with torch.device("meta"):
         dense, attn = flops_per_token(GPT(m))
     tokens = t.batch_size * t.grad_accum * m.block_size
-    dtype_name = str(dtype).removeprefix("torch.")
     peak = matmul_peak(device, dtype)
-    print(f"# {device}, {dtype_name} | matmul peak {peak / 1e9:,.1f} GFLOP/s "
+    print(f"# {device}, {dtype_name(dtype)} | matmul peak {peak / 1e9:,.1f} GFLOP/s "
           f"(torch.mm, measured now)\n"
           f"# {config}: {m.n_layer} layers x {m.n_embd}, block {m.block_size}, "
           f"batch {t.batch_size} x {t.grad_accum} ({tokens:,} tokens/step) | "
@@ -136,7 +135,7 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
     # one model at a time on the GPU
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    ours = f"{summary['how']}, {dtype_name}; warm-up {warm_up:.1f} ms/step"
+    ours = f"{summary['how']}, {dtype_name(dtype)}; warm-up {warm_up:.1f} ms/step"
     rows = [("trainer", statistics.median(timed), ours),
             ("plain", plain_ms_per_step(cfg, device, steps, rounds),
              "eager, float32, torch.optim.AdamW")]
@@ -182,7 +181,7 @@ def bench_sample(device, new_tokens: int) -> int:
     cache = model.kv_cache_bytes((1 + min(new_tokens, s["block_size"])) // 2, dtype)
     print(f"# {new_tokens} new tokens after a 1-token prompt | {s['n_layer']} layers x "
           f"{s['n_embd']}, block {s['block_size']}, random weights | {device}, "
-          f"{str(dtype).removeprefix('torch.')}, one decode each after a warm-up")
+          f"{dtype_name(dtype)}, one decode each after a warm-up")
     print(f"{'batch':>5s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} "
           f"{'compiled tok/s':>15s}  ratios")
     # cached, recomputed, cached and compiled
@@ -262,7 +261,7 @@ def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: i
 
 
 def bench_threads(config: str, overrides: list[str], steps: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = len(usable_cores())
     print(f"busy | 1 thread ms | {cores} threads ms | default ms (threads) | default / best",
           flush=True)
     for busy in (0, 1, 2):

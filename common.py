@@ -1,8 +1,8 @@
 """What every command keeps to; imports neither torch nor the rest of the project.
 
-run_cli says a UserError, an OSError, running out of memory or a stop (Ctrl-C, SIGTERM, even
-while torch imports) in one line on stderr, never a traceback: exit 2 for a mistake or a full
-disk, 3 for out of memory, 128 + the signal's number for a stop (130, 143).
+run_cli says a UserError, an OSError, running out of memory or a stop (Ctrl-C, SIGTERM) in
+one line on stderr: exit 2 for a mistake or a full disk, 3 for out of memory, 128 + the
+signal's number for a stop.
 """
 import argparse
 import dataclasses
@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import tomllib
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -37,8 +38,7 @@ def silence_stdout() -> None:
 
 
 def printer(enabled: bool):
-    """print(), flushed (or nothing: a quiet run, ranks but 0); a stdout whose reader is gone
-    stops the printing, not the command."""
+    """print(), flushed (or nothing: a quiet run, ranks but 0); see silence_stdout."""
     def say(*args, **kwargs):
         try:
             if enabled:
@@ -54,8 +54,8 @@ STOPS = []
 
 
 def swap_handlers(handler, when) -> dict:
-    """handler for SIGINT and SIGTERM where when(the handler now) holds, if this is the main
-    thread (the only one that can set them): {signal: its handler before}."""
+    """handler for SIGINT and SIGTERM where when(the handler now) holds, in the main thread
+    (the only one that can set them): {signal: its handler before}."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -86,8 +86,8 @@ def stop_here(signum, frame):
 @contextmanager
 def stop_after_step(loud: bool = True):
     """Inside, a signal asks for a stop (the yielded list gets it), which the loop acts on after
-    its step; a second one exits at once. Said on stderr when loud (torchrun signals a
-    machine's every process) by os.write: a print() could land inside one it cut short."""
+    its step; a second one exits at once. Said on stderr when loud by os.write: a print()
+    could land inside one it cut short."""
     asked = []
 
     def ask(signum, frame):
@@ -130,8 +130,7 @@ def causes(error: BaseException) -> list[BaseException]:
 
 
 def out_of_memory(e: BaseException) -> bool:
-    """Python's MemoryError (or a SystemError where it could not be made), torch's or C++'s
-    RuntimeError."""
+    """Python's MemoryError (or a SystemError where it could not be made), torch's or C++'s."""
     if isinstance(e, RuntimeError):
         return any(w in str(e) for w in ("out of memory", "can't allocate memory", "bad_alloc"))
     if isinstance(e, SystemError):
@@ -196,7 +195,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def setting(default, help: str, **bounds):
-    """A config dataclass field with what it does (for --help) and its bounds (check)."""
+    """A config dataclass field with its --help and its bounds (check)."""
     return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
@@ -234,8 +233,7 @@ def check_fields(config, section: str) -> None:
 
 def atomic_write(path, data) -> None:
     """Write data (str, bytes, or a function that writes to a binary file) to .<name>.tmp,
-    fsync it and rename it over path: whenever the writer is killed, a reader finds the old
-    file or the new one."""
+    fsync it and rename it over path: a reader finds the old file or the new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if isinstance(data, str):
@@ -257,6 +255,15 @@ def atomic_write(path, data) -> None:
         raise
 
 
+def load_toml(path, what: str = "a TOML config file") -> dict:
+    """A TOML file as a dict; a problem with it is one line naming it."""
+    try:
+        return tomllib.loads(Path(path).read_bytes().decode("utf-8-sig"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        hint = f" (did you mean --data {path}?)" if Path(path).suffix != ".toml" else ""
+        raise UserError(f"{path} is not {what} ({first_line(e, 80)}){hint}") from None
+
+
 def typed(p) -> str:
     """A path as a user here types it: relative to the working directory when under it."""
     if Path(p).absolute().is_relative_to(Path.cwd()):
@@ -276,14 +283,21 @@ def duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def usable_cores() -> set[int]:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
 def cpu_clock() -> tuple[float, float, float] | None:
     """(seconds, busy seconds of the cores this process may use, its own CPU seconds), from
-    Linux's /proc/stat (else None): two tell how busy other processes kept those cores."""
+    Linux's /proc/stat (else None)."""
     try:
-        cores = os.sched_getaffinity(0)
         lines = Path("/proc/stat").read_text().splitlines()
-    except (AttributeError, OSError):
+    except OSError:
         return None
+    cores = usable_cores()
     busy = 0
     for line in lines:
         name, *ticks = line.split()

@@ -15,7 +15,7 @@ from data.loader import strided_windows
 from data.cache import find_sources, kind_suffix
 from data.sources import iter_documents, iter_text
 from loading import load_model
-from model.device import autocast, pick_device, pick_dtype
+from model.device import autocast, dtype_name, pick_device, pick_dtype
 from model.gpt import bits_per_byte, score
 
 
@@ -56,7 +56,7 @@ def main(argv) -> int:
     print(f"# {loaded.description}", file=sys.stderr)
     overlap = " (no overlap)" if stride == block_size else ""
     print(f"# windows of {block_size} tokens, stride {stride}{overlap}, batch {args.batch_size}, "
-          f"{device} {str(dtype).removeprefix('torch.')}", file=sys.stderr)
+          f"{device} {dtype_name(dtype)}", file=sys.stderr)
     rows, stopped = [], False
     try:
         score_files(loaded, texts, stride, args.batch_size, autocast(device, dtype), rows)

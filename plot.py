@@ -7,10 +7,9 @@ named by the settings in which their configs differ.
 import hashlib
 import os
 import sys
-import tomllib
 from pathlib import Path
 
-from common import ROOT, ArgumentParser, UserError, atomic_write, flat, run_cli
+from common import ROOT, ArgumentParser, UserError, atomic_write, flat, load_toml, run_cli
 from viz import curves
 
 # a default picture's folder, and the bytes of its name (file systems allow 255)
@@ -65,11 +64,7 @@ def read_run(path: Path) -> tuple[list[dict], dict]:
     evals = [r for r in curves.read_records(path / "metrics.jsonl") if r["kind"] == "eval"]
     if not evals:
         raise UserError(f"{path} has no evaluation yet to draw")
-    try:
-        config = tomllib.loads((path / "config.toml").read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path / 'config.toml'} is not readable TOML ({e})") from None
-    return evals, flat(config)
+    return evals, flat(load_toml(path / "config.toml", "readable TOML"))
 
 
 def main(argv) -> int:

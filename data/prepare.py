@@ -22,7 +22,7 @@ if __name__ == "__main__" and not __package__:
 
 import numpy as np  # noqa: E402
 
-from common import ArgumentParser, UserError, atomic_write, run_cli  # noqa: E402
+from common import ArgumentParser, UserError, atomic_write, run_cli, usable_cores  # noqa: E402
 from data.bpe import train_bpe  # noqa: E402
 from data.cache import (FORMAT, SPLITS, DataConfig, check_split_sizes,  # noqa: E402
                         load_meta, mb_progress, prepare, read_entry)
@@ -85,9 +85,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     # the mode the umask gives, as for any file (not tempfile.mkdtemp's 0700)
     tmp.mkdir()
     # data.workers = 0: a thread per core it may run on; char: threads do not pay
-    affinity = getattr(os, "sched_getaffinity", None)
-    cores = len(affinity(0)) if affinity else os.cpu_count()
-    workers = 1 if char else data.workers or cores
+    workers = 1 if char else data.workers or len(usable_cores())
     try:
         encoded = encode(text("encoding", split_at), tok, tmp, workers)
         # before publishing: a refused text leaves nothing

@@ -84,19 +84,19 @@ def build_tokenizer(name: str, text: str | None = None):
 
 def load_tokenizer(meta: dict):
     """The tokenizer a meta() describes, checked."""
-    if not isinstance(meta, dict) or meta.get("kind") not in ("char", "tiktoken", "bpe"):
+    kind = meta.get("kind") if isinstance(meta, dict) else None
+    named = kind != "tiktoken" or isinstance(meta.get("name"), str)
+    if kind not in ("char", "tiktoken", "bpe") or not named:
         raise UserError(f"not a tokenizer description: {str(meta)[:80]}")
-    if meta["kind"] == "char":
+    if kind == "char":
         chars = meta.get("chars")
         if not isinstance(chars, str) or not chars or len(set(chars)) != len(chars):
             raise UserError("damaged char tokenizer description: its characters are "
                             "missing or repeated")
-        return CharTokenizer(meta["chars"])
+        return CharTokenizer(chars)
     from data.bpe import TiktokenTokenizer, trained_bpe
-    if meta["kind"] == "bpe":
+    if kind == "bpe":
         return trained_bpe(meta)
-    if not isinstance(meta.get("name"), str):
-        raise UserError(f"not a tokenizer description: {str(meta)[:80]}")
     return TiktokenTokenizer.named(meta["name"])
 
 

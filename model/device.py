@@ -14,7 +14,7 @@ from contextlib import nullcontext
 
 import torch
 
-from common import CPU_AT_START, UserError, cpu_clock
+from common import CPU_AT_START, UserError, cpu_clock, usable_cores
 
 # all the threads torch starts with: one per core this process may use
 CORES = torch.get_num_threads()
@@ -52,7 +52,7 @@ def fit_threads(since):
         return since, None
     seconds, busy, own = (b - a for a, b in zip(since, now))
     # busy time is counted on logical CPUs (two a core, often), torch's threads one a core
-    others = max(0.0, (busy - own) / seconds) * CORES / len(os.sched_getaffinity(0))
+    others = max(0.0, (busy - own) / seconds) * CORES / len(usable_cores())
     # a core counts as taken once another process keeps it a quarter busy
     threads = max(1, CORES - math.floor(others + 0.75))
     before = torch.get_num_threads()
@@ -69,6 +69,10 @@ def pick_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def autocast(device: torch.device, dtype: torch.dtype):

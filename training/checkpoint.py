@@ -1,8 +1,7 @@
 """Checkpoints: the out dir, writing them, and resuming from one (loading.py reads them).
 An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (a hard link to
 the one of the lowest val loss), config.toml, metrics.jsonl and curves.png. A folder holding
-a run is refused unless --resume, or --overwrite, which renames it aside. A checkpoint is
-written whole or not at all, and holds all a run needs to go on exactly.
+a run is refused unless --resume, or --overwrite, which renames it aside.
 """
 import errno
 import os
@@ -112,8 +111,8 @@ def link_best(path: Path) -> None:
 
 class Saver(ThreadPoolExecutor):
     """Checkpoints written on a thread of their own while the steps go on. save(state) waits
-    for the write before (its error raised), copies state to host memory and hands it to
-    the thread; then(fn) runs fn there after it. Saver(None) writes nothing (ranks but 0)."""
+    for the write before, copies state to host memory and hands it to the thread; then(fn)
+    runs fn there after it. Saver(None) writes nothing."""
 
     def __init__(self, out: Path | None, keep: int):
         super().__init__(1)
@@ -180,7 +179,7 @@ def sharded(model: torch.nn.Module) -> bool:
 
 def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts as one process holds them: a checkpoint loads
-    anywhere. Under FSDP every rank calls it, and rank 0's CPU gets the shards."""
+    anywhere. Under FSDP every rank calls it; rank 0's CPU gets the shards."""
     if not sharded(model):
         return model.state_dict(), optimizer.state_dict()
     import torch.distributed.checkpoint.state_dict as dcp
@@ -252,7 +251,7 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
 
 
 def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
-    """Load the checkpoint into the run (at: this process's ranks); returns its progress."""
+    """Load the checkpoint into the run -> its progress."""
     rank, world = at.rank, at.world
     try:
         load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])

@@ -10,11 +10,10 @@ import difflib
 import json
 import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import ROOT, UserError, check_fields, first_line, flat, setting
+from common import ROOT, UserError, check_fields, flat, load_toml, setting
 from data.cache import DataConfig, data_name
 from model.config import ModelConfig
 
@@ -130,16 +129,6 @@ def set_key(cfg: Config, key: str, value) -> None:
     section, _, name = key.rpartition(".")
     value = float(value) if kind is float else value
     setattr(getattr(cfg, section) if section else cfg, name, value)
-
-
-def load_toml(path) -> dict:
-    """A TOML file as a dict; a problem with it is one line naming it."""
-    try:
-        return tomllib.loads(Path(path).read_bytes().decode("utf-8-sig"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        hint = f" (did you mean --data {path}?)" if Path(path).suffix != ".toml" else ""
-        why = first_line(e, 80)
-        raise UserError(f"{path} is not a TOML config file ({why}){hint}") from None
 
 
 def parse_overrides(args) -> list[tuple[str, str]]:

@@ -1,12 +1,11 @@
 """One training run on many processes under torchrun (`torchrun --standalone
 --nproc_per_node=8 train.py CONFIG`; several machines: docs/distributed.md). Only such a run
-loads this module (trainer.place, and train.py for the lines it ends with).
+loads this module.
 
 DDP (the default): every process holds the whole model, and backward averages the gradients
 of each one's slice of the batch. FSDP (train.fsdp): each holds 1/world of every parameter,
 gradient and optimizer state, and gathers a block's parameters just before it runs: the
-same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes. Their
-imports take seconds (torch._dynamo): only a run of many processes pays them.
+same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes.
 """
 import atexit
 import gc
@@ -49,8 +48,7 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
 
 def leader_first(fn, leader: bool):
     """fn() on the leaders first, then on the rest, which find its work done; a leader's error
-    is raised everywhere. The rest wait up to LEADERS_TIMEOUT (tens of GB of text to prepare
-    outlast the run's own timeout)."""
+    is raised everywhere. The rest wait up to LEADERS_TIMEOUT (tens of GB to prepare)."""
     # made by every process before any leader starts: making it waits for all of them
     waiting = dist.new_group(backend="gloo", timeout=LEADERS_TIMEOUT)
     error = None
@@ -109,8 +107,7 @@ def leave(finished: bool = True) -> None:
 
 
 def relaunch(*args: str) -> str:
-    """The torchrun command that starts this run's processes again, train.py given args: as
-    many on each machine, on several machines the same rendezvous."""
+    """The torchrun command that starts this run's processes again, train.py given args."""
     env = os.environ
     per_node = f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', env['WORLD_SIZE'])}"
     script = [typed(ROOT / "train.py"), *args]

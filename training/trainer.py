@@ -1,14 +1,12 @@
-"""Training a GPT: `python train.py` calls train(cfg). The set-up checks everything before
-the run's first write; train_step is one optimizer step (on one CUDA GPU, a CUDA graph); the
-loop logs, evaluates, saves and samples.
+"""Training a GPT: train(cfg) checks everything before the run's first write, then loops:
+train_step (on one CUDA GPU, a CUDA graph), logs, evaluations, checkpoints and samples.
 
   exact resume  weights, optimizer, schedule, data order and generators go on where the
                 checkpoint left them (on a CPU: with as many threads)
   non-finite    a non-finite loss or gradient norm stops the run; no checkpoint follows it
   true speed    ms/step is timed once a log line has read the loss: the device is done
   signals       SIGINT or SIGTERM: the step finishes (under torchrun: the steps to the next
-                log line), a checkpoint is saved, the run exits 128 + the signal; a second
-                one exits at once (common.stop_after_step)
+                log line), a checkpoint is saved, the run exits 128 + the signal
 """
 import json
 import math
@@ -29,7 +27,7 @@ from data.loader import BatchLoader, Share
 from data.cache import find_sources, prepare
 from data.tokenizers import load_tokenizer
 from loading import read_checkpoint
-from model.device import autocast, fit_threads, pick_device, pick_dtype
+from model.device import autocast, dtype_name, fit_threads, pick_device, pick_dtype
 from model.gpt import GPT, bits_per_byte, score
 from model.sampling import Choice, generate, prompt_ids
 from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
@@ -58,7 +56,7 @@ class Progress:
 
 @dataclass
 class Place:
-    """Where the run computes; under torchrun also its ranks and training/distributed.py."""
+    """Where the run computes; under torchrun its ranks and training/distributed.py."""
     device: torch.device
     dtype: torch.dtype
     rank: int = 0
@@ -77,7 +75,7 @@ def launched() -> bool:
 
 
 def place(t) -> Place:
-    """The device and dtype t asks for; under torchrun, after joining the other processes."""
+    """The device and dtype t asks for; under torchrun, joined to the other processes."""
     device = pick_device(t.device)
     if not launched():
         return Place(device, pick_dtype(device, t.dtype))
@@ -120,7 +118,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         run = Progress(**restore(ckpt, resume_from, model, optimizer, scaler, loader, at))
     best = resume_from if ckpt is not None and ckpt["is_best"] else None
     was = ckpt and earlier_batch(ckpt)
-    # the checkpoint is copied into the model and optimizer now: let it go
+    # copied into the model and optimizer: let it go
     del ckpt
     run_step, how = build_step(wrapped, optimizer, scaler, loader, at, t, say)
 
@@ -154,7 +152,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             logged = step % t.log_interval == 0 or step == t.max_steps
             evaluated = step % t.eval_interval == 0 or step == t.max_steps
             sampled = t.sample_every and (step % t.sample_every == 0 or step == t.max_steps)
-            # the signal a stop was asked by (0: none; at the last step the run ends as it would)
+            # the signal that asked for a stop (0: none; the last step ends the run anyway)
             asked = stop[0] if stop and step < t.max_steps else 0
             stopping = asked if not at.ddp else logged and at.dist.agreed_stop(asked, at.device)
             # a sample of weights that a non-finite step touched would say nothing
@@ -208,7 +206,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
 
 
 def data_loader(cfg: Config, at: Place) -> BatchLoader:
-    """The run's batches; under torchrun each machine's first process prepares the data."""
+    """The run's batches; under torchrun each machine's first process prepares them."""
     t, block_size = cfg.train, cfg.model.block_size
     make = partial(prepare, cfg.data, block_size)
     dataset = at.dist.leader_first(make, at.local_rank == 0) if at.ddp else make()
@@ -227,8 +225,8 @@ def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
 
 
 def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
-    """The out dir, metrics.jsonl, wandb, config.toml, and best.pt again where the resumed
-    checkpoint was the best; returns where --overwrite set the earlier run aside."""
+    """The out dir, metrics.jsonl, wandb, config.toml, best.pt where the resumed checkpoint
+    was the best -> where --overwrite set the earlier run aside."""
     out = Path(cfg.out_dir)
     aside = open_out_dir(out, overwrite, metrics.open)
     if best is not None:
@@ -290,8 +288,8 @@ def finished(cfg: Config, ckpt: dict, say, at: Place) -> dict:
 
 
 def fit_to_data(cfg: Config, meta: dict):
-    """The data's tokenizer, its vocabulary the model's (model.vocab_size = 0); a sample
-    prompt it cannot encode is refused now."""
+    """The data's tokenizer, its vocabulary the model's where model.vocab_size = 0; a sample
+    prompt it cannot encode is refused."""
     cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
     if cfg.model.vocab_size < meta["vocab_size"]:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
@@ -315,9 +313,8 @@ def earlier_batch(ckpt: dict) -> tuple[int, int]:
 
 def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
                windows: torch.Tensor):
-    """One optimizer step on windows (grad_accum, B, T + 1) -> (mean loss, gradient norm),
-    all on the device (a CUDA graph can hold it). wrapped: the model as called (DDP's,
-    compiled); ddp: the DDP or FSDP module, or None."""
+    """One optimizer step on windows (grad_accum, B, T + 1) -> (mean loss, gradient norm), on
+    the device. wrapped: the model as called; ddp: the DDP or FSDP module, or None."""
     accum = windows.size(0)
     loss_sum = torch.zeros((), device=windows.device)
     # one autocast region: each weight is cast once per step
@@ -359,8 +356,8 @@ def mean(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
-    """(the loop's step: train_step on the next windows, compiled and a CUDA graph where it
-    can be; how it runs, in words)."""
+    """(train_step on the next windows, compiled and a CUDA graph where it can be; how it
+    runs, in words)."""
     # DDP's (or FSDP's) module before compiling: where gradient syncs are set
     how, ddp = "eager", wrapped if at.ddp else None
     if t.compile:
@@ -408,8 +405,8 @@ def graph_blocker(at: Place) -> str | None:
 
 
 def compile_trial(compiled, loader, at: Place) -> None:
-    """A forward and backward on a batch laid out as the step's (other strides compile
-    again), leaving no gradients and the generators untouched."""
+    """A forward and backward on a batch shaped as the step's (other strides compile again),
+    leaving no gradients and the generators untouched."""
     w = torch.zeros(loader.batch_size, loader.block_size + 1, dtype=torch.long, device=at.device)
     devices = [at.device] if at.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), autocast(at.device, at.dtype):
@@ -421,8 +418,8 @@ def check_finite(values: dict, since: int, step: int, saved: int | None) -> None
     """A UserError naming the steps between which a value became non-finite."""
     for name, value in values.items():
         if not math.isfinite(value):
-            kept = f"the checkpoint of step {saved} is kept"
-            kept = "no checkpoint was written" if saved is None else kept
+            kept = (f"the checkpoint of step {saved} is kept" if saved is not None
+                    else "no checkpoint was written")
             raise UserError(f"the {name} became {value} between steps {since} and {step}; "
                             f"stopped, {kept} (try a lower --train.lr)")
 
@@ -431,7 +428,7 @@ def check_finite(values: dict, since: int, step: int, saved: int | None) -> None
 
 def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
     """Each split's mean loss: over loader.eval_windows (iters = 0: on every rank, as FSDP
-    needs), else over the same `iters` random batches (each rank its share)."""
+    needs), else over the same `iters` random batches."""
     losses = {}
     for split in ("train", "val"):
         generator = torch.Generator().manual_seed(EVAL_SEED)
@@ -458,15 +455,15 @@ def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
 
 
 def draw_curves(out: Path, step: int) -> None:
-    """curves.png: the run's losses so far (viz/ and matplotlib are loaded on first use)."""
+    """curves.png: the run's losses so far."""
     from viz.curves import draw, read_records, run_panels
     records = read_records(out / "metrics.jsonl", warn=False)
     atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {step}"))
 
 
 def sample(model: GPT, tokenizer, t, at: Place) -> str:
-    """The same prompt and draws every time (samples compare across steps); no later loss
-    changes (its own generator)."""
+    """The same prompt and draws every time (samples compare across steps), on a generator of
+    its own."""
     ids = prompt_ids(tokenizer, t.sample_prompt, model.cfg.block_size, "sampling")
     generator = torch.Generator(device=at.device).manual_seed(SAMPLE_SEED)
     model.eval()
@@ -482,8 +479,8 @@ def sample(model: GPT, tokenizer, t, at: Place) -> str:
 # --- what a run says and records
 
 class Metrics:
-    """metrics.jsonl, and wandb; Metrics(None) records nothing (ranks but 0). Resumed at
-    resume_step, later records go: the resumed run logs them again."""
+    """metrics.jsonl and wandb; Metrics(None) records nothing. Resumed at resume_step, later
+    records go: the resumed run logs them again."""
 
     def __init__(self, cfg: Config | None, resume_step: int | None = None):
         self.cfg, self.resume_step, self.wandb = cfg, resume_step, None
@@ -524,8 +521,8 @@ class Metrics:
 
 
 def banner(say, cfg, stored: dict, was, world: int) -> None:
-    """The settings that are not the defaults; those changed since a resumed run's config.toml
-    (stored); a schedule that cannot work as meant."""
+    """The settings that are not the defaults, those changed since a resumed run's
+    config.toml (stored), a schedule that cannot work as meant."""
     now, defaults = flat(cfg.to_dict()), flat(build_config().to_dict())
     differ = [f"{k} = {fmt(v)}" for k, v in now.items()
               if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
@@ -549,9 +546,8 @@ def shape(cfg, model, loader, at: Place, how: str) -> str:
     where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
     tokens = t.global_batch(at.world) * cfg.model.block_size
     data = f"{loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})"
-    dtype = str(at.dtype).removeprefix("torch.")
     return (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | "
-            f"{where}, {dtype}, {how}{procs} | {tokens:,} tokens/step | data {data}")
+            f"{where}, {dtype_name(at.dtype)}, {how}{procs} | {tokens:,} tokens/step | data {data}")
 
 
 def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:

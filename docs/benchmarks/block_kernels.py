@@ -11,6 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from model.device import dtype_name  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from training.config import build_config  # noqa: E402
 
@@ -54,8 +55,7 @@ def main(argv: list[str]) -> None:
             if levers != "as set":
                 cfg.model.pos, cfg.model.qk_norm = "learned", False
             count = kernels(cfg, 2, dtype) - kernels(cfg, 1, dtype)
-            name = str(dtype).removeprefix("torch.")
-            print(f"{name:9s} {levers:30s} {count:4d} kernels a block")
+            print(f"{dtype_name(dtype):9s} {levers:30s} {count:4d} kernels a block")
 
 
 if __name__ == "__main__":
