@@ -40,7 +40,7 @@ class DataConfig:
                                    one_of=("strict", "replace"))
     text_field: str = setting("text", "the JSONL field or Parquet column that holds the text")
     val_path: str = setting("", "its own validation text: a file, folder or glob (\"\" = none)")
-    workers: int = setting(0, "threads that encode BPE (0 = one per core)", at_least=0)
+    workers: int = setting(0, "processes that encode BPE (0 = one per core)", at_least=0)
 
     def validate(self) -> None:
         check_fields(self, "data")

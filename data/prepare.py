@@ -1,19 +1,24 @@
 """Turn text into an entry of the cache (data/cache.py) a piece at a time, in bounded memory:
-a scan, training (bpe:N), encoding (BPE on threads: tiktoken frees the GIL), in a temporary
+a scan, training (bpe:N), encoding (BPE on worker processes), in a temporary
 folder renamed into place once whole.
 
     python data/prepare.py FILE|DIR|GLOB [--tokenizer bpe:4096 ...] (see --help)
 """
 import json
+import multiprocessing
 import os
 import re
 import secrets
 import shutil
+import signal
 import socket
 import sys
+import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from functools import partial
 from itertools import chain, takewhile
+from multiprocessing.connection import wait
 from pathlib import Path
 
 # run as a file: imports start at the repository, not in data/ (its names would shadow)
@@ -84,7 +89,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     tmp = out.parent / f".{out.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
     # the mode the umask gives, as for any file (not tempfile.mkdtemp's 0700)
     tmp.mkdir()
-    # data.workers = 0: a thread per core it may run on; char: threads do not pay
+    # data.workers = 0: a process per core it may run on; char: more than one does not pay
     workers = 1 if char else data.workers or len(usable_cores())
     try:
         encoded = encode(text("encoding", split_at), tok, tmp, workers)
@@ -229,10 +234,10 @@ def batches(text):
         yield last, batch
 
 
-def in_order(fn, items, workers: int):
-    """fn(item) for each item, in order, on `workers` threads, workers + 1 items at most
-    at a time."""
-    with ThreadPoolExecutor(workers) as pool:
+def in_order(fn, items, workers: int, pool=ThreadPoolExecutor):
+    """fn(item) for each item, in order, on a pool of `workers`, workers + 1 items at a
+    time at most: memory stays bounded."""
+    with pool(workers) as pool:
         jobs = deque()
         for item in items:
             jobs.append(pool.submit(fn, item))
@@ -241,23 +246,50 @@ def in_order(fn, items, workers: int):
         yield from (job.result() for job in jobs)
 
 
+# the tokenizer of encode(), and of the worker processes forked from it
+tokenizer = None
+
+
+def start_worker() -> None:
+    """A worker process leaves Ctrl-C and SIGTERM to the command, and ends with it (a
+    SIGKILL too)."""
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
+    parent = multiprocessing.parent_process().sentinel
+    threading.Thread(target=lambda: wait([parent]) and os._exit(1), daemon=True).start()
+
+
+def encode_batch(batch) -> tuple:
+    """(split, ids, the pieces' UTF-8 bytes)"""
+    split, texts = batch
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    ids = tokenizer.encode_pieces(texts).astype(dtype, copy=False)
+    return split, ids, len("".join(filter(None, texts)).encode())
+
+
 def encode(text, tok, tmp: Path, workers: int) -> dict:
-    """Encode text's (split, piece) pairs on `workers` threads (1: this one) into
-    tmp/<split>.bin -> their meta entries."""
+    """Encode text's (split, piece) pairs a batch at a time on `workers` processes (1: this
+    one) into tmp/<split>.bin; their meta entries. Processes, not threads: tiktoken holds
+    Python's lock while it builds its lists of ids (two threads encode 1.46x as fast as one,
+    two processes 1.71x). They are forked: tok reaches them as it is, nothing is imported
+    again."""
+    global tokenizer
+    tokenizer = tok
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens = dict.fromkeys(SPLITS, 0)
     nbytes = dict.fromkeys(SPLITS, 0)
     low, high = tok.vocab_size, -1
-
-    # -> (split, ids, the pieces' UTF-8 bytes)
-    def encode_batch(batch):
-        split, texts = batch
-        ids = tok.encode_pieces(texts)
-        return split, ids, len("".join(filter(None, texts)).encode())
-
+    pool = ThreadPoolExecutor
+    # Windows has no fork: threads there
+    if "fork" in multiprocessing.get_all_start_methods():
+        fork = multiprocessing.get_context("fork")
+        pool = partial(ProcessPoolExecutor, mp_context=fork, initializer=start_worker)
     with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
         work = batches(text)
-        results = in_order(encode_batch, work, workers) if workers > 1 else map(encode_batch, work)
+        if workers > 1:
+            results = in_order(encode_batch, work, workers, pool)
+        else:
+            results = map(encode_batch, work)
         for split, ids, n in results:
             file = train if split == "train" else val
             file.write(ids.astype(dtype, copy=False).tobytes())

@@ -157,21 +157,68 @@ def test_an_error_raised_by_a_ctrl_c_is_a_ctrl_c(capsys):
 
 
 @posix_signals
-def test_sigterm_during_preparation_leaves_no_temporary_folder(tmp_path):
-    """SIGTERM (kill, timeout, a scheduler) is a Ctrl-C outside the training loop: the command
-    cleans up, says so in one line and exits 143."""
+def processes_of(text: Path) -> list[int]:
+    """The pids of the processes whose command line names text (a preparation and the workers
+    it forked)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(text).encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return pids
+
+
+def wait_for(condition, seconds: float = 60) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def preparing(tmp_path, *args) -> tuple[subprocess.Popen, Path, Path]:
+    """python data/prepare.py on 44 MB of text, under way."""
     text = tmp_path / "big.txt"
     text.write_text((ROOT / "data" / "tinyshakespeare.txt").read_text() * 40)
     prepared = tmp_path / "prepared"
     argv = [sys.executable, str(ROOT / "data" / "prepare.py"), str(text), "--root", str(prepared)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while (not list(prepared.glob(".*.tmp-*")) and proc.poll() is None
-           and time.monotonic() < deadline):
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
+    # a session of its own: a signal reaches its whole group, as a terminal's Ctrl-C does
+    proc = subprocess.Popen(argv + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    return proc, text, prepared
+
+
+GPT2_ON_2 = ("--tokenizer", "gpt2", "--workers", "2")
+
+
+@pytest.mark.parametrize("stop, code, line, args", [
+    (signal.SIGTERM, 143, "terminated", ()),
+    (signal.SIGTERM, 143, "terminated", GPT2_ON_2),
+    (signal.SIGINT, 130, "interrupted", GPT2_ON_2)], ids=["char", "gpt2 on 2", "ctrl-c gpt2 on 2"])
+def test_a_stopped_preparation_leaves_no_temporary_folder(tmp_path, stop, code, line, args):
+    """SIGTERM (kill, timeout, a scheduler) is a Ctrl-C outside the training loop: the command
+    cleans up, says so in one line and exits; its worker processes end with it."""
+    proc, text, prepared = preparing(tmp_path, *args)
+    wait_for(lambda: list(prepared.glob(".*.tmp-*")) or proc.poll() is not None)
+    if args:
+        # the workers are forked once the encoding starts
+        wait_for(lambda: len(processes_of(text)) > 1 or proc.poll() is not None)
+    os.killpg(proc.pid, stop)
     _, err = proc.communicate(timeout=60)
     if proc.returncode == 0:
         pytest.skip("the preparation ended before the signal came")
-    assert (proc.returncode, err) == (143, "terminated\n")
+    assert (proc.returncode, err) == (code, line + "\n")
     assert not list(prepared.glob(".*")), "a temporary folder was left behind"
+    assert wait_for(lambda: not processes_of(text), 10), "a worker outlived the command"
+
+
+def test_workers_end_with_a_preparation_killed_by_sigkill(tmp_path):
+    """kill -9 leaves the command no time to stop its workers: they notice and end."""
+    proc, text, _ = preparing(tmp_path, *GPT2_ON_2)
+    wait_for(lambda: len(processes_of(text)) > 1 or proc.poll() is not None)
+    proc.kill()
+    proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the preparation ended before the signal came")
+    assert wait_for(lambda: not processes_of(text), 10), "a worker outlived the command"
