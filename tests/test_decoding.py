@@ -50,9 +50,9 @@ def test_the_compiled_runs_give_the_tokens_of_the_eager_code():
     from speed.decoding import compiled
     torch._dynamo.reset()
     model = make_model(n_layer=1, n_embd=16)
-    for choice in (Choice(temperature=0), Choice(0.8)):
-        eager = decode(model, choice, 20)
-        assert torch.equal(decode(model, choice, 20, speed_up=compiled), eager), choice
+    # sampled: the draws' order is what could differ (greedy is test_variants' compiled step)
+    choice = Choice(0.8)
+    assert torch.equal(decode(model, choice, 20, speed_up=compiled), decode(model, choice, 20))
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs replay a graph")
