@@ -182,6 +182,9 @@ def run_cli(main, argv: list[str]) -> int:
         if said is None:
             raise
         code, message = said
+    finally:
+        # the command is done: a stop while Python shuts down is its line, not a traceback
+        swap_handlers(quit_now, lambda h: h is stop_here)
     print(message, file=sys.stderr)
     return code
 

@@ -10,7 +10,7 @@ import data.prepare as prep
 from common import UserError
 from data.bpe import EOT
 from data.tokenizers import load_tokenizer
-from tests.conftest import TEXT, prepare_text
+from tests.conftest import TEXT, gpt2_or_skip, prepare_text
 
 UNSEEN = "héllo wörld, naïve café — 日本語のテキスト 😀🎉 ∑ x² \t\r\n <|endoftext|> \x00 \U0010fffd"
 
@@ -129,6 +129,7 @@ def test_a_damaged_description_is_a_one_line_tokenizer_error(tmp_path, damage):
 def test_another_special_token_written_as_text_is_encoded_as_text():
     """A chat corpus holds '<|endofprompt|>' (cl100k_base's) as plain text: records of it encode
     as the same text would alone, with the end-of-text token between documents."""
+    gpt2_or_skip()
     import tiktoken
     from data.bpe import TiktokenTokenizer
     gpt2 = tiktoken.get_encoding("gpt2")

@@ -35,6 +35,7 @@ def test_a_hub_folder_s_validation_files_are_the_val_split_and_never_trained_on(
     """--data hub/data --data.val_path 'hub/data/validation-*.parquet': the train files alone are
     the train split, whole, and the validation file is the val split."""
     pytest.importorskip("pyarrow")
+    gpt2_or_skip()
     hub = tmp_path / "hub" / "data"
     hub.mkdir(parents=True)
     write_parquet(hub / "train-00000-of-00002.parquet", TRAIN[:2])
@@ -57,6 +58,7 @@ def test_a_hub_folder_s_validation_files_are_the_val_split_and_never_trained_on(
 
 
 def test_a_pair_of_jsonl_files_and_the_cache_key_of_both(tmp_path, capsys):
+    gpt2_or_skip()
     train_file = write_jsonl(tmp_path / "train.jsonl", TRAIN)
     val_file = write_jsonl(tmp_path / "val.jsonl", VAL)
 

@@ -16,7 +16,8 @@ import pytest
 import sample as sample_cli
 import train as train_cli
 from loading import list_checkpoints, read_checkpoint
-from tests.conftest import ROOT, interrupt_at, posix_signals, records, run_tool, tiny_overrides
+from tests.conftest import (ROOT, gpt2_or_skip, interrupt_at, posix_signals, records, run_tool,
+                            tiny_overrides)
 from common import run_cli
 from training.trainer import train
 from viz.curves import read_records
@@ -99,6 +100,25 @@ def test_ctrl_c_in_the_first_instants_ends_quietly(script, trained, tmp_path, te
         codes = (-signal.SIGINT, 130) + ((0,) if script == "sample.py" else ())
         assert proc.returncode in codes, (delay, proc.returncode, err)
         assert "Traceback" not in err and "what()" not in err, (delay, err)
+
+
+@posix_signals
+def test_ctrl_c_as_a_command_exits_is_its_line_not_a_traceback(tmp_path):
+    """A command is done, and Python shuts down (here an exit handler that takes a while): a
+    Ctrl-C then says 'interrupted' and exits 130."""
+    code = ("import atexit, sys, time\n"
+            "from common import run_cli\n"
+            "atexit.register(time.sleep, 30)\n"
+            "code = run_cli(lambda argv: 0, [])\n"
+            "print('done', flush=True)\n"
+            "sys.exit(code)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline() == "done\n"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, "interrupted\n")
 
 
 def test_sigterm_at_an_evaluation_step_still_evaluates_it_and_saves(tiny_cfg, monkeypatch):
@@ -199,6 +219,8 @@ GPT2_ON_2 = ("--tokenizer", "gpt2", "--workers", "2")
 def test_a_stopped_preparation_leaves_no_temporary_folder(tmp_path, stop, code, line, args):
     """SIGTERM (kill, timeout, a scheduler) is a Ctrl-C outside the training loop: the command
     cleans up, says so in one line and exits; its worker processes end with it."""
+    if args:
+        gpt2_or_skip()
     proc, text, prepared = preparing(tmp_path, *args)
     wait_for(lambda: list(prepared.glob(".*.tmp-*")) or proc.poll() is not None)
     if args:
@@ -215,6 +237,7 @@ def test_a_stopped_preparation_leaves_no_temporary_folder(tmp_path, stop, code, 
 
 def test_workers_end_with_a_preparation_killed_by_sigkill(tmp_path):
     """kill -9 leaves the command no time to stop its workers: they notice and end."""
+    gpt2_or_skip()
     proc, text, _ = preparing(tmp_path, *GPT2_ON_2)
     wait_for(lambda: len(processes_of(text)) > 1 or proc.poll() is not None)
     proc.kill()
