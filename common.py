@@ -73,7 +73,8 @@ def quit_now(signum, frame):
     """Say the line and exit at once: a KeyboardInterrupt could land in torch's C++, which
     aborts, or swallows it."""
     code, line = stop_line(signum)
-    print(line, file=sys.stderr, flush=True)
+    # os.write: a print() could land inside one the signal cut short
+    os.write(2, f"{line}\n".encode())
     os._exit(code)
 
 
@@ -116,8 +117,6 @@ def stopped(error: BaseException) -> tuple[int, str] | None:
     return None
 
 
-# every command imports this module first
-swap_handlers(quit_now, lambda h: h in (signal.default_int_handler, signal.SIG_DFL))
 
 
 def causes(error: BaseException) -> list[BaseException]:
@@ -168,10 +167,11 @@ def run_cli(main, argv: list[str]) -> int:
     # a character the terminal cannot show prints as '?'
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
-    # the command runs: a stop is a KeyboardInterrupt from here on, which it cleans up after
-    swap_handlers(stop_here, lambda h: h is quit_now)
     STOPS.clear()
+    before = {}
     try:
+        # the command runs: a stop is a KeyboardInterrupt from here on, which it cleans up after
+        before = swap_handlers(stop_here, lambda h: h is quit_now or h in DEFAULTS)
         return main(argv)
     except BrokenPipeError:
         # `python sample.py ... | head`
@@ -183,8 +183,9 @@ def run_cli(main, argv: list[str]) -> int:
             raise
         code, message = said
     finally:
-        # the command is done: a stop while Python shuts down is its line, not a traceback
-        swap_handlers(quit_now, lambda h: h is stop_here)
+        # the handlers it ran under (a command's: a stop while Python shuts down is its line)
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
     print(message, file=sys.stderr)
     return code
 
@@ -204,6 +205,13 @@ def setting(default, help: str, **bounds):
 
 # the repository: runs go to its out/ wherever a command runs
 ROOT = Path(__file__).resolve().parent
+# Python's own handlers, which a command replaces
+DEFAULTS = (signal.default_int_handler, signal.SIG_DFL)
+# A command (a script of the repository) imports this module first: while it starts, a stop is
+# its line at once. A program of the user's that imports the project keeps Python's handlers.
+if Path(getattr(sys.modules["__main__"], "__file__", None) or "/").resolve().parent in (
+        ROOT, ROOT / "data"):
+    swap_handlers(quit_now, lambda h: h in DEFAULTS)
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 

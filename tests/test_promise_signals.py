@@ -106,7 +106,9 @@ def test_ctrl_c_in_the_first_instants_ends_quietly(script, trained, tmp_path, te
 def test_ctrl_c_as_a_command_exits_is_its_line_not_a_traceback(tmp_path):
     """A command is done, and Python shuts down (here an exit handler that takes a while): a
     Ctrl-C then says 'interrupted' and exits 130."""
-    code = ("import atexit, sys, time\n"
+    # a script of the repository, as train.py is
+    code = (f"__file__ = {str(ROOT / 'a_command.py')!r}\n"
+            "import atexit, sys, time\n"
             "from common import run_cli\n"
             "atexit.register(time.sleep, 30)\n"
             "code = run_cli(lambda argv: 0, [])\n"
@@ -119,6 +121,25 @@ def test_ctrl_c_as_a_command_exits_is_its_line_not_a_traceback(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (130, "interrupted\n")
+
+
+@posix_signals
+def test_a_program_of_the_user_s_that_imports_the_project_keeps_python_s_ctrl_c(tmp_path):
+    """Only the repository's commands take over Ctrl-C: a notebook's or a script's own
+    `except KeyboardInterrupt` still runs."""
+    code = ("import time\n"
+            "import common, data.prepare\n"
+            "try:\n"
+            "    print('ready', flush=True)\n"
+            "    time.sleep(30)\n"
+            "except KeyboardInterrupt:\n"
+            "    print('caught')\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out, err) == (0, "caught\n", "")
 
 
 def test_sigterm_at_an_evaluation_step_still_evaluates_it_and_saves(tiny_cfg, monkeypatch):
@@ -231,6 +252,25 @@ def test_a_stopped_preparation_leaves_no_temporary_folder(tmp_path, stop, code, 
     if proc.returncode == 0:
         pytest.skip("the preparation ended before the signal came")
     assert (proc.returncode, err) == (code, line + "\n")
+    assert not list(prepared.glob(".*")), "a temporary folder was left behind"
+    assert wait_for(lambda: not processes_of(text), 10), "a worker outlived the command"
+
+
+def test_a_worker_that_dies_ends_the_preparation_in_one_line(tmp_path):
+    """The out-of-memory killer takes a worker: the command says so and exits, it never hangs."""
+    gpt2_or_skip()
+    proc, text, prepared = preparing(tmp_path, *GPT2_ON_2)
+
+    def workers():
+        return [pid for pid in processes_of(text) if pid != proc.pid]
+    wait_for(lambda: workers() or proc.poll() is not None)
+    if proc.poll() is not None:
+        pytest.skip("the preparation ended before a worker could be killed")
+    os.kill(workers()[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err.splitlines()[-1]) == (
+        2, "error: an encoding worker process died (out of memory?): --data.workers=1 encodes "
+           "in this one")
     assert not list(prepared.glob(".*")), "a temporary folder was left behind"
     assert wait_for(lambda: not processes_of(text), 10), "a worker outlived the command"
 
