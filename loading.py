@@ -1,5 +1,5 @@
 """A trained model from a checkpoint file, a run's out dir (its best.pt, else its latest
-ckpt_*.pt) or a Hugging Face GPT-2 (the hf/ room), for every command but training.
+ckpt_*.pt) or a Hugging Face GPT-2 (the hf/ room), for the commands and a resumed run.
 
 A checkpoint is read safely: every member's checksum (torch.save writes a zip), then
 torch.load(weights_only=True) (no code runs), its format and version, and the weights

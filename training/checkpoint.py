@@ -1,7 +1,8 @@
 """Checkpoints: the out dir, writing them, and resuming from one (loading.py reads them).
 An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (a hard link to
-the one of the lowest val loss), config.toml, metrics.jsonl and curves.png. A folder holding
-a run is refused unless --resume, or --overwrite, which renames it aside.
+the one of the lowest val loss; a copy where links cannot be), config.toml, metrics.jsonl and
+curves.png. A folder holding a run is refused unless --resume, or --overwrite, which renames it
+aside.
 """
 import errno
 import os
@@ -39,6 +40,8 @@ def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, che
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other: continue the run, "
                         "or start it over")
+    if resume and checkpoint is not None and not Path(checkpoint).is_file():
+        raise UserError(f"--resume {checkpoint}: no such checkpoint file")
     if resume and checkpoint is None and not latest.is_file():
         raise UserError(f"--resume: no checkpoint (ckpt_*.pt or best.pt) in {out} to resume "
                         f"from; leave out --resume to start a new run")

@@ -2,8 +2,8 @@
 
   sections  a dataclass each, beside the code it configures (model/config.py,
             data/cache.py); each field says what it does and its bounds
-  paths     made absolute against where they are written: a config file's folder (a
-            shipped one's: the repository), the working directory, the repository
+  paths     made absolute against where they are written: a config file's folder (one
+            inside the repository: the repository), the working directory, the repository
 """
 import dataclasses
 import difflib
@@ -41,8 +41,8 @@ class TrainConfig:
     grad_clip: float = setting(1.0, "max global gradient norm (0 = off)", at_least=0)
     eval_interval: int = setting(500, "steps between evaluations (and checkpoints)", above=0)
     eval_iters: int = setting(
-        0, "0 = every val window (4,096 at most), 1/8 as many train ones; N = N fixed batches",
-        at_least=0)
+        0, "0 = every val window (4,096 at most), 1/8 as many train ones; "
+           "N = N fixed random batches a split", at_least=0)
     log_interval: int = setting(50, "steps between training loss lines", above=0)
     sample_every: int = setting(0, "steps between samples (0 = none)", at_least=0)
     sample_prompt: str = setting("", "the samples' prompt (\"\" = a newline, or end-of-text)")

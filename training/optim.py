@@ -93,7 +93,10 @@ class PlainOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
-            p.grad = None if set_to_none else p.grad.zero_()
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
 
     def state_dict(self) -> dict:
         """The state and the groups (their tensors not copied)."""

@@ -275,7 +275,7 @@ def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
 
 
 def finished(cfg: Config, ckpt: dict, say, at: Place) -> dict:
-    """A run resumed at its train.max_steps: nothing trains, nothing is written."""
+    """A run resumed at or past its train.max_steps: nothing trains, nothing is written."""
     t = cfg.train
     say(f"# {cfg.out_dir}: the run is at step {ckpt['step']}, train.max_steps = {t.max_steps}: "
         f"nothing to train, nothing changed (a larger --train.max_steps continues it)")
