@@ -25,9 +25,11 @@ def parse_args(argv):
                    help="a run's out dir, a checkpoint file, or a Hugging Face GPT-2")
     p.add_argument("files", nargs="+", metavar="FILE", help="a file, a directory or a glob")
     p.add_argument("--stride", type=int, metavar="S",
-                   help="windows S tokens apart (default: the context, no overlap)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
-    p.add_argument("--device", default="auto")
+                   help="windows S tokens apart, each scoring its last S "
+                        "(1 <= S <= the context; default: the context, no overlap)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="windows per forward pass (lower it if memory is short)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--max-tokens", type=int, help="score each file's first N tokens only")
     p.add_argument("--skip-unknown", action="store_true",
                    help="leave out the characters a character model never saw")

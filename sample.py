@@ -40,7 +40,7 @@ def parse_args(argv):
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole context for every token (slow)")
     p.add_argument("--compile", action="store_true", help="compile the decoding step (on "
-                   "CUDA a CUDA graph): faster on a GPU once compiled")
+                   "CUDA a CUDA graph): faster on a GPU once compiled, which takes a while")
     args = p.parse_args(argv)
     checks = [(args.num_samples >= 1, "--num-samples must be >= 1"),
               (args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
