@@ -290,7 +290,7 @@ def test_wandb_that_cannot_start_is_one_line_and_the_run_writes_nothing(wandb, s
     assert rc == 2 and err.count("\n") == 1, err
     assert err.startswith("error: log.wandb = true but wandb did not start " + said), err
     assert "wandb login" in err, err
-    assert tree(tmp_path) == before, "the out dir is as it was: none"
+    assert tree(tmp_path) == before, "the refused run left files behind"
     assert run_tool(train_cli, args, capsys)[0] == 0
     before = tree(tmp_path)
     rc, _, err = run_tool(train_cli, [*args, "--log.wandb=true", "--overwrite"], capsys)

@@ -102,8 +102,20 @@ def test_ctrl_c_in_the_first_instants_ends_quietly(script, trained, tmp_path, te
         assert "Traceback" not in err and "what()" not in err, (delay, err)
 
 
+def ctrl_c_after_its_first_line(code: str) -> tuple[int, str, str, str]:
+    """`python -c code` in the repository, given a Ctrl-C once it has printed a line: (its exit
+    code, that line, the rest of its stdout, its stderr)."""
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, first, out, err
+
+
 @posix_signals
-def test_ctrl_c_as_a_command_exits_is_its_line_not_a_traceback(tmp_path):
+def test_ctrl_c_as_a_command_exits_is_its_line_not_a_traceback():
     """A command is done, and Python shuts down (here an exit handler that takes a while): a
     Ctrl-C then says 'interrupted' and exits 130."""
     # a script of the repository, as train.py is
@@ -114,17 +126,13 @@ def test_ctrl_c_as_a_command_exits_is_its_line_not_a_traceback(tmp_path):
             "code = run_cli(lambda argv: 0, [])\n"
             "print('done', flush=True)\n"
             "sys.exit(code)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout.readline() == "done\n"
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert (proc.returncode, err) == (130, "interrupted\n")
+    rc, first, _, err = ctrl_c_after_its_first_line(code)
+    assert first == "done\n"
+    assert (rc, err) == (130, "interrupted\n")
 
 
 @posix_signals
-def test_a_program_of_the_user_s_that_imports_the_project_keeps_python_s_ctrl_c(tmp_path):
+def test_a_program_of_the_user_s_that_imports_the_project_keeps_python_s_ctrl_c():
     """Only the repository's commands take over Ctrl-C: a notebook's or a script's own
     `except KeyboardInterrupt` still runs."""
     code = ("import time\n"
@@ -134,12 +142,9 @@ def test_a_program_of_the_user_s_that_imports_the_project_keeps_python_s_ctrl_c(
             "    time.sleep(30)\n"
             "except KeyboardInterrupt:\n"
             "    print('caught')\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout.readline() == "ready\n"
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert (proc.returncode, out, err) == (0, "caught\n", "")
+    rc, first, out, err = ctrl_c_after_its_first_line(code)
+    assert first == "ready\n"
+    assert (rc, out, err) == (0, "caught\n", "")
 
 
 def test_sigterm_at_an_evaluation_step_still_evaluates_it_and_saves(tiny_cfg, monkeypatch):
