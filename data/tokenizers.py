@@ -44,9 +44,7 @@ class CharTokenizer:
         ids = self.table[code_points(text)]
         if len(ids) and ids.min() < 0:
             unknown = sorted(set(text) - set(self.stoi))
-            shown = ", ".join(repr(c) for c in unknown[:10])
-            if len(unknown) > 10:
-                shown += " ..."
+            shown = ", ".join(map(repr, unknown[:10])) + " ..." * (len(unknown) > 10)
             raise UserError(f"{len(unknown)} character(s) not in the {self.vocab_size}-"
                             f"character vocabulary: {shown}")
         return ids
@@ -78,8 +76,7 @@ def build_tokenizer(name: str, text: str | None = None):
     """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name."""
     if name == "char":
         return CharTokenizer.from_text(text)
-    from data.bpe import TiktokenTokenizer
-    return TiktokenTokenizer.named(name)
+    return load_tokenizer({"kind": "tiktoken", "name": name})
 
 
 def load_tokenizer(meta: dict):
