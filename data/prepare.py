@@ -121,17 +121,11 @@ def stamps(files: list[Path]) -> list[tuple[int, int]]:
     return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
-def pid_space() -> str:
-    """This machine and its pid namespace (containers may share a host name): where a pid
-    names one process."""
-    try:
-        return f"{socket.gethostname()}.{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return socket.gethostname()
-
-
-# A build's folder: .<entry>.tmp-<host>.<pid space>-<pid>-<random>
-TMP = f".tmp-{pid_space()}-"
+# A build's folder: .<entry>.tmp-<host>.<pid namespace>-<pid>-<random>. Where a pid names one
+# process: this machine, and its pid namespace there (containers may share a host name)
+PID_NAMESPACE = "/proc/self/ns/pid"
+NAMESPACE_ID = os.stat(PID_NAMESPACE).st_ino if os.path.exists(PID_NAMESPACE) else 0
+TMP = f".tmp-{socket.gethostname()}.{NAMESPACE_ID}-"
 
 
 def remove_leftovers(folder: Path) -> None:
