@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from common import Progress, UserError, check_fields, setting
-from data.tokenizers import check_tokenizer_spec
+from data.tokenizers import bpe_vocab_size
 
 # meta.json's layout and how a text is read: another is prepared again
 FORMAT = 4
@@ -44,7 +44,10 @@ class DataConfig:
 
     def validate(self) -> None:
         check_fields(self, "data")
-        check_tokenizer_spec(self.tokenizer)
+        # char and bpe:N without importing tiktoken
+        if self.tokenizer != "char" and bpe_vocab_size(self.tokenizer) is None:
+            from data.bpe import check_encoding
+            check_encoding(self.tokenizer)
 
 
 def mb_progress(label: str, total: int) -> Progress:

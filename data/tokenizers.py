@@ -25,7 +25,7 @@ class CharTokenizer:
         self.stoi = {c: i for i, c in enumerate(chars)}
         # each code point's id, -1 outside the vocabulary
         self.table = np.full(0x110000, -1, dtype=np.int32)
-        self.table[[ord(c) for c in chars]] = np.arange(len(chars))
+        self.table[code_points(chars)] = np.arange(len(chars))
         # an empty prompt starts from a newline where the vocabulary has one
         self.start_token = self.stoi.get("\n", 0)
 
@@ -61,15 +61,6 @@ class CharTokenizer:
 
     def meta(self) -> dict:
         return {"kind": "char", "chars": self.chars}
-
-
-def check_tokenizer_spec(spec: str) -> None:
-    """A UserError unless spec is char, bpe:N or a tiktoken encoding name."""
-    # these without importing tiktoken
-    if spec == "char" or bpe_vocab_size(spec) is not None:
-        return
-    from data.bpe import check_encoding
-    check_encoding(spec)
 
 
 def build_tokenizer(name: str, text: str | None = None):
