@@ -147,7 +147,7 @@ def remove_leftovers(folder: Path) -> None:
 def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
     """(the files with any text, their documents (blank ones left out), characters, the
     characters seen as a str (want_chars))."""
-    # ordered
+    # an ordered set
     kept = {}
     n_docs = n_chars = 0
     seen = np.zeros(0x110000, dtype=bool)
@@ -190,7 +190,8 @@ def batches(documents, split_at: int, bpe: bool):
             if split == "train" and pos + len(text) >= split_at:
                 cut = split_at - pos
                 yield split, done + ["".join(held) + text[:cut]]
-                split, done, held, size, text = "val", [], [], 0, text[cut:]
+                text = text[cut:]
+                split, done, held, size = "val", [], [], 0
             pos += len(text)
             size += len(text)
             held.append(text)
