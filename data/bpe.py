@@ -38,9 +38,8 @@ class TiktokenTokenizer:
             enc = tiktoken.get_encoding(name)
         # the files are downloaded on first use
         except Exception as e:
-            raise UserError(f"could not load tiktoken's {name!r} files "
-                            f"({type(e).__name__}); without a network, set "
-                            f"TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+            raise UserError(f"could not load tiktoken's {name!r} files ({type(e).__name__}); "
+                            f"offline, set TIKTOKEN_CACHE_DIR to a folder holding them") from None
         return cls(enc, {"kind": "tiktoken", "name": name})
 
     def encode(self, text: str) -> list[int]:
@@ -113,8 +112,8 @@ def train_bpe(texts, vocab_size: int) -> tuple[dict, float]:
     trainer = rustbpe.Tokenizer()
     # pieces of up to 2M characters: 8 held at a time (rustbpe holds 8,192 unless told)
     trainer.train_from_iterator(texts, vocab_size - 1, buffer_size=8, pattern=PATTERN)
-    ranked = sorted(trainer.get_mergeable_ranks(), key=lambda item: item[1])
-    tokens = [bytes(token) for token, _ in ranked]
+    # in rank order
+    tokens = [bytes(t) for t, rank in sorted(trainer.get_mergeable_ranks(), key=lambda r: r[1])]
     meta = {"kind": "bpe", "name": f"bpe{len(tokens) + 1}", "pattern": PATTERN,
             "ranks": [base64.b64encode(t).decode("ascii") for t in tokens],
             "special_tokens": {EOT: len(tokens)}}

@@ -61,9 +61,7 @@ def find_sources(source) -> list[Path]:
     # its name may hold glob characters
     if source.is_file():
         return [source]
-    pattern = str(source)
-    if source.is_dir():
-        pattern = os.path.join(glob.escape(pattern), "**", "*")
+    pattern = os.path.join(glob.escape(str(source)), "**", "*") if source.is_dir() else str(source)
     # not a pipe or a device: reading it could block, or never end
     files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     if not files:
