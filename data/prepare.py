@@ -262,8 +262,7 @@ def encode_batch(batch) -> tuple:
 def encode(text, tok, tmp: Path, workers: int) -> dict:
     """Encode text's (split, batch) pairs on `workers` processes (1: a thread) into
     tmp/<split>.bin; their meta entries. Processes, not threads: tiktoken holds Python's lock
-    while it builds its lists of ids (on two cores two threads encode 1.4x as fast as one, two
-    processes 1.9x). They are forked: tok reaches them as it is, nothing is imported again."""
+    while it builds its lists of ids (docs/data.md). Forked: tok reaches them as it is."""
     global tokenizer
     tokenizer = tok
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
