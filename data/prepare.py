@@ -177,8 +177,9 @@ LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 def batches(documents, split_at: int, bpe: bool):
     """The documents (iterables of str chunks) as (split, [piece, ...]): the first split_at
     characters in "train", the rest in "val"; between documents a newline (char) or None
-    (BPE's end-of-text). A batch, what a worker encodes at once, holds PIECE_CHARS to twice
-    that, cut at LAST_SAFE_CUT or between documents."""
+    (BPE's end-of-text). A batch, what a worker encodes at once, ends once it holds
+    PIECE_CHARS (twice that at most): at its last LAST_SAFE_CUT, or where its last document
+    starts."""
     split, pos = "train", 0
     # the batch's whole pieces, the chunks of its last one, and their characters
     done, held, size = [], [], 0
