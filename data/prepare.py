@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 import threading
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from itertools import chain, takewhile
@@ -147,9 +147,9 @@ def remove_leftovers(folder: Path) -> None:
 def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
     """(the files with any text, their documents (blank ones left out), characters, the
     characters seen as a str (want_chars))."""
-    # an ordered set
-    kept = {}
-    n_docs = n_chars = 0
+    # each file's documents, in order
+    docs = Counter()
+    n_chars = 0
     seen = np.zeros(0x110000, dtype=bool)
     for path in files:
         for document in iter_documents(path, errors, field, progress):
@@ -160,13 +160,12 @@ def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
                 if want_chars:
                     seen[code_points(text)] = True
             if not blank:
-                kept[path] = True
-                n_docs += 1
+                docs[path] += 1
                 n_chars += n
-    if not kept:
+    if not docs:
         raise UserError(f"data file is empty: {files[0]}" if len(files) == 1 else
                         f"the data files are all empty ({len(files)} files, first {files[0]})")
-    return list(kept), n_docs, n_chars, "".join(map(chr, np.flatnonzero(seen)))
+    return list(docs), docs.total(), n_chars, "".join(map(chr, np.flatnonzero(seen)))
 
 
 # Cutting BPE input here changes no token: none of the gpt2 / cl100k / o200k / bpe:N

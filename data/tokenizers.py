@@ -83,9 +83,7 @@ def load_tokenizer(meta: dict):
                             "missing or repeated")
         return CharTokenizer(chars)
     from data.bpe import TiktokenTokenizer, trained_bpe
-    if kind == "bpe":
-        return trained_bpe(meta)
-    return TiktokenTokenizer.named(meta["name"])
+    return trained_bpe(meta) if kind == "bpe" else TiktokenTokenizer.named(meta["name"])
 
 
 def bpe_vocab_size(spec: str) -> int | None:
