@@ -38,9 +38,8 @@ class TiktokenTokenizer:
             enc = tiktoken.get_encoding(name)
         # the files are downloaded on first use
         except Exception as e:
-            raise UserError(f"could not load tiktoken's {name!r} files "
-                            f"({type(e).__name__}); without a network, set "
-                            f"TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+            raise UserError(f"could not load tiktoken's {name!r} files ({type(e).__name__}); "
+                            f"offline, set TIKTOKEN_CACHE_DIR to a folder holding them") from None
         return cls(enc, {"kind": "tiktoken", "name": name})
 
     def encode(self, text: str) -> list[int]:
@@ -70,40 +69,39 @@ class TiktokenTokenizer:
         return self._meta
 
 
+# what a refused train_bpe() description says first
+DAMAGED = "damaged BPE tokenizer description: "
+
+
 def trained_bpe(meta: dict) -> TiktokenTokenizer:
     """The tokenizer train_bpe() describes; a damaged one is a UserError (tiktoken checks
     only the pattern and types: a missing byte would panic)."""
-
-    def damaged(why: str) -> UserError:
-        return UserError(f"damaged BPE tokenizer description: {why}")
-
-    keys = ("name", "pattern", "ranks", "special_tokens")
-    name, pattern, ranks, special = (meta.get(k) for k in keys)
+    name, pattern, ranks, special = map(meta.get, ("name", "pattern", "ranks", "special_tokens"))
     if not isinstance(name, str) or not isinstance(pattern, str) or not pattern:
-        raise damaged("its name or pattern is missing")
+        raise UserError(f"{DAMAGED}its name or pattern is missing")
     # not a list of str, or a str that is not base64 (a binascii.Error)
     try:
         tokens = [base64.b64decode(r, validate=True) for r in ranks]
     except (TypeError, ValueError):
-        raise damaged("its ranks are not a list of base64 strings") from None
+        raise UserError(f"{DAMAGED}its ranks are not a list of base64 strings") from None
     mergeable = {t: i for i, t in enumerate(tokens)}
     if len(mergeable) != len(tokens) or b"" in mergeable:
-        raise damaged("a token is empty or appears twice")
+        raise UserError(f"{DAMAGED}a token is empty or appears twice")
     if any(bytes([b]) not in mergeable for b in range(256)):
-        raise damaged("not every byte is a token, so some text could not be encoded")
+        raise UserError(f"{DAMAGED}not every byte is a token, so some text could not be encoded")
     if special != {EOT: len(tokens)}:
-        raise damaged(f"its special tokens must be {EOT} alone, with the id after the "
-                      f"{len(tokens)} ranks")
+        raise UserError(f"{DAMAGED}its special tokens must be {EOT} alone, with the id after "
+                        f"the {len(tokens)} ranks")
     # a pattern that is not a valid regex; an id that is not an int
     try:
         enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=mergeable,
                                 special_tokens=special)
     except (TypeError, ValueError) as e:
-        raise damaged(str(e)[:160]) from None
+        raise UserError(DAMAGED + str(e)[:160]) from None
     return TiktokenTokenizer(enc, meta)
 
 
-def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
+def train_bpe(texts, vocab_size: int) -> tuple[dict, float]:
     """(meta, seconds) of a BPE of vocab_size tokens at most, trained on the str pieces in
     texts: the pattern, each token's bytes in base64 in rank order, <|endoftext|> last."""
     try:
@@ -112,9 +110,10 @@ def train_bpe(texts, vocab_size: int, batch: int = 8) -> tuple[dict, float]:
         raise UserError("training a bpe:N tokenizer needs rustbpe: pip install rustbpe") from None
     start = time.perf_counter()
     trainer = rustbpe.Tokenizer()
-    trainer.train_from_iterator(texts, vocab_size - 1, buffer_size=batch, pattern=PATTERN)
-    ranked = sorted(trainer.get_mergeable_ranks(), key=lambda item: item[1])
-    tokens = [bytes(token) for token, _ in ranked]
+    # pieces of up to 2M characters: 8 held at a time (rustbpe holds 8,192 unless told)
+    trainer.train_from_iterator(texts, vocab_size - 1, buffer_size=8, pattern=PATTERN)
+    # in rank order
+    tokens = [bytes(t) for t, rank in sorted(trainer.get_mergeable_ranks(), key=lambda r: r[1])]
     meta = {"kind": "bpe", "name": f"bpe{len(tokens) + 1}", "pattern": PATTERN,
             "ranks": [base64.b64encode(t).decode("ascii") for t in tokens],
             "special_tokens": {EOT: len(tokens)}}

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from common import Progress, UserError, check_fields, setting
-from data.tokenizers import check_tokenizer_spec
+from data.tokenizers import bpe_vocab_size
 
 # meta.json's layout and how a text is read: another is prepared again
 FORMAT = 4
@@ -44,7 +44,10 @@ class DataConfig:
 
     def validate(self) -> None:
         check_fields(self, "data")
-        check_tokenizer_spec(self.tokenizer)
+        # char and bpe:N without importing tiktoken
+        if self.tokenizer != "char" and bpe_vocab_size(self.tokenizer) is None:
+            from data.bpe import check_encoding
+            check_encoding(self.tokenizer)
 
 
 def mb_progress(label: str, total: int) -> Progress:
@@ -58,18 +61,14 @@ def find_sources(source) -> list[Path]:
     # its name may hold glob characters
     if source.is_file():
         return [source]
-    pattern = str(source)
-    if source.is_dir():
-        pattern = os.path.join(glob.escape(pattern), "**", "*")
+    pattern = os.path.join(glob.escape(str(source)), "**", "*") if source.is_dir() else str(source)
     # not a pipe or a device: reading it could block, or never end
     files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-    if files:
-        return files
-    if source.is_dir():
-        raise UserError(f"no files in the data directory {source}")
-    if glob.has_magic(str(source)):
-        raise UserError(f"no files match {source}")
-    raise UserError(f"data file not found: {source}")
+    if not files:
+        raise UserError(f"no files in the data directory {source}" if source.is_dir() else
+                        f"no files match {source}" if glob.has_magic(pattern) else
+                        f"data file not found: {source}")
+    return files
 
 
 def kind_suffix(name: str) -> str:
@@ -130,14 +129,11 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
     progress = mb_progress("hashing", sum(p.stat().st_size for p in files + val))
     sha = sha256(files, progress)
     if val:
-        both = f"{sha}\0{sha256(val, progress)}"
-        sha = hashlib.sha256(both.encode()).hexdigest()
-    records = any(kind_suffix(p.name) for p in files + val)
-    out = Path(data.prepared_dir) / entry_name(data, sha, records)
+        sha = hashlib.sha256(f"{sha}\0{sha256(val, progress)}".encode()).hexdigest()
+    out = Path(data.prepared_dir) / entry_name(data, sha, files + val)
     for path, group, label in ((data.path, files, "data"), (data.val_path, val, "val")):
         if group and not Path(path).is_file():
-            size = sum(p.stat().st_size for p in group)
-            print(describe(path, group, size, label))
+            print(describe(path, group, sum(p.stat().st_size for p in group), label))
     if (meta := read_entry(out)) is None:
         from data.prepare import build
         meta = build(out, (files, val), sha, data, block_size)
@@ -145,14 +141,13 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
     return out
 
 
-def entry_name(data: DataConfig, sha256: str, records: bool = False) -> str:
-    """The data's name, then all that changes the token files."""
+def entry_name(data: DataConfig, sha256: str, files: list[Path]) -> str:
+    """The data's name, then all that changes the token files (of records: the field too)."""
     # bpe:4096 -> bpe4096
     label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)
     errors = "-replace" * (data.encoding_errors == "replace")
-    key = sha256
-    if records:
-        key = hashlib.sha256(f"{sha256}\0{data.text_field}".encode()).hexdigest()
+    records = any(kind_suffix(p.name) for p in files)
+    key = hashlib.sha256(f"{sha256}\0{data.text_field}".encode()).hexdigest() if records else sha256
     val = "files" if data.val_path else repr(data.val_fraction)
     return f"{data_name(data.path)[:64]}-{label}-{key[:12]}-val{val}{errors}"
 
@@ -161,15 +156,12 @@ def read_entry(entry: Path) -> dict | None:
     """The meta.json of a usable entry (this FORMAT, the sizes it says)."""
     try:
         meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
-        if meta["format"] != FORMAT:
-            return None
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        for split in SPLITS:
-            if (entry / f"{split}.bin").stat().st_size != meta["tokens"][split] * itemsize:
-                return None
+        want = [meta["tokens"][s] * np.dtype(meta["dtype"]).itemsize for s in SPLITS]
+        sizes = [(entry / f"{s}.bin").stat().st_size for s in SPLITS]
+        usable = meta["format"] == FORMAT and sizes == want
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return meta
+    return meta if usable else None
 
 
 def load_meta(entry) -> dict:
@@ -182,10 +174,8 @@ def load_meta(entry) -> dict:
 
 def check_split_sizes(tokens: dict, block_size: int | None) -> None:
     """Each split must hold block_size + 1 tokens (None: any)."""
-    if block_size is None:
-        return
     for split in SPLITS:
-        if tokens[split] < block_size + 1:
+        if block_size is not None and tokens[split] < block_size + 1:
             raise UserError(f"the {split} split has {tokens[split]} tokens, fewer than "
                             f"block_size + 1 = {block_size + 1}; use a longer text or a "
                             f"smaller --model.block_size")

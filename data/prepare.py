@@ -1,4 +1,4 @@
-"""Turn text into an entry of the cache (data/cache.py) a piece at a time, in bounded memory:
+"""Turn text into an entry of the cache (data/cache.py) a batch at a time, in bounded memory:
 a scan, training (bpe:N), encoding (BPE on worker processes), in a temporary
 folder renamed into place once whole.
 
@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 import threading
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from itertools import chain, takewhile
@@ -58,19 +58,11 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     counts = [n + (docs - 1) * char for _, docs, n, _ in scans]
     split_at = counts[0] if sources[1] else int(counts[0] * (1.0 - data.val_fraction))
 
-    # the hash names the entry: a text that changed meanwhile is refused
-    def unchanged() -> None:
-        for path, was, now in zip(files, stamp, stamps(files)):
-            if was != now:
-                raise UserError(f"{path} changed while it was prepared: "
-                                f"try again once it no longer changes")
-
     def text(label: str, train_chars: int):
-        """(split, piece) pairs: train_chars in "train", then "val"."""
+        """(split, batch) pairs: train_chars in "train", then "val"."""
         progress = mb_progress(label, total)
         texts = [(d for p in s[0] for d in iter_documents(p, *read, progress)) for s in scans]
-        starts = zip(texts, (train_chars, 0))
-        return chain(*(pieces(docs, at, not char) for docs, at in starts))
+        return chain(*(batches(docs, at, not char) for docs, at in zip(texts, (train_chars, 0))))
 
     if (size := bpe_vocab_size(data.tokenizer)) is None:
         # char: every character seen, and the newline that goes between documents
@@ -80,7 +72,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
         # trained on (the start of) the train split: takewhile stops at its end
         head = text("training the tokenizer", min(split_at, TRAIN_MAX_CHARS))
         train = takewhile(lambda item: item[0] == "train", head)
-        tok_meta, took = train_bpe((piece for _, piece in train if piece), size)
+        tok_meta, took = train_bpe((p for _, batch in train for p in batch if p), size)
         tok = load_tokenizer(tok_meta)
         print(f"trained {data.tokenizer} on the train split in {took:.1f} s: "
               f"{tok.vocab_size:,} tokens")
@@ -92,10 +84,17 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     # data.workers = 0: a process per core it may run on; char: more than one does not pay
     workers = 1 if char else data.workers or len(usable_cores())
     try:
-        encoded = encode(text("encoding", split_at), tok, tmp, workers)
+        try:
+            encoded = encode(text("encoding", split_at), tok, tmp, workers)
+        finally:
+            # the hash names the entry: a text that changed meanwhile is refused, as that
+            # (not as the unknown character it brought)
+            for path, was, now in zip(files, stamp, stamps(files)):
+                if was != now:
+                    raise UserError(f"{path} changed while it was prepared: "
+                                    f"try again once it no longer changes")
         # before publishing: a refused text leaves nothing
         check_split_sizes(encoded["tokens"], block_size)
-        unchanged()
         own = {"val_path": str(Path(data.val_path).absolute())}
         split = own if sources[1] else {"val_fraction": data.val_fraction}
         split |= {"train_chars": split_at, "val_chars": sum(counts) - split_at}
@@ -109,10 +108,6 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
         if read_entry(out) is None:
             shutil.rmtree(out, ignore_errors=True)
             os.rename(tmp, out)
-    except UserError:
-        # a text that changed (an unknown character appended): the change is said
-        unchanged()
-        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     tokens = meta["tokens"]
@@ -126,17 +121,11 @@ def stamps(files: list[Path]) -> list[tuple[int, int]]:
     return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
-def pid_space() -> str:
-    """This machine and its pid namespace (containers may share a host name): where a pid
-    names one process."""
-    try:
-        return f"{socket.gethostname()}.{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return socket.gethostname()
-
-
-# A build's folder: .<entry>.tmp-<host>.<pid space>-<pid>-<random>
-TMP = f".tmp-{pid_space()}-"
+# A build's folder: .<entry>.tmp-<host>.<pid namespace>-<pid>-<random>. Where a pid names one
+# process: this machine, and its pid namespace there (containers may share a host name)
+PID_NAMESPACE = "/proc/self/ns/pid"
+NAMESPACE_ID = os.stat(PID_NAMESPACE).st_ino if os.path.exists(PID_NAMESPACE) else 0
+TMP = f".tmp-{socket.gethostname()}.{NAMESPACE_ID}-"
 
 
 def remove_leftovers(folder: Path) -> None:
@@ -158,9 +147,9 @@ def remove_leftovers(folder: Path) -> None:
 def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
     """(the files with any text, their documents (blank ones left out), characters, the
     characters seen as a str (want_chars))."""
-    # ordered
-    kept = {}
-    n_docs = n_chars = 0
+    # each file's documents, in order
+    docs = Counter()
+    n_chars = 0
     seen = np.zeros(0x110000, dtype=bool)
     for path in files:
         for document in iter_documents(path, errors, field, progress):
@@ -171,13 +160,12 @@ def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
                 if want_chars:
                     seen[code_points(text)] = True
             if not blank:
-                kept[path] = True
-                n_docs += 1
+                docs[path] += 1
                 n_chars += n
-    if not kept:
+    if not docs:
         raise UserError(f"data file is empty: {files[0]}" if len(files) == 1 else
                         f"the data files are all empty ({len(files)} files, first {files[0]})")
-    return list(kept), n_docs, n_chars, "".join(map(chr, np.flatnonzero(seen)))
+    return list(docs), docs.total(), n_chars, "".join(map(chr, np.flatnonzero(seen)))
 
 
 # Cutting BPE input here changes no token: none of the gpt2 / cl100k / o200k / bpe:N
@@ -185,53 +173,36 @@ def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
 LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
-def pieces(documents, split_at: int, bpe: bool):
-    """The documents (iterables of str chunks) as (split, piece): the first split_at
+def batches(documents, split_at: int, bpe: bool):
+    """The documents (iterables of str chunks) as (split, [piece, ...]): the first split_at
     characters in "train", the rest in "val"; between documents a newline (char) or None
-    (BPE's end-of-text). A piece holds PIECE_CHARS to twice that, cut at LAST_SAFE_CUT."""
+    (BPE's end-of-text). A batch, what a worker encodes at once, ends once it holds
+    PIECE_CHARS (twice that at most): at its last LAST_SAFE_CUT, or where its last document
+    starts."""
     split, pos = "train", 0
-    # the next piece's chunks, of size characters
-    held, size = [], 0
+    # the batch's whole pieces, the chunks of its last one, and their characters
+    done, held, size = [], [], 0
     for i, document in enumerate(documents):
         if i and bpe:
-            if size:
-                yield split, "".join(held)
-            yield split, None
-            held, size = [], 0
+            done += ["".join(held), None]
+            held = []
         for text in chain(["\n"] if i and not bpe else [], document):
             if split == "train" and pos + len(text) >= split_at:
                 cut = split_at - pos
-                head, text = "".join(held) + text[:cut], text[cut:]
-                if head:
-                    yield split, head
-                split, held, size = "val", [], 0
+                yield split, done + ["".join(held) + text[:cut]]
+                text = text[cut:]
+                split, done, held, size = "val", [], [], 0
             pos += len(text)
             size += len(text)
             held.append(text)
             if size >= PIECE_CHARS:
                 buffer = "".join(held)
-                # no safe cut in a whole piece: cut anyway
+                # no safe cut: where the document starts, or (a whole piece) anyway
                 cut = LAST_SAFE_CUT.match(buffer) if bpe else None
-                end = cut.end() if cut else len(buffer)
-                yield split, buffer[:end]
-                held, size = [buffer[end:]], len(buffer) - end
-    if size:
-        yield split, "".join(held)
-
-
-def batches(text):
-    """(split, piece) pairs as (split, [piece, ...]) of PIECE_CHARS or more (fewer at a
-    split's end): what a worker encodes at once."""
-    batch, size, last = [], 0, None
-    for split, piece in text:
-        if batch and (split != last or size >= PIECE_CHARS):
-            yield last, batch
-            batch, size = [], 0
-        batch.append(piece)
-        size += len(piece or "")
-        last = split
-    if batch:
-        yield last, batch
+                end = cut.end() if cut else 0 if done else len(buffer)
+                yield split, done + [buffer[:end]]
+                done, held, size = [], [buffer[end:]], len(buffer) - end
+    yield split, done + ["".join(held)]
 
 
 def in_order(fn, items, workers: int, make_pool=ThreadPoolExecutor):
@@ -284,40 +255,32 @@ def exit_after(sentinel) -> None:
 
 def encode_batch(batch) -> tuple:
     """(split, ids, the pieces' UTF-8 bytes)"""
-    split, texts = batch
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    ids = tokenizer.encode_pieces(texts).astype(dtype, copy=False)
-    return split, ids, len("".join(filter(None, texts)).encode())
+    split, pieces = batch
+    return split, tokenizer.encode_pieces(pieces), len("".join(filter(None, pieces)).encode())
 
 
 def encode(text, tok, tmp: Path, workers: int) -> dict:
-    """Encode text's (split, piece) pairs a batch at a time on `workers` processes (1: this
-    one) into tmp/<split>.bin; their meta entries. Processes, not threads: tiktoken holds
-    Python's lock while it builds its lists of ids (on two cores two threads encode 1.4x as
-    fast as one, two processes 1.9x). They are forked: tok reaches them as it is, nothing is
-    imported again."""
+    """Encode text's (split, batch) pairs on `workers` processes (1: a thread) into
+    tmp/<split>.bin; their meta entries. Processes, not threads: tiktoken holds Python's lock
+    while it builds its lists of ids (docs/data.md). Forked: tok reaches them as it is."""
     global tokenizer
     tokenizer = tok
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tokens = dict.fromkeys(SPLITS, 0)
     nbytes = dict.fromkeys(SPLITS, 0)
-    low, high = tok.vocab_size, -1
+    low, high = tok.vocab_size, 0
     # fork is safe on Linux (macOS's system libraries are not made for it; Windows has none)
-    make_pool = worker_pool if sys.platform == "linux" else ThreadPoolExecutor
+    fork = workers > 1 and sys.platform == "linux"
+    results = in_order(encode_batch, text, workers, worker_pool if fork else ThreadPoolExecutor)
     with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
-        work = batches(text)
-        if workers > 1:
-            results = in_order(encode_batch, work, workers, make_pool)
-        else:
-            results = map(encode_batch, work)
         try:
             for split, ids, n in results:
                 file = train if split == "train" else val
                 file.write(ids.astype(dtype, copy=False).tobytes())
                 tokens[split] += len(ids)
                 nbytes[split] += n
-                low = min(low, int(ids.min()))
-                high = max(high, int(ids.max()))
+                low = int(ids.min(initial=low))
+                high = int(ids.max(initial=high))
         except BrokenProcessPool:
             raise UserError("an encoding worker process died (out of memory?): "
                             "--data.workers=1 encodes in this one") from None

@@ -39,19 +39,17 @@ def iter_text(path: Path, errors: str = "strict", progress=None,
     or with errors='replace' a U+FFFD."""
     # holds a character cut at a read's end
     decoder = codecs.getincrementaldecoder("utf-8")(errors)
-    reads = chunks(path, lambda f: f.read(READ_BYTES), progress)
     # bytes read before raw
     offset = 0
     try:
         # b"": the end, where a cut character is an error
-        for raw in chain(reads, [b""]):
+        for raw in chain(chunks(path, lambda f: f.read(READ_BYTES), progress), [b""]):
             held = len(decoder.getstate()[0])
             try:
                 text = decoder.decode(raw, final=not raw)
             except UnicodeDecodeError as e:
                 # e.object: the held bytes, then raw
-                byte = e.object[e.start]
-                raise not_utf8(path, byte, offset - held + e.start, hint) from None
+                raise not_utf8(path, e.object[e.start], offset - held + e.start, hint) from None
             if text:
                 yield text
             offset += len(raw)

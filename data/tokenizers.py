@@ -25,7 +25,7 @@ class CharTokenizer:
         self.stoi = {c: i for i, c in enumerate(chars)}
         # each code point's id, -1 outside the vocabulary
         self.table = np.full(0x110000, -1, dtype=np.int32)
-        self.table[[ord(c) for c in chars]] = np.arange(len(chars))
+        self.table[code_points(chars)] = np.arange(len(chars))
         # an empty prompt starts from a newline where the vocabulary has one
         self.start_token = self.stoi.get("\n", 0)
 
@@ -44,9 +44,7 @@ class CharTokenizer:
         ids = self.table[code_points(text)]
         if len(ids) and ids.min() < 0:
             unknown = sorted(set(text) - set(self.stoi))
-            shown = ", ".join(repr(c) for c in unknown[:10])
-            if len(unknown) > 10:
-                shown += " ..."
+            shown = ", ".join(map(repr, unknown[:10])) + " ..." * (len(unknown) > 10)
             raise UserError(f"{len(unknown)} character(s) not in the {self.vocab_size}-"
                             f"character vocabulary: {shown}")
         return ids
@@ -65,21 +63,11 @@ class CharTokenizer:
         return {"kind": "char", "chars": self.chars}
 
 
-def check_tokenizer_spec(spec: str) -> None:
-    """A UserError unless spec is char, bpe:N or a tiktoken encoding name."""
-    # these without importing tiktoken
-    if spec == "char" or bpe_vocab_size(spec) is not None:
-        return
-    from data.bpe import check_encoding
-    check_encoding(spec)
-
-
 def build_tokenizer(name: str, text: str | None = None):
     """A new tokenizer: 'char' (its vocabulary from text) or a tiktoken encoding name."""
     if name == "char":
         return CharTokenizer.from_text(text)
-    from data.bpe import TiktokenTokenizer
-    return TiktokenTokenizer.named(name)
+    return load_tokenizer({"kind": "tiktoken", "name": name})
 
 
 def load_tokenizer(meta: dict):
@@ -95,9 +83,7 @@ def load_tokenizer(meta: dict):
                             "missing or repeated")
         return CharTokenizer(chars)
     from data.bpe import TiktokenTokenizer, trained_bpe
-    if kind == "bpe":
-        return trained_bpe(meta)
-    return TiktokenTokenizer.named(meta["name"])
+    return trained_bpe(meta) if kind == "bpe" else TiktokenTokenizer.named(meta["name"])
 
 
 def bpe_vocab_size(spec: str) -> int | None:
