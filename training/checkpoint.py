@@ -16,7 +16,6 @@ import torch
 from common import UserError, atomic_write, first_line
 from loading import CKPT_RE, FORMAT, VERSION, list_checkpoints
 from training.config import FIELDS, flat, fmt, load_toml
-from training.optim import rekeyed
 
 # the files a run writes, besides its ckpt_<step>.pt
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
@@ -175,46 +174,12 @@ def to_host(obj, key=None):
     return obj
 
 
-def sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP holds model (DDP has no set_requires_gradient_sync)."""
-    return hasattr(model, "set_requires_gradient_sync")
-
-
-def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts as one process holds them: a checkpoint loads
-    anywhere. Under FSDP every rank calls it; rank 0's CPU gets the shards."""
-    if not sharded(model):
-        return model.state_dict(), optimizer.state_dict()
-    import torch.distributed.checkpoint.state_dict as dcp
-    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = dcp.get_model_state_dict(model, options=options)
-    # keyed by parameter name, empty but on rank 0 (a list: a lone optimizer is taken for
-    # a torch.optim one)
-    optim_state = dcp.get_optimizer_state_dict(model, [optimizer], options=options)
-    if not optim_state:
-        return model_state, optim_state
-    index = {}
-    return model_state, rekeyed(optim_state, lambda n: index.setdefault(n, len(index)))
-
-
-def load_full_state(model: torch.nn.Module, optimizer, model_state: dict,
-                    optim_state: dict) -> None:
-    """The inverse of full_state, on every rank: each keeps its own shards under FSDP."""
-    if not sharded(model):
-        model.load_state_dict(model_state)
-        return optimizer.load_state_dict(optim_state)
-    import torch.distributed.checkpoint.state_dict as dcp
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    full = dcp.StateDictOptions(full_state_dict=True)
-    dcp.set_model_state_dict(model, model_state, options=full)
-    by_name = rekeyed(optim_state, order.__getitem__)
-    dcp.set_optimizer_state_dict(model, [optimizer], by_name, options=full)
-
-
 def training_state(cfg, model, optimizer, scaler, loader, at) -> dict:
-    """A checkpoint's keys besides the run's progress (under FSDP every rank gathers)."""
-    model_state, optimizer_state = full_state(model, optimizer)
+    """A checkpoint's keys besides the run's progress (under torchrun every rank calls it)."""
+    if at.ddp:
+        model_state, optimizer_state = at.dist.full_state(model, optimizer)
+    else:
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
     # the generators dropout draws from: the CPU's, this process's GPU's
     cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
     rng = {"torch": torch.get_rng_state(), "cuda": cuda}
@@ -257,7 +222,11 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
     """Load the checkpoint into the run -> its progress."""
     rank, world = at.rank, at.world
     try:
-        load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
+        if at.ddp:
+            at.dist.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
+        else:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])

@@ -31,7 +31,7 @@ from model.device import autocast, dtype_name, fit_threads, pick_device, pick_dt
 from model.gpt import GPT, bits_per_byte, score
 from model.sampling import Choice, generate, prompt_ids
 from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
-                                 link_best, open_out_dir, restore, run_config, sharded,
+                                 link_best, open_out_dir, restore, run_config,
                                  training_state)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
@@ -342,8 +342,9 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
 
 
 def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
-    """Whether the next backward averages the gradients over the ranks."""
-    if sharded(module):
+    """Whether the next backward averages the gradients over the ranks (FSDP's setter, else
+    DDP's attribute)."""
+    if hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(sync)
     else:
         module.require_backward_grad_sync = sync
