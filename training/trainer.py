@@ -31,8 +31,7 @@ from model.device import autocast, dtype_name, fit_threads, pick_device, pick_dt
 from model.gpt import GPT, bits_per_byte, score
 from model.sampling import Choice, generate, prompt_ids
 from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
-                                 link_best, open_out_dir, restore, run_config,
-                                 training_state)
+                                 link_best, open_out_dir, restore, run_config, training_state)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
 
@@ -102,10 +101,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         if ckpt["step"] >= t.max_steps:
             return finished(cfg, ckpt, say, at)
     loader = data_loader(cfg, at)
-    meta = loader.meta
     if ckpt is not None:
-        check_same_text(ckpt, resume_from, cfg, meta, say)
-    tokenizer = fit_to_data(cfg, meta)
+        check_same_text(ckpt, resume_from, cfg, loader.meta, say)
+    tokenizer = fit_to_data(cfg, loader.meta)
 
     # ---- the model (the same initial weights on every rank), the optimizer, the step
     model = build_model(cfg, at, resumed=ckpt is not None)
@@ -125,7 +123,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     # ---- the run's first write
     metrics = Metrics(cfg if at.rank == 0 else None, run.step if resume_from else None)
     if at.rank == 0:
-        aside = open_run(cfg, overwrite, best, metrics)
+        aside = open_out_dir(out, overwrite, metrics.open)
+        if best is not None:
+            link_best(best)
+        atomic_write(out / "config.toml", describe(cfg))
         what = f"resuming {resume_from} at step {run.step}" if resume_from else "a new run"
         kept = f"; the earlier run is kept in {aside}" if aside else ""
         say(f"# {out}: {what} (every setting: {out / 'config.toml'}){kept}")
@@ -134,9 +135,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
 
     # ---- the loop
     tokens_per_step = t.global_batch(at.world) * cfg.model.block_size
-    # the last checkpoint's step, and the last step whose loss was read
+    # the last checkpoint's step
     saved = run.step if resume_from else None
-    checked = run.step
     clock = Clock(run)
     # the cores other processes keep busy, read again at each log line
     cpu = cpu_clock()
@@ -159,11 +159,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             if logged or stopping or sampled:
                 # .item() waits for the device: the steps have run, and the timing is true
                 loss_value, norm = loss.item(), grad_norm.item()
-                ms = clock.interval()
                 # fp16's scaler skips an inf gradient itself
                 norms = {} if scaler.is_enabled() else {"gradient norm": norm}
-                check_finite({"loss": loss_value} | norms, checked, step, saved)
-                checked = step
+                check_finite({"loss": loss_value} | norms, clock.since, step, saved)
+                ms = clock.interval()
                 rate = tokens_per_step * 1000 / ms
                 say(f"step {step:6d} | loss {loss_value:.4f} | lr {t.lr * lr:.2e} | "
                     f"{ms:7.1f} ms/step | {rate:,.0f} tok/s | ETA {clock.left(t.max_steps)}")
@@ -178,12 +177,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 # a stop alone saves at once: an evaluation can take a minute
                 if evaluated:
                     losses = evaluate(wrapped, loader, t.eval_iters, at)
-                    check_finite({f"{s} loss": v for s, v in losses.items()}, checked, step, saved)
-                    log_eval(say, metrics, meta, run, losses)
+                    check_finite({f"{s} loss": v for s, v in losses.items()}, clock.since, step,
+                                 saved)
+                    log_eval(say, metrics, loader.meta, run, losses)
                 state = training_state(cfg, model, optimizer, scaler, loader, at)
                 saver.save(state | asdict(run))
                 cfg.log.curves and saver.then(draw_curves, out, step)
-                saved, checked = step, step
+                saved = step
                 clock.pause()
             if sampled and at.rank == 0:
                 text = sample(model, tokenizer, t, at)
@@ -200,7 +200,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     say(last_line(run, t, signum, out, again))
     if at.ddp:
         at.dist.leave()
-    code = 128 + signum if stop or run.step < t.max_steps else 0
+    code = 128 + signum if signum else 0
     return {"step": run.step, "best_val_loss": run.best_val_loss, "elapsed_s": run.elapsed,
             "how": how, "intervals": clock.intervals, "exit_code": code}
 
@@ -224,19 +224,9 @@ def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
     return model
 
 
-def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
-    """The out dir, metrics.jsonl, wandb, config.toml, best.pt where the resumed checkpoint
-    was the best -> where --overwrite set the earlier run aside."""
-    out = Path(cfg.out_dir)
-    aside = open_out_dir(out, overwrite, metrics.open)
-    if best is not None:
-        link_best(best)
-    atomic_write(out / "config.toml", describe(cfg))
-    return aside
-
-
 class Clock:
-    """ms/step over each log interval (evaluations, saves and samples pause it); seconds."""
+    """ms/step over each log interval (evaluations, saves and samples pause it); seconds.
+    since: the step the interval began at, the last whose loss was read or evaluated."""
 
     def __init__(self, run: Progress):
         self.run, self.first_step, self.before = run, run.step, run.elapsed
@@ -246,14 +236,14 @@ class Clock:
         self.pause()
 
     def interval(self) -> float:
-        steps = self.run.step - self.interval_step
+        steps = self.run.step - self.since
         ms = (time.perf_counter() - self.interval_start) * 1000 / steps
         self.intervals.append((steps, ms))
         self.pause()
         return ms
 
     def pause(self) -> None:
-        self.interval_start, self.interval_step = time.perf_counter(), self.run.step
+        self.interval_start, self.since = time.perf_counter(), self.run.step
 
     def left(self, max_steps: int) -> str:
         pace = (time.perf_counter() - self.start) / (self.run.step - self.first_step)
