@@ -19,8 +19,7 @@ from training.config import FIELDS, flat, fmt, load_toml
 
 # the files a run writes, besides its ckpt_<step>.pt
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
-# a checkpoint's keys: what loading.py reads of a model, and what resuming needs besides
-FOR_USING = ("format", "version", "config", "tokenizer", "model", "step", "best_val_loss")
+# a checkpoint's keys that resuming needs, besides those loading.py reads of a model
 FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
                 "tokens", "is_best")
 
@@ -48,7 +47,7 @@ def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, che
     parent = next(p for p in (out, *out.parents) if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write the out dir {out}: {parent} is not a writable folder")
-    held = run_files(out) if out.is_dir() else []
+    held = run_files(out)
     # a run stopped before its first checkpoint (its config.toml this code's): no run to keep
     unsaved = not latest.is_file() and run and set(run) <= set(FIELDS) and "out_dir" in run
     if resume or overwrite or not held or unsaved:
@@ -79,7 +78,7 @@ def open_out_dir(out: Path, overwrite: bool, first_writes) -> Path | None:
     """Make out (--overwrite: after renaming an earlier run aside, returned), then
     first_writes(); a UserError there undoes it all."""
     made, aside = not out.exists(), None
-    if overwrite and out.is_dir() and run_files(out):
+    if overwrite and run_files(out):
         now = datetime.now(timezone.utc)
         aside = out.with_name(f"{out.name}.replaced-{now:%Y%m%d-%H%M%S.%f}")
         os.rename(out, aside)
@@ -124,8 +123,7 @@ class Saver(ThreadPoolExecutor):
         if self.out is None:
             return
         self.wait()
-        ckpt = {"format": FORMAT, "version": VERSION}
-        ckpt |= {k: state[k] for k in FOR_USING[2:] + FOR_RESUMING}
+        ckpt = {"format": FORMAT, "version": VERSION} | state
         self.then(save_checkpoint, to_host(ckpt), self.out, self.keep)
 
     def then(self, fn, *args) -> None:
@@ -199,11 +197,10 @@ def check_resumable(ckpt: dict, path, cfg) -> None:
     for key, value in now.items():
         kept = key.startswith("model.") or key == "data.tokenizer"
         # model.vocab_size = 0: the tokenizer's, whatever it is
-        if not kept or before.get(key) == value or (key == "model.vocab_size" and value == 0):
-            continue
-        raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(value)} now: "
-                        f"--resume goes on with the run's own model and tokenizer (another "
-                        f"--out_dir starts a new run)")
+        if kept and before.get(key) != value and (key, value) != ("model.vocab_size", 0):
+            raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(value)} now: "
+                            f"--resume goes on with the run's own model and tokenizer (another "
+                            f"--out_dir starts a new run)")
 
 
 def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
@@ -255,8 +252,7 @@ def why_unwritten(error: Exception) -> str:
             if limit != resource.RLIM_INFINITY:
                 return (f"it is larger than this process's file-size limit of {limit:,} "
                         f"bytes (ulimit -f; `ulimit -f unlimited` lifts it)")
-        return ("it is larger than its file system allows (FAT32: 4 GiB): write it to "
-                "another one")
+        return "it is larger than its file system allows (FAT32: 4 GiB): write it to another one"
     if isinstance(cause, OSError):
         return cause.strerror or str(cause)
     return f"{first_line(error, 80)}: is the disk full?"
