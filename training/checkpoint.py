@@ -5,9 +5,11 @@ curves.png. A folder holding a run is refused unless --resume, or --overwrite, w
 aside.
 """
 import errno
+import math
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -22,6 +24,17 @@ RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
 # a checkpoint's keys that resuming needs, besides those loading.py reads of a model
 FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
                 "tokens", "is_best")
+
+
+@dataclass
+class Progress:
+    """Where a run is, as its checkpoints record it."""
+    step: int = 0
+    tokens: int = 0
+    best_val_loss: float = math.inf
+    # seconds of training before this process (a resumed run's)
+    elapsed: float = 0.0
+    is_best: bool = False
 
 
 def run_files(out: Path) -> list[str]:
@@ -215,7 +228,7 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
             f"with the new text")
 
 
-def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
+def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> Progress:
     """Load the checkpoint into the run -> its progress."""
     rank, world = at.rank, at.world
     try:
@@ -238,7 +251,7 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
     # another number of processes: new dropout streams per rank
     if len(rngs) != world and rank:
         torch.manual_seed(ckpt["config"]["train"]["seed"] + 1000 * ckpt["step"] + rank)
-    return {k: ckpt[k] for k in ("step", "tokens", "best_val_loss", "elapsed")}
+    return Progress(ckpt["step"], ckpt["tokens"], ckpt["best_val_loss"], ckpt["elapsed"])
 
 
 def why_unwritten(error: Exception) -> str:

@@ -120,6 +120,12 @@ def gather(obj, group=None) -> list:
     return out
 
 
+def mean(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of tensor over the ranks, in place on every rank."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.div_(dist.get_world_size())
+
+
 def agreed_stop(signum: int, device: torch.device) -> int:
     """The signal that stops the run (0: none), the same on every rank: the largest any rank
     was sent (a Ctrl-C on one machine stops them all)."""

@@ -19,7 +19,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from common import (UserError, atomic_write, command, cpu_clock, duration, first_line, printer,
                     stop_after_step, typed)
@@ -30,27 +29,18 @@ from loading import read_checkpoint
 from model.device import autocast, dtype_name, fit_threads, pick_device, pick_dtype
 from model.gpt import GPT, bits_per_byte, score
 from model.sampling import Choice, generate, prompt_ids
-from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
-                                 link_best, open_out_dir, restore, run_config, training_state)
+from training.checkpoint import (Progress, Saver, check_out_dir, check_resumable,
+                                 check_same_text, link_best, open_out_dir, restore, run_config,
+                                 training_state)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
+from viz.curves import draw, read_records, run_panels
 
 # evaluations draw the same batches every time, whatever the training seed; samples likewise
 EVAL_SEED = 4242
 SAMPLE_SEED = 1337
 # a little below 1: the likelier tokens, without greedy decoding's loops
 SAMPLE_TEMPERATURE = 0.8
-
-
-@dataclass
-class Progress:
-    """Where a run is, as its checkpoints record it."""
-    step: int = 0
-    tokens: int = 0
-    best_val_loss: float = math.inf
-    # seconds of training before this process (a resumed run's)
-    elapsed: float = 0.0
-    is_best: bool = False
 
 
 @dataclass
@@ -111,9 +101,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     wrapped = at.dist.wrap(model, at.device, t.fsdp, t.seed) if at.ddp else model
     optimizer = build_optimizer(model, t, at.device)
     scaler = torch.amp.GradScaler(at.device.type, enabled=at.dtype == torch.float16)
-    run = Progress()
-    if ckpt is not None:
-        run = Progress(**restore(ckpt, resume_from, model, optimizer, scaler, loader, at))
+    run = restore(ckpt, resume_from, model, optimizer, scaler, loader, at) if ckpt else Progress()
     best = resume_from if ckpt is not None and ckpt["is_best"] else None
     was = ckpt and earlier_batch(ckpt)
     # copied into the model and optimizer: let it go
@@ -157,6 +145,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             stopping = asked if not at.ddp else logged and at.dist.agreed_stop(asked, at.device)
             # a sample of weights that a non-finite step touched would say nothing
             if logged or stopping or sampled:
+                # the loss of the whole global batch, the same on every rank
+                loss = at.dist.mean(loss) if at.ddp else loss
                 # .item() waits for the device: the steps have run, and the timing is true
                 loss_value, norm = loss.item(), grad_norm.item()
                 # fp16's scaler skips an inf gradient itself
@@ -303,8 +293,8 @@ def earlier_batch(ckpt: dict) -> tuple[int, int]:
 
 def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
                windows: torch.Tensor):
-    """One optimizer step on windows (grad_accum, B, T + 1) -> (mean loss, gradient norm), on
-    the device. wrapped: the model as called; ddp: the DDP or FSDP module, or None."""
+    """One optimizer step on windows (grad_accum, B, T + 1) -> (this rank's mean loss, gradient
+    norm), on the device. wrapped: the model as called; ddp: the DDP or FSDP module, or None."""
     accum = windows.size(0)
     loss_sum = torch.zeros((), device=windows.device)
     # one autocast region: each weight is cast once per step
@@ -317,9 +307,6 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
             _, loss = wrapped(x, y)
             loss_sum += loss.detach()
             scaler.scale(loss / accum).backward()
-    # the loss of the whole global batch, on every rank
-    if ddp is not None:
-        mean(loss_sum)
     scaler.unscale_(optimizer)
     clip = grad_clip if grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
@@ -338,12 +325,6 @@ def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
         module.set_requires_gradient_sync(sync)
     else:
         module.require_backward_grad_sync = sync
-
-
-def mean(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of tensor over the ranks, in place on every rank."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.div_(dist.get_world_size())
 
 
 def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
@@ -428,7 +409,7 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
         nats, count = score(wrapped, batches, autocast(at.device, at.dtype))
         if at.ddp and iters:
             both = torch.tensor([nats, count], dtype=torch.float64, device=at.device)
-            nats, count = mean(both).tolist()
+            nats, count = at.dist.mean(both).tolist()
         losses[split] = nats / count
     return losses
 
@@ -447,7 +428,6 @@ def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
 
 def draw_curves(out: Path, step: int) -> None:
     """curves.png: the run's losses so far."""
-    from viz.curves import draw, read_records, run_panels
     records = read_records(out / "metrics.jsonl", warn=False)
     atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {step}"))
 
@@ -492,7 +472,6 @@ class Metrics:
                             f"WANDB_MODE=offline") from None
         kept = []
         if self.resume_step is not None:
-            from viz.curves import read_records
             kept = [r for r in read_records(self.path) if r["step"] <= self.resume_step]
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
