@@ -43,8 +43,7 @@ def run_files(out: Path) -> list[str]:
     return sorted(n for n in names if n in RUN_FILES or CKPT_RE.match(n))
 
 
-def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, checkpoint=None,
-                  again="--resume"):
+def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, checkpoint, again):
     """The checkpoint a run on `data` continues (None: a new run), once out (whose config.toml
     says `run`) can take the run; a refusal names `again`, the command that continues it."""
     latest = (list_checkpoints(out) or [(0, out / "best.pt")])[-1][1]

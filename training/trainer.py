@@ -450,10 +450,10 @@ def sample(model: GPT, tokenizer, t, at: Place) -> str:
 # --- what a run says and records
 
 class Metrics:
-    """metrics.jsonl and wandb; Metrics(None) records nothing. Resumed at resume_step, later
-    records go: the resumed run logs them again."""
+    """metrics.jsonl and wandb (cfg None: nothing). Resumed at resume_step, later records go:
+    the resumed run logs them again."""
 
-    def __init__(self, cfg: Config | None, resume_step: int | None = None):
+    def __init__(self, cfg: Config | None, resume_step: int | None):
         self.cfg, self.resume_step, self.wandb = cfg, resume_step, None
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if cfg else None
 
