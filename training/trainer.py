@@ -34,7 +34,6 @@ from training.checkpoint import (Progress, Saver, check_out_dir, check_resumable
                                  training_state)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
-from viz.curves import draw, read_records, run_panels
 
 # evaluations draw the same batches every time, whatever the training seed; samples likewise
 EVAL_SEED = 4242
@@ -428,6 +427,7 @@ def log_eval(say, metrics, meta, run: Progress, losses: dict) -> None:
 
 def draw_curves(out: Path, step: int) -> None:
     """curves.png: the run's losses so far."""
+    from viz.curves import draw, read_records, run_panels
     records = read_records(out / "metrics.jsonl", warn=False)
     atomic_write(out / "curves.png", draw(run_panels(records), f"{out.name}: step {step}"))
 
@@ -472,6 +472,7 @@ class Metrics:
                             f"WANDB_MODE=offline") from None
         kept = []
         if self.resume_step is not None:
+            from viz.curves import read_records
             kept = [r for r in read_records(self.path) if r["step"] <= self.resume_step]
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
