@@ -117,8 +117,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         what = f"resuming {resume_from} at step {run.step}" if resume_from else "a new run"
         kept = f"; the earlier run is kept in {aside}" if aside else ""
         say(f"# {out}: {what} (every setting: {out / 'config.toml'}){kept}")
-        banner(say, cfg, stored if resume_from else {}, was, at.world)
-        say(shape(cfg, model, loader, at, how))
+        for line in banner(cfg, stored if resume_from else {}, was, at, model, loader, how):
+            say(line)
 
     # ---- the loop
     tokens_per_step = t.global_batch(at.world) * cfg.model.block_size
@@ -491,34 +491,28 @@ class Metrics:
             self.wandb.finish()
 
 
-def banner(say, cfg, stored: dict, was, world: int) -> None:
-    """The settings that are not the defaults, those changed since a resumed run's
-    config.toml (stored), a schedule that cannot work as meant."""
-    now, defaults = flat(cfg.to_dict()), flat(build_config().to_dict())
+def banner(cfg, stored: dict, was, at: Place, model, loader, how: str):
+    """The run's opening lines: the settings that are not the defaults, those changed since a
+    resumed run's config.toml (stored), a schedule that cannot work as meant, what runs where."""
+    t, now, defaults = cfg.train, flat(cfg.to_dict()), flat(build_config().to_dict())
     differ = [f"{k} = {fmt(v)}" for k, v in now.items()
               if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
-    say("# not the defaults: " + ("; ".join(differ) if differ else "none"))
+    yield "# not the defaults: " + ("; ".join(differ) if differ else "none")
     for key in [k for k in now if k in stored and stored[k] != now[k]]:
-        say(f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}")
-    t = cfg.train
-    if was and was[0] != t.global_batch(world):
-        say(resized(was, t, world, cfg.model.block_size))
+        yield f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}"
+    if was and was[0] != t.global_batch(at.world):
+        yield resized(was, t, at.world, cfg.model.block_size)
     if t.warmup_steps >= t.max_steps:
-        say(f"# note: train.warmup_steps = {t.warmup_steps} is not below train.max_steps = "
-            f"{t.max_steps}: the learning rate never reaches its peak nor decays (e.g. "
-            f"--train.warmup_steps={max(1, t.max_steps // 10)})")
-
-
-def shape(cfg, model, loader, at: Place, how: str) -> str:
-    """The banner's line of what runs, and where."""
-    t, device = cfg.train, at.device
+        yield (f"# note: train.warmup_steps = {t.warmup_steps} is not below train.max_steps = "
+               f"{t.max_steps}: the learning rate never reaches its peak nor decays (e.g. "
+               f"--train.warmup_steps={max(1, t.max_steps // 10)})")
     procs = f" x {at.world} processes ({'FSDP' if t.fsdp else 'DDP'})" if at.ddp else ""
     threads = torch.get_num_threads()
-    where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
+    where = f"cpu x {threads} thread{'s' * (threads > 1)}" if at.device.type == "cpu" else at.device
     tokens = t.global_batch(at.world) * cfg.model.block_size
     data = f"{loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})"
-    return (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | "
-            f"{where}, {dtype_name(at.dtype)}, {how}{procs} | {tokens:,} tokens/step | data {data}")
+    yield (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | "
+           f"{where}, {dtype_name(at.dtype)}, {how}{procs} | {tokens:,} tokens/step | data {data}")
 
 
 def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
