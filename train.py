@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
     elif checkpoint:
         rest.append(f"--out_dir={Path(checkpoint).resolve().parent}")
     cfg = build_config(config_file, rest, resume=bool(args.resume))
-    words = [str(Path(a).parent) if a == checkpoint else a for a in argv if a != "--overwrite"]
+    words = [str(Path(a).parent) if a == checkpoint else a
+             for a in argv if a != "--overwrite"]
     if not args.resume:
         words.append("--resume")
     again = command("train.py", *words)
@@ -67,7 +68,8 @@ def main(argv: list[str]) -> int:
         again = distributed.relaunch(*words)
         lost = distributed.lost_peer_line(cfg.out_dir, again)
     with lost:
-        result = train(cfg, bool(args.resume), args.overwrite, checkpoint=checkpoint, again=again)
+        result = train(cfg, bool(args.resume), args.overwrite, checkpoint=checkpoint,
+                       again=again)
         return result["exit_code"]
 
 

@@ -264,7 +264,8 @@ def why_unwritten(error: Exception) -> str:
             if limit != resource.RLIM_INFINITY:
                 return (f"it is larger than this process's file-size limit of {limit:,} "
                         f"bytes (ulimit -f; `ulimit -f unlimited` lifts it)")
-        return "it is larger than its file system allows (FAT32: 4 GiB): write it to another one"
+        return ("it is larger than its file system allows (FAT32: 4 GiB): write it to "
+                "another one")
     if isinstance(cause, OSError):
         return cause.strerror or str(cause)
     return f"{first_line(error, 80)}: is the disk full?"
