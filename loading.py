@@ -29,18 +29,6 @@ def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
     return sorted((int(m[1]), Path(out_dir) / n) for n in names if (m := CKPT_RE.match(n)))
 
 
-def find_checkpoint(path) -> Path:
-    """A checkpoint file as it is; a run's out dir -> its best.pt, else its latest ckpt_*.pt."""
-    path = Path(path)
-    if not path.is_dir():
-        return path
-    if (path / "best.pt").is_file():
-        return path / "best.pt"
-    if found := list_checkpoints(path):
-        return found[-1][1]
-    raise UserError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
-
-
 def read_checkpoint(path) -> dict:
     """A checkpoint file's dict, read as the top says."""
     # a run's path typed from another folder names the repository's
@@ -92,7 +80,13 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
         from hf.hub import load_gpt2
         model, tokenizer, description = load_gpt2(text)
         return LoadedModel(model.to(device), tokenizer, text, description)
-    path = find_checkpoint(path)
+    # a run's out dir: its best.pt, else its latest ckpt_*.pt
+    if path.is_dir():
+        best = path / "best.pt"
+        found = [(0, best)] if best.is_file() else list_checkpoints(path)
+        if not found:
+            raise UserError(f"no checkpoint (best.pt or ckpt_*.pt) in {path}")
+        path = found[-1][1]
     ckpt = read_checkpoint(path)
     # a tiktoken name whose files are missing is said as such
     tokenizer = load_tokenizer(ckpt["tokenizer"])

@@ -5,9 +5,11 @@ curves.png. A folder holding a run is refused unless --resume, or --overwrite, w
 aside.
 """
 import errno
+import math
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -16,14 +18,23 @@ import torch
 from common import UserError, atomic_write, first_line
 from loading import CKPT_RE, FORMAT, VERSION, list_checkpoints
 from training.config import FIELDS, flat, fmt, load_toml
-from training.optim import rekeyed
 
 # the files a run writes, besides its ckpt_<step>.pt
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
-# a checkpoint's keys: what loading.py reads of a model, and what resuming needs besides
-FOR_USING = ("format", "version", "config", "tokenizer", "model", "step", "best_val_loss")
+# a checkpoint's keys that resuming needs, besides those loading.py reads of a model
 FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
                 "tokens", "is_best")
+
+
+@dataclass
+class Progress:
+    """Where a run is, as its checkpoints record it."""
+    step: int = 0
+    tokens: int = 0
+    best_val_loss: float = math.inf
+    # seconds of training before this process (a resumed run's)
+    elapsed: float = 0.0
+    is_best: bool = False
 
 
 def run_files(out: Path) -> list[str]:
@@ -32,8 +43,7 @@ def run_files(out: Path) -> list[str]:
     return sorted(n for n in names if n in RUN_FILES or CKPT_RE.match(n))
 
 
-def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, checkpoint=None,
-                  again="--resume"):
+def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, checkpoint, again):
     """The checkpoint a run on `data` continues (None: a new run), once out (whose config.toml
     says `run`) can take the run; a refusal names `again`, the command that continues it."""
     latest = (list_checkpoints(out) or [(0, out / "best.pt")])[-1][1]
@@ -49,7 +59,7 @@ def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, che
     parent = next(p for p in (out, *out.parents) if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write the out dir {out}: {parent} is not a writable folder")
-    held = run_files(out) if out.is_dir() else []
+    held = run_files(out)
     # a run stopped before its first checkpoint (its config.toml this code's): no run to keep
     unsaved = not latest.is_file() and run and set(run) <= set(FIELDS) and "out_dir" in run
     if resume or overwrite or not held or unsaved:
@@ -80,7 +90,7 @@ def open_out_dir(out: Path, overwrite: bool, first_writes) -> Path | None:
     """Make out (--overwrite: after renaming an earlier run aside, returned), then
     first_writes(); a UserError there undoes it all."""
     made, aside = not out.exists(), None
-    if overwrite and out.is_dir() and run_files(out):
+    if overwrite and run_files(out):
         now = datetime.now(timezone.utc)
         aside = out.with_name(f"{out.name}.replaced-{now:%Y%m%d-%H%M%S.%f}")
         os.rename(out, aside)
@@ -125,8 +135,7 @@ class Saver(ThreadPoolExecutor):
         if self.out is None:
             return
         self.wait()
-        ckpt = {"format": FORMAT, "version": VERSION}
-        ckpt |= {k: state[k] for k in FOR_USING[2:] + FOR_RESUMING}
+        ckpt = {"format": FORMAT, "version": VERSION} | state
         self.then(save_checkpoint, to_host(ckpt), self.out, self.keep)
 
     def then(self, fn, *args) -> None:
@@ -175,46 +184,12 @@ def to_host(obj, key=None):
     return obj
 
 
-def sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP holds model (DDP has no set_requires_gradient_sync)."""
-    return hasattr(model, "set_requires_gradient_sync")
-
-
-def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts as one process holds them: a checkpoint loads
-    anywhere. Under FSDP every rank calls it; rank 0's CPU gets the shards."""
-    if not sharded(model):
-        return model.state_dict(), optimizer.state_dict()
-    import torch.distributed.checkpoint.state_dict as dcp
-    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = dcp.get_model_state_dict(model, options=options)
-    # keyed by parameter name, empty but on rank 0 (a list: a lone optimizer is taken for
-    # a torch.optim one)
-    optim_state = dcp.get_optimizer_state_dict(model, [optimizer], options=options)
-    if not optim_state:
-        return model_state, optim_state
-    index = {}
-    return model_state, rekeyed(optim_state, lambda n: index.setdefault(n, len(index)))
-
-
-def load_full_state(model: torch.nn.Module, optimizer, model_state: dict,
-                    optim_state: dict) -> None:
-    """The inverse of full_state, on every rank: each keeps its own shards under FSDP."""
-    if not sharded(model):
-        model.load_state_dict(model_state)
-        return optimizer.load_state_dict(optim_state)
-    import torch.distributed.checkpoint.state_dict as dcp
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    full = dcp.StateDictOptions(full_state_dict=True)
-    dcp.set_model_state_dict(model, model_state, options=full)
-    by_name = rekeyed(optim_state, order.__getitem__)
-    dcp.set_optimizer_state_dict(model, [optimizer], by_name, options=full)
-
-
 def training_state(cfg, model, optimizer, scaler, loader, at) -> dict:
-    """A checkpoint's keys besides the run's progress (under FSDP every rank gathers)."""
-    model_state, optimizer_state = full_state(model, optimizer)
+    """A checkpoint's keys besides the run's progress (under torchrun every rank calls it)."""
+    if at.ddp:
+        model_state, optimizer_state = at.dist.full_state(model, optimizer)
+    else:
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
     # the generators dropout draws from: the CPU's, this process's GPU's
     cuda = [torch.cuda.get_rng_state()] if torch.cuda.is_available() else []
     rng = {"torch": torch.get_rng_state(), "cuda": cuda}
@@ -234,11 +209,10 @@ def check_resumable(ckpt: dict, path, cfg) -> None:
     for key, value in now.items():
         kept = key.startswith("model.") or key == "data.tokenizer"
         # model.vocab_size = 0: the tokenizer's, whatever it is
-        if not kept or before.get(key) == value or (key == "model.vocab_size" and value == 0):
-            continue
-        raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(value)} now: "
-                        f"--resume goes on with the run's own model and tokenizer (another "
-                        f"--out_dir starts a new run)")
+        if kept and before.get(key) != value and (key, value) != ("model.vocab_size", 0):
+            raise UserError(f"{key}: {fmt(before.get(key))} in the run, {fmt(value)} now: "
+                            f"--resume goes on with the run's own model and tokenizer (another "
+                            f"--out_dir starts a new run)")
 
 
 def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
@@ -253,11 +227,15 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
             f"with the new text")
 
 
-def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
+def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> Progress:
     """Load the checkpoint into the run -> its progress."""
     rank, world = at.rank, at.world
     try:
-        load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
+        if at.ddp:
+            at.dist.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
+        else:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])
@@ -272,7 +250,7 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> dict:
     # another number of processes: new dropout streams per rank
     if len(rngs) != world and rank:
         torch.manual_seed(ckpt["config"]["train"]["seed"] + 1000 * ckpt["step"] + rank)
-    return {k: ckpt[k] for k in ("step", "tokens", "best_val_loss", "elapsed")}
+    return Progress(ckpt["step"], ckpt["tokens"], ckpt["best_val_loss"], ckpt["elapsed"])
 
 
 def why_unwritten(error: Exception) -> str:

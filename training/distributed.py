@@ -17,12 +17,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import ROOT, UserError, first_line, typed
 from loading import list_checkpoints
+from training.optim import rekeyed
 
 # how long processes wait for their leaders' data preparation
 LEADERS_TIMEOUT = timedelta(days=1)
@@ -76,7 +78,39 @@ def wrap(model: torch.nn.Module, device: torch.device, fsdp: bool, seed: int):
     return fully_shard(model, mesh=mesh)
 
 
+def sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP holds model (DDP has no set_requires_gradient_sync)."""
+    return hasattr(model, "set_requires_gradient_sync")
 
+
+def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts as one process holds them: a checkpoint loads
+    anywhere. Every rank calls it; under FSDP rank 0's CPU gets the shards."""
+    if not sharded(model):
+        return model.state_dict(), optimizer.state_dict()
+    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = dcp.get_model_state_dict(model, options=options)
+    # keyed by parameter name, empty but on rank 0 (a list: a lone optimizer is taken for
+    # a torch.optim one)
+    optim_state = dcp.get_optimizer_state_dict(model, [optimizer], options=options)
+    if not optim_state:
+        return model_state, optim_state
+    index = {}
+    return model_state, rekeyed(optim_state, lambda n: index.setdefault(n, len(index)))
+
+
+def load_full_state(model: torch.nn.Module, optimizer, model_state: dict,
+                    optim_state: dict) -> None:
+    """The inverse of full_state, on every rank: each keeps its own shards under FSDP."""
+    if not sharded(model):
+        model.load_state_dict(model_state)
+        return optimizer.load_state_dict(optim_state)
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    full = dcp.StateDictOptions(full_state_dict=True)
+    dcp.set_model_state_dict(model, model_state, options=full)
+    by_name = rekeyed(optim_state, order.__getitem__)
+    dcp.set_optimizer_state_dict(model, [optimizer], by_name, options=full)
 
 
 def gather(obj, group=None) -> list:
@@ -86,6 +120,10 @@ def gather(obj, group=None) -> list:
     return out
 
 
+def mean(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of tensor over the ranks, in place on every rank."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.div_(dist.get_world_size())
 
 
 def agreed_stop(signum: int, device: torch.device) -> int:

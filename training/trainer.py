@@ -19,7 +19,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from common import (UserError, atomic_write, command, cpu_clock, duration, first_line, printer,
                     stop_after_step, typed)
@@ -30,8 +29,8 @@ from loading import read_checkpoint
 from model.device import autocast, dtype_name, fit_threads, pick_device, pick_dtype
 from model.gpt import GPT, bits_per_byte, score
 from model.sampling import Choice, generate, prompt_ids
-from training.checkpoint import (Saver, check_out_dir, check_resumable, check_same_text,
-                                 link_best, open_out_dir, restore, run_config, sharded,
+from training.checkpoint import (Progress, Saver, check_out_dir, check_resumable,
+                                 check_same_text, link_best, open_out_dir, restore, run_config,
                                  training_state)
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
@@ -41,17 +40,6 @@ EVAL_SEED = 4242
 SAMPLE_SEED = 1337
 # a little below 1: the likelier tokens, without greedy decoding's loops
 SAMPLE_TEMPERATURE = 0.8
-
-
-@dataclass
-class Progress:
-    """Where a run is, as its checkpoints record it."""
-    step: int = 0
-    tokens: int = 0
-    best_val_loss: float = math.inf
-    # seconds of training before this process (a resumed run's)
-    elapsed: float = 0.0
-    is_best: bool = False
 
 
 @dataclass
@@ -102,10 +90,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         if ckpt["step"] >= t.max_steps:
             return finished(cfg, ckpt, say, at)
     loader = data_loader(cfg, at)
-    meta = loader.meta
     if ckpt is not None:
-        check_same_text(ckpt, resume_from, cfg, meta, say)
-    tokenizer = fit_to_data(cfg, meta)
+        check_same_text(ckpt, resume_from, cfg, loader.meta, say)
+    tokenizer = fit_to_data(cfg, loader.meta)
 
     # ---- the model (the same initial weights on every rank), the optimizer, the step
     model = build_model(cfg, at, resumed=ckpt is not None)
@@ -113,9 +100,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     wrapped = at.dist.wrap(model, at.device, t.fsdp, t.seed) if at.ddp else model
     optimizer = build_optimizer(model, t, at.device)
     scaler = torch.amp.GradScaler(at.device.type, enabled=at.dtype == torch.float16)
-    run = Progress()
-    if ckpt is not None:
-        run = Progress(**restore(ckpt, resume_from, model, optimizer, scaler, loader, at))
+    run = restore(ckpt, resume_from, model, optimizer, scaler, loader, at) if ckpt else Progress()
     best = resume_from if ckpt is not None and ckpt["is_best"] else None
     was = ckpt and earlier_batch(ckpt)
     # copied into the model and optimizer: let it go
@@ -125,18 +110,20 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     # ---- the run's first write
     metrics = Metrics(cfg if at.rank == 0 else None, run.step if resume_from else None)
     if at.rank == 0:
-        aside = open_run(cfg, overwrite, best, metrics)
+        aside = open_out_dir(out, overwrite, metrics.open)
+        if best is not None:
+            link_best(best)
+        atomic_write(out / "config.toml", describe(cfg))
         what = f"resuming {resume_from} at step {run.step}" if resume_from else "a new run"
         kept = f"; the earlier run is kept in {aside}" if aside else ""
         say(f"# {out}: {what} (every setting: {out / 'config.toml'}){kept}")
-        banner(say, cfg, stored if resume_from else {}, was, at.world)
-        say(shape(cfg, model, loader, at, how))
+        for line in banner(cfg, stored if resume_from else {}, was, at, model, loader, how):
+            say(line)
 
     # ---- the loop
     tokens_per_step = t.global_batch(at.world) * cfg.model.block_size
-    # the last checkpoint's step, and the last step whose loss was read
+    # the last checkpoint's step
     saved = run.step if resume_from else None
-    checked = run.step
     clock = Clock(run)
     # the cores other processes keep busy, read again at each log line
     cpu = cpu_clock()
@@ -157,13 +144,14 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             stopping = asked if not at.ddp else logged and at.dist.agreed_stop(asked, at.device)
             # a sample of weights that a non-finite step touched would say nothing
             if logged or stopping or sampled:
+                # the loss of the whole global batch, the same on every rank
+                loss = at.dist.mean(loss) if at.ddp else loss
                 # .item() waits for the device: the steps have run, and the timing is true
                 loss_value, norm = loss.item(), grad_norm.item()
-                ms = clock.interval()
                 # fp16's scaler skips an inf gradient itself
                 norms = {} if scaler.is_enabled() else {"gradient norm": norm}
-                check_finite({"loss": loss_value} | norms, checked, step, saved)
-                checked = step
+                check_finite({"loss": loss_value} | norms, clock.since, step, saved)
+                ms = clock.interval()
                 rate = tokens_per_step * 1000 / ms
                 say(f"step {step:6d} | loss {loss_value:.4f} | lr {t.lr * lr:.2e} | "
                     f"{ms:7.1f} ms/step | {rate:,.0f} tok/s | ETA {clock.left(t.max_steps)}")
@@ -178,12 +166,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
                 # a stop alone saves at once: an evaluation can take a minute
                 if evaluated:
                     losses = evaluate(wrapped, loader, t.eval_iters, at)
-                    check_finite({f"{s} loss": v for s, v in losses.items()}, checked, step, saved)
-                    log_eval(say, metrics, meta, run, losses)
+                    check_finite({f"{s} loss": v for s, v in losses.items()}, clock.since, step,
+                                 saved)
+                    log_eval(say, metrics, loader.meta, run, losses)
                 state = training_state(cfg, model, optimizer, scaler, loader, at)
                 saver.save(state | asdict(run))
                 cfg.log.curves and saver.then(draw_curves, out, step)
-                saved, checked = step, step
+                saved = step
                 clock.pause()
             if sampled and at.rank == 0:
                 text = sample(model, tokenizer, t, at)
@@ -200,7 +189,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
     say(last_line(run, t, signum, out, again))
     if at.ddp:
         at.dist.leave()
-    code = 128 + signum if stop or run.step < t.max_steps else 0
+    code = 128 + signum if signum else 0
     return {"step": run.step, "best_val_loss": run.best_val_loss, "elapsed_s": run.elapsed,
             "how": how, "intervals": clock.intervals, "exit_code": code}
 
@@ -224,19 +213,9 @@ def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
     return model
 
 
-def open_run(cfg: Config, overwrite: bool, best, metrics) -> Path | None:
-    """The out dir, metrics.jsonl, wandb, config.toml, best.pt where the resumed checkpoint
-    was the best -> where --overwrite set the earlier run aside."""
-    out = Path(cfg.out_dir)
-    aside = open_out_dir(out, overwrite, metrics.open)
-    if best is not None:
-        link_best(best)
-    atomic_write(out / "config.toml", describe(cfg))
-    return aside
-
-
 class Clock:
-    """ms/step over each log interval (evaluations, saves and samples pause it); seconds."""
+    """ms/step over each log interval (evaluations, saves and samples pause it); seconds.
+    since: the step the interval began at, the last whose loss was read or evaluated."""
 
     def __init__(self, run: Progress):
         self.run, self.first_step, self.before = run, run.step, run.elapsed
@@ -246,14 +225,14 @@ class Clock:
         self.pause()
 
     def interval(self) -> float:
-        steps = self.run.step - self.interval_step
+        steps = self.run.step - self.since
         ms = (time.perf_counter() - self.interval_start) * 1000 / steps
         self.intervals.append((steps, ms))
         self.pause()
         return ms
 
     def pause(self) -> None:
-        self.interval_start, self.interval_step = time.perf_counter(), self.run.step
+        self.interval_start, self.since = time.perf_counter(), self.run.step
 
     def left(self, max_steps: int) -> str:
         pace = (time.perf_counter() - self.start) / (self.run.step - self.first_step)
@@ -313,8 +292,8 @@ def earlier_batch(ckpt: dict) -> tuple[int, int]:
 
 def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
                windows: torch.Tensor):
-    """One optimizer step on windows (grad_accum, B, T + 1) -> (mean loss, gradient norm), on
-    the device. wrapped: the model as called; ddp: the DDP or FSDP module, or None."""
+    """One optimizer step on windows (grad_accum, B, T + 1) -> (this rank's mean loss, gradient
+    norm), on the device. wrapped: the model as called; ddp: the DDP or FSDP module, or None."""
     accum = windows.size(0)
     loss_sum = torch.zeros((), device=windows.device)
     # one autocast region: each weight is cast once per step
@@ -327,9 +306,6 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
             _, loss = wrapped(x, y)
             loss_sum += loss.detach()
             scaler.scale(loss / accum).backward()
-    # the loss of the whole global batch, on every rank
-    if ddp is not None:
-        mean(loss_sum)
     scaler.unscale_(optimizer)
     clip = grad_clip if grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
@@ -342,17 +318,12 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
 
 
 def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
-    """Whether the next backward averages the gradients over the ranks."""
-    if sharded(module):
+    """Whether the next backward averages the gradients over the ranks (FSDP's setter, else
+    DDP's attribute)."""
+    if hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(sync)
     else:
         module.require_backward_grad_sync = sync
-
-
-def mean(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of tensor over the ranks, in place on every rank."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.div_(dist.get_world_size())
 
 
 def build_step(wrapped, optimizer, scaler, loader, at: Place, t, say):
@@ -437,7 +408,7 @@ def evaluate(wrapped, loader: BatchLoader, iters: int, at: Place) -> dict:
         nats, count = score(wrapped, batches, autocast(at.device, at.dtype))
         if at.ddp and iters:
             both = torch.tensor([nats, count], dtype=torch.float64, device=at.device)
-            nats, count = mean(both).tolist()
+            nats, count = at.dist.mean(both).tolist()
         losses[split] = nats / count
     return losses
 
@@ -479,10 +450,10 @@ def sample(model: GPT, tokenizer, t, at: Place) -> str:
 # --- what a run says and records
 
 class Metrics:
-    """metrics.jsonl and wandb; Metrics(None) records nothing. Resumed at resume_step, later
-    records go: the resumed run logs them again."""
+    """metrics.jsonl and wandb (cfg None: nothing). Resumed at resume_step, later records go:
+    the resumed run logs them again."""
 
-    def __init__(self, cfg: Config | None, resume_step: int | None = None):
+    def __init__(self, cfg: Config | None, resume_step: int | None):
         self.cfg, self.resume_step, self.wandb = cfg, resume_step, None
         self.path = Path(cfg.out_dir) / "metrics.jsonl" if cfg else None
 
@@ -520,34 +491,28 @@ class Metrics:
             self.wandb.finish()
 
 
-def banner(say, cfg, stored: dict, was, world: int) -> None:
-    """The settings that are not the defaults, those changed since a resumed run's
-    config.toml (stored), a schedule that cannot work as meant."""
-    now, defaults = flat(cfg.to_dict()), flat(build_config().to_dict())
+def banner(cfg, stored: dict, was, at: Place, model, loader, how: str):
+    """The run's opening lines: the settings that are not the defaults, those changed since a
+    resumed run's config.toml (stored), a schedule that cannot work as meant, what runs where."""
+    t, now, defaults = cfg.train, flat(cfg.to_dict()), flat(build_config().to_dict())
     differ = [f"{k} = {fmt(v)}" for k, v in now.items()
               if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]
-    say("# not the defaults: " + ("; ".join(differ) if differ else "none"))
+    yield "# not the defaults: " + ("; ".join(differ) if differ else "none")
     for key in [k for k in now if k in stored and stored[k] != now[k]]:
-        say(f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}")
-    t = cfg.train
-    if was and was[0] != t.global_batch(world):
-        say(resized(was, t, world, cfg.model.block_size))
+        yield f"# resuming with {key}: {fmt(stored[key])} -> {fmt(now[key])}"
+    if was and was[0] != t.global_batch(at.world):
+        yield resized(was, t, at.world, cfg.model.block_size)
     if t.warmup_steps >= t.max_steps:
-        say(f"# note: train.warmup_steps = {t.warmup_steps} is not below train.max_steps = "
-            f"{t.max_steps}: the learning rate never reaches its peak nor decays (e.g. "
-            f"--train.warmup_steps={max(1, t.max_steps // 10)})")
-
-
-def shape(cfg, model, loader, at: Place, how: str) -> str:
-    """The banner's line of what runs, and where."""
-    t, device = cfg.train, at.device
+        yield (f"# note: train.warmup_steps = {t.warmup_steps} is not below train.max_steps = "
+               f"{t.max_steps}: the learning rate never reaches its peak nor decays (e.g. "
+               f"--train.warmup_steps={max(1, t.max_steps // 10)})")
     procs = f" x {at.world} processes ({'FSDP' if t.fsdp else 'DDP'})" if at.ddp else ""
     threads = torch.get_num_threads()
-    where = f"cpu x {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else device
+    where = f"cpu x {threads} thread{'s' * (threads > 1)}" if at.device.type == "cpu" else at.device
     tokens = t.global_batch(at.world) * cfg.model.block_size
     data = f"{loader.dataset_dir} ({'on the device' if loader.resident else 'memory-mapped'})"
-    return (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | "
-            f"{where}, {dtype_name(at.dtype)}, {how}{procs} | {tokens:,} tokens/step | data {data}")
+    yield (f"# {model.num_params() / 1e6:.2f}M parameters, vocab {cfg.model.vocab_size:,} | "
+           f"{where}, {dtype_name(at.dtype)}, {how}{procs} | {tokens:,} tokens/step | data {data}")
 
 
 def resized(was: tuple[int, int], t, world: int, block_size: int) -> str:
