@@ -142,7 +142,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
     if decoding.use_cache and decoding.speed_up:
         decoder.run = decoding.speed_up(decoder.run, decoder)
     # filled: positions cached; i: tokens yielded
-    tokens, filled, i, checked = idx, 0, 0, 0
+    tokens, filled, i = idx, 0, 0
     while i < max_new_tokens:
         if decoder.cache is None or filled in (0, block):
             keep = min(tokens.size(1), block if filled == 0 else max(1, block // 2))
@@ -157,19 +157,11 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
         finite[i:i + n] = ok
         for column in tokens[:, -n:].split(1, dim=1):
             i += 1
-            if i % check_every == 0 or i == max_new_tokens:
-                check_finite(finite, checked, i)
-                checked = i
+            if (i % check_every == 0 or i == max_new_tokens) and not finite[:i].all():
+                first = int((~finite).nonzero()[0, 0]) + 1
+                raise UserError(f"the model's logits are not finite at new token {first}: "
+                                "its weights are damaged or the model diverged")
             yield column
-
-
-def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
-    """A UserError naming the first of new tokens start..end-1 with a flag down."""
-    window = flags[start:end]
-    if not window.all():
-        first = start + int((~window).nonzero()[0, 0]) + 1
-        raise UserError(f"the model's logits are not finite at new token {first}: "
-                        "its weights are damaged or the model diverged")
 
 
 def prompt_ids(tokenizer, text: str, block_size: int, doing: str) -> list[int]:
