@@ -155,6 +155,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
         n = new.size(1)
         tokens = torch.cat([tokens, new], dim=1)[:, -block:]
         finite[i:i + n] = ok
+        # tokens' copies: a CUDA graph's replay overwrites the new ids it returned before
         for column in tokens[:, -n:].split(1, dim=1):
             i += 1
             if (i % check_every == 0 or i == max_new_tokens) and not finite[:i].all():
