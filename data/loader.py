@@ -142,7 +142,7 @@ class BatchLoader:
         # integers: float32 offsets of a long split could pass its end
         count = max(2, round(-(-(len(val) - 1) // T) * EVAL_TRAIN_SHARE))
         span = len(self.mapped["train"]) - T - 1
-        starts = torch.arange(count) * span // max(count - 1, 1)
+        starts = torch.arange(count) * span // (count - 1)
         windows = map(partial(self.windows, "train"), starts.split(per_batch))
         return ((w[:, :-1], w[:, 1:]) for w in windows)
 
