@@ -31,10 +31,8 @@ def first_line(error: BaseException, limit: int = 160) -> str:
 
 def silence_stdout() -> None:
     """Print nothing more: a stdout whose reader is gone (`| head`) stops the printing only."""
-    try:
+    with suppress(OSError, ValueError, AttributeError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
 
 
 def printer(enabled: bool):
