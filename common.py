@@ -132,9 +132,7 @@ def out_of_memory(e: BaseException) -> bool:
 
 
 def verdict(error: BaseException) -> tuple[int, str] | None:
-    """(exit code, one line) for what a user or the machine can cause; None for a bug. A stop
-    is a signal in STOPS, or a KeyboardInterrupt among the error's causes (a Ctrl-C in Python's
-    own code can come out as another error)."""
+    """(exit code, one line) for what a user or the machine can cause; None for a bug."""
     # the error, the one it was raised from or while handling, and so on down
     chain, cause = [], error
     while cause is not None and cause not in chain:
@@ -142,6 +140,7 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
         cause = cause.__cause__ or cause.__context__
     if isinstance(error, UserError):
         return 2, f"error: {error}"
+    # a stop: a signal stop_here got, or a Ctrl-C that Python's own code made another error
     if STOPS or any(isinstance(e, KeyboardInterrupt) for e in chain):
         return stop_line(STOPS[-1] if STOPS else signal.SIGINT)
     if isinstance(error, OSError):
@@ -169,8 +168,7 @@ def run_cli(main, argv: list[str]) -> int:
         sys.stdout.reconfigure(errors="replace")
     STOPS.clear()
     try:
-        # a stop is a KeyboardInterrupt the command cleans up after; then the handlers it ran
-        # under are back (a command's: a stop while Python shuts down is its line)
+        # after, the handlers it found (a command's: a stop while Python shuts down is its line)
         with handling(stop_here, lambda h: h is quit_now or h in DEFAULTS):
             return main(argv)
     except BrokenPipeError:
