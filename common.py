@@ -31,10 +31,8 @@ def first_line(error: BaseException, limit: int = 160) -> str:
 
 def silence_stdout() -> None:
     """Print nothing more: a stdout whose reader is gone (`| head`) stops the printing only."""
-    try:
+    with suppress(OSError, ValueError, AttributeError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):
-        pass
 
 
 def printer(enabled: bool):
@@ -51,17 +49,26 @@ def printer(enabled: bool):
 # SIGINT and SIGTERM as a command goes: while it starts (imports torch) quit_now, once it runs
 # (run_cli) stop_here, in the training loop stop_after_step's; STOPS: the signals stop_here got
 STOPS = []
+# Python's own handlers, which a command replaces
+DEFAULTS = (signal.default_int_handler, signal.SIG_DFL)
 
 
-def swap_handlers(handler, when) -> dict:
-    """handler for SIGINT and SIGTERM where when(the handler now) holds, in the main thread
-    (the only one that can set them): {signal: its handler before}."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    for s in [s for s, h in before.items() if when(h)]:
-        signal.signal(s, handler)
-    return before
+@contextmanager
+def handling(handler, when):
+    """Inside, handler for SIGINT and SIGTERM where when(the handler before) holds, in the main
+    thread (the only one that can set them)."""
+    swapped = {}
+    if threading.current_thread() is threading.main_thread():
+        for stop in (signal.SIGINT, signal.SIGTERM):
+            if when(before := signal.getsignal(stop)):
+                swapped[stop] = before
+                signal.signal(stop, handler)
+    try:
+        yield
+    finally:
+        for stop, before in swapped.items():
+            # None: a handler that was not set from Python
+            signal.signal(stop, before if before is not None else signal.SIG_DFL)
 
 
 def stop_line(signum: int) -> tuple[int, str]:
@@ -84,11 +91,21 @@ def stop_here(signum, frame):
     raise KeyboardInterrupt
 
 
+# the repository: runs go to its out/ wherever a command runs
+ROOT = Path(__file__).resolve().parent
+# A command (a script of the repository) imports this module first: while it starts, a stop is
+# its line at once. A program of the user's that imports the project keeps Python's handlers.
+if Path(getattr(sys.modules["__main__"], "__file__", None) or "/").resolve().parent in (
+        ROOT, ROOT / "data"):
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(stop) in DEFAULTS:
+            signal.signal(stop, quit_now)
+
+
 @contextmanager
 def stop_after_step(loud: bool = True):
     """Inside, a signal asks for a stop (the yielded list gets it), which the loop acts on after
-    its step; a second one exits at once. Said on stderr when loud by os.write: a print()
-    could land inside one it cut short."""
+    its step; a second one exits at once. Said on stderr when loud (os.write: see quit_now)."""
     asked = []
 
     def ask(signum, frame):
@@ -101,31 +118,8 @@ def stop_after_step(loud: bool = True):
         if len(asked) > 1:
             os._exit(128 + signum)
     # a signal the shell ignores (`cmd &`) stays so
-    before = swap_handlers(ask, lambda h: h is not signal.SIG_IGN)
-    try:
+    with handling(ask, lambda h: h is not signal.SIG_IGN):
         yield asked
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-
-def stopped(error: BaseException) -> tuple[int, str] | None:
-    """(exit code, line) of a stop: a signal in STOPS, or a KeyboardInterrupt among the
-    error's causes (a Ctrl-C in Python's own code can come out as another error)."""
-    if STOPS or any(isinstance(e, KeyboardInterrupt) for e in causes(error)):
-        return stop_line(STOPS[-1] if STOPS else signal.SIGINT)
-    return None
-
-
-
-
-def causes(error: BaseException) -> list[BaseException]:
-    """error, the error it was raised from or while handling, and so on down."""
-    chain = []
-    while error is not None and error not in chain:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    return chain
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -139,15 +133,20 @@ def out_of_memory(e: BaseException) -> bool:
 
 def verdict(error: BaseException) -> tuple[int, str] | None:
     """(exit code, one line) for what a user or the machine can cause; None for a bug."""
+    # the error, the one it was raised from or while handling, and so on down
+    chain, cause = [], error
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
     if isinstance(error, UserError):
         return 2, f"error: {error}"
-    if said := stopped(error):
-        return said
+    # a stop: a signal stop_here got, or a Ctrl-C that Python's own code made another error
+    if STOPS or any(isinstance(e, KeyboardInterrupt) for e in chain):
+        return stop_line(STOPS[-1] if STOPS else signal.SIGINT)
     if isinstance(error, OSError):
         # a full disk, a read-only folder, a file that went away
         where = f": {error.filename}" if error.filename else ""
         return 2, f"error: {error.strerror or error}{where}"
-    chain = causes(error)
     memory = [e for e in chain if out_of_memory(e)]
     if not memory:
         return None
@@ -168,11 +167,10 @@ def run_cli(main, argv: list[str]) -> int:
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     STOPS.clear()
-    before = {}
     try:
-        # the command runs: a stop is a KeyboardInterrupt from here on, which it cleans up after
-        before = swap_handlers(stop_here, lambda h: h is quit_now or h in DEFAULTS)
-        return main(argv)
+        # after, the handlers it found (a command's: a stop while Python shuts down is its line)
+        with handling(stop_here, lambda h: h is quit_now or h in DEFAULTS):
+            return main(argv)
     except BrokenPipeError:
         # `python sample.py ... | head`
         silence_stdout()
@@ -182,10 +180,6 @@ def run_cli(main, argv: list[str]) -> int:
         if said is None:
             raise
         code, message = said
-    finally:
-        # the handlers it ran under (a command's: a stop while Python shuts down is its line)
-        for stop, handler in before.items():
-            signal.signal(stop, handler)
     print(message, file=sys.stderr)
     return code
 
@@ -203,15 +197,6 @@ def setting(default, help: str, **bounds):
     return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
-# the repository: runs go to its out/ wherever a command runs
-ROOT = Path(__file__).resolve().parent
-# Python's own handlers, which a command replaces
-DEFAULTS = (signal.default_int_handler, signal.SIG_DFL)
-# A command (a script of the repository) imports this module first: while it starts, a stop is
-# its line at once. A program of the user's that imports the project keeps Python's handlers.
-if Path(getattr(sys.modules["__main__"], "__file__", None) or "/").resolve().parent in (
-        ROOT, ROOT / "data"):
-    swap_handlers(quit_now, lambda h: h in DEFAULTS)
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 

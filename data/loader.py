@@ -2,6 +2,7 @@
 on the device if it takes under a quarter of its free memory, else memory-mapped. Every rank
 draws the global batch from one generator and keeps its own windows.
 """
+import itertools
 import os
 import sys
 import zlib
@@ -30,22 +31,18 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
     the first once (y = -1: context only): window k starts at k * stride and scores its
     last `stride` targets (the first, all)."""
     n = len(tokens)
-    # a later window's first targets, not scored
-    context = block_size - stride
     last = max(0, -(-(n - 1 - block_size) // stride))
     starts = np.arange(last + 1) * stride
     full = starts[starts + block_size < n]
-    for i in range(0, len(full), batch_size):
-        begin = full[i:i + batch_size]
-        index = begin[:, None] + np.arange(block_size + 1)
-        w = torch.from_numpy(tokens[index].astype(np.int64))
+    batches = (full[i:i + batch_size] for i in range(0, len(full), batch_size))
+    windows = ((b, tokens[b[:, None] + np.arange(block_size + 1)]) for b in batches)
+    # the last window, shorter: the text's end
+    short = [(starts[-1:], tokens[starts[-1]:][None])] if len(full) < len(starts) else []
+    for begin, w in itertools.chain(windows, short):
+        w = torch.from_numpy(w.astype(np.int64))
         y = w[:, 1:].clone()
-        y[torch.from_numpy(begin > 0), :context] = -1
-        yield w[:, :-1], y
-    if len(full) < len(starts):
-        w = torch.from_numpy(tokens[starts[-1]:].astype(np.int64))[None]
-        y = w[:, 1:].clone()
-        y[:, :context if starts[-1] > 0 else 0] = -1
+        # a later window's first targets, not scored
+        y[torch.from_numpy(begin > 0), :block_size - stride] = -1
         yield w[:, :-1], y
 
 
@@ -69,10 +66,9 @@ class Share(NamedTuple):
 class BatchLoader:
     def __init__(self, dataset_dir: Path, block_size: int, batch_size: int, seed: int = 0,
                  device="cpu", share: Share = Share()):
-        meta = load_meta(dataset_dir)
+        self.meta = meta = load_meta(dataset_dir)
         check_split_sizes(meta["tokens"], block_size)
         self.dataset_dir = Path(dataset_dir)
-        self.meta = meta
         self.vocab_size = meta["vocab_size"]
         self.block_size = block_size
         self.batch_size = batch_size
@@ -87,11 +83,8 @@ class BatchLoader:
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.all_reduce(fits, torch.distributed.ReduceOp.MIN)
         self.resident = bool(fits)
-        self.splits = self.mapped
-        if self.resident:
-            self.splits = {split: self.copy_to_device(split) for split in SPLITS}
-        generator_device = self.device if self.resident else "cpu"
-        self.generator = torch.Generator(generator_device).manual_seed(seed)
+        self.splits = {s: self.copy_to_device(s) for s in SPLITS} if self.resident else self.mapped
+        self.generator = torch.Generator(self.device if self.resident else "cpu").manual_seed(seed)
 
     def copy_to_device(self, split: str) -> torch.Tensor:
         """The split as int32 on the device (no uint16 arithmetic in torch), ids checked."""
@@ -149,7 +142,7 @@ class BatchLoader:
         # integers: float32 offsets of a long split could pass its end
         count = max(2, round(-(-(len(val) - 1) // T) * EVAL_TRAIN_SHARE))
         span = len(self.mapped["train"]) - T - 1
-        starts = torch.arange(count) * span // max(count - 1, 1)
+        starts = torch.arange(count) * span // (count - 1)
         windows = map(partial(self.windows, "train"), starts.split(per_batch))
         return ((w[:, :-1], w[:, 1:]) for w in windows)
 

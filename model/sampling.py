@@ -17,9 +17,6 @@ from model.gpt import GPT, InferenceCache
 
 # the smallest normal float32
 TINY = torch.finfo(torch.float32).tiny
-# Tokens per run, one CUDA graph replay: 16 tokens share its launch and Python's turn of the
-# loop, and 16 divides the half block a slide leaves when block_size is 2^n >= 32.
-TOKENS_PER_RUN = 16
 
 
 @dataclass(frozen=True)
@@ -61,15 +58,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
         logits = logits.masked_fill(drop, float("-inf"))
     probs = F.softmax(logits, dim=-1)
     if noise is None:
-        noise = draw_noise(torch.empty_like(probs))
+        noise = torch.empty_like(probs).exponential_()
     # The exponential race: the smallest E_i / p_i is the i-th with probability p_i, as
     # torch.multinomial draws, in ops that compile. The clamp: a draw of 0 would make 0 / 0.
     return (probs / noise.clamp_min(TINY)).argmax(dim=-1, keepdim=True)
-
-
-def draw_noise(noise: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Fill noise (B, V) with draws of Exponential(1), in place."""
-    return noise.exponential_(generator=generator)
 
 
 def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
@@ -98,9 +90,9 @@ class Decoder:
     def __init__(self, model: GPT, batch: int, vocab: int, sampling: tuple, dtype):
         device = next(model.parameters()).device
         self.choice, self.generator = sampling
-        k = max(1, min(TOKENS_PER_RUN, model.cfg.block_size // 2))
-        # run lengths: k, then halves for what is left before a slide or the end
-        self.sizes = [k >> i for i in range(k.bit_length())]
+        # run lengths, longest first: one token at a time, streamed as soon as it is chosen
+        # (speed/decoding.py's CUDA graphs replay longer runs)
+        self.sizes = [1]
         self.cache = InferenceCache(model, batch, device, dtype) if dtype else None
         self.last = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
@@ -111,7 +103,7 @@ class Decoder:
 
     def draw(self) -> None:
         if self.choice.temperature > 0:
-            draw_noise(self.noise, self.generator)
+            self.noise.exponential_(generator=self.generator)
 
     def prefill(self, idx: torch.Tensor):
         """step() on idx (B, T) from position 0: the prompt, a slide, or any uncached step."""
@@ -150,7 +142,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
     if decoding.use_cache and decoding.speed_up:
         decoder.run = decoding.speed_up(decoder.run, decoder)
     # filled: positions cached; i: tokens yielded
-    tokens, filled, i, checked = idx, 0, 0, 0
+    tokens, filled, i = idx, 0, 0
     while i < max_new_tokens:
         if decoder.cache is None or filled in (0, block):
             keep = min(tokens.size(1), block if filled == 0 else max(1, block // 2))
@@ -163,21 +155,14 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
         n = new.size(1)
         tokens = torch.cat([tokens, new], dim=1)[:, -block:]
         finite[i:i + n] = ok
+        # tokens' copies: a CUDA graph's replay overwrites the new ids it returned before
         for column in tokens[:, -n:].split(1, dim=1):
             i += 1
-            if i % check_every == 0 or i == max_new_tokens:
-                check_finite(finite, checked, i)
-                checked = i
+            if (i % check_every == 0 or i == max_new_tokens) and not finite[:i].all():
+                first = int((~finite).nonzero()[0, 0]) + 1
+                raise UserError(f"the model's logits are not finite at new token {first}: "
+                                "its weights are damaged or the model diverged")
             yield column
-
-
-def check_finite(flags: torch.Tensor, start: int, end: int) -> None:
-    """A UserError naming the first of new tokens start..end-1 with a flag down."""
-    window = flags[start:end]
-    if not window.all():
-        first = start + int((~window).nonzero()[0, 0]) + 1
-        raise UserError(f"the model's logits are not finite at new token {first}: "
-                        "its weights are damaged or the model diverged")
 
 
 def prompt_ids(tokenizer, text: str, block_size: int, doing: str) -> list[int]:

@@ -1,12 +1,14 @@
-"""Decoding in runs of k tokens (one CUDA graph replay each with --compile on a GPU) gives the
-tokens of decoding one at a time: the same draws in the same order, across slides of the cache
-and at an end that is not a multiple of k; compiled, the tokens of the eager code."""
+"""The eager code yields each token before it computes the next. Decoding in runs of k tokens
+(one CUDA graph replay each with --compile on a GPU) gives the tokens of decoding one at a time:
+the same draws in the same order, across slides of the cache and at an end that is not a
+multiple of k; compiled, the tokens of the eager code."""
 import pytest
 import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.sampling import Choice, Decoder, Decoding, generate
+from speed.decoding import run_lengths
 
 CHOICES = [Choice(temperature=0), Choice(0.8), Choice(1.0, top_k=5), Choice(1.0, top_p=0.9)]
 
@@ -24,6 +26,22 @@ def decode(model, choice, n, device="cpu", **decoding):
     return torch.cat(list(columns), dim=1).cpu()
 
 
+def in_runs(run, decoder):
+    """The eager step in speed/decoding.py's runs (those of its CUDA graphs)."""
+    decoder.sizes = run_lengths(decoder.args[0].cfg.block_size)
+    return run
+
+
+def test_the_eager_code_streams_each_token_before_computing_the_next(monkeypatch):
+    """Without a CUDA graph a run saves nothing: sample.py shows each token as it is chosen,
+    not in bursts."""
+    model = make_model()
+    forward, calls = model.forward, []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    for i, _ in enumerate(generate(model, torch.tensor([[1, 2, 3]]), 29, Choice(0.8)), 1):
+        assert len(calls) == i, "a token waited for the ones after it"
+
+
 @pytest.mark.parametrize("choice", CHOICES, ids=["greedy", "sampled", "top_k", "top_p"])
 def test_runs_of_k_tokens_give_the_tokens_of_one_at_a_time(choice, monkeypatch):
     # block 12: slides at 12 tokens keep 6, which runs of 5 do not divide; 29 = 5 * 5 + 4
@@ -36,9 +54,9 @@ def test_runs_of_k_tokens_give_the_tokens_of_one_at_a_time(choice, monkeypatch):
     monkeypatch.setattr(Decoder, "run", recording)
     tokens = {}
     for k in (1, 5, 16):
-        monkeypatch.setattr("model.sampling.TOKENS_PER_RUN", k)
+        monkeypatch.setattr("speed.decoding.TOKENS_PER_RUN", k)
         runs.clear()
-        tokens[k] = decode(model, choice, 29)
+        tokens[k] = decode(model, choice, 29, speed_up=in_runs)
         assert min(k, 6) in runs and 1 in runs, (k, runs)
     assert tokens[1].shape == (2, 29)
     assert torch.equal(tokens[5], tokens[1]) and torch.equal(tokens[16], tokens[1])

@@ -7,7 +7,7 @@ import torch
 from common import UserError
 from model.config import ModelConfig
 from model.gpt import GPT
-from model.sampling import Choice, Decoding, draw_noise, generate, sample_next
+from model.sampling import Choice, Decoding, generate, sample_next
 
 
 def make_model(**kw):
@@ -32,7 +32,7 @@ def test_seeded_sampling_is_reproducible_and_the_same_with_or_without_cache():
 def test_the_sampler_draws_each_token_with_its_probability():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(40_000, 4)
-    noise = draw_noise(torch.empty(40_000, 4), torch.Generator().manual_seed(0))
+    noise = torch.empty(40_000, 4).exponential_(generator=torch.Generator().manual_seed(0))
     freq = torch.bincount(sample_next(logits, 1.0, noise=noise).flatten(), minlength=4) / 40_000
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)   # 4 standard errors
     hot = torch.bincount(sample_next(logits, 0.5, noise=noise).flatten(), minlength=4) / 40_000
@@ -42,7 +42,7 @@ def test_the_sampler_draws_each_token_with_its_probability():
 
 def test_top_k_and_top_p_only_sample_allowed_tokens():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(200, 4)
-    noise = draw_noise(torch.empty(200, 4), torch.Generator().manual_seed(0))
+    noise = torch.empty(200, 4).exponential_(generator=torch.Generator().manual_seed(0))
     assert set(sample_next(logits, 1.0, top_k=2, noise=noise).flatten().tolist()) == {0, 1}
     nucleus = set(sample_next(logits, 1.0, top_p=0.7, noise=noise).flatten().tolist())
     assert nucleus == {0, 1}, "0.5 + 0.3 reaches 0.7: token 2 and 3 are outside the nucleus"
