@@ -264,13 +264,12 @@ def bench_threads(config: str, overrides: list[str], steps: int) -> int:
     for busy in (0, 1, 2):
         spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
         try:
-            runs = [ms_per_step(config, overrides, threads, steps)
-                    for threads in ("1", str(cores), None)]
+            (one, _), (every, _), (default, used) = [ms_per_step(config, overrides, threads, steps)
+                                                     for threads in ("1", str(cores), None)]
         finally:
             for p in spin:
                 p.kill()
                 p.wait()
-        (one, _), (every, _), (default, used) = runs
         print(f"{busy:4d} | {one:11.1f} | {every:{len(str(cores)) + 11}.1f} | "
               f"{default:10.1f} ({max(used)}) | {default / min(one, every):.2f}", flush=True)
     return 0

@@ -43,8 +43,8 @@ def parse_args(argv):
 
 def main(argv) -> int:
     args = parse_args(argv)
-    paths = (path for pattern in args.files for path in find_sources(pattern))
-    files = list(dict.fromkeys(paths))
+    # each file once, in the order named
+    files = dict.fromkeys(path for pattern in args.files for path in find_sources(pattern))
     device = pick_device(args.device, setting="--device")
     loaded = load_model(args.model, device)
     block_size = loaded.model.cfg.block_size
