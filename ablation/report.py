@@ -69,7 +69,7 @@ def summarize(sweep, runs: list[dict]) -> list[dict]:
 
 
 def write_csv(path, rows: list[dict]) -> None:
-    """rows as CSV, but the columns holding lists."""
+    """rows as CSV, without the columns holding lists."""
     text = io.StringIO(newline="")
     columns = [k for k, v in rows[0].items() if not isinstance(v, list)]
     w = csv.DictWriter(text, columns, "", "ignore")
@@ -119,7 +119,7 @@ def write_md(sweep, rows: list[dict], command: str) -> None:
     atomic_write(sweep.out_dir / "results.md", "\n".join(lines) + "\n")
 
 
-def plot(sweep, runs: list[dict]) -> None:
+def plot(sweep, runs: list[dict], out) -> None:
     """loss_curves.png: each variant's val loss by step and time, mean and min-max band."""
     by_step = Panel("val loss by step", "step", "val loss")
     by_time = Panel("val loss by wall-clock time", "wall-clock seconds (training + evals)",
@@ -136,8 +136,7 @@ def plot(sweep, runs: list[dict]) -> None:
             line = Line(name, x, val.mean(0), val.min(0), val.max(0), emphasis=i == 0)
             panel.lines.append(line)
     title = f"{sweep.name}: mean over {plural(len(sweep.seeds), 'seed')}, shaded min to max"
-    picture = draw([by_step, by_time], title, legend_below=True)
-    atomic_write(sweep.out_dir / "loss_curves.png", picture)
+    atomic_write(out / "loss_curves.png", draw([by_step, by_time], title, legend_below=True))
 
 
 def write_report(sweep, command: str) -> None:
@@ -147,4 +146,4 @@ def write_report(sweep, command: str) -> None:
     write_csv(sweep.out_dir / "results.csv", rows)
     write_csv(sweep.out_dir / "runs.csv", runs)
     write_md(sweep, rows, command)
-    plot(sweep, runs)
+    plot(sweep, runs, sweep.out_dir)
