@@ -84,7 +84,7 @@ def main(argv) -> int:
     texts = token_texts(loaded.tokenizer, ids)
     # each (heads, T, T)
     weights = [maps[layer][0, heads] for layer in layers]
-    # a row per head
+    # one row per head
     scores = {name: s.numpy() for name, s in head_scores(torch.cat(weights), texts).items()}
     weights = [w.numpy() for w in weights]
     rows = [f"layer {layer} head {h}" for layer in layers for h in heads]
@@ -114,7 +114,7 @@ def main(argv) -> int:
         html.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(html, page)
         written.append(html)
-    # on stderr, the head that does most of each share
+    # on stderr, the head that does most of each
     shares = [n for n in SCORE_NAMES if n != "distance" and not np.isnan(scores[n]).all()]
     for name in [] if args.no_summary else shares:
         best = int(np.nanargmax(scores[name]))
