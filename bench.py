@@ -55,7 +55,6 @@ def machine() -> str:
 
 
 def now(device) -> float:
-    """time.perf_counter() once the device is done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -68,7 +67,7 @@ def matmul_peak(device, dtype) -> float:
     best = 0.0
     for n in (1024, 2048) if device.type == "cpu" else (4096, 8192):
         a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        # Timer warms up and waits for the device (on one thread unless told)
+        # Timer warms up and waits for the device (one thread unless told)
         timer = benchmark.Timer("mm(a, b)", globals={"mm": torch.mm, "a": a, "b": b},
                                 num_threads=torch.get_num_threads())
         seconds = min(timer.blocked_autorange(min_run_time=0.5).times)
@@ -78,14 +77,13 @@ def matmul_peak(device, dtype) -> float:
 
 def flops_per_token(model) -> tuple[float, float]:
     """(6N, attention): training FLOPs per token."""
-    linears = (m for m in model.modules() if isinstance(m, torch.nn.Linear))
-    n = sum(m.weight.numel() for m in linears)
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     c = model.cfg
     return 6.0 * n, 6.0 * c.n_layer * c.block_size * c.n_embd
 
 
 def plain_ms_per_step(cfg, device, steps: int, rounds: int) -> float:
-    """The median ms/step of plain PyTorch's step (eager, fp32, AdamW) on cfg's batches."""
+    """The median ms/step of plain PyTorch (eager, fp32, AdamW) on cfg's batch shape."""
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     shape = (cfg.train.batch_size, cfg.model.block_size)
@@ -128,7 +126,7 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
     with tempfile.TemporaryDirectory(prefix="bench_train_", ignore_cleanup_errors=True) as tmp:
         cfg.out_dir = str(Path(tmp) / "run")
         summary = trainer.train(cfg, quiet=True)
-    # a signal stopped it (the trainer said so on stderr)
+    # a signal stopped it (the trainer said so)
     if summary["exit_code"]:
         return summary["exit_code"]
     warm_up, *timed = (ms for _, ms in summary["intervals"])
@@ -149,8 +147,7 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
 
 
 def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=None) -> float:
-    """tokens/s of one decode after `batch` one-token prompts, in sample.py's dtype, timed
-    after speed_up's set-up."""
+    """tokens/s of one decode after `batch` one-token prompts, in sample.py's dtype."""
     device = next(model.parameters()).device
     dtype = pick_dtype(device)
     prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -202,31 +199,32 @@ def bench_sample(device, new_tokens: int) -> int:
     return 0
 
 
-def train_py(config: str, args: list[str], out_dir, env=None) -> tuple[list[dict], str]:
-    """(the metrics.jsonl records, the stdout) of `python train.py CONFIG ARGS`; its stderr
-    and a Ctrl-C are this command's."""
-    argv = [sys.executable, str(ROOT / "train.py"), config, *args, f"--out_dir={out_dir}"]
-    done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=env)
-    if done.returncode:
-        raise UserError(f"python train.py {config} failed with exit code {done.returncode}")
-    return read_records(Path(out_dir) / "metrics.jsonl"), done.stdout
+def train_py(config: str, args: list[str], env=None) -> tuple[list[dict], str]:
+    """(the metrics.jsonl records, the stdout) of `python train.py CONFIG ARGS`, run in a
+    temporary out dir."""
+    with tempfile.TemporaryDirectory(prefix="bench_", ignore_cleanup_errors=True) as tmp:
+        out_dir = Path(tmp) / "run"
+        argv = [sys.executable, str(ROOT / "train.py"), config, *args, f"--out_dir={out_dir}"]
+        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, errors="replace", env=env)
+        if done.returncode:
+            raise UserError(f"python train.py {config} failed with exit code {done.returncode}")
+        return read_records(out_dir / "metrics.jsonl"), done.stdout
 
 
 def race(classic: str, fast: str, overrides: list[str]) -> dict:
     """Train classic, then fast: when did fast first reach classic's best val loss, from
     launch, against when classic did."""
     curves = {}
-    with tempfile.TemporaryDirectory(prefix="bench_race_", ignore_cleanup_errors=True) as tmp:
-        for label, config in ("classic", classic), ("fast", fast):
-            print(f"# {label}: python train.py {' '.join([config, *overrides])}", flush=True)
-            # the clock of the records' "time"
-            launch = time.time()
-            records, _ = train_py(config, overrides, Path(tmp) / label)
-            curves[label] = [{"step": r["step"], "seconds": r["time"] - launch,
-                              "val": r["val_loss"]} for r in records if r["kind"] == "eval"]
-            for p in curves[label]:
-                print(f"{label:8s} step {p['step']:5d} | {p['seconds']:7.1f} s from launch | "
-                      f"val {p['val']:.4f}")
+    for label, config in ("classic", classic), ("fast", fast):
+        print(f"# {label}: python train.py {' '.join([config, *overrides])}", flush=True)
+        # the clock of the records' "time"
+        launch = time.time()
+        records, _ = train_py(config, overrides)
+        curves[label] = [{"step": r["step"], "seconds": r["time"] - launch,
+                          "val": r["val_loss"]} for r in records if r["kind"] == "eval"]
+        for p in curves[label]:
+            print(f"{label:8s} step {p['step']:5d} | {p['seconds']:7.1f} s from launch | "
+                  f"val {p['val']:.4f}")
     # a long run may overfit after its best
     best = min(curves["classic"], key=lambda p: p["val"])
     target, last = best["val"], curves["fast"][-1]
@@ -247,14 +245,13 @@ def race(classic: str, fast: str, overrides: list[str]) -> dict:
 
 def ms_per_step(config: str, overrides: list[str], threads: str | None, steps: int) -> tuple:
     """(ms/step of train.py's second log interval, the threads it used) with
-    OMP_NUM_THREADS=threads (None: unset)."""
+    OMP_NUM_THREADS=threads, or unset."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env |= {"OMP_NUM_THREADS": threads} if threads else {}
     settings = [f"--train.max_steps={2 * steps}", f"--train.log_interval={steps}",
                 f"--train.eval_interval={2 * steps}", "--train.eval_iters=1",
                 "--log.curves=false", "--train.device=cpu"]
-    with tempfile.TemporaryDirectory(prefix="bench_threads_", ignore_cleanup_errors=True) as tmp:
-        records, out = train_py(config, [*overrides, *settings], Path(tmp) / "run", env)
+    records, out = train_py(config, [*overrides, *settings], env)
     # the banner's "cpu x N threads", then the log's "# threads a -> b"
     used = re.findall(r"cpu x (\d+) thread|# threads \d+ -> (\d+)", out)[-1]
     return [r for r in records if r["kind"] == "train"][-1]["ms_per_step"], used
@@ -267,13 +264,12 @@ def bench_threads(config: str, overrides: list[str], steps: int) -> int:
     for busy in (0, 1, 2):
         spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
         try:
-            runs = [ms_per_step(config, overrides, threads, steps)
-                    for threads in ("1", str(cores), None)]
+            (one, _), (every, _), (default, used) = [ms_per_step(config, overrides, threads, steps)
+                                                     for threads in ("1", str(cores), None)]
         finally:
             for p in spin:
                 p.kill()
                 p.wait()
-        (one, _), (every, _), (default, used) = runs
         print(f"{busy:4d} | {one:11.1f} | {every:{len(str(cores)) + 11}.1f} | "
               f"{default:10.1f} ({max(used)}) | {default / min(one, every):.2f}", flush=True)
     return 0

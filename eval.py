@@ -43,8 +43,8 @@ def parse_args(argv):
 
 def main(argv) -> int:
     args = parse_args(argv)
-    paths = (path for pattern in args.files for path in find_sources(pattern))
-    files = list(dict.fromkeys(paths))
+    # each file once, in the order named
+    files = dict.fromkeys(path for pattern in args.files for path in find_sources(pattern))
     device = pick_device(args.device, setting="--device")
     loaded = load_model(args.model, device)
     block_size = loaded.model.cfg.block_size
@@ -79,7 +79,7 @@ def main(argv) -> int:
 
 
 def read_tokens(path, tokenizer, skip_unknown: bool, max_tokens: int | None):
-    """A file's token ids (max_tokens + 1 at most: the first is context only)."""
+    """A file's token ids, max_tokens + 1 at most (the first is context only)."""
     docs = [iter_text(path, hint=None)] if not kind_suffix(path.name) else iter_documents(path)
     # between documents: a newline (char), or the end-of-text token (None: BPE)
     sep = "\n" if tokenizer.end_token is None else None
@@ -102,7 +102,7 @@ def read_tokens(path, tokenizer, skip_unknown: bool, max_tokens: int | None):
 
 
 def score_files(loaded, texts: dict, stride, batch_size, autocast, rows: list) -> None:
-    """Append a row per file of texts ({path: ids}) to rows, kept if scoring stops midway."""
+    """Append a row per file of texts ({path: ids}) to rows, also of a file cut short."""
     progress = Progress("scoring", sum(len(ids) - 1 for ids in texts.values()), "tokens")
     try:
         for i, (path, ids) in enumerate(texts.items()):
@@ -115,8 +115,8 @@ def score_files(loaded, texts: dict, stride, batch_size, autocast, rows: list) -
                     n, c = score(loaded.model, [(x, y)], autocast)
                     nats, tokens = nats + n, tokens + c
                     progress.advance(c)
-            # the scored targets are the tokens after the first, in order
             finally:
+                # the scored targets: the tokens after the first, in order
                 if tokens:
                     nbytes = len(loaded.tokenizer.decode_bytes(ids[1:tokens + 1].tolist()))
                     rows.append(figures(str(path), tokens, nbytes, nats))

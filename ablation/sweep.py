@@ -15,8 +15,8 @@ from loading import list_checkpoints
 from training.config import PATHS, ROOT, absolute, build_config, load_toml, parse_overrides
 from training.trainer import train
 
-KINDS = {"name": (str, "a string"), "base": (str, "a string"), "out_dir": (str, "a string"),
-         "seeds": (list, "a list"), "overrides": (dict, "a table"), "variants": (list, "a list")}
+KINDS = {"name": str, "base": str, "out_dir": str, "seeds": list, "overrides": dict,
+         "variants": list}
 # what a variant may not set: the data, the token budget, how the runs are scored
 SHARED_KEYS = {"data.path", "data.tokenizer", "data.val_fraction", "data.val_path",
                "train.max_steps", "train.batch_size", "train.grad_accum",
@@ -40,8 +40,9 @@ def load_sweep(path: str, overrides=()) -> Sweep:
     spec = load_toml(path)
     if unknown := sorted(set(spec) - set(KINDS)):
         raise UserError(f"{where}unknown sweep key {unknown[0]!r} (a sweep has {', '.join(KINDS)})")
-    if wrong := [k for k, v in spec.items() if not isinstance(v, KINDS[k][0])]:
-        raise UserError(f"{where}{wrong[0]} is not {KINDS[wrong[0]][1]}")
+    if wrong := [k for k, v in spec.items() if not isinstance(v, KINDS[k])]:
+        kind = {str: "a string", list: "a list", dict: "a table"}[KINDS[wrong[0]]]
+        raise UserError(f"{where}{wrong[0]} is not {kind}")
     seeds, variants = spec.get("seeds", [1337]), spec.get("variants")
     # type(), not isinstance: a bool is not a seed
     integers = all(type(s) is int for s in seeds)
@@ -59,20 +60,19 @@ def load_sweep(path: str, overrides=()) -> Sweep:
         if shared := sorted(SHARED_KEYS & set(flat(values))):
             raise UserError(f"{where}variant {name!r} changes {shared[0]}, "
                             f"which every variant shares")
-    cli = parse_overrides(list(overrides))
+    cli = dict(parse_overrides(list(overrides)))
     # as for a config file
     folder = ROOT if path.resolve().is_relative_to(ROOT) else path.parent
-    name, cli_dir = spec.get("name", path.stem), dict(cli).get("out_dir")
-    if cli_dir is not None:
-        out_dir = Path(absolute("out_dir", cli_dir, Path.cwd()))
-    elif "out_dir" in spec:
-        out_dir = Path(absolute("out_dir", spec["out_dir"], folder))
+    name = spec.get("name", path.stem)
+    if "out_dir" in cli:
+        out_dir = Path(absolute("out_dir", cli.pop("out_dir"), Path.cwd()))
     else:
-        out_dir = ROOT / "out" / "ablations" / name
+        default = ROOT / "out" / "ablations" / name
+        out_dir = Path(absolute("out_dir", spec.get("out_dir", default), folder))
     base = absolute("base", spec["base"], folder) if "base" in spec else None
     shared = as_overrides(spec.get("overrides", {}), folder)
     # every run's, last (out_dir: the sweep's)
-    rest = [f"--{k}={v}" for k, v in cli if k != "out_dir"]
+    rest = [f"--{k}={v}" for k, v in cli.items()]
     # a mistake in the settings is said with where it is
     runs, stage = [], f"{where}[overrides]: "
     try:

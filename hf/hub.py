@@ -18,8 +18,7 @@ from model.gpt import GPT
 
 # tiktoken's gpt2: 50,256 merges and bytes, plus <|endoftext|>
 GPT2_VOCAB = 50257
-# name -> (hub repo, n_layer, n_head, n_embd) (vocab 50257, context 1024): a run's config is
-# known without a download
+# name -> (hub repo, n_layer, n_head, n_embd): a run's config is known without a download
 HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
               "gpt2-medium": ("openai-community/gpt2-medium", 24, 16, 1024),
               "gpt2-large": ("openai-community/gpt2-large", 36, 20, 1280),
@@ -28,8 +27,7 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
 
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
-    """A local directory as it is; a hub name (of HUB_MODELS, or owner/name) through
-    huggingface_hub's cache (weights: the safetensors too)."""
+    """A local directory as it is; a hub name through huggingface_hub's cache."""
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
@@ -73,7 +71,7 @@ def pretrained_config(name_or_dir: str) -> ModelConfig:
 
 
 def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
-    """A GPT-2 checkpoint (directory or hub name) -> (ModelConfig, this GPT's state dict)."""
+    """A GPT-2 checkpoint -> (ModelConfig, this GPT's state dict)."""
     cfg = pretrained_config(name_or_dir)
     directory = resolve_source(name_or_dir)
     files = [directory / "model.safetensors"]
@@ -95,8 +93,8 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
 
 def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
                     tokenizer: dict | None = None) -> list[str]:
-    """Write config.json, generation_config.json, model.safetensors and a tokenizer meta()'s
-    files, each atomically -> the latter's names."""
+    """Write config.json, generation_config.json, model.safetensors and the tokenizer's
+    files (of its meta()), each atomically -> the tokenizer's file names."""
     # refuses unmappable settings before any write
     config, tensors = to_hf(cfg, state_dict)
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
@@ -113,16 +111,15 @@ def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
 
 
 def check_vocab(source: str, cfg: ModelConfig) -> None:
-    """Refuse a model too small for GPT-2's tokenizer."""
     if cfg.vocab_size < GPT2_VOCAB:
         raise UserError(f"{source} has a vocabulary of {cfg.vocab_size} tokens, fewer than "
                         f"GPT-2's {GPT2_VOCAB}: it was not trained with GPT-2's tokenizer")
 
 
 def resolve_init_from(cfg, explicit: set[str]) -> None:
-    """train.init_from: cfg.model becomes the checkpoint's, with the free keys the user
-    set (explicit: dotted keys): dropout, attention naive or sdpa, block_size up to
-    n_positions (the table is cropped); another is a UserError."""
+    """train.init_from: cfg.model becomes the checkpoint's, with the keys the user set
+    (explicit) that leave its weights usable: dropout, attention naive or sdpa, block_size up
+    to n_positions (the table is cropped)."""
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)
@@ -149,12 +146,7 @@ def load_init_weights(model: GPT, source: str) -> None:
     """Copy source's weights into model (of its resolve_init_from config)."""
     _, state = load_pretrained(source)
     state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]
-    try:
-        model.load_state_dict(state)
-    # a local folder's files changed since its config.json was read
-    except RuntimeError as e:
-        raise UserError(f"{source} does not fit the model its config.json describes: "
-                        f"{first_line(e)}") from None
+    model.load_state_dict(state)
 
 
 def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
