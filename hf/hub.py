@@ -146,7 +146,12 @@ def load_init_weights(model: GPT, source: str) -> None:
     """Copy source's weights into model (of its resolve_init_from config)."""
     _, state = load_pretrained(source)
     state["pos_emb.weight"] = state["pos_emb.weight"][:model.cfg.block_size]
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    # a local folder's files changed since its config.json was read
+    except RuntimeError as e:
+        raise UserError(f"{source} does not fit the model its config.json describes: "
+                        f"{first_line(e)}") from None
 
 
 def load_gpt2(source: str) -> tuple[GPT, TiktokenTokenizer, str]:
