@@ -138,10 +138,6 @@ def test_a_config_that_is_not_one_says_what_it_is(make, message, tmp_path, capsy
     assert rc == 2 and err.count("\n") == 1 and message in err, err
 
 
-def test_a_run_shorter_than_its_warm_up_just_runs():
-    assert build_config(None, ["--train.max_steps=5"]).train.warmup_steps == 100
-
-
 @pytest.mark.parametrize("key", ["out_dir", "data.path", "data.prepared_dir"])
 def test_an_empty_path_is_refused_not_taken_as_the_working_directory(key):
     with pytest.raises(UserError, match=f"^{key} is empty"):
