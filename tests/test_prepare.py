@@ -19,7 +19,8 @@ import data.sources
 from common import UserError
 from data.loader import BatchLoader, Share
 from data.tokenizers import CharTokenizer, load_tokenizer
-from tests.conftest import ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text, run_limited
+from tests.conftest import (ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text, run_limited,
+                            run_tool)
 
 TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
           + "héllo wörld ✓ 😀 <|endoftext|> it's 've\n" * 3)
@@ -93,28 +94,28 @@ def prepare_command(*argv, umask=None):
     return r.returncode, r.stdout, r.stderr
 
 
-def test_a_directory_or_a_glob_says_what_it_took(tmp_path):
+def test_a_directory_or_a_glob_says_what_it_took(tmp_path, capsys):
     """A stray script among the books is in the data: the command says so, in one line, before it works."""
     books = tmp_path / "books"
     books.mkdir()
     for name in ("a.txt", "b.txt"):
         (books / name).write_text(TEXT)
     (books / "extract.py").write_text("import sys\nprint(sys.argv)\n")
-    rc, out, err = prepare_command(books, "--root", tmp_path / "prep")
+    rc, out, err = run_tool(prep, [books, "--root", tmp_path / "prep"], capsys)
     size = sum(p.stat().st_size for p in books.iterdir()) / 1e6
     assert rc == 0 and out.splitlines()[0] == f"data: {books} (3 files: 2 .txt, 1 .py; {size:.1f} MB)", err
-    rc, out, err = prepare_command(books / "*.txt", "--root", tmp_path / "prep")
+    rc, out, err = run_tool(prep, [books / "*.txt", "--root", tmp_path / "prep"], capsys)
     assert rc == 0 and out.splitlines()[0].startswith(f"data: {books}/*.txt (2 files: 2 .txt; "), (out, err)
-    rc, out, err = prepare_command(books / "a.txt", "--root", tmp_path / "prep")
+    rc, out, err = run_tool(prep, [books / "a.txt", "--root", tmp_path / "prep"], capsys)
     assert rc == 0 and not out.startswith("data:"), "a single file needs no summary"
 
 
-def test_a_cached_dataset_is_said_to_be_prepared_already(tmp_path, text_file):
-    rc, first, err = prepare_command(text_file, "--root", tmp_path / "prep")
+def test_a_cached_dataset_is_said_to_be_prepared_already(tmp_path, text_file, capsys):
+    rc, first, err = run_tool(prep, [text_file, "--root", tmp_path / "prep"], capsys)
     assert rc == 0 and first.startswith(f"prepared {text_file}"), (first, err)
     out = first.splitlines()[0].split(" -> ")[-1].strip()
     meta = json.loads((tmp_path / "prep" / os.path.basename(out) / "meta.json").read_text())
-    rc, again, err = prepare_command(text_file, "--root", tmp_path / "prep")
+    rc, again, err = run_tool(prep, [text_file, "--root", tmp_path / "prep"], capsys)
     assert rc == 0 and err == ""
     tokens = meta["tokens"]
     assert again == f"ready: {out} ({tokens['train']:,} train and {tokens['val']:,} val tokens)\n"
@@ -167,10 +168,9 @@ def test_in_a_directory_only_regular_files_are_documents(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    (b"ab\ncd\xe9t\xe9", "byte 0xe9 at offset 5; set --data.encoding_errors=replace"),
     (b"\x00\x01\xff binary", "is not UTF-8: byte 0xff at offset 2; it looks binary"),
     (b" \n\t\n", "data file is empty"),
-], ids=["a stray byte", "binary", "blank"])
+], ids=["binary", "blank"])
 def test_a_text_that_cannot_be_used_is_one_line_and_writes_nothing(tmp_path, text_file, capsys, content,
                                                                   message):
     """Refused before anything is written: not even a temporary directory comes and goes in the cache."""
