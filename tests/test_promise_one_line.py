@@ -1,6 +1,6 @@
 """A mistake is one line and a non-zero exit, and writes nothing: a table of mistakes through the
 commands (in-process, through common.run_cli, as their __main__ does: the commands as real
-processes, test_training.py), then what the machine does wrong (a full disk, a read-only folder,
+processes, test_readme.py), then what the machine does wrong (a full disk, a read-only folder,
 memory that runs out: exit 3) and what is missing (wandb, GPT-2's files), each said in one line."""
 import os
 import shutil
