@@ -91,6 +91,32 @@ def prepare_text(path, tokenizer="char", val_fraction=0.1, root="data/prepared",
     from data.prepare import DataConfig, prepare
     return prepare(DataConfig(str(path), tokenizer, val_fraction, str(root), encoding_errors), block_size)
 
+
+def prepared(out: Path):
+    """([train ids, val ids], meta.json) of a prepared dataset."""
+    import json
+
+    import numpy as np
+    meta = json.loads((out / "meta.json").read_text())
+    splits = [np.fromfile(out / f"{split}.bin", dtype=meta["dtype"]) for split in ("train", "val")]
+    return [split.tolist() for split in splits], meta
+
+
+@pytest.fixture
+def small_reads(monkeypatch):
+    """Tiny reads, pieces and Parquet batches, so that a short text crosses many of their boundaries
+    (mid-character ones too)."""
+    import data.prepare
+    import data.sources
+    monkeypatch.setattr(data.sources, "READ_BYTES", 7)
+    monkeypatch.setattr(data.sources, "PARQUET_ROWS", 3)
+    monkeypatch.setattr(data.prepare, "PIECE_CHARS", 97)
+
+
+# each attention variant's own settings, for a model of 4 heads of 8 channels and a block of 16
+OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
+       "linear": {}, "mla": {"kv_latent_dim": 12}}
+
 # ---------------------------------------------------------------- shared by several test files
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,9 @@ from model.attention_maps import attention_maps, head_scores, line_up_positions,
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.positions import rope_tables
-from tests.conftest import CHARS, run_tool, save_char_model
+from tests.conftest import CHARS, OWN, run_tool, save_char_model
 from viz.attention_page import PLACEHOLDER, TEMPLATE, attention_page, encode_weights, error_bound
 
-OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
-       "linear": {}, "mla": {"kv_latent_dim": 12}}
 COMBOS = [(a, p) for a in OWN for p in ("learned", "rope", "alibi") if (a, p) != ("linear", "alibi")]
 T = 12
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,23 +18,11 @@ import data.sources
 from common import UserError
 from data.loader import BatchLoader, Share
 from data.tokenizers import CharTokenizer, load_tokenizer
-from tests.conftest import (ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text, run_limited,
-                            run_tool)
+from tests.conftest import (ROOT, TEXT, assert_refused, gpt2_or_skip, prepare_text, prepared,
+                            run_limited, run_tool)
 
 TRICKY = ("CRLF\r\nlines\r\n  two  spaces\n\n\nx.\ny 123 456\n\t tab \n   \n"
           + "héllo wörld ✓ 😀 <|endoftext|> it's 've\n" * 3)
-
-
-def read_split(out, split):
-    meta = json.loads((out / "meta.json").read_text())
-    return np.fromfile(out / f"{split}.bin", dtype=meta["dtype"]).tolist(), meta
-
-
-@pytest.fixture
-def small_reads(monkeypatch):
-    """Tiny reads and pieces, so a short text crosses many boundaries (mid-character ones too)."""
-    monkeypatch.setattr(data.sources, "READ_BYTES", 7)
-    monkeypatch.setattr(prep, "PIECE_CHARS", 97)
 
 
 @pytest.mark.parametrize("tokenizer", ["char", "gpt2", "bpe:300"])
@@ -47,7 +34,7 @@ def test_streaming_gives_the_tokens_of_the_whole_text(tmp_path, small_reads, tok
         gpt2_or_skip()
     out = prepare_text(path, tokenizer, 0.2, tmp_path / "prep")
     split = int(len(text) * 0.8)
-    (train, meta), (val, _) = read_split(out, "train"), read_split(out, "val")
+    (train, val), meta = prepared(out)
     # bpe:300: as trained, applied to the whole text
     tok = CharTokenizer.from_text(text) if tokenizer == "char" else load_tokenizer(meta["tokenizer"])
     assert train == tok.encode(text[:split]) and val == tok.encode(text[split:])
@@ -64,8 +51,8 @@ def test_a_bad_byte_deep_in_the_file_is_named_by_its_offset(tmp_path, small_read
     assert not (tmp_path / "prep").exists() or not os.listdir(tmp_path / "prep")
     prep.main([str(path), "--root", str(tmp_path / "prep"), "--data.encoding_errors=replace"])   # as advised
     out = Path(capsys.readouterr().out.splitlines()[0].split(" -> ")[-1].strip())
-    tok = load_tokenizer(read_split(out, "train")[1]["tokenizer"])
-    assert tok.decode(read_split(out, "train")[0])[1000] == "\ufffd"
+    (train, _), meta = prepared(out)
+    assert load_tokenizer(meta["tokenizer"]).decode(train)[1000] == "\ufffd"
 
 
 def test_a_binary_file_is_told_to_be_left_out_not_replaced(tmp_path):
@@ -81,7 +68,7 @@ def test_a_binary_file_is_told_to_be_left_out_not_replaced(tmp_path):
     assert str(e.value) == (f"{mo} is not UTF-8: byte 0xde at offset 0; it looks binary: leave it out of "
                             f"the data (e.g. with a glob such as '{mo.parent}/*.txt')"), e.value
     out = prepare_text(tmp_path / "books" / "*.txt", "char", 0.1, tmp_path / "prep")   # as advised
-    train, meta = read_split(out, "train")
+    (train, _), meta = prepared(out)
     assert load_tokenizer(meta["tokenizer"]).decode(train) == TEXT[:int(len(TEXT) * 0.9)]
 
 
@@ -143,19 +130,19 @@ def test_a_directory_or_a_glob_is_one_dataset(tmp_path):
     (docs / "sub" / "c.txt").write_text("Third, in a subfolder.")
     (docs / ".hidden").write_text("never read")
     out = prepare_text(docs, "char", 0.1, tmp_path / "prep")
-    (train, meta), (val, _) = read_split(out, "train"), read_split(out, "val")
+    (train, val), meta = prepared(out)
     tok = load_tokenizer(meta["tokenizer"])
     assert tok.decode(train + val) == "First document.\n\nThird, in a subfolder." and meta["files"] == 3
 
     gpt2_or_skip()
     out = prepare_text(docs, "gpt2", 0.1, tmp_path / "prep")
-    (train, meta), (val, _) = read_split(out, "train"), read_split(out, "val")
+    (train, val), meta = prepared(out)
     tok = load_tokenizer(meta["tokenizer"])
     assert tok.decode(train + val) == "First document.\n<|endoftext|>Third, in a subfolder."
     assert (train + val).count(tok.start_token) == 1   # the real end-of-text token, once
 
     out = prepare_text(tmp_path / "docs" / "*.txt", "char", 0.1, tmp_path / "prep")
-    (train, meta), (val, _) = read_split(out, "train"), read_split(out, "val")
+    (train, val), meta = prepared(out)
     assert load_tokenizer(meta["tokenizer"]).decode(train + val) == "First document.\n"
 
 
@@ -204,7 +191,7 @@ def test_an_interrupted_preparation_leaves_nothing_that_looks_finished(tmp_path,
     assert os.listdir(tmp_path / "prep") == [], "no dataset dir and no temporary dir"
     monkeypatch.setattr(CharTokenizer, "encode_array", real)
     out = prepare_text(text_file, "char", 0.1, tmp_path / "prep")
-    assert CharTokenizer.from_text(TEXT).decode(read_split(out, "train")[0]) == TEXT[:int(len(TEXT) * 0.9)]
+    assert CharTokenizer.from_text(TEXT).decode(prepared(out)[0][0]) == TEXT[:int(len(TEXT) * 0.9)]
 
 
 def test_a_killed_preparation_s_folder_is_removed_by_the_next(tmp_path, text_file):

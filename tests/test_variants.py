@@ -18,11 +18,9 @@ from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
 from model.positions import alibi_slopes, apply_rotary_emb, rope_tables
 from model.sampling import Choice, Decoding, generate, sample_next
-from tests.conftest import records
+from tests.conftest import OWN, records
 from training.config import build_config
 
-OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
-       "linear": {}, "mla": {"kv_latent_dim": 12}}
 POSITIONS = ["learned", "rope", "alibi", "none"]
 COMBOS = [(a, p) for a in OWN for p in POSITIONS if (a, p) != ("linear", "alibi")]
 
