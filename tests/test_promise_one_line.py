@@ -218,7 +218,7 @@ def test_out_of_memory_names_the_fix_and_keeps_the_checkpoint(tmp_path, text_fil
     ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text, **{
         "train.batch_size": 300_000_000}), 2 << 30),
     ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text, **{
-        "model.n_layer": 300_000, "model.n_embd": 8, "model.n_head": 1}), 300 << 20),
+        "model.n_layer": 300_000, "model.n_embd": 8, "model.n_head": 1}), 150 << 20),
     ("sample.py", lambda tmp, text, ckpt: [ckpt, "--num-samples", 100_000_000,
                                            "--max-new-tokens", 5, "--device", "cpu"], 2 << 30),
 ], ids=["train batch", "train model", "sample batch"])
