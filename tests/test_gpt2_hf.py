@@ -10,13 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sample as sample_cli
 from model.config import ModelConfig
 from model.gpt import GPT
 from common import UserError
 from data.tokenizers import CharTokenizer
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
 from hf.hub import load_pretrained, save_pretrained
-from tests.conftest import ROOT, gpt2_or_skip, records, resumed_copy, scramble_
+from tests.conftest import ROOT, gpt2_or_skip, records, resumed_copy, run_tool, scramble_
+
 
 def run(*args, env=None):
     """A command-line tool in a subprocess that never reaches the network."""
@@ -263,7 +265,7 @@ def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_
     assert records(resumed)[4] == pytest.approx(whole[4], abs=1e-5)
 
 
-def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_does(tiny_gpt2):
+def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_does(tiny_gpt2, capsys):
     from transformers import GPT2LMHeadModel
 
     tok = gpt2_or_skip()
@@ -272,8 +274,7 @@ def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_doe
     with torch.no_grad():
         expected = GPT2LMHeadModel.from_pretrained(tiny_gpt2).eval().generate(
             ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
-    r = run("sample.py", str(tiny_gpt2), "--prompt", prompt, "--max-new-tokens", "6", "--temperature", "0",
-            "--device", "cpu")
-    assert r.returncode == 0, r.stderr
-    assert "Hugging Face GPT-2" in r.stderr
-    assert r.stdout == prompt + tok.decode_bytes(expected).decode("utf-8", errors="replace") + "\n"
+    argv = [tiny_gpt2, "--prompt", prompt, "--max-new-tokens", 6, "--temperature", 0, "--device", "cpu"]
+    rc, out, err = run_tool(sample_cli, argv, capsys)
+    assert rc == 0 and "Hugging Face GPT-2" in err, err
+    assert out == prompt + tok.decode_bytes(expected).decode("utf-8", errors="replace") + "\n"
