@@ -54,6 +54,9 @@ def at_most_two_threads():
 
 # What a test needs of the system, where not every system has it.
 LINUX = sys.platform.startswith("linux")
+NO_TRANSFORMERS = "transformers is not installed (pip install -r requirements-dev.txt)"
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason=NO_TRANSFORMERS)
 posix_signals = pytest.mark.skipif(os.name == "nt", reason="sends another process POSIX signals (kill -9, SIGTERM, "
                                    "SIGINT, SIGHUP, SIGSTOP): Windows can only end a process outright")
 
@@ -314,7 +317,7 @@ def tiny_gpt2(tmp_path_factory):
     """The directory of a tiny random GPT-2 saved by transformers: context 16, GPT-2's vocabulary
     (tiktoken's gpt2 is its tokenizer)."""
     if importlib.util.find_spec("transformers") is None:
-        pytest.skip("transformers is not installed (pip install -r requirements-dev.txt)")
+        pytest.skip(NO_TRANSFORMERS)
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(1)
     config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=50257)

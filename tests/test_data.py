@@ -248,8 +248,6 @@ def test_encoding_errors_are_part_of_the_cache_key(tmp_path):
     clean.write_text(TEXT)
     assert prepare_text(clean, "char", 0.1, tmp_path / "prep") != \
         prepare_text(clean, "char", 0.1, tmp_path / "prep", encoding_errors="replace")
-    with pytest.raises(UserError, match="data.encoding_errors='ignore' is not one of strict, replace"):
-        prepare_text(path, "char", 0.1, tmp_path / "prep", encoding_errors="ignore")
 
 
 def test_token_ids_past_the_vocabulary_in_a_file_of_the_right_size_are_one_line(tmp_path, text_file,

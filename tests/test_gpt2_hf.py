@@ -1,6 +1,5 @@
 """GPT-2 weights in and out (hf/convert.py, hf/hub.py, export.py), checked against
 transformers' own GPT2LMHeadModel: same logits both ways, exact round trips, clear refusals."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,7 +16,8 @@ from common import UserError
 from data.tokenizers import CharTokenizer
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
 from hf.hub import load_pretrained, save_pretrained
-from tests.conftest import ROOT, gpt2_or_skip, records, resumed_copy, run_tool, scramble_
+from tests.conftest import (ROOT, gpt2_or_skip, needs_transformers, records, resumed_copy,
+                            run_tool, scramble_)
 
 
 def run(*args, env=None):
@@ -28,9 +28,6 @@ def run(*args, env=None):
                           timeout=300)
 
 
-needs_transformers = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None,
-    reason="transformers is not installed (pip install -r requirements-dev.txt)")
 TOL = 1e-4   # fp32, max abs logit difference
 TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
 
