@@ -19,25 +19,13 @@ import torch
 
 import train as train_cli
 from common import UserError
-from loading import FORMAT, VERSION, list_checkpoints, read_checkpoint
+from loading import list_checkpoints, read_checkpoint
 from tests.conftest import (ROOT, TEXT, interrupt_at, mkdir, posix_signals, records, run_tool,
                             tiny_overrides, tree)
 from training.config import build_config
 from training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tiny models: one intra-op thread
-
-
-def test_a_checkpoint_holds_everything_a_resume_needs(trained):
-    ckpt = read_checkpoint(trained / "ckpt_0000004.pt")
-    assert (ckpt["format"], ckpt["version"], ckpt["step"]) == (FORMAT, VERSION, 4)
-    assert ckpt["tokens"] == 4 * 8 * 32
-    # the resolved config, not the requested one
-    assert ckpt["config"]["model"]["vocab_size"] == len(set(TEXT))
-    assert ckpt["tokenizer"] == {"kind": "char", "chars": "".join(sorted(set(TEXT)))}
-    assert set(ckpt["rng_ranks"][0]) >= {"torch", "cuda"} and "generator" in ckpt["loader"]
-    assert ckpt["optimizer"]["state"] and "scaler" in ckpt and ckpt["elapsed"] > 0
-    assert ckpt["best_val_loss"] < 10
 
 
 @pytest.mark.parametrize("extra", [
