@@ -65,8 +65,9 @@ def test_the_drawn_weights_reproduce_the_layers_output(attention, pos):
 
 @pytest.mark.parametrize("attention, pos", COMBOS)
 def test_rows_are_distributions_over_the_visible_past(attention, pos):
-    """Exactly zero outside it; positive inside and summing to 1, but for linear attention with
-    rope, whose rotated numerator and plain denominator differ: not a distribution, drawn as such."""
+    """Exactly zero outside it; positive inside and summing to 1, but for linear attention
+    with rope, whose rotated numerator and plain denominator differ: not a distribution, drawn
+    as such."""
     attn, x, rope = layer_and_input(attention, pos, qk_norm=True)
     with torch.no_grad():
         _, weights = attn(x, rope, return_weights=True)

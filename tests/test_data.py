@@ -263,8 +263,9 @@ def test_token_ids_past_the_vocabulary_in_a_file_of_the_right_size_are_one_line(
     for _ in ("copied to the device", "memory-mapped"):
         with pytest.raises(UserError) as e:
             BatchLoader(out, block_size=32, batch_size=8).step_windows()
-        assert "\n" not in str(e.value) and f"{out} holds token id 60000 in train.bin" in str(e.value)
-        assert "delete it and prepare the data again" in str(e.value)
+        said = str(e.value)
+        assert "\n" not in said and f"{out} holds token id 60000 in train.bin" in said
+        assert "delete it and prepare the data again" in said
         monkeypatch.setattr(data.loader, "free_memory", lambda device: 0)
 
 

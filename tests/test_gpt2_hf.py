@@ -262,7 +262,8 @@ def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_
     assert records(resumed)[4] == pytest.approx(whole[4], abs=1e-5)
 
 
-def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_does(tiny_gpt2, capsys):
+def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_does(tiny_gpt2,
+                                                                                  capsys):
     from transformers import GPT2LMHeadModel
 
     tok = gpt2_or_skip()
@@ -271,7 +272,8 @@ def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_doe
     with torch.no_grad():
         expected = GPT2LMHeadModel.from_pretrained(tiny_gpt2).eval().generate(
             ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
-    argv = [tiny_gpt2, "--prompt", prompt, "--max-new-tokens", 6, "--temperature", 0, "--device", "cpu"]
+    argv = [tiny_gpt2, "--prompt", prompt, "--max-new-tokens", 6, "--temperature", 0,
+            "--device", "cpu"]
     rc, out, err = run_tool(sample_cli, argv, capsys)
     assert rc == 0 and "Hugging Face GPT-2" in err, err
     assert out == prompt + tok.decode_bytes(expected).decode("utf-8", errors="replace") + "\n"

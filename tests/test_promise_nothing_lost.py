@@ -235,8 +235,9 @@ def test_a_run_stopped_before_its_first_checkpoint_is_started_by_the_same_comman
 
 def test_a_damaged_metrics_line_is_skipped_with_a_warning_and_the_run_resumes(tmp_path, text_file,
                                                                               capsys):
-    """A line cut short at the end is what a kill leaves: the resumed run writes after it. (Which
-    lines are damaged: tests/test_plot.py's test_read_records_skips_damaged_lines_with_one_warning.)"""
+    """A line cut short at the end is what a kill leaves: the resumed run writes after it.
+    (Which lines are damaged: test_read_records_skips_damaged_lines_with_one_warning, in
+    tests/test_plot.py.)"""
     out, args = tmp_path / "out", tiny_overrides(tmp_path, text_file, **{"train.max_steps": 10})
     assert run_tool(train_cli, args, capsys)[0] == 0
     with open(out / "metrics.jsonl", "ab") as log:

@@ -91,7 +91,8 @@ def nan_weights_before(monkeypatch, step: int) -> None:
     monkeypatch.setattr(trainer, "set_lr", set_lr)
 
 
-def test_a_non_finite_step_is_named_where_the_loop_reads_the_loss(tiny_cfg, graph_on_cpu, monkeypatch):
+def test_a_non_finite_step_is_named_where_the_loop_reads_the_loss(tiny_cfg, graph_on_cpu,
+                                                                  monkeypatch):
     """NaN weights at step 6, where the graph step reads them, make its loss NaN; the loop reads it
     at its next log line, step 8, and stops there naming the steps between, with no checkpoint
     holding the damage. (The eager step: tests/test_promise_numerical_faults.py.)"""
