@@ -5,6 +5,7 @@ would (run_tool in-process, run_limited as a memory-limited subprocess), a snaps
 (posix_signals) where not every system has it."""
 import functools
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common import run_cli  # noqa: E402
@@ -97,9 +99,6 @@ def prepare_text(path, tokenizer="char", val_fraction=0.1, root="data/prepared",
 
 def prepared(out: Path):
     """([train ids, val ids], meta.json) of a prepared dataset."""
-    import json
-
-    import numpy as np
     meta = json.loads((out / "meta.json").read_text())
     splits = [np.fromfile(out / f"{split}.bin", dtype=meta["dtype"]) for split in ("train", "val")]
     return [split.tolist() for split in splits], meta
@@ -219,7 +218,6 @@ def trained(tmp_path_factory):
 
 def records(out_dir, kind: str = "train", key: str = "loss") -> dict:
     """{step: value} of a run's metrics.jsonl records of that kind (the losses it logged, say)."""
-    import json
     lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r[key] for r in map(json.loads, lines) if r["kind"] == kind}
 
