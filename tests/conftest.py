@@ -5,6 +5,7 @@ would (run_tool in-process, run_limited as a memory-limited subprocess), a snaps
 (posix_signals) where not every system has it."""
 import functools
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common import run_cli  # noqa: E402
@@ -54,6 +56,9 @@ def at_most_two_threads():
 
 # What a test needs of the system, where not every system has it.
 LINUX = sys.platform.startswith("linux")
+NO_TRANSFORMERS = "transformers is not installed (pip install -r requirements-dev.txt)"
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason=NO_TRANSFORMERS)
 posix_signals = pytest.mark.skipif(os.name == "nt", reason="sends another process POSIX signals (kill -9, SIGTERM, "
                                    "SIGINT, SIGHUP, SIGSTOP): Windows can only end a process outright")
 
@@ -90,6 +95,29 @@ def prepare_text(path, tokenizer="char", val_fraction=0.1, root="data/prepared",
     """data.prepare.prepare() of the text at path with these data settings; the dataset's directory."""
     from data.prepare import DataConfig, prepare
     return prepare(DataConfig(str(path), tokenizer, val_fraction, str(root), encoding_errors), block_size)
+
+
+def prepared(out: Path):
+    """([train ids, val ids], meta.json) of a prepared dataset."""
+    meta = json.loads((out / "meta.json").read_text())
+    splits = [np.fromfile(out / f"{split}.bin", dtype=meta["dtype"]) for split in ("train", "val")]
+    return [split.tolist() for split in splits], meta
+
+
+@pytest.fixture
+def small_reads(monkeypatch):
+    """Tiny reads, pieces and Parquet batches, so that a short text crosses many of their boundaries
+    (mid-character ones too)."""
+    import data.prepare
+    import data.sources
+    monkeypatch.setattr(data.sources, "READ_BYTES", 7)
+    monkeypatch.setattr(data.sources, "PARQUET_ROWS", 3)
+    monkeypatch.setattr(data.prepare, "PIECE_CHARS", 97)
+
+
+# each attention variant's own settings, for a model of 4 heads of 8 channels and a block of 16
+OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
+       "linear": {}, "mla": {"kv_latent_dim": 12}}
 
 # ---------------------------------------------------------------- shared by several test files
 
@@ -190,7 +218,6 @@ def trained(tmp_path_factory):
 
 def records(out_dir, kind: str = "train", key: str = "loss") -> dict:
     """{step: value} of a run's metrics.jsonl records of that kind (the losses it logged, say)."""
-    import json
     lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r[key] for r in map(json.loads, lines) if r["kind"] == kind}
 
@@ -288,7 +315,7 @@ def tiny_gpt2(tmp_path_factory):
     """The directory of a tiny random GPT-2 saved by transformers: context 16, GPT-2's vocabulary
     (tiktoken's gpt2 is its tokenizer)."""
     if importlib.util.find_spec("transformers") is None:
-        pytest.skip("transformers is not installed (pip install -r requirements-dev.txt)")
+        pytest.skip(NO_TRANSFORMERS)
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(1)
     config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=50257)

@@ -25,11 +25,9 @@ from model.attention_maps import attention_maps, head_scores, line_up_positions,
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.positions import rope_tables
-from tests.conftest import CHARS, run_tool, save_char_model
+from tests.conftest import CHARS, OWN, run_tool, save_char_model
 from viz.attention_page import PLACEHOLDER, TEMPLATE, attention_page, encode_weights, error_bound
 
-OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
-       "linear": {}, "mla": {"kv_latent_dim": 12}}
 COMBOS = [(a, p) for a in OWN for p in ("learned", "rope", "alibi") if (a, p) != ("linear", "alibi")]
 T = 12
 
@@ -66,31 +64,22 @@ def test_the_drawn_weights_reproduce_the_layers_output(attention, pos):
 
 
 @pytest.mark.parametrize("attention, pos", COMBOS)
-def test_weights_are_exactly_zero_outside_the_visible_past(attention, pos):
-    attn, x, rope = layer_and_input(attention, pos)
+def test_rows_are_distributions_over_the_visible_past(attention, pos):
+    """Exactly zero outside it; positive inside and summing to 1, but for linear attention
+    with rope, whose rotated numerator and plain denominator differ: not a distribution, drawn
+    as such."""
+    attn, x, rope = layer_and_input(attention, pos, qk_norm=True)
     with torch.no_grad():
         _, weights = attn(x, rope, return_weights=True)
     visible = causal_mask(*consecutive_positions(T, T, "cpu"), window=OWN[attention].get("window", 0))
     assert torch.all(weights[..., ~visible] == 0.0)
     if attention == "sliding_window":
         assert (~visible).sum() > T * (T - 1) // 2, "the window hides more than the future"
-    if (attention, pos) != ("linear", "rope"):
-        assert torch.all(weights[..., visible] > 0.0)
-
-
-@pytest.mark.parametrize("attention, pos", [c for c in COMBOS if c != ("linear", "rope")])
-def test_rows_are_distributions(attention, pos):
-    attn, x, rope = layer_and_input(attention, pos, qk_norm=True)
-    with torch.no_grad():
-        _, weights = attn(x, rope, return_weights=True)
+    if (attention, pos) == ("linear", "rope"):
+        assert (weights.sum(-1) - 1).abs().max() > 1e-2
+        return
+    assert torch.all(weights[..., visible] > 0.0)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, T), atol=1e-5, rtol=0)
-
-
-def test_linear_attention_with_rope_is_not_a_distribution_and_is_drawn_as_such():
-    attn, x, rope = layer_and_input("linear", "rope")
-    with torch.no_grad():
-        _, weights = attn(x, rope, return_weights=True)
-    assert (weights.sum(-1) - 1).abs().max() > 1e-2, "the rotated numerator and plain denominator differ"
 
 
 def test_a_linear_layer_refuses_weights_with_a_cache():

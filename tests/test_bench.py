@@ -3,10 +3,12 @@ intervals (and plain PyTorch's per step), with the model's FLOP count in its MFU
 with and without the cache at batch 1 and 16; the race runs train.py as a user does, times each
 evaluation from the launch and finds the fast run's first evaluation at or below the classic's best.
 As a command: every bad argument is one line and exit 2, before any work."""
+import functools
 import os
 import re
 import tempfile
 import time
+import types
 
 import pytest
 import torch
@@ -20,8 +22,18 @@ from training.config import build_config
 PEAK = 1e9   # the matmul peak the train tests divide by (measuring it takes seconds of its own)
 
 
+@pytest.fixture
+def temp(tmp_path, monkeypatch):
+    """A folder of the test's own where bench.py makes its temporary directories, to see what it
+    leaves there. The process's own temporary folder stays as it was: torch finds its compile
+    caches there, which a test that compiles later would otherwise lose."""
+    made_in = functools.partial(tempfile.TemporaryDirectory, dir=mkdir(tmp_path / "temp"))
+    monkeypatch.setattr(bench, "tempfile", types.SimpleNamespace(TemporaryDirectory=made_in))
+    return tmp_path / "temp"
+
+
 def bench_dirs(temp) -> list:
-    """What bench.py left in the temporary directory (torch keeps caches of its own there)."""
+    """What bench.py left in the temporary directory."""
     return [p for p in temp.iterdir() if p.name.startswith("bench_")]
 
 
@@ -29,8 +41,8 @@ def bench_train_argv(tmp_path, text_file, *extra) -> list:
     return ["train", write(tmp_path / "empty.toml", ""), *tiny_overrides(tmp_path, text_file), *extra]
 
 
-def test_bench_train_reports_the_median_of_the_trainer_s_own_log_intervals(tmp_path, text_file, monkeypatch,
-                                                                           capsys):
+def test_bench_train_reports_the_median_of_the_trainer_s_own_log_intervals(
+        tmp_path, text_file, temp, monkeypatch, capsys):
     """One train() run: a warm-up interval, then --rounds intervals of --steps steps, each timed by the
     trainer itself; the row is their median, its tokens/s and MFU follow from it and the model's FLOPs."""
     from training import trainer
@@ -42,8 +54,6 @@ def test_bench_train_reports_the_median_of_the_trainer_s_own_log_intervals(tmp_p
         calls.append((cfg, kw, summary["intervals"], os.path.isdir(cfg.out_dir)))
         return {**summary, "intervals": [(3, 500.0), (3, 30.0), (3, 10.0), (3, 20.0)]}   # the trainer's figures
     monkeypatch.setattr(trainer, "train", train)
-    temp = mkdir(tmp_path / "temp")
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     rc, out, err = run_tool(bench, bench_train_argv(tmp_path, text_file, "--steps", "3", "--rounds", "3"), capsys)
     assert rc == 0, (out, err)
     (cfg, kw, intervals, had_out_dir), = calls
@@ -62,11 +72,10 @@ def test_bench_train_reports_the_median_of_the_trainer_s_own_log_intervals(tmp_p
     assert f"trainer: {float(plain[1]) / 20:.2f}x plain PyTorch's speed (median of 3 intervals of 3 steps" in out
 
 
-def test_bench_train_stopped_by_ctrl_c_exits_130_and_leaves_nothing(tmp_path, text_file, monkeypatch, capsys):
+def test_bench_train_stopped_by_ctrl_c_exits_130_and_leaves_nothing(tmp_path, text_file, temp,
+                                                                     monkeypatch, capsys):
     """Ctrl-C reaches the trainer, which finishes its step and returns; bench prints no figures."""
     monkeypatch.setattr(bench, "matmul_peak", lambda device, dtype: PEAK)
-    temp = mkdir(tmp_path / "temp")
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     interrupt_at(monkeypatch, 2)
     rc, out, err = run_tool(bench, bench_train_argv(tmp_path, text_file, "--steps", "2"), capsys)
     assert rc == 130 and "ms/step" not in out, (rc, out, err)   # (the trainer's note goes to fd 2 itself)
@@ -120,11 +129,9 @@ def test_bench_sample_times_decodes_with_and_without_the_cache_at_batch_1_and_16
 
 
 def test_the_race_times_train_py_from_launch_and_finds_the_first_evaluation_at_the_classic_s_best(
-        tmp_path, text_file, monkeypatch, capsys):
+        tmp_path, text_file, temp, capsys):
     slow = write(tmp_path / "slow.toml", "[train]\nlr = 1e-4\nmin_lr = 1e-5\n")
     fast = write(tmp_path / "fast.toml", "[train]\nlr = 1e-2\nmin_lr = 1e-3\n")
-    temp = mkdir(tmp_path / "temp")
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     overrides = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 24, "train.eval_interval": 6,
                                                        "train.eval_iters": 0})
     result = bench.race(str(slow), str(fast), overrides)

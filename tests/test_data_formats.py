@@ -7,34 +7,18 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import data.prepare as prep
-import data.sources
 from common import UserError
 from data.prepare import DataConfig, prepare
 from data.cache import data_name, describe
-from tests.conftest import TEXT, assert_refused, gpt2_or_skip, prepare_text
+from tests.conftest import TEXT, assert_refused, gpt2_or_skip, prepare_text, prepared
 
 # documents with what could go wrong: non-ASCII, a literal end-of-text marker, a blank one (left out,
 # as a blank file is), CRLF, a trailing newline
 DOCS = [TEXT[:700], "héllo wörld ✓ 😀 <|endoftext|> it's\n\n", "   \n", TEXT[700:1500], "x\r\ny  z",
         TEXT[1500:]]
-
-
-@pytest.fixture
-def small_reads(monkeypatch):
-    """Tiny reads, pieces and Parquet batches, so that a short text crosses many of their boundaries."""
-    monkeypatch.setattr(data.sources, "READ_BYTES", 7)
-    monkeypatch.setattr(data.sources, "PARQUET_ROWS", 3)
-    monkeypatch.setattr(prep, "PIECE_CHARS", 97)
-
-
-def prepared(out: Path):
-    """([train ids, val ids], meta.json) of a prepared dataset."""
-    meta = json.loads((out / "meta.json").read_text())
-    return [np.fromfile(out / f"{split}.bin", dtype=meta["dtype"]).tolist() for split in prep.SPLITS], meta
 
 
 def text_files(folder: Path, docs) -> Path:

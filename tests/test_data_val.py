@@ -2,27 +2,19 @@
 is carved from the training text; files of val_path inside the data folder are never trained on;
 the cache key covers both texts; eval.py scores a val.jsonl as the trainer's val split."""
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import eval as eval_cli
 from common import UserError
-from data.prepare import SPLITS, DataConfig, prepare
-from tests.conftest import TEXT, gpt2_or_skip, records, run_tool, tiny_overrides
+from data.prepare import DataConfig, prepare
+from tests.conftest import TEXT, gpt2_or_skip, prepared, records, run_tool, tiny_overrides
 from tests.test_data_formats import write_jsonl, write_parquet
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # a tiny model is trained below
 
 TRAIN = [TEXT[i:i + 300] for i in range(0, 1200, 300)]
 VAL = ["Zounds! quoth he, a validation story.", TEXT[1200:]]   # (Z: no train document holds one)
-
-
-def splits(out: Path) -> tuple[list[int], list[int], dict]:
-    meta = json.loads((out / "meta.json").read_text())
-    train, val = (np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]).tolist() for s in SPLITS)
-    return train, val, meta
 
 
 def gpt2_ids(docs) -> list[int]:
@@ -44,7 +36,7 @@ def test_a_hub_folder_s_validation_files_are_the_val_split_and_never_trained_on(
     for tokenizer in ("char", "gpt2"):
         out = prepare(DataConfig(str(hub), tokenizer, 0.5, str(tmp_path / "p"),
                                  val_path=str(hub / "validation-*.parquet")))
-        train, val, meta = splits(out)
+        (train, val), meta = prepared(out)
         if tokenizer == "gpt2":
             assert (train, val) == (gpt2_ids(TRAIN), gpt2_ids(VAL))
         else:   # a newline between documents
@@ -62,18 +54,18 @@ def test_a_pair_of_jsonl_files_and_the_cache_key_of_both(tmp_path, capsys):
     train_file = write_jsonl(tmp_path / "train.jsonl", TRAIN)
     val_file = write_jsonl(tmp_path / "val.jsonl", VAL)
 
-    def prepared(val_fraction=0.1):
+    def entry(val_fraction=0.1):
         return prepare(DataConfig(str(train_file), "gpt2", val_fraction, str(tmp_path / "p"),
                                   val_path=str(val_file)))
-    out = prepared()
-    assert splits(out)[:2] == (gpt2_ids(TRAIN), gpt2_ids(VAL))
+    out = entry()
+    assert prepared(out)[0] == [gpt2_ids(TRAIN), gpt2_ids(VAL)]
     capsys.readouterr()
-    assert prepared(0.5) == out and "prepared" not in capsys.readouterr().out, \
+    assert entry(0.5) == out and "prepared" not in capsys.readouterr().out, \
         "val_fraction is unused: the same entry"
     write_jsonl(val_file, VAL[:1] + TRAIN[:1])
-    assert splits(prepared())[:2] == (gpt2_ids(TRAIN), gpt2_ids(VAL[:1] + TRAIN[:1])), "val changed"
+    assert prepared(entry())[0] == [gpt2_ids(TRAIN), gpt2_ids(VAL[:1] + TRAIN[:1])], "val changed"
     write_jsonl(train_file, TRAIN[1:])
-    assert splits(prepared())[0] == gpt2_ids(TRAIN[1:]), "train changed"
+    assert prepared(entry())[0][0] == gpt2_ids(TRAIN[1:]), "train changed"
     assert len(list((tmp_path / "p").iterdir())) == 3
 
 

@@ -138,7 +138,7 @@ def test_fsdp_checkpoint_loads_in_one_plain_process(runs):
 
 
 def prepare_slowly(rank: int, store: str) -> None:
-    """One of 2 processes whose group times out after 1 s: the leader's work takes 3."""
+    """One of 2 processes whose group times out after 1 s: the leader's work takes 2."""
     import time
     from datetime import timedelta
 
@@ -152,7 +152,7 @@ def prepare_slowly(rank: int, store: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=1))
     try:
-        assert leader_first(lambda: time.sleep(3 if rank == 0 else 0) or rank, rank == 0) == rank
+        assert leader_first(lambda: time.sleep(2 if rank == 0 else 0) or rank, rank == 0) == rank
     finally:
         dist.destroy_process_group()
 

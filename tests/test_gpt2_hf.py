@@ -1,6 +1,5 @@
 """GPT-2 weights in and out (hf/convert.py, hf/hub.py, export.py), checked against
 transformers' own GPT2LMHeadModel: same logits both ways, exact round trips, clear refusals."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,13 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sample as sample_cli
 from model.config import ModelConfig
 from model.gpt import GPT
 from common import UserError
 from data.tokenizers import CharTokenizer
 from hf.convert import config_from_hf, state_dict_from_hf, to_hf
 from hf.hub import load_pretrained, save_pretrained
-from tests.conftest import ROOT, gpt2_or_skip, records, resumed_copy, scramble_
+from tests.conftest import (ROOT, gpt2_or_skip, needs_transformers, records, resumed_copy,
+                            run_tool, scramble_)
+
 
 def run(*args, env=None):
     """A command-line tool in a subprocess that never reaches the network."""
@@ -26,9 +28,6 @@ def run(*args, env=None):
                           timeout=300)
 
 
-needs_transformers = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None,
-    reason="transformers is not installed (pip install -r requirements-dev.txt)")
 TOL = 1e-4   # fp32, max abs logit difference
 TINY = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
 
@@ -82,9 +81,8 @@ def test_import_gives_transformers_logits(tmp_path, overrides):
 
 @needs_transformers
 @pytest.mark.parametrize("overrides", [{}, {"mlp": "gelu_tanh"}, {"mlp": "relu2"}, {"bias": False},
-                                       {"tie_embeddings": False}, {"attn_scale": False},
-                                       {"attention": "naive"}],
-                         ids=["default", "gelu_tanh", "relu2", "no-bias", "untied", "unscaled", "naive"])
+                                       {"tie_embeddings": False}, {"attn_scale": False}],
+                         ids=["default", "gelu_tanh", "relu2", "no-bias", "untied", "unscaled"])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, overrides):
     from transformers import GPT2LMHeadModel
     ours = our_model(**overrides)
@@ -264,7 +262,8 @@ def test_finetune_starts_from_the_pretrained_weights_and_resumes(tmp_path, tiny_
     assert records(resumed)[4] == pytest.approx(whole[4], abs=1e-5)
 
 
-def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_does(tiny_gpt2):
+def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_does(tiny_gpt2,
+                                                                                  capsys):
     from transformers import GPT2LMHeadModel
 
     tok = gpt2_or_skip()
@@ -273,8 +272,8 @@ def test_sample_py_samples_a_hugging_face_directory_greedily_as_transformers_doe
     with torch.no_grad():
         expected = GPT2LMHeadModel.from_pretrained(tiny_gpt2).eval().generate(
             ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
-    r = run("sample.py", str(tiny_gpt2), "--prompt", prompt, "--max-new-tokens", "6", "--temperature", "0",
-            "--device", "cpu")
-    assert r.returncode == 0, r.stderr
-    assert "Hugging Face GPT-2" in r.stderr
-    assert r.stdout == prompt + tok.decode_bytes(expected).decode("utf-8", errors="replace") + "\n"
+    argv = [tiny_gpt2, "--prompt", prompt, "--max-new-tokens", 6, "--temperature", 0,
+            "--device", "cpu"]
+    rc, out, err = run_tool(sample_cli, argv, capsys)
+    assert rc == 0 and "Hugging Face GPT-2" in err, err
+    assert out == prompt + tok.decode_bytes(expected).decode("utf-8", errors="replace") + "\n"

@@ -1,7 +1,6 @@
 """An exported directory is a whole Hugging Face model: AutoTokenizer encodes and decodes exactly as
 our tokenizer does (char, bpe:N, gpt2), and pipeline("text-generation") continues a prompt, offline.
 Models are built directly (tiny, random), never trained."""
-import importlib.util
 import json
 import os
 
@@ -15,10 +14,9 @@ from data.tokenizers import CharTokenizer, load_tokenizer
 from hf.hub import save_pretrained
 from model.config import ModelConfig
 from model.gpt import GPT
-from tests.conftest import TEXT, gpt2_or_skip, run_tool, save_char_model
+from tests.conftest import TEXT, gpt2_or_skip, needs_transformers, run_tool, save_char_model
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed (pip install -r requirements-dev.txt)")
+pytestmark = needs_transformers
 TEXTS = ["Hello world", "It's 2024: 12345 apples, 3.14 pies... (really?!)", "  runs   of    spaces  ", "x",
          "line one\n\nline two\r\n   indented\ttab\n", "café 日本語 ☃ naïve"]
 

@@ -2,8 +2,8 @@
 starts them: two torchrun launchers as two nodes (--nnodes=2, 127.0.0.1, gloo, one process each)
 train to the losses of one process with the same global batch, and only global rank 0 writes; a
 node lost mid-run (its launcher and its worker killed) ends the other within a minute, with one line
-of ours, the checkpoints whole, and --resume goes on; Ctrl-C to torchrun says the stop once, with
-the torchrun command that continues the run."""
+of ours, the checkpoints whole, and --resume goes on (a run that ends: tests/test_distributed.py);
+Ctrl-C to torchrun says the stop once, with the torchrun command that continues the run."""
 import os
 import shlex
 import shutil
@@ -75,42 +75,20 @@ def end(nodes) -> None:
         proc.wait(timeout=60)
 
 
-def test_two_nodes_train_as_one_process_and_only_rank_0_writes(tmp_path, text_file):
+def test_two_nodes_train_as_one_process_and_a_lost_node_ends_the_other_in_one_line(
+        tmp_path, text_file, monkeypatch):
     """The same command on two "machines" (two folders: relative out dir and prepared data), as a
-    user runs it on each: rank 0's node holds the run, rank 1's node only the data it prepared."""
+    user runs it on each: rank 0's node holds the run, rank 1's node only the data it prepared.
+    Node 1 killed (launcher and worker) once a checkpoint is on node 0's out dir: node 0 ends
+    within a minute, non-zero, our worker saying one line (then torchrun's own report of the
+    failed worker); the newest checkpoint loads, and one process resumes it (grad_accum=2: the
+    same global batch) to the end. Each loss of the two nodes is that of one process with batch
+    8 (a flat learning rate: the same whatever max_steps)."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
-    nodes, _ = start_nodes(settings(Path("."), text_file), folders, tmp_path)
-    try:
-        for proc in nodes:
-            proc.wait(timeout=180)
-    finally:
-        end(nodes)
-    logs = [(tmp_path / f"node{n}.out").read_text() + (tmp_path / f"node{n}.err").read_text()
-            for n in (0, 1)]
-    assert [p.returncode for p in nodes] == [0, 0], logs
-    # one process, batch 8: the same global batch, and the same evaluation batches (eval_iters of
-    # batch_size on each process)
-    one_process = {"train.batch_size": 8, "out_dir": tmp_path / "one"}
-    train(build_config(None, settings(tmp_path, text_file, **one_process)), quiet=True)
-    two, one = folders[0] / "out", tmp_path / "one"
-    assert list(records(two)) == list(range(1, 7))
-    assert list(records(two).values()) == pytest.approx(list(records(one).values()), abs=1e-5)
-    assert list(records(two, "eval", "val_loss").values()) == \
-        pytest.approx(list(records(one, "eval", "val_loss").values()), abs=1e-5)
-    assert sorted(os.listdir(two)) == ["best.pt", "ckpt_0000004.pt", "ckpt_0000006.pt",
-                                       "config.toml", "metrics.jsonl"]
-    assert os.listdir(folders[1]) == ["prepared"], "rank 1 wrote outside its prepared data"
-    assert "x 2 processes (DDP) | 256 tokens/step" in logs[0] and "step " not in logs[1], logs
-
-
-def test_a_lost_node_ends_the_other_in_one_line_and_the_run_resumes(tmp_path, text_file):
-    """Node 1 killed (launcher and worker) once a checkpoint is on the shared out dir: node 0 ends
-    within a minute, non-zero, our worker saying one line (then torchrun's own report of the failed
-    worker); the newest checkpoint loads, and one process resumes it (grad_accum=2: the same global
-    batch) to the end."""
-    out = tmp_path / "out"
-    argv = settings(tmp_path, text_file, **{"train.max_steps": 2000, "train.eval_interval": 5})
-    nodes, port = start_nodes(argv, [tmp_path / "node0", tmp_path / "node1"], tmp_path)
+    flat = {"train.max_steps": 2000, "train.eval_interval": 5, "train.min_lr": 1e-3}
+    argv = settings(Path("."), text_file, **flat)
+    out = folders[0] / "out"
+    nodes, port = start_nodes(argv, folders, tmp_path)
     try:
         deadline = time.monotonic() + 180
         while not list_checkpoints(out) and nodes[0].poll() is None and time.monotonic() < deadline:
@@ -134,12 +112,21 @@ def test_a_lost_node_ends_the_other_in_one_line_and_the_run_resumes(tmp_path, te
                 f"--master_port={port} {ROOT / 'train.py'} {shlex.join(argv)} --resume")
     assert ours[0].endswith(f"; the checkpoint of step {step} is kept in {out}: {torchrun} "
                             f"(on each machine, with its own --node_rank) continues it"), ours[0]
+    assert os.listdir(folders[1]) == ["prepared"], "rank 1 wrote outside its prepared data"
+    logs = [(tmp_path / f"node{n}.out").read_text() for n in (0, 1)]
+    assert "x 2 processes (DDP) | 256 tokens/step" in logs[0] and "step " not in logs[1], logs
     load_model(path)
     assert read_checkpoint(path)["step"] == step < 2000
+    monkeypatch.chdir(folders[0])
     one_process = ["--train.grad_accum=2", f"--train.max_steps={step + 3}"]
     cfg = build_config(None, [*argv, *one_process], resume=True)
     assert train(cfg, resume=True, quiet=True)["step"] == step + 3
     assert max(records(out)) == step + 3
+    alone = {**flat, "train.batch_size": 8, "train.max_steps": step, "out_dir": tmp_path / "one"}
+    train(build_config(None, settings(tmp_path, text_file, **alone)), quiet=True)
+    for kind, key in (("train", "loss"), ("eval", "val_loss")):
+        two = {s: v for s, v in records(out, kind, key).items() if s <= step}
+        assert two == pytest.approx(records(tmp_path / "one", kind, key), abs=1e-5), kind
 
 
 def test_ctrl_c_under_torchrun_says_the_stop_once_with_the_torchrun_command(tmp_path, text_file):

@@ -168,14 +168,6 @@ def assert_every_point_in_view(fig):
             assert low <= ys.min() and ys.max() <= high, ax.get_title()
 
 
-def test_plot_py_shows_every_evaluation(runs, tmp_path, capsys, figures):
-    """The first evaluation (4.2, far above the rest) is in the picture, not cut off above it."""
-    rc, _, err = run_tool(plot_cli, [*runs, "--out", tmp_path / "p.png"], capsys)
-    (fig,) = figures
-    assert rc == 0 and len(fig.axes) == 2, err
-    assert_every_point_in_view(fig)
-
-
 def test_ablate_s_curves_show_every_evaluation_and_every_seed(tmp_path, figures):
     import numpy as np
 
@@ -193,6 +185,8 @@ def test_ablate_s_curves_show_every_evaluation_and_every_seed(tmp_path, figures)
 
 
 def test_curves_draw_every_point_of_every_panel(figures):
+    """The drawing of every picture (curves.png, plot.py's, a sweep's): a first evaluation far
+    above the rest is in view, not cut off above it."""
     panels = [Panel("loss", "step", "loss", [
                   Line("a", [0, 1, 2, 3], [11.0, 2.0, 1.9, 1.85]),
                   Line("b", [0, 1], [10.5, 1.7], low=[10.0, 1.6], high=[12.0, 1.8])]),

@@ -60,20 +60,17 @@ def test_best_pt_linked_again_to_its_own_checkpoint_leaves_it_whole(tmp_path):
     assert not (tmp_path / ".best.pt.tmp").exists()
 
 
-@pytest.mark.parametrize("failure", [
-    OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
-    # what torch.save's zip writer raises when the disk fills (a RuntimeError, not an OSError)
-    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 2048"),
-], ids=["OSError", "RuntimeError"])
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(failure, tmp_path, text_file,
-                                                                 monkeypatch, capsys):
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, text_file, monkeypatch,
+                                                                 capsys):
+    """(torch.save's own RuntimeError for a full disk is said as one:
+    test_a_full_disk_and_a_file_system_s_size_limit_are_told_apart.)"""
     real_save, calls = torch.save, []
 
     def save_until_the_disk_fills(obj, f, *a, **k):
         calls.append(1)
         if len(calls) == 2:
             f.write(b"PK\x03\x04 half a checkpoint")
-            raise failure
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", save_until_the_disk_fills)
@@ -236,18 +233,15 @@ def test_a_run_stopped_before_its_first_checkpoint_is_started_by_the_same_comman
     assert list(records(out)) == [1, 2, 3, 4]
 
 
-# a damaged line at the end is what a kill leaves: the resumed run writes after it
-@pytest.mark.parametrize("damage", [b"\xff\xfe not UTF-8\n",
-                                    b'{"step": "ten", "kind": "train"}\n',
-                                    b'{"step": 11, "kind": "tra'],
-                         ids=["bad byte", "a string for a number", "a line cut short"])
-def test_a_damaged_metrics_line_is_skipped_with_a_warning_and_the_run_resumes(damage, tmp_path,
-                                                                              text_file, capsys):
+def test_a_damaged_metrics_line_is_skipped_with_a_warning_and_the_run_resumes(tmp_path, text_file,
+                                                                              capsys):
+    """A line cut short at the end is what a kill leaves: the resumed run writes after it.
+    (Which lines are damaged: test_read_records_skips_damaged_lines_with_one_warning, in
+    tests/test_plot.py.)"""
     out, args = tmp_path / "out", tiny_overrides(tmp_path, text_file, **{"train.max_steps": 10})
     assert run_tool(train_cli, args, capsys)[0] == 0
-    lines = (out / "metrics.jsonl").read_bytes().splitlines(keepends=True)
-    lines.insert(3 if damage.endswith(b"\n") else len(lines), damage)
-    (out / "metrics.jsonl").write_bytes(b"".join(lines))
+    with open(out / "metrics.jsonl", "ab") as log:
+        log.write(b'{"step": 11, "kind": "tra')
     longer = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 12})
     rc, _, err = run_tool(train_cli, [*longer, "--resume"], capsys)
     assert rc == 0 and f"warning: {out / 'metrics.jsonl'}: skipped 1 damaged line(s)" in err, err

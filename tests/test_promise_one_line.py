@@ -1,6 +1,6 @@
 """A mistake is one line and a non-zero exit, and writes nothing: a table of mistakes through the
 commands (in-process, through common.run_cli, as their __main__ does: the commands as real
-processes, test_training.py), then what the machine does wrong (a full disk, a read-only folder,
+processes, test_readme.py), then what the machine does wrong (a full disk, a read-only folder,
 memory that runs out: exit 3) and what is missing (wandb, GPT-2's files), each said in one line."""
 import os
 import shutil
@@ -103,10 +103,6 @@ CASES = [
      "error: no files match"),
     ("TOML syntax", train_cli, lambda e: toml(e, "[model\nn_layer = 2"),
      "c.toml is not a TOML config file"),
-    ("TOML unknown key", train_cli, lambda e: toml(e, "[train]\nlearning_rate = 1"),
-     "unknown config key 'train.learning_rate'"),
-    ("TOML wrong type", train_cli, lambda e: toml(e, '[train]\nbeta1 = "high"'),
-     "train.beta1: expected float, got 'high'"),
     ("missing config", train_cli, lambda e: [e["tmp"] / "nope.toml", *e["base"]()],
      "No such file or directory: "),
     ("out dir under a file", train_cli,
@@ -222,7 +218,7 @@ def test_out_of_memory_names_the_fix_and_keeps_the_checkpoint(tmp_path, text_fil
     ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text, **{
         "train.batch_size": 300_000_000}), 2 << 30),
     ("train.py", lambda tmp, text, ckpt: tiny_overrides(tmp, text, **{
-        "model.n_layer": 300_000, "model.n_embd": 8, "model.n_head": 1}), 300 << 20),
+        "model.n_layer": 300_000, "model.n_embd": 8, "model.n_head": 1}), 150 << 20),
     ("sample.py", lambda tmp, text, ckpt: [ckpt, "--num-samples", 100_000_000,
                                            "--max-new-tokens", 5, "--device", "cpu"], 2 << 30),
 ], ids=["train batch", "train model", "sample batch"])

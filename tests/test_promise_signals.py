@@ -202,7 +202,6 @@ def test_an_error_raised_by_a_ctrl_c_is_a_ctrl_c(capsys):
     assert capsys.readouterr().err == "interrupted\n"
 
 
-@posix_signals
 def processes_of(text: Path) -> list[int]:
     """The pids of the processes whose command line names text (a preparation and the workers
     it forked)."""
@@ -238,6 +237,7 @@ def preparing(tmp_path, *args) -> tuple[subprocess.Popen, Path, Path]:
 GPT2_ON_2 = ("--tokenizer", "gpt2", "--workers", "2")
 
 
+@posix_signals
 @pytest.mark.parametrize("stop, code, line, args", [
     (signal.SIGTERM, 143, "terminated", ()),
     (signal.SIGTERM, 143, "terminated", GPT2_ON_2),
@@ -261,6 +261,7 @@ def test_a_stopped_preparation_leaves_no_temporary_folder(tmp_path, stop, code, 
     assert wait_for(lambda: not processes_of(text), 10), "a worker outlived the command"
 
 
+@posix_signals
 def test_a_worker_that_dies_ends_the_preparation_in_one_line(tmp_path):
     """The out-of-memory killer takes a worker: the command says so and exits, it never hangs."""
     gpt2_or_skip()
@@ -280,6 +281,7 @@ def test_a_worker_that_dies_ends_the_preparation_in_one_line(tmp_path):
     assert wait_for(lambda: not processes_of(text), 10), "a worker outlived the command"
 
 
+@posix_signals
 def test_workers_end_with_a_preparation_killed_by_sigkill(tmp_path):
     """kill -9 leaves the command no time to stop its workers: they notice and end."""
     gpt2_or_skip()

@@ -1,8 +1,7 @@
-"""The loop learns, checkpoints round-trip and are written while the steps go on; a run writes
+"""The loop learns, checkpoints are written while the steps go on; a run writes
 its config and metrics; --help documents every setting; the log lines say how long is left, the
 final line the whole run's time and tokens, the banner a warm-up longer than the run. train.py then
-sample.py as a user runs them (subprocesses, exit codes, what they print), and the first command
-with no network."""
+sample.py (exit codes, what they print), and the first command, as a process, with no network."""
 import json
 import os
 import re
@@ -11,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
+import sample as sample_cli
 import train as train_cli
 from common import UserError
-from loading import list_checkpoints, load_model, read_checkpoint
-from model.gpt import GPT
+from loading import list_checkpoints, read_checkpoint
 from tests.conftest import ROOT, TEXT, interrupt_at, records, resumed_copy, run_tool, tiny_overrides
 from training.config import Config, FIELDS, flat, fmt
 from training.trainer import train
@@ -31,20 +29,6 @@ def test_a_tiny_model_overfits_a_short_text(tiny_cfg, text_file):
                       "train.weight_decay": 0.0, "train.warmup_steps": 5})
     train(cfg, quiet=True)
     assert records(cfg.out_dir)[300] < 0.2   # from ln(42) = 3.7; ~0.1 give or take rounding
-
-
-def test_save_then_load_gives_identical_logits(tiny_cfg):
-    cfg = tiny_cfg()
-    train(cfg, quiet=True)
-    path = list_checkpoints(cfg.out_dir)[-1][1]
-    loaded = load_model(path)   # as sample.py and export.py read it
-    live = GPT(cfg.model).eval()
-    live.load_state_dict(torch.load(path, weights_only=True)["model"])
-    idx = torch.randint(0, cfg.model.vocab_size, (2, 32))
-    a, _ = loaded.model(idx, all_logits=True)
-    b, _ = live(idx, all_logits=True)
-    assert torch.equal(a, b)
-    assert loaded.tokenizer.vocab_size == cfg.model.vocab_size and "(step 20, val loss " in loaded.description
 
 
 def test_a_run_writes_its_config_and_metrics_as_it_ran(trained):
@@ -172,34 +156,36 @@ def run(*args, cwd=ROOT, env=None):
                           text=True, timeout=300)
 
 
-def test_train_then_sample(tmp_path, text_file):
+def test_train_then_sample(tmp_path, text_file, capsys):
+    """As the commands' __main__ runs them (as real processes: tests/test_readme.py)."""
     out = tmp_path / "out"
     args = tiny_overrides(tmp_path, text_file, **{"train.max_steps": 30, "train.log_interval": 10})
-    r = run("train.py", *args)
-    assert r.returncode == 0, r.stderr
-    assert f"\n# {out}: a new run" in r.stdout and "step     30 | loss" in r.stdout
-    changed = next(l for l in r.stdout.splitlines() if l.startswith("# not the defaults: "))
+    rc, stdout, err = run_tool(train_cli, args, capsys)
+    assert rc == 0, err
+    assert f"\n# {out}: a new run" in stdout and "step     30 | loss" in stdout
+    changed = next(l for l in stdout.splitlines() if l.startswith("# not the defaults: "))
     set_here = ("n_layer = 2", "n_head = 2", "n_embd = 32", "block_size = 32")
     assert all(f"model.{k}" in changed for k in set_here), changed
     assert "model.dropout" not in changed and "train.lr" not in changed, "a default is not a change"
     assert "model.vocab_size" not in changed, "the data's vocabulary is no change"
-    assert "parameters, vocab 48 |" in r.stdout, "the data's vocabulary is said"
+    assert "parameters, vocab 48 |" in stdout, "the data's vocabulary is said"
     assert all((out / name).exists() for name in ("best.pt", "metrics.jsonl", "config.toml"))
-    assert "(on the device)" in r.stdout, "a small dataset is copied to the device"
+    assert "(on the device)" in stdout, "a small dataset is copied to the device"
 
-    sample = ("sample.py", str(out), "--prompt", "First", "--num-samples", "2", "--max-new-tokens", "40",
-              "--seed", "3")
-    r = run(*sample)
-    assert r.returncode == 0, r.stderr
-    samples = r.stdout.split("--- sample ")[1:]
+    sample = [out, "--prompt", "First", "--num-samples", 2, "--max-new-tokens", 40, "--seed", 3]
+    rc, stdout, err = run_tool(sample_cli, sample, capsys)
+    assert rc == 0, err
+    samples = stdout.split("--- sample ")[1:]
     assert len(samples) == 2
     for s in samples:
         body = s.split("\n", 1)[1].rstrip("\n")
         assert body.startswith("First") and len(body) == len("First") + 40
-    assert run(*sample).stdout == r.stdout, "a seed fixes the samples"
+    assert run_tool(sample_cli, sample, capsys)[1] == stdout, "a seed fixes the samples"
 
-    r = run("sample.py", str(out), "--prompt", "", "--max-new-tokens", "10", "--temperature", "0")
-    assert r.returncode == 0 and len(r.stdout) == 11   # 10 characters and the final newline
+    greedy = [out, "--prompt", "", "--max-new-tokens", 10, "--temperature", 0]
+    rc, stdout, err = run_tool(sample_cli, greedy, capsys)
+    # 10 characters and the final newline
+    assert rc == 0 and len(stdout) == 11, err
 
 
 def test_the_first_command_works_without_a_network_from_any_directory(tmp_path):

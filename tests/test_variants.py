@@ -18,11 +18,9 @@ from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
 from model.positions import alibi_slopes, apply_rotary_emb, rope_tables
 from model.sampling import Choice, Decoding, generate, sample_next
-from tests.conftest import records
+from tests.conftest import OWN, records
 from training.config import build_config
 
-OWN = {"naive": {}, "sdpa": {}, "gqa": {"n_kv_head": 2}, "sliding_window": {"window": 5},
-       "linear": {}, "mla": {"kv_latent_dim": 12}}
 POSITIONS = ["learned", "rope", "alibi", "none"]
 COMBOS = [(a, p) for a in OWN for p in POSITIONS if (a, p) != ("linear", "alibi")]
 
@@ -231,17 +229,18 @@ def test_decoding_with_the_cache_is_recomputation_across_slides(attention, pos, 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the step replays a CUDA graph")
 
 
-@pytest.mark.parametrize("device, attention, pos", [
-    ("cpu", "sdpa", "rope"),   # inductor's C++ on a CPU: one compile, a few seconds
-    *[pytest.param("cuda", a, p, marks=CUDA) for a, p in [("sdpa", "learned"), ("gqa", "rope"),
-      ("sliding_window", "alibi"), ("linear", "rope"), ("mla", "rope"), ("naive", "none")]]])
-def test_the_compiled_decoding_step_chooses_what_recomputation_does(device, attention, pos, capsys):
-    """generate() with speed/decoding.py's compiled step (on CUDA replayed as a CUDA graph), greedy
-    through slides of the cache: each token is the best by recomputing its context (up to rounding)."""
+@CUDA
+@pytest.mark.parametrize("attention, pos", [("sdpa", "learned"), ("gqa", "rope"),
+                                            ("sliding_window", "alibi"), ("linear", "rope"),
+                                            ("mla", "rope"), ("naive", "none")])
+def test_the_compiled_decoding_step_chooses_what_recomputation_does(attention, pos, capsys):
+    """generate() with speed/decoding.py's compiled step replayed as a CUDA graph, greedy through
+    slides of the cache: each token is the best by recomputing its context (up to rounding). (On a
+    CPU, compiled decoding gives the eager code's tokens: tests/test_decoding.py.)"""
     from speed.decoding import compiled
     torch._dynamo.reset()   # each variant compiles its own graphs: forget the others' (8 at most)
-    model = make_model(attention, pos).to(device)
-    prompt = tokens(b=2, t=3).to(device)
+    model = make_model(attention, pos).cuda()
+    prompt = tokens(b=2, t=3).cuda()
     new = torch.cat(list(generate(model, prompt, 30, Choice(temperature=0),
                                   decoding=Decoding(speed_up=compiled))), dim=1)   # (B, n)
     assert "warning" not in capsys.readouterr().err, "compiling or recording the CUDA graph failed"
