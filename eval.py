@@ -136,7 +136,6 @@ def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as aligned columns under a header; a None as '-'."""
     width = max(len("file"), *(len(r["file"]) for r in rows))
 
     def number(value, width, digits):

@@ -23,10 +23,9 @@ def run_lengths(block_size: int) -> list[int]:
 
 
 def compiled(run, decoder):
-    """decoder.step compiled; on CUDA -> a run(n) replaying a CUDA graph of run(n) for each of
-    the run_lengths, which become decoder.sizes, else run. explicit=True: inductor fuses
-    explicit attention for one query into a few kernels; coordinate descent tuning fuses each
-    one-row matmul with neighbours."""
+    """decoder.step compiled; on CUDA -> a run(n) replaying one CUDA graph per run length
+    (decoder.sizes), else run. Inductor fuses explicit attention for one query into a few
+    kernels; coordinate descent tuning fuses each one-row matmul with its neighbours."""
     cuda, generator = decoder.pos.is_cuda, decoder.generator
     options = {"coordinate_descent_tuning": True} if cuda else None
 

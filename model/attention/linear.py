@@ -89,10 +89,11 @@ class LinearAttention(nn.Module):
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         self.qk_norm = cfg.qk_norm
         self.scale = 1.0 / math.sqrt(self.head_dim) if cfg.attn_scale else 1.0
-        self.query = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.key = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.value = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        C = cfg.n_embd
+        self.query = nn.Linear(C, C, bias=cfg.bias)
+        self.key = nn.Linear(C, C, bias=cfg.bias)
+        self.value = nn.Linear(C, C, bias=cfg.bias)
+        self.proj = nn.Linear(C, C, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.chunk = CHUNK
 
@@ -100,7 +101,7 @@ class LinearAttention(nn.Module):
         return LinearState(batch, self.n_head, self.head_dim, device, dtype)
 
     def cache_size(self, seq_len: int) -> int:
-        return self.n_head * (self.head_dim * self.head_dim + self.head_dim)
+        return self.n_head * self.head_dim * (self.head_dim + 1)
 
     def forward(self, x, rope=None, cache: LinearState | None = None, pos=None,
                 return_weights: bool = False, explicit: bool = False):
