@@ -1,4 +1,4 @@
-"""Score a model on any text: loss per token, bits per byte and perplexity, over every token.
+"""Score a model on any text: loss per token, bits per byte and perplexity.
 
     python eval.py out/tinyshakespeare data/tinyshakespeare.txt
     python eval.py gpt2 'books/*.txt' --stride 512 --json

@@ -1,6 +1,6 @@
 """GPT-2 checkpoints as Hugging Face directories and hub names: read, written, trained from
 (train.init_from fixes the architecture and the tokenizer) and sampled. Weights come from
-model.safetensors (or its shards), never from pytorch_model.bin, a pickle that can run code.
+model.safetensors (or its shards), never from pytorch_model.bin: a pickle can run code.
 """
 import json
 from pathlib import Path

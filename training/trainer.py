@@ -94,7 +94,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         check_same_text(ckpt, resume_from, cfg, loader.meta, say)
     tokenizer = fit_to_data(cfg, loader.meta)
 
-    # ---- the model (the same initial weights on every rank), the optimizer, the step
+    # ---- the model, the optimizer, the step
     model = build_model(cfg, at, resumed=ckpt is not None)
     # DDP and FSDP wrap the model before the optimizer is built over its parameters
     wrapped = at.dist.wrap(model, at.device, t.fsdp, t.seed) if at.ddp else model
@@ -146,7 +146,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             if logged or stopping or sampled:
                 # the loss of the whole global batch, the same on every rank
                 loss = at.dist.mean(loss) if at.ddp else loss
-                # .item() waits for the device: the steps have run, and the timing is true
+                # .item() waits for the device: the timing is true
                 loss_value, norm = loss.item(), grad_norm.item()
                 # fp16's scaler skips an inf gradient itself
                 norms = {} if scaler.is_enabled() else {"gradient norm": norm}

@@ -63,7 +63,6 @@ def linear_attention_weights(q, k, q_num, k_num):
     of out_i = Σ_j a_ij v_j. q, k: the features φ(q), φ(k); q_num, k_num: the same rotated
     by rope (then a row need not sum to 1)."""
     future = ~causal_mask(*consecutive_positions(q.size(2), k.size(2), q.device))
-    # (B, nh, T, T)
     num = (q_num @ k_num.transpose(-2, -1)).masked_fill(future, 0.0)
     # (B, nh, T, 1)
     den = (q @ k.transpose(-2, -1)).masked_fill(future, 0.0).sum(-1, keepdim=True)
