@@ -200,8 +200,7 @@ def bench_sample(device, new_tokens: int) -> int:
 
 
 def train_py(config: str, args: list[str], env=None) -> tuple[list[dict], str]:
-    """(the metrics.jsonl records, the stdout) of `python train.py CONFIG ARGS`, run in a
-    temporary out dir."""
+    """(metrics.jsonl's records, stdout) of `python train.py CONFIG ARGS` in a temporary out dir."""
     with tempfile.TemporaryDirectory(prefix="bench_", ignore_cleanup_errors=True) as tmp:
         out_dir = Path(tmp) / "run"
         argv = [sys.executable, str(ROOT / "train.py"), config, *args, f"--out_dir={out_dir}"]
@@ -287,7 +286,6 @@ def parser() -> ArgumentParser:
     s.add_argument("--device", default="auto")
     s.add_argument("--new-tokens", type=int, default=256)
     r = sub.add_parser("race", help="seconds from launch to the classic config's best val")
-    # by default the pair of this machine's kind
     classic, fast = PAIRS["cuda" if torch.cuda.is_available() else "cpu"]
     r.add_argument("--classic", default=str(ROOT / classic), help="default: %(default)s")
     r.add_argument("--fast", default=str(ROOT / fast), help="default: %(default)s")

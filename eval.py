@@ -1,4 +1,4 @@
-"""Score a model on any text: loss per token, bits per byte and perplexity, over every token.
+"""Score a model on any text: loss per token, bits per byte and perplexity.
 
     python eval.py out/tinyshakespeare data/tinyshakespeare.txt
     python eval.py gpt2 'books/*.txt' --stride 512 --json
@@ -136,7 +136,6 @@ def figures(name: str, tokens: int, nbytes: int, nats: float) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as aligned columns under a header; a None as '-'."""
     width = max(len("file"), *(len(r["file"]) for r in rows))
 
     def number(value, width, digits):

@@ -35,8 +35,7 @@ def chunks(path: Path, take, progress=None):
 
 def iter_text(path: Path, errors: str = "strict", progress=None,
               hint: str | None = "set --data.encoding_errors=replace to replace such bytes"):
-    """The file's text as str chunks; a non-UTF-8 byte is a UserError with hint as advice,
-    or with errors='replace' a U+FFFD."""
+    """The file's text as str chunks; hint: the advice for a byte that is not UTF-8."""
     # holds a character cut at a read's end
     decoder = codecs.getincrementaldecoder("utf-8")(errors)
     # bytes read before raw
@@ -79,7 +78,6 @@ def iter_documents(path: Path, errors: str = "strict", field: str = "text", prog
     texts = parquet_texts if where == "row" else jsonl_texts
     try:
         for n, text in texts(path, errors, field, progress):
-            # None: no such field, or null
             if not isinstance(text, str):
                 got = type(text).__name__ if text is not None else "missing or null"
                 raise UserError(f"{path}, {where} {n}: no string in {field!r} ({got}); "

@@ -1,7 +1,6 @@
-"""GPT-2 checkpoints as Hugging Face directories and hub names: read and written, trained
-from (train.init_from: the checkpoint fixes the architecture and the tokenizer), sampled.
-Weights are read from model.safetensors (or its shards), never from pytorch_model.bin, a
-pickle that can run code when loaded.
+"""GPT-2 checkpoints as Hugging Face directories and hub names: read, written, trained from
+(train.init_from fixes the architecture and the tokenizer) and sampled. Weights come from
+model.safetensors (or its shards), never from pytorch_model.bin: a pickle can run code.
 """
 import json
 from pathlib import Path
@@ -93,8 +92,7 @@ def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
 
 def save_pretrained(directory, cfg: ModelConfig, state_dict: dict,
                     tokenizer: dict | None = None) -> list[str]:
-    """Write config.json, generation_config.json, model.safetensors and the tokenizer's
-    files (of its meta()), each atomically -> the tokenizer's file names."""
+    """A Hugging Face GPT-2 directory, each file written atomically -> the tokenizer's files."""
     # refuses unmappable settings before any write
     config, tensors = to_hf(cfg, state_dict)
     files, eos = tokenizer_files(tokenizer, cfg.block_size) if tokenizer else ({}, None)
@@ -118,8 +116,7 @@ def check_vocab(source: str, cfg: ModelConfig) -> None:
 
 def resolve_init_from(cfg, explicit: set[str]) -> None:
     """train.init_from: cfg.model becomes the checkpoint's, with the keys the user set
-    (explicit) that leave its weights usable: dropout, attention naive or sdpa, block_size up
-    to n_positions (the table is cropped)."""
+    (explicit) that leave its weights usable (a shorter block_size crops the position table)."""
     source = cfg.train.init_from
     try:
         pretrained = pretrained_config(source)

@@ -69,8 +69,7 @@ def line_up_positions(texts: list[str]) -> torch.Tensor:
 
 def head_scores(weights: torch.Tensor,
                 texts: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """weights (nh, T, T) of one layer -> {score name: (nh,)}. newline needs the tokens'
-    texts, line_up texts of one character each: else NaN."""
+    """weights (nh, T, T) of one layer -> {score name: (nh,)}, NaN where texts cannot tell."""
     T, w = weights.size(-1), weights.float()
     # the queries that have a past
     i = torch.arange(1, T)

@@ -26,8 +26,8 @@ def record(fn, warmup: int = 2, generator: torch.Generator | None = None):
 
 def graph_step(step, optimizer, capture: bool = True):
     """step(), a training step on static tensors, recorded as a CUDA graph -> run(), which
-    replays it (capture=False: the same warm-up, then step itself). The learning rates
-    become tensors on the device; the warm-up's updates are undone."""
+    replays it (capture=False: the same warm-up, then step itself). The learning rates become
+    tensors on the device."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for group in optimizer.param_groups:
         group["lr"] = torch.tensor(float(group["lr"]), device=params[0].device)

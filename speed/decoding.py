@@ -1,6 +1,6 @@
 """sample.py --compile: the decoding step compiled, and on CUDA a run of several tokens
-(model/sampling.py's Decoder.run) replayed as one CUDA graph: at batch 1 a step is a hundred
-small kernels, which cost more to launch from Python than to run.
+(model/sampling.py's Decoder.run) replayed as one CUDA graph: at batch 1 a step's hundred
+small kernels cost more to launch than to run.
 """
 import functools
 import sys
@@ -23,10 +23,9 @@ def run_lengths(block_size: int) -> list[int]:
 
 
 def compiled(run, decoder):
-    """decoder.step compiled; on CUDA -> a run(n) replaying a CUDA graph of run(n) for each of
-    the run_lengths, which become decoder.sizes, else run. explicit=True: inductor fuses
-    explicit attention for one query into a few kernels; coordinate descent tuning fuses each
-    one-row matmul with neighbours."""
+    """decoder.step compiled; on CUDA -> a run(n) replaying one CUDA graph per run length
+    (decoder.sizes), else run. Inductor fuses explicit attention for one query into a few
+    kernels; coordinate descent tuning fuses each one-row matmul with its neighbours."""
     cuda, generator = decoder.pos.is_cuda, decoder.generator
     options = {"coordinate_descent_tuning": True} if cuda else None
 

@@ -35,7 +35,7 @@ from training.checkpoint import (Progress, Saver, check_out_dir, check_resumable
 from training.config import Config, build_config, describe, flat, fmt
 from training.optim import build_optimizer, lr_at, set_lr
 
-# evaluations draw the same batches every time, whatever the training seed; samples likewise
+# evaluations and samples draw the same every time, whatever train.seed
 EVAL_SEED = 4242
 SAMPLE_SEED = 1337
 # a little below 1: the likelier tokens, without greedy decoding's loops
@@ -58,7 +58,7 @@ class Place:
 
 
 def launched() -> bool:
-    """Whether torchrun started this process as one of several."""
+    """Whether torchrun started several processes."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
@@ -94,7 +94,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
         check_same_text(ckpt, resume_from, cfg, loader.meta, say)
     tokenizer = fit_to_data(cfg, loader.meta)
 
-    # ---- the model (the same initial weights on every rank), the optimizer, the step
+    # ---- the model, the optimizer, the step
     model = build_model(cfg, at, resumed=ckpt is not None)
     # DDP and FSDP wrap the model before the optimizer is built over its parameters
     wrapped = at.dist.wrap(model, at.device, t.fsdp, t.seed) if at.ddp else model
@@ -146,7 +146,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False, quiet: boo
             if logged or stopping or sampled:
                 # the loss of the whole global batch, the same on every rank
                 loss = at.dist.mean(loss) if at.ddp else loss
-                # .item() waits for the device: the steps have run, and the timing is true
+                # .item() waits for the device: the timing is true
                 loss_value, norm = loss.item(), grad_norm.item()
                 # fp16's scaler skips an inf gradient itself
                 norms = {} if scaler.is_enabled() else {"gradient norm": norm}
@@ -214,8 +214,8 @@ def build_model(cfg: Config, at: Place, resumed: bool) -> GPT:
 
 
 class Clock:
-    """ms/step over each log interval (evaluations, saves and samples pause it); seconds.
-    since: the step the interval began at, the last whose loss was read or evaluated."""
+    """ms/step over each log interval (evaluations, saves and samples pause it), and seconds.
+    since: the interval's first step, the last whose loss was checked."""
 
     def __init__(self, run: Progress):
         self.run, self.first_step, self.before = run, run.step, run.elapsed
@@ -243,7 +243,6 @@ class Clock:
 
 
 def last_line(run: Progress, t, signum: int, out: Path, again: str) -> str:
-    """The stopped run's last line and how to continue it, or the done line."""
     if run.step < t.max_steps:
         name = signal.Signals(signum).name
         return (f"stopped by {name} at step {run.step}: checkpoint saved in {out}; "
@@ -267,8 +266,7 @@ def finished(cfg: Config, ckpt: dict, say, at: Place) -> dict:
 
 
 def fit_to_data(cfg: Config, meta: dict):
-    """The data's tokenizer, its vocabulary the model's where model.vocab_size = 0; a sample
-    prompt it cannot encode is refused."""
+    """The data's tokenizer; model.vocab_size = 0 becomes its vocabulary's size."""
     cfg.model.vocab_size = cfg.model.vocab_size or meta["vocab_size"]
     if cfg.model.vocab_size < meta["vocab_size"]:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below the tokenizer's "
@@ -318,8 +316,7 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
 
 
 def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
-    """Whether the next backward averages the gradients over the ranks (FSDP's setter, else
-    DDP's attribute)."""
+    """Whether the next backward averages the gradients over the ranks."""
     if hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(sync)
     else:
@@ -433,8 +430,7 @@ def draw_curves(out: Path, step: int) -> None:
 
 
 def sample(model: GPT, tokenizer, t, at: Place) -> str:
-    """The same prompt and draws every time (samples compare across steps), on a generator of
-    its own."""
+    """The same prompt and draws every time, on a generator of its own: samples compare."""
     ids = prompt_ids(tokenizer, t.sample_prompt, model.cfg.block_size, "sampling")
     generator = torch.Generator(device=at.device).manual_seed(SAMPLE_SEED)
     model.eval()
@@ -492,8 +488,7 @@ class Metrics:
 
 
 def banner(cfg, stored: dict, was, at: Place, model, loader, how: str):
-    """The run's opening lines: the settings that are not the defaults, those changed since a
-    resumed run's config.toml (stored), a schedule that cannot work as meant, what runs where."""
+    """The run's opening lines; stored: a resumed run's settings, from its config.toml."""
     t, now, defaults = cfg.train, flat(cfg.to_dict()), flat(build_config().to_dict())
     differ = [f"{k} = {fmt(v)}" for k, v in now.items()
               if v != defaults[k] and k not in ("out_dir", "model.vocab_size")]

@@ -63,7 +63,6 @@ def linear_attention_weights(q, k, q_num, k_num):
     of out_i = Σ_j a_ij v_j. q, k: the features φ(q), φ(k); q_num, k_num: the same rotated
     by rope (then a row need not sum to 1)."""
     future = ~causal_mask(*consecutive_positions(q.size(2), k.size(2), q.device))
-    # (B, nh, T, T)
     num = (q_num @ k_num.transpose(-2, -1)).masked_fill(future, 0.0)
     # (B, nh, T, 1)
     den = (q @ k.transpose(-2, -1)).masked_fill(future, 0.0).sum(-1, keepdim=True)
@@ -89,10 +88,11 @@ class LinearAttention(nn.Module):
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         self.qk_norm = cfg.qk_norm
         self.scale = 1.0 / math.sqrt(self.head_dim) if cfg.attn_scale else 1.0
-        self.query = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.key = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.value = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        C = cfg.n_embd
+        self.query = nn.Linear(C, C, bias=cfg.bias)
+        self.key = nn.Linear(C, C, bias=cfg.bias)
+        self.value = nn.Linear(C, C, bias=cfg.bias)
+        self.proj = nn.Linear(C, C, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.chunk = CHUNK
 
@@ -100,7 +100,7 @@ class LinearAttention(nn.Module):
         return LinearState(batch, self.n_head, self.head_dim, device, dtype)
 
     def cache_size(self, seq_len: int) -> int:
-        return self.n_head * (self.head_dim * self.head_dim + self.head_dim)
+        return self.n_head * self.head_dim * (self.head_dim + 1)
 
     def forward(self, x, rope=None, cache: LinearState | None = None, pos=None,
                 return_weights: bool = False, explicit: bool = False):
