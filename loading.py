@@ -75,12 +75,10 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
     config.json, or a hub name such as gpt2)."""
     text, path = str(source), Path(source)
     hugging_face = (path / "config.json").is_file() and not list(path.glob("*.pt"))
-    # a folder of its files, or a hub name
     if hugging_face or not path.exists() and "/" not in text:
         from hf.hub import load_gpt2
         model, tokenizer, description = load_gpt2(text)
         return LoadedModel(model.to(device), tokenizer, text, description)
-    # a run's out dir: its best.pt, else its latest ckpt_*.pt
     if path.is_dir():
         best = path / "best.pt"
         found = [(0, best)] if best.is_file() else list_checkpoints(path)
@@ -92,7 +90,6 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
     tokenizer = load_tokenizer(ckpt["tokenizer"])
     try:
         model = GPT(ModelConfig(**ckpt["config"]["model"]))
-        # strict: every weight, of its shape
         model.load_state_dict(ckpt["model"])
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"its tokenizer has {tokenizer.vocab_size} tokens, its model "
