@@ -2,8 +2,8 @@
 ckpt_*.pt) or a Hugging Face GPT-2 (the hf/ room), for the commands and a resumed run.
 
 A checkpoint is read safely: every member's checksum (torch.save writes a zip), then
-torch.load(weights_only=True) (no code runs), its format and version, and the weights
-strictly into the model its config describes. Any failure is one line.
+torch.load(weights_only=True) (no code runs), its format and version, and the weights strictly
+into the model of its config. Any failure is one line.
 """
 import os
 import pickle
@@ -62,7 +62,7 @@ def read_checkpoint(path) -> dict:
 
 @dataclass
 class LoadedModel:
-    """A model read from a file, in eval mode, with what came with it."""
+    """A model read from a file, in eval mode, and what came with it."""
     model: GPT
     tokenizer: object
     path: Path | str

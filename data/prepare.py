@@ -36,7 +36,7 @@ from data.tokenizers import (bpe_vocab_size, build_tokenizer, code_points,  # no
 
 # characters encoded at a time (up to twice as many)
 PIECE_CHARS = 1 << 20
-# bpe:N learns from the first 256M characters of the train split at most
+# bpe:N learns from the train split's first 256M characters at most
 TRAIN_MAX_CHARS = 256_000_000
 
 
@@ -64,7 +64,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
         return chain(*(batches(docs, at, not char) for docs, at in zip(texts, (train_chars, 0))))
 
     if (size := bpe_vocab_size(data.tokenizer)) is None:
-        # char: every character seen, and the newline that goes between documents
+        # char: every character seen, and the newline between documents
         chars = "".join(s[3] for s in scans) + "\n" * any(s[1] > 1 for s in scans)
         tok = build_tokenizer(data.tokenizer, chars)
     else:
@@ -78,7 +78,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out.parent)
     tmp = out.parent / f".{out.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
-    # the mode the umask gives, as for any file (not tempfile.mkdtemp's 0700)
+    # the umask's mode, as any file's (not tempfile.mkdtemp's 0700)
     tmp.mkdir()
     # char: a second worker does not pay
     workers = 1 if char else data.workers or len(usable_cores())
@@ -102,7 +102,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
                 "text_field": data.text_field, "split": split}
         # written last: it makes the entry usable
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
-        # one that another process has just published stays
+        # one another process just published stays
         if read_entry(out) is None:
             shutil.rmtree(out, ignore_errors=True)
             os.rename(tmp, out)
@@ -132,7 +132,7 @@ def remove_leftovers(folder: Path) -> None:
         pid = re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2])
         if not pid:
             continue
-        # signal 0 asks whether the process runs (another user's: PermissionError)
+        # signal 0 asks whether it runs (another user's: PermissionError)
         try:
             os.kill(int(pid[1]), 0)
         except ProcessLookupError:
@@ -171,8 +171,8 @@ LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 def batches(documents, split_at: int, bpe: bool):
     """The documents (iterables of str) as (split, [piece, ...]): split_at characters in
-    "train", the rest in "val"; between documents a newline (char) or None (BPE's end-of-text).
-    A batch ends past PIECE_CHARS: at its last LAST_SAFE_CUT, or where its last document starts."""
+    "train", the rest in "val"; between documents "\n" (char) or None (BPE's end-of-text). A
+    batch ends past PIECE_CHARS, at its last LAST_SAFE_CUT or where its last document starts."""
     split, pos = "train", 0
     # the batch's whole pieces, the chunks of its last one, and their characters
     done, held, size = [], [], 0
@@ -210,7 +210,7 @@ def in_order(fn, items, workers: int, make_pool=ThreadPoolExecutor):
         yield from (job.result() for job in jobs)
 
 
-# the tokenizer of encode(), and of the worker processes forked from it
+# encode()'s tokenizer, which the processes it forks inherit
 tokenizer = None
 
 
@@ -233,7 +233,7 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
 
 def start_worker() -> None:
     """A worker leaves Ctrl-C to the command, ends at SIGTERM (the pool ends the others so when
-    one dies), and ends with the command, a kill -9 too."""
+    one dies) and with the command, a kill -9 too."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

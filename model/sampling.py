@@ -20,7 +20,7 @@ TINY = torch.finfo(torch.float32).tiny
 
 @dataclass(frozen=True)
 class Choice:
-    """How the next token is chosen from the logits (sample_next's settings)."""
+    """How the next token is chosen from the logits (sample_next's)."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -75,7 +75,7 @@ def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch
 
 def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
                 noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """step() on the newest tokens last (B, 1) at pos (1,), which move on in place."""
+    """step() on the newest tokens last (B, 1) at pos (1,), both moved on in place."""
     next_id, ok = step(model, cache, last, pos, noise, choice, explicit)
     last.copy_(next_id)
     pos.add_(1)

@@ -20,7 +20,7 @@ from training.config import FIELDS, flat, fmt, load_toml
 
 # the files a run writes, besides its ckpt_<step>.pt
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
-# a checkpoint's keys that resuming needs, besides those loading.py reads of a model
+# the keys resuming needs besides the model's, which loading.py reads
 FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
                 "tokens", "is_best")
 
@@ -122,9 +122,9 @@ def link_best(path: Path) -> None:
 
 
 class Saver(ThreadPoolExecutor):
-    """Checkpoints written on a thread of their own while the steps go on: save(state) waits
-    for the write before and hands the thread a host copy; then(fn) runs fn there after it.
-    Saver(None) writes nothing."""
+    """Checkpoints written on a thread while the steps go on: save(state) waits for the write
+    before and hands the thread a host copy; then(fn) runs fn there after it. Saver(None) writes
+    nothing."""
 
     def __init__(self, out: Path | None, keep: int):
         super().__init__(1)
@@ -215,7 +215,7 @@ def check_resumable(ckpt: dict, path, cfg) -> None:
 
 
 def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
-    """A resumed run's text must give its tokens; another text of those tokens is said."""
+    """A resumed run's text must give its tokens; another one of those tokens is said."""
     if ckpt["tokenizer"] != meta["tokenizer"]:
         raise UserError(f"{path} was trained on a text of other tokens than "
                         f"{cfg.data.path} now gives: the text changed, and --resume needs "
@@ -245,7 +245,7 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> Progress:
             torch.cuda.set_rng_state(rng["cuda"][0])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
         raise UserError(f"{path} does not fit this run: {first_line(e)}") from None
-    # another number of processes: new dropout streams per rank
+    # another number of processes: new dropout streams
     if len(rngs) != world and rank:
         torch.manual_seed(ckpt["config"]["train"]["seed"] + 1000 * ckpt["step"] + rank)
     return Progress(ckpt["step"], ckpt["tokens"], ckpt["best_val_loss"], ckpt["elapsed"])

@@ -24,8 +24,7 @@ from model.positions import alibi_slopes, apply_rotary_emb
 
 
 class LatentCache:
-    """One layer's latents (B, max_len, d_c) and rotated keys (B, 1, max_len, hs): slot j holds
-    position j."""
+    """One layer's latents (B, max_len, d_c) and rotated keys (B, 1, max_len, hs) by position."""
 
     def __init__(self, batch: int, max_len: int, latent_dim: int, rope_dim: int, device,
                  dtype):
@@ -35,7 +34,7 @@ class LatentCache:
         self.k_pos = torch.arange(max_len, device=device)
 
     def update(self, pos, c, k_rope):
-        """Write c (B, T, d_c) and k_rope at positions pos (T,); return every slot's."""
+        """Write c (B, T, d_c) and k_rope at positions pos (T,) -> every slot's."""
         self.c.index_copy_(1, pos, c.to(self.c.dtype))
         if k_rope is not None:
             self.k_rope.index_copy_(2, pos, k_rope.to(self.k_rope.dtype))
