@@ -48,7 +48,7 @@ def pick(spec: str | None, n: int, option: str) -> list[int]:
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
-    """Each token's own text (a BPE token that is part of a character shows as �)."""
+    """Each token's text (a BPE token that is part of a character shows as �)."""
     return [tokenizer.decode_bytes([i]).decode("utf-8", errors="replace") for i in ids]
 
 
@@ -90,9 +90,9 @@ def main(argv) -> int:
     rows = [f"layer {layer} head {h}" for layer in layers for h in heads]
     kind = f"{cfg.attention}, pos={cfg.pos}"
     written = []
-    # the PNGs, a figure at a time (a large model's would not all fit at once)
+    # the PNGs, a figure at a time (a large model's would not all fit in memory)
     if html is None or args.out:
-        # beside a checkpoint file; GPT-2's (a directory or a name) in out/attention/
+        # beside a checkpoint file; GPT-2's in out/attention/
         path = Path(loaded.path)
         beside = path.parent / "attention" if path.is_file() else None
         out_dir = Path(args.out or beside or ROOT / "out" / "attention" / path.name)

@@ -2,8 +2,8 @@
 ckpt_*.pt) or a Hugging Face GPT-2 (the hf/ room), for the commands and a resumed run.
 
 A checkpoint is read safely: every member's checksum (torch.save writes a zip), then
-torch.load(weights_only=True) (no code runs), its format and version, and the weights
-strictly into the model its config describes. Any failure is one line.
+torch.load(weights_only=True) (no code runs), its format and version, and the weights strictly
+into the model of its config. Any failure is one line.
 """
 import os
 import pickle
@@ -62,7 +62,7 @@ def read_checkpoint(path) -> dict:
 
 @dataclass
 class LoadedModel:
-    """A model read from a file, in eval mode, with what came with it."""
+    """A model read from a file, in eval mode, and what came with it."""
     model: GPT
     tokenizer: object
     path: Path | str
@@ -75,12 +75,10 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
     config.json, or a hub name such as gpt2)."""
     text, path = str(source), Path(source)
     hugging_face = (path / "config.json").is_file() and not list(path.glob("*.pt"))
-    # a folder of its files, or a hub name
     if hugging_face or not path.exists() and "/" not in text:
         from hf.hub import load_gpt2
         model, tokenizer, description = load_gpt2(text)
         return LoadedModel(model.to(device), tokenizer, text, description)
-    # a run's out dir: its best.pt, else its latest ckpt_*.pt
     if path.is_dir():
         best = path / "best.pt"
         found = [(0, best)] if best.is_file() else list_checkpoints(path)
@@ -92,7 +90,6 @@ def load_model(source, device=torch.device("cpu")) -> LoadedModel:
     tokenizer = load_tokenizer(ckpt["tokenizer"])
     try:
         model = GPT(ModelConfig(**ckpt["config"]["model"]))
-        # strict: every weight, of its shape
         model.load_state_dict(ckpt["model"])
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise ValueError(f"its tokenizer has {tokenizer.vocab_size} tokens, its model "

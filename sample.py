@@ -96,7 +96,7 @@ def main(argv) -> int:
     try:
         with autocast(device, dtype):
             for col in columns:
-                # made once the model has run: a batch too large for memory is refused first
+                # once the model ran: a batch too large for memory is refused first
                 if not new:
                     new, done = [""] * args.num_samples, [False] * args.num_samples
                     streams = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in new]
@@ -114,7 +114,7 @@ def main(argv) -> int:
     except UserError as e:
         print()
         raise UserError(f"{loaded.path}: {e}") from None
-    # the bytes a decoder still holds (a character cut by the end of a sample) come out as �
+    # a character cut by the end of a sample comes out as �
     new = [t + ("" if d else s.decode(b"", final=True)) for t, d, s in zip(new, done, streams)]
     print(new[0][shown:] if new else "", flush=True)
     for i in range(1, args.num_samples):

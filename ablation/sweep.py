@@ -105,7 +105,7 @@ def read_json(path: Path) -> dict:
 
 
 def train_run(run: Run, resume: bool) -> dict:
-    """train() the run, then write its result.json (whether it finished, its sizes)."""
+    """train() the run, then write its result.json: whether it finished, its sizes."""
     cfg, device = run.cfg, pick_device(run.cfg.train.device)
     cuda = device.type == "cuda"
     # fresh compile caches: dynamo compiles only so many models of one code

@@ -1,5 +1,5 @@
 """The prepared-data cache: the files a data path names, and the entry (train.bin, val.bin,
-meta.json written last) their bytes and settings key; data/prepare.py builds one. Deleting
+meta.json written last) their bytes and settings key, which data/prepare.py builds. Deleting
 an entry, or the whole cache, is always safe.
 """
 import glob
@@ -56,7 +56,7 @@ def mb_progress(label: str, total: int) -> Progress:
 
 
 def find_sources(source) -> list[Path]:
-    """The regular files a data path names (a file, a folder's, a glob's), sorted."""
+    """The regular files a data path (a file, a folder, a glob) names, sorted."""
     source = Path(source)
     # its name may hold glob characters
     if source.is_file():
@@ -77,9 +77,8 @@ def kind_suffix(name: str) -> str:
 
 
 def data_name(path) -> str:
-    """The name of a data path's runs and cache entries: notes.txt.gz -> notes, books/*.txt
-    -> books (a glob's last plain folder and file part; neither: data), licenses.jsonl ->
-    licenses-jsonl."""
+    """The name of a data path's runs and entries: notes.txt.gz -> notes, books/*.txt -> books
+    (a glob's last plain folder and file part, or data), licenses.jsonl -> licenses-jsonl."""
     path = Path(path)
     suffix = kind_suffix(path.name)
     stem = path.name[:-len(suffix)] if suffix else Path(path.name.removesuffix(".gz")).stem
@@ -142,7 +141,7 @@ def prepare(data: DataConfig, block_size: int | None = None) -> Path:
 
 
 def entry_name(data: DataConfig, sha256: str, files: list[Path]) -> str:
-    """The data's name, then all that changes the token files (of records: the field too)."""
+    """The data's name, then all that changes the token files (records: the field too)."""
     # bpe:4096 -> bpe4096
     label = re.sub(r"[^A-Za-z0-9_.]", "", data.tokenizer)
     errors = "-replace" * (data.encoding_errors == "replace")
@@ -153,7 +152,7 @@ def entry_name(data: DataConfig, sha256: str, files: list[Path]) -> str:
 
 
 def read_entry(entry: Path) -> dict | None:
-    """The meta.json of a usable entry (this FORMAT, the sizes it says)."""
+    """A usable entry's meta.json (this FORMAT, the sizes it says), else None."""
     try:
         meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
         want = [meta["tokens"][s] * np.dtype(meta["dtype"]).itemsize for s in SPLITS]

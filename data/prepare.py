@@ -1,6 +1,5 @@
-"""Turn text into an entry of the cache (data/cache.py) a batch at a time, in bounded memory:
-a scan, training (bpe:N), encoding (BPE on worker processes), in a temporary
-folder renamed into place once whole.
+"""Turn text into an entry of the cache (data/cache.py) in bounded memory: a scan, training
+(bpe:N), encoding (BPE on worker processes), in a temporary folder renamed into place whole.
 
     python data/prepare.py FILE|DIR|GLOB [--tokenizer bpe:4096 ...] (see --help)
 """
@@ -37,13 +36,13 @@ from data.tokenizers import (bpe_vocab_size, build_tokenizer, code_points,  # no
 
 # characters encoded at a time (up to twice as many)
 PIECE_CHARS = 1 << 20
-# bpe:N learns from the first 256M characters of the train split at most
+# bpe:N learns from the train split's first 256M characters at most
 TRAIN_MAX_CHARS = 256_000_000
 
 
 def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> dict:
-    """Scan, train (bpe:N), encode the entry at out -> its meta.json. sources: the train
-    files, the val files (none: val is the end of the train text)."""
+    """Build the entry at out -> its meta.json. sources: the train files, the val files (none:
+    val is the train text's end)."""
     if out.exists():
         print(f"notice: {out} is unfinished, damaged or of an older format: "
               f"preparing it again", file=sys.stderr)
@@ -65,11 +64,11 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
         return chain(*(batches(docs, at, not char) for docs, at in zip(texts, (train_chars, 0))))
 
     if (size := bpe_vocab_size(data.tokenizer)) is None:
-        # char: every character seen, and the newline that goes between documents
+        # char: every character seen, and the newline between documents
         chars = "".join(s[3] for s in scans) + "\n" * any(s[1] > 1 for s in scans)
         tok = build_tokenizer(data.tokenizer, chars)
     else:
-        # trained on (the start of) the train split: takewhile stops at its end
+        # on the train split's start: takewhile stops at its end
         head = text("training the tokenizer", min(split_at, TRAIN_MAX_CHARS))
         train = takewhile(lambda item: item[0] == "train", head)
         tok_meta, took = train_bpe((p for _, batch in train for p in batch if p), size)
@@ -79,16 +78,15 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out.parent)
     tmp = out.parent / f".{out.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
-    # the mode the umask gives, as for any file (not tempfile.mkdtemp's 0700)
+    # the umask's mode, as any file's (not tempfile.mkdtemp's 0700)
     tmp.mkdir()
-    # data.workers = 0: a process per core it may run on; char: more than one does not pay
+    # char: a second worker does not pay
     workers = 1 if char else data.workers or len(usable_cores())
     try:
         try:
             encoded = encode(text("encoding", split_at), tok, tmp, workers)
         finally:
-            # the hash names the entry: a text that changed meanwhile is refused, as that
-            # (not as the unknown character it brought)
+            # the hash names the entry: a text that changed meanwhile is refused as such
             for path, was, now in zip(files, stamp, stamps(files)):
                 if was != now:
                     raise UserError(f"{path} changed while it was prepared: "
@@ -104,7 +102,7 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
                 "text_field": data.text_field, "split": split}
         # written last: it makes the entry usable
         atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
-        # one that another process has just published stays
+        # one another process just published stays
         if read_entry(out) is None:
             shutil.rmtree(out, ignore_errors=True)
             os.rename(tmp, out)
@@ -121,21 +119,20 @@ def stamps(files: list[Path]) -> list[tuple[int, int]]:
     return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
-# A build's folder: .<entry>.tmp-<host>.<pid namespace>-<pid>-<random>. Where a pid names one
-# process: this machine, and its pid namespace there (containers may share a host name)
+# A build's folder: .<entry>.tmp-<host>.<pid namespace>-<pid>-<random>, where the pid is one
+# process's (containers may share a host name)
 PID_NAMESPACE = "/proc/self/ns/pid"
 NAMESPACE_ID = os.stat(PID_NAMESPACE).st_ino if os.path.exists(PID_NAMESPACE) else 0
 TMP = f".tmp-{socket.gethostname()}.{NAMESPACE_ID}-"
 
 
 def remove_leftovers(folder: Path) -> None:
-    """Remove the temporary folders of this machine's killed builds; not on Windows, where
-    os.kill(pid, 0) stops the process."""
+    """Remove this machine's killed builds (not on Windows: os.kill(pid, 0) ends a process)."""
     for tmp in folder.glob(f".*{TMP}*") if os.name == "posix" else ():
         pid = re.fullmatch(r"(\d+)-[0-9a-f]{8}", tmp.name.rpartition(TMP)[2])
         if not pid:
             continue
-        # signal 0 asks whether the process runs (another user's: PermissionError)
+        # signal 0 asks whether it runs (another user's: PermissionError)
         try:
             os.kill(int(pid[1]), 0)
         except ProcessLookupError:
@@ -145,8 +142,7 @@ def remove_leftovers(folder: Path) -> None:
 
 
 def scan(files, errors: str, field: str, want_chars: bool, progress) -> tuple:
-    """(the files with any text, their documents (blank ones left out), characters, the
-    characters seen as a str (want_chars))."""
+    """(files with text, non-blank documents, characters, the characters seen if want_chars)."""
     # each file's documents, in order
     docs = Counter()
     n_chars = 0
@@ -174,11 +170,9 @@ LAST_SAFE_CUT = re.compile(r".*(?:\S\n(?=\S)|\S(?= \S))", re.DOTALL)
 
 
 def batches(documents, split_at: int, bpe: bool):
-    """The documents (iterables of str chunks) as (split, [piece, ...]): the first split_at
-    characters in "train", the rest in "val"; between documents a newline (char) or None
-    (BPE's end-of-text). A batch, what a worker encodes at once, ends once it holds
-    PIECE_CHARS (twice that at most): at its last LAST_SAFE_CUT, or where its last document
-    starts."""
+    """The documents (iterables of str) as (split, [piece, ...]): split_at characters in
+    "train", the rest in "val"; between documents "\n" (char) or None (BPE's end-of-text). A
+    batch ends past PIECE_CHARS, at its last LAST_SAFE_CUT or where its last document starts."""
     split, pos = "train", 0
     # the batch's whole pieces, the chunks of its last one, and their characters
     done, held, size = [], [], 0
@@ -206,8 +200,7 @@ def batches(documents, split_at: int, bpe: bool):
 
 
 def in_order(fn, items, workers: int, make_pool=ThreadPoolExecutor):
-    """fn(item) for each item, in order, on a pool of `workers`, workers + 1 items at a
-    time at most: memory stays bounded."""
+    """fn(item) for each item, in order, workers + 1 at a time at most: bounded memory."""
     with make_pool(workers) as pool:
         jobs = deque()
         for item in items:
@@ -217,7 +210,7 @@ def in_order(fn, items, workers: int, make_pool=ThreadPoolExecutor):
         yield from (job.result() for job in jobs)
 
 
-# the tokenizer of encode(), and of the worker processes forked from it
+# encode()'s tokenizer, which the processes it forks inherit
 tokenizer = None
 
 
@@ -225,8 +218,8 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def worker_pool(workers: int) -> ProcessPoolExecutor:
-    """`workers` forked processes, started now with the stops blocked: until a worker sets
-    its own handlers, a stop would reach it with the command's."""
+    """`workers` processes, forked now with the stops blocked: until a worker sets its own
+    handlers, a stop would reach it with the command's."""
     fork = multiprocessing.get_context("fork")
     pool = ProcessPoolExecutor(workers, mp_context=fork, initializer=start_worker)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -239,8 +232,8 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
 
 
 def start_worker() -> None:
-    """A worker process leaves Ctrl-C to the command, ends at SIGTERM (the pool ends the
-    others so when one dies), and ends when the command ends, a kill -9 too."""
+    """A worker leaves Ctrl-C to the command, ends at SIGTERM (the pool ends the others so when
+    one dies) and with the command, a kill -9 too."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
@@ -260,9 +253,8 @@ def encode_batch(batch) -> tuple:
 
 
 def encode(text, tok, tmp: Path, workers: int) -> dict:
-    """Encode text's (split, batch) pairs on `workers` processes (1: a thread) into
-    tmp/<split>.bin; their meta entries. Processes, not threads: tiktoken holds Python's lock
-    while it builds its lists of ids (docs/data.md). Forked: tok reaches them as it is."""
+    """Encode text's (split, batch) pairs into tmp/<split>.bin -> their meta entries. On forked
+    processes (1 worker: a thread): tiktoken holds Python's lock as it lists ids (docs/data.md)."""
     global tokenizer
     tokenizer = tok
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32

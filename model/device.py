@@ -1,9 +1,8 @@
-"""Where a model computes: the device (auto: CUDA if there is a GPU), the dtype (auto: bf16 on
-CUDA, fp16 where the GPU lacks it, else fp32; a low precision runs under autocast), and on a
+"""Where a model computes: the device, the dtype (a low precision runs under autocast) and on a
 CPU how many threads. torch's threads wait for each other after every operation: one that lost
 its core to another process holds up the rest (up to 30x slower). So a CPU run takes the cores
-others leave free (fit_threads), unless OMP_NUM_THREADS is set (an exact resume under another
-load needs it: the thread count moves the last bits).
+others leave free, unless OMP_NUM_THREADS is set (an exact resume under another load needs it:
+the thread count moves the last bits).
 """
 import math
 import os
@@ -39,8 +38,8 @@ def pick_device(name: str = "auto", setting: str = "train.device") -> torch.devi
 
 
 def fit_threads(since):
-    """As many threads as cores other processes left free since the cpu_clock() reading `since`
-    (under 0.5 s ago: at the next call) -> (the next `since`, a line saying a change or None)."""
+    """Threads for the cores others left free since the cpu_clock() reading `since` (under 0.5 s
+    ago: at the next call) -> (the next `since`, a line saying a change, or None)."""
     now = cpu_clock()
     if now is None or since is None or "OMP_NUM_THREADS" in os.environ:
         return now, None

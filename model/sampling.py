@@ -1,9 +1,8 @@
 """Autoregressive sampling: predict the next token, append it, repeat.
 
-With the cache (the default), the prompt goes through the model once, then each step feeds
-only the newest token. At block_size the cache is rebuilt from the last half block
-(positions restart at 0). Every step updates the same buffers in place (Decoder), so a
-compiler makes it one graph (Decoding.speed_up).
+With the cache (the default), the prompt runs once, then each step feeds only the newest
+token; at block_size the cache is rebuilt from the last half block (positions from 0). Every
+step updates the same buffers in place (Decoder): a compiler makes it one graph.
 """
 import sys
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ TINY = torch.finfo(torch.float32).tiny
 
 @dataclass(frozen=True)
 class Choice:
-    """How the next token is chosen from the logits (sample_next's settings)."""
+    """How the next token is chosen from the logits (sample_next's)."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -29,8 +28,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class Decoding:
-    """How generate() computes, which never changes the tokens. check_every: read the
-    finite flags every this many tokens (None: 1 on CPU, else 32)."""
+    """How generate() computes, never which tokens. check_every: tokens between reads of the
+    finite flags (None: 1 on CPU, else 32)."""
     use_cache: bool = True
     cache_dtype: torch.dtype | None = None
     check_every: int | None = None
@@ -39,9 +38,9 @@ class Decoding:
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (B, V) -> next token ids (B, 1); temperature 0 is greedy. noise (B, V): draws
-    of Exponential(1). Shifted to a maximum of 0, the logits cannot overflow; a subnormal
-    temperature (flushed to 0 on a GPU) counts as TINY."""
+    """logits (B, V) -> next token ids (B, 1); temperature 0 is greedy. noise (B, V): draws of
+    Exponential(1). Logits shifted to a maximum of 0 cannot overflow; a subnormal temperature
+    (0 on a GPU) counts as TINY."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
@@ -60,14 +59,14 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
     if noise is None:
         noise = torch.empty_like(probs).exponential_()
     # The exponential race: the smallest E_i / p_i is the i-th with probability p_i, as
-    # torch.multinomial draws, in ops that compile. The clamp: a draw of 0 would make 0 / 0.
+    # torch.multinomial draws, in ops that compile. A draw of 0 would make 0 / 0.
     return (probs / noise.clamp_min(TINY)).argmax(dim=-1, keepdim=True)
 
 
 def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch.Tensor | None,
          noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """The model on idx (B, T) at positions pos -> (next token ids (B, 1) among the first
-    noise.size(-1), whether all logits were finite, on the device)."""
+    """idx (B, T) at positions pos -> (next ids (B, 1) among the first noise.size(-1), whether
+    the logits were all finite, on the device)."""
     logits, _ = model(idx, cache=cache, pos=pos, explicit_attention=explicit)
     logits = logits[:, -1, :noise.size(-1)]
     next_id = sample_next(logits, choice.temperature, choice.top_k, choice.top_p, noise)
@@ -76,7 +75,7 @@ def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch
 
 def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
                 noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """step() on the newest tokens last (B, 1) at pos (1,), which move on in place."""
+    """step() on the newest tokens last (B, 1) at pos (1,), both moved on in place."""
     next_id, ok = step(model, cache, last, pos, noise, choice, explicit)
     last.copy_(next_id)
     pos.add_(1)
@@ -90,8 +89,8 @@ class Decoder:
     def __init__(self, model: GPT, batch: int, vocab: int, sampling: tuple, dtype):
         device = next(model.parameters()).device
         self.choice, self.generator = sampling
-        # run lengths, longest first: one token at a time, streamed as soon as it is chosen
-        # (speed/decoding.py's CUDA graphs replay longer runs)
+        # run lengths, longest first: 1 streams each token once chosen (speed/decoding.py's
+        # CUDA graphs replay longer runs)
         self.sizes = [1]
         self.cache = InferenceCache(model, batch, device, dtype) if dtype else None
         self.last = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -106,7 +105,7 @@ class Decoder:
             self.noise.exponential_(generator=self.generator)
 
     def prefill(self, idx: torch.Tensor):
-        """step() on idx (B, T) from position 0: the prompt, a slide, or any uncached step."""
+        """step() on idx (B, T) from position 0: the prompt, a slide, an uncached step."""
         self.draw()
         if self.cache is not None:
             self.cache.reset()
@@ -116,7 +115,7 @@ class Decoder:
         return next_id, ok
 
     def run(self, n: int):
-        """n new tokens, each drawn and chosen -> (their ids (B, n), finite flags (n,))."""
+        """n new tokens -> (their ids (B, n), finite flags (n,))."""
         steps = []
         for _ in range(n):
             self.draw()
@@ -130,8 +129,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
              choice: Choice = Choice(), generator: torch.Generator | None = None,
              vocab_limit: int | None = None,
              decoding: Decoding = Decoding()) -> Iterator[torch.Tensor]:
-    """Yield max_new_tokens next-token columns (B, 1) continuing the prompts idx (B, T),
-    among the first vocab_limit tokens: the same draws in the same order whatever the runs."""
+    """Yield max_new_tokens columns (B, 1) continuing the prompts idx (B, T), among the first
+    vocab_limit tokens: the same draws in the same order whatever the runs."""
     block, device = model.cfg.block_size, idx.device
     check_every = decoding.check_every or (1 if device.type == "cpu" else 32)
     finite = torch.ones(max_new_tokens, dtype=torch.bool, device=device)

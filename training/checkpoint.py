@@ -1,8 +1,7 @@
 """Checkpoints: the out dir, writing them, and resuming from one (loading.py reads them).
-An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (a hard link to
-the one of the lowest val loss; a copy where links cannot be), config.toml, metrics.jsonl and
-curves.png. A folder holding a run is refused unless --resume, or --overwrite, which renames it
-aside.
+An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (the one of the
+lowest val loss), config.toml, metrics.jsonl and curves.png. A folder holding a run is refused
+unless --resume, or --overwrite, which renames it aside.
 """
 import errno
 import math
@@ -21,7 +20,7 @@ from training.config import FIELDS, flat, fmt, load_toml
 
 # the files a run writes, besides its ckpt_<step>.pt
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
-# a checkpoint's keys that resuming needs, besides those loading.py reads of a model
+# the keys resuming needs besides the model's, which loading.py reads
 FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
                 "tokens", "is_best")
 
@@ -38,14 +37,14 @@ class Progress:
 
 
 def run_files(out: Path) -> list[str]:
-    """The names in out of the files a run writes."""
+    """The files of a run in out."""
     names = (p.name for p in out.glob("*"))
     return sorted(n for n in names if n in RUN_FILES or CKPT_RE.match(n))
 
 
 def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, checkpoint, again):
-    """The checkpoint a run on `data` continues (None: a new run), once out (whose config.toml
-    says `run`) can take the run; a refusal names `again`, the command that continues it."""
+    """The checkpoint a run on `data` continues (None: a new run), once out (its config.toml:
+    `run`) can take it; a refusal names `again`, the command that continues it."""
     latest = (list_checkpoints(out) or [(0, out / "best.pt")])[-1][1]
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other: continue the run, "
@@ -60,7 +59,7 @@ def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, che
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write the out dir {out}: {parent} is not a writable folder")
     held = run_files(out)
-    # a run stopped before its first checkpoint (its config.toml this code's): no run to keep
+    # stopped before its first checkpoint (a config.toml of this code's): no run to keep
     unsaved = not latest.is_file() and run and set(run) <= set(FIELDS) and "out_dir" in run
     if resume or overwrite or not held or unsaved:
         return Path(checkpoint or latest).resolve() if resume else None
@@ -79,7 +78,7 @@ def check_out_dir(out: Path, run: dict, data, resume: bool, overwrite: bool, che
 
 
 def run_config(out: Path) -> dict:
-    """The settings of the run in out, from its config.toml ({}: none, or not TOML)."""
+    """The settings in out's config.toml ({}: none, or not TOML)."""
     try:
         return flat(load_toml(out / "config.toml"))
     except (OSError, UserError):
@@ -87,8 +86,8 @@ def run_config(out: Path) -> dict:
 
 
 def open_out_dir(out: Path, overwrite: bool, first_writes) -> Path | None:
-    """Make out (--overwrite: after renaming an earlier run aside, returned), then
-    first_writes(); a UserError there undoes it all."""
+    """Make out (--overwrite: an earlier run renamed aside first, returned), then first_writes();
+    a UserError there undoes it all."""
     made, aside = not out.exists(), None
     if overwrite and run_files(out):
         now = datetime.now(timezone.utc)
@@ -123,9 +122,9 @@ def link_best(path: Path) -> None:
 
 
 class Saver(ThreadPoolExecutor):
-    """Checkpoints written on a thread of their own while the steps go on. save(state) waits
-    for the write before, copies state to host memory and hands it to the thread; then(fn)
-    runs fn there after it. Saver(None) writes nothing."""
+    """Checkpoints written on a thread while the steps go on: save(state) waits for the write
+    before and hands the thread a host copy; then(fn) runs fn there after it. Saver(None) writes
+    nothing."""
 
     def __init__(self, out: Path | None, keep: int):
         super().__init__(1)
@@ -149,8 +148,8 @@ class Saver(ThreadPoolExecutor):
 
 
 def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
-    """Write ckpt_<step>.pt (and best.pt); keep the newest `keep`, and none later (a run
-    resumed from an earlier checkpoint replaces them)."""
+    """Write ckpt_<step>.pt (and best.pt); keep the newest `keep`, none later (a run resumed
+    from an earlier checkpoint replaces them)."""
     path = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt"
     best = Path(out_dir) / "best.pt"
     # an abandoned run's checkpoint of this step is replaced
@@ -173,8 +172,8 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
 
 
 def to_host(obj, key=None):
-    """obj with its tensors copied to host memory, and an optimizer's lr a float (a CUDA
-    graph's is a tensor): a checkpoint resumes with either kind of step."""
+    """obj's tensors copied to the host, an lr as a float (a CUDA graph's is a tensor): a
+    checkpoint resumes with either kind of step."""
     if torch.is_tensor(obj):
         return float(obj) if key == "lr" else obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -185,7 +184,7 @@ def to_host(obj, key=None):
 
 
 def training_state(cfg, model, optimizer, scaler, loader, at) -> dict:
-    """A checkpoint's keys besides the run's progress (under torchrun every rank calls it)."""
+    """A checkpoint's keys besides the progress (under torchrun every rank calls it)."""
     if at.ddp:
         model_state, optimizer_state = at.dist.full_state(model, optimizer)
     else:
@@ -216,8 +215,7 @@ def check_resumable(ckpt: dict, path, cfg) -> None:
 
 
 def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
-    """A resumed run's text must give its tokens; another text of the same tokens is said,
-    and goes on."""
+    """A resumed run's text must give its tokens; another one of those tokens is said."""
     if ckpt["tokenizer"] != meta["tokenizer"]:
         raise UserError(f"{path} was trained on a text of other tokens than "
                         f"{cfg.data.path} now gives: the text changed, and --resume needs "
@@ -228,7 +226,7 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
 
 
 def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> Progress:
-    """Load the checkpoint into the run -> its progress."""
+    """Load ckpt into the run -> its progress."""
     rank, world = at.rank, at.world
     try:
         if at.ddp:
@@ -247,15 +245,15 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> Progress:
             torch.cuda.set_rng_state(rng["cuda"][0])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
         raise UserError(f"{path} does not fit this run: {first_line(e)}") from None
-    # another number of processes: new dropout streams per rank
+    # another number of processes: new dropout streams
     if len(rngs) != world and rank:
         torch.manual_seed(ckpt["config"]["train"]["seed"] + 1000 * ckpt["step"] + rank)
     return Progress(ckpt["step"], ckpt["tokens"], ckpt["best_val_loss"], ckpt["elapsed"])
 
 
 def why_unwritten(error: Exception) -> str:
-    """Why a file could not be written: its OSError, or the one behind torch's RuntimeError.
-    EFBIG: this process's file-size limit (Python ignores SIGXFSZ) or the file system's."""
+    """Why a file was not written: its OSError, or the one behind torch's RuntimeError. EFBIG:
+    this process's file-size limit (Python ignores SIGXFSZ) or the file system's."""
     cause = error if isinstance(error, OSError) else error.__context__
     if getattr(cause, "errno", None) == errno.EFBIG:
         if os.name == "posix":

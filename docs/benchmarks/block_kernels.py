@@ -15,12 +15,10 @@ from model.device import dtype_name  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from training.config import build_config  # noqa: E402
 
-VIEWS = {"aten::" + name for name in (
-    "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "expand",
-    "as_strided", "unsqueeze", "squeeze", "slice", "select", "narrow", "split",
-    "split_with_sizes", "chunk", "unbind", "alias", "detach", "view_as", "contiguous", "to",
-    "type_as", "lift_fresh", "resolve_conj", "resolve_neg", "result_type", "empty",
-    "empty_like", "empty_strided", "dropout")}
+VIEWS = {"aten::" + name for name in """view _unsafe_view reshape _reshape_alias transpose t
+    permute expand as_strided unsqueeze squeeze slice select narrow split split_with_sizes chunk
+    unbind alias detach view_as contiguous to type_as lift_fresh resolve_conj resolve_neg
+    result_type empty empty_like empty_strided dropout""".split()}
 
 
 def works(event) -> bool:

@@ -1,12 +1,10 @@
-"""Causal self-attention and its variants, chosen by `model.attention`: naive, sdpa, gqa and
-sliding_window in mha.py, linear in linear.py, mla in mla.py. Each has one interface, which
-the GPT and the sampler rely on:
+"""Causal self-attention, chosen by `model.attention`: naive, sdpa, gqa and sliding_window in
+mha.py, linear in linear.py, mla in mla.py. The GPT and the sampler rely on one interface:
 
     forward(x, rope=None, cache=None, pos=None) -> y
-        x, y (B, T, C); rope: (cos, sin) of x's positions; with a cache, x is stored at
-        its positions pos (T,) and attends to every cached one up to its own.
-        return_weights=True also returns the (B, nh, T, T) weights (attention maps);
-        explicit=True: softmax step by step, not fused (model/sampling.py)
+        x, y (B, T, C); rope: (cos, sin) of x's positions; with a cache, x is stored at pos
+        (T,) and attends to every cached position up to its own. return_weights=True: also
+        the (B, nh, T, T) weights; explicit=True: softmax step by step, not fused
     new_cache(batch, max_len, device, dtype)
         an empty cache of fixed shapes, written in place (reset() empties it)
     cache_size(seq_len)
@@ -16,7 +14,7 @@ import importlib
 
 from model.config import ModelConfig
 
-# module.Class of the variants not in mha.py (a module is imported when a model first uses it)
+# module.Class of the variants not in mha.py, imported when a model first uses one
 OTHERS = {"linear": "linear.LinearAttention", "mla": "mla.MultiHeadLatentAttention"}
 
 

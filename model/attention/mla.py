@@ -2,16 +2,15 @@
 rebuilt from one small latent per token, and only the latent is cached.
 
     c      = norm(x W_down)             (T, d_c)   d_c = model.kv_latent_dim, << 2C
-    K, V   = c W_key_up, c W_value_up   (T, C) each, split into n_head heads as usual
+    K, V   = c W_key_up, c W_value_up   (T, C) each, split into heads as usual
     Q      = x W_q                      (T, C)
 
-then causal softmax attention. The cache holds d_c numbers per token per layer, not 2C;
-decoding up-projects every cached latent again (DeepSeek folds the up-projections into the
-query and output projections, skipped here for clarity).
+The cache holds d_c numbers per token per layer, not 2C; decoding up-projects every cached
+latent again (DeepSeek folds the up-projections into the query and output projections).
 
-RoPE cannot rotate the latent (the up-projection would not commute with it): with
-`model.pos = 'rope'` a rotated key of hs channels per token, shared by the heads, is cached
-beside it (decoupled RoPE); a head's scores are q·k + q_rope·k_rope, scaled by 1/√(2 hs).
+RoPE cannot rotate the latent (it would not commute with the up-projection): with rope, one
+rotated key of hs channels per token, shared by the heads, is cached beside it (decoupled
+RoPE); a head's scores are q·k + q_rope·k_rope, scaled by 1/√(2 hs).
 """
 import math
 
@@ -25,8 +24,7 @@ from model.positions import alibi_slopes, apply_rotary_emb
 
 
 class LatentCache:
-    """One layer's latents (B, max_len, d_c) and, with rope, rotated shared keys
-    (B, 1, max_len, hs): slot j holds position j."""
+    """One layer's latents (B, max_len, d_c) and rotated keys (B, 1, max_len, hs) by position."""
 
     def __init__(self, batch: int, max_len: int, latent_dim: int, rope_dim: int, device,
                  dtype):
@@ -36,7 +34,7 @@ class LatentCache:
         self.k_pos = torch.arange(max_len, device=device)
 
     def update(self, pos, c, k_rope):
-        """Write c (B, T, d_c) and k_rope at positions pos (T,); return every slot's."""
+        """Write c (B, T, d_c) and k_rope at positions pos (T,) -> every slot's."""
         self.c.index_copy_(1, pos, c.to(self.c.dtype))
         if k_rope is not None:
             self.k_rope.index_copy_(2, pos, k_rope.to(self.k_rope.dtype))
@@ -63,7 +61,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.key_up = nn.Linear(self.latent_dim, C, bias=cfg.bias)
         self.value_up = nn.Linear(self.latent_dim, C, bias=cfg.bias)
         if self.rope:
-            # rotated queries per head; one rotated key shared by the heads, cached
+            # decoupled RoPE
             self.query_rope = nn.Linear(C, C, bias=cfg.bias)
             self.key_rope = nn.Linear(C, self.head_dim, bias=cfg.bias)
         self.proj = nn.Linear(C, C, bias=cfg.bias)
