@@ -16,6 +16,7 @@ import threading
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import closing
 from itertools import chain, takewhile
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -264,7 +265,9 @@ def encode(text, tok, tmp: Path, workers: int) -> dict:
     # fork is safe on Linux (macOS's system libraries are not made for it; Windows has none)
     fork = workers > 1 and sys.platform == "linux"
     results = in_order(encode_batch, text, workers, worker_pool if fork else ThreadPoolExecutor)
-    with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val:
+    # closing: a stop shuts the pool down here, not in Python's exit, which races its threads
+    with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val, \
+            closing(results):
         try:
             for split, ids, n in results:
                 file = train if split == "train" else val
