@@ -46,8 +46,8 @@ def printer(enabled: bool):
     return say
 
 
-# SIGINT and SIGTERM as a command goes: while it starts (imports torch) quit_now, once it runs
-# (run_cli) stop_here, in the training loop stop_after_step's; STOPS: the signals stop_here got
+# SIGINT and SIGTERM: quit_now while a command starts (imports torch), stop_here once it runs
+# (run_cli), stop_after_step's in the training loop. STOPS: the signals stop_here got
 STOPS = []
 # Python's own handlers, which a command replaces
 DEFAULTS = (signal.default_int_handler, signal.SIG_DFL)
@@ -55,9 +55,9 @@ DEFAULTS = (signal.default_int_handler, signal.SIG_DFL)
 
 @contextmanager
 def handling(handler, when):
-    """Inside, handler for SIGINT and SIGTERM where when(the handler before) holds, in the main
-    thread (the only one that can set them)."""
+    """Inside, handler for SIGINT and SIGTERM where when(the handler before) holds."""
     swapped = {}
+    # only the main thread can set them
     if threading.current_thread() is threading.main_thread():
         for stop in (signal.SIGINT, signal.SIGTERM):
             if when(before := signal.getsignal(stop)):
@@ -77,8 +77,7 @@ def stop_line(signum: int) -> tuple[int, str]:
 
 
 def quit_now(signum, frame):
-    """Say the line and exit at once: a KeyboardInterrupt could land in torch's C++, which
-    aborts, or swallows it."""
+    """Exit at once: a KeyboardInterrupt could land in torch's C++, which aborts or swallows it."""
     code, line = stop_line(signum)
     # os.write: a print() could land inside one the signal cut short
     os.write(2, f"{line}\n".encode())
@@ -86,7 +85,7 @@ def quit_now(signum, frame):
 
 
 def stop_here(signum, frame):
-    """A KeyboardInterrupt, noted (a later error it causes is that stop)."""
+    """A KeyboardInterrupt, noted: a later error it causes is that stop."""
     STOPS.append(signum)
     raise KeyboardInterrupt
 
@@ -104,15 +103,15 @@ if Path(getattr(sys.modules["__main__"], "__file__", None) or "/").resolve().par
 
 @contextmanager
 def stop_after_step(loud: bool = True):
-    """Inside, a signal asks for a stop (the yielded list gets it), which the loop acts on after
-    its step; a second one exits at once. Said on stderr when loud (os.write: see quit_now)."""
+    """Inside, a signal asks for a stop (in the yielded list), which the loop acts on after its
+    step; a second one exits at once."""
     asked = []
 
     def ask(signum, frame):
         asked.append(signum)
         said = "again: exiting now" if len(asked) > 1 else \
             "finishing this step and saving a checkpoint (again to exit at once)"
-        # a stderr whose reader is gone must not end the run unsaved
+        # os.write: see quit_now; a stderr whose reader is gone must not end the run unsaved
         with suppress(OSError):
             loud and os.write(2, f"\n{signal.Signals(signum).name}: {said}\n".encode())
         if len(asked) > 1:
@@ -123,7 +122,7 @@ def stop_after_step(loud: bool = True):
 
 
 def out_of_memory(e: BaseException) -> bool:
-    """Python's MemoryError (or a SystemError where it could not be made), torch's or C++'s."""
+    """Python's MemoryError (or the SystemError when it could not be made), torch's, C++'s."""
     if isinstance(e, RuntimeError):
         return any(w in str(e) for w in ("out of memory", "can't allocate memory", "bad_alloc"))
     if isinstance(e, SystemError):
@@ -133,7 +132,7 @@ def out_of_memory(e: BaseException) -> bool:
 
 def verdict(error: BaseException) -> tuple[int, str] | None:
     """(exit code, one line) for what a user or the machine can cause; None for a bug."""
-    # the error, the one it was raised from or while handling, and so on down
+    # the error and the ones it was raised from or while handling
     chain, cause = [], error
     while cause is not None and cause not in chain:
         chain.append(cause)
@@ -162,7 +161,7 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
 
 
 def run_cli(main, argv: list[str]) -> int:
-    """main(argv)'s exit code, what a user can cause said in one line (verdict)."""
+    """main(argv)'s exit code; what a user can cause said in one line (verdict)."""
     # a character the terminal cannot show prints as '?'
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
@@ -202,8 +201,7 @@ OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None,
           one_of=None) -> None:
-    """A UserError unless value is one of `one_of`, or a finite number within the bounds:
-    'train.beta1 must be >= 0 and < 1, got 1.5'."""
+    """A UserError unless value is one of `one_of`, or a finite number within the bounds."""
     if one_of is not None and value not in one_of:
         raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, one_of))}")
     bounds = [(op, b) for op, b in zip(OPS, (above, at_least, below, at_most)) if b is not None]
@@ -268,7 +266,7 @@ def typed(p) -> str:
 
 
 def command(script: str, *args: str) -> str:
-    """The shell command that runs this repository's script with args from here."""
+    """The shell command that runs the repository's script from here."""
     return shlex.join(["python", typed(ROOT / script), *args])
 
 
@@ -280,15 +278,13 @@ def duration(seconds: float) -> str:
 
 
 def usable_cores() -> set[int]:
-    """The CPU cores this process may run on."""
     if hasattr(os, "sched_getaffinity"):
         return os.sched_getaffinity(0)
     return set(range(os.cpu_count() or 1))
 
 
 def cpu_clock() -> tuple[float, float, float] | None:
-    """(seconds, busy seconds of the cores this process may use, its own CPU seconds), from
-    Linux's /proc/stat (else None)."""
+    """(seconds, busy seconds of the usable cores, this process's CPU seconds); Linux only."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
@@ -304,7 +300,7 @@ def cpu_clock() -> tuple[float, float, float] | None:
     return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
 
 
-# taken as the process starts: a command's first reading spans its imports
+# a command's first reading spans its imports
 CPU_AT_START = cpu_clock()
 
 
