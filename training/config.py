@@ -1,9 +1,8 @@
 """The run's settings: defaults < a resumed run's config.toml < a TOML file < the command line.
 
-  sections  a dataclass each, beside the code it configures (model/config.py,
-            data/cache.py); each field says what it does and its bounds
-  paths     made absolute against where they are written: a config file's folder (one
-            inside the repository: the repository), the working directory, the repository
+  sections  a dataclass each, beside the code it configures (model/config.py, data/cache.py)
+  paths     absolute against where they are written: a config file's folder (the repository
+            for one inside it), the working directory, the repository
 """
 import dataclasses
 import difflib
@@ -145,8 +144,7 @@ def parse_overrides(args) -> list[tuple[str, str]]:
 
 
 def absolute(key: str, path, folder: Path):
-    """path made absolute against folder ('~' is home); an empty one is refused, but for
-    data.val_path, where it means none."""
+    """path made absolute against folder ('~' is home); an empty data.val_path means none."""
     if not isinstance(path, str) or key == "data.val_path" and path == "":
         return path
     if not path.strip():
@@ -176,8 +174,7 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
     for key in PATHS[1:]:
         values.setdefault(key, absolute(key, getattr(DataConfig, key[5:]), ROOT))
     cfg = Config()
-    # the file's own values are set, and so checked, first: a wrong one is refused even
-    # where the command line sets that key again
+    # the file's values first: a wrong one is refused even where the command line sets it again
     for layer, file_only in ((in_file, True), (values, False)):
         for key, value in layer.items():
             try:
@@ -195,8 +192,7 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
 
 def default_out_dir(config_file: str | None, values: dict, given: set[str]) -> str:
     """out/<name>: the config file's name, then the data's and the tokenizer's (but char)
-    where the command line set them or no file is given: runs on other data or tokens
-    never meet in one out dir."""
+    where the command line set them or no file is given: other data or tokens, another dir."""
     tokenizer = values.get("data.tokenizer", "char")
     parts = [Path(config_file).stem] if config_file else []
     if "data.path" in given or not config_file:
