@@ -72,7 +72,6 @@ def handling(handler, when):
 
 
 def stop_line(signum: int) -> tuple[int, str]:
-    """(exit code, line) of a command a signal stopped."""
     return 128 + signum, "terminated" if signum == signal.SIGTERM else "interrupted"
 
 
@@ -161,7 +160,6 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
 
 
 def run_cli(main, argv: list[str]) -> int:
-    """main(argv)'s exit code; what a user can cause said in one line (verdict)."""
     # a character the terminal cannot show prints as '?'
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
@@ -219,7 +217,6 @@ def flat(values: dict, prefix: str = "") -> dict:
 
 
 def check_fields(config, section: str) -> None:
-    """check() every field of a config dataclass against its setting()'s bounds."""
     for f in dataclasses.fields(config):
         if bounds := {k: v for k, v in f.metadata.items() if k != "help"}:
             check(f"{section}.{f.name}", getattr(config, f.name), **bounds)
@@ -266,7 +263,6 @@ def typed(p) -> str:
 
 
 def command(script: str, *args: str) -> str:
-    """The shell command that runs the repository's script from here."""
     return shlex.join(["python", typed(ROOT / script), *args])
 
 

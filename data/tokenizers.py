@@ -32,7 +32,6 @@ class CharTokenizer:
     def from_text(cls, text: str) -> "CharTokenizer":
         return cls("".join(sorted(set(text))))
 
-    # characters have no end-of-text token
     end_token = None
 
     def encode(self, text: str) -> list[int]:

@@ -61,7 +61,6 @@ class TrainConfig:
         "", "\"\" = random init | gpt2, gpt2-medium, ... | a Hugging Face GPT-2 dir")
 
     def global_batch(self, world: int) -> int:
-        """Sequences per optimizer step, over every process."""
         return self.batch_size * self.grad_accum * world
 
     def validate(self) -> None:

@@ -119,7 +119,7 @@ def gather(obj, group=None) -> list:
 
 
 def mean(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of tensor over the ranks, in place on every rank."""
+    """In place, on every rank."""
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.div_(dist.get_world_size())
 
