@@ -1,8 +1,7 @@
 """What every command keeps to; imports neither torch nor the rest of the project.
 
-run_cli says a UserError, an OSError, running out of memory or a stop (Ctrl-C, SIGTERM) in
-one line on stderr: exit 2 for a mistake or a full disk, 3 for out of memory, 128 + the
-signal's number for a stop.
+run_cli says a UserError, an OSError, out of memory or a stop (Ctrl-C, SIGTERM) in one line
+on stderr: exit 2 for a mistake or a full disk, 3 for out of memory, 128 + signal for a stop.
 """
 import argparse
 import dataclasses
@@ -91,8 +90,8 @@ def stop_here(signum, frame):
 
 # the repository: runs go to its out/ wherever a command runs
 ROOT = Path(__file__).resolve().parent
-# A command (a script of the repository) imports this module first: while it starts, a stop is
-# its line at once. A program of the user's that imports the project keeps Python's handlers.
+# a command (a script here) imports this module first: a stop while it starts is its line at
+# once; a user's program that imports the project keeps Python's handlers
 if Path(getattr(sys.modules["__main__"], "__file__", None) or "/").resolve().parent in (
         ROOT, ROOT / "data"):
     for stop in (signal.SIGINT, signal.SIGTERM):
@@ -223,8 +222,8 @@ def check_fields(config, section: str) -> None:
 
 
 def atomic_write(path, data) -> None:
-    """Write data (str, bytes, or a function that writes to a binary file) to .<name>.tmp,
-    fsync it and rename it over path: a reader finds the old file or the new one."""
+    """Write data (str, bytes, or a function that writes to a binary file) over path: a reader
+    finds the old file or the new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if isinstance(data, str):
@@ -301,8 +300,7 @@ CPU_AT_START = cpu_clock()
 
 
 class Progress:
-    """'label: done / total unit, rate unit/s, ETA' on stderr: redrawn at most 5 times a
-    second on a terminal, a line every 10 s into a log."""
+    """'label: done / total unit, rate unit/s, ETA' on stderr, a terminal's line redrawn."""
 
     def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}",
                  quiet=False):

@@ -17,7 +17,7 @@ from model.config import ModelConfig
 ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"} | dict.fromkeys(
     ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh"), "gelu_tanh")
 EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
-# GPT-2's defaults for the config.json keys read that a config may leave out
+# GPT-2's defaults for the keys read that a config.json may leave out
 HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop": 0.1,
                "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
                "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
