@@ -75,10 +75,10 @@ class BatchLoader:
         self.grad_accum, self.rank, self.world = share
         self.mapped = {s: np.memmap(self.dataset_dir / f"{s}.bin", dtype=meta["dtype"],
                                     mode="r", shape=(meta["tokens"][s],)) for s in SPLITS}
-        # as int32, in a quarter of the free memory
+        # as int32 (4 bytes a token)
         fits = 4 * sum(meta["tokens"].values()) < free_memory(self.device) / 4
         fits = torch.tensor(int(fits), device=self.device)
-        # every rank alike: one draw, the global batch
+        # every rank alike (see the top)
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.all_reduce(fits, torch.distributed.ReduceOp.MIN)
         self.resident = bool(fits)

@@ -135,8 +135,7 @@ def parse_overrides(args) -> list[tuple[str, str]]:
     while args:
         key, eq, value = args.pop(0).partition("=")
         if not key.startswith("--") or not (eq or args):
-            raise UserError(f"unexpected argument {key!r}: "
-                            f"settings look like --section.key=value")
+            raise UserError(f"unexpected argument {key!r}: settings look like --section.key=value")
         name = {"data": "data.path"}.get(key[2:], key[2:])
         pairs.append((name, value if eq else args.pop(0)))
     return pairs

@@ -157,9 +157,8 @@ def relaunch(*args: str) -> str:
 
 @contextmanager
 def lost_peer_line(out_dir, again: str):
-    """A process lost (torchrun ends the others on its machine; elsewhere a collective fails)
-    ends each machine with exit 2 and one line from local rank 0: the checkpoint kept and
-    `again`, the command that continues it."""
+    """A lost process (torchrun ends its machine's others; elsewhere a collective fails) is exit 2
+    and one line from each machine's local rank 0: the checkpoint kept and `again` to continue."""
     try:
         yield
     except RuntimeError as e:
