@@ -23,7 +23,7 @@ class UserError(Exception):
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
-    """The first line of an exception's message (torch's run over many lines)."""
+    """torch's messages run over many lines."""
     text = str(error).strip()
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
@@ -246,7 +246,6 @@ def atomic_write(path, data) -> None:
 
 
 def load_toml(path, what: str = "a TOML config file") -> dict:
-    """A TOML file as a dict; a problem with it is one line naming it."""
     try:
         return tomllib.loads(Path(path).read_bytes().decode("utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

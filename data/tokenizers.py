@@ -38,7 +38,6 @@ class CharTokenizer:
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        """The ids as int32; an unknown character is a UserError naming it."""
         ids = self.table[code_points(text)]
         if len(ids) and ids.min() < 0:
             unknown = sorted(set(text) - set(self.stoi))

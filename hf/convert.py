@@ -126,7 +126,7 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
 
 
 def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
-    """This GPT's config and state dict -> (GPT-2's config.json dict, its tensors)."""
+    """(GPT-2's config.json dict, its tensors) of this GPT's."""
     for key, allowed, why in [
             ("pos", ["learned"], "GPT-2 has learned absolute positions"),
             ("norm", ["layernorm"], "GPT-2 has LayerNorm"),
