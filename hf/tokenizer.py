@@ -2,9 +2,9 @@
 and pipeline("text-generation") then encode and decode as we do.
 
 tiktoken's BPE is byte-level BPE stored another way: its regex a Split pre-tokenizer, then
-ByteLevel's one character a byte (BYTES); its ranks the vocab, each token's merge found from
-them. Where they differ: an unknown character is dropped (we refuse it), "<|endoftext|>" in
-a text is the special token (text to us), and {n,m}+ (not possessive there) is {n,m}.
+ByteLevel's one character a byte (BYTES); its ranks the vocab, the merges found from them.
+Where they differ: an unknown character is dropped (we refuse it), "<|endoftext|>" in a text
+is the special token (text to us), and {n,m}+ (not possessive there) is {n,m}.
 """
 import re
 
