@@ -157,8 +157,9 @@ def relaunch(*args: str) -> str:
 
 @contextmanager
 def lost_peer_line(out_dir, again: str):
-    """A lost process (torchrun ends its machine's others; elsewhere a collective fails) is exit 2
-    and one line from each machine's local rank 0: the checkpoint kept and `again` to continue."""
+    """A lost process (torchrun ends its machine's others; elsewhere a collective fails):
+    exit 2, and from each machine's local rank 0 one line: the checkpoint kept and `again`,
+    the command that continues it."""
     try:
         yield
     except RuntimeError as e:
