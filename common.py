@@ -1,8 +1,7 @@
 """What every command keeps to; imports neither torch nor the rest of the project.
 
-run_cli says a UserError, an OSError, running out of memory or a stop (Ctrl-C, SIGTERM) in
-one line on stderr: exit 2 for a mistake or a full disk, 3 for out of memory, 128 + the
-signal's number for a stop.
+run_cli says a UserError, an OSError, out of memory or a stop (Ctrl-C, SIGTERM) in one line
+on stderr: exit 2 for a mistake or a full disk, 3 for out of memory, 128 + signal for a stop.
 """
 import argparse
 import dataclasses
@@ -24,7 +23,7 @@ class UserError(Exception):
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
-    """The first line of an exception's message (torch's run over many lines)."""
+    """torch's messages run over many lines."""
     text = str(error).strip()
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
@@ -46,8 +45,8 @@ def printer(enabled: bool):
     return say
 
 
-# SIGINT and SIGTERM as a command goes: while it starts (imports torch) quit_now, once it runs
-# (run_cli) stop_here, in the training loop stop_after_step's; STOPS: the signals stop_here got
+# SIGINT and SIGTERM: quit_now while a command starts (imports torch), stop_here once it runs
+# (run_cli), stop_after_step's in the training loop. STOPS: the signals stop_here got
 STOPS = []
 # Python's own handlers, which a command replaces
 DEFAULTS = (signal.default_int_handler, signal.SIG_DFL)
@@ -55,9 +54,9 @@ DEFAULTS = (signal.default_int_handler, signal.SIG_DFL)
 
 @contextmanager
 def handling(handler, when):
-    """Inside, handler for SIGINT and SIGTERM where when(the handler before) holds, in the main
-    thread (the only one that can set them)."""
+    """Inside, handler for SIGINT and SIGTERM where when(the handler before) holds."""
     swapped = {}
+    # only the main thread can set them
     if threading.current_thread() is threading.main_thread():
         for stop in (signal.SIGINT, signal.SIGTERM):
             if when(before := signal.getsignal(stop)):
@@ -72,13 +71,11 @@ def handling(handler, when):
 
 
 def stop_line(signum: int) -> tuple[int, str]:
-    """(exit code, line) of a command a signal stopped."""
     return 128 + signum, "terminated" if signum == signal.SIGTERM else "interrupted"
 
 
 def quit_now(signum, frame):
-    """Say the line and exit at once: a KeyboardInterrupt could land in torch's C++, which
-    aborts, or swallows it."""
+    """Exit at once: a KeyboardInterrupt could land in torch's C++, which aborts or swallows it."""
     code, line = stop_line(signum)
     # os.write: a print() could land inside one the signal cut short
     os.write(2, f"{line}\n".encode())
@@ -86,15 +83,15 @@ def quit_now(signum, frame):
 
 
 def stop_here(signum, frame):
-    """A KeyboardInterrupt, noted (a later error it causes is that stop)."""
+    """A KeyboardInterrupt, noted: a later error it causes is that stop."""
     STOPS.append(signum)
     raise KeyboardInterrupt
 
 
 # the repository: runs go to its out/ wherever a command runs
 ROOT = Path(__file__).resolve().parent
-# A command (a script of the repository) imports this module first: while it starts, a stop is
-# its line at once. A program of the user's that imports the project keeps Python's handlers.
+# a command (a script here) imports this module first: a stop while it starts is its line at
+# once; a user's program that imports the project keeps Python's handlers
 if Path(getattr(sys.modules["__main__"], "__file__", None) or "/").resolve().parent in (
         ROOT, ROOT / "data"):
     for stop in (signal.SIGINT, signal.SIGTERM):
@@ -104,15 +101,15 @@ if Path(getattr(sys.modules["__main__"], "__file__", None) or "/").resolve().par
 
 @contextmanager
 def stop_after_step(loud: bool = True):
-    """Inside, a signal asks for a stop (the yielded list gets it), which the loop acts on after
-    its step; a second one exits at once. Said on stderr when loud (os.write: see quit_now)."""
+    """Inside, a signal asks for a stop (in the yielded list), which the loop acts on after its
+    step; a second one exits at once."""
     asked = []
 
     def ask(signum, frame):
         asked.append(signum)
         said = "again: exiting now" if len(asked) > 1 else \
             "finishing this step and saving a checkpoint (again to exit at once)"
-        # a stderr whose reader is gone must not end the run unsaved
+        # os.write: see quit_now; a stderr whose reader is gone must not end the run unsaved
         with suppress(OSError):
             loud and os.write(2, f"\n{signal.Signals(signum).name}: {said}\n".encode())
         if len(asked) > 1:
@@ -123,7 +120,7 @@ def stop_after_step(loud: bool = True):
 
 
 def out_of_memory(e: BaseException) -> bool:
-    """Python's MemoryError (or a SystemError where it could not be made), torch's or C++'s."""
+    """Python's MemoryError (or the SystemError when it could not be made), torch's, C++'s."""
     if isinstance(e, RuntimeError):
         return any(w in str(e) for w in ("out of memory", "can't allocate memory", "bad_alloc"))
     if isinstance(e, SystemError):
@@ -133,7 +130,7 @@ def out_of_memory(e: BaseException) -> bool:
 
 def verdict(error: BaseException) -> tuple[int, str] | None:
     """(exit code, one line) for what a user or the machine can cause; None for a bug."""
-    # the error, the one it was raised from or while handling, and so on down
+    # the error and the ones it was raised from or while handling
     chain, cause = [], error
     while cause is not None and cause not in chain:
         chain.append(cause)
@@ -162,7 +159,6 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
 
 
 def run_cli(main, argv: list[str]) -> int:
-    """main(argv)'s exit code, what a user can cause said in one line (verdict)."""
     # a character the terminal cannot show prints as '?'
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
@@ -202,8 +198,7 @@ OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
 def check(key: str, value, *, above=None, at_least=None, below=None, at_most=None,
           one_of=None) -> None:
-    """A UserError unless value is one of `one_of`, or a finite number within the bounds:
-    'train.beta1 must be >= 0 and < 1, got 1.5'."""
+    """A UserError unless value is one of `one_of`, or a finite number within the bounds."""
     if one_of is not None and value not in one_of:
         raise UserError(f"{key}={value!r} is not one of {', '.join(map(str, one_of))}")
     bounds = [(op, b) for op, b in zip(OPS, (above, at_least, below, at_most)) if b is not None]
@@ -221,15 +216,14 @@ def flat(values: dict, prefix: str = "") -> dict:
 
 
 def check_fields(config, section: str) -> None:
-    """check() every field of a config dataclass against its setting()'s bounds."""
     for f in dataclasses.fields(config):
         if bounds := {k: v for k, v in f.metadata.items() if k != "help"}:
             check(f"{section}.{f.name}", getattr(config, f.name), **bounds)
 
 
 def atomic_write(path, data) -> None:
-    """Write data (str, bytes, or a function that writes to a binary file) to .<name>.tmp,
-    fsync it and rename it over path: a reader finds the old file or the new one."""
+    """Write data (str, bytes, or a function that writes to a binary file) over path: a reader
+    finds the old file or the new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if isinstance(data, str):
@@ -252,7 +246,6 @@ def atomic_write(path, data) -> None:
 
 
 def load_toml(path, what: str = "a TOML config file") -> dict:
-    """A TOML file as a dict; a problem with it is one line naming it."""
     try:
         return tomllib.loads(Path(path).read_bytes().decode("utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -268,7 +261,6 @@ def typed(p) -> str:
 
 
 def command(script: str, *args: str) -> str:
-    """The shell command that runs this repository's script with args from here."""
     return shlex.join(["python", typed(ROOT / script), *args])
 
 
@@ -280,15 +272,13 @@ def duration(seconds: float) -> str:
 
 
 def usable_cores() -> set[int]:
-    """The CPU cores this process may run on."""
     if hasattr(os, "sched_getaffinity"):
         return os.sched_getaffinity(0)
     return set(range(os.cpu_count() or 1))
 
 
 def cpu_clock() -> tuple[float, float, float] | None:
-    """(seconds, busy seconds of the cores this process may use, its own CPU seconds), from
-    Linux's /proc/stat (else None)."""
+    """(seconds, busy seconds of the usable cores, this process's CPU seconds); Linux only."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
@@ -304,13 +294,12 @@ def cpu_clock() -> tuple[float, float, float] | None:
     return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time()
 
 
-# taken as the process starts: a command's first reading spans its imports
+# a command's first reading spans its imports
 CPU_AT_START = cpu_clock()
 
 
 class Progress:
-    """'label: done / total unit, rate unit/s, ETA' on stderr: redrawn at most 5 times a
-    second on a terminal, a line every 10 s into a log."""
+    """'label: done / total unit, rate unit/s, ETA' on stderr, a terminal's line redrawn."""
 
     def __init__(self, label: str, total: float, unit: str, amount=lambda n: f"{n:,.0f}",
                  quiet=False):

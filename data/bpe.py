@@ -1,6 +1,6 @@
 """BPE through tiktoken: a named encoding (gpt2, ...), or bpe:N trained on the train split by
-rustbpe, its meta the whole tokenizer: the 256 bytes, N - 257 merges under GPT-4's pattern,
-and <|endoftext|> (id N - 1) between documents.
+rustbpe, its meta the whole tokenizer: GPT-4's pattern, the 256 bytes and N - 257 merges as
+base64 in rank order, and <|endoftext|> (id N - 1) between documents.
 """
 import base64
 import time
@@ -69,7 +69,7 @@ class TiktokenTokenizer:
         return self._meta
 
 
-# what a refused train_bpe() description says first
+# how a refused train_bpe() description begins
 DAMAGED = "damaged BPE tokenizer description: "
 
 
@@ -102,8 +102,7 @@ def trained_bpe(meta: dict) -> TiktokenTokenizer:
 
 
 def train_bpe(texts, vocab_size: int) -> tuple[dict, float]:
-    """(meta, seconds) of a BPE of vocab_size tokens at most, trained on the str pieces in
-    texts: the pattern, each token's bytes in base64 in rank order, <|endoftext|> last."""
+    """(meta, seconds) of a BPE of vocab_size tokens at most, trained on texts' str pieces."""
     try:
         import rustbpe
     except ImportError:
@@ -112,7 +111,6 @@ def train_bpe(texts, vocab_size: int) -> tuple[dict, float]:
     trainer = rustbpe.Tokenizer()
     # pieces of up to 2M characters: 8 held at a time (rustbpe holds 8,192 unless told)
     trainer.train_from_iterator(texts, vocab_size - 1, buffer_size=8, pattern=PATTERN)
-    # in rank order
     tokens = [bytes(t) for t, rank in sorted(trainer.get_mergeable_ranks(), key=lambda r: r[1])]
     meta = {"kind": "bpe", "name": f"bpe{len(tokens) + 1}", "pattern": PATTERN,
             "ranks": [base64.b64encode(t).decode("ascii") for t in tokens],

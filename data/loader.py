@@ -27,9 +27,8 @@ COPY_TOKENS = 1 << 26
 
 
 def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size: int):
-    """(x, y) int64 host tensors of batch_size windows at most, scoring every token after
-    the first once (y = -1: context only): window k starts at k * stride and scores its
-    last `stride` targets (the first, all)."""
+    """(x, y) int64 host batches scoring every token after the first once (y = -1: context
+    only): window k starts at k * stride and scores its last `stride` targets (the first: all)."""
     n = len(tokens)
     last = max(0, -(-(n - 1 - block_size) // stride))
     starts = np.arange(last + 1) * stride
@@ -47,7 +46,7 @@ def strided_windows(tokens: np.ndarray, block_size: int, stride: int, batch_size
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free on the device (CUDA, or the host's for cpu), else 0."""
+    """Bytes free on a CUDA device or the host (cpu), else 0."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     # Windows and macOS lack SC_AVPHYS_PAGES
@@ -76,10 +75,10 @@ class BatchLoader:
         self.grad_accum, self.rank, self.world = share
         self.mapped = {s: np.memmap(self.dataset_dir / f"{s}.bin", dtype=meta["dtype"],
                                     mode="r", shape=(meta["tokens"][s],)) for s in SPLITS}
-        # as int32, in a quarter of the free memory
+        # as int32 (4 bytes a token)
         fits = 4 * sum(meta["tokens"].values()) < free_memory(self.device) / 4
         fits = torch.tensor(int(fits), device=self.device)
-        # every rank alike: one draw, the global batch
+        # every rank alike (see the top)
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.all_reduce(fits, torch.distributed.ReduceOp.MIN)
         self.resident = bool(fits)
@@ -132,8 +131,7 @@ class BatchLoader:
         return windows[:, :-1], windows[:, 1:]
 
     def eval_windows(self, split: str):
-        """(x, y) batches of an exact evaluation: val's first EVAL_MAX_WINDOWS windows;
-        train's, EVAL_TRAIN_SHARE as many evenly spaced (its first and last at least)."""
+        """(x, y) batches of an exact evaluation: val's first windows, train's evenly spaced."""
         T = self.block_size
         per_batch = max(self.batch_size, EVAL_BATCH_TOKENS // T)
         val = self.mapped["val"][:EVAL_MAX_WINDOWS * T + 1]
@@ -150,8 +148,7 @@ class BatchLoader:
         return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
     def load_state_dict(self, state: dict) -> None:
-        """The data order where the checkpoint left it (drawn on another device: a new
-        order, seeded from it)."""
+        """The data order where the checkpoint left it (from another device: a new one)."""
         was, now = state.get("device", "cpu"), self.generator.device.type
         if was == now:
             return self.generator.set_state(state["generator"])

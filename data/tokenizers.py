@@ -1,6 +1,5 @@
-"""Tokenizers behind one interface: encode (encode_array: as numpy, encode_pieces: many
-texts at once), decode, vocab_size, and a JSON-able meta() kept with the dataset and every
-checkpoint. char: a token per character; BPE: data/bpe.py, imported if used.
+"""Tokenizers behind one interface (encode, decode, vocab_size) and a JSON-able meta() kept
+with the dataset and every checkpoint. char: a token per character; BPE: data/bpe.py.
 """
 import numpy as np
 
@@ -12,7 +11,7 @@ MAX_VOCAB = 1 << 20
 
 
 def code_points(text: str) -> np.ndarray:
-    """The text's code points: uint8 for ASCII text, else uint32."""
+    """uint8 for ASCII text, else uint32."""
     if text.isascii():
         return np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
@@ -33,14 +32,12 @@ class CharTokenizer:
     def from_text(cls, text: str) -> "CharTokenizer":
         return cls("".join(sorted(set(text))))
 
-    # characters have no end-of-text token
     end_token = None
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        """The ids as int32; an unknown character is a UserError naming it."""
         ids = self.table[code_points(text)]
         if len(ids) and ids.min() < 0:
             unknown = sorted(set(text) - set(self.stoi))
@@ -50,7 +47,7 @@ class CharTokenizer:
         return ids
 
     def encode_pieces(self, pieces: list[str]) -> np.ndarray:
-        """The ids of the pieces in order (no None: that is BPE's end-of-text)."""
+        """The pieces' ids (no None: that is BPE's end-of-text)."""
         return self.encode_array("".join(pieces))
 
     def decode(self, ids) -> str:
@@ -71,7 +68,7 @@ def build_tokenizer(name: str, text: str | None = None):
 
 
 def load_tokenizer(meta: dict):
-    """The tokenizer a meta() describes, checked."""
+    """The tokenizer a meta() describes, checked; data/bpe.py is imported if used."""
     kind = meta.get("kind") if isinstance(meta, dict) else None
     named = kind != "tiktoken" or isinstance(meta.get("name"), str)
     if kind not in ("char", "tiktoken", "bpe") or not named:

@@ -1,8 +1,8 @@
 """GPT-2 weights in Hugging Face's layout, in and out. GPT2LMHeadModel is model/gpt.py's
 network with GPT-2's settings (learned positions, LayerNorm, biases, tied head, tanh GELU).
-Only the names differ (tensor_names), and two layouts: c_attn fuses the query, key and value
-projections (q | k | v), and GPT-2's "Conv1D" stores a weight as (in, out), the transpose of
-nn.Linear's. A setting either side cannot express is a UserError.
+Only the names differ (tensor_names), and two layouts: c_attn fuses q | k | v, and GPT-2's
+"Conv1D" stores a weight as (in, out), nn.Linear's transposed. A setting either side cannot
+express is a UserError.
 """
 import itertools
 import json
@@ -14,11 +14,10 @@ from common import UserError
 from model.config import ModelConfig
 
 # GPT-2's activation names (transformers' ACT2FN) -> model.mlp
-ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
-               "gelu_fast": "gelu_tanh", "gelu_python_tanh": "gelu_tanh",
-               "gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"}
+ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "relu2": "relu2"} | dict.fromkeys(
+    ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh"), "gelu_tanh")
 EXPORT_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu2": "relu2"}
-# GPT-2's defaults for the config.json keys read that a config may leave out
+# GPT-2's defaults for the keys read that a config.json may leave out
 HF_DEFAULTS = {"activation_function": "gelu_new", "n_inner": None, "resid_pdrop": 0.1,
                "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
                "tie_word_embeddings": True, "scale_attn_by_inverse_layer_idx": False,
@@ -37,7 +36,7 @@ BLOCK_TENSORS = [
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
-    """A GPT-2 config.json (as a dict) -> ModelConfig; a UserError names what does not map."""
+    """A GPT-2 config.json's dict -> ModelConfig; a UserError names what does not map."""
     def refuse(key: str, what: str):
         raise UserError(f"{where}: {key}={json.dumps(hf.get(key))} is not {what}")
 
@@ -97,8 +96,7 @@ def tensor_names(cfg: ModelConfig):
 
 def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetensors") -> dict:
     """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32), each checked."""
-    # the "transformer." prefix is optional (OpenAI's first checkpoints lack it); their
-    # causal-mask buffers are left out
+    # OpenAI's first checkpoints lack the "transformer." prefix; causal-mask buffers go
     sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
           for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     out = {}
@@ -128,7 +126,7 @@ def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetenso
 
 
 def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
-    """This GPT's config and state dict -> (GPT-2's config.json dict, its tensors)."""
+    """(GPT-2's config.json dict, its tensors) of this GPT's."""
     for key, allowed, why in [
             ("pos", ["learned"], "GPT-2 has learned absolute positions"),
             ("norm", ["layernorm"], "GPT-2 has LayerNorm"),
@@ -146,7 +144,7 @@ def to_hf(cfg: ModelConfig, state_dict: dict) -> tuple[dict, dict]:
         t = torch.cat(parts)
         # new and contiguous, as safetensors needs
         tensors[theirs] = t.t().contiguous() if conv else t
-    # the rest as GPT2Config's defaults
+    # the rest: GPT2Config's defaults
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
               "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size,
               "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,

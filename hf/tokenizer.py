@@ -2,9 +2,9 @@
 and pipeline("text-generation") then encode and decode as we do.
 
 tiktoken's BPE is byte-level BPE stored another way: its regex a Split pre-tokenizer, then
-ByteLevel's one character a byte (BYTES); its ranks the vocab, each token's merge found from
-them. Where they differ: an unknown character is dropped (we refuse it), "<|endoftext|>" in
-a text is the special token (text to us), and {n,m}+ (not possessive there) is {n,m}.
+ByteLevel's one character a byte (BYTES); its ranks the vocab, the merges found from them.
+Where they differ: an unknown character is dropped (we refuse it), "<|endoftext|>" in a text
+is the special token (text to us), and {n,m}+ (not possessive there) is {n,m}.
 """
 import re
 
@@ -40,12 +40,11 @@ def as_chars(token: bytes) -> str:
 
 
 def tokenizer_files(meta: dict, max_length: int) -> tuple[dict, int | None]:
-    """({file name: JSON value} of meta's tokenizer, its <|endoftext|>'s id or None)."""
+    """({file name: JSON}, the <|endoftext|> id or None) of meta's tokenizer."""
     if meta["kind"] == "char":
         vocab, pairs, special = {c: i for i, c in enumerate(meta["chars"])}, [], {}
         pre, decoder = None, {"type": "Fuse"}
     else:
-        # tiktoken's Encoding
         enc = load_tokenizer(meta).enc
         ranks, special = enc._mergeable_ranks, enc._special_tokens
         vocab = {as_chars(token): rank for token, rank in ranks.items()}

@@ -9,8 +9,7 @@ from common import first_line
 
 
 def compiled_or_eager(fn, trial, doing: str, **options):
-    """torch.compile(fn, **options), first called by trial(compiled); after a failure
-    there, fn itself."""
+    """torch.compile(fn, **options) tried by trial(compiled); fn itself if that fails."""
     compiled = torch.compile(fn, **options)
     try:
         trial(compiled)

@@ -1,9 +1,8 @@
 """The run's settings: defaults < a resumed run's config.toml < a TOML file < the command line.
 
-  sections  a dataclass each, beside the code it configures (model/config.py,
-            data/cache.py); each field says what it does and its bounds
-  paths     made absolute against where they are written: a config file's folder (one
-            inside the repository: the repository), the working directory, the repository
+  sections  a dataclass each, beside the code it configures (model/config.py, data/cache.py)
+  paths     absolute against where they are written: a config file's folder (the repository
+            for one inside it), the working directory, the repository
 """
 import dataclasses
 import difflib
@@ -62,7 +61,6 @@ class TrainConfig:
         "", "\"\" = random init | gpt2, gpt2-medium, ... | a Hugging Face GPT-2 dir")
 
     def global_batch(self, world: int) -> int:
-        """Sequences per optimizer step, over every process."""
         return self.batch_size * self.grad_accum * world
 
     def validate(self) -> None:
@@ -137,16 +135,14 @@ def parse_overrides(args) -> list[tuple[str, str]]:
     while args:
         key, eq, value = args.pop(0).partition("=")
         if not key.startswith("--") or not (eq or args):
-            raise UserError(f"unexpected argument {key!r}: "
-                            f"settings look like --section.key=value")
+            raise UserError(f"unexpected argument {key!r}: settings look like --section.key=value")
         name = {"data": "data.path"}.get(key[2:], key[2:])
         pairs.append((name, value if eq else args.pop(0)))
     return pairs
 
 
 def absolute(key: str, path, folder: Path):
-    """path made absolute against folder ('~' is home); an empty one is refused, but for
-    data.val_path, where it means none."""
+    """path made absolute against folder ('~' is home); an empty data.val_path means none."""
     if not isinstance(path, str) or key == "data.val_path" and path == "":
         return path
     if not path.strip():
@@ -176,8 +172,7 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
     for key in PATHS[1:]:
         values.setdefault(key, absolute(key, getattr(DataConfig, key[5:]), ROOT))
     cfg = Config()
-    # the file's own values are set, and so checked, first: a wrong one is refused even
-    # where the command line sets that key again
+    # the file's values first: a wrong one is refused even where the command line sets it again
     for layer, file_only in ((in_file, True), (values, False)):
         for key, value in layer.items():
             try:
@@ -195,8 +190,7 @@ def build_config(config_file: str | None = None, overrides=(), resume: bool = Fa
 
 def default_out_dir(config_file: str | None, values: dict, given: set[str]) -> str:
     """out/<name>: the config file's name, then the data's and the tokenizer's (but char)
-    where the command line set them or no file is given: runs on other data or tokens
-    never meet in one out dir."""
+    where the command line set them or no file is given: other data or tokens, another dir."""
     tokenizer = values.get("data.tokenizer", "char")
     parts = [Path(config_file).stem] if config_file else []
     if "data.path" in given or not config_file:

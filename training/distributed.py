@@ -1,11 +1,10 @@
-"""One training run on many processes under torchrun (`torchrun --standalone
---nproc_per_node=8 train.py CONFIG`; several machines: docs/distributed.md). Only such a run
+"""One training run on many processes under torchrun (docs/distributed.md); only such a run
 loads this module.
 
-DDP (the default): every process holds the whole model, and backward averages the gradients
-of each one's slice of the batch. FSDP (train.fsdp): each holds 1/world of every parameter,
-gradient and optimizer state, and gathers a block's parameters just before it runs: the
-same maths in a fraction of the memory. nccl between GPUs, gloo between CPU processes.
+DDP (the default): every process holds the whole model; backward averages the gradients.
+FSDP (train.fsdp): each holds 1/world of every parameter, gradient and optimizer state, and
+gathers a block's parameters just before it runs: the same maths in a fraction of the memory.
+nccl between GPUs, gloo between CPU processes.
 """
 import atexit
 import gc
@@ -26,7 +25,7 @@ from common import ROOT, UserError, first_line, typed
 from loading import list_checkpoints
 from training.optim import rekeyed
 
-# how long processes wait for their leaders' data preparation
+# how long processes wait for their leaders' data preparation (tens of GB)
 LEADERS_TIMEOUT = timedelta(days=1)
 
 
@@ -49,8 +48,8 @@ def join(device: torch.device) -> tuple[torch.device, int, int, int]:
 
 
 def leader_first(fn, leader: bool):
-    """fn() on the leaders first, then on the rest, which find its work done; a leader's error
-    is raised everywhere. The rest wait up to LEADERS_TIMEOUT (tens of GB to prepare)."""
+    """fn() on the leaders, then on the rest, which find its work done; a leader's error is
+    raised everywhere."""
     # made by every process before any leader starts: making it waits for all of them
     waiting = dist.new_group(backend="gloo", timeout=LEADERS_TIMEOUT)
     error = None
@@ -84,14 +83,13 @@ def sharded(model: torch.nn.Module) -> bool:
 
 
 def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts as one process holds them: a checkpoint loads
-    anywhere. Every rank calls it; under FSDP rank 0's CPU gets the shards."""
+    """(model, optimizer) state dicts as one process holds them, on every rank: a checkpoint
+    loads anywhere. Under FSDP rank 0's CPU gets the shards."""
     if not sharded(model):
         return model.state_dict(), optimizer.state_dict()
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = dcp.get_model_state_dict(model, options=options)
-    # keyed by parameter name, empty but on rank 0 (a list: a lone optimizer is taken for
-    # a torch.optim one)
+    # keyed by name, empty but on rank 0 (a list: a lone optimizer is taken for torch.optim's)
     optim_state = dcp.get_optimizer_state_dict(model, [optimizer], options=options)
     if not optim_state:
         return model_state, optim_state
@@ -121,14 +119,13 @@ def gather(obj, group=None) -> list:
 
 
 def mean(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of tensor over the ranks, in place on every rank."""
+    """In place, on every rank."""
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.div_(dist.get_world_size())
 
 
 def agreed_stop(signum: int, device: torch.device) -> int:
-    """The signal that stops the run (0: none), the same on every rank: the largest any rank
-    was sent (a Ctrl-C on one machine stops them all)."""
+    """The largest signal any rank was sent (0: none): a Ctrl-C on one machine stops all."""
     t = torch.tensor([float(signum)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
@@ -145,7 +142,7 @@ def leave(finished: bool = True) -> None:
 
 
 def relaunch(*args: str) -> str:
-    """The torchrun command that starts this run's processes again, train.py given args."""
+    """The torchrun command that starts this run's processes again."""
     env = os.environ
     per_node = f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', env['WORLD_SIZE'])}"
     script = [typed(ROOT / "train.py"), *args]
@@ -160,9 +157,9 @@ def relaunch(*args: str) -> str:
 
 @contextmanager
 def lost_peer_line(out_dir, again: str):
-    """When a process dies, torchrun ends the others on its machine; on other machines a
-    collective fails. That ends each machine with exit 2 and one line from local rank 0: the
-    checkpoint kept and `again`, the command that continues from it."""
+    """A lost process (torchrun ends its machine's others; elsewhere a collective fails):
+    exit 2, and from each machine's local rank 0 one line: the checkpoint kept and `again`,
+    the command that continues it."""
     try:
         yield
     except RuntimeError as e:

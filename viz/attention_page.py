@@ -1,6 +1,5 @@
-"""One prompt's attention as one self-contained HTML page (hover or click a token to see
-where it looks; every head; the summary): JSON inlined in the template attention_page.html,
-whose Content-Security-Policy forbids every network request.
+"""One prompt's attention as a self-contained HTML page: JSON inlined in the template
+attention_page.html, whose Content-Security-Policy forbids every network request.
 
 Each head's lower triangle (query i sees keys j <= i) is stored row by row, one byte a
 weight on a square-root scale: w = ±scale · ((code - zero) / levels)², per layer
@@ -27,8 +26,7 @@ SCORE_NAMES = {**{name: title.replace("\n", " ") for name, title in SHARE_NAMES.
 
 def attention_page(texts: list[str], weights: list[np.ndarray], scores: dict, title: str,
                    layers: list[int], heads: list[int]) -> str:
-    """The page's HTML. weights: (heads, T, T) per layer shown; scores: head_scores as
-    numpy; layers, heads: the numbers shown."""
+    """The page's HTML; weights: (heads, T, T) per layer shown, scores: head_scores' as numpy."""
     data = {"title": title, "tokens": texts, "layers": layers, "heads": heads,
             **encode_weights(weights)}
     # JSON has no NaN: null; a score NaN for every head is left out
@@ -42,8 +40,7 @@ def attention_page(texts: list[str], weights: list[np.ndarray], scores: dict, ti
 
 
 def encode_weights(weights: list[np.ndarray]) -> dict:
-    """Per-layer (heads, T, T) arrays -> {"signed", "zero", "levels", "scale": one per layer,
-    "weights": base64 of the codes}."""
+    """Per-layer (heads, T, T) arrays -> each layer's code (see the top) and all the bytes."""
     # row-major: (0,0), (1,0), (1,1), ...
     rows, cols = np.tril_indices(weights[0].shape[-1])
     data, codes = {"signed": [], "zero": [], "levels": [], "scale": []}, []

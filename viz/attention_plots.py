@@ -1,6 +1,5 @@
 """Attention weights as matplotlib Figures: a heatmap per head of one layer (plot_layer),
-head_scores' summary as two annotated heatmaps (plot_summary). A label's characters that
-matplotlib's font lacks come from other installed fonts (label_fonts), else are drawn as □.
+head_scores' summary as two annotated heatmaps (plot_summary).
 """
 import functools
 import math
@@ -34,8 +33,8 @@ def lacks(family, chars: set) -> set:
 
 @functools.cache
 def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
-    """(font families to fall back on glyph by glyph: matplotlib's, then the first installed
-    fonts with characters it lacks; the characters of text no font has)."""
+    """(font families to take glyphs from: matplotlib's, then installed ones with characters
+    it lacks; the characters of text no font has, drawn as BOX)."""
     families = tuple(rcParams["font.family"])
     missing = lacks(rcParams["font.family"], set(text))
     # a family's regular face, as matplotlib picks it
@@ -49,8 +48,8 @@ def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
 
 
 def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: int = 100):
-    """weights (len(heads), T, T) numpy -> a Figure of a heatmap per head: softmax weights
-    on a square-root scale (0.05 still shows), signed ones (linear with rope) around 0."""
+    """weights (len(heads), T, T) -> a heatmap per head: softmax weights on a square-root
+    scale (0.05 still shows), signed ones (linear with rope) around 0."""
     n, T = len(heads), weights.shape[-1]
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
@@ -91,8 +90,7 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
 
 
 def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
-    """rows: a name per head ('layer 0 head 1'); scores: head_scores' {name: (len(rows),)}
-    numpy -> a Figure of shares and mean distance."""
+    """rows: a name per head ('layer 0 head 1'); scores: head_scores' {name: (len(rows),)}."""
     names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
     # (heads, patterns)
     shares = np.stack([scores[s] for s in names], axis=1)
