@@ -150,8 +150,11 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
     # the tracebacks' frames hold what filled the memory: let it go before saying it
     for e in chain:
         e.__traceback__ = None
+    # a SystemError's text names C internals, nothing a user can act on
+    first = memory[0]
     try:
-        why = f" ({first_line(memory[0], 100)})"
+        what = "an allocation failed" if isinstance(first, SystemError) else first_line(first, 100)
+        why = f" ({what})"
     except MemoryError:
         why = ""
     return 3, (f"error: out of memory{why}: try a smaller batch, block size or model "

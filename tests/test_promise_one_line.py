@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import attention as attention_cli
+import common
 import eval as eval_cli
 import export as export_cli
 import sample as sample_cli
@@ -291,3 +292,12 @@ def test_wandb_that_cannot_start_is_one_line_and_the_run_writes_nothing(wandb, s
     before = tree(tmp_path)
     rc, _, err = run_tool(train_cli, [*args, "--log.wandb=true", "--overwrite"], capsys)
     assert rc == 2 and tree(tmp_path) == before, err
+
+
+def test_a_failed_allocation_inside_c_code_is_said_without_its_internals():
+    """Python's SystemError where a C function could not allocate names a function's address:
+    the line says what happened instead."""
+    error = SystemError("<function Block.__init__ at 0x7f00> returned NULL without setting an "
+                        "exception")
+    code, line = common.verdict(error)
+    assert code == 3 and line.startswith("error: out of memory (an allocation failed): "), line
