@@ -1,8 +1,5 @@
 """Score a model on any text: loss per token, bits per byte and perplexity.
 
-    python eval.py out/tinyshakespeare data/tinyshakespeare.txt
-    python eval.py gpt2 'books/*.txt' --stride 512 --json
-
 Each file is its own text (records joined as in training), every token after its first
 scored once, in windows of block_size tokens.
 """

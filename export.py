@@ -1,8 +1,5 @@
 """Export a trained GPT as a Hugging Face GPT-2 directory (config.json, model.safetensors, its
 tokenizer) for transformers to read offline.
-
-    python export.py out/run hf_model
-    python export.py out/run/ckpt_0002000.pt hf_model --force
 """
 import json
 import sys

@@ -1,8 +1,5 @@
 """Overlay the val loss curves of several runs, by step and by wall-clock time, each run
 named by the settings in which their configs differ.
-
-    python plot.py out/tinyshakespeare out/shakespeare_char_cpu_fast
-    python plot.py out/notes out/notes-bpe4096 --bpb --out compare.png
 """
 import hashlib
 import os

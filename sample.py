@@ -1,8 +1,5 @@
 """Sample text from a trained GPT, streaming it to stdout as it is produced.
 
-    python sample.py out/tinyshakespeare --prompt "ROMEO:" --num-samples 3
-    python sample.py out/run/ckpt_0002000.pt --prompt @prompt.txt --temperature 0
-
 The samples are one batch: the first is streamed, the others printed when done.
 """
 import codecs
