@@ -119,7 +119,7 @@ def write_md(sweep, rows: list[dict], command: str) -> None:
     atomic_write(sweep.out_dir / "results.md", "\n".join(lines) + "\n")
 
 
-def plot(sweep, runs: list[dict], out) -> None:
+def plot(sweep, runs: list[dict]) -> None:
     """loss_curves.png: each variant's val loss by step and time, mean and min-max band."""
     by_step = Panel("val loss by step", "step", "val loss")
     by_time = Panel("val loss by wall-clock time", "wall-clock seconds (training + evals)",
@@ -136,7 +136,8 @@ def plot(sweep, runs: list[dict], out) -> None:
             line = Line(name, x, val.mean(0), val.min(0), val.max(0), emphasis=i == 0)
             panel.lines.append(line)
     title = f"{sweep.name}: mean over {plural(len(sweep.seeds), 'seed')}, shaded min to max"
-    atomic_write(out / "loss_curves.png", draw([by_step, by_time], title, legend_below=True))
+    picture = draw([by_step, by_time], title, legend_below=True)
+    atomic_write(sweep.out_dir / "loss_curves.png", picture)
 
 
 def write_report(sweep, command: str) -> None:
@@ -146,4 +147,4 @@ def write_report(sweep, command: str) -> None:
     write_csv(sweep.out_dir / "results.csv", rows)
     write_csv(sweep.out_dir / "runs.csv", runs)
     write_md(sweep, rows, command)
-    plot(sweep, runs, sweep.out_dir)
+    plot(sweep, runs)

@@ -177,7 +177,7 @@ def test_ablate_s_curves_show_every_evaluation_and_every_seed(tmp_path, figures)
     runs = [{"variant": v, "done": True, "steps": [0, 10, 20, 30], "val": list(val), "elapsed": [0, 1, 2, 3]}
             for v, base in (("baseline", 2.5), ("higher", 2.3))
             for val in (np.array([9.0, 3, 2.6, base]), np.array([8.0, 3.1, 2.7, base + 0.1]))]
-    plot(sweep, runs, tmp_path)
+    plot(sweep, runs)
     (fig,) = figures
     assert (tmp_path / "loss_curves.png").read_bytes().startswith(PNG)
     assert [len(ax.collections) for ax in fig.axes] == [2, 2], "a band over the seeds per variant"
