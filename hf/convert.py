@@ -35,7 +35,7 @@ BLOCK_TENSORS = [
 ]
 
 
-def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+def config_from_hf(hf: dict, where: str) -> ModelConfig:
     """A GPT-2 config.json's dict -> ModelConfig; a UserError names what does not map."""
     def refuse(key: str, what: str):
         raise UserError(f"{where}: {key}={json.dumps(hf.get(key))} is not {what}")
@@ -94,7 +94,7 @@ def tensor_names(cfg: ModelConfig):
         yield ["lm_head.weight"], "lm_head.weight", (V, C), False
 
 
-def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str = "model.safetensors") -> dict:
+def state_dict_from_hf(sd: dict, cfg: ModelConfig, where: str) -> dict:
     """Hugging Face GPT-2 tensors -> this GPT's state dict (fp32), each checked."""
     # OpenAI's first checkpoints lack the "transformer." prefix; causal-mask buffers go
     sd = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v

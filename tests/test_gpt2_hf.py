@@ -101,7 +101,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, overrides):
 def test_round_trip_gives_identical_tensors_and_config(tmp_path, overrides):
     ours = our_model(dropout=0.1, **overrides)
     hf_cfg, hf_state = to_hf(ours.cfg, ours.state_dict())
-    back = state_dict_from_hf(hf_state, config_from_hf(hf_cfg))
+    back = state_dict_from_hf(hf_state, config_from_hf(hf_cfg, "config.json"), "weights")
     assert back.keys() == ours.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
     save_pretrained(tmp_path, ours.cfg, ours.state_dict())
@@ -149,7 +149,7 @@ def test_import_refuses_configs_this_gpt_cannot_express(tmp_path, key, value):
     ours = our_model()
     hf_cfg, _ = to_hf(ours.cfg, ours.state_dict())
     with pytest.raises(UserError, match=key):
-        config_from_hf({**hf_cfg, key: value})
+        config_from_hf({**hf_cfg, key: value}, "config.json")
 
 
 def test_import_refuses_damaged_checkpoints(tmp_path):
