@@ -61,7 +61,6 @@ def now(device) -> float:
 
 
 def matmul_peak(device, dtype) -> float:
-    """The best FLOP/s of torch.mm over a few sizes: what MFU divides by."""
     # torch's benchmark loads setuptools: only a measuring command pays for it
     from torch.utils import benchmark
     best = 0.0
@@ -146,7 +145,7 @@ def bench_train(config: str, overrides: list[str], steps: int, rounds: int) -> i
     return 0
 
 
-def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up=None) -> float:
+def decode_rate(model, batch: int, new_tokens: int, use_cache: bool, speed_up) -> float:
     """tokens/s of one decode after `batch` one-token prompts, in sample.py's dtype."""
     device = next(model.parameters()).device
     dtype = pick_dtype(device)

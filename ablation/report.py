@@ -120,7 +120,6 @@ def write_md(sweep, rows: list[dict], command: str) -> None:
 
 
 def plot(sweep, runs: list[dict]) -> None:
-    """loss_curves.png: each variant's val loss by step and time, mean and min-max band."""
     by_step = Panel("val loss by step", "step", "val loss")
     by_time = Panel("val loss by wall-clock time", "wall-clock seconds (training + evals)",
                     "val loss")

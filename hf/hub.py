@@ -1,6 +1,6 @@
 """GPT-2 checkpoints as Hugging Face directories and hub names: read, written, trained from
-(train.init_from fixes the architecture and the tokenizer) and sampled. Weights come from
-model.safetensors (or its shards), never from pytorch_model.bin: a pickle can run code.
+(train.init_from) and sampled. Weights come from model.safetensors (or its shards), never
+from pytorch_model.bin: a pickle can run code.
 """
 import json
 from pathlib import Path
@@ -50,7 +50,6 @@ def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
 
 
 def pretrained_config(name_or_dir: str) -> ModelConfig:
-    """A GPT-2 checkpoint's ModelConfig: a HUB_MODELS name's, else its config.json's."""
     if name_or_dir in HUB_MODELS and not Path(name_or_dir).expanduser().is_dir():
         sizes = dict(zip(("n_layer", "n_head", "n_embd"), HUB_MODELS[name_or_dir][1:]))
         sizes |= {"vocab_size": GPT2_VOCAB, "n_positions": 1024}

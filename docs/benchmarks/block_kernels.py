@@ -27,7 +27,6 @@ def works(event) -> bool:
 
 
 def kernels(cfg, n_layer: int, dtype) -> int:
-    """Kernels of one forward and backward of cfg's model with n_layer blocks, no dropout."""
     cfg.model.n_layer, cfg.model.dropout = n_layer, 0.0
     cfg.model.vocab_size = cfg.model.vocab_size or 65
     torch.manual_seed(0)
