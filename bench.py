@@ -273,7 +273,7 @@ def bench_threads(config: str, overrides: list[str], steps: int) -> int:
     return 0
 
 
-def parser() -> ArgumentParser:
+def main(argv: list[str]) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # each a common.ArgumentParser: one-line errors
     sub = p.add_subparsers(dest="command", required=True)
@@ -291,11 +291,6 @@ def parser() -> ArgumentParser:
     b = sub.add_parser("threads", help="ms/step by threads, beside busy processes")
     b.add_argument("config", nargs="?", default=str(ROOT / PAIRS["cpu"][0]))
     b.add_argument("--steps", type=int, default=20, help="steps per log interval")
-    return p
-
-
-def main(argv: list[str]) -> int:
-    p = parser()
     args, overrides = p.parse_known_args(argv)
     # every check before any work
     if overrides and args.command == "sample":

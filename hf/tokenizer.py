@@ -35,7 +35,6 @@ def merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 
 def as_chars(token: bytes) -> str:
-    """A token's bytes in ByteLevel's characters."""
     return "".join(BYTES[b] for b in token)
 
 
