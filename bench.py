@@ -180,7 +180,6 @@ def bench_sample(device, new_tokens: int) -> int:
           f"{dtype_name(dtype)}, one decode each after a warm-up")
     print(f"{'batch':>5s} {'cached tok/s':>13s} {'recomputed tok/s':>17s} "
           f"{'compiled tok/s':>15s}  ratios")
-    # cached, recomputed, cached and compiled
     ways = ((True, None), (False, None), (True, compiled))
     for batch in (1, 16):
         # a short warm-up (allocations, compiling)

@@ -99,7 +99,7 @@ def load_sweep(path: str, overrides=()) -> Sweep:
 def read_json(path: Path) -> dict:
     """A JSON file; {} where it is missing or damaged: that run is done again."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
 

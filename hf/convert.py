@@ -36,7 +36,6 @@ BLOCK_TENSORS = [
 
 
 def config_from_hf(hf: dict, where: str) -> ModelConfig:
-    """A GPT-2 config.json's dict -> ModelConfig; a UserError names what does not map."""
     def refuse(key: str, what: str):
         raise UserError(f"{where}: {key}={json.dumps(hf.get(key))} is not {what}")
 

@@ -69,7 +69,6 @@ def pretrained_config(name_or_dir: str) -> ModelConfig:
 
 
 def load_pretrained(name_or_dir: str) -> tuple[ModelConfig, dict]:
-    """A GPT-2 checkpoint -> (ModelConfig, this GPT's state dict)."""
     cfg = pretrained_config(name_or_dir)
     directory = resolve_source(name_or_dir)
     files = [directory / "model.safetensors"]
