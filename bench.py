@@ -75,7 +75,6 @@ def matmul_peak(device, dtype) -> float:
 
 
 def flops_per_token(model) -> tuple[float, float]:
-    """(6N, attention): training FLOPs per token."""
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     c = model.cfg
     return 6.0 * n, 6.0 * c.n_layer * c.block_size * c.n_embd

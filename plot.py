@@ -55,7 +55,6 @@ def differences(configs: list[dict], most: int = 4) -> list[str]:
 
 
 def read_run(path: Path) -> tuple[list[dict], dict]:
-    """(eval records, flattened config) of a run's out dir."""
     if not (path / "metrics.jsonl").is_file() or not (path / "config.toml").is_file():
         raise UserError(f"{path} holds no run (no metrics.jsonl and config.toml)")
     evals = [r for r in curves.read_records(path / "metrics.jsonl") if r["kind"] == "eval"]

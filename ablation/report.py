@@ -26,7 +26,7 @@ def plural(n: int, word: str) -> str:
 
 
 def read_run(run) -> dict:
-    """One run's numbers from its metrics.jsonl and result.json (missing: None or NaN)."""
+    """One run's numbers; one it lacks is None or NaN."""
     records = read_records(run.dir / "metrics.jsonl")
     result = read_json(run.dir / "result.json")
     evals = [r for r in records if r["kind"] == "eval"]
@@ -69,7 +69,6 @@ def summarize(sweep, runs: list[dict]) -> list[dict]:
 
 
 def write_csv(path, rows: list[dict]) -> None:
-    """rows as CSV, without the columns holding lists."""
     text = io.StringIO(newline="")
     columns = [k for k, v in rows[0].items() if not isinstance(v, list)]
     w = csv.DictWriter(text, columns, "", "ignore")

@@ -29,7 +29,6 @@ Sweep = namedtuple("Sweep", "name out_dir seeds variants runs")
 
 
 def as_overrides(values: dict, folder: Path) -> list[str]:
-    """A table of settings as overrides (paths absolute against folder)."""
     return [f"--{k}={absolute(k, v, folder) if k in PATHS else v}"
             for k, v in flat(values).items()]
 
@@ -105,7 +104,6 @@ def read_json(path: Path) -> dict:
 
 
 def train_run(run: Run, resume: bool) -> dict:
-    """train() the run, then write its result.json: whether it finished, its sizes."""
     cfg, device = run.cfg, pick_device(run.cfg.train.device)
     cuda = device.type == "cuda"
     # fresh compile caches: dynamo compiles only so many models of one code

@@ -26,7 +26,6 @@ HUB_MODELS = {"gpt2": ("openai-community/gpt2", 12, 12, 768),
 
 
 def resolve_source(name_or_dir: str, weights: bool = True) -> Path:
-    """A local directory as it is; a hub name through huggingface_hub's cache."""
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path

@@ -1,8 +1,6 @@
 """Kernels per transformer block of a config's training step on a CPU (torch.profiler): a
 2-block model's forward and backward minus a 1-block model's (docs/benchmarks/cpu.md). A
 kernel: an aten op that does work of its own (no view, and no op under it that does).
-
-    python docs/benchmarks/block_kernels.py CONFIG [--section.key=value ...]
 """
 import sys
 from pathlib import Path
