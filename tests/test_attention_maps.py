@@ -26,7 +26,7 @@ from model.config import ModelConfig
 from model.gpt import GPT
 from model.positions import rope_tables
 from tests.conftest import CHARS, OWN, run_tool, save_char_model
-from viz.attention_page import PLACEHOLDER, TEMPLATE, attention_page, encode_weights, error_bound
+from viz.attention_page import PLACEHOLDER, TEMPLATE, attention_page, encode_weights
 
 COMBOS = [(a, p) for a in OWN for p in ("learned", "rope", "alibi") if (a, p) != ("linear", "alibi")]
 T = 12
@@ -111,12 +111,12 @@ def test_head_scores_name_the_patterns():
     previous[0, 0] = 1.0
     first = torch.zeros(n, n)
     first[:, 0] = 1.0
-    scores = head_scores(torch.stack([previous, first, eye]))
+    scores = head_scores(torch.stack([previous, first, eye]), ["ab"] * n)
     torch.testing.assert_close(scores["previous"], torch.tensor([1.0, 0.2, 0.0]))
     torch.testing.assert_close(scores["first"], torch.tensor([0.2, 1.0, 0.0]))
     torch.testing.assert_close(scores["self"], torch.tensor([0.0, 0.0, 1.0]))
     torch.testing.assert_close(scores["distance"], torch.tensor([1.0, 3.0, 0.0]))   # (1+2+3+4+5) / 5
-    assert scores["line_up"].isnan().all() and scores["newline"].isnan().all(), "no texts: no lines"
+    assert scores["line_up"].isnan().all() and scores["newline"].isnan().all(), "no newline, no lines"
 
 
 def test_the_newline_score_is_the_attention_on_the_newline_that_began_the_line():
@@ -368,6 +368,11 @@ def decode_weights(data: dict, n_heads: int, T: int) -> list[np.ndarray]:
         w[:, rows, cols] = np.sign(root) * root ** 2 * scale
         layers.append(w)
     return layers
+
+
+def error_bound(w, scale: float, levels: int):
+    """How far a stored weight can be from w in a layer of this scale and levels."""
+    return scale * (np.sqrt(np.abs(w) / scale) / levels + 1 / (4 * levels ** 2))
 
 
 @pytest.mark.parametrize("signed", [False, True])
