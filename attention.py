@@ -77,7 +77,7 @@ def main(argv) -> int:
                         f"attention needs at least 2 to show anything")
     layers = pick(args.layers, cfg.n_layer, "--layers")
     heads = pick(args.heads, cfg.n_head, "--heads")
-    _, maps = attention_maps(loaded.model, torch.tensor([ids]))
+    maps = attention_maps(loaded.model, torch.tensor([ids]))
     texts = token_texts(loaded.tokenizer, ids)
     # each (heads, T, T)
     weights = [maps[layer][0, heads] for layer in layers]

@@ -12,9 +12,9 @@ import torch
 
 
 @torch.no_grad()
-def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """idx (B, T) -> the logits (B, T, V) and each layer's weights (B, nh, T, T), through
-    forward hooks: the model itself runs unchanged."""
+def attention_maps(model, idx: torch.Tensor) -> list[torch.Tensor]:
+    """idx (B, T) -> each layer's weights (B, nh, T, T), through forward hooks: the model
+    itself runs unchanged."""
     if model.training:
         raise ValueError("attention_maps needs model.eval(): dropout would change what is drawn")
     layers = []
@@ -31,11 +31,11 @@ def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
     hooks = [a.register_forward_pre_hook(ask_for_weights, with_kwargs=True) for a in attns]
     hooks += [a.register_forward_hook(keep_weights, with_kwargs=True) for a in attns]
     try:
-        logits, _ = model(idx, all_logits=True)
+        model(idx)
     finally:
         for hook in hooks:
             hook.remove()
-    return logits, layers
+    return layers
 
 
 def newline_positions(texts: list[str]) -> torch.Tensor:

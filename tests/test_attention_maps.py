@@ -95,10 +95,11 @@ def test_attention_maps_collects_every_layer_and_leaves_the_model_as_it_was(atte
     model = GPT(ModelConfig(vocab_size=40, block_size=16, n_layer=3, n_head=4, n_embd=32, attention=attention,
                             pos=pos, **OWN[attention])).eval()
     idx = torch.randint(0, 40, (2, T), generator=torch.Generator().manual_seed(1))
-    logits, layers = attention_maps(model, idx)
+    before, _ = model(idx, all_logits=True)
+    layers = attention_maps(model, idx)
     assert len(layers) == 3 and all(w.shape == (2, 4, T, T) for w in layers)
-    plain, _ = model(idx, all_logits=True)                              # hooks removed: a plain tensor again
-    torch.testing.assert_close(logits, plain, atol=1e-5, rtol=0)
+    after, _ = model(idx, all_logits=True)                              # hooks removed: a plain tensor again
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
     assert not torch.equal(layers[0], layers[1]), "each layer's own weights"
     with pytest.raises(ValueError, match="eval"):
         attention_maps(model.train(), idx)
@@ -550,7 +551,7 @@ def model_maps(run_dir, prompt=PROMPT):
     from model.attention_maps import attention_maps
     from loading import load_model
     loaded = load_model(run_dir)
-    return attention_maps(loaded.model, torch.tensor([loaded.tokenizer.encode(prompt)]))[1]
+    return attention_maps(loaded.model, torch.tensor([loaded.tokenizer.encode(prompt)]))
 
 
 def assert_shows_the_models_row(page, data, maps, layer, head, query):
