@@ -1,8 +1,7 @@
 """Autoregressive sampling: predict the next token, append it, repeat.
 
 With the cache (the default), the prompt runs once, then each step feeds only the newest
-token; at block_size the cache is rebuilt from the last half block (positions from 0). Every
-step updates the same buffers in place (Decoder): a compiler makes it one graph.
+token; at block_size the cache is rebuilt from the last half block (positions from 0).
 """
 import sys
 from collections.abc import Callable, Iterator
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 from common import UserError
 from model.gpt import GPT, InferenceCache
 
-# the smallest normal float32
 TINY = torch.finfo(torch.float32).tiny
 
 

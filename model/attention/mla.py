@@ -41,7 +41,7 @@ class LatentCache:
         return self.c, self.k_rope, self.k_pos
 
     def reset(self) -> None:
-        """Nothing to clear (as mha.KVCache): a stale slot is overwritten before it is read."""
+        """Nothing to clear, as in mha.KVCache."""
 
 
 class MultiHeadLatentAttention(nn.Module):
