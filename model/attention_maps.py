@@ -70,14 +70,13 @@ def line_up_positions(texts: list[str]) -> torch.Tensor:
 def head_scores(weights: torch.Tensor, texts: list[str]) -> dict[str, torch.Tensor]:
     """weights (nh, T, T) of one layer -> {score name: (nh,)}, NaN where texts cannot tell."""
     T, w = weights.size(-1), weights.float()
+    one_char = all(len(t) == 1 for t in texts)
+    up = line_up_positions(texts) if one_char else torch.full((T,), -1)
     # the queries that have a past
     i = torch.arange(1, T)
     scores = {"previous": w[:, i, i - 1].mean(-1), "first": w[:, i, 0].mean(-1),
-              "self": w[:, i, i].mean(-1)}
-    scores["newline"] = share_on(w, newline_positions(texts))
-    one_char = all(len(t) == 1 for t in texts)
-    up = line_up_positions(texts) if one_char else torch.full((T,), -1)
-    scores["line_up"] = share_on(w, up)
+              "self": w[:, i, i].mean(-1), "newline": share_on(w, newline_positions(texts)),
+              "line_up": share_on(w, up)}
     # (T, T) i - j
     distance = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp_min(0).float()
     scores["distance"] = (w * distance).sum(-1)[:, 1:].mean(-1)

@@ -16,7 +16,7 @@ from common import CPU_AT_START, UserError, cpu_clock, usable_cores
 CORES = torch.get_num_threads()
 
 
-def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
+def pick_device(name: str, setting: str = "train.device") -> torch.device:
     """The device of a name, checked against this machine."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

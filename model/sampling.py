@@ -27,7 +27,7 @@ class Choice:
 @dataclass(frozen=True)
 class Decoding:
     """How generate() computes, never which tokens. check_every: tokens between reads of the
-    finite flags (None: 1 on CPU, else 32)."""
+    finite flags."""
     use_cache: bool = True
     cache_dtype: torch.dtype | None = None
     check_every: int | None = None
