@@ -70,7 +70,7 @@ def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch
 
 def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
                 noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """step() on the newest tokens last (B, 1) at pos (1,), both moved on in place."""
+    """step() on the newest tokens, then last and pos moved on in place."""
     next_id, ok = step(model, cache, last, pos, noise, choice, explicit)
     last.copy_(next_id)
     pos.add_(1)

@@ -39,7 +39,7 @@ def graph_step(step, optimizer, capture: bool = True):
         # the warm-up's dropout draws leave the generators as they were
         with torch.random.fork_rng(devices=[params[0].device] if capture else []):
             if capture:
-                graph, out = record(step, warmup=3)
+                graph, out = record(step, 3)
             else:
                 for _ in range(3):
                     step()

@@ -23,7 +23,7 @@ from model.positions import apply_rotary_emb
 CHUNK = 64
 
 
-def causal_linear_attention(q, k, v, state=None, chunk: int = CHUNK):
+def causal_linear_attention(q, k, v, state, chunk: int):
     """Σ_{j≤i} (q_i·k_j) v_j for every i, chunk by chunk. q, k (B, nh, T, dk),
     v (B, nh, T, dv), state (B, nh, dk, dv) or None -> out (B, nh, T, dv), the new state."""
     B, nh, T, dk = q.shape
