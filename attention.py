@@ -1,8 +1,5 @@
 """Draw what a trained GPT attends to for a prompt: a PNG of every head per layer and a
 summary of which heads do what, or one interactive page (--html).
-
-    python attention.py out/shakespeare_char_cpu --prompt $'ROMEO:\\nBut soft!\\n'
-    python attention.py out/run/best.pt --prompt @prompt.txt --layers 0,3 --heads 1,2 --html a.html
 """
 import sys
 from pathlib import Path
@@ -80,7 +77,7 @@ def main(argv) -> int:
                         f"attention needs at least 2 to show anything")
     layers = pick(args.layers, cfg.n_layer, "--layers")
     heads = pick(args.heads, cfg.n_head, "--heads")
-    _, maps = attention_maps(loaded.model, torch.tensor([ids]))
+    maps = attention_maps(loaded.model, torch.tensor([ids]))
     texts = token_texts(loaded.tokenizer, ids)
     # each (heads, T, T)
     weights = [maps[layer][0, heads] for layer in layers]

@@ -71,8 +71,7 @@ class LoadedModel:
 
 
 def load_model(source, device=torch.device("cpu")) -> LoadedModel:
-    """The model and tokenizer of a checkpoint or a Hugging Face GPT-2 (a directory with
-    config.json, or a hub name such as gpt2)."""
+    """A directory with config.json, or a hub name such as gpt2, is a Hugging Face GPT-2."""
     text, path = str(source), Path(source)
     hugging_face = (path / "config.json").is_file() and not list(path.glob("*.pt"))
     if hugging_face or not path.exists() and "/" not in text:

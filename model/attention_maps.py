@@ -12,9 +12,9 @@ import torch
 
 
 @torch.no_grad()
-def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """idx (B, T) -> the logits (B, T, V) and each layer's weights (B, nh, T, T), through
-    forward hooks: the model itself runs unchanged."""
+def attention_maps(model, idx: torch.Tensor) -> list[torch.Tensor]:
+    """idx (B, T) -> each layer's weights (B, nh, T, T), through forward hooks: the model
+    itself runs unchanged."""
     if model.training:
         raise ValueError("attention_maps needs model.eval(): dropout would change what is drawn")
     layers = []
@@ -31,11 +31,11 @@ def attention_maps(model, idx: torch.Tensor) -> tuple[torch.Tensor, list[torch.T
     hooks = [a.register_forward_pre_hook(ask_for_weights, with_kwargs=True) for a in attns]
     hooks += [a.register_forward_hook(keep_weights, with_kwargs=True) for a in attns]
     try:
-        logits, _ = model(idx, all_logits=True)
+        model(idx)
     finally:
         for hook in hooks:
             hook.remove()
-    return logits, layers
+    return layers
 
 
 def newline_positions(texts: list[str]) -> torch.Tensor:
@@ -67,18 +67,16 @@ def line_up_positions(texts: list[str]) -> torch.Tensor:
     return torch.tensor(up, dtype=torch.long)
 
 
-def head_scores(weights: torch.Tensor,
-                texts: list[str] | None = None) -> dict[str, torch.Tensor]:
+def head_scores(weights: torch.Tensor, texts: list[str]) -> dict[str, torch.Tensor]:
     """weights (nh, T, T) of one layer -> {score name: (nh,)}, NaN where texts cannot tell."""
     T, w = weights.size(-1), weights.float()
+    one_char = all(len(t) == 1 for t in texts)
+    up = line_up_positions(texts) if one_char else torch.full((T,), -1)
     # the queries that have a past
     i = torch.arange(1, T)
     scores = {"previous": w[:, i, i - 1].mean(-1), "first": w[:, i, 0].mean(-1),
-              "self": w[:, i, i].mean(-1)}
-    none = torch.full((T,), -1)
-    scores["newline"] = share_on(w, newline_positions(texts) if texts is not None else none)
-    one_char = texts is not None and all(len(t) == 1 for t in texts)
-    scores["line_up"] = share_on(w, line_up_positions(texts) if one_char else none)
+              "self": w[:, i, i].mean(-1), "newline": share_on(w, newline_positions(texts)),
+              "line_up": share_on(w, up)}
     # (T, T) i - j
     distance = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp_min(0).float()
     scores["distance"] = (w * distance).sum(-1)[:, 1:].mean(-1)

@@ -1,8 +1,8 @@
 """Where a model computes: the device, the dtype (a low precision runs under autocast) and on a
 CPU how many threads. torch's threads wait for each other after every operation: one that lost
-its core to another process holds up the rest (up to 30x slower). So a CPU run takes the cores
-others leave free, unless OMP_NUM_THREADS is set (an exact resume under another load needs it:
-the thread count moves the last bits).
+its core to another process holds up the rest. So a CPU run takes the cores others leave
+free, unless OMP_NUM_THREADS is set (an exact resume under another load needs it: the thread
+count moves the last bits).
 """
 import math
 import os
@@ -16,7 +16,7 @@ from common import CPU_AT_START, UserError, cpu_clock, usable_cores
 CORES = torch.get_num_threads()
 
 
-def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
+def pick_device(name: str, setting: str = "train.device") -> torch.device:
     """The device of a name, checked against this machine."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,8 +1,7 @@
 """Autoregressive sampling: predict the next token, append it, repeat.
 
 With the cache (the default), the prompt runs once, then each step feeds only the newest
-token; at block_size the cache is rebuilt from the last half block (positions from 0). Every
-step updates the same buffers in place (Decoder): a compiler makes it one graph.
+token; at block_size the cache is rebuilt from the last half block (positions from 0).
 """
 import sys
 from collections.abc import Callable, Iterator
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 from common import UserError
 from model.gpt import GPT, InferenceCache
 
-# the smallest normal float32
 TINY = torch.finfo(torch.float32).tiny
 
 
@@ -29,35 +27,32 @@ class Choice:
 @dataclass(frozen=True)
 class Decoding:
     """How generate() computes, never which tokens. check_every: tokens between reads of the
-    finite flags (None: 1 on CPU, else 32)."""
+    finite flags."""
     use_cache: bool = True
     cache_dtype: torch.dtype | None = None
     check_every: int | None = None
     speed_up: Callable | None = None
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                top_p: float = 1.0, noise: torch.Tensor | None = None) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, choice: Choice, noise: torch.Tensor) -> torch.Tensor:
     """logits (B, V) -> next token ids (B, 1); temperature 0 is greedy. noise (B, V): draws of
     Exponential(1). Logits shifted to a maximum of 0 cannot overflow; a subnormal temperature
     (0 on a GPU) counts as TINY."""
-    if temperature == 0:
+    if choice.temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, TINY)
-    if 0 < top_k < logits.size(-1):
-        kth_best = torch.topk(logits, top_k, dim=-1).values[:, [-1]]
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(choice.temperature, TINY)
+    if 0 < choice.top_k < logits.size(-1):
+        kth_best = torch.topk(logits, choice.top_k, dim=-1).values[:, [-1]]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
-    if top_p < 1.0:
+    if choice.top_p < 1.0:
         # nucleus: drop a token whose more likely ones already reach top_p
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = F.softmax(sorted_logits, dim=-1)
-        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= choice.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = F.softmax(logits, dim=-1)
-    if noise is None:
-        noise = torch.empty_like(probs).exponential_()
     # The exponential race: the smallest E_i / p_i is the i-th with probability p_i, as
     # torch.multinomial draws, in ops that compile. A draw of 0 would make 0 / 0.
     return (probs / noise.clamp_min(TINY)).argmax(dim=-1, keepdim=True)
@@ -69,13 +64,13 @@ def step(model: GPT, cache: InferenceCache | None, idx: torch.Tensor, pos: torch
     the logits were all finite, on the device)."""
     logits, _ = model(idx, cache=cache, pos=pos, explicit_attention=explicit)
     logits = logits[:, -1, :noise.size(-1)]
-    next_id = sample_next(logits, choice.temperature, choice.top_k, choice.top_p, noise)
+    next_id = sample_next(logits, choice, noise)
     return next_id, torch.isfinite(logits).all()
 
 
 def decode_step(model: GPT, cache: InferenceCache, last: torch.Tensor, pos: torch.Tensor,
                 noise: torch.Tensor, choice: Choice, explicit: bool = False):
-    """step() on the newest tokens last (B, 1) at pos (1,), both moved on in place."""
+    """step() on the newest tokens, then last and pos moved on in place."""
     next_id, ok = step(model, cache, last, pos, noise, choice, explicit)
     last.copy_(next_id)
     pos.add_(1)

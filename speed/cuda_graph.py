@@ -5,7 +5,7 @@ address (static buffers, the learning rate a tensor), and nothing in it waits fo
 import torch
 
 
-def record(fn, warmup: int = 2, generator: torch.Generator | None = None):
+def record(fn, warmup: int, generator: torch.Generator | None = None):
     """Call fn() `warmup` times on a side stream (compiling, allocating, choosing kernels),
     then record one more call -> (graph, what it returned, which each replay overwrites).
     generator: one fn draws from besides the default, advanced by each replay."""
@@ -39,7 +39,7 @@ def graph_step(step, optimizer, capture: bool = True):
         # the warm-up's dropout draws leave the generators as they were
         with torch.random.fork_rng(devices=[params[0].device] if capture else []):
             if capture:
-                graph, out = record(step, warmup=3)
+                graph, out = record(step, 3)
             else:
                 for _ in range(3):
                     step()

@@ -1,6 +1,5 @@
 """sample.py --compile: the decoding step compiled, and on CUDA a run of several tokens
-(model/sampling.py's Decoder.run) replayed as one CUDA graph: at batch 1 a step's hundred
-small kernels cost more to launch than to run.
+(model/sampling.py's Decoder.run) replayed as one CUDA graph.
 """
 import functools
 import sys

@@ -26,7 +26,7 @@ from model.config import ModelConfig
 from model.gpt import GPT
 from model.positions import rope_tables
 from tests.conftest import CHARS, OWN, run_tool, save_char_model
-from viz.attention_page import PLACEHOLDER, TEMPLATE, attention_page, encode_weights, error_bound
+from viz.attention_page import PLACEHOLDER, TEMPLATE, attention_page, encode_weights
 
 COMBOS = [(a, p) for a in OWN for p in ("learned", "rope", "alibi") if (a, p) != ("linear", "alibi")]
 T = 12
@@ -95,10 +95,11 @@ def test_attention_maps_collects_every_layer_and_leaves_the_model_as_it_was(atte
     model = GPT(ModelConfig(vocab_size=40, block_size=16, n_layer=3, n_head=4, n_embd=32, attention=attention,
                             pos=pos, **OWN[attention])).eval()
     idx = torch.randint(0, 40, (2, T), generator=torch.Generator().manual_seed(1))
-    logits, layers = attention_maps(model, idx)
+    before, _ = model(idx, all_logits=True)
+    layers = attention_maps(model, idx)
     assert len(layers) == 3 and all(w.shape == (2, 4, T, T) for w in layers)
-    plain, _ = model(idx, all_logits=True)                              # hooks removed: a plain tensor again
-    torch.testing.assert_close(logits, plain, atol=1e-5, rtol=0)
+    after, _ = model(idx, all_logits=True)                              # hooks removed: a plain tensor again
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
     assert not torch.equal(layers[0], layers[1]), "each layer's own weights"
     with pytest.raises(ValueError, match="eval"):
         attention_maps(model.train(), idx)
@@ -111,12 +112,12 @@ def test_head_scores_name_the_patterns():
     previous[0, 0] = 1.0
     first = torch.zeros(n, n)
     first[:, 0] = 1.0
-    scores = head_scores(torch.stack([previous, first, eye]))
+    scores = head_scores(torch.stack([previous, first, eye]), ["ab"] * n)
     torch.testing.assert_close(scores["previous"], torch.tensor([1.0, 0.2, 0.0]))
     torch.testing.assert_close(scores["first"], torch.tensor([0.2, 1.0, 0.0]))
     torch.testing.assert_close(scores["self"], torch.tensor([0.0, 0.0, 1.0]))
     torch.testing.assert_close(scores["distance"], torch.tensor([1.0, 3.0, 0.0]))   # (1+2+3+4+5) / 5
-    assert scores["line_up"].isnan().all() and scores["newline"].isnan().all(), "no texts: no lines"
+    assert scores["line_up"].isnan().all() and scores["newline"].isnan().all(), "no newline, no lines"
 
 
 def test_the_newline_score_is_the_attention_on_the_newline_that_began_the_line():
@@ -370,6 +371,11 @@ def decode_weights(data: dict, n_heads: int, T: int) -> list[np.ndarray]:
     return layers
 
 
+def error_bound(w, scale: float, levels: int):
+    """How far a stored weight can be from w in a layer of this scale and levels."""
+    return scale * (np.sqrt(np.abs(w) / scale) / levels + 1 / (4 * levels ** 2))
+
+
 @pytest.mark.parametrize("signed", [False, True])
 def test_the_stored_weights_round_trip_within_the_bound(signed):
     layers = [softmax_rows(3, 17, window=4, seed=0), softmax_rows(3, 17, seed=1)]
@@ -545,7 +551,7 @@ def model_maps(run_dir, prompt=PROMPT):
     from model.attention_maps import attention_maps
     from loading import load_model
     loaded = load_model(run_dir)
-    return attention_maps(loaded.model, torch.tensor([loaded.tokenizer.encode(prompt)]))[1]
+    return attention_maps(loaded.model, torch.tensor([loaded.tokenizer.encode(prompt)]))
 
 
 def assert_shows_the_models_row(page, data, maps, layer, head, query):

@@ -33,9 +33,9 @@ def test_the_sampler_draws_each_token_with_its_probability():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(40_000, 4)
     noise = torch.empty(40_000, 4).exponential_(generator=torch.Generator().manual_seed(0))
-    freq = torch.bincount(sample_next(logits, 1.0, noise=noise).flatten(), minlength=4) / 40_000
+    freq = torch.bincount(sample_next(logits, Choice(1.0), noise).flatten(), minlength=4) / 40_000
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)   # 4 standard errors
-    hot = torch.bincount(sample_next(logits, 0.5, noise=noise).flatten(), minlength=4) / 40_000
+    hot = torch.bincount(sample_next(logits, Choice(0.5), noise).flatten(), minlength=4) / 40_000
     # temperature 0.5: p²
     torch.testing.assert_close(hot, probs ** 2 / (probs ** 2).sum(), atol=0.01, rtol=0)
 
@@ -43,10 +43,10 @@ def test_the_sampler_draws_each_token_with_its_probability():
 def test_top_k_and_top_p_only_sample_allowed_tokens():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(200, 4)
     noise = torch.empty(200, 4).exponential_(generator=torch.Generator().manual_seed(0))
-    assert set(sample_next(logits, 1.0, top_k=2, noise=noise).flatten().tolist()) == {0, 1}
-    nucleus = set(sample_next(logits, 1.0, top_p=0.7, noise=noise).flatten().tolist())
+    assert set(sample_next(logits, Choice(top_k=2), noise).flatten().tolist()) == {0, 1}
+    nucleus = set(sample_next(logits, Choice(top_p=0.7), noise).flatten().tolist())
     assert nucleus == {0, 1}, "0.5 + 0.3 reaches 0.7: token 2 and 3 are outside the nucleus"
-    assert sample_next(logits[:1], 0.0).item() == 0
+    assert sample_next(logits[:1], Choice(0.0), noise[:1]).item() == 0
 
 
 def test_a_tiny_temperature_samples_like_greedy_instead_of_overflowing():

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 import model.attention.mha as mha
 from common import UserError
 from loading import load_model
-from model.attention.linear import causal_linear_attention, recurrent_linear_attention
+from model.attention.linear import causal_linear_attention
 from model.attention.mha import Settings, naive_attention, sdpa_attention
 from model.config import ModelConfig
 from model.gpt import GPT, InferenceCache
@@ -168,6 +168,17 @@ def test_gqa_is_multi_head_with_each_kv_head_shared_by_its_group():
     idx = tokens()
     torch.testing.assert_close(gqa(idx, all_logits=True)[0], plain(idx, all_logits=True)[0],
                                atol=1e-6, rtol=0)
+
+
+def recurrent_linear_attention(q, k, v, state=None):
+    """The same sums one token at a time, as an RNN: S += k_t v_tᵀ; out_t = q_t S."""
+    B, nh, T, dk = q.shape
+    S = state if state is not None else q.new_zeros(B, nh, dk, v.size(-1))
+    outs = []
+    for t in range(T):
+        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]     # (B, nh, dk, dv)
+        outs.append((q[:, :, t, None, :] @ S).squeeze(2))     # (B, nh, dv)
+    return torch.stack(outs, dim=2), S
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 64])

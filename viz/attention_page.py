@@ -56,8 +56,3 @@ def encode_weights(weights: list[np.ndarray]) -> dict:
             data[key].append(value)
     packed = zlib.compress(np.stack(codes).tobytes(), 9)
     return {**data, "weights": base64.b64encode(packed).decode("ascii")}
-
-
-def error_bound(w, scale: float, levels: int):
-    """How far a stored weight can be from w in a layer of this scale and levels."""
-    return scale * (np.sqrt(np.abs(w) / scale) / levels + 1 / (4 * levels ** 2))

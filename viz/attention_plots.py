@@ -36,7 +36,7 @@ def label_fonts(text: str) -> tuple[tuple[str, ...], str]:
     """(font families to take glyphs from: matplotlib's, then installed ones with characters
     it lacks; the characters of text no font has, drawn as BOX)."""
     families = tuple(rcParams["font.family"])
-    missing = lacks(rcParams["font.family"], set(text))
+    missing = lacks(families, set(text))
     # a family's regular face, as matplotlib picks it
     fonts = font_manager.fontManager.ttflist
     regular = (f.name for f in fonts if f.style == "normal" and f.weight in (400, "normal"))
@@ -89,7 +89,7 @@ def plot_layer(weights, labels: list[str], heads: list[int], title: str, dpi: in
     return fig
 
 
-def plot_summary(rows: list[str], scores: dict, dpi: int = 100):
+def plot_summary(rows: list[str], scores: dict, dpi: int):
     """rows: a name per head ('layer 0 head 1'); scores: head_scores' {name: (len(rows),)}."""
     names = [s for s in SCORE_NAMES if not np.isnan(scores[s]).all()]
     # (heads, patterns)

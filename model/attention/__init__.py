@@ -1,5 +1,5 @@
-"""Causal self-attention, chosen by `model.attention`: naive, sdpa, gqa and sliding_window in
-mha.py, linear in linear.py, mla in mla.py. The GPT and the sampler rely on one interface:
+"""Causal self-attention, chosen by `model.attention` (OTHERS below, else mha.py). The GPT
+and the sampler rely on one interface:
 
     forward(x, rope=None, cache=None, pos=None) -> y
         x, y (B, T, C); rope: (cos, sin) of x's positions; with a cache, x is stored at pos

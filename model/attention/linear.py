@@ -10,7 +10,6 @@ where softmax takes O(T²·hs) and O(T²), usually to a worse loss. With rope on
 numerator's features are rotated (RoFormer, 3.3): the denominator stays positive.
 """
 import math
-from functools import partial
 
 import torch
 import torch.nn as nn
@@ -24,10 +23,12 @@ from model.positions import apply_rotary_emb
 CHUNK = 64
 
 
-def causal_linear_attention(q, k, v, state=None, chunk: int = CHUNK):
+def causal_linear_attention(q, k, v, state, chunk: int):
     """Σ_{j≤i} (q_i·k_j) v_j for every i, chunk by chunk. q, k (B, nh, T, dk),
     v (B, nh, T, dv), state (B, nh, dk, dv) or None -> out (B, nh, T, dv), the new state."""
     B, nh, T, dk = q.shape
+    # one decoded token is a chunk of one
+    chunk = min(chunk, T)
     n = math.ceil(T / chunk)
     # zero keys and values at the end add nothing
     pad = n * chunk - T
@@ -44,18 +45,6 @@ def causal_linear_attention(q, k, v, state=None, chunk: int = CHUNK):
     # (B, nh, n, L, dv)
     out = scores @ v + q @ before
     return out.view(B, nh, n * chunk, -1)[:, :, :T], before[:, :, -1] + kv[:, :, -1]
-
-
-def recurrent_linear_attention(q, k, v, state=None):
-    """The same sums one token at a time, as an RNN: S += k_t v_tᵀ; out_t = q_t S."""
-    B, nh, T, dk = q.shape
-    S = state if state is not None else q.new_zeros(B, nh, dk, v.size(-1))
-    outs = []
-    for t in range(T):
-        # (B, nh, dk, dv), then (B, nh, dv)
-        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
-        outs.append((q[:, :, t, None, :] @ S).squeeze(2))
-    return torch.stack(outs, dim=2), S
 
 
 def linear_attention_weights(q, k, q_num, k_num):
@@ -121,12 +110,8 @@ class LinearAttention(nn.Module):
         ones = torch.ones_like(v[..., :1])
 
         S, z = (cache.S, cache.z) if cache is not None else (None, None)
-        if cache is not None and x.size(1) == 1:
-            attend = recurrent_linear_attention
-        else:
-            attend = partial(causal_linear_attention, chunk=self.chunk)
-        num, S = attend(q_num, k_num, v, S)
-        den, z = attend(q, k, ones, z)
+        num, S = causal_linear_attention(q_num, k_num, v, S, self.chunk)
+        den, z = causal_linear_attention(q, k, ones, z, self.chunk)
         if cache is not None:
             cache.S.copy_(S)
             cache.z.copy_(z)

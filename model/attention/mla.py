@@ -5,8 +5,8 @@ rebuilt from one small latent per token, and only the latent is cached.
     K, V   = c W_key_up, c W_value_up   (T, C) each, split into heads as usual
     Q      = x W_q                      (T, C)
 
-The cache holds d_c numbers per token per layer, not 2C; decoding up-projects every cached
-latent again (DeepSeek folds the up-projections into the query and output projections).
+Decoding up-projects every cached latent again (DeepSeek folds the up-projections into the
+query and output projections).
 
 RoPE cannot rotate the latent (it would not commute with the up-projection): with rope, one
 rotated key of hs channels per token, shared by the heads, is cached beside it (decoupled
@@ -41,7 +41,7 @@ class LatentCache:
         return self.c, self.k_rope, self.k_pos
 
     def reset(self) -> None:
-        """Nothing to clear (as mha.KVCache): a stale slot is overwritten before it is read."""
+        """Nothing to clear, as in mha.KVCache."""
 
 
 class MultiHeadLatentAttention(nn.Module):
