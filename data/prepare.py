@@ -25,15 +25,14 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from common import ArgumentParser, UserError, atomic_write, run_cli, usable_cores  # noqa: E402
-from data.bpe import train_bpe  # noqa: E402
-from data.cache import (FORMAT, SPLITS, DataConfig, check_split_sizes,  # noqa: E402
-                        load_meta, mb_progress, prepare, read_entry)
-from data.sources import iter_documents  # noqa: E402
-from data.tokenizers import (bpe_vocab_size, build_tokenizer, code_points,  # noqa: E402
-                             load_tokenizer)
+from common import ArgumentParser, UserError, atomic_write, run_cli, usable_cores
+from data.bpe import train_bpe
+from data.cache import (FORMAT, SPLITS, DataConfig, check_split_sizes, load_meta, mb_progress,
+                        prepare, read_entry)
+from data.sources import iter_documents
+from data.tokenizers import bpe_vocab_size, build_tokenizer, code_points, load_tokenizer
 
 # characters encoded at a time (up to twice as many)
 PIECE_CHARS = 1 << 20
