@@ -1,7 +1,5 @@
 """Turn text into an entry of the cache (data/cache.py) in bounded memory: a scan, training
 (bpe:N), encoding (BPE on worker processes), in a temporary folder renamed into place whole.
-
-    python data/prepare.py FILE|DIR|GLOB [--tokenizer bpe:4096 ...] (see --help)
 """
 import json
 import multiprocessing
@@ -199,7 +197,7 @@ def batches(documents, split_at: int, bpe: bool):
     yield split, done + ["".join(held)]
 
 
-def in_order(fn, items, workers: int, make_pool=ThreadPoolExecutor):
+def in_order(fn, items, workers: int, make_pool):
     """fn(item) for each item, in order, workers + 1 at a time at most: bounded memory."""
     with make_pool(workers) as pool:
         jobs = deque()
