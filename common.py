@@ -35,7 +35,7 @@ def silence_stdout() -> None:
 
 
 def printer(enabled: bool):
-    """print(), flushed (or nothing: a quiet run, ranks but 0); see silence_stdout."""
+    """print(), flushed, or nothing; see silence_stdout."""
     def say(*args, **kwargs):
         try:
             if enabled:
@@ -88,7 +88,6 @@ def stop_here(signum, frame):
     raise KeyboardInterrupt
 
 
-# the repository: runs go to its out/ wherever a command runs
 ROOT = Path(__file__).resolve().parent
 # a command (a script here) imports this module first: a stop while it starts is its line at
 # once; a user's program that imports the project keeps Python's handlers
@@ -100,7 +99,7 @@ if Path(getattr(sys.modules["__main__"], "__file__", None) or "/").resolve().par
 
 
 @contextmanager
-def stop_after_step(loud: bool = True):
+def stop_after_step(loud: bool):
     """Inside, a signal asks for a stop (in the yielded list), which the loop acts on after its
     step; a second one exits at once."""
     asked = []

@@ -68,9 +68,8 @@ def main(argv: list[str]) -> int:
         again = distributed.relaunch(*words)
         lost = distributed.lost_peer_line(cfg.out_dir, again)
     with lost:
-        result = train(cfg, bool(args.resume), args.overwrite, checkpoint=checkpoint,
-                       again=again)
-        return result["exit_code"]
+        return train(cfg, bool(args.resume), args.overwrite, checkpoint=checkpoint,
+                     again=again)["exit_code"]
 
 
 if __name__ == "__main__":

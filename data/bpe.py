@@ -32,7 +32,7 @@ class TiktokenTokenizer:
         self.end_token = self.start_token = enc.eot_token
 
     @classmethod
-    def named(cls, name: str = "gpt2") -> "TiktokenTokenizer":
+    def named(cls, name: str) -> "TiktokenTokenizer":
         check_encoding(name)
         try:
             enc = tiktoken.get_encoding(name)

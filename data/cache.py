@@ -51,8 +51,7 @@ class DataConfig:
 
 
 def mb_progress(label: str, total: int) -> Progress:
-    quiet = total < PROGRESS_MIN_BYTES
-    return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", quiet=quiet)
+    return Progress(label, total, "MB", lambda n: f"{n / 1e6:.1f}", total < PROGRESS_MIN_BYTES)
 
 
 def find_sources(source) -> list[Path]:
@@ -89,7 +88,7 @@ def data_name(path) -> str:
     return (stem or "data") + (f"-{KINDS[suffix]}" if suffix else "")
 
 
-def describe(source, files: list[Path], total: int, label: str = "data") -> str:
+def describe(source, files: list[Path], total: int, label: str) -> str:
     """What a folder or glob took: 'data: books (3 files: 2 .txt, 1 other; 3.2 MB)'."""
     known = [kind_suffix(p.name) or p.suffix.lower() for p in files]
     named = (s if s in KINDS or s in TEXT_SUFFIXES else "other" for s in known)

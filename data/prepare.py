@@ -1,7 +1,5 @@
 """Turn text into an entry of the cache (data/cache.py) in bounded memory: a scan, training
 (bpe:N), encoding (BPE on worker processes), in a temporary folder renamed into place whole.
-
-    python data/prepare.py FILE|DIR|GLOB [--tokenizer bpe:4096 ...] (see --help)
 """
 import json
 import multiprocessing
@@ -25,15 +23,14 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from common import ArgumentParser, UserError, atomic_write, run_cli, usable_cores  # noqa: E402
-from data.bpe import train_bpe  # noqa: E402
-from data.cache import (FORMAT, SPLITS, DataConfig, check_split_sizes,  # noqa: E402
-                        load_meta, mb_progress, prepare, read_entry)
-from data.sources import iter_documents  # noqa: E402
-from data.tokenizers import (bpe_vocab_size, build_tokenizer, code_points,  # noqa: E402
-                             load_tokenizer)
+from common import ArgumentParser, UserError, atomic_write, run_cli, usable_cores
+from data.bpe import train_bpe
+from data.cache import (FORMAT, SPLITS, DataConfig, check_split_sizes, load_meta, mb_progress,
+                        prepare, read_entry)
+from data.sources import iter_documents
+from data.tokenizers import bpe_vocab_size, build_tokenizer, code_points, load_tokenizer
 
 # characters encoded at a time (up to twice as many)
 PIECE_CHARS = 1 << 20
@@ -200,7 +197,7 @@ def batches(documents, split_at: int, bpe: bool):
     yield split, done + ["".join(held)]
 
 
-def in_order(fn, items, workers: int, make_pool=ThreadPoolExecutor):
+def in_order(fn, items, workers: int, make_pool):
     """fn(item) for each item, in order, workers + 1 at a time at most: bounded memory."""
     with make_pool(workers) as pool:
         jobs = deque()

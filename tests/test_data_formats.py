@@ -238,7 +238,7 @@ def test_runs_and_cache_entries_share_the_name_and_kinds_never_share_one(tmp_pat
 def test_a_summary_names_known_kinds_and_counts_the_rest_as_other():
     """Version suffixes (libfoo.so.0) and files without an extension are no kind of their own."""
     names = ("libfoo.so.0", "libfoo.so.0.0", "bar.so.6", "README", "a.txt", "b.MD", "c.jsonl.gz")
-    summary = describe("lib", [Path(name) for name in names], 2_000_000)
+    summary = describe("lib", [Path(name) for name in names], 2_000_000, "data")
     assert summary == "data: lib (7 files: 4 other, 1 .txt, 1 .md, 1 .jsonl.gz; 2.0 MB)"
 
 

@@ -4,6 +4,7 @@ are no part of the cache key; memory stays bounded, however large the text."""
 import json
 import time
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -106,7 +107,7 @@ def test_the_workers_take_a_bounded_number_of_items_ahead_and_keep_their_order()
         def slowly(x):
             time.sleep(0.002 * (x % 3))
             return -x
-        for i, result in enumerate(prep.in_order(slowly, items(), workers)):
+        for i, result in enumerate(prep.in_order(slowly, items(), workers, ThreadPoolExecutor)):
             assert result == -i and len(taken) <= i + 1 + workers, (workers, i, len(taken))
 
 

@@ -1,7 +1,6 @@
 """Checkpoints: the out dir, writing them, and resuming from one (loading.py reads them).
 An out dir holds ckpt_<step>.pt (the newest train.keep_checkpoints), best.pt (the one of the
-lowest val loss), config.toml, metrics.jsonl and curves.png. A folder holding a run is refused
-unless --resume, or --overwrite, which renames it aside.
+lowest val loss), config.toml, metrics.jsonl and curves.png.
 """
 import errno
 import math
@@ -18,7 +17,6 @@ from common import UserError, atomic_write, first_line
 from loading import CKPT_RE, FORMAT, VERSION, list_checkpoints
 from training.config import FIELDS, flat, fmt, load_toml
 
-# the files a run writes, besides its ckpt_<step>.pt
 RUN_FILES = ("best.pt", "config.toml", "metrics.jsonl", "curves.png")
 # the keys resuming needs besides the model's, which loading.py reads
 FOR_RESUMING = ("optimizer", "scaler", "loader", "rng_ranks", "dataset", "elapsed",
@@ -37,7 +35,6 @@ class Progress:
 
 
 def run_files(out: Path) -> list[str]:
-    """The files of a run in out."""
     names = (p.name for p in out.glob("*"))
     return sorted(n for n in names if n in RUN_FILES or CKPT_RE.match(n))
 
@@ -123,8 +120,7 @@ def link_best(path: Path) -> None:
 
 class Saver(ThreadPoolExecutor):
     """Checkpoints written on a thread while the steps go on: save(state) waits for the write
-    before and hands the thread a host copy; then(fn) runs fn there after it. Saver(None) writes
-    nothing."""
+    before and hands the thread a host copy; then(fn) runs fn there after it."""
 
     def __init__(self, out: Path | None, keep: int):
         super().__init__(1)
@@ -147,7 +143,7 @@ class Saver(ThreadPoolExecutor):
             write.result()
 
 
-def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
+def save_checkpoint(ckpt: dict, out_dir, keep: int) -> None:
     """Write ckpt_<step>.pt (and best.pt); keep the newest `keep`, none later (a run resumed
     from an earlier checkpoint replaces them)."""
     path = Path(out_dir) / f"ckpt_{ckpt['step']:07d}.pt"
@@ -168,7 +164,6 @@ def save_checkpoint(ckpt: dict, out_dir, keep: int) -> Path:
             later.unlink()
     for _, old in list_checkpoints(out_dir)[:-keep]:
         old.unlink()
-    return path
 
 
 def to_host(obj, key=None):
@@ -227,7 +222,6 @@ def check_same_text(ckpt: dict, path, cfg, meta: dict, say) -> None:
 
 def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> Progress:
     """Load ckpt into the run -> its progress."""
-    rank, world = at.rank, at.world
     try:
         if at.ddp:
             at.dist.load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"])
@@ -239,15 +233,15 @@ def restore(ckpt: dict, path, model, optimizer, scaler, loader, at) -> Progress:
         loader.load_state_dict(ckpt["loader"])
         # one per rank of the run that saved it
         rngs = ckpt["rng_ranks"]
-        rng = rngs[rank] if len(rngs) == world else rngs[0]
+        rng = rngs[at.rank] if len(rngs) == at.world else rngs[0]
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"][0])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
         raise UserError(f"{path} does not fit this run: {first_line(e)}") from None
     # another number of processes: new dropout streams
-    if len(rngs) != world and rank:
-        torch.manual_seed(ckpt["config"]["train"]["seed"] + 1000 * ckpt["step"] + rank)
+    if len(rngs) != at.world and at.rank:
+        torch.manual_seed(ckpt["config"]["train"]["seed"] + 1000 * ckpt["step"] + at.rank)
     return Progress(ckpt["step"], ckpt["tokens"], ckpt["best_val_loss"], ckpt["elapsed"])
 
 

@@ -1,8 +1,6 @@
 """The run's settings: defaults < a resumed run's config.toml < a TOML file < the command line.
-
-  sections  a dataclass each, beside the code it configures (model/config.py, data/cache.py)
-  paths     absolute against where they are written: a config file's folder (the repository
-            for one inside it), the working directory, the repository
+A path is made absolute against where it is written: a config file's folder (the repository
+for one inside it), the working directory, the repository.
 """
 import dataclasses
 import difflib

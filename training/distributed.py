@@ -4,7 +4,6 @@ loads this module.
 DDP (the default): every process holds the whole model; backward averages the gradients.
 FSDP (train.fsdp): each holds 1/world of every parameter, gradient and optimizer state, and
 gathers a block's parameters just before it runs: the same maths in a fraction of the memory.
-nccl between GPUs, gloo between CPU processes.
 """
 import atexit
 import gc

@@ -4,7 +4,6 @@ train_step (on one CUDA GPU, a CUDA graph), logs, evaluations, checkpoints and s
   exact resume  weights, optimizer, schedule, data order and generators go on where the
                 checkpoint left them (on a CPU: with as many threads)
   non-finite    a non-finite loss or gradient norm stops the run; no checkpoint follows it
-  true speed    ms/step is timed once a log line has read the loss: the device is done
   signals       SIGINT or SIGTERM: the step finishes (under torchrun: the steps to the next
                 log line), a checkpoint is saved, the run exits 128 + the signal
 """
@@ -58,7 +57,6 @@ class Place:
 
 
 def launched() -> bool:
-    """Whether torchrun started several processes."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
@@ -316,7 +314,6 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
 
 
 def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
-    """Whether the next backward averages the gradients over the ranks."""
     if hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(sync)
     else:
@@ -383,7 +380,6 @@ def compile_trial(compiled, loader, at: Place) -> None:
 
 
 def check_finite(values: dict, since: int, step: int, saved: int | None) -> None:
-    """A UserError naming the steps between which a value became non-finite."""
     for name, value in values.items():
         if not math.isfinite(value):
             kept = (f"the checkpoint of step {saved} is kept" if saved is not None
