@@ -273,7 +273,6 @@ def bench_threads(config: str, overrides: list[str], steps: int) -> int:
 
 def main(argv: list[str]) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # each a common.ArgumentParser: one-line errors
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="the trainer's step against plain PyTorch's")
     t.add_argument("config")

@@ -66,7 +66,6 @@ class LoadedModel:
     model: GPT
     tokenizer: object
     path: Path | str
-    # one line: where it came from, its step and val loss
     description: str
 
 

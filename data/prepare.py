@@ -262,7 +262,7 @@ def encode(text, tok, tmp: Path, workers: int) -> dict:
     # fork is safe on Linux (macOS's system libraries are not made for it; Windows has none)
     fork = workers > 1 and sys.platform == "linux"
     results = in_order(encode_batch, text, workers, worker_pool if fork else ThreadPoolExecutor)
-    # closing: a stop shuts the pool down here, not in Python's exit, which races its threads
+    # a stop shuts the pool down here, not in Python's exit (where its threads race)
     with open(tmp / "train.bin", "wb") as train, open(tmp / "val.bin", "wb") as val, \
             closing(results):
         try:
