@@ -81,8 +81,10 @@ def test_import_gives_transformers_logits(tmp_path, overrides):
 
 @needs_transformers
 @pytest.mark.parametrize("overrides", [{}, {"mlp": "gelu_tanh"}, {"mlp": "relu2"}, {"bias": False},
-                                       {"tie_embeddings": False}, {"attn_scale": False}],
-                         ids=["default", "gelu_tanh", "relu2", "no-bias", "untied", "unscaled"])
+                                       {"tie_embeddings": False}, {"attn_scale": False},
+                                       {"attention": "naive"}],
+                         ids=["default", "gelu_tanh", "relu2", "no-bias", "untied", "unscaled",
+                              "naive"])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, overrides):
     from transformers import GPT2LMHeadModel
     ours = our_model(**overrides)

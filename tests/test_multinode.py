@@ -129,6 +129,24 @@ def test_two_nodes_train_as_one_process_and_a_lost_node_ends_the_other_in_one_li
         assert two == pytest.approx(records(tmp_path / "one", kind, key), abs=1e-5), kind
 
 
+def test_a_two_node_run_ends_on_both_nodes_and_only_rank_0_wrote_the_run(tmp_path, text_file):
+    """To its last step: both launchers exit 0; node 0's folder holds the run, node 1's only the
+    data it prepared."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    nodes, _ = start_nodes(settings(Path("."), text_file), folders, tmp_path)
+    try:
+        for proc in nodes:
+            proc.wait(timeout=180)
+    finally:
+        end(nodes)
+    logs = [(tmp_path / f"node{n}.err").read_text() for n in (0, 1)]
+    assert [p.returncode for p in nodes] == [0, 0], logs
+    assert sorted(os.listdir(folders[0] / "out")) == ["best.pt", "ckpt_0000004.pt",
+                                                      "ckpt_0000006.pt", "config.toml",
+                                                      "metrics.jsonl"]
+    assert os.listdir(folders[1]) == ["prepared"], "rank 1 wrote outside its prepared data"
+
+
 def test_ctrl_c_under_torchrun_says_the_stop_once_with_the_torchrun_command(tmp_path, text_file):
     """Ctrl-C reaches torchrun alone (each worker is in a session of its own), which passes it to
     its workers: the notice once, and the stop line once, naming the command as torchrun started
