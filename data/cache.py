@@ -63,11 +63,13 @@ def find_sources(source) -> list[Path]:
     pattern = os.path.join(glob.escape(str(source)), "**", "*") if source.is_dir() else str(source)
     # not a pipe or a device: reading it could block, or never end
     files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-    if not files:
-        raise UserError(f"no files in the data directory {source}" if source.is_dir() else
-                        f"no files match {source}" if glob.has_magic(pattern) else
-                        f"data file not found: {source}")
-    return files
+    if files:
+        return files
+    if source.is_dir():
+        raise UserError(f"no files in the data directory {source}")
+    if glob.has_magic(pattern):
+        raise UserError(f"no files match {source}")
+    raise UserError(f"data file not found: {source}")
 
 
 def kind_suffix(name: str) -> str:

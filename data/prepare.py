@@ -83,12 +83,11 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
     try:
         try:
             encoded = encode(text("encoding", split_at), tok, tmp, workers)
-        finally:
-            # the hash names the entry: a text that changed meanwhile is refused as such
-            for path, was, now in zip(files, stamp, stamps(files)):
-                if was != now:
-                    raise UserError(f"{path} changed while it was prepared: "
-                                    f"try again once it no longer changes")
+        except UserError:
+            # what a change can cause (a character cut short) is said as the change
+            check_unchanged(files, stamp)
+            raise
+        check_unchanged(files, stamp)
         # before publishing: a refused text leaves nothing
         check_split_sizes(encoded["tokens"], block_size)
         own = {"val_path": str(Path(data.val_path).absolute())}
@@ -115,6 +114,14 @@ def build(out: Path, sources: tuple, sha: str, data: DataConfig, block_size) -> 
 def stamps(files: list[Path]) -> list[tuple[int, int]]:
     """Each file's (size, mtime): a text that changed shows."""
     return [(p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def check_unchanged(files: list[Path], stamp: list) -> None:
+    """The hash names the entry: a text that changed since `stamp` is refused as such."""
+    for path, was, now in zip(files, stamp, stamps(files)):
+        if was != now:
+            raise UserError(f"{path} changed while it was prepared: "
+                            f"try again once it no longer changes")
 
 
 # A build's folder: .<entry>.tmp-<host>.<pid namespace>-<pid>-<random>, where the pid is one
@@ -191,7 +198,10 @@ def batches(documents, split_at: int, bpe: bool):
                 buffer = "".join(held)
                 # no safe cut: where the document starts, or (a whole piece) anyway
                 cut = LAST_SAFE_CUT.match(buffer) if bpe else None
-                end = cut.end() if cut else 0 if done else len(buffer)
+                if cut:
+                    end = cut.end()
+                else:
+                    end = 0 if done else len(buffer)
                 yield split, done + [buffer[:end]]
                 done, held, size = [], [buffer[end:]], len(buffer) - end
     yield split, done + ["".join(held)]

@@ -27,8 +27,10 @@ def causal_linear_attention(q, k, v, state, chunk: int):
     """Σ_{j≤i} (q_i·k_j) v_j for every i, chunk by chunk. q, k (B, nh, T, dk),
     v (B, nh, T, dv), state (B, nh, dk, dv) or None -> out (B, nh, T, dv), the new state."""
     B, nh, T, dk = q.shape
-    # one decoded token is a chunk of one
-    chunk = min(chunk, T)
+    if T == 1 and state is not None:
+        # one decoded token, as an RNN: S += k vᵀ, out = q S
+        state = state + k.transpose(-2, -1) @ v
+        return q @ state, state
     n = math.ceil(T / chunk)
     # zero keys and values at the end add nothing
     pad = n * chunk - T
