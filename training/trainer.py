@@ -314,6 +314,7 @@ def train_step(wrapped, optimizer, scaler, low_precision, grad_clip: float, ddp,
 
 
 def sync_gradients(module: torch.nn.Module, sync: bool) -> None:
+    # FSDP's setter; DDP has none, only its attribute
     if hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(sync)
     else:
