@@ -135,8 +135,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
                       dtype if decoding.use_cache else None)
     if decoding.use_cache and decoding.speed_up:
         decoder.run = decoding.speed_up(decoder.run, decoder)
-    # filled: positions cached; i: tokens yielded
-    tokens, filled, i = idx, 0, 0
+    # filled: positions cached; i: tokens yielded; checked: tokens whose flags were read
+    tokens, filled, i, checked = idx, 0, 0, 0
     while i < max_new_tokens:
         if decoder.cache is None or filled in (0, block):
             keep = min(tokens.size(1), block if filled == 0 else max(1, block // 2))
@@ -152,10 +152,13 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int,
         # tokens' copies: a CUDA graph's replay overwrites the new ids it returned before
         for column in tokens[:, -n:].split(1, dim=1):
             i += 1
-            if (i % check_every == 0 or i == max_new_tokens) and not finite[:i].all():
-                first = int((~finite).nonzero()[0, 0]) + 1
-                raise UserError(f"the model's logits are not finite at new token {first}: "
-                                "its weights are damaged or the model diverged")
+            if i % check_every == 0 or i == max_new_tokens:
+                # only the flags since the last read: a long sample stays linear
+                if not (window := finite[checked:i]).all():
+                    first = checked + int((~window).nonzero()[0, 0]) + 1
+                    raise UserError(f"the model's logits are not finite at new token {first}: "
+                                    "its weights are damaged or the model diverged")
+                checked = i
             yield column
 
 
