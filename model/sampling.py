@@ -83,6 +83,7 @@ class Decoder:
 
     def __init__(self, model: GPT, batch: int, vocab: int, sampling: tuple, dtype):
         device = next(model.parameters()).device
+        self.model = model
         self.choice, self.generator = sampling
         # run lengths, longest first: 1 streams each token once chosen (speed/decoding.py's
         # CUDA graphs replay longer runs)
@@ -104,7 +105,7 @@ class Decoder:
         self.draw()
         if self.cache is not None:
             self.cache.reset()
-        next_id, ok = step(self.args[0], self.cache, idx, None, self.noise, self.choice)
+        next_id, ok = step(self.model, self.cache, idx, None, self.noise, self.choice)
         self.last.copy_(next_id)
         self.pos.fill_(idx.size(1))
         return next_id, ok

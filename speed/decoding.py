@@ -38,7 +38,7 @@ def compiled(run, decoder):
         return run
     from speed.cuda_graph import record
     graphs = {}
-    sizes = run_lengths(decoder.args[0].cfg.block_size)
+    sizes = run_lengths(decoder.model.cfg.block_size)
     # the warm-up's draws are undone: a seed gives the eager code's tokens
     with torch.random.fork_rng(devices=[decoder.pos.device]):
         state = generator and generator.get_state()

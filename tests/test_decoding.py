@@ -28,7 +28,7 @@ def decode(model, choice, n, device="cpu", **decoding):
 
 def in_runs(run, decoder):
     """The eager step in speed/decoding.py's runs (those of its CUDA graphs)."""
-    decoder.sizes = run_lengths(decoder.args[0].cfg.block_size)
+    decoder.sizes = run_lengths(decoder.model.cfg.block_size)
     return run
 
 
