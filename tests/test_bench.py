@@ -24,9 +24,9 @@ PEAK = 1e9   # the matmul peak the train tests divide by (measuring it takes sec
 
 @pytest.fixture
 def temp(tmp_path, monkeypatch):
-    """A folder of the test's own where bench.py makes its temporary directories, to see what it
-    leaves there. The process's own temporary folder stays as it was: torch finds its compile
-    caches there, which a test that compiles later would otherwise lose."""
+    """A folder of the test's own for bench.py's temporary directories, to see what it leaves.
+    Only bench's: torch keeps its compile caches in the process's temporary folder, which the
+    tests that compile share."""
     made_in = functools.partial(tempfile.TemporaryDirectory, dir=mkdir(tmp_path / "temp"))
     monkeypatch.setattr(bench, "tempfile", types.SimpleNamespace(TemporaryDirectory=made_in))
     return tmp_path / "temp"

@@ -234,6 +234,11 @@ def preparing(tmp_path, *args) -> tuple[subprocess.Popen, Path, Path]:
     return proc, text, prepared
 
 
+def assert_nothing_left(prepared: Path, text: Path) -> None:
+    assert not list(prepared.glob(".*")), "a temporary folder was left behind"
+    assert wait_for(lambda: not processes_of(text), 10), "a worker outlived the command"
+
+
 GPT2_ON_2 = ("--tokenizer", "gpt2", "--workers", "2")
 
 
@@ -257,8 +262,7 @@ def test_a_stopped_preparation_leaves_no_temporary_folder(tmp_path, stop, code, 
     if proc.returncode == 0:
         pytest.skip("the preparation ended before the signal came")
     assert (proc.returncode, err) == (code, line + "\n")
-    assert not list(prepared.glob(".*")), "a temporary folder was left behind"
-    assert wait_for(lambda: not processes_of(text), 10), "a worker outlived the command"
+    assert_nothing_left(prepared, text)
 
 
 @posix_signals
@@ -277,8 +281,7 @@ def test_a_worker_that_dies_ends_the_preparation_in_one_line(tmp_path):
     assert (proc.returncode, err.splitlines()[-1]) == (
         2, "error: an encoding worker process died (out of memory?): --data.workers=1 encodes "
            "in this one")
-    assert not list(prepared.glob(".*")), "a temporary folder was left behind"
-    assert wait_for(lambda: not processes_of(text), 10), "a worker outlived the command"
+    assert_nothing_left(prepared, text)
 
 
 @posix_signals
